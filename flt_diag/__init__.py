@@ -1,0 +1,1 @@
+"""flt-diag: diagnose looped-transformer training instability."""

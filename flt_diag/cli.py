@@ -1,0 +1,477 @@
+"""The `flt-diag` command line.
+
+List options take space-separated values (`--loops 3 6 9 12`), repeated options
+(`--loops 3 --loops 6`) or commas (`--loops 3,6`). Errors a user can cause print one line
+(`error: ...`) and exit with status 2; nothing already written is touched.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+try:  # typer >= 0.20 vendors click; older releases use the click package
+    from typer._click import exceptions as click_exc
+except ImportError:  # pragma: no cover
+    from click import exceptions as click_exc
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Train looped-transformer variants, record why they collapse, and plot it.")
+plot_app = typer.Typer(no_args_is_help=True, help="Figures from run or sweep folders (PNG and PDF).")
+app.add_typer(plot_app, name="plot")
+
+LIST_OPTIONS = {"--loops", "--variants", "--seeds", "--lr-scale", "--steps-at"}
+NUMBER = re.compile(r"^-?\d+(\.\d*)?([eE][-+]?\d+)?$")
+
+
+class UserError(Exception):
+    """A mistake in the user's input: reported as one line."""
+
+
+def expand_list_options(argv: list[str]) -> list[str]:
+    """`--loops 3 6 9` -> `--loops 3 --loops 6 --loops 9` (also splits `--loops 3,6`)."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, inline = arg.partition("=")
+        if name in LIST_OPTIONS:
+            values = [inline] if eq else []
+            i += 1
+            while not eq and i < len(argv) and (not argv[i].startswith("-") or NUMBER.match(argv[i])):
+                values.append(argv[i])
+                i += 1
+            if not values:
+                out.append(name)  # let click report the missing value
+            for v in values:
+                for part in v.split(","):
+                    out += [name, part]
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
+# ------------------------------------------------------------------ shared options
+
+def _variant_names() -> list[str]:
+    from .model import VARIANTS
+    return list(VARIANTS)
+
+
+def _check_variants(variants: list[str]) -> list[str]:
+    known = _variant_names()
+    for v in variants:
+        if v not in known:
+            raise UserError(f"unknown variant {v!r}; choose from {', '.join(known)}")
+    return variants
+
+
+def _check_loops(loops: list[int]) -> list[int]:
+    for k in loops:
+        if k < 1:
+            raise UserError(f"loops must be >= 1, got {k}")
+    return loops
+
+
+class LossOn(str, Enum):
+    end = "end"
+    all = "all"
+    last_third = "last-third"
+
+
+class Optimizer(str, Enum):
+    muon = "muon"
+    adamw = "adamw"
+
+
+PresetOpt = typer.Option("auto", "--preset", help="tiny (CPU, minutes), small (one GPU), paper-small, "
+                                                  "paper-base, or auto (tiny on CPU, small on GPU).")
+StepsOpt = typer.Option(None, "--steps", min=1, help="Optimizer steps [default: 2000].")
+
+
+def _build(preset: str, *, variant: str, loops: int, steps: Optional[int], seed: int = 0, lr_scale: float = 1.0,
+           optimizer=None, loss_on=None, batch_size=None, grad_accum=None, seq_len=None, depth=None,
+           width=None, heads=None, data=None, tokenizer=None, max_tokens=None, device="auto", compile=None,
+           checkpoint_loops=False, threads=None, diagnostics=True, attention_stats=False, dense_steps=None,
+           record_every=None, tensorboard=False, wandb=None, eval_every=None, checkpoint_every=None):
+    import torch
+    from .config import build_config
+
+    cuda = device != "cpu" and torch.cuda.is_available()
+    model = dict(variant=variant, loops=loops, sequence_len=seq_len, n_head=heads)
+    if depth is not None:
+        from .config import PRESETS, resolve_preset
+        p = PRESETS[resolve_preset(preset, cuda)]["model"]
+        aspect = p["n_embd"] // p["n_layer"]
+        model.update(n_layer=depth, n_embd=width or aspect * depth,
+                     n_head=heads or max(1, (width or aspect * depth) // (p["n_embd"] // p["n_head"])))
+    elif width is not None:
+        model.update(n_embd=width)
+    train = dict(steps=steps if steps is not None else 2000, seed=seed, lr_scale=lr_scale,
+                 optimizer=optimizer.value if optimizer else None, loss_on=loss_on.value if loss_on else None,
+                 batch_size=batch_size, grad_accum=grad_accum, data=data, tokenizer=tokenizer,
+                 max_tokens=max_tokens, device=device, compile=compile, checkpoint_loops=checkpoint_loops,
+                 threads=threads, eval_every=eval_every, checkpoint_every=checkpoint_every)
+    diag = dict(enabled=diagnostics, attention=attention_stats, dense_steps=dense_steps, every=record_every,
+                tensorboard=tensorboard, wandb=wandb)
+    try:
+        cfg = build_config(preset, cuda, model=model, train=train, diagnostics=diag)
+    except (TypeError, ValueError) as e:
+        raise UserError(str(e)) from None
+    _check_data(cfg.train.data, cfg.train.tokenizer)
+    return cfg
+
+
+def _check_data(data: str, tokenizer: str) -> None:
+    from .data import HUB_CORPORA, DataError, resolve_corpus
+    try:
+        resolve_corpus(data)
+    except DataError as e:
+        raise UserError(str(e)) from None
+    if tokenizer != "bytes" and not Path(tokenizer).exists() and "/" not in tokenizer and tokenizer.endswith(".json"):
+        raise UserError(f"tokenizer file {tokenizer} does not exist")
+
+
+# ------------------------------------------------------------------ train
+
+@app.command()
+def train(
+    variant: str = typer.Option("flt", "--variant", help="lt, lt-ii, lt-ai, fla or flt (DESIGN.md §2)."),
+    loops: int = typer.Option(12, "--loops", help="Loops K: how often the L blocks are reused."),
+    preset: str = PresetOpt,
+    steps: Optional[int] = StepsOpt,
+    out: Optional[Path] = typer.Option(None, "--out", help="Run folder [default: runs/<variant>-K<loops>]. "
+                                       "An unfinished run in it is resumed."),
+    seed: int = typer.Option(0, "--seed", help="Seed of initialisation and batches."),
+    lr_scale: float = typer.Option(1.0, "--lr-scale", help="Multiplies every learning rate."),
+    optimizer: Optional[Optimizer] = typer.Option(None, "--optimizer", help="muon (reference recipe) or adamw."),
+    loss_on: Optional[LossOn] = typer.Option(None, "--loss-on", help="Loss on the final loop (end), the mean "
+                                             "over all loops (all) or over the last third."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", min=1, help="Sequences per micro-batch."),
+    grad_accum: Optional[int] = typer.Option(None, "--grad-accum", min=1, help="Micro-batches per step."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=2, help="Tokens per sequence."),
+    depth: Optional[int] = typer.Option(None, "--depth", min=1, help="Size dial: L blocks; width follows the "
+                                        "preset's aspect ratio unless --width is given."),
+    width: Optional[int] = typer.Option(None, "--width", min=2, help="Model width d."),
+    heads: Optional[int] = typer.Option(None, "--heads", min=1, help="Attention heads."),
+    data: Optional[str] = typer.Option(None, "--data", help="stdlib (offline default), fineweb-edu, wikitext2, "
+                                       "or a .txt/.jsonl/.parquet file or folder."),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="bytes, a Hugging Face tokenizer name, "
+                                            "or a tokenizer.json path."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=2, help="Cap on training tokens read."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
+    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile the blocks "
+                                           "[default: on CUDA only]."),
+    checkpoint_loops: bool = typer.Option(False, "--checkpoint-loops", help="Activation checkpointing per loop "
+                                          "(memory flat in K)."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="CPU threads."),
+    no_diagnostics: bool = typer.Option(False, "--no-diagnostics", help="Record only loss, lr, grad norm."),
+    attention_stats: bool = typer.Option(False, "--attention-stats", help="Also record max attention logit "
+                                         "and attention entropy per (loop, layer)."),
+    dense_steps: Optional[int] = typer.Option(None, "--dense-steps", min=0, help="Record every step up to here "
+                                              "[default: 2000] ..."),
+    record_every: Optional[int] = typer.Option(None, "--record-every", min=1, help="... then every N steps "
+                                               "[default: 10]."),
+    eval_every: Optional[int] = typer.Option(None, "--eval-every", min=0, help="Steps between validation "
+                                             "losses [default: 250]."),
+    checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", min=0, help="Steps between "
+                                                   "resume checkpoints [default: 500]."),
+    tensorboard: bool = typer.Option(False, "--tensorboard", help="Also log to <run>/tensorboard."),
+    wandb: Optional[str] = typer.Option(None, "--wandb", help="Also log to this W&B project."),
+):
+    """Train one variant into one run folder, with diagnostics, and print its verdict."""
+    _check_variants([variant])
+    _check_loops([loops])
+    cfg = _build(preset, variant=variant, loops=loops, steps=steps, seed=seed, lr_scale=lr_scale,
+                 optimizer=optimizer, loss_on=loss_on, batch_size=batch_size, grad_accum=grad_accum,
+                 seq_len=seq_len, depth=depth, width=width, heads=heads, data=data, tokenizer=tokenizer,
+                 max_tokens=max_tokens, device=device, compile=compile, checkpoint_loops=checkpoint_loops,
+                 threads=threads, diagnostics=not no_diagnostics, attention_stats=attention_stats,
+                 dense_steps=dense_steps, record_every=record_every, tensorboard=tensorboard, wandb=wandb,
+                 eval_every=eval_every, checkpoint_every=checkpoint_every)
+    out = out or Path("runs") / f"{variant}-K{loops}"
+    from .train import Trainer
+
+    trainer = Trainer(cfg, out, progress=_console_progress(cfg.train.steps, f"{variant} K={loops}"))
+    summary = trainer.fit()
+    _progress_bar.close()
+    _print_run_summary(out, summary)
+
+
+class _ConsoleProgress:
+    def __init__(self):
+        self.bar = None
+
+    def __call__(self, info: dict) -> None:
+        if self.bar is None:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                                TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TextColumn("ETA"),
+                                TimeRemainingColumn())
+            self.task = self.bar.add_task(self.label, total=self.total, loss="-")
+            self.bar.start()
+        self.bar.update(self.task, completed=info["step"], loss=f"{info['loss']:.3f}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+
+_progress_bar = _ConsoleProgress()
+
+
+def _console_progress(total: int, label: str) -> _ConsoleProgress:
+    _progress_bar.total, _progress_bar.label = total, label
+    return _progress_bar
+
+
+def _print_run_summary(out: Path, s: dict) -> None:
+    ev = s.get("evidence", {})
+    print(f"{out}: {s['verdict']} ({ev.get('reason', '')}); final loss {s['final_loss']:.3f}, best "
+          f"{s['best_loss']:.3f}, val {s['val_loss']:.3f}; peak final-loop residual norm {s['peak_resid_norm']:.1f}"
+          f"{' (EXPLODED)' if s['residual_explosion'] else ''}; grad-norm CV {s['osc_cv']:.2f}")
+
+
+# ------------------------------------------------------------------ sweeps
+
+@app.command("run-ablation")
+def run_ablation(
+    loops: List[int] = typer.Option([3, 6, 9, 12], "--loops", help="Loop counts, space-separated."),
+    variants: List[str] = typer.Option(None, "--variants", help="Variants [default: all five]."),
+    seeds: List[int] = typer.Option([0], "--seeds", help="Seeds."),
+    lr_scale: List[float] = typer.Option([1.0], "--lr-scale", help="Learning-rate multipliers (an lr x loops map)."),
+    preset: str = PresetOpt,
+    steps: Optional[int] = StepsOpt,
+    out: Optional[Path] = typer.Option(None, "--out", help="Sweep folder [default: runs/ablation-<preset>]."),
+    workers: int = typer.Option(1, "--workers", min=1, help="Cells in parallel processes (CPU threads are "
+                                "split among them; on several GPUs, one cell per GPU)."),
+    list_cells: bool = typer.Option(False, "--list", help="Print the cells (index, name, status) and exit."),
+    cell: Optional[int] = typer.Option(None, "--cell", help="Run only cell I (for job arrays)."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", min=1, help="Sequences per micro-batch."),
+    grad_accum: Optional[int] = typer.Option(None, "--grad-accum", min=1, help="Micro-batches per step."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=2, help="Tokens per sequence."),
+    depth: Optional[int] = typer.Option(None, "--depth", min=1, help="Size dial: L blocks."),
+    width: Optional[int] = typer.Option(None, "--width", min=2, help="Model width d."),
+    heads: Optional[int] = typer.Option(None, "--heads", min=1, help="Attention heads."),
+    data: Optional[str] = typer.Option(None, "--data", help="Corpus (see `train --help`)."),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Tokenizer (see `train --help`)."),
+    optimizer: Optional[Optimizer] = typer.Option(None, "--optimizer", help="muon or adamw."),
+    loss_on: Optional[LossOn] = typer.Option(None, "--loss-on", help="end, all or last-third."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda."),
+    checkpoint_loops: bool = typer.Option(False, "--checkpoint-loops", help="Activation checkpointing per loop."),
+    no_diagnostics: bool = typer.Option(False, "--no-diagnostics", help="Record only loss, lr, grad norm."),
+    attention_stats: bool = typer.Option(False, "--attention-stats", help="Also record attention statistics."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+):
+    """Train every variant at every loop count (x seeds x lr scales) and summarise how they collapse."""
+    variants = _check_variants(variants or _variant_names())
+    _check_loops(loops)
+    for s in lr_scale:
+        if s <= 0:
+            raise UserError(f"lr scale must be > 0, got {s}")
+    from .sweep import SweepSpec, cell_status, run_sweep
+
+    base = _build(preset, variant=variants[0], loops=loops[0], steps=steps, batch_size=batch_size,
+                  grad_accum=grad_accum, seq_len=seq_len, depth=depth, width=width, heads=heads, data=data,
+                  tokenizer=tokenizer, optimizer=optimizer, loss_on=loss_on, device=device,
+                  checkpoint_loops=checkpoint_loops, diagnostics=not no_diagnostics, attention_stats=attention_stats)
+    try:
+        spec = SweepSpec(base, variants, loops, seeds, lr_scale)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    out = out or Path("runs") / f"ablation-{base.preset}"
+    if list_cells:
+        for c in spec.cells():
+            print(f"{c.index:4d}  {c.name:32s} {cell_status(out, c)}")
+        return
+    if cell is not None and not 0 <= cell < len(spec.cells()):
+        raise UserError(f"--cell must be in 0..{len(spec.cells()) - 1}, got {cell}")
+    df = run_sweep(spec, out, workers=workers, only_cell=cell, show_progress=not quiet)
+    _print_table(df)
+    print(f"sweep folder: {out}  (plots: flt-diag plot all {out}; report: flt-diag report {out})")
+
+
+@app.command()
+def summary(path: Path = typer.Argument(..., help="A sweep or run folder.")):
+    """Print the summary table of a sweep (or the summary of one run)."""
+    from .storage import is_sweep, load_summary, run_dirs
+    if is_sweep(path):
+        from .sweep import sweep_summary
+        _print_table(sweep_summary(path))
+        return
+    for d in run_dirs(path):
+        s = load_summary(d)
+        if s is None:
+            print(f"{d}: not finished")
+        else:
+            _print_run_summary(d, s)
+
+
+def _print_table(df) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    cols = ["variant", "loops", "seed", "lr_scale", "verdict", "residual_explosion", "final_loss", "best_loss",
+            "val_loss", "peak_resid_norm", "osc_cv", "osc_sign_alternation", "wall_time"]
+    table = Table(title="sweep summary")
+    for c in cols:
+        table.add_column(c.replace("_", " "))
+    for _, row in df.iterrows():
+        cells = []
+        for c in cols:
+            v = row[c]
+            cells.append(f"{v:.3g}" if isinstance(v, float) else str(v))
+        table.add_row(*cells)
+    Console(width=200).print(table)
+
+
+# ------------------------------------------------------------------ evaluation, import
+
+@app.command("eval-loops")
+def eval_loops_cmd(
+    path: Path = typer.Argument(..., help="A finished run folder or a sweep folder."),
+    loops: List[int] = typer.Option(list(range(1, 17)), "--loops", help="Inference loop counts [default: 1..16]."),
+    batches: Optional[int] = typer.Option(None, "--batches", min=1, help="Validation batches per count."),
+    data: Optional[str] = typer.Option(None, "--data", help="Evaluate on another corpus (e.g. wikitext2)."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+):
+    """Held-out loss and perplexity of each trained checkpoint at every inference loop count."""
+    _check_loops(loops)
+    from .evaluation import eval_loops
+    from .storage import CHECKPOINT, run_dirs
+    if data is not None:
+        _check_data(data, "bytes")
+    for d in run_dirs(path):
+        if not (d / CHECKPOINT).exists():
+            print(f"{d}: no final checkpoint yet, skipped")
+            continue
+        df = eval_loops(d, loops, batches=batches, data=data, device=device)
+        best = df.loc[df.val_loss.idxmin()]
+        print(f"{d}: trained at K={int(df.trained_loops[0])}; best val loss {best.val_loss:.3f} at "
+              f"{int(best.loops)} loops; " + " ".join(f"{int(k)}:{v:.2f}" for k, v in zip(df.loops, df.val_loss)))
+
+
+@app.command("import-reference")
+def import_reference_cmd(
+    checkpoint: Path = typer.Argument(..., help="State dict (.pt) in the reference (nanochat) layout."),
+    variant: str = typer.Option(..., "--variant", help="LT, LT_i, LT_ia, FLT_res, FLT (or lt, ..., flt)."),
+    loops: int = typer.Option(..., "--loops", help="Loop count the checkpoint was trained with."),
+    out: Path = typer.Option(..., "--out", help="Run folder to create (usable by eval-loops)."),
+    heads: Optional[int] = typer.Option(None, "--heads", min=1, help="Attention heads (if no meta json)."),
+    vocab_size: Optional[int] = typer.Option(None, "--vocab-size", min=1, help="True (unpadded) vocab size."),
+):
+    """Import a reference-implementation checkpoint into a run folder."""
+    _check_loops([loops])
+    if not checkpoint.exists():
+        raise UserError(f"no such checkpoint: {checkpoint}")
+    from .reference import import_reference, write_imported_run
+    model = import_reference(checkpoint, variant, loops, n_head=heads, vocab_size=vocab_size)
+    write_imported_run(model, out, str(checkpoint))
+    print(f"imported {checkpoint} as {model.cfg.variant} (K={loops}) into {out}")
+
+
+@app.command()
+def variants():
+    """List the five variants and what each does in loops t >= 2."""
+    from .model import VARIANT_DESCRIPTIONS
+    for name, text in VARIANT_DESCRIPTIONS.items():
+        print(f"{name:6s} {text}")
+
+
+# ------------------------------------------------------------------ plots and report
+
+def _plot(kind: str, path: Path, out: Optional[Path], formats: List[str]) -> None:
+    from .plotting import plot
+    for f in formats:
+        if f not in ("png", "pdf", "svg"):
+            raise UserError(f"format must be png, pdf or svg, got {f!r}")
+    for p in plot(kind, path, out, tuple(formats)):
+        print(p)
+
+
+PathArg = typer.Argument(..., help="A sweep folder or a run folder (also while it is running).")
+OutOpt = typer.Option(None, "--out", help="Folder for the figures [default: <path>/figures].")
+FormatOpt = typer.Option(["png", "pdf"], "--format", help="png, pdf, svg (repeatable).")
+
+
+@plot_app.command("residuals")
+def plot_residuals(path: Path = PathArg, out: Optional[Path] = OutOpt, format: List[str] = FormatOpt):
+    """Residual norm per loop against step (one panel per variant x loops), and loop x layer heatmaps."""
+    _plot("residuals", path, out, format)
+    _plot("heatmap", path, out, format)
+
+
+@plot_app.command("gradients")
+def plot_gradients(path: Path = PathArg, out: Optional[Path] = OutOpt, format: List[str] = FormatOpt):
+    """Grad-norm traces with oscillation indices, per-loop gradient norms, consecutive cosine."""
+    _plot("gradients", path, out, format)
+
+
+@plot_app.command("loss")
+def plot_loss(path: Path = PathArg, out: Optional[Path] = OutOpt, format: List[str] = FormatOpt):
+    """Training loss (smoothed) and validation loss."""
+    _plot("loss", path, out, format)
+
+
+@plot_app.command("collapse")
+def plot_collapse(path: Path = PathArg, out: Optional[Path] = OutOpt, format: List[str] = FormatOpt):
+    """Variant x loops grid coloured by verdict, annotated with final loss."""
+    _plot("collapse", path, out, format)
+
+
+@plot_app.command("loops")
+def plot_loops(path: Path = PathArg, out: Optional[Path] = OutOpt, format: List[str] = FormatOpt):
+    """Test-time loop curves (run `flt-diag eval-loops` first)."""
+    _plot("loops", path, out, format)
+
+
+@plot_app.command("all")
+def plot_all(path: Path = PathArg, out: Optional[Path] = OutOpt, format: List[str] = FormatOpt):
+    """Every figure that has data."""
+    _plot("all", path, out, format)
+
+
+@app.command()
+def report(path: Path = typer.Argument(..., help="A sweep folder."),
+           out: Optional[Path] = typer.Option(None, "--out", help="HTML file [default: <sweep>/report.html].")):
+    """One self-contained HTML report: table, every figure, spec and environment."""
+    from .report import write_report
+    print(write_report(path, out))
+
+
+# ------------------------------------------------------------------ entry point
+
+def main(argv: list[str] | None = None) -> int:
+    from .data import DataError
+    from .storage import StorageError
+
+    args = expand_list_options(list(sys.argv[1:] if argv is None else argv))
+    try:
+        app(args=args, prog_name="flt-diag", standalone_mode=False)
+    except click_exc.NoArgsIsHelpError as e:
+        print(e.ctx.get_help() if e.ctx else "", file=sys.stderr)
+        return 2
+    except click_exc.ClickException as e:
+        print(f"error: {e.format_message()}", file=sys.stderr)
+        return 2
+    except (typer.Abort, KeyboardInterrupt):
+        print("interrupted; finished work is kept (re-run the same command to resume)", file=sys.stderr)
+        return 130
+    except typer.Exit as e:
+        return e.exit_code
+    except (UserError, StorageError, DataError, ValueError, FileNotFoundError, PermissionError) as e:
+        if os.environ.get("FLT_DIAG_DEBUG"):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

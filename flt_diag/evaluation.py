@@ -1,0 +1,61 @@
+"""Held-out loss, and test-time loop evaluation of trained checkpoints."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from .data import TokenData, batch_generator, get_batch
+
+VAL_SEED = 1234567  # validation batches are the same for every run and every evaluation
+
+
+@torch.no_grad()
+def evaluate(model, data: TokenData, batch_size: int, seq_len: int, batches: int,
+             device: str | torch.device = "cpu", loops: int | None = None) -> float:
+    """Mean cross-entropy (nats/token) of the final loop over `batches` fixed validation batches."""
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for i in range(batches):
+        x, y = get_batch(data, batch_size, seq_len, batch_generator(VAL_SEED, i), device)
+        logits = model(x, loops=loops)
+        total += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()).item()
+    model.train(was_training)
+    return total / batches
+
+
+def eval_loops(run_dir: Path, loops: list[int], batches: int | None = None, data: str | None = None,
+               device: str = "cpu") -> pd.DataFrame:
+    """Validation loss and perplexity of a run's final checkpoint at each inference loop count.
+
+    Writes <run>/eval_loops.csv (columns: loops, trained_loops, val_loss, perplexity, data, batches)."""
+    from .storage import CHECKPOINT, EVAL_LOOPS, StorageError, load_config
+    from .data import load_tokens
+    from .model import LoopedTransformer, ModelConfig
+
+    run_dir = Path(run_dir)
+    ckpt_path = run_dir / CHECKPOINT
+    if not ckpt_path.exists():
+        raise StorageError(f"{run_dir} has no {CHECKPOINT} (has the run finished?)")
+    cfg = load_config(run_dir)
+    ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
+    model = LoopedTransformer(ModelConfig(**ckpt["model_config"])).to(device)
+    model.load_state_dict(ckpt["model"])
+    t = cfg["train"]
+    data = data or t["data"]
+    val = load_tokens(data, t["tokenizer"], "val", t.get("max_tokens"))
+    batches = batches or t["eval_batches"]
+    rows = []
+    for k in loops:
+        loss = evaluate(model, val, t["batch_size"], model.cfg.sequence_len, batches, device, loops=k)
+        rows.append(dict(loops=k, trained_loops=model.cfg.loops, val_loss=loss,
+                         perplexity=math.exp(min(loss, 700)), data=data, batches=batches))
+    df = pd.DataFrame(rows)
+    tmp = run_dir / f".{EVAL_LOOPS}.tmp"
+    df.to_csv(tmp, index=False)
+    tmp.replace(run_dir / EVAL_LOOPS)
+    return df

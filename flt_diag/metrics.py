@@ -1,0 +1,139 @@
+"""Derived metrics and the verdict, computed from stored series only (numpy/pandas, no torch).
+
+Oscillation indices of a gradient-norm series g_1..g_n (one definition each, used everywhere):
+  cv               std(g) / mean(g)                           (population std)
+  mean_abs_dlog    mean_i |log g_{i+1} - log g_i|
+  sign_alternation share of i with (g_{i+1} - g_i) * (g_{i+2} - g_{i+1}) < 0
+  neg_cosine_share share of recorded consecutive-gradient cosines that are < 0
+Each is computed per window of `osc_window` recorded steps and over the whole run. A series
+recorded every N steps gives indices over N-step differences.
+
+Verdict (thresholds in VerdictConfig):
+  diverged   a non-finite training loss
+  collapsed  the smoothed loss (trailing mean over `smooth_window` steps) ends more than
+             max(rebound_abs, rebound_rel * min) above its minimum, or never gets below the
+             unigram entropy of the training data
+  stable     otherwise
+Residual explosion (reported beside the verdict): the peak over steps of the final loop's
+loop-end residual norm exceeds explosion_ratio * sqrt(d) (a normalised stream has norm sqrt(d)).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from . import metric_names as M
+from .storage import series
+
+OSC_INDICES = ("cv", "mean_abs_dlog", "sign_alternation", "neg_cosine_share")
+
+
+def coefficient_of_variation(g) -> float:
+    g = np.asarray(g, dtype=float)
+    return float(g.std() / g.mean()) if len(g) and g.mean() != 0 else math.nan
+
+
+def mean_abs_dlog(g) -> float:
+    g = np.asarray(g, dtype=float)
+    return float(np.abs(np.diff(np.log(g))).mean()) if len(g) > 1 else math.nan
+
+
+def sign_alternation(g) -> float:
+    d = np.diff(np.asarray(g, dtype=float))
+    return float((d[1:] * d[:-1] < 0).mean()) if len(d) > 1 else math.nan
+
+
+def neg_cosine_share(cosines) -> float:
+    c = np.asarray(cosines, dtype=float)
+    return float((c < 0).mean()) if len(c) else math.nan
+
+
+def oscillation_indices(grad_norm: pd.Series, cosine: pd.Series | None = None) -> dict:
+    g = grad_norm[np.isfinite(grad_norm.to_numpy()) & (grad_norm.to_numpy() > 0)]
+    c = cosine.dropna() if cosine is not None else pd.Series(dtype=float)
+    return dict(cv=coefficient_of_variation(g), mean_abs_dlog=mean_abs_dlog(g),
+                sign_alternation=sign_alternation(g), neg_cosine_share=neg_cosine_share(c))
+
+
+def windowed_oscillation(grad_norm: pd.Series, cosine: pd.Series | None, window: int) -> pd.DataFrame:
+    """Oscillation indices per window of steps [start, start + window)."""
+    if grad_norm.empty:
+        return pd.DataFrame(columns=["start", "end", *OSC_INDICES])
+    rows = []
+    last = int(grad_norm.index.max())
+    for start in range(0, last + 1, window):
+        g = grad_norm[(grad_norm.index >= start) & (grad_norm.index < start + window)]
+        c = cosine[(cosine.index >= start) & (cosine.index < start + window)] if cosine is not None else None
+        if len(g):
+            rows.append(dict(start=start, end=start + window - 1, **oscillation_indices(g, c)))
+    return pd.DataFrame(rows)
+
+
+def smoothed(loss: pd.Series, window: int) -> pd.Series:
+    return loss.rolling(window, min_periods=min(window, len(loss))).mean()
+
+
+def verdict(loss: pd.Series, unigram_entropy: float | None, smooth_window: int = 50,
+            rebound_abs: float = 0.25, rebound_rel: float = 0.1) -> tuple[str, dict]:
+    """("diverged" | "collapsed" | "stable", evidence) for a step-indexed loss series."""
+    values = loss.to_numpy(dtype=float)
+    bad = np.flatnonzero(~np.isfinite(values))
+    if len(bad):
+        return "diverged", dict(nonfinite_step=int(loss.index[bad[0]]), reason="non-finite loss")
+    if len(values) == 0:
+        return "diverged", dict(reason="no loss recorded")
+    s = smoothed(loss, smooth_window).dropna()
+    lo, final = float(s.min()), float(s.iloc[-1])
+    threshold = max(rebound_abs, rebound_rel * lo)
+    ev = dict(min_smoothed_loss=lo, min_step=int(s.idxmin()), final_smoothed_loss=final, rebound=final - lo,
+              rebound_threshold=threshold, unigram_entropy=unigram_entropy, smooth_window=smooth_window)
+    if final - lo > threshold:
+        return "collapsed", {**ev, "reason": f"smoothed loss climbed back {final - lo:.3f} above its minimum"}
+    if unigram_entropy is not None and lo >= unigram_entropy:
+        return "collapsed", {**ev, "reason": "loss never got below the unigram entropy of the data"}
+    return "stable", {**ev, "reason": "loss fell and stayed down"}
+
+
+def residual_explosion(df: pd.DataFrame, loops: int, d_model: int, ratio: float) -> dict:
+    """Peak loop-end residual norm of the final loop, and whether it exploded."""
+    final = series(df, M.RESID_NORM_LOOP_END, loop=loops)
+    finite = final[np.isfinite(final.to_numpy())]
+    peak = float(finite.max()) if len(finite) else math.nan
+    all_resid = df[df.metric.isin([M.RESID_NORM, M.RESID_NORM_LOOP_END])].value
+    all_resid = all_resid[np.isfinite(all_resid)]
+    return dict(peak_resid_norm=peak, peak_resid_norm_any=float(all_resid.max()) if len(all_resid) else math.nan,
+                peak_resid_step=int(finite.idxmax()) if len(finite) else None,
+                final_resid_norm=float(finite.iloc[-1]) if len(finite) else math.nan,
+                resid_ratio=peak / math.sqrt(d_model) if len(finite) else math.nan,
+                residual_explosion=bool(len(finite) and peak > ratio * math.sqrt(d_model)),
+                explosion_threshold=ratio * math.sqrt(d_model))
+
+
+def summarize(df: pd.DataFrame, cfg, unigram_entropy: float | None = None, wall_time: float | None = None,
+              stop_reason: str | None = None, tokens_per_step: int | None = None) -> dict:
+    """The run's summary.json: verdict, evidence and key figures, from its metrics table."""
+    v = cfg.verdict
+    loss = series(df, M.LOSS)
+    name, evidence = verdict(loss, unigram_entropy, v.smooth_window, v.rebound_abs, v.rebound_rel)
+    resid = residual_explosion(df, cfg.model.loops, cfg.model.n_embd, v.explosion_ratio)
+    g, cos = series(df, M.GRAD_NORM), series(df, M.GRAD_COSINE)
+    dense = cfg.diagnostics.dense_steps
+    osc = oscillation_indices(g[g.index < dense], cos[cos.index < dense])
+    val = series(df, M.VAL_LOSS).dropna()
+    finite_loss = loss[np.isfinite(loss.to_numpy())]
+    steps_done = int(loss.index.max()) + 1 if len(loss) else 0
+    out = dict(
+        verdict=name, evidence=evidence, residual_explosion=resid.pop("residual_explosion"), **resid,
+        variant=cfg.model.variant, loops=cfg.model.loops, seed=cfg.train.seed, lr_scale=cfg.train.lr_scale,
+        final_loss=float(smoothed(finite_loss, v.smooth_window).iloc[-1]) if len(finite_loss) else math.nan,
+        best_loss=evidence.get("min_smoothed_loss", math.nan),
+        val_loss=float(val.iloc[-1]) if len(val) else math.nan,
+        val_ppl=float(math.exp(min(val.iloc[-1], 700))) if len(val) else math.nan,
+        **{f"osc_{k}": val_ for k, val_ in osc.items()},
+        oscillation_windows=windowed_oscillation(g, cos, v.osc_window).to_dict("records"),
+        steps_done=steps_done, steps=cfg.train.steps, wall_time=wall_time, stop_reason=stop_reason,
+        tokens_per_s=(tokens_per_step * steps_done / wall_time) if wall_time and tokens_per_step else None,
+    )
+    return out

@@ -1,0 +1,189 @@
+"""Run and sweep folders: the only thing plots, reports and analysis scripts read.
+
+A run folder:
+    config.json        resolved configuration, versions, device, seed (written first)
+    metrics/part-*.parquet
+                       long table (step, metric, loop, layer, value), appended in parts while
+                       training; each part is written to a temporary name and renamed, so a crash
+                       or kill -9 leaves only complete parts
+    progress.json      step, loss, steps/s of a run in progress (for progress bars)
+    summary.json       verdict, evidence and key figures; present only once the run finished
+    checkpoint.pt      final weights (+ model config)
+    resume.pt          mid-run state (weights, optimizers, diagnostics), for exact resumption
+    eval_loops.csv     held-out loss per inference loop count (`flt-diag eval-loops`)
+
+A sweep folder holds sweep.json (its spec), one run folder per cell under cells/, and
+summary.csv / summary.parquet.
+
+This module imports no torch: analysis scripts use it without the training code.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pandas as pd
+
+CONFIG, SUMMARY, PROGRESS, METRICS = "config.json", "summary.json", "progress.json", "metrics"
+CHECKPOINT, RESUME, EVAL_LOOPS = "checkpoint.pt", "resume.pt", "eval_loops.csv"
+SWEEP_SPEC, SWEEP_SUMMARY, CELLS = "sweep.json", "summary.csv", "cells"
+COLUMNS = ["step", "metric", "loop", "layer", "value"]
+
+
+class StorageError(ValueError):
+    """A run or sweep folder that cannot be read or written as asked (one line in the CLI)."""
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, obj) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=1, default=_json_default, allow_nan=True))
+
+
+def _json_default(o):
+    if hasattr(o, "item"):
+        return o.item()
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def read_json(path: Path):
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise StorageError(f"missing {path}") from None
+    except json.JSONDecodeError as e:
+        raise StorageError(f"unreadable {path}: {e}") from None
+
+
+# --------------------------------------------------------------------------- writing metrics
+
+class MetricsWriter:
+    """Buffers rows and writes them as numbered Parquet parts (each part complete or absent)."""
+
+    def __init__(self, run_dir: Path):
+        self.dir = Path(run_dir) / METRICS
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.rows: list[tuple] = []
+
+    def add(self, step: int, metric: str, loop: int, layer: int, value: float) -> None:
+        self.rows.append((step, metric, loop, layer, value))
+
+    def extend(self, rows) -> None:
+        self.rows.extend(rows)
+
+    def flush(self) -> None:
+        if not self.rows:
+            return
+        df = _frame(self.rows)
+        first, last = int(df.step.min()), int(df.step.max())
+        name = f"part-{first:09d}-{last:09d}-{len(list(self.dir.glob('part-*.parquet'))):05d}.parquet"
+        tmp = self.dir / f".{name}.tmp"
+        df.to_parquet(tmp, index=False)
+        os.replace(tmp, self.dir / name)
+        self.rows = []
+
+    def truncate_after(self, step: int) -> None:
+        """Drop stored rows with step > `step` (used when resuming from a mid-run checkpoint)."""
+        self.rows = [r for r in self.rows if r[0] <= step]
+        for part in sorted(self.dir.glob("part-*.parquet")):
+            first, last = (int(x) for x in part.stem.split("-")[1:3])
+            if first > step:
+                part.unlink()
+            elif last > step:
+                df = pd.read_parquet(part)
+                tmp = self.dir / f".{part.name}.tmp"
+                df[df.step <= step].to_parquet(tmp, index=False)
+                os.replace(tmp, part)
+
+
+def _frame(rows) -> pd.DataFrame:
+    df = pd.DataFrame(rows, columns=COLUMNS)
+    return df.astype({"step": "int64", "metric": "string", "loop": "int16", "layer": "int16", "value": "float64"})
+
+
+# --------------------------------------------------------------------------- reading
+
+def is_run(path: Path) -> bool:
+    return (Path(path) / CONFIG).exists()
+
+
+def is_sweep(path: Path) -> bool:
+    return (Path(path) / SWEEP_SPEC).exists()
+
+
+def load_config(run_dir: Path) -> dict:
+    return read_json(Path(run_dir) / CONFIG)
+
+
+def load_summary(run_dir: Path) -> dict | None:
+    """The run's summary, or None while it has not finished."""
+    p = Path(run_dir) / SUMMARY
+    return read_json(p) if p.exists() else None
+
+
+def load_progress(run_dir: Path) -> dict | None:
+    p = Path(run_dir) / PROGRESS
+    try:
+        return json.loads(p.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def load_metrics(run_dir: Path, metrics: list[str] | None = None) -> pd.DataFrame:
+    """The long metrics table of a run: columns step, metric, loop, layer, value.
+
+    Works on a run still in progress (it reads the parts written so far). `metrics`
+    keeps only those metric names."""
+    parts = sorted((Path(run_dir) / METRICS).glob("part-*.parquet"))
+    filters = [("metric", "in", list(metrics))] if metrics else None
+    frames = [pd.read_parquet(p, filters=filters) for p in parts]
+    frames = [f for f in frames if len(f)]
+    if not frames:
+        return _frame([])
+    df = pd.concat(frames, ignore_index=True)
+    return df.sort_values(["step", "metric", "loop", "layer"], kind="stable").reset_index(drop=True)
+
+
+def series(df: pd.DataFrame, metric: str, loop: int = -1, layer: int = -1) -> pd.Series:
+    """One metric as a step-indexed series."""
+    sel = df[(df.metric == metric) & (df.loop == loop) & (df.layer == layer)]
+    return pd.Series(sel.value.to_numpy(), index=sel.step.to_numpy(), name=metric)
+
+
+def wide(df: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """One metric as a table: rows = step, columns = (loop, layer)."""
+    sel = df[df.metric == metric]
+    return sel.pivot_table(index="step", columns=["loop", "layer"], values="value", aggfunc="last")
+
+
+def load_eval_loops(run_dir: Path) -> pd.DataFrame | None:
+    p = Path(run_dir) / EVAL_LOOPS
+    return pd.read_csv(p) if p.exists() else None
+
+
+def run_dirs(path: Path) -> list[Path]:
+    """The run folders of a sweep (in cell order), or [path] for a single run folder."""
+    path = Path(path)
+    if not path.exists():
+        raise StorageError(f"no such folder: {path}")
+    if is_sweep(path):
+        spec = read_json(path / SWEEP_SPEC)
+        return [path / CELLS / name for name in spec.get("cell_names", []) if is_run(path / CELLS / name)]
+    if is_run(path):
+        return [path]
+    raise StorageError(f"{path} is neither a run folder (no {CONFIG}) nor a sweep folder (no {SWEEP_SPEC})")
+
+
+def run_label(run_dir: Path) -> dict:
+    """Variant, loops, seed and lr scale of a run, read from its config (never from its name)."""
+    cfg = load_config(run_dir)
+    return {"variant": cfg["model"]["variant"], "loops": cfg["model"]["loops"],
+            "seed": cfg["train"]["seed"], "lr_scale": cfg["train"]["lr_scale"], "run": str(run_dir)}

@@ -1,0 +1,297 @@
+"""Ablation sweeps: every variant x loop count x seed x lr scale, one run folder per cell.
+
+A sweep folder:
+    sweep.json             the spec (base config + the grid) and the ordered cell names
+    cells/<name>/          one run folder per cell (see flt_diag.storage)
+    summary.csv/.parquet   one row per finished cell (rewritten after every cell)
+
+Re-running the same command skips finished cells (they have summary.json) and resumes or
+restarts unfinished ones. Every file is written to a temporary name and renamed, so an
+interrupted sweep never leaves a half-written file. A different spec on an existing folder is
+refused. `--cell I` runs one cell, so a job array can spread a sweep over machines.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+import traceback
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from .config import RunConfig, with_overrides
+from .storage import (CELLS, SWEEP_SPEC, SWEEP_SUMMARY, StorageError, atomic_write_text, is_run, load_config,
+                      load_progress, load_summary, read_json, write_json)
+
+SUMMARY_COLUMNS = ["cell", "variant", "loops", "seed", "lr_scale", "verdict", "residual_explosion", "final_loss",
+                   "best_loss", "val_loss", "val_ppl", "peak_resid_norm", "osc_cv", "osc_mean_abs_dlog",
+                   "osc_sign_alternation", "osc_neg_cosine_share", "steps_done", "wall_time"]
+
+
+@dataclass(frozen=True)
+class Cell:
+    index: int
+    variant: str
+    loops: int
+    seed: int
+    lr_scale: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.variant}_K{self.loops:02d}_seed{self.seed}_lr{self.lr_scale:g}"
+
+
+class SweepSpec:
+    """The grid and the base config every cell starts from."""
+
+    def __init__(self, base: RunConfig, variants: list[str], loops: list[int], seeds: list[int],
+                 lr_scales: list[float]):
+        for name, values in (("variants", variants), ("loops", loops), ("seeds", seeds), ("lr scales", lr_scales)):
+            if not values:
+                raise ValueError(f"the list of {name} is empty")
+            if len(set(values)) != len(values):
+                raise ValueError(f"the list of {name} has duplicates: {values}")
+        self.base, self.variants, self.loops = base, list(variants), list(loops)
+        self.seeds, self.lr_scales = list(seeds), list(lr_scales)
+        for cell in self.cells():  # validates every cell before anything runs
+            self.cell_config(cell)
+
+    def cells(self) -> list[Cell]:
+        grid = [(lr, s, k, v) for lr in self.lr_scales for s in self.seeds for k in self.loops for v in self.variants]
+        return [Cell(i, v, k, s, lr) for i, (lr, s, k, v) in enumerate(grid)]
+
+    def cell_config(self, cell: Cell) -> RunConfig:
+        from .config import validate
+        cfg = with_overrides(self.base, model=dict(variant=cell.variant, loops=cell.loops),
+                             train=dict(seed=cell.seed, lr_scale=cell.lr_scale))
+        validate(cfg)
+        return cfg
+
+    def to_dict(self) -> dict:
+        from .train import comparable
+        return dict(variants=self.variants, loops=self.loops, seeds=self.seeds, lr_scales=self.lr_scales,
+                    base=comparable(self.base.to_dict()), cell_names=[c.name for c in self.cells()])
+
+
+def prepare_folder(spec: SweepSpec, out: Path) -> None:
+    """Create the sweep folder, or check that an existing one holds the same spec."""
+    out = Path(out)
+    new = spec.to_dict()
+    if (out / SWEEP_SPEC).exists():
+        old = read_json(out / SWEEP_SPEC)
+        old = {k: v for k, v in old.items() if k in new}
+        if old != new:
+            keys = [k for k in new if old.get(k) != new[k]]
+            raise StorageError(f"{out} holds a sweep with a different spec (differs in: {', '.join(keys)}); "
+                               "use another --out, or the original options")
+        return
+    if out.exists() and any(out.iterdir()):
+        raise StorageError(f"{out} exists, is not empty and is not a sweep folder; use another --out")
+    try:
+        (out / CELLS).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StorageError(f"cannot create sweep folder {out}: {e.strerror}") from None
+    if not os.access(out, os.W_OK):
+        raise StorageError(f"cannot write to {out}")
+    write_json(out / SWEEP_SPEC, new)
+
+
+def cell_status(out: Path, cell: Cell) -> str:
+    """"done", "partial" (started, not finished), "failed" (raised an error) or "pending"."""
+    d = Path(out) / CELLS / cell.name
+    if (d / "summary.json").exists():
+        return "done"
+    if (d / "error.txt").exists():
+        return "failed"
+    return "partial" if d.exists() else "pending"
+
+
+def run_cell(base: dict, cell: Cell, out: str, threads: int | None = None,
+             device: str | None = None, progress=None) -> str:
+    """Train one cell (in this process). Exceptions are written to the cell's error.txt."""
+    import torch
+    from .train import train
+
+    cfg = RunConfig.from_dict(base)
+    cfg = with_overrides(cfg, model=dict(variant=cell.variant, loops=cell.loops),
+                         train=dict(seed=cell.seed, lr_scale=cell.lr_scale,
+                                    **({"threads": threads} if threads else {}),
+                                    **({"device": device} if device else {})))
+    run_dir = Path(out) / CELLS / cell.name
+    (run_dir / "error.txt").unlink(missing_ok=True)
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        summary = train(cfg, run_dir, progress=progress)
+        return summary.get("verdict", "?")
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(run_dir / "error.txt", traceback.format_exc())
+        return f"error: {type(e).__name__}: {e}"
+
+
+def _worker_init(gpu_queue):
+    if gpu_queue is not None:
+        os.environ["FLT_DIAG_DEVICE"] = f"cuda:{gpu_queue.get()}"
+
+
+def _run_cell_in_worker(base, cell, out, threads):
+    return run_cell(base, cell, out, threads, os.environ.get("FLT_DIAG_DEVICE"))
+
+
+def run_sweep(spec: SweepSpec, out: Path, workers: int = 1, only_cell: int | None = None,
+              show_progress: bool = True) -> pd.DataFrame:
+    """Run the unfinished cells (all, or just `only_cell`) and write the summary table."""
+    out = Path(out)
+    prepare_folder(spec, out)
+    cells = spec.cells()
+    if only_cell is not None:
+        if not 0 <= only_cell < len(cells):
+            raise ValueError(f"--cell must be in 0..{len(cells) - 1}, got {only_cell}")
+        cells = [cells[only_cell]]
+    todo = [c for c in cells if cell_status(out, c) != "done"]
+    base = spec.base.to_dict()
+    monitor = SweepMonitor(out, cells, spec.base.train.steps, show_progress)
+    try:
+        if workers <= 1 or len(todo) <= 1:
+            for cell in todo:
+                monitor.start(cell)
+                result = run_cell(base, cell, str(out), progress=lambda info, c=cell: monitor.update(c, info))
+                monitor.finish(cell, result)
+                write_summary(out)
+        else:
+            _run_parallel(base, todo, out, workers, monitor)
+    finally:
+        monitor.close()
+    return write_summary(out)
+
+
+def _run_parallel(base, todo, out, workers, monitor):
+    import torch
+    n_gpu = torch.cuda.device_count() if base["train"]["device"] in ("auto", "cuda") else 0
+    ctx = mp.get_context("spawn")
+    gpu_queue = None
+    if n_gpu:
+        workers = min(workers, n_gpu)
+        gpu_queue = ctx.Queue()
+        for i in range(workers):
+            gpu_queue.put(i)
+        threads = None
+    else:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=(gpu_queue,)) as pool:
+        pending = {}
+        queue = list(todo)
+        while queue or pending:
+            while queue and len(pending) < workers:
+                cell = queue.pop(0)
+                pending[pool.submit(_run_cell_in_worker, base, cell, str(out), threads)] = cell
+                monitor.start(cell)
+            done, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+            for fut in done:
+                cell = pending.pop(fut)
+                try:
+                    result = fut.result()
+                except Exception as e:  # a worker process died
+                    result = f"error: {type(e).__name__}: {e}"
+                monitor.finish(cell, result)
+                write_summary(out)
+            monitor.poll()
+
+
+class SweepMonitor:
+    """Progress bar: cells done, each running cell's step and loss, ETA (work weighted by loops)."""
+
+    def __init__(self, out: Path, cells: list[Cell], steps: int, enabled: bool):
+        self.out, self.steps, self.enabled = out, steps, enabled
+        self.weight = {c: c.loops * steps for c in cells}
+        self.done_work = sum(self.weight[c] for c in cells if cell_status(out, c) == "done")
+        self.running: dict[Cell, int] = {}
+        self.results: dict[Cell, str] = {}
+        self.n_done = len(cells) - sum(cell_status(out, c) != "done" for c in cells)
+        self.n_cells = len(cells)
+        self.bar = None
+        if enabled:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[cells]}"),
+                                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), transient=False)
+            self.task = self.bar.add_task("sweep", total=sum(self.weight.values()), completed=self.done_work,
+                                          cells=self._cells_text())
+            self.bar.start()
+
+    def _cells_text(self) -> str:
+        return f"{self.n_done}/{self.n_cells} cells"
+
+    def start(self, cell: Cell) -> None:
+        self.running[cell] = 0
+        self._refresh()
+
+    def update(self, cell: Cell, info: dict) -> None:
+        self.running[cell] = info.get("step", 0)
+        self._refresh(info)
+
+    def poll(self) -> None:
+        for cell in self.running:
+            info = load_progress(self.out / CELLS / cell.name)
+            if info:
+                self.running[cell] = info.get("step", 0)
+        self._refresh()
+
+    def finish(self, cell: Cell, result: str) -> None:
+        self.running.pop(cell, None)
+        self.results[cell] = result
+        self.done_work += self.weight[cell]
+        self.n_done += 1
+        if self.bar is not None:
+            self.bar.console.print(f"  cell {cell.index} {cell.name}: {result}")
+        self._refresh()
+
+    def _refresh(self, info: dict | None = None) -> None:
+        if self.bar is None:
+            return
+        work = self.done_work + sum(cell.loops * step for cell, step in self.running.items())
+        parts = []
+        for cell, step in self.running.items():
+            p = load_progress(self.out / CELLS / cell.name) if info is None else info
+            loss = f" loss {p['loss']:.3f}" if p and p.get("loss") is not None else ""
+            parts.append(f"{cell.name} {step}/{self.steps}{loss}")
+        self.bar.update(self.task, completed=work, cells=self._cells_text(),
+                        description=("; ".join(parts) or "sweep")[:90])
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def sweep_summary(out: Path) -> pd.DataFrame:
+    """One row per finished cell, read from the run folders (a pure function of the folder)."""
+    out = Path(out)
+    spec = read_json(out / SWEEP_SPEC)
+    rows = []
+    for name in spec["cell_names"]:
+        d = out / CELLS / name
+        s = load_summary(d) if is_run(d) else None
+        if s is None:
+            continue
+        rows.append({"cell": name, **{k: s.get(k) for k in SUMMARY_COLUMNS if k != "cell"}})
+    return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
+
+
+def write_summary(out: Path) -> pd.DataFrame:
+    df = sweep_summary(out)
+    tmp = out / f".{SWEEP_SUMMARY}.tmp"
+    df.to_csv(tmp, index=False)
+    os.replace(tmp, out / SWEEP_SUMMARY)
+    tmp = out / ".summary.parquet.tmp"
+    df.to_parquet(tmp, index=False)
+    os.replace(tmp, out / "summary.parquet")
+    return df
+
+
+def load_spec(out: Path) -> dict:
+    return read_json(Path(out) / SWEEP_SPEC)

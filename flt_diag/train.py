@@ -1,0 +1,352 @@
+"""Training: one run into one run folder, with callbacks at clear moments.
+
+Moments (Callback): on_start, before_step, after_backward (gradients ready, before clipping),
+after_step (optimizer stepped), on_end. Diagnostics are a callback plus hooks
+(flt_diag.diagnostics); the loop itself logs only loss, lr, global grad norm and val loss.
+
+Every scalar of a step goes into a StepLog as a device tensor; the StepLog moves them to the
+host in one transfer per step.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import platform
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import metric_names as M
+from .config import RunConfig
+from .data import TokenData, batch_generator, get_batch, load_tokens
+from .evaluation import evaluate
+from .model import LoopedTransformer
+from .optim import build_optimizers, lr_multiplier, set_lr
+from .storage import (CHECKPOINT, CONFIG, PROGRESS, RESUME, SUMMARY, MetricsWriter, StorageError, load_metrics,
+                      read_json, write_json)
+
+# Fields that may differ when a run folder is reused (they do not change what is computed).
+VOLATILE_TRAIN_FIELDS = ("device", "threads", "compile", "eval_every", "checkpoint_every")
+
+
+class RunConflict(StorageError):
+    """The run folder holds a run with a different configuration."""
+
+
+class Callback:
+    def on_start(self, trainer: "Trainer") -> None: ...
+    def before_step(self, trainer: "Trainer", step: int) -> None: ...
+    def after_backward(self, trainer: "Trainer", step: int) -> None: ...
+    def after_step(self, trainer: "Trainer", step: int) -> None: ...
+    def on_end(self, trainer: "Trainer") -> None: ...
+    def state_dict(self) -> dict: return {}
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class StepLog:
+    """Scalars of one step, kept on the device until `collect` (one host transfer)."""
+
+    def __init__(self):
+        self.keys: list[tuple[str, int, int]] = []
+        self.values: list[torch.Tensor] = []
+
+    def add(self, metric: str, value: torch.Tensor | float, loop: int = M.NONE, layer: int = M.NONE) -> None:
+        self.keys.append((metric, loop, layer))
+        self.values.append(value.detach().float().reshape(()) if torch.is_tensor(value) else torch.tensor(float(value)))
+
+    def collect(self, step: int) -> list[tuple]:
+        if not self.values:
+            return []
+        devices = {v.device for v in self.values}
+        target = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
+        vals = torch.stack([v.to(target) for v in self.values]).tolist()  # the one sync
+        rows = [(step, m, lp, ly, v) for (m, lp, ly), v in zip(self.keys, vals)]
+        self.keys, self.values = [], []
+        return rows
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda requested but CUDA is not available")
+    return dev
+
+
+def environment(device: torch.device) -> dict:
+    import numpy, pandas
+    env = dict(python=sys.version.split()[0], torch=torch.__version__, numpy=numpy.__version__,
+               pandas=pandas.__version__, platform=platform.platform(), host=socket.gethostname(),
+               device=str(device), threads=torch.get_num_threads(), started=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    try:
+        from importlib.metadata import version
+        env["flt_diag"] = version("flt-diag")
+    except Exception:
+        env["flt_diag"] = "unknown"
+    return env
+
+
+def comparable(cfg_dict: dict) -> dict:
+    d = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg_dict.items() if k not in ("env", "corpus")}
+    for k in VOLATILE_TRAIN_FIELDS:
+        d["train"].pop(k, None)
+    return d
+
+
+def _differences(a: dict, b: dict) -> list[str]:
+    out = []
+    for section in sorted(set(a) | set(b)):
+        sa, sb = a.get(section), b.get(section)
+        if isinstance(sa, dict) and isinstance(sb, dict):
+            out += [f"{section}.{k}: {sa.get(k)!r} -> {sb.get(k)!r}" for k in sorted(set(sa) | set(sb))
+                    if sa.get(k) != sb.get(k)]
+        elif sa != sb:
+            out.append(f"{section}: {sa!r} -> {sb!r}")
+    return out
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, run_dir: str | Path, callbacks: list[Callback] | None = None,
+                 progress: Callable[[dict], None] | None = None, diagnostics: bool | None = None):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.progress = progress
+        self.rank = int(os.environ.get("RANK", 0))
+        self.world = int(os.environ.get("WORLD_SIZE", 1))
+        self.device = resolve_device(cfg.train.device)
+        if self.world > 1:
+            torch.distributed.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+                torch.cuda.set_device(self.device)
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        self.train_data = load_tokens(cfg.train.data, cfg.train.tokenizer, "train", cfg.train.max_tokens)
+        self.val_data = load_tokens(cfg.train.data, cfg.train.tokenizer, "val", cfg.train.max_tokens)
+        cfg.model.vocab_size = self.train_data.vocab_size
+        torch.manual_seed(cfg.train.seed)
+        self.model = LoopedTransformer(cfg.model).to(self.device)
+        self.model.checkpoint_loops = cfg.train.checkpoint_loops
+        use_compile = cfg.train.compile if cfg.train.compile is not None else self.device.type == "cuda"
+        if use_compile:
+            from .parallel import compile_blocks
+            compile_blocks(self.model)
+        self.ddp_model = self.model
+        if self.world > 1:
+            self.ddp_model = torch.nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self.optimizers = build_optimizers(self.model, cfg.train, fused=self.device.type == "cuda")
+        self.log = StepLog()
+        self.callbacks = list(callbacks or [])
+        if diagnostics if diagnostics is not None else cfg.diagnostics.enabled:
+            from .diagnostics import DiagnosticsCallback
+            self.callbacks.insert(0, DiagnosticsCallback(cfg.diagnostics))
+        self.is_main = self.rank == 0
+        self.writer: MetricsWriter | None = None
+        self.sinks: list = []
+        self.start_step = 0
+        self.wall_time = 0.0
+        self.stop_reason: str | None = None
+
+    # ------------------------------------------------------------------ run folder
+    def _prepare_folder(self) -> bool:
+        """Create or reuse the run folder. Returns False if the run has already finished."""
+        d = self.run_dir
+        cfg_dict = self.cfg.to_dict()
+        if (d / CONFIG).exists():
+            old = read_json(d / CONFIG)
+            diff = _differences(comparable(old), comparable(cfg_dict))
+            if diff:
+                raise RunConflict(f"{d} holds a run with a different config ({'; '.join(diff[:3])}); "
+                                  "use another --out or delete the folder")
+            if (d / SUMMARY).exists():
+                return False
+        elif d.exists() and any(d.iterdir()):
+            raise RunConflict(f"{d} exists, is not empty and is not a run folder; use another --out")
+        if not self.is_main:
+            return True
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StorageError(f"cannot create run folder {d}: {e.strerror}") from None
+        if not os.access(d, os.W_OK):
+            raise StorageError(f"cannot write to {d}")
+        write_json(d / CONFIG, {**cfg_dict, "env": environment(self.device),
+                                "corpus": {"train_tokens": len(self.train_data), "val_tokens": len(self.val_data),
+                                         "unigram_entropy": self.train_data.unigram_entropy}})
+        self.writer = MetricsWriter(d)
+        self.sinks = _external_sinks(self.cfg, d)
+        if (d / RESUME).exists():
+            self._load_resume()
+        else:
+            self.writer.truncate_after(-1)  # a run that died before its first checkpoint starts afresh
+        return True
+
+    def _save_resume(self, next_step: int) -> None:
+        state = dict(step=next_step, wall_time=self.wall_time, model=self.model.state_dict(),
+                     optimizers=[o.state_dict() for o in self.optimizers],
+                     callbacks=[c.state_dict() for c in self.callbacks])
+        tmp = self.run_dir / f".{RESUME}.tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, self.run_dir / RESUME)
+
+    def _load_resume(self) -> None:
+        try:
+            state = torch.load(self.run_dir / RESUME, map_location=self.device, weights_only=False)
+        except Exception as e:
+            raise StorageError(f"unreadable resume checkpoint {self.run_dir / RESUME}: {e}") from None
+        self.model.load_state_dict(state["model"])
+        for opt, s in zip(self.optimizers, state["optimizers"]):
+            opt.load_state_dict(s)
+        for cb, s in zip(self.callbacks, state["callbacks"]):
+            cb.load_state_dict(s)
+        self.start_step, self.wall_time = state["step"], state["wall_time"]
+        self.writer.truncate_after(self.start_step - 1)
+
+    def save_checkpoint(self, path: Path) -> None:
+        tmp = path.with_name(f".{path.name}.tmp")
+        torch.save({"model": self.model.state_dict(), "model_config": self.cfg.model.to_dict(),
+                    "step": self.cfg.train.steps}, tmp)
+        os.replace(tmp, path)
+
+    # ------------------------------------------------------------------ training
+    def autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def train_step(self, step: int) -> torch.Tensor:
+        t = self.cfg.train
+        set_lr(self.optimizers, lr_multiplier(step, t.steps, t.warmdown_frac))
+        for cb in self.callbacks:
+            cb.before_step(self, step)
+        total = torch.zeros((), device=self.device)
+        for micro in range(t.grad_accum):
+            x, y = get_batch(self.train_data, t.batch_size, self.cfg.model.sequence_len,
+                             batch_generator(t.seed, step, micro, self.rank), self.device)
+            sync = self.world == 1 or micro == t.grad_accum - 1
+            with (contextlib.nullcontext() if sync else self.ddp_model.no_sync()), self.autocast():
+                _, loss = self.ddp_model(x, y, loss_on=t.loss_on)
+            (loss / t.grad_accum).backward()
+            total += loss.detach() / t.grad_accum
+        for cb in self.callbacks:
+            cb.after_backward(self, step)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if t.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        else:
+            grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))
+        for opt in self.optimizers:
+            opt.step()
+        for cb in self.callbacks:
+            cb.after_step(self, step)
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        self.log.add(M.LOSS, total)
+        self.log.add(M.GRAD_NORM, grad_norm)
+        self.log.add(M.LR, self.optimizers[0].param_groups[0]["lr"])
+        return total
+
+    def fit(self) -> dict:
+        """Train (or resume) to the end and return the run's summary."""
+        from .metrics import summarize
+
+        if not self._prepare_folder():
+            return read_json(self.run_dir / SUMMARY)
+        t = self.cfg.train
+        for cb in self.callbacks:
+            cb.on_start(self)
+        self.model.train()
+        last_report, step = 0.0, self.start_step
+        loss_value = float("nan")
+        t0 = time.perf_counter()
+        try:
+            for step in range(self.start_step, t.steps):
+                self.train_step(step)
+                rows = self.log.collect(step)
+                loss_value = next(v for _, m, _, _, v in rows if m == M.LOSS)
+                if self.is_main:
+                    self.writer.extend(rows)
+                    for sink in self.sinks:
+                        sink.extend(rows)
+                done = step + 1
+                if not math.isfinite(loss_value):
+                    self.stop_reason = f"non-finite loss at step {step}"
+                    break
+                if t.eval_every and done % t.eval_every == 0 and done < t.steps:
+                    self._evaluate(step)
+                if self.is_main and done % self.cfg.diagnostics.flush_every == 0:
+                    self.writer.flush()
+                if self.is_main and t.checkpoint_every and done % t.checkpoint_every == 0 and done < t.steps:
+                    self.writer.flush()
+                    self.wall_time += time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    self._save_resume(done)
+                now = time.perf_counter()
+                if self.is_main and (now - last_report > 1.0 or done == t.steps):
+                    last_report = now
+                    self._report(done, loss_value, self.wall_time + now - t0)
+        finally:
+            for cb in self.callbacks:
+                cb.on_end(self)
+            if self.is_main and self.writer is not None:
+                self.writer.flush()
+                for sink in self.sinks:
+                    sink.close()
+        self.wall_time += time.perf_counter() - t0
+        if self.stop_reason is None:
+            self._evaluate(t.steps - 1)
+        if not self.is_main:
+            return {}
+        self.writer.flush()
+        self.save_checkpoint(self.run_dir / CHECKPOINT)
+        summary = summarize(load_metrics(self.run_dir), self.cfg,
+                            unigram_entropy=self.train_data.unigram_entropy,
+                            wall_time=self.wall_time, stop_reason=self.stop_reason,
+                            tokens_per_step=t.batch_size * t.grad_accum * self.world * self.cfg.model.sequence_len)
+        write_json(self.run_dir / SUMMARY, summary)
+        (self.run_dir / RESUME).unlink(missing_ok=True)
+        self._report(step + 1, loss_value, self.wall_time, final=True)
+        if self.world > 1:
+            torch.distributed.destroy_process_group()
+        return summary
+
+    def _evaluate(self, step: int) -> None:
+        t = self.cfg.train
+        with self.autocast():
+            val = evaluate(self.model, self.val_data, t.batch_size, self.cfg.model.sequence_len,
+                           t.eval_batches, self.device)
+        if self.is_main:
+            self.writer.add(step, M.VAL_LOSS, M.NONE, M.NONE, val)
+
+    def _report(self, step: int, loss: float, elapsed: float, final: bool = False) -> None:
+        info = dict(step=step, steps=self.cfg.train.steps, loss=loss, elapsed=elapsed, final=final,
+                    steps_per_s=step / elapsed if elapsed > 0 else 0.0)
+        write_json(self.run_dir / PROGRESS, info)
+        if self.progress is not None:
+            self.progress(info)
+
+
+def _external_sinks(cfg: RunConfig, run_dir: Path) -> list:
+    """TensorBoard / Weights & Biases mirrors of the metrics table, when asked for."""
+    sinks = []
+    if cfg.diagnostics.tensorboard:
+        from .external import TensorBoardSink
+        sinks.append(TensorBoardSink(run_dir))
+    if cfg.diagnostics.wandb:
+        from .external import WandbSink
+        sinks.append(WandbSink(cfg.diagnostics.wandb, run_dir, cfg.to_dict()))
+    return sinks
+
+
+def train(cfg: RunConfig, run_dir: str | Path, **kwargs) -> dict:
+    """Train one run into `run_dir` (resuming it if it was interrupted); returns the summary."""
+    return Trainer(cfg, run_dir, **kwargs).fit()
