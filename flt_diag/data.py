@@ -95,7 +95,7 @@ class CorpusSpec:
 
     path: str  # builder or hub dataset name ("text", "json", "parquet", "HuggingFaceFW/fineweb-edu")
     name: str | None = None  # dataset config ("sample-10BT", "wikitext-2-raw-v1")
-    data_files: list[str] = field(default_factory=list)
+    data_files: list[str] | dict[str, str] = field(default_factory=list)  # local files (or split -> file)
     text_field: str = "text"
     streaming: bool = False
     splits: dict[str, str] | None = None  # {"train": ..., "val": ...}; None = split by document hash

@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 class VariantRule:
     """How loop t >= 2 differs between variants (loop 1 is always a plain pass)."""
 
-    start: Literal["prev", "embed", "embed+prev"]  # stream at loop start: h, norm(E), norm(E + h)
+    start: Literal["prev", "embed", "embed+prev"]  # stream at loop start: h(t-1), norm(E), norm(E + h(t-1))
     add_prev_before_block: bool  # FLA: x = norm(x + h(t-1)) before every block
     query_from_prev: Literal["none", "first", "all"]  # AI: blocks whose Q comes from norm(h(t-1))
 
@@ -123,13 +123,13 @@ class Attention(nn.Module):
         self.o = nn.Linear(d, d, bias=False)
 
     def query_key(self, q_src, kv_src, cos, sin):
-        """Rotated, RMS-normed queries and keys, each (B, T, H, D).
+        """Rotated, then RMS-normed queries and keys, each (B, T, H, D).
 
-        Rotation preserves a head vector's norm, so rotate-then-norm equals norm-then-rotate;
-        q and k are stacked along the head axis to do both in one pass."""
+        q and k are stacked along the head axis so both take one rotary and one norm pass.
+        (The order matters once the tables are rounded to bf16: cos^2 + sin^2 != 1.)"""
         B, T, _ = kv_src.shape
         qk = torch.cat([self.q(q_src), self.k(kv_src)], dim=-1).view(B, T, 2 * self.n_head, self.head_dim)
-        qk = apply_rotary(norm(qk), cos, sin)
+        qk = norm(apply_rotary(qk, cos, sin))
         return qk[:, :, : self.n_head], qk[:, :, self.n_head:]
 
     def forward(self, q_src, kv_src, cos, sin):
@@ -199,11 +199,17 @@ class LoopedTransformer(nn.Module):
             nn.init.zeros_(block.attn.o.weight)
             nn.init.zeros_(block.mlp.down.weight)
 
-    def _loop(self, x, h_prev, e, cos, sin):
-        """One pass through the L blocks. h_prev is None in loop 1 (a plain pass)."""
+    def _loop(self, x, h_prev, emb, cos, sin):
+        """One pass through the L blocks. h_prev is None in loop 1 (a plain pass);
+        emb is the raw embedding E[tokens]."""
         rule = VARIANTS[self.cfg.variant]
         if h_prev is not None:
-            x = {"prev": h_prev, "embed": e, "embed+prev": norm(e + h_prev)}[rule.start]
+            if rule.start == "prev":
+                x = h_prev
+            elif rule.start == "embed":
+                x = norm(emb)
+            else:  # "embed+prev": additive input injection
+                x = norm(emb + h_prev)
         for i, block in enumerate(self.blocks):
             query = None
             if h_prev is not None:
@@ -223,14 +229,14 @@ class LoopedTransformer(nn.Module):
         if T > self.cos.shape[1]:
             self._rotary(T)
         cos, sin = self.cos[:, :T], self.sin[:, :T]
-        e = norm(self.embed(idx))  # (B, T, d)
-        x, h = e, None
+        emb = self.embed(idx)  # (B, T, d)
+        x, h = norm(emb), None
         outs = []
         for t in range(K):
             if self.checkpoint_loops and torch.is_grad_enabled():
-                x = checkpoint(self._loop, x, h, e, cos, sin, use_reentrant=False)
+                x = checkpoint(self._loop, x, h, emb, cos, sin, use_reentrant=False)
             else:
-                x = self._loop(x, h, e, cos, sin)
+                x = self._loop(x, h, emb, cos, sin)
             h = norm(x)  # h(t)
             if keep == "all" or t == K - 1:
                 outs.append(h)

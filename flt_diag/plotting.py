@@ -21,7 +21,7 @@ import os
 import sys
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -93,7 +93,6 @@ class Study:
     path: Path
     runs: list[Run]
     spec: dict | None = None  # sweep.json; None for a single run folder
-    notes: list[str] = field(default_factory=list)
 
 
 def variant_rank(variant: str) -> int:
@@ -371,7 +370,20 @@ def _auto_yscale(ax, values) -> None:
     v = np.asarray(values, dtype=float)
     v = v[np.isfinite(v) & (v > 0)]
     if len(v) and v.max() / v.min() > 5:
-        ax.set_yscale("log")
+        _log_y(ax)
+
+
+class _PlainLogFormatter(matplotlib.ticker.LogFormatter):
+    """Log-axis tick labels as plain numbers (0.5, 20, 1e-05), labelling minor ticks on short ranges."""
+
+    def _num_to_string(self, x, vmin, vmax):
+        return f"{x:.3g}"
+
+
+def _log_y(ax) -> None:
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(_PlainLogFormatter())
+    ax.yaxis.set_minor_formatter(_PlainLogFormatter(labelOnlyBase=False))
 
 
 def _empty(ax, text="no data") -> None:
@@ -412,7 +424,7 @@ def draw_residuals(df: pd.DataFrame) -> Figure:
                     continue
                 for (run, loop), g in cell.groupby(["run", "loop"], sort=True):
                     ax.plot(g.step, g.value, color=cmap(norm(loop)), ls=styles[run], lw=1.2)
-                ax.set_yscale("log")
+                _log_y(ax)
                 if i == len(loops_values) - 1:
                     ax.set_xlabel("step")
                 if j == 0:
@@ -451,7 +463,8 @@ def draw_heatmap(df: pd.DataFrame) -> Figure:
                 ax.set_yticks(range(grid.shape[0]), grid.index)
                 ax.grid(False)
                 ax.set_title(f"step {int(cell.step.iloc[0])}")
-                ax.set_ylabel(f"{labels[run]}\nloop" if p == 0 else "loop")
+                if p == 0:
+                    ax.set_ylabel(f"{labels[run]}\nloop")
                 if i == len(runs) - 1:
                     ax.set_xlabel("layer")
         _finish(fig, "Residual norm per (loop, layer)")
@@ -466,18 +479,33 @@ def fig_residual_heatmap(path, steps=None) -> Figure:
     return draw_heatmap(_need(heatmap_data(path, steps), "heatmap", "no resid_norm recorded"))
 
 
-def _osc_text(osc: pd.DataFrame) -> str:
-    vals = dict(zip(osc.metric, osc.value))
-    return "  ".join(f"{OSC_LABELS[k]} {vals[k]:.2f}" for k in OSC_LABELS if k in vals)
+def _osc_table(ax, rows: pd.DataFrame, labels: dict[str, str]) -> None:
+    """The oscillation indices of each run in `rows` as a small table, run names in variant colour."""
+    osc = rows[rows.metric.isin(list(OSC_LABELS))]
+    ax.set_axis_off()
+    if osc.empty:
+        return
+    grid = osc.pivot_table(index="run", columns="metric", values="value", aggfunc="last", dropna=False)
+    runs = list(dict.fromkeys(osc.run))
+    cols = [k for k in OSC_LABELS if k in grid]
+    text = [[f"{grid.loc[r, k]:.2f}" for k in cols] for r in runs]
+    table = ax.table(cellText=text, rowLabels=[labels[r] for r in runs], colLabels=[OSC_LABELS[k] for k in cols],
+                     loc="center", cellLoc="center", edges="horizontal")
+    table.auto_set_font_size(False)
+    table.set_fontsize(9)
+    variant = dict(zip(osc.run, osc.variant))
+    for i, r in enumerate(runs, start=1):
+        table[i, -1].get_text().set_color(variant_color(variant[r]))
+    ax.set_title("oscillation indices")
 
 
 def draw_gradients(df: pd.DataFrame) -> Figure:
     loops_values = sorted(df.loops.unique())
     labels, styles = _run_labels(df), _linestyles(df)
-    titles = {M.GRAD_NORM: "global grad norm", M.ACT_GRAD_NORM: "activation grad norm (last step)",
+    titles = {M.GRAD_NORM: "global grad norm", M.ACT_GRAD_NORM: "activation grad norm, last step",
               M.GRAD_COSINE: "cosine to previous gradient"}
     with style():
-        fig, axes = _figure(len(loops_values), 3, panel=(4.4, 2.8))
+        fig, axes = _figure(len(loops_values), 4, panel=(3.6, 2.8), gridspec_kw={"width_ratios": [1, 1, 1, 0.9]})
         for i, k in enumerate(loops_values):
             rows = df[df.loops == k]
             for j, metric in enumerate(titles):
@@ -488,34 +516,30 @@ def draw_gradients(df: pd.DataFrame) -> Figure:
                     _empty(ax)
                     continue
                 for run, g in sel.groupby("run", sort=False):
-                    v = g.variant.iloc[0]
-                    label = labels[run]
-                    if metric == M.GRAD_NORM:
-                        label += "\n" + _osc_text(rows[(rows.run == run) & rows.metric.str.startswith("osc_")])
                     x = g.loop if metric == M.ACT_GRAD_NORM else g.step
-                    ax.plot(x, g.value, color=variant_color(v), ls=styles[run], lw=1.1, label=label,
-                            marker="o" if metric == M.ACT_GRAD_NORM else None, ms=4)
-                if metric == M.GRAD_NORM:
-                    ax.set_yscale("log")
-                    ax.legend(fontsize="x-small", loc="best")
-                elif metric == M.ACT_GRAD_NORM:
-                    ax.set_yscale("log")
-                    ax.set_xlabel("loop")
-                    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-                else:
+                    ax.plot(x, g.value, color=variant_color(g.variant.iloc[0]), ls=styles[run], lw=1.1,
+                            label=labels[run], marker="o" if metric == M.ACT_GRAD_NORM else None, ms=4)
+                if metric == M.GRAD_COSINE:
                     ax.axhline(0, color="0.4", lw=0.8)
                     ax.set_ylim(-1.05, 1.05)
-                if metric != M.ACT_GRAD_NORM and i == len(loops_values) - 1:
+                else:
+                    _log_y(ax)
+                if metric == M.ACT_GRAD_NORM:
+                    ax.set_xlabel("loop")
+                    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+                elif i == len(loops_values) - 1:
                     ax.set_xlabel("step")
-    return _finish(fig, "Gradients (legend: oscillation indices of the grad norm)")
+            _osc_table(axes[i, 3], rows, labels)
+            axes[i, 3].legend(*axes[i, 0].get_legend_handles_labels(), loc="lower center", fontsize="small",
+                              ncols=2)
+    return _finish(fig, "Gradients")
 
 
 def fig_gradients(path) -> Figure:
-    """Per run (colour = variant): the global gradient norm against step (log), its legend giving the
-    oscillation indices (cv, mean |Δlog g|, sign alternation, share of negative cosines; from
-    summary.json, or computed like the summary while running); the activation-gradient norm averaged
-    over layers per loop at the last recorded step; the cosine between consecutive gradients.
-    One row per loops value."""
+    """Per run (colour = variant), one row per loops value: the global gradient norm against step (log);
+    the activation-gradient norm averaged over layers, per loop, at the last recorded step; the cosine
+    between consecutive gradients; and a table of the oscillation indices (cv, mean |Δlog g|, sign
+    alternation, share of negative cosines; from summary.json, or computed like it while running)."""
     return draw_gradients(_need(gradients_data(path), "gradients", "no grad_norm recorded"))
 
 
@@ -584,12 +608,12 @@ def draw_collapse(df: pd.DataFrame) -> Figure:
             ax.grid(False)
             ax.set_title(f"lr×{lr:g}" if len(lrs) > 1 else "")
         shown = [v for v in VERDICT_COLORS if v in set(df.verdict)]
-        fig.legend([Patch(color=VERDICT_COLORS[v]) for v in shown], shown, loc="lower center", ncols=len(shown),
-                   bbox_to_anchor=(0.5, -0.02))
-        note = "final smoothed loss (mean over seeds); * residual explosion"
+        axes[0, -1].legend([Patch(color=VERDICT_COLORS[v]) for v in shown], shown, loc="upper left",
+                           bbox_to_anchor=(1.02, 1), fontsize="small", handlelength=1.2)
+        note = "numbers: final smoothed loss (mean over seeds)\n* residual explosion"
         if (df.runs > 1).any():
             note += "; n/m: seeds agreeing / finished (+running)"
-        fig.text(0.5, -0.08, note, ha="center", fontsize="small", color="0.3")
+        fig.supxlabel(note, fontsize="small", color="0.3")
     return _finish(fig, "Verdict by variant and loops")
 
 

@@ -1,0 +1,36 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/equations.py, tests/fake_runs.py
+
+
+@pytest.fixture(scope="session", autouse=True)
+def token_cache(tmp_path_factory):
+    """One token cache for the whole session (the stdlib corpus is tokenized once, ~5 s)."""
+    if "FLT_DIAG_TEST_CACHE" in os.environ:
+        path = Path(os.environ["FLT_DIAG_TEST_CACHE"])
+    else:
+        path = tmp_path_factory.mktemp("token-cache")
+    old = os.environ.get("FLT_DIAG_CACHE")
+    os.environ["FLT_DIAG_CACHE"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("FLT_DIAG_CACHE", None)
+    else:
+        os.environ["FLT_DIAG_CACHE"] = old
+
+
+def tiny_config(**model_and_train):
+    """The tiny preset with small overrides: tiny_config(variant="lt", loops=2, steps=5)."""
+    from flt_diag.config import build_config
+    from flt_diag.model import ModelConfig
+    model_fields = set(ModelConfig.__dataclass_fields__)
+    model = {k: v for k, v in model_and_train.items() if k in model_fields}
+    train = {k: v for k, v in model_and_train.items() if k not in model_fields and k != "diagnostics"}
+    train.setdefault("eval_every", 0)
+    train.setdefault("eval_batches", 1)
+    train.setdefault("device", "cpu")
+    return build_config("tiny", model=model, train=train, diagnostics=model_and_train.get("diagnostics"))

@@ -1,0 +1,111 @@
+"""Fake run and sweep folders with synthetic series, written through the storage API (no training).
+
+make_sweep: variants lt, fla, flt x loops 3, 6, one seed:
+    lt  K3   stable, residual norms flat
+    lt  K6   collapsed: the loss rebounds, residual norms grow with step and loop, oscillating gradients
+    flt K3, flt K6   stable
+    fla K3   in progress: config and half its metrics, no summary.json
+    fla K6   pending: no run folder
+    eval_loops.csv for lt K3 and flt K3.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from flt_diag import metric_names as M
+from flt_diag.config import build_config
+from flt_diag.metrics import summarize
+from flt_diag.storage import CELLS, CONFIG, EVAL_LOOPS, SUMMARY, MetricsWriter, load_metrics, write_json
+from flt_diag.sweep import SweepSpec, write_summary
+
+STEPS = 80
+UNIGRAM_ENTROPY = 4.5
+ENV = {"python": "3.11", "torch": "fake", "device": "cpu", "host": "test", "flt_diag": "0.1.0"}
+
+
+def config(variant: str, loops: int, seed: int = 0):
+    return build_config("tiny", model=dict(variant=variant, loops=loops), train=dict(steps=STEPS, seed=seed),
+                        verdict=dict(smooth_window=10, osc_window=20))
+
+
+def _rows(cfg, collapsed: bool, steps: int, rng: np.random.Generator):
+    """Synthetic (step, metric, loop, layer, value) rows of one run."""
+    K, L, d = cfg.model.loops, cfg.model.n_layer, cfg.model.n_embd
+    rows = []
+    for t in range(steps):
+        grow = math.exp(0.04 * t) if collapsed else 1.0
+        loss = 2.0 + 3.5 * math.exp(-t / 12) + (0.05 * max(0, t - 40) if collapsed else 0.0)
+        rows.append((t, M.LOSS, M.NONE, M.NONE, loss + 0.02 * rng.standard_normal()))
+        rows.append((t, M.LR, M.NONE, M.NONE, 0.02))
+        if t % 20 == 19:
+            rows.append((t, M.VAL_LOSS, M.NONE, M.NONE, loss + 0.05))
+        for k in range(1, K + 1):
+            rows.append((t, M.RESID_NORM_LOOP_END, k, M.NONE, math.sqrt(d) * (1 + 0.1 * k) * grow ** (k / K)))
+            for layer in range(1, L + 1):
+                rows.append((t, M.RESID_NORM, k, layer, math.sqrt(d) * (1 + 0.1 * k + 0.02 * layer) * grow ** (k / K)))
+                rows.append((t, M.ACT_GRAD_NORM, k, layer, 0.1 * (1.5 if collapsed else 0.9) ** k))
+        wobble = 1 + (0.5 if collapsed else 0.05) * (-1) ** t
+        rows.append((t, M.GRAD_NORM, M.NONE, M.NONE, 0.5 * wobble * (1 + rng.random() * 0.1)))
+        for group in ("embedding", "head"):
+            rows.append((t, f"{M.GRAD_NORM}/{group}", M.NONE, M.NONE, 0.1 * wobble))
+        for layer in range(1, L + 1):
+            for kind in ("attn", "mlp"):
+                rows.append((t, f"{M.GRAD_NORM}/{kind}", M.NONE, layer, 0.2 * wobble))
+        if t > 0:
+            rows.append((t, M.GRAD_COSINE, M.NONE, M.NONE, (-0.4 if collapsed and t % 2 else 0.6)))
+    return rows
+
+
+def make_run(run_dir: Path, variant: str, loops: int, seed: int = 0, collapsed: bool = False,
+             finished: bool = True, eval_loops: bool = False) -> Path:
+    """A run folder: config.json, metrics parts (40 steps each), and when finished summary.json."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = config(variant, loops, seed)
+    write_json(run_dir / CONFIG, {**cfg.to_dict(), "env": ENV, "data": {"unigram_entropy": UNIGRAM_ENTROPY}})
+    rng = np.random.default_rng(zlib.crc32(f"{variant}-{loops}-{seed}".encode()))
+    rows = _rows(cfg, collapsed, STEPS if finished else STEPS // 2, rng)
+    writer = MetricsWriter(run_dir)
+    for t0 in range(0, STEPS, 40):
+        writer.extend(r for r in rows if t0 <= r[0] < t0 + 40)
+        writer.flush()
+    if finished:
+        write_json(run_dir / SUMMARY, summarize(load_metrics(run_dir), cfg, UNIGRAM_ENTROPY, wall_time=1.0))
+    if eval_loops:
+        _write_eval_loops(run_dir, loops, collapsed or variant == "lt")
+    return run_dir
+
+
+def _write_eval_loops(run_dir: Path, trained: int, degrades: bool) -> None:
+    ks = np.arange(1, 2 * trained + 1)
+    loss = 2.2 + 2.0 / ks + np.where(ks > trained, (0.3 if degrades else 0.0) * (ks - trained), 0.0)
+    pd.DataFrame(dict(loops=ks, trained_loops=trained, val_loss=loss, perplexity=np.exp(loss), data="stdlib",
+                      batches=2)).to_csv(run_dir / EVAL_LOOPS, index=False)
+
+
+CELLS_PLAN = {  # (variant, loops): make_run options; None = pending (no folder)
+    ("lt", 3): dict(eval_loops=True), ("lt", 6): dict(collapsed=True),
+    ("fla", 3): dict(finished=False), ("fla", 6): None,
+    ("flt", 3): dict(eval_loops=True), ("flt", 6): dict(),
+}
+EXPECTED_VERDICTS = {("lt", 3): "stable", ("lt", 6): "collapsed", ("fla", 3): "running", ("fla", 6): "pending",
+                     ("flt", 3): "stable", ("flt", 6): "stable"}
+
+
+def make_sweep(out: Path) -> Path:
+    """A sweep folder (sweep.json, cells/, summary.csv) following CELLS_PLAN."""
+    out = Path(out)
+    spec = SweepSpec(config("flt", 3), ["lt", "fla", "flt"], [3, 6], [0], [1.0])
+    (out / CELLS).mkdir(parents=True, exist_ok=True)
+    write_json(out / "sweep.json", spec.to_dict())
+    for cell in spec.cells():
+        plan = CELLS_PLAN[(cell.variant, cell.loops)]
+        if plan is not None:
+            make_run(out / CELLS / cell.name, cell.variant, cell.loops, cell.seed, **plan)
+    write_summary(out)
+    return out
