@@ -28,8 +28,9 @@ UNIGRAM_ENTROPY = 4.5
 ENV = {"python": "3.11", "torch": "fake", "device": "cpu", "host": "test", "flt_diag": "0.1.0"}
 
 
-def config(variant: str, loops: int, seed: int = 0):
-    return build_config("tiny", model=dict(variant=variant, loops=loops), train=dict(steps=STEPS, seed=seed),
+def config(variant: str, loops: int, seed: int = 0, lr_scale: float = 1.0):
+    return build_config("tiny", model=dict(variant=variant, loops=loops),
+                        train=dict(steps=STEPS, seed=seed, lr_scale=lr_scale),
                         verdict=dict(smooth_window=10, osc_window=20))
 
 
@@ -61,14 +62,14 @@ def _rows(cfg, collapsed: bool, steps: int, rng: np.random.Generator):
     return rows
 
 
-def make_run(run_dir: Path, variant: str, loops: int, seed: int = 0, collapsed: bool = False,
-             finished: bool = True, eval_loops: bool = False) -> Path:
+def make_run(run_dir: Path, variant: str, loops: int, seed: int = 0, lr_scale: float = 1.0,
+             collapsed: bool = False, finished: bool = True, eval_loops: bool = False) -> Path:
     """A run folder: config.json, metrics parts (40 steps each), and when finished summary.json."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    cfg = config(variant, loops, seed)
+    cfg = config(variant, loops, seed, lr_scale)
     write_json(run_dir / CONFIG, {**cfg.to_dict(), "env": ENV, "data": {"unigram_entropy": UNIGRAM_ENTROPY}})
-    rng = np.random.default_rng(zlib.crc32(f"{variant}-{loops}-{seed}".encode()))
+    rng = np.random.default_rng(zlib.crc32(f"{variant}-{loops}-{seed}-{lr_scale}".encode()))
     rows = _rows(cfg, collapsed, STEPS if finished else STEPS // 2, rng)
     writer = MetricsWriter(run_dir)
     for t0 in range(0, STEPS, 40):
@@ -97,15 +98,15 @@ EXPECTED_VERDICTS = {("lt", 3): "stable", ("lt", 6): "collapsed", ("fla", 3): "r
                      ("flt", 3): "stable", ("flt", 6): "stable"}
 
 
-def make_sweep(out: Path) -> Path:
-    """A sweep folder (sweep.json, cells/, summary.csv) following CELLS_PLAN."""
+def make_sweep(out: Path, seeds=(0,), lr_scales=(1.0,)) -> Path:
+    """A sweep folder (sweep.json, cells/, summary.csv) following CELLS_PLAN for every seed and lr scale."""
     out = Path(out)
-    spec = SweepSpec(config("flt", 3), ["lt", "fla", "flt"], [3, 6], [0], [1.0])
+    spec = SweepSpec(config("flt", 3), ["lt", "fla", "flt"], [3, 6], list(seeds), list(lr_scales))
     (out / CELLS).mkdir(parents=True, exist_ok=True)
     write_json(out / "sweep.json", spec.to_dict())
     for cell in spec.cells():
         plan = CELLS_PLAN[(cell.variant, cell.loops)]
         if plan is not None:
-            make_run(out / CELLS / cell.name, cell.variant, cell.loops, cell.seed, **plan)
+            make_run(out / CELLS / cell.name, cell.variant, cell.loops, cell.seed, lr_scale=cell.lr_scale, **plan)
     write_summary(out)
     return out

@@ -1,0 +1,253 @@
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from conftest import tiny_config
+from equations import forward as eq_forward, randomize
+from flt_diag import metric_names as M
+from flt_diag import metrics as X
+from flt_diag.config import DiagnosticsConfig
+from flt_diag.diagnostics import DiagnosticsCallback, LoopHooks, consecutive_stats, pair_sums, should_record
+from flt_diag.model import LoopedTransformer, ModelConfig
+from flt_diag.storage import load_metrics, load_summary, series
+from flt_diag.train import Callback, StepLog, Trainer, train
+
+
+def make(variant="flt", K=3):
+    torch.manual_seed(0)
+    return randomize(LoopedTransformer(ModelConfig(vocab_size=40, n_layer=2, n_embd=32, n_head=2,
+                                                   variant=variant, loops=K)))
+
+
+class Recorder:
+    def __init__(self):
+        self.rows = []
+
+    def __call__(self, metric, value, loop, layer):
+        self.rows.append((metric, loop, layer, float(value)))
+
+    def get(self, metric):
+        return {(lp, ly): v for m, lp, ly, v in self.rows if m == metric}
+
+
+IDX = torch.randint(0, 40, (2, 10), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("variant", ["lt", "lt-ii", "fla", "flt"])
+def test_residual_norms_equal_independent_forward(variant):
+    model, rec = make(variant, 3), Recorder()
+    with LoopHooks(model, rec) as hooks:
+        hooks.arm()
+        model(IDX)
+    streams = []
+    eq_forward(model, IDX, variant, 3, record=streams)
+    expected = {(t, i or M.NONE): x.norm(dim=-1).mean().item() for t, i, x in streams}
+    got = {**rec.get(M.RESID_NORM), **rec.get(M.RESID_NORM_LOOP_END)}
+    assert set(got) == set(expected)  # K*L block records + K loop ends: every loop kept, none overwritten
+    for key in expected:
+        assert got[key] == pytest.approx(expected[key], rel=1e-4)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_activation_gradients_equal_autograd(checkpointing):
+    model, rec = make("flt", 3), Recorder()
+    model.checkpoint_loops = checkpointing
+    outs = []
+    grab = [b.register_forward_hook(lambda m, a, o: outs.append(o)) for b in model.blocks]
+    with LoopHooks(model, rec) as hooks:
+        hooks.arm()
+        _, loss = model(IDX, IDX)
+        for h in grab:
+            h.remove()
+        expected = torch.autograd.grad(loss, outs, retain_graph=True)  # order: loop-major, layer-minor
+        loss.backward()
+    got = rec.get(M.ACT_GRAD_NORM)
+    assert len(got) == 3 * 2 and len(rec.get(M.RESID_NORM)) == 3 * 2  # recomputation is not counted
+    for n, g in enumerate(expected):
+        loop, layer = n // 2 + 1, n % 2 + 1
+        assert got[(loop, layer)] == pytest.approx(g.norm().item(), rel=1e-4)
+
+
+def test_checkpointing_gives_same_records():
+    recs = []
+    for ckpt in (False, True):
+        model, rec = make("lt", 4), Recorder()
+        model.checkpoint_loops = ckpt
+        with LoopHooks(model, rec) as hooks:
+            hooks.arm()
+            model(IDX, IDX)[1].backward()
+        recs.append(sorted(rec.rows))
+    assert [r[:3] for r in recs[0]] == [r[:3] for r in recs[1]]
+    np.testing.assert_allclose([r[3] for r in recs[0]], [r[3] for r in recs[1]], rtol=1e-5)
+
+
+def test_only_armed_forwards_record_and_hooks_are_removed():
+    model, rec = make(), Recorder()
+    with LoopHooks(model, rec, attention=True) as hooks:
+        model(IDX)  # not armed
+        assert rec.rows == []
+        hooks.arm()
+        model(IDX)
+        n = len(rec.rows)
+        model(IDX)  # armed for one forward only
+        assert len(rec.rows) == n
+    model(IDX)
+    assert len(rec.rows) == n
+    modules = [model, model.loop_end, *model.blocks, *(b.attn for b in model.blocks)]
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in modules)
+
+
+def test_attention_statistics_against_manual_softmax():
+    model, rec = make("flt", 2), Recorder()
+    with LoopHooks(model, rec, attention=True) as hooks:
+        hooks.arm()
+        model(IDX)
+    ent, mx = rec.get(M.ATTN_ENTROPY), rec.get(M.ATTN_MAX_LOGIT)
+    assert set(ent) == set(mx) == {(t, i) for t in (1, 2) for i in (1, 2)}
+    # loop 1, block 1: queries and keys both from norm(E)
+    from equations import rms, rotary
+    e = rms(model.embed.weight[IDX])
+    W = model.blocks[0].attn
+    q = rms(rotary((e @ W.q.weight.T).view(2, 10, 2, 16)))
+    k = rms(rotary((e @ W.k.weight.T).view(2, 10, 2, 16)))
+    s = torch.einsum("bthd,bshd->bhts", q, k) / 4.0
+    s = s.masked_fill(~torch.tril(torch.ones(10, 10, dtype=torch.bool)), float("-inf"))
+    p = s.softmax(-1)
+    assert mx[(1, 1)] == pytest.approx(s.max().item(), rel=1e-5)
+    assert ent[(1, 1)] == pytest.approx((-(p * p.clamp_min(1e-30).log()).sum(-1)).mean().item(), rel=1e-5)
+
+
+def test_cosine_and_sign_flips_on_hand_made_gradients():
+    g, prev = torch.tensor([1.0, -1.0, 0.0, 2.0]), torch.tensor([1.0, 1.0, 1.0, -2.0])
+    cos, flip = consecutive_stats(pair_sums(g, prev))
+    assert cos.item() == pytest.approx(-4 / math.sqrt(6 * 7))
+    assert flip.item() == pytest.approx(2 / 4)  # coordinates 2 and 4; a zero is not a flip
+
+
+def test_callback_global_and_group_cosines():
+    """Two steps of hand-set gradients through the callback; global figures over all groups."""
+    model = make("lt", 1)
+    params = list(model.parameters())
+    log = StepLog()
+    trainer = type("T", (), {"model": model, "log": log, "cfg": tiny_config(), "is_main": True, "run_dir": None})()
+    cb = DiagnosticsCallback(DiagnosticsConfig())
+    cb.on_start(trainer)
+    gen = torch.Generator().manual_seed(0)
+    steps = [[torch.randn(p.shape, generator=gen) for p in params] for _ in range(2)]
+    for step, grads in enumerate(steps):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        cb.before_step(trainer, step)
+        cb.after_backward(trainer, step)
+        cb.after_step(trainer, step)
+    cb.on_end(trainer)
+    rows = {(m, ly): v for _, m, lp, ly, v in log.collect(1)}
+    a = torch.cat([g.flatten() for g in steps[0]])
+    b = torch.cat([g.flatten() for g in steps[1]])
+    assert rows[(M.GRAD_COSINE, M.NONE)] == pytest.approx(torch.nn.functional.cosine_similarity(a, b, 0).item(), rel=1e-4)
+    assert rows[(M.SIGN_FLIP, M.NONE)] == pytest.approx(((a * b) < 0).float().mean().item(), rel=1e-5)
+    head_a, head_b = steps[0][-1].flatten(), steps[1][-1].flatten()  # head is the last parameter
+    assert rows[("grad_cosine/head", M.NONE)] == pytest.approx(
+        torch.nn.functional.cosine_similarity(head_a, head_b, 0).item(), rel=1e-4)
+    assert rows[("grad_norm/attn", 1)] == pytest.approx(
+        torch.cat([g.flatten() for g in steps[1][1:5]]).norm().item(), rel=1e-5)
+
+
+def test_recording_schedule():
+    cfg = DiagnosticsConfig(dense_steps=5, every=3)
+    assert [s for s in range(15) if should_record(s, cfg)] == [0, 1, 2, 3, 4, 5, 8, 11, 14]
+    assert not should_record(0, DiagnosticsConfig(enabled=False))
+
+
+# ---------------------------------------------------------------- derived metrics
+
+def test_oscillation_indices_known_answers():
+    alt = [1.0, 2.0] * 10
+    assert X.coefficient_of_variation(alt) == pytest.approx(0.5 / 1.5)
+    assert X.mean_abs_dlog(alt) == pytest.approx(math.log(2))
+    assert X.sign_alternation(alt) == 1.0
+    mono = np.linspace(1, 2, 20)
+    assert X.sign_alternation(mono) == 0.0
+    assert X.mean_abs_dlog(np.exp(np.arange(5) * 0.3)) == pytest.approx(0.3)
+    assert X.coefficient_of_variation([3.0] * 5) == 0.0
+    assert X.neg_cosine_share([-1, 0.5, -0.2, 0.9]) == 0.5
+
+
+def test_windowed_oscillation():
+    g = pd.Series([1.0, 2.0] * 50 + list(np.linspace(1, 2, 100)), index=range(200))
+    w = X.windowed_oscillation(g, None, 100)
+    assert list(w.start) == [0, 100]
+    assert w.sign_alternation.tolist() == [1.0, 0.0]
+
+
+def curve(values):
+    return pd.Series(values, index=range(len(values)), dtype=float)
+
+
+def test_verdicts_on_synthetic_curves():
+    steps = np.arange(800)
+    smooth = curve(5.5 * np.exp(-steps / 100) + 1.5)
+    rebound = curve(np.where(steps < 400, 5.5 - steps * 0.007, 2.7 + (steps - 400) * 0.0015))
+    flat = curve(np.full(800, 5.4) + 0.01 * np.sin(steps))
+    nan = curve(list(smooth.iloc[:300]) + [float("nan")] * 10)
+    assert X.verdict(smooth, 3.2)[0] == "stable"
+    v, ev = X.verdict(rebound, 3.2)
+    assert v == "collapsed" and ev["rebound"] == pytest.approx(0.6, abs=0.05)
+    v, ev = X.verdict(flat, 3.2)
+    assert v == "collapsed" and "unigram" in ev["reason"]
+    v, ev = X.verdict(nan, 3.2)
+    assert v == "diverged" and ev["nonfinite_step"] == 300
+    # thresholds are options
+    assert X.verdict(rebound, 3.2, rebound_abs=1.0, rebound_rel=0.5)[0] == "stable"
+
+
+# ---------------------------------------------------------------- end to end
+
+class PoisonAt(Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def after_step(self, trainer, step):
+        if step == self.step:
+            with torch.no_grad():
+                trainer.model.head.weight.fill_(float("nan"))
+
+
+def test_nan_run_is_diverged_without_crashing(tmp_path):
+    cfg = tiny_config(variant="lt", loops=2, steps=20)
+    summary = Trainer(cfg, tmp_path / "r", callbacks=[PoisonAt(4)]).fit()
+    assert summary["verdict"] == "diverged" and summary["evidence"]["nonfinite_step"] == 5
+    assert summary["steps_done"] == 6 and load_summary(tmp_path / "r")["verdict"] == "diverged"
+
+
+def test_run_folder_contents(tmp_path):
+    cfg = tiny_config(variant="flt", loops=2, steps=6, diagnostics=dict(flush_every=2, attention=True))
+    summary = train(cfg, tmp_path / "r")
+    df = load_metrics(tmp_path / "r")
+    assert list(df.columns) == ["step", "metric", "loop", "layer", "value"]
+    assert len(list((tmp_path / "r" / "metrics").glob("part-*.parquet"))) >= 3  # appended while training
+    step3 = df[df.step == 3]
+    assert len(step3[step3.metric == M.RESID_NORM]) == 2 * 2
+    assert len(step3[step3.metric == M.ACT_GRAD_NORM]) == 2 * 2
+    assert len(step3[step3.metric == M.ATTN_ENTROPY]) == 2 * 2
+    for m in (M.LOSS, M.LR, M.GRAD_NORM, M.GRAD_COSINE, M.SIGN_FLIP, "update_ratio/attn", "grad_norm/head"):
+        assert m in set(df.metric), m
+    assert not df[(df.step == 0) & (df.metric == M.GRAD_COSINE)].size  # no previous step at step 0
+    # the global grad norm is the root of the summed squared group norms
+    g = df[(df.step == 3) & df.metric.str.startswith("grad_norm/")].value
+    assert series(df, M.GRAD_NORM)[3] == pytest.approx(math.sqrt((g ** 2).sum()), rel=1e-5)
+    cfg_json = __import__("json").loads((tmp_path / "r" / "config.json").read_text())
+    assert cfg_json["env"]["torch"] == torch.__version__ and cfg_json["train"]["seed"] == 0
+    assert summary["verdict"] in ("stable", "collapsed") and "evidence" in summary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant,expected", [("lt", "collapsed"), ("flt", "stable")])
+def test_tiny_preset_contrast(tmp_path, variant, expected):
+    """The headline phenomenon (minutes): 12-loop LT collapses on tiny, FLT does not."""
+    s = train(tiny_config(variant=variant, loops=12, steps=800, eval_every=0), tmp_path / variant)
+    assert s["verdict"] == expected
+    assert s["residual_explosion"] == (variant == "lt")
