@@ -29,6 +29,8 @@ import matplotlib
 if "matplotlib.pyplot" not in sys.modules:  # headless by default; leave an interactive session alone
     matplotlib.use("Agg")
 import matplotlib.colors as mcolors  # noqa: E402
+from matplotlib import ticker  # noqa: E402
+from matplotlib.cm import ScalarMappable  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
@@ -38,7 +40,7 @@ from matplotlib.patches import Patch, Rectangle  # noqa: E402
 from . import metric_names as M  # noqa: E402
 from .metrics import oscillation_indices  # noqa: E402
 from .storage import (METRICS, SWEEP_SPEC, StorageError, is_sweep, load_config, load_eval_loops,  # noqa: E402
-                      load_metrics, load_summary, read_json, run_dirs, run_label)
+                      load_metrics, load_summary, read_json, run_dirs, run_label, series)
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +49,8 @@ VARIANT_COLORS = {"lt": "#0173b2", "lt-ii": "#de8f05", "lt-ai": "#029e73", "fla"
 OTHER_COLOR = "#7f7f7f"
 VERDICT_ORDER = ["stable", "collapsed", "diverged"]  # by severity (ties in a majority go to the worse)
 VERDICT_COLORS = {"stable": "#a6d96a", "collapsed": "#fdae61", "diverged": "#d7191c",
-                  "running": "#c6dbef", "pending": "#f0f0f0"}
+                  "running": "#c6dbef", "failed": "#969696", "pending": "#f0f0f0"}
+ERROR = "error.txt"  # written by flt_diag.sweep into a cell whose run raised
 LOOP_CMAP = "viridis"  # sequential palette for loop indices
 LINESTYLES = ["-", "--", ":", "-."]
 RUN_COLUMNS = ["run", "variant", "loops", "seed", "lr_scale"]
@@ -81,7 +84,10 @@ class Run:
 
     @property
     def status(self) -> str:
-        return self.summary["verdict"] if self.summary else "running"
+        """The verdict once finished, else "failed" (the sweep left an error.txt) or "running"."""
+        if self.summary:
+            return self.summary["verdict"]
+        return "failed" if (self.path / ERROR).exists() else "running"
 
     def sort_key(self) -> tuple:
         return self.lr_scale, self.seed, self.loops, variant_rank(self.variant), self.variant, self.name
@@ -196,16 +202,9 @@ def _osc(run: Run) -> dict:
     """Oscillation indices from the summary, or computed like flt_diag.metrics.summarize while running."""
     if run.summary and all(k in run.summary for k in OSC_LABELS):
         return {k: run.summary[k] for k in OSC_LABELS}
-    m = run.metrics
-    g = pd.Series(*_series_args(m, M.GRAD_NORM))
-    c = pd.Series(*_series_args(m, M.GRAD_COSINE))
+    g, c = series(run.metrics, M.GRAD_NORM), series(run.metrics, M.GRAD_COSINE)
     dense = run.config.get("diagnostics", {}).get("dense_steps", math.inf)
     return {f"osc_{k}": v for k, v in oscillation_indices(g[g.index < dense], c[c.index < dense]).items()}
-
-
-def _series_args(m: pd.DataFrame, metric: str):
-    sel = m[(m.metric == metric) & (m.loop == M.NONE) & (m.layer == M.NONE)]
-    return sel.value.to_numpy(dtype=float), sel.step.to_numpy()
 
 
 def gradients_data(src) -> pd.DataFrame:
@@ -255,10 +254,10 @@ def loss_data(src) -> pd.DataFrame:
 
 
 def _majority(verdicts: list[str]) -> tuple[str, int]:
+    """The most common verdict (ties go to the more severe one) and how many runs have it."""
     counts = Counter(verdicts)
-    best = max(counts.values())
-    worst_first = sorted(counts, key=lambda v: -VERDICT_ORDER.index(v) if v in VERDICT_ORDER else 1)
-    return next(v for v in worst_first if counts[v] == best), best
+    best = max(counts, key=lambda v: (counts[v], VERDICT_ORDER.index(v) if v in VERDICT_ORDER else -1))
+    return best, counts[best]
 
 
 SUMMARY_NUMBERS = ["final_loss", "best_loss", "val_loss", "val_ppl", "peak_resid_norm", "osc_cv",
@@ -267,20 +266,22 @@ SUMMARY_NUMBERS = ["final_loss", "best_loss", "val_loss", "val_ppl", "peak_resid
 
 def summary_table(src) -> pd.DataFrame:
     """One row per (lr_scale, variant, loops) cell of the grid: majority verdict over its finished seeds
-    ("running" while none finished, "pending" with no run folder yet), `agree` seeds agreeing with it,
-    `runs` and `finished` counts, any residual explosion, and the mean of each summary number."""
+    ("running" while none finished, "failed" when its runs only left an error.txt, "pending" with no
+    run folder yet), `agree` seeds agreeing with it, `runs` and `finished` counts, any residual
+    explosion, and the mean over finished seeds of each summary number."""
     study = _study(src, "collapse")
-    cells: dict[tuple, list[Run]] = {}
-    for key in _grid(study):
-        cells[key] = []
+    cells: dict[tuple, list[Run]] = {key: [] for key in _grid(study)}
     for run in study.runs:
         cells.setdefault((run.lr_scale, run.variant, run.loops), []).append(run)
     rows = []
     for (lr, variant, loops), runs in cells.items():
         done = [r.summary for r in runs if r.summary]
-        verdict, agree = _majority([s["verdict"] for s in done]) if done else ("running" if runs else "pending", 0)
-        numbers = {k: float(np.nanmean([_num(s.get(k)) for s in done])) if done and any(
-            np.isfinite(_num(s.get(k))) for s in done) else math.nan for k in SUMMARY_NUMBERS}
+        if done:
+            verdict, agree = _majority([s["verdict"] for s in done])
+        else:
+            statuses = {r.status for r in runs}
+            verdict, agree = ("running" if "running" in statuses else "failed" if runs else "pending"), 0
+        numbers = {k: _mean([s.get(k) for s in done]) for k in SUMMARY_NUMBERS}
         rows.append(dict(lr_scale=lr, variant=variant, loops=loops, verdict=verdict, agree=agree, runs=len(runs),
                          finished=len(done), residual_explosion=any(bool(s.get("residual_explosion")) for s in done),
                          **numbers))
@@ -290,8 +291,11 @@ def summary_table(src) -> pd.DataFrame:
     return df.loc[order.index].reset_index(drop=True)
 
 
-def _num(x) -> float:
-    return float(x) if isinstance(x, (int, float)) else math.nan
+def _mean(values) -> float:
+    """Mean of the finite numbers among `values` (NaN when there are none)."""
+    v = np.array([x for x in values if isinstance(x, (int, float))], dtype=float)
+    v = v[np.isfinite(v)]
+    return float(v.mean()) if len(v) else math.nan
 
 
 def _grid(study: Study) -> list[tuple]:
@@ -373,7 +377,7 @@ def _auto_yscale(ax, values) -> None:
         _log_y(ax)
 
 
-class _PlainLogFormatter(matplotlib.ticker.LogFormatter):
+class _PlainLogFormatter(ticker.LogFormatter):
     """Log-axis tick labels as plain numbers (0.5, 20, 1e-05), labelling minor ticks on short ranges."""
 
     def _num_to_string(self, x, vmin, vmax):
@@ -388,8 +392,7 @@ def _log_y(ax) -> None:
 
 def _empty(ax, text="no data") -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.5")
-    ax.set_xticks([])
-    ax.set_yticks([])
+    ax.set_axis_off()  # (not set_*ticks([]), which would clear the ticks of every shared axis)
 
 
 def _finish(fig: Figure, title: str) -> Figure:
@@ -430,7 +433,7 @@ def draw_residuals(df: pd.DataFrame) -> Figure:
                 if j == 0:
                     ax.set_ylabel("‖h‖ at loop end")
         _finish(fig, "Residual norm at the end of each loop")
-        sm = matplotlib.cm.ScalarMappable(norm=norm, cmap=cmap)
+        sm = ScalarMappable(norm=norm, cmap=cmap)
         fig.colorbar(sm, ax=axes.ravel().tolist(), label="loop", shrink=0.8, pad=0.02)
     return fig
 
@@ -526,7 +529,7 @@ def draw_gradients(df: pd.DataFrame) -> Figure:
                     _log_y(ax)
                 if metric == M.ACT_GRAD_NORM:
                     ax.set_xlabel("loop")
-                    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+                    ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
                 elif i == len(loops_values) - 1:
                     ax.set_xlabel("step")
             _osc_table(axes[i, 3], rows, labels)
@@ -581,7 +584,7 @@ def _text_color(fill: str) -> str:
 
 
 def _cell_text(row) -> str:
-    if row.verdict in ("running", "pending"):
+    if row.verdict in ("running", "failed", "pending"):
         return row.verdict
     text = f"{row.final_loss:.2f}" + ("*" if row.residual_explosion else "")
     if row.runs > 1:
@@ -640,7 +643,7 @@ def draw_loops(df: pd.DataFrame) -> Figure:
                         mew=0.5)
             ax.set_title(f"trained with K={k}")
             ax.set_xlabel("inference loops")
-            ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+            ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
             ax.legend(fontsize="small")
         axes[0, 0].set_ylabel("validation loss")
         _auto_yscale(axes[0, 0], df.val_loss)
@@ -694,7 +697,8 @@ def render(study: Study, kinds=None) -> tuple[dict[str, Figure], dict[str, str]]
 
 
 def save(fig: Figure, path: Path, dpi: int = DPI) -> Path:
-    """Write a figure atomically (format from the suffix; PDFs without a creation date)."""
+    """Write a figure atomically (format from the suffix; PDFs without a creation date), inside
+    `style()` so that tick labels are laid out as intended."""
     path = Path(path)
     tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
     meta = {"CreationDate": None} if path.suffix == ".pdf" else None

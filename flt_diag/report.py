@@ -26,7 +26,7 @@ TABLE_COLUMNS = {
     "Final loss": ("final_loss", "{:.3f}"),
     "Val loss": ("val_loss", "{:.3f}"),
     "Val ppl": ("val_ppl", "{:.2f}"),
-    "Peak ‖h‖": ("peak_resid_norm", "{:.1f}"),
+    "Peak ‖h‖ (last loop)": ("peak_resid_norm", "{:.1f}"),
     "Osc |Δlog g|": ("osc_mean_abs_dlog", "{:.3f}"),
 }
 

@@ -1,0 +1,53 @@
+"""Regenerate every figure, the results table and the HTML report of a study from its folders alone.
+
+    python analysis/regenerate.py SWEEP [--out DIR]
+
+Writes <DIR>/<figure>.png|pdf, <DIR>/table.csv (one row per cell, full precision),
+<DIR>/table.md (the report's table) and the report (<DIR>/report.html with --out, else
+<SWEEP>/report.html). Default DIR: <SWEEP>/figures. Works on a run folder too, and on a sweep
+still in progress. Imports only flt_diag.plotting / report / storage: never the training code.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from flt_diag import plotting, report  # noqa: E402
+from flt_diag.storage import StorageError  # noqa: E402
+
+
+def regenerate(sweep: Path, out: Path | None = None, formats=("png", "pdf")) -> list[Path]:
+    """Write every output; returns the paths written."""
+    fig_dir = out if out is not None else sweep / "figures"
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    study = plotting.collect(sweep)
+    figures, skipped = plotting.render(study)
+    written = [plotting.save(fig, fig_dir / f"{kind}.{fmt}") for kind, fig in figures.items() for fmt in formats]
+    for kind, why in skipped.items():
+        print(f"skipped {why}", file=sys.stderr)
+    plotting.summary_table(study).to_csv(fig_dir / "table.csv", index=False)
+    (fig_dir / "table.md").write_text(report.markdown(report.results_table(study)))
+    html = (out / report.REPORT) if out is not None else sweep / report.REPORT
+    written += [fig_dir / "table.csv", fig_dir / "table.md", report.write_html(study, figures, skipped, html)]
+    return written
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sweep", type=Path, help="sweep folder (or a single run folder)")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: SWEEP/figures)")
+    args = parser.parse_args(argv)
+    try:
+        for path in regenerate(args.sweep, args.out):
+            print(path)
+    except StorageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
