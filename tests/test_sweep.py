@@ -1,0 +1,142 @@
+import pandas as pd
+import pytest
+
+from conftest import tiny_config
+from flt_diag import sweep as S
+from flt_diag.cli import expand_list_options, main
+from flt_diag.storage import StorageError, load_summary
+from flt_diag.train import Callback, Trainer
+
+
+def spec(variants=("lt", "flt"), loops=(1, 2), seeds=(0,), lrs=(1.0,), steps=4):
+    return S.SweepSpec(tiny_config(steps=steps, checkpoint_every=2), list(variants), list(loops), list(seeds), list(lrs))
+
+
+def test_cell_expansion_order_and_names():
+    cells = spec(variants=["lt", "fla", "flt"], loops=[3, 12], seeds=[0, 1], lrs=[0.5, 1.0]).cells()
+    assert len(cells) == 3 * 2 * 2 * 2
+    assert [c.index for c in cells] == list(range(24))
+    assert cells[0].name == "lt_K03_seed0_lr0.5" and cells[-1].name == "flt_K12_seed1_lr1"
+    assert len({c.name for c in cells}) == 24
+    assert [(c.variant, c.loops) for c in cells[:6]] == [(v, k) for k in (3, 12) for v in ("lt", "fla", "flt")]
+    cfg = spec().cell_config(cells[11])  # lr scale outermost, then seed, loops, variant
+    assert (cfg.model.variant, cfg.model.loops, cfg.train.seed, cfg.train.lr_scale) == ("flt", 12, 1, 0.5)
+
+
+@pytest.mark.parametrize("bad", [dict(loops=[]), dict(variants=["lt", "lt"]), dict(loops=[0]), dict(variants=["zz"])])
+def test_bad_specs(bad):
+    with pytest.raises(ValueError):
+        spec(**bad)
+
+
+def test_list_options_space_separated_repeated_and_commas():
+    assert expand_list_options(["run-ablation", "--loops", "3", "6", "9", "--out", "x"]) == \
+        ["run-ablation", "--loops", "3", "--loops", "6", "--loops", "9", "--out", "x"]
+    assert expand_list_options(["--loops", "3", "--loops", "6"]) == ["--loops", "3", "--loops", "6"]
+    assert expand_list_options(["--loops=3,6", "--variants", "lt", "flt"]) == \
+        ["--loops", "3", "--loops", "6", "--variants", "lt", "--variants", "flt"]
+    assert expand_list_options(["--lr-scale", "0.5", "-1", "--list"]) == ["--lr-scale", "0.5", "--lr-scale", "-1", "--list"]
+
+
+def test_cli_list_parses_space_separated(tmp_path, capsys):
+    out = tmp_path / "sw"
+    assert main(["run-ablation", "--preset", "tiny", "--loops", "3", "6", "--variants", "lt", "flt",
+                 "--seeds", "0", "1", "--out", str(out), "--list"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 8 and "lt_K03_seed0_lr1" in lines[0] and lines[0].split()[-1] == "pending"
+    assert not out.exists()  # --list writes nothing
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--variants", "lt", "bogus"], "unknown variant 'bogus'"),
+    (["--loops", "3", "0"], "loops must be >= 1"),
+    (["--loops", "3", "x"], "Invalid value for '--loops'"),
+    (["--lr-scale", "0"], "lr scale must be > 0"),
+    (["--loops", "3", "3"], "duplicates"),
+    (["--cell", "99"], "--cell must be in 0.."),
+    (["--out", "/proc/forbidden/sweep"], "cannot create sweep folder"),
+])
+def test_cli_bad_input_before_training(args, message, capsys, tmp_path):
+    argv = ["run-ablation", "--preset", "tiny", "--steps", "2", "--out", str(tmp_path / "s")] + args
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "s" / "cells").exists() or not any((tmp_path / "s" / "cells").iterdir())
+
+
+def test_sweep_runs_skips_finished_and_writes_summary(tmp_path, monkeypatch):
+    sp = spec()
+    df = S.run_sweep(sp, tmp_path / "sw", show_progress=False)
+    assert len(df) == 4 and set(df.verdict) <= {"stable", "collapsed", "diverged"}
+    pq, csv = pd.read_parquet(tmp_path / "sw" / "summary.parquet"), pd.read_csv(tmp_path / "sw" / "summary.csv")
+    assert list(pq.cell) == list(csv.cell) and list(pq.verdict) == list(csv.verdict)
+    assert pq.final_loss.tolist() == pytest.approx(csv.final_loss.tolist())
+    assert list(pd.read_csv(tmp_path / "sw" / "summary.csv").cell) == [c.name for c in sp.cells()]
+    monkeypatch.setattr(S, "run_cell", lambda *a, **k: pytest.fail("re-ran a finished cell"))
+    assert len(S.run_sweep(spec(), tmp_path / "sw", show_progress=False)) == 4
+
+
+class Kill(Callback):
+    def after_step(self, trainer, step):
+        if step == 2:
+            raise KeyboardInterrupt
+
+
+def test_killed_cell_is_resumed_and_others_skipped(tmp_path):
+    sp = spec(variants=["lt"], loops=[1, 2])
+    S.prepare_folder(sp, tmp_path / "sw")
+    first, second = sp.cells()
+    with pytest.raises(KeyboardInterrupt):  # cell 0 dies after a mid-run checkpoint at step 2
+        Trainer(sp.cell_config(first), tmp_path / "sw" / "cells" / first.name, callbacks=[Kill()]).fit()
+    assert S.cell_status(tmp_path / "sw", first) == "partial"
+    df = S.run_sweep(sp, tmp_path / "sw", show_progress=False)
+    assert len(df) == 2 and (df.steps_done == 4).all()
+    # the resumed cell equals an uninterrupted run of the same config
+    Trainer(sp.cell_config(first), tmp_path / "straight").fit()
+    from flt_diag.storage import load_metrics
+    assert load_metrics(tmp_path / "straight").equals(load_metrics(tmp_path / "sw" / "cells" / first.name))
+
+
+def test_changed_spec_is_refused(tmp_path):
+    S.run_sweep(spec(variants=["lt"], loops=[1]), tmp_path / "sw", show_progress=False)
+    for changed in (spec(variants=["lt"], loops=[1, 2]), spec(variants=["lt"], loops=[1], steps=5)):
+        with pytest.raises(StorageError, match="different spec"):
+            S.run_sweep(changed, tmp_path / "sw", show_progress=False)
+    assert len(pd.read_csv(tmp_path / "sw" / "summary.csv")) == 1
+
+
+def test_failed_cell_does_not_stop_the_sweep(tmp_path, monkeypatch):
+    import flt_diag.train as T
+    real = T.train
+
+    def flaky(cfg, run_dir, **kw):
+        if cfg.model.variant == "lt":
+            raise RuntimeError("boom")
+        return real(cfg, run_dir, **kw)
+
+    monkeypatch.setattr(T, "train", flaky)
+    df = S.run_sweep(spec(loops=[1]), tmp_path / "sw", show_progress=False)
+    assert list(df.variant) == ["flt"]
+    assert "boom" in (tmp_path / "sw" / "cells" / "lt_K01_seed0_lr1" / "error.txt").read_text()
+
+
+def test_cell_option_runs_one_cell(tmp_path, capsys):
+    argv = ["run-ablation", "--preset", "tiny", "--steps", "3", "--loops", "1", "2", "--variants", "flt",
+            "--out", str(tmp_path / "sw"), "--quiet"]
+    assert main(argv + ["--cell", "1"]) == 0
+    assert load_summary(tmp_path / "sw" / "cells" / "flt_K02_seed0_lr1") is not None
+    assert not (tmp_path / "sw" / "cells" / "flt_K01_seed0_lr1").exists()
+    capsys.readouterr()
+    assert main(argv + ["--list"]) == 0
+    status = [line.split()[-1] for line in capsys.readouterr().out.strip().splitlines()]
+    assert status == ["pending", "done"]
+
+
+def test_parallel_workers(tmp_path):
+    df = S.run_sweep(spec(variants=["flt"], loops=[1, 2], steps=3), tmp_path / "sw", workers=2, show_progress=False)
+    assert len(df) == 2 and (df.steps_done == 3).all()
+    # workers split the 2 cores: each cell ran with one thread
+    import json
+    for c in ("flt_K01_seed0_lr1", "flt_K02_seed0_lr1"):
+        env = json.loads((tmp_path / "sw" / "cells" / c / "config.json").read_text())["env"]
+        assert env["threads"] == max(1, (__import__("os").cpu_count() or 1) // 2)
