@@ -200,7 +200,8 @@ def train(
     trainer = Trainer(cfg, out, progress=_console_progress(cfg.train.steps, f"{variant} K={loops}"))
     summary = trainer.fit()
     _progress_bar.close()
-    _print_run_summary(out, summary)
+    if summary:  # empty on DDP ranks other than 0
+        _print_run_summary(out, summary)
 
 
 class _ConsoleProgress:
@@ -295,6 +296,48 @@ def run_ablation(
     df = run_sweep(spec, out, workers=workers, only_cell=cell, show_progress=not quiet)
     _print_table(df)
     print(f"sweep folder: {out}  (plots: flt-diag plot all {out}; report: flt-diag report {out})")
+
+
+@app.command()
+def study(
+    path: Path = typer.Argument(..., help="A study file from experiments/ (TOML)."),
+    workers: int = typer.Option(1, "--workers", min=1, help="Cells in parallel processes."),
+    list_cells: bool = typer.Option(False, "--list", help="Print the cells and exit."),
+    cell: Optional[int] = typer.Option(None, "--cell", help="Run only cell I (for job arrays)."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+):
+    """Run a named study: the [ablation] table of a TOML file, as `run-ablation` options."""
+    argv = study_argv(path) + ["--workers", str(workers)] + (["--list"] if list_cells else []) \
+        + (["--cell", str(cell)] if cell is not None else []) + (["--quiet"] if quiet else [])
+    code = main(argv)
+    if code:
+        raise typer.Exit(code)
+
+
+def study_argv(path: Path) -> list[str]:
+    """The run-ablation arguments of a study file."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    try:
+        spec = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UserError(f"no such study file: {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"{path}: not valid TOML ({e})") from None
+    if "ablation" not in spec:
+        raise UserError(f"{path}: no [ablation] table")
+    argv = ["run-ablation"]
+    for key, value in spec["ablation"].items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)]
+        elif value is not False:
+            argv += [flag, str(value)]
+    return argv
 
 
 @app.command()

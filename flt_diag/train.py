@@ -158,7 +158,22 @@ class Trainer:
 
     # ------------------------------------------------------------------ run folder
     def _prepare_folder(self) -> bool:
-        """Create or reuse the run folder. Returns False if the run has already finished."""
+        """Create or reuse the run folder. Returns False if the run has already finished.
+        Under DDP, rank 0 does this while the other ranks wait, then they read the same state."""
+        if not self.is_main:
+            torch.distributed.barrier()
+            if (self.run_dir / SUMMARY).exists():
+                return False
+            if (self.run_dir / RESUME).exists():
+                self._load_resume()
+            return True
+        try:
+            return self._prepare_folder_main()
+        finally:
+            if self.world > 1:
+                torch.distributed.barrier()
+
+    def _prepare_folder_main(self) -> bool:
         d = self.run_dir
         cfg_dict = self.cfg.to_dict()
         if (d / CONFIG).exists():
@@ -171,8 +186,6 @@ class Trainer:
                 return False
         elif d.exists() and any(d.iterdir()):
             raise RunConflict(f"{d} exists, is not empty and is not a run folder; use another --out")
-        if not self.is_main:
-            return True
         try:
             d.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -181,7 +194,7 @@ class Trainer:
             raise StorageError(f"cannot write to {d}")
         write_json(d / CONFIG, {**cfg_dict, "env": environment(self.device),
                                 "corpus": {"train_tokens": len(self.train_data), "val_tokens": len(self.val_data),
-                                         "unigram_entropy": self.train_data.unigram_entropy}})
+                                           "unigram_entropy": self.train_data.unigram_entropy}})
         self.writer = MetricsWriter(d)
         self.sinks = _external_sinks(self.cfg, d)
         if (d / RESUME).exists():
@@ -209,7 +222,8 @@ class Trainer:
         for cb, s in zip(self.callbacks, state["callbacks"]):
             cb.load_state_dict(s)
         self.start_step, self.wall_time = state["step"], state["wall_time"]
-        self.writer.truncate_after(self.start_step - 1)
+        if self.writer is not None:
+            self.writer.truncate_after(self.start_step - 1)
 
     def save_checkpoint(self, path: Path) -> None:
         tmp = path.with_name(f".{path.name}.tmp")
@@ -305,6 +319,7 @@ class Trainer:
         if self.stop_reason is None:
             self._evaluate(t.steps - 1)
         if not self.is_main:
+            torch.distributed.destroy_process_group()
             return {}
         self.writer.flush()
         self.save_checkpoint(self.run_dir / CHECKPOINT)

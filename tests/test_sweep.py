@@ -140,3 +140,15 @@ def test_parallel_workers(tmp_path):
     for c in ("flt_K01_seed0_lr1", "flt_K02_seed0_lr1"):
         env = json.loads((tmp_path / "sw" / "cells" / c / "config.json").read_text())["env"]
         assert env["threads"] == max(1, (__import__("os").cpu_count() or 1) // 2)
+
+
+def test_every_study_file_lists_its_cells(capsys):
+    from pathlib import Path
+    from flt_diag.cli import study_argv
+    studies = sorted((Path(__file__).parent.parent / "experiments").glob("*.toml"))
+    assert len(studies) >= 6
+    for path in studies:
+        argv = study_argv(path)
+        assert argv[0] == "run-ablation" and "--out" in argv
+        assert main(argv + ["--list"]) == 0, path
+        assert capsys.readouterr().out.strip()
