@@ -306,7 +306,7 @@ def study(
     cell: Optional[int] = typer.Option(None, "--cell", help="Run only cell I (for job arrays)."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
 ):
-    """Run a named study: the [ablation] table of a TOML file, as `run-ablation` options."""
+    """Run a named study: the `ablation` table of a TOML file, as run-ablation options."""
     argv = study_argv(path) + ["--workers", str(workers)] + (["--list"] if list_cells else []) \
         + (["--cell", str(cell)] if cell is not None else []) + (["--quiet"] if quiet else [])
     code = main(argv)
