@@ -225,10 +225,10 @@ class Trainer:
         if self.writer is not None:
             self.writer.truncate_after(self.start_step - 1)
 
-    def save_checkpoint(self, path: Path) -> None:
+    def save_checkpoint(self, path: Path, steps_done: int) -> None:
         tmp = path.with_name(f".{path.name}.tmp")
         torch.save({"model": self.model.state_dict(), "model_config": self.cfg.model.to_dict(),
-                    "step": self.cfg.train.steps}, tmp)
+                    "step": steps_done}, tmp)
         os.replace(tmp, path)
 
     # ------------------------------------------------------------------ training
@@ -251,6 +251,9 @@ class Trainer:
                 _, loss = self.ddp_model(x, y, loss_on=t.loss_on)
             (loss / t.grad_accum).backward()
             total += loss.detach() / t.grad_accum
+        if self.world > 1:  # every rank logs (and judges) the same, global mean loss
+            torch.distributed.all_reduce(total)
+            total /= self.world
         for cb in self.callbacks:
             cb.after_backward(self, step)
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -322,7 +325,7 @@ class Trainer:
             torch.distributed.destroy_process_group()
             return {}
         self.writer.flush()
-        self.save_checkpoint(self.run_dir / CHECKPOINT)
+        self.save_checkpoint(self.run_dir / CHECKPOINT, step + 1)
         summary = summarize(load_metrics(self.run_dir), self.cfg,
                             unigram_entropy=self.train_data.unigram_entropy,
                             wall_time=self.wall_time, stop_reason=self.stop_reason,
