@@ -173,3 +173,20 @@ def test_cli_train_then_refuses_other_config_without_touching_the_run(tmp_path, 
     code, err = run_cli(base[:-4] + ["--variant", "lt", "--out", str(out)], capsys)
     assert code == 2 and "different config" in err and "model.variant" in err
     assert {p.name: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+
+
+@pytest.mark.slow
+def test_ddp_with_torchrun_on_cpu(tmp_path):
+    """Two gloo ranks via torchrun: one run folder, written once, with the global mean loss."""
+    import shutil
+    import subprocess
+    import sys
+    torchrun = shutil.which("torchrun") or str(__import__("pathlib").Path(sys.executable).parent / "torchrun")
+    out = tmp_path / "ddp"
+    cmd = [torchrun, "--standalone", "--nproc_per_node", "2", "-m", "flt_diag.cli", "train", "--preset", "tiny",
+           "--variant", "flt", "--loops", "2", "--steps", "4", "--out", str(out), "--device", "cpu",
+           "--threads", "1", "--eval-every", "0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert load_summary(out)["steps_done"] == 4
+    assert len(losses(out)) == 4  # rank 0 wrote each step once

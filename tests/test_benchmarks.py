@@ -1,0 +1,134 @@
+"""Smoke test of benchmarks/bench.py at a toy size (seconds): the unrolled reference, the FLOP
+formula, the memory measurement and the JSON output."""
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flt_diag.model import Block, LoopedTransformer, ModelConfig, parameter_groups
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("flt_bench", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["flt_bench"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def toy_spec(bench):
+    return bench.BenchSpec("tiny", model=dict(n_layer=1, n_embd=32, n_head=2, sequence_len=16),
+                           train=dict(batch_size=4), step_loops=2, mem_loops=(3, 12), repeats=2,
+                           steps_per_sample=1, warmup=1, peak_size=64, description="toy")
+
+
+def test_unrolled_has_LK_distinct_blocks_of_the_same_shapes(bench):
+    cfg = ModelConfig(n_layer=2, n_embd=32, n_head=2, sequence_len=16, loops=3, variant="lt")
+    looped, unrolled = LoopedTransformer(cfg), bench.UnrolledTransformer(cfg)
+    assert len(unrolled.blocks) == 2 * 3
+    assert all(isinstance(b, Block) for b in unrolled.blocks)
+    ptrs = [p.data_ptr() for b in unrolled.blocks for p in b.parameters()]
+    assert len(set(ptrs)) == len(ptrs)  # no weight is shared
+    ref = [(n, p.shape) for n, p in looped.blocks[0].named_parameters()]
+    for b in unrolled.blocks:
+        assert [(n, p.shape) for n, p in b.named_parameters()] == ref
+    assert unrolled.embed.weight.shape == looped.embed.weight.shape
+    assert unrolled.head.weight.shape == looped.head.weight.shape
+    n_looped = sum(p.numel() for p in looped.blocks.parameters())
+    assert sum(p.numel() for p in unrolled.blocks.parameters()) == 3 * n_looped
+    assert len(parameter_groups(unrolled)) == 2 + 2 * 6  # the optimizer recipe sees every block
+
+
+def test_unrolled_with_one_loop_is_the_looped_model(bench):
+    cfg = ModelConfig(n_layer=2, n_embd=32, n_head=2, sequence_len=16, loops=1, variant="lt")
+    torch.manual_seed(0)
+    looped = LoopedTransformer(cfg)
+    torch.manual_seed(0)
+    unrolled = bench.UnrolledTransformer(cfg)
+    for b in looped.blocks:  # the init zeroes o and down; make the blocks do something
+        torch.nn.init.normal_(b.attn.o.weight, std=0.1)
+        torch.nn.init.normal_(b.mlp.down.weight, std=0.1)
+    unrolled.load_state_dict(looped.state_dict())
+    idx = torch.randint(0, 256, (2, 16))
+    torch.testing.assert_close(unrolled(idx), looped(idx))
+
+
+def test_flop_formula_matches_a_hand_count(bench):
+    # L=1, K=2, d=8, V=16, T=4, B=2: tokens = 8, block matmul weights = 12 * 64 = 768
+    cfg = ModelConfig(n_layer=1, n_embd=8, n_head=2, sequence_len=4, vocab_size=16, loops=2)
+    f = bench.train_flops(cfg, batch_size=2)
+    assert f["blocks"] == 6 * 8 * (1 * 2) * 768 == 73728
+    assert f["head"] == 6 * 8 * 8 * 16 == 6144
+    assert f["attention"] == 6 * 2 * 4 ** 2 * 8 * (1 * 2) == 3072
+    assert f["total"] == 82944
+    assert bench.train_flops(cfg, batch_size=2, grad_accum=3)["total"] == 3 * 82944
+    block = Block(ModelConfig(n_embd=8, n_head=2))
+    assert bench.matmul_params_per_block(8) == sum(m.weight.numel() for m in block.modules()
+                                                   if isinstance(m, torch.nn.Linear))
+
+
+def test_checkpointing_cuts_activation_memory(bench, one_thread):
+    rows = bench.memory_sweep(toy_spec(bench), "flt", [3, 12], "cpu")
+    by = {(r["loops"], r["checkpoint"]): r for r in rows}
+    assert by[(12, True)]["peak_bytes"] < by[(12, False)]["peak_bytes"]
+    assert by[(12, True)]["saved_bytes"] < by[(12, False)]["saved_bytes"]
+    assert by[(12, False)]["peak_bytes"] > by[(3, False)]["peak_bytes"]
+    assert all(r["peak_bytes"] > 0 and r["saved_bytes"] > 0 for r in rows)
+
+
+def test_main_writes_sane_json(bench, one_thread, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(bench.BENCH_PRESETS, "toy", toy_spec(bench))
+    out = tmp_path / "bench.json"
+    assert bench.main(["--preset", "toy", "--variants", "lt", "flt", "--diag-variants", "flt",
+                       "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    printed = capsys.readouterr().out
+    assert "looped/unrolled" in printed and "targets:" in printed
+    assert res["unrolled_blocks"] == 1 * 2
+    assert [r["variant"] for r in res["steps"]] == ["lt", "flt", "unrolled"]
+    for r in res["steps"]:
+        assert r["step_s"]["n"] == 2 and r["step_s"]["median"] > 0
+        assert 0 < r["mfu"]["median"] < 1
+        assert r["fwd_bwd_s"]["median"] > 0
+        if r["variant"] != "unrolled":
+            assert math.isfinite(r["vs_unrolled"]["median"]) and r["vs_unrolled"]["median"] > 0
+    flt = next(r for r in res["steps"] if r["variant"] == "flt")
+    assert flt["diag_overhead"]["median"] > 0
+    assert res["peak_flops"]["median"] > 0
+    assert set(res["targets"]) == {"step_vs_unrolled", "diagnostics_overhead", "checkpoint_memory_ratio"}
+    assert res["memory"]["ratio_checkpoint"]["loops"] == [3, 12]
+    assert res["memory"]["ratio_plain"]["peak"] > res["memory"]["ratio_checkpoint"]["peak"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed without CUDA")
+def test_cuda_without_cuda_is_one_clear_line(bench, capsys):
+    assert bench.main(["--device", "cuda", "--quick"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "CUDA is not available" in err
+
+
+def test_quick_command_line(tmp_path):
+    """`python benchmarks/bench.py --quick` as a user runs it (one variant to stay fast)."""
+    import subprocess
+    out = tmp_path / "quick.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--variants", "flt", "--loops", "3", "6",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["quick"] and res["env"]["threads"] == 1
+    assert "MET" in proc.stdout or "MISSED" in proc.stdout
