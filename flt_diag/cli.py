@@ -250,8 +250,8 @@ def run_ablation(
     preset: str = PresetOpt,
     steps: Optional[int] = StepsOpt,
     out: Optional[Path] = typer.Option(None, "--out", help="Sweep folder [default: runs/ablation-<preset>]."),
-    workers: int = typer.Option(1, "--workers", min=1, help="Cells in parallel processes (CPU threads are "
-                                "split among them; on several GPUs, one cell per GPU)."),
+    workers: int = typer.Option(0, "--workers", min=0, help="Cells in parallel processes; 0 = auto (one per "
+                                "CPU core, each with one thread; one per GPU on a multi-GPU machine)."),
     list_cells: bool = typer.Option(False, "--list", help="Print the cells (index, name, status) and exit."),
     cell: Optional[int] = typer.Option(None, "--cell", help="Run only cell I (for job arrays)."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", min=1, help="Sequences per micro-batch."),
@@ -301,7 +301,7 @@ def run_ablation(
 @app.command()
 def study(
     path: Path = typer.Argument(..., help="A study file from experiments/ (TOML)."),
-    workers: int = typer.Option(1, "--workers", min=1, help="Cells in parallel processes."),
+    workers: int = typer.Option(0, "--workers", min=0, help="Cells in parallel processes; 0 = auto."),
     list_cells: bool = typer.Option(False, "--list", help="Print the cells and exit."),
     cell: Optional[int] = typer.Option(None, "--cell", help="Run only cell I (for job arrays)."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
@@ -341,9 +341,34 @@ def study_argv(path: Path) -> list[str]:
 
 
 @app.command()
-def summary(path: Path = typer.Argument(..., help="A sweep or run folder.")):
+def summary(
+    path: Path = typer.Argument(..., help="A sweep or run folder."),
+    recompute: bool = typer.Option(False, "--recompute", help="Recompute every finished run's verdict and "
+                                   "figures from its stored metrics (e.g. with new thresholds)."),
+    smooth_window: Optional[int] = typer.Option(None, "--smooth-window", min=1, help="Verdict: steps of the "
+                                                "loss smoothing [default: 50]."),
+    rebound_abs: Optional[float] = typer.Option(None, "--rebound-abs", min=0, help="Verdict: climb threshold, "
+                                                "nats [default: 0.25]."),
+    recovery_abs: Optional[float] = typer.Option(None, "--recovery-abs", min=0, help="Verdict: recovery "
+                                                 "tolerance, nats [default: 0.1]."),
+    explosion_ratio: Optional[float] = typer.Option(None, "--explosion-ratio", min=0, help="Residual "
+                                                    "explosion above ratio * sqrt(d) [default: 25]."),
+):
     """Print the summary table of a sweep (or the summary of one run)."""
     from .storage import is_sweep, load_summary, run_dirs
+    overrides = {k: v for k, v in dict(smooth_window=smooth_window, rebound_abs=rebound_abs,
+                                       recovery_abs=recovery_abs, explosion_ratio=explosion_ratio).items()
+                 if v is not None}
+    if overrides and not recompute:
+        raise UserError("verdict thresholds need --recompute")
+    if recompute:
+        from .metrics import resummarize
+        for d in run_dirs(path):
+            if load_summary(d) is not None:
+                resummarize(d, overrides)
+        if is_sweep(path):
+            from .sweep import write_summary
+            write_summary(path)
     if is_sweep(path):
         from .sweep import sweep_summary
         _print_table(sweep_summary(path))

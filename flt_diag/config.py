@@ -30,7 +30,8 @@ class TrainConfig:
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
     compile: bool | None = None  # torch.compile the blocks; None = on for CUDA
     checkpoint_loops: bool = False  # activation checkpointing, one segment per loop
-    threads: int | None = None  # CPU threads (torch.set_num_threads); None = torch's default
+    threads: int | None = None  # CPU threads; None = 1 on CPU (parallelise with sweep workers instead)
+    flush_denormal: bool = True  # CPU: flush subnormal floats to zero (collapsed LT runs make many)
     eval_every: int = 250  # steps between validation losses (and at the end); 0 = only at the end
     eval_batches: int = 8  # validation micro-batches per evaluation
     checkpoint_every: int = 500  # steps between resume checkpoints; 0 = none
@@ -53,9 +54,11 @@ class DiagnosticsConfig:
 @dataclass
 class VerdictConfig:
     smooth_window: int = 50  # steps in the trailing mean that smooths the loss
-    rebound_abs: float = 0.25  # collapsed if final smoothed loss > min + max(rebound_abs, ...
-    rebound_rel: float = 0.1  # ... rebound_rel * min)
-    explosion_ratio: float = 25.0  # residual explosion if peak loop-end norm > ratio * sqrt(d)
+    rebound_abs: float = 0.25  # collapsed if the smoothed loss climbs > max(rebound_abs, ...
+    rebound_rel: float = 0.1  # ... rebound_rel * min) above its running minimum ...
+    recovery_abs: float = 0.1  # ... and ends > max(recovery_abs, ...
+    recovery_rel: float = 0.05  # ... recovery_rel * min) above its best
+    explosion_ratio: float = 100.0  # residual explosion if peak final-loop norm > ratio * sqrt(d)
     osc_window: int = 200  # steps per window of the oscillation indices
 
 
@@ -73,7 +76,7 @@ class RunConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "RunConfig":
         return cls(model=ModelConfig(**d["model"]), train=TrainConfig(**d["train"]),
-                   diagnostics=DiagnosticsConfig(**d["diagnostics"]), verdict=VerdictConfig(**d["verdict"]),
+                   diagnostics=DiagnosticsConfig(**d["diagnostics"]), verdict=VerdictConfig(**d.get("verdict", {})),
                    preset=d.get("preset", "custom"))
 
 

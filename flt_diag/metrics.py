@@ -8,12 +8,14 @@ Oscillation indices of a gradient-norm series g_1..g_n (one definition each, use
 Each is computed per window of `osc_window` recorded steps and over the whole run. A series
 recorded every N steps gives indices over N-step differences.
 
-Verdict (thresholds in VerdictConfig):
+Verdict (thresholds in VerdictConfig). s = the loss smoothed by a trailing mean over
+`smooth_window` steps; climb = max over t of (s_t - min_{u<=t} s_u), the largest rise above the
+running minimum; gap = s_final - min(s).
   diverged   a non-finite training loss
-  collapsed  the smoothed loss (trailing mean over `smooth_window` steps) ends more than
-             max(rebound_abs, rebound_rel * min) above its minimum, or never gets below the
+  collapsed  climb > max(rebound_abs, rebound_rel * min(s)) and the loss did not recover:
+             gap > max(recovery_abs, recovery_rel * min(s)); or min(s) never gets below the
              unigram entropy of the training data
-  stable     otherwise
+  stable     otherwise (a climb that fully recovered is reported as `transient_rebound`)
 Residual explosion (reported beside the verdict): the peak over steps of the final loop's
 loop-end residual norm exceeds explosion_ratio * sqrt(d) (a normalised stream has norm sqrt(d)).
 """
@@ -76,7 +78,8 @@ def smoothed(loss: pd.Series, window: int) -> pd.Series:
 
 
 def verdict(loss: pd.Series, unigram_entropy: float | None, smooth_window: int = 50,
-            rebound_abs: float = 0.25, rebound_rel: float = 0.1) -> tuple[str, dict]:
+            rebound_abs: float = 0.25, rebound_rel: float = 0.1, recovery_abs: float = 0.1,
+            recovery_rel: float = 0.05) -> tuple[str, dict]:
     """("diverged" | "collapsed" | "stable", evidence) for a step-indexed loss series."""
     values = loss.to_numpy(dtype=float)
     bad = np.flatnonzero(~np.isfinite(values))
@@ -86,13 +89,21 @@ def verdict(loss: pd.Series, unigram_entropy: float | None, smooth_window: int =
         return "diverged", dict(reason="no loss recorded")
     s = smoothed(loss, smooth_window).dropna()
     lo, final = float(s.min()), float(s.iloc[-1])
+    rise = s - s.cummin()
+    climb, gap = float(rise.max()), final - lo
     threshold = max(rebound_abs, rebound_rel * lo)
-    ev = dict(min_smoothed_loss=lo, min_step=int(s.idxmin()), final_smoothed_loss=final, rebound=final - lo,
-              rebound_threshold=threshold, unigram_entropy=unigram_entropy, smooth_window=smooth_window)
-    if final - lo > threshold:
-        return "collapsed", {**ev, "reason": f"smoothed loss climbed back {final - lo:.3f} above its minimum"}
+    tolerance = max(recovery_abs, recovery_rel * lo)
+    ev = dict(min_smoothed_loss=lo, min_step=int(s.idxmin()), final_smoothed_loss=final, climb=climb,
+              climb_step=int(rise.idxmax()), rebound=gap, rebound_threshold=threshold, recovery_tolerance=tolerance,
+              transient_rebound=bool(climb > threshold and gap <= tolerance),
+              unigram_entropy=unigram_entropy, smooth_window=smooth_window)
+    if climb > threshold and gap > tolerance:
+        return "collapsed", {**ev, "reason": f"smoothed loss climbed {climb:.3f} above its running minimum "
+                                             f"and ended {gap:.3f} above its best"}
     if unigram_entropy is not None and lo >= unigram_entropy:
         return "collapsed", {**ev, "reason": "loss never got below the unigram entropy of the data"}
+    if ev["transient_rebound"]:
+        return "stable", {**ev, "reason": f"loss climbed {climb:.3f} above its running minimum, then recovered"}
     return "stable", {**ev, "reason": "loss fell and stayed down"}
 
 
@@ -116,7 +127,8 @@ def summarize(df: pd.DataFrame, cfg, unigram_entropy: float | None = None, wall_
     """The run's summary.json: verdict, evidence and key figures, from its metrics table."""
     v = cfg.verdict
     loss = series(df, M.LOSS)
-    name, evidence = verdict(loss, unigram_entropy, v.smooth_window, v.rebound_abs, v.rebound_rel)
+    name, evidence = verdict(loss, unigram_entropy, v.smooth_window, v.rebound_abs, v.rebound_rel,
+                             v.recovery_abs, v.recovery_rel)
     resid = residual_explosion(df, cfg.model.loops, cfg.model.n_embd, v.explosion_ratio)
     g, cos = series(df, M.GRAD_NORM), series(df, M.GRAD_COSINE)
     dense = cfg.diagnostics.dense_steps
@@ -137,3 +149,25 @@ def summarize(df: pd.DataFrame, cfg, unigram_entropy: float | None = None, wall_
         tokens_per_s=(tokens_per_step * steps_done / wall_time) if wall_time and tokens_per_step else None,
     )
     return out
+
+
+def resummarize(run_dir, verdict_overrides: dict | None = None) -> dict:
+    """Recompute a finished run's summary.json from its stored metrics (for example with other
+    verdict thresholds); wall time and stop reason are kept from the old summary."""
+    from pathlib import Path
+    from .config import RunConfig, VerdictConfig
+    from .storage import SUMMARY, load_config, load_metrics, load_summary, write_json
+
+    old = load_summary(run_dir)
+    if old is None:
+        raise ValueError(f"{run_dir} has not finished (no {SUMMARY})")
+    cfg_dict = load_config(run_dir)
+    cfg = RunConfig.from_dict(cfg_dict)
+    if verdict_overrides:
+        cfg.verdict = VerdictConfig(**{**cfg.verdict.__dict__, **verdict_overrides})
+    t = cfg.train
+    new = summarize(load_metrics(run_dir), cfg, unigram_entropy=cfg_dict.get("corpus", {}).get("unigram_entropy"),
+                    wall_time=old.get("wall_time"), stop_reason=old.get("stop_reason"),
+                    tokens_per_step=t.batch_size * t.grad_accum * cfg.model.sequence_len)
+    write_json(Path(run_dir) / SUMMARY, new)
+    return new

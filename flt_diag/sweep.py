@@ -156,6 +156,8 @@ def run_sweep(spec: SweepSpec, out: Path, workers: int = 1, only_cell: int | Non
         cells = [cells[only_cell]]
     todo = [c for c in cells if cell_status(out, c) != "done"]
     base = spec.base.to_dict()
+    if workers <= 0:
+        workers = auto_workers(base["train"]["device"])
     monitor = SweepMonitor(out, cells, spec.base.train.steps, show_progress)
     try:
         if workers <= 1 or len(todo) <= 1:
@@ -169,6 +171,14 @@ def run_sweep(spec: SweepSpec, out: Path, workers: int = 1, only_cell: int | Non
     finally:
         monitor.close()
     return write_summary(out)
+
+
+def auto_workers(device: str) -> int:
+    """One worker per GPU (CUDA) or per CPU core (each worker then runs one thread)."""
+    import torch
+    if device in ("auto", "cuda") and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return os.cpu_count() or 1
 
 
 def _run_parallel(base, todo, out, workers, monitor):

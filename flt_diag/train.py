@@ -32,6 +32,7 @@ from .storage import (CHECKPOINT, CONFIG, PROGRESS, RESUME, SUMMARY, MetricsWrit
 
 # Fields that may differ when a run folder is reused (they do not change what is computed).
 VOLATILE_TRAIN_FIELDS = ("device", "threads", "compile", "eval_every", "checkpoint_every")
+VOLATILE_DIAGNOSTICS_FIELDS = ("flush_every", "tensorboard", "wandb")
 
 
 class RunConflict(StorageError):
@@ -95,9 +96,14 @@ def environment(device: torch.device) -> dict:
 
 
 def comparable(cfg_dict: dict) -> dict:
-    d = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg_dict.items() if k not in ("env", "corpus")}
+    """The parts of a config that decide what a run computes (verdict thresholds, logging
+    mirrors and intervals can change without invalidating a run folder)."""
+    d = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg_dict.items()
+         if k not in ("env", "corpus", "verdict", "imported_from", "note")}
     for k in VOLATILE_TRAIN_FIELDS:
         d["train"].pop(k, None)
+    for k in VOLATILE_DIAGNOSTICS_FIELDS:
+        d.get("diagnostics", {}).pop(k, None)
     return d
 
 
@@ -127,7 +133,15 @@ class Trainer:
             if self.device.type == "cuda":
                 self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
                 torch.cuda.set_device(self.device)
-        if cfg.train.threads:
+        if self.device.type == "cpu":
+            # One thread by default: tiny models are bound by per-op overhead, and OpenMP threads
+            # that wait for a core slow a step down 100x when other processes share the machine.
+            torch.set_num_threads(cfg.train.threads or 1)
+            # A collapsing LT drives activation gradients through the loops towards 1e-20 and
+            # below; subnormal arithmetic made such steps 3.5x slower (benchmarks/README.md).
+            # (The setting holds for the calling thread, so for all compute at one thread.)
+            torch.set_flush_denormal(cfg.train.flush_denormal)
+        elif cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         self.train_data = load_tokens(cfg.train.data, cfg.train.tokenizer, "train", cfg.train.max_tokens)
         self.val_data = load_tokens(cfg.train.data, cfg.train.tokenizer, "val", cfg.train.max_tokens)

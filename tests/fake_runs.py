@@ -39,7 +39,7 @@ def _rows(cfg, collapsed: bool, steps: int, rng: np.random.Generator):
     K, L, d = cfg.model.loops, cfg.model.n_layer, cfg.model.n_embd
     rows = []
     for t in range(steps):
-        grow = math.exp(0.04 * t) if collapsed else 1.0
+        grow = math.exp(0.07 * t) if collapsed else 1.0
         loss = 2.0 + 3.5 * math.exp(-t / 12) + (0.05 * max(0, t - 40) if collapsed else 0.0)
         rows.append((t, M.LOSS, M.NONE, M.NONE, loss + 0.02 * rng.standard_normal()))
         rows.append((t, M.LR, M.NONE, M.NONE, 0.02))

@@ -203,6 +203,14 @@ def test_verdicts_on_synthetic_curves():
     assert v == "diverged" and ev["nonfinite_step"] == 300
     # thresholds are options
     assert X.verdict(rebound, 3.2, rebound_abs=1.0, rebound_rel=0.5)[0] == "stable"
+    # a climb that fully recovers is stable (flagged); one that only partly recovers is not
+    dip = np.where(steps < 200, 5.5 - steps * 0.015, 2.5)
+    bump = 0.6 * np.exp(-((steps - 400) / 60.0) ** 2)
+    v, ev = X.verdict(curve(dip + bump), 3.2)
+    assert v == "stable" and ev["transient_rebound"] and ev["climb"] == pytest.approx(0.6, abs=0.05)
+    partial = dip + np.where(steps < 400, bump, 0.6 - (steps - 400) * 0.001)  # ends 0.2 above its best
+    v, ev = X.verdict(curve(partial), 3.2)
+    assert v == "collapsed" and ev["rebound"] == pytest.approx(0.2, abs=0.03) and ev["climb"] > 0.55
 
 
 # ---------------------------------------------------------------- end to end
