@@ -128,12 +128,12 @@ def _build(preset: str, *, variant: str, loops: int, steps: Optional[int], seed:
 
 
 def _check_data(data: str, tokenizer: str) -> None:
-    from .data import HUB_CORPORA, DataError, resolve_corpus
+    from .data import DataError, resolve_corpus
     try:
         resolve_corpus(data)
     except DataError as e:
         raise UserError(str(e)) from None
-    if tokenizer != "bytes" and not Path(tokenizer).exists() and "/" not in tokenizer and tokenizer.endswith(".json"):
+    if tokenizer.endswith(".json") and not Path(tokenizer).exists():
         raise UserError(f"tokenizer file {tokenizer} does not exist")
 
 

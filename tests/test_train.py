@@ -147,6 +147,7 @@ def run_cli(args, capsys):
     (["train", "--data", "/no/such/file.txt"], "neither a known corpus"),
     (["train", "--preset", "huge"], "unknown preset 'huge'"),
     (["train", "--steps", "0"], "--steps"),
+    (["train", "--tokenizer", "/no/such/tokenizer.json"], "tokenizer file /no/such/tokenizer.json does not exist"),
 ])
 def test_cli_bad_input_one_line(args, message, capsys):
     code, err = run_cli(args, capsys)
@@ -190,3 +191,13 @@ def test_ddp_with_torchrun_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert load_summary(out)["steps_done"] == 4
     assert len(losses(out)) == 4  # rank 0 wrote each step once
+
+
+def test_cli_half_written_run_folder(tmp_path, capsys):
+    """A run folder whose config.json was cut short: one line, nothing overwritten."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text('{"model": {"variant": "flt"')
+    code, err = run_cli(["train", "--preset", "tiny", "--steps", "2", "--out", str(out)], capsys)
+    assert code == 2 and "unreadable" in err and len(err.splitlines()) == 1
+    assert (out / "config.json").read_text() == '{"model": {"variant": "flt"'
