@@ -352,7 +352,7 @@ def summary(
     recovery_abs: Optional[float] = typer.Option(None, "--recovery-abs", min=0, help="Verdict: recovery "
                                                  "tolerance, nats [default: 0.1]."),
     explosion_ratio: Optional[float] = typer.Option(None, "--explosion-ratio", min=0, help="Residual "
-                                                    "explosion above ratio * sqrt(d) [default: 25]."),
+                                                    "explosion above ratio * sqrt(d) [default: 100]."),
 ):
     """Print the summary table of a sweep (or the summary of one run)."""
     from .storage import is_sweep, load_summary, run_dirs

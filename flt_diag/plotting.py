@@ -39,7 +39,7 @@ from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
 from . import metric_names as M  # noqa: E402
 from .metrics import oscillation_indices  # noqa: E402
-from .storage import (METRICS, SWEEP_SPEC, StorageError, is_sweep, load_config, load_eval_loops,  # noqa: E402
+from .storage import (ERROR, METRICS, SWEEP_SPEC, StorageError, is_sweep, load_config, load_eval_loops,  # noqa: E402
                       load_metrics, load_summary, read_json, run_dirs, run_label, series)
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,6 @@ OTHER_COLOR = "#7f7f7f"
 VERDICT_ORDER = ["stable", "collapsed", "diverged"]  # by severity (ties in a majority go to the worse)
 VERDICT_COLORS = {"stable": "#a6d96a", "collapsed": "#fdae61", "diverged": "#d7191c",
                   "running": "#c6dbef", "failed": "#969696", "pending": "#f0f0f0"}
-ERROR = "error.txt"  # written by flt_diag.sweep into a cell whose run raised
 LOOP_CMAP = "viridis"  # sequential palette for loop indices
 LINESTYLES = ["-", "--", ":", "-."]
 RUN_COLUMNS = ["run", "variant", "loops", "seed", "lr_scale"]

@@ -28,6 +28,7 @@ import pandas as pd
 CONFIG, SUMMARY, PROGRESS, METRICS = "config.json", "summary.json", "progress.json", "metrics"
 CHECKPOINT, RESUME, EVAL_LOOPS = "checkpoint.pt", "resume.pt", "eval_loops.csv"
 SWEEP_SPEC, SWEEP_SUMMARY, CELLS = "sweep.json", "summary.csv", "cells"
+ERROR = "error.txt"  # written into a sweep cell whose run raised
 COLUMNS = ["step", "metric", "loop", "layer", "value"]
 
 

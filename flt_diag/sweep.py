@@ -23,7 +23,7 @@ from pathlib import Path
 import pandas as pd
 
 from .config import RunConfig, with_overrides
-from .storage import (CELLS, SWEEP_SPEC, SWEEP_SUMMARY, StorageError, atomic_write_text, is_run, load_config,
+from .storage import (CELLS, ERROR, SWEEP_SPEC, SWEEP_SUMMARY, StorageError, atomic_write_text, is_run, load_config,
                       load_progress, load_summary, read_json, write_json)
 
 SUMMARY_COLUMNS = ["cell", "variant", "loops", "seed", "lr_scale", "verdict", "residual_explosion", "final_loss",
@@ -64,16 +64,21 @@ class SweepSpec:
         return [Cell(i, v, k, s, lr) for i, (lr, s, k, v) in enumerate(grid)]
 
     def cell_config(self, cell: Cell) -> RunConfig:
-        from .config import validate
-        cfg = with_overrides(self.base, model=dict(variant=cell.variant, loops=cell.loops),
-                             train=dict(seed=cell.seed, lr_scale=cell.lr_scale))
-        validate(cfg)
-        return cfg
+        return cell_config(self.base, cell)
 
     def to_dict(self) -> dict:
         from .train import comparable
         return dict(variants=self.variants, loops=self.loops, seeds=self.seeds, lr_scales=self.lr_scales,
                     base=comparable(self.base.to_dict()), cell_names=[c.name for c in self.cells()])
+
+
+def cell_config(base: RunConfig, cell: Cell, **train_overrides) -> RunConfig:
+    """The base config with the cell's variant, loops, seed and lr scale (and any extra train fields)."""
+    from .config import validate
+    cfg = with_overrides(base, model=dict(variant=cell.variant, loops=cell.loops),
+                         train=dict(seed=cell.seed, lr_scale=cell.lr_scale, **train_overrides))
+    validate(cfg)
+    return cfg
 
 
 def prepare_folder(spec: SweepSpec, out: Path) -> None:
@@ -104,7 +109,7 @@ def cell_status(out: Path, cell: Cell) -> str:
     d = Path(out) / CELLS / cell.name
     if (d / "summary.json").exists():
         return "done"
-    if (d / "error.txt").exists():
+    if (d / ERROR).exists():
         return "failed"
     return "partial" if d.exists() else "pending"
 
@@ -115,13 +120,10 @@ def run_cell(base: dict, cell: Cell, out: str, threads: int | None = None,
     import torch
     from .train import train
 
-    cfg = RunConfig.from_dict(base)
-    cfg = with_overrides(cfg, model=dict(variant=cell.variant, loops=cell.loops),
-                         train=dict(seed=cell.seed, lr_scale=cell.lr_scale,
-                                    **({"threads": threads} if threads else {}),
-                                    **({"device": device} if device else {})))
+    cfg = cell_config(RunConfig.from_dict(base), cell, **({"threads": threads} if threads else {}),
+                      **({"device": device} if device else {}))
     run_dir = Path(out) / CELLS / cell.name
-    (run_dir / "error.txt").unlink(missing_ok=True)
+    (run_dir / ERROR).unlink(missing_ok=True)
     try:
         if threads:
             torch.set_num_threads(threads)
@@ -131,7 +133,7 @@ def run_cell(base: dict, cell: Cell, out: str, threads: int | None = None,
         raise
     except Exception as e:
         run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(run_dir / "error.txt", traceback.format_exc())
+        atomic_write_text(run_dir / ERROR, traceback.format_exc())
         return f"error: {type(e).__name__}: {e}"
 
 
