@@ -30,6 +30,12 @@ def regenerate(sweep: Path, out: Path | None = None, formats=("png", "pdf")) -> 
         print(f"skipped {why}", file=sys.stderr)
     plotting.summary_table(study).to_csv(fig_dir / "table.csv", index=False)
     (fig_dir / "table.md").write_text(report.markdown(report.results_table(study)))
+    if study.spec and study.spec.get("kind") == "map":  # a stability map: its critical values too
+        from flt_diag.stability_map import critical_table
+        table = critical_table(sweep)
+        table.to_csv(fig_dir / "map_table.csv", index=False)
+        (fig_dir / "map_table.md").write_text(report.markdown(table))
+        written += [fig_dir / "map_table.csv", fig_dir / "map_table.md"]
     html = (out / report.REPORT) if out is not None else sweep / report.REPORT
     written += [fig_dir / "table.csv", fig_dir / "table.md", report.write_html(study, figures, skipped, html)]
     return written

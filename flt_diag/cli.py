@@ -25,7 +25,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 plot_app = typer.Typer(no_args_is_help=True, help="Figures from run or sweep folders (PNG and PDF).")
 app.add_typer(plot_app, name="plot")
 
-LIST_OPTIONS = {"--loops", "--variants", "--seeds", "--lr-scale", "--steps-at"}
+LIST_OPTIONS = {"--loops", "--variants", "--seeds", "--lr-scale", "--steps-at", "--at", "--criteria"}
 NUMBER = re.compile(r"^-?\d+(\.\d*)?([eE][-+]?\d+)?$")
 
 
@@ -92,18 +92,35 @@ class Optimizer(str, Enum):
 PresetOpt = typer.Option("auto", "--preset", help="tiny (CPU, minutes), small (one GPU), paper-small, "
                                                   "paper-base, or auto (tiny on CPU, small on GPU).")
 StepsOpt = typer.Option(None, "--steps", min=1, help="Optimizer steps [default: 2000].")
+MomentumWarmupOpt = typer.Option(None, "--momentum-warmup", min=0, help="Steps over which Muon's momentum rises "
+                                 "linearly from 0.85 to 0.95, as the reference's [default: 300]; 0 = 0.95 throughout.")
+PrecisionOpt = typer.Option(None, "--precision", help="fp32 (fp32 weights and residual stream; bf16 autocast on "
+                            "GPU) or reference (bf16 embedding, rotary tables and stream, as the reference "
+                            "trains on GPU; CPU autocast on CPU) [default: fp32].")
+SamplingOpt = typer.Option(None, "--sampling", help="random (random windows) or stream (the corpus in order, "
+                           "as the reference reads it) [default: random].")
+WarnOpt = typer.Option(False, "--warn", help="Print a warning, with its evidence, the first time the early-warning "
+                       "predictor puts P(collapse) at or above its threshold.")
+StopOpt = typer.Option(False, "--stop-on-collapse", help="End the run there (verdict collapsed, predicted at step "
+                       "s); the run folder stays complete. Implies --warn.")
+PredictorOpt = typer.Option(None, "--predictor", help="Predictor JSON from `flt-diag fit-predictor` "
+                            "[default: the one shipped with flt-diag].")
+RotaryDtypeOpt = typer.Option(None, "--rotary-dtype", help="float32 or bfloat16 (the reference's tables) "
+                              "[default: float32].")
 
 
 def _build(preset: str, *, variant: str, loops: int, steps: Optional[int], seed: int = 0, lr_scale: float = 1.0,
            optimizer=None, loss_on=None, batch_size=None, grad_accum=None, seq_len=None, depth=None,
            width=None, heads=None, data=None, tokenizer=None, max_tokens=None, device="auto", compile=None,
            checkpoint_loops=False, threads=None, diagnostics=True, attention_stats=False, dense_steps=None,
-           record_every=None, tensorboard=False, wandb=None, eval_every=None, checkpoint_every=None):
+           record_every=None, tensorboard=False, wandb=None, eval_every=None, checkpoint_every=None,
+           momentum_warmup=None, precision=None, sampling=None, rotary_dtype=None, warn=False,
+           stop_on_collapse=False, predictor=None):
     import torch
     from .config import build_config
 
     cuda = device != "cpu" and torch.cuda.is_available()
-    model = dict(variant=variant, loops=loops, sequence_len=seq_len, n_head=heads)
+    model = dict(variant=variant, loops=loops, sequence_len=seq_len, n_head=heads, rotary_dtype=rotary_dtype)
     if depth is not None:
         from .config import PRESETS, resolve_preset
         p = PRESETS[resolve_preset(preset, cuda)]["model"]
@@ -116,15 +133,37 @@ def _build(preset: str, *, variant: str, loops: int, steps: Optional[int], seed:
                  optimizer=optimizer.value if optimizer else None, loss_on=loss_on.value if loss_on else None,
                  batch_size=batch_size, grad_accum=grad_accum, data=data, tokenizer=tokenizer,
                  max_tokens=max_tokens, device=device, compile=compile, checkpoint_loops=checkpoint_loops,
-                 threads=threads, eval_every=eval_every, checkpoint_every=checkpoint_every)
+                 threads=threads, eval_every=eval_every, checkpoint_every=checkpoint_every,
+                 momentum_warmup=momentum_warmup, precision=precision, sampling=sampling)
     diag = dict(enabled=diagnostics, attention=attention_stats, dense_steps=dense_steps, every=record_every,
-                tensorboard=tensorboard, wandb=wandb)
+                tensorboard=tensorboard, wandb=wandb, warn=warn or stop_on_collapse, stop_on_collapse=stop_on_collapse,
+                predictor=str(predictor) if predictor else None)
+    if predictor is not None or warn or stop_on_collapse:
+        from .early_warning import load_predictor
+        try:
+            load_predictor(predictor)
+        except ValueError as e:
+            raise UserError(str(e)) from None
     try:
         cfg = build_config(preset, cuda, model=model, train=train, diagnostics=diag)
     except (TypeError, ValueError) as e:
         raise UserError(str(e)) from None
     _check_data(cfg.train.data, cfg.train.tokenizer)
+    _vocab_for(cfg)  # a tokenizer that cannot be loaded: one line now, not after the folder exists
     return cfg
+
+
+def _vocab_for(cfg) -> int:
+    """The (padded) vocabulary a run of this config will have; loads the tokenizer, so that one that
+    cannot be fetched is reported in one line before anything runs."""
+    from .config import padded_vocab
+    from .data import DataError, get_tokenizer
+    try:
+        return padded_vocab(get_tokenizer(cfg.train.tokenizer).vocab_size)
+    except DataError as e:
+        raise UserError(f"{e} (paper presets use the reference's Qwen3 tokenizer: fetch it once with network "
+                        "access, or pass --tokenizer path/to/tokenizer.json)" if "Qwen" in cfg.train.tokenizer
+                        else str(e)) from None
 
 
 def _check_data(data: str, tokenizer: str) -> None:
@@ -183,6 +222,13 @@ def train(
                                                    "resume checkpoints [default: 500]."),
     tensorboard: bool = typer.Option(False, "--tensorboard", help="Also log to <run>/tensorboard."),
     wandb: Optional[str] = typer.Option(None, "--wandb", help="Also log to this W&B project."),
+    momentum_warmup: Optional[int] = MomentumWarmupOpt,
+    precision: Optional[str] = PrecisionOpt,
+    sampling: Optional[str] = SamplingOpt,
+    rotary_dtype: Optional[str] = RotaryDtypeOpt,
+    warn: bool = WarnOpt,
+    stop_on_collapse: bool = StopOpt,
+    predictor: Optional[Path] = PredictorOpt,
 ):
     """Train one variant into one run folder, with diagnostics, and print its verdict."""
     _check_variants([variant])
@@ -193,11 +239,15 @@ def train(
                  max_tokens=max_tokens, device=device, compile=compile, checkpoint_loops=checkpoint_loops,
                  threads=threads, diagnostics=not no_diagnostics, attention_stats=attention_stats,
                  dense_steps=dense_steps, record_every=record_every, tensorboard=tensorboard, wandb=wandb,
-                 eval_every=eval_every, checkpoint_every=checkpoint_every)
+                 eval_every=eval_every, checkpoint_every=checkpoint_every, momentum_warmup=momentum_warmup,
+                 precision=precision, sampling=sampling, rotary_dtype=rotary_dtype, warn=warn,
+                 stop_on_collapse=stop_on_collapse, predictor=predictor)
     out = out or Path("runs") / f"{variant}-K{loops}"
     from .train import Trainer
 
     trainer = Trainer(cfg, out, progress=_console_progress(cfg.train.steps, f"{variant} K={loops}"))
+    if trainer.is_main:
+        print(trainer.describe(), flush=True)
     summary = trainer.fit()
     _progress_bar.close()
     if summary:  # empty on DDP ranks other than 0
@@ -234,7 +284,8 @@ def _console_progress(total: int, label: str) -> _ConsoleProgress:
 
 def _print_run_summary(out: Path, s: dict) -> None:
     ev = s.get("evidence", {})
-    print(f"{out}: {s['verdict']} ({ev.get('reason', '')}); final loss {s['final_loss']:.3f}, best "
+    verdict = s["verdict"] + (f" (predicted at step {s['prediction']['step']})" if s.get("prediction") else "")
+    print(f"{out}: {verdict} ({ev.get('reason', '')}); final loss {s['final_loss']:.3f}, best "
           f"{s['best_loss']:.3f}, val {s['val_loss']:.3f}; peak final-loop residual norm {s['peak_resid_norm']:.1f}"
           f"{' (EXPLODED)' if s['residual_explosion'] else ''}; grad-norm CV {s['osc_cv']:.2f}")
 
@@ -268,6 +319,13 @@ def run_ablation(
     checkpoint_loops: bool = typer.Option(False, "--checkpoint-loops", help="Activation checkpointing per loop."),
     no_diagnostics: bool = typer.Option(False, "--no-diagnostics", help="Record only loss, lr, grad norm."),
     attention_stats: bool = typer.Option(False, "--attention-stats", help="Also record attention statistics."),
+    momentum_warmup: Optional[int] = MomentumWarmupOpt,
+    precision: Optional[str] = PrecisionOpt,
+    sampling: Optional[str] = SamplingOpt,
+    rotary_dtype: Optional[str] = RotaryDtypeOpt,
+    warn: bool = WarnOpt,
+    stop_on_collapse: bool = StopOpt,
+    predictor: Optional[Path] = PredictorOpt,
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
 ):
     """Train every variant at every loop count (x seeds x lr scales) and summarise how they collapse."""
@@ -281,7 +339,9 @@ def run_ablation(
     base = _build(preset, variant=variants[0], loops=loops[0], steps=steps, batch_size=batch_size,
                   grad_accum=grad_accum, seq_len=seq_len, depth=depth, width=width, heads=heads, data=data,
                   tokenizer=tokenizer, optimizer=optimizer, loss_on=loss_on, device=device,
-                  checkpoint_loops=checkpoint_loops, diagnostics=not no_diagnostics, attention_stats=attention_stats)
+                  checkpoint_loops=checkpoint_loops, diagnostics=not no_diagnostics, attention_stats=attention_stats,
+                  momentum_warmup=momentum_warmup, precision=precision, sampling=sampling, rotary_dtype=rotary_dtype,
+                  warn=warn, stop_on_collapse=stop_on_collapse, predictor=predictor)
     try:
         spec = SweepSpec(base, variants, loops, seeds, lr_scale)
     except ValueError as e:
@@ -293,6 +353,10 @@ def run_ablation(
         return
     if cell is not None and not 0 <= cell < len(spec.cells()):
         raise UserError(f"--cell must be in 0..{len(spec.cells()) - 1}, got {cell}")
+    from .model import count_parameters, ModelConfig
+    n = count_parameters(ModelConfig(**{**base.model.to_dict(), "vocab_size": _vocab_for(base)}))
+    print(f"model: L={base.model.n_layer} d={base.model.n_embd} heads={base.model.n_head}, {n:,} parameters "
+          f"({n / 1e6:.1f}M) per cell", flush=True)
     df = run_sweep(spec, out, workers=workers, only_cell=cell, show_progress=not quiet)
     _print_table(df)
     print(f"sweep folder: {out}  (plots: flt-diag plot all {out}; report: flt-diag report {out})")
@@ -306,12 +370,81 @@ def study(
     cell: Optional[int] = typer.Option(None, "--cell", help="Run only cell I (for job arrays)."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
 ):
-    """Run a named study: the `ablation` table of a TOML file, as run-ablation options."""
+    """Run a named study: the [ablation] (run-ablation options) or [map] (map options) table of a TOML file."""
     argv = study_argv(path) + ["--workers", str(workers)] + (["--list"] if list_cells else []) \
         + (["--cell", str(cell)] if cell is not None else []) + (["--quiet"] if quiet else [])
     code = main(argv)
     if code:
         raise typer.Exit(code)
+
+
+@app.command("map")
+def stability_map(
+    variants: List[str] = typer.Option(None, "--variants", help="Variants [default: all five]."),
+    loops: List[int] = typer.Option([6, 12], "--loops", help="Loop counts (the x axis of the map)."),
+    seeds: List[int] = typer.Option([0], "--seeds", help="Seeds: each boundary is reported with its spread."),
+    axis: str = typer.Option("lr", "--axis", help="lr (lr scale) or depth (L blocks, width fixed)."),
+    lo: float = typer.Option(0.5, "--lo", help="Lowest axis value of the grid."),
+    hi: float = typer.Option(16.0, "--hi", help="Highest axis value of the grid."),
+    ratio: float = typer.Option(1.41, "--ratio", help="Grid ratio: the tolerance of every boundary (> 1)."),
+    criteria: List[str] = typer.Option(["training", "explosion"], "--criteria", help="training (verdict not "
+                                       "stable), collapse (collapsed or diverged), explosion (any loop)."),
+    preset: str = PresetOpt,
+    steps: Optional[int] = StepsOpt,
+    out: Optional[Path] = typer.Option(None, "--out", help="Map folder [default: runs/map-<axis>-<preset>]."),
+    workers: int = typer.Option(0, "--workers", min=0, help="Lines (variant x K x seed) searched in parallel "
+                                "processes; 0 = auto (one per CPU core)."),
+    list_cells: bool = typer.Option(False, "--list", help="Print the lines (index, name) and exit."),
+    cell: Optional[int] = typer.Option(None, "--cell", help="Search only line I (for job arrays)."),
+    lr_scale: float = typer.Option(1.0, "--lr-scale", help="lr scale of every probe on the depth axis."),
+    depth: Optional[int] = typer.Option(None, "--depth", min=1, help="L of every probe on the lr axis."),
+    width: Optional[int] = typer.Option(None, "--width", min=2, help="Model width d (fixed along the axis)."),
+    heads: Optional[int] = typer.Option(None, "--heads", min=1, help="Attention heads."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", min=1, help="Sequences per micro-batch."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=2, help="Tokens per sequence."),
+    data: Optional[str] = typer.Option(None, "--data", help="Corpus (see `train --help`)."),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Tokenizer (see `train --help`)."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda."),
+    momentum_warmup: Optional[int] = MomentumWarmupOpt,
+):
+    """Where each variant's training breaks: bisection along lr scale or depth, per variant and K."""
+    variants = _check_variants(variants or _variant_names())
+    _check_loops(loops)
+    from .stability_map import AXES, MapSpec, geometric_grid, run_map
+    if axis not in AXES:
+        raise UserError(f"--axis must be one of {', '.join(AXES)}, got {axis!r}")
+    try:
+        grid = geometric_grid(lo, hi, ratio, integer=axis == "depth")
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if lr_scale <= 0 or not lr_scale < float("inf"):
+        raise UserError(f"lr scale must be > 0 and finite, got {lr_scale}")
+    base = _build(preset, variant=variants[0], loops=loops[0], steps=steps, lr_scale=lr_scale, depth=depth,
+                  width=width, heads=heads, batch_size=batch_size, seq_len=seq_len, data=data, tokenizer=tokenizer,
+                  device=device, momentum_warmup=momentum_warmup)
+    try:
+        spec = MapSpec(base, variants, loops, seeds, axis, grid, list(criteria))
+        from .sweep import cell_config
+        for line in spec.lines():  # every probe's config is valid before anything runs
+            for value in grid:
+                cell_config(base, spec.cell(line, value))
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    out = out or Path("runs") / f"map-{axis}-{base.preset}"
+    if list_cells:
+        for line in spec.lines():
+            print(f"{line.index:4d}  {line.name}")
+        return
+    from .sweep import auto_workers
+    print(f"map: {len(spec.lines())} lines x {len(criteria)} criteria; {axis} grid {', '.join(f'{v:g}' for v in grid)} "
+          f"(each boundary within x{ratio:g})", flush=True)
+    run_map(spec, out, workers=workers or auto_workers(base.train.device), only_line=cell,
+            report=lambda text: print(text, flush=True))
+    from .stability_map import critical_values
+    crit = critical_values(out)
+    for criterion, g in crit.groupby("criterion", sort=False):
+        print(f"{criterion}: " + "; ".join(f"{r.variant} K={r.loops}: {r.text}" for r in g.itertuples()))
+    print(f"map folder: {out}  (figure: flt-diag plot map {out}; report: flt-diag report {out})")
 
 
 def study_argv(path: Path) -> list[str]:
@@ -326,10 +459,11 @@ def study_argv(path: Path) -> list[str]:
         raise UserError(f"no such study file: {path}") from None
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"{path}: not valid TOML ({e})") from None
-    if "ablation" not in spec:
-        raise UserError(f"{path}: no [ablation] table")
-    argv = ["run-ablation"]
-    for key, value in spec["ablation"].items():
+    tables = [t for t in ("ablation", "map") if t in spec]
+    if len(tables) != 1:
+        raise UserError(f"{path}: needs exactly one [ablation] or [map] table")
+    argv = ["run-ablation" if tables[0] == "ablation" else "map"]
+    for key, value in spec[tables[0]].items():
         flag = "--" + key.replace("_", "-")
         if value is True:
             argv.append(flag)
@@ -386,7 +520,7 @@ def _print_table(df) -> None:
     from rich.table import Table
 
     cols = ["variant", "loops", "seed", "lr_scale", "verdict", "residual_explosion", "final_loss", "best_loss",
-            "val_loss", "peak_resid_norm", "osc_cv", "osc_sign_alternation", "wall_time"]
+            "val_loss", "peak_resid_norm", "osc_cv", "osc_sign_alternation", "loss_std", "grad_norm_std", "wall_time"]
     table = Table(title="sweep summary")
     for c in cols:
         table.add_column(c.replace("_", " "))
@@ -428,20 +562,84 @@ def eval_loops_cmd(
 @app.command("import-reference")
 def import_reference_cmd(
     checkpoint: Path = typer.Argument(..., help="State dict (.pt) in the reference (nanochat) layout."),
-    variant: str = typer.Option(..., "--variant", help="LT, LT_i, LT_ia, FLT_res, FLT (or lt, ..., flt)."),
-    loops: int = typer.Option(..., "--loops", help="Loop count the checkpoint was trained with."),
+    variant: Optional[str] = typer.Option(None, "--variant", help="LT, LT_i, LT_ia, FLT_res, FLT (or lt, ..., "
+                                          "flt) [default: model_type of the meta_*.json beside the checkpoint]."),
+    loops: Optional[int] = typer.Option(None, "--loops", help="Loop count the checkpoint was trained with "
+                                        "[default: K of the meta_*.json]."),
     out: Path = typer.Option(..., "--out", help="Run folder to create (usable by eval-loops)."),
     heads: Optional[int] = typer.Option(None, "--heads", min=1, help="Attention heads (if no meta json)."),
     vocab_size: Optional[int] = typer.Option(None, "--vocab-size", min=1, help="True (unpadded) vocab size."),
 ):
     """Import a reference-implementation checkpoint into a run folder."""
-    _check_loops([loops])
+    if loops is not None:
+        _check_loops([loops])
     if not checkpoint.exists():
         raise UserError(f"no such checkpoint: {checkpoint}")
     from .reference import import_reference, write_imported_run
     model = import_reference(checkpoint, variant, loops, n_head=heads, vocab_size=vocab_size)
     write_imported_run(model, out, str(checkpoint))
-    print(f"imported {checkpoint} as {model.cfg.variant} (K={loops}) into {out}")
+    print(f"imported {checkpoint} as {model.cfg.variant} (K={model.cfg.loops}) into {out}")
+
+
+@app.command()
+def predict(
+    path: Path = typer.Argument(..., help="A sweep (or run) folder of finished runs."),
+    at: List[int] = typer.Option([300], "--at", help="Step(s) at which to predict, space-separated."),
+    predictor: Optional[Path] = PredictorOpt,
+    csv: Optional[Path] = typer.Option(None, "--csv", help="Also write the per-cell table (all steps) here."),
+):
+    """Early warning: P(collapse) of every cell at step s beside its final verdict, and the agreement."""
+    from .early_warning import agreement, load_predictor, predict_sweep
+    from .storage import run_dirs
+    run_dirs(path)  # a clear error for a path that is neither a run nor a sweep
+    try:
+        model = load_predictor(predictor)
+        tables = {s: predict_sweep(path, s, model) for s in at}
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    import pandas as pd
+    for s, table in tables.items():
+        if table.empty:
+            print(f"step {s}: no finished cell has more than {s} steps")
+            continue
+        for r in table.itertuples():
+            print(f"{r.cell:28s} step {s}: P(collapse) {r.p_collapse:.2f} -> {r.predicted:11s} | final: {r.verdict:9s} "
+                  f"{'agree' if r.agree else 'FALSE ALARM' if r.false_alarm else 'MISS'}  [{r.evidence}]")
+        a = agreement(table)
+        print(f"step {s}: agreement {a['accuracy']:.0%} over {a['cells']} cells ({a['collapsed']} collapsed); "
+              f"{a['false_alarms']} false alarms, {a['misses']} misses")
+    if csv is not None:
+        from .storage import atomic_write_text
+        frames = [t.assign(step=s) for s, t in tables.items()]
+        atomic_write_text(csv, pd.concat(frames, ignore_index=True).to_csv(index=False))
+
+
+@app.command("fit-predictor")
+def fit_predictor(
+    paths: List[Path] = typer.Argument(..., help="Sweep or run folders of finished runs (the training set)."),
+    out: Path = typer.Option(..., "--out", help="Predictor JSON to write (flt_diag/early_warning.json is the "
+                             "packaged one)."),
+    at: List[int] = typer.Option([100, 200, 300, 500], "--at", help="Steps to fit a model at."),
+    l2: float = typer.Option(1.0, "--l2", help="L2 penalty of the logistic regression (> 0)."),
+):
+    """Fit the early-warning predictor (one logistic regression per step) on labelled runs."""
+    from .early_warning import fit
+    from .storage import run_dirs, write_json
+    if not l2 > 0 or l2 == float("inf"):
+        raise UserError(f"--l2 must be > 0 and finite, got {l2}")
+    for p in paths:
+        run_dirs(p)
+    command = "flt-diag fit-predictor " + " ".join(map(str, paths)) + f" --out {out} --at " + " ".join(map(str, at)) \
+        + (f" --l2 {l2:g}" if l2 != 1.0 else "")
+    try:
+        model = fit(paths, at, l2, command)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    write_json(out, model)
+    for s, m in model["models"].items():
+        print(f"step {s}: {m['runs']} runs ({m['positives']} collapsed), training accuracy {m['train_accuracy']:.0%}; "
+              + ", ".join(f"{f} {c:+.2f}" for f, c in zip(model["features"], m["coef"])))
+    print(f"predictor: {out}")
 
 
 @app.command()
@@ -499,6 +697,12 @@ def plot_loops(path: Path = PathArg, out: Optional[Path] = OutOpt, format: List[
     _plot("loops", path, out, format)
 
 
+@plot_app.command("map")
+def plot_map(path: Path = PathArg, out: Optional[Path] = OutOpt, format: List[str] = FormatOpt):
+    """Stability map (from `flt-diag map`): the boundary per variant over K, region that trains shaded."""
+    _plot("map", path, out, format)
+
+
 @plot_app.command("all")
 def plot_all(path: Path = PathArg, out: Optional[Path] = OutOpt, format: List[str] = FormatOpt):
     """Every figure that has data."""
@@ -521,7 +725,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = expand_list_options(list(sys.argv[1:] if argv is None else argv))
     try:
-        app(args=args, prog_name="flt-diag", standalone_mode=False)
+        code = app(args=args, prog_name="flt-diag", standalone_mode=False)
+        if isinstance(code, int) and code:  # a typer.Exit(code) inside a command (e.g. study)
+            return code
     except click_exc.NoArgsIsHelpError as e:
         print(e.ctx.get_help() if e.ctx else "", file=sys.stderr)
         return 2

@@ -21,11 +21,17 @@ class TrainConfig:
     embedding_lr: float = 0.2  # AdamW lr on the embedding (scaled by (d/768)^-0.5)
     head_lr: float = 0.004  # AdamW lr on the head (scaled by (d/768)^-0.5)
     adamw_lr: float = 0.003  # lr of everything when optimizer="adamw"
-    momentum: float = 0.95  # Muon momentum
+    momentum: float = 0.95  # Muon momentum once warmed up
+    momentum_start: float = 0.85  # Muon momentum at step 0, raised linearly to `momentum` ...
+    momentum_warmup: int = 300  # ... over this many steps (the reference's recipe); 0 = `momentum` throughout
     lr_scale: float = 1.0  # multiplies every learning rate (for lr x loops maps)
     warmdown_frac: float = 0.2  # constant lr, then linear decay to 0 over this final share of steps
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
     loss_on: str = "end"  # "end" (final loop), "all" (mean over loops), "last-third"
+    precision: str = "fp32"  # "fp32": fp32 weights and stream (bf16 autocast on GPU); "reference": as the
+    #                          reference trains on GPU (bf16 embedding, rotary tables and residual stream)
+    sampling: str = "random"  # "random": random windows of the corpus; "stream": consecutive windows in
+    #                           corpus order (documents BOS-separated by the tokenizer), as the reference reads
     seed: int = 0
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
     compile: bool | None = None  # torch.compile the blocks; None = on for CUDA
@@ -49,6 +55,9 @@ class DiagnosticsConfig:
     flush_every: int = 100  # steps between metric parts written to disk
     tensorboard: bool = False  # also log scalars to <run>/tensorboard
     wandb: str | None = None  # also log to this Weights & Biases project
+    warn: bool = False  # print a warning when the early-warning predictor expects a collapse
+    stop_on_collapse: bool = False  # ... and end the run there (verdict collapsed, predicted at step s)
+    predictor: str | None = None  # predictor JSON (flt-diag fit-predictor); None = the packaged one
 
 
 @dataclass
@@ -60,6 +69,8 @@ class VerdictConfig:
     recovery_rel: float = 0.05  # ... recovery_rel * min) above its best
     explosion_ratio: float = 100.0  # residual explosion if peak final-loop norm > ratio * sqrt(d)
     osc_window: int = 200  # steps per window of the oscillation indices
+    osc_cv_threshold: float = 3.0  # unstable if the grad-norm CV over the dense steps exceeds this (calibration:
+    #                                docs/DESIGN.md §3; stable runs measured 0.3-1.6)
 
 
 @dataclass
@@ -75,15 +86,31 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunConfig":
-        return cls(model=ModelConfig(**d["model"]), train=TrainConfig(**d["train"]),
+        train = {**LEGACY_TRAIN_DEFAULTS, **d["train"]}
+        return cls(model=ModelConfig(**d["model"]), train=TrainConfig(**train),
                    diagnostics=DiagnosticsConfig(**d["diagnostics"]), verdict=VerdictConfig(**d.get("verdict", {})),
                    preset=d.get("preset", "custom"))
 
 
+# Train fields that run folders written before the field existed were trained without: an old
+# config.json read back must describe what was run (Muon momentum was constant before the warm-up).
+LEGACY_TRAIN_DEFAULTS = {"momentum_warmup": 0}
+
+QWEN3_TOKENIZER = "Qwen/Qwen3-4B"  # the reference's tokenizer (nanochat/tokenizer.py: get_tokenizer)
+QWEN3_VOCAB = 151_680  # its 151,669 tokens padded to a multiple of 64, as the reference pads
+VOCAB_MULTIPLE = 64
+
+
+def padded_vocab(n: int) -> int:
+    """The model's vocabulary for a tokenizer of n tokens: n rounded up to a multiple of 64."""
+    return -(-n // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
 def shape(depth: int, aspect: int, head_dim: int) -> dict:
-    """The size dial: L = depth, d = aspect * depth, heads = d // head_dim."""
+    """The size dial: L = depth, d = aspect * depth, heads = ceil(d / head_dim) (as the reference:
+    max(1, (d + 127) // 128) for head_dim 128)."""
     d = aspect * depth
-    return dict(n_layer=depth, n_embd=d, n_head=max(1, d // head_dim))
+    return dict(n_layer=depth, n_embd=d, n_head=max(1, -(-d // head_dim)))
 
 
 # Each preset: model fields, train fields. Measured figures are in the README.
@@ -94,12 +121,13 @@ PRESETS: dict[str, dict] = {
     # One GPU, a few minutes per run: d=384, L=6, 3 heads, seq 512, 64 sequences/step, bytes.
     "small": dict(model=dict(**shape(6, 64, 128), sequence_len=512),
                   train=dict(batch_size=64, eval_batches=8)),
-    # The paper's shapes: seq 1024, 524,288 tokens per step (512 sequences), FineWeb-Edu, GPT-2 BPE.
-    "paper-small": dict(model=dict(**shape(6, 64, 128), sequence_len=1024, vocab_size=50257),
-                        train=dict(batch_size=32, grad_accum=16, data="fineweb-edu", tokenizer="gpt2",
+    # The paper's shapes: seq 1024, 524,288 tokens per step (512 sequences), FineWeb-Edu, the Qwen3
+    # tokenizer (vocab padded to 151,680), untied embedding and head: 127.1M and 317.9M parameters.
+    "paper-small": dict(model=dict(**shape(6, 64, 128), sequence_len=1024, vocab_size=QWEN3_VOCAB),
+                        train=dict(batch_size=32, grad_accum=16, data="fineweb-edu", tokenizer=QWEN3_TOKENIZER,
                                    max_tokens=1_100_000_000, eval_batches=16)),
-    "paper-base": dict(model=dict(**shape(12, 64, 128), sequence_len=1024, vocab_size=50257),
-                       train=dict(batch_size=32, grad_accum=16, data="fineweb-edu", tokenizer="gpt2",
+    "paper-base": dict(model=dict(**shape(12, 64, 128), sequence_len=1024, vocab_size=QWEN3_VOCAB),
+                       train=dict(batch_size=32, grad_accum=16, data="fineweb-edu", tokenizer=QWEN3_TOKENIZER,
                                   max_tokens=1_100_000_000, eval_batches=16)),
 }
 PRESET_NAMES = [*PRESETS, "auto"]
@@ -142,6 +170,11 @@ def validate(cfg: RunConfig) -> None:
         (t.grad_accum >= 1, f"grad accumulation must be >= 1, got {t.grad_accum}"),
         (t.optimizer in ("muon", "adamw"), f"optimizer must be muon or adamw, got {t.optimizer!r}"),
         (t.lr_scale > 0, f"lr scale must be > 0, got {t.lr_scale}"),
+        (0 <= t.momentum < 1 and 0 <= t.momentum_start < 1,
+         f"Muon momentum must be in [0, 1), got {t.momentum_start} -> {t.momentum}"),
+        (t.momentum_warmup >= 0, f"momentum warm-up must be >= 0 steps, got {t.momentum_warmup}"),
+        (t.precision in ("fp32", "reference"), f"precision must be fp32 or reference, got {t.precision!r}"),
+        (t.sampling in ("random", "stream"), f"sampling must be random or stream, got {t.sampling!r}"),
         (0 <= t.warmdown_frac <= 1, f"warmdown fraction must be in [0, 1], got {t.warmdown_frac}"),
         (t.loss_on in ("end", "all", "last-third"), f"loss must be end, all or last-third, got {t.loss_on!r}"),
         (t.eval_every >= 0 and t.checkpoint_every >= 0, "eval/checkpoint intervals must be >= 0"),

@@ -44,6 +44,7 @@ class DataError(ValueError):
 class ByteTokenizer:
     name = "bytes"
     vocab_size = 256
+    bos_id = None  # all 256 ids are bytes: documents are concatenated without a separator
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8", errors="replace"))
@@ -68,10 +69,11 @@ class HFTokenizer:
             if Path(name_or_path).exists():
                 self.tok = Tokenizer.from_file(name_or_path)
             else:
-                self.tok = Tokenizer.from_pretrained(name_or_path)
+                self.tok = Tokenizer.from_file(_hub_file(name_or_path, "tokenizer.json"))
         except Exception as e:
             raise DataError(f"cannot load tokenizer {name_or_path!r}: {str(e).splitlines()[0]}") from e
         self.vocab_size = self.tok.get_vocab_size()
+        self.bos_id = next((i for t in BOS_TOKENS if (i := self.tok.token_to_id(t)) is not None), None)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text).ids
@@ -81,6 +83,36 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids])
+
+
+# The document delimiter put before every document, the first of these the tokenizer knows: nanochat's
+# "<|bos|>", Qwen3's "<|im_start|>" (the reference's get_bos_token_id), GPT-2's "<|endoftext|>", "<s>".
+BOS_TOKENS = ("<|bos|>", "<|im_start|>", "<|endoftext|>", "<s>")
+
+
+def _hub_file(repo: str, filename: str) -> str:
+    """A file of a hub repository: from the local cache, else downloaded. Without a route to the
+    hub, one DataError at once (the hub client would retry for half a minute, printing each try)."""
+    from huggingface_hub import hf_hub_download
+    try:
+        return hf_hub_download(repo, filename, local_files_only=True)
+    except Exception:
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false") or not _hub_reachable():
+        raise DataError("it is not in the local Hugging Face cache and the hub "
+                        "cannot be reached (no network)")
+    return hf_hub_download(repo, filename)
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    import socket
+    from urllib.parse import urlparse
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def get_tokenizer(name: str):
@@ -104,6 +136,8 @@ class CorpusSpec:
 
 HUB_CORPORA = {
     "fineweb-edu": CorpusSpec("HuggingFaceFW/fineweb-edu", name="sample-10BT", streaming=True),
+    # The reference's corpus (nanochat/dataset.py): FineWeb-Edu reshuffled into parquet shards, read in order.
+    "fineweb-edu-100b": CorpusSpec("karpathy/fineweb-edu-100b-shuffle", streaming=True),
     "wikitext2": CorpusSpec("wikitext", name="wikitext-2-raw-v1",
                             splits={"train": "train", "val": "validation", "test": "test"}),
 }
@@ -195,7 +229,7 @@ class TokenData:
 
 
 def _cache_key(data: str, tokenizer: str, max_tokens: int | None) -> str:
-    ident = {"data": data, "tokenizer": tokenizer, "max_tokens": max_tokens, "v": 1}
+    ident = {"data": data, "tokenizer": tokenizer, "max_tokens": max_tokens, "v": 2}  # v2: BOS before documents
     if data == "stdlib":
         ident["python"] = sys.version
     elif Path(data).exists():
@@ -222,6 +256,8 @@ def _tokenize_to_file(data: str, tok, split: str, out: Path, max_tokens: int | N
     with open(tmp, "wb") as f:
         for doc in _documents(data, split):
             ids = tok.encode_array(doc).astype(dtype)
+            if tok.bos_id is not None:  # documents are delimited as the reference delimits them
+                ids = np.concatenate([np.asarray([tok.bos_id], dtype=dtype), ids])
             if max_tokens is not None:
                 ids = ids[: max_tokens - n]
             f.write(ids.tobytes())
@@ -286,7 +322,25 @@ def get_batch(data: TokenData, batch_size: int, seq_len: int, generator: torch.G
         raise DataError(f"corpus has {len(data.tokens)} tokens, fewer than a sequence of {seq_len + 1}")
     starts = torch.randint(0, n, (batch_size,), generator=generator).tolist()
     buf = np.stack([np.asarray(data.tokens[s:s + seq_len + 1], dtype=np.int64) for s in starts])
-    xy = torch.from_numpy(buf)
-    if torch.device(device).type == "cuda":
-        xy = xy.pin_memory().to(device, non_blocking=True)
+    xy = _to_device(torch.from_numpy(buf), device)
     return xy[:, :-1], xy[:, 1:]
+
+
+def stream_batch(data: TokenData, batch_size: int, seq_len: int, index: int,
+                 device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch number `index` of the corpus read in order, as the reference's loader reads it:
+    B*T + 1 consecutive tokens from position index * B*T (wrapping round at the end), x the first
+    B*T as (B, T), y the same shifted by one. A function of the index alone, so resuming is exact."""
+    span = batch_size * seq_len
+    n = len(data.tokens) - span - 1
+    if n <= 0:
+        raise DataError(f"corpus has {len(data.tokens)} tokens, fewer than a micro-batch of {span + 1}")
+    start = (index * span) % n
+    buf = _to_device(torch.from_numpy(np.asarray(data.tokens[start:start + span + 1], dtype=np.int64)), device)
+    return buf[:-1].view(batch_size, seq_len), buf[1:].view(batch_size, seq_len)
+
+
+def _to_device(tokens: torch.Tensor, device) -> torch.Tensor:
+    if torch.device(device).type == "cuda":
+        tokens = tokens.pin_memory().to(device, non_blocking=True)
+    return tokens

@@ -18,6 +18,7 @@ import math
 import torch
 
 from . import metric_names as M
+from .callbacks import Callback
 from .config import DiagnosticsConfig
 from .model import LoopedTransformer, parameter_groups
 
@@ -54,6 +55,9 @@ class LoopHooks:
         self.handles.append(m.loop_end.register_forward_hook(self._loop_end))
         for i, block in enumerate(m.blocks):
             self.handles.append(block.register_forward_hook(self._block_hook(i + 1)))
+            if self.act_grads:  # the reference's per-loop attention / MLP output gradients
+                self.handles.append(block.attn.register_forward_hook(self._output_grad_hook(M.ACT_GRAD_NORM_ATTN, i + 1)))
+                self.handles.append(block.mlp.register_forward_hook(self._output_grad_hook(M.ACT_GRAD_NORM_MLP, i + 1)))
             if self.attention:
                 self.handles.append(block.attn.register_forward_hook(self._attn_hook(i + 1)))
         return self
@@ -77,14 +81,23 @@ class LoopHooks:
             self.loop += 1
 
     def _block_hook(self, layer: int):
+        record_grad = self._output_grad_hook(M.ACT_GRAD_NORM, layer)
+
         def hook(module, args, output):
             if not self._active:
                 return
-            loop = self.loop
-            self.log(M.RESID_NORM, output.detach().norm(dim=-1).mean(), loop, layer)
-            if self.act_grads and output.requires_grad:
-                scale = self.grad_scale
-                output.register_hook(lambda g: self.log(M.ACT_GRAD_NORM, g.detach().norm() * scale, loop, layer))
+            self.log(M.RESID_NORM, output.detach().norm(dim=-1).mean(), self.loop, layer)
+            if self.act_grads:
+                record_grad(module, args, output)
+        return hook
+
+    def _output_grad_hook(self, metric: str, layer: int):
+        """Forward hook that records ||d(loss)/d(output)|| under (loop, layer) during backward."""
+        def hook(module, args, output):
+            if not self._active or not output.requires_grad:
+                return
+            loop, scale = self.loop, self.grad_scale
+            output.register_hook(lambda g: self.log(metric, g.detach().norm() * scale, loop, layer))
         return hook
 
     def _attn_hook(self, layer: int):
@@ -124,7 +137,7 @@ def consecutive_stats(sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return dot / (sq_g * sq_prev).sqrt().clamp_min(1e-30), flips / n
 
 
-class DiagnosticsCallback:
+class DiagnosticsCallback(Callback):
     """Records everything of DESIGN.md §3 on recorded steps (see `should_record`)."""
 
     def __init__(self, cfg: DiagnosticsConfig):
@@ -171,6 +184,17 @@ class DiagnosticsCallback:
             self.prev, self.prev_step = flats, step
         else:
             self.prev, self.prev_step = {}, -2
+
+    def after_clip(self, trainer, step: int) -> None:
+        """Per-group gradient norms after clipping (the reference's grad_norm/block_XX/attn|mlp,
+        grad_norm/embed, grad_norm/lm_head), beside the pre-clipping ones of `after_backward`."""
+        if not self.recording:
+            return
+        for name, ps in self.groups.items():
+            norms = torch._foreach_norm([p.grad for p in ps if p.grad is not None])
+            if norms:
+                metric, layer = M.group_key(M.GRAD_NORM_CLIPPED, name)
+                trainer.log.add(metric, torch.linalg.vector_norm(torch.stack(norms)), M.NONE, layer)
 
     def after_step(self, trainer, step: int) -> None:
         if not self.recording:

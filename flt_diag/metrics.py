@@ -15,9 +15,23 @@ running minimum; gap = s_final - min(s).
   collapsed  climb > max(rebound_abs, rebound_rel * min(s)) and the loss did not recover:
              gap > max(recovery_abs, recovery_rel * min(s)); or min(s) never gets below the
              unigram entropy of the training data
+  unstable   not collapsed, but the gradient norm oscillates beyond anything stable runs show: its
+             coefficient of variation over the dense steps exceeds osc_cv_threshold (the paper's
+             "gradient oscillation" failure, e.g. FLA stalling on a plateau at L=6, K=12)
   stable     otherwise (a climb that fully recovered is reported as `transient_rebound`)
 Residual explosion (reported beside the verdict): the peak over steps of the final loop's
 loop-end residual norm exceeds explosion_ratio * sqrt(d) (a normalised stream has norm sqrt(d)).
+`residual_explosion_any` applies the same test to every (loop, layer) and loop end: FLA can
+explode its first loop while its final loop stays bounded. `peak_resid_loop` names the loop.
+
+The reference's milestone statistics (scripts/base_check.py), same definitions: at the end of the
+warm-up (step 0: the recipe has no lr warm-up), at the start of the warm-down (step
+steps - round(warmdown_frac * steps)) and at the last step, the population std of the training
+loss and of the pre-clipping global gradient norm over the steps since the previous milestone
+(the milestone's own step included). The summary's `loss_std` / `grad_norm_std` are those of the
+warm-down milestone (the constant-lr phase, steps 1 .. steps - warmdown); `loss_std_warmdown` /
+`grad_norm_std_warmdown` those of the last step (the warm-down itself). (The reference's own
+last-step milestone never fires: its loop breaks before training when step == num_iterations.)
 """
 from __future__ import annotations
 
@@ -107,14 +121,41 @@ def verdict(loss: pd.Series, unigram_entropy: float | None, smooth_window: int =
     return "stable", {**ev, "reason": "loss fell and stayed down"}
 
 
+def warmdown_start(steps: int, warmdown_frac: float) -> int:
+    """The warm-down milestone: the first step of the warm-down (the last step without one)."""
+    return min(steps - round(warmdown_frac * steps), steps - 1)
+
+
+def milestone_steps(steps: int, warmdown_frac: float) -> list[int]:
+    """Steps at which the reference logs train/loss_std and train/grad_norm_std (see the module doc)."""
+    return sorted({0, warmdown_start(steps, warmdown_frac), steps - 1})
+
+
+def milestone_stds(loss: pd.Series, grad_norm: pd.Series, steps: int, warmdown_frac: float) -> list[dict]:
+    """[{step, loss_std, grad_norm_std}] per milestone reached: population std (ddof 0) of the
+    series over (previous milestone, this milestone]; NaN where a window holds a non-finite value."""
+    out, prev = [], -1
+    for m in milestone_steps(steps, warmdown_frac):
+        lw = loss[(loss.index > prev) & (loss.index <= m)].to_numpy(dtype=float)
+        gw = grad_norm[(grad_norm.index > prev) & (grad_norm.index <= m)].to_numpy(dtype=float)
+        if not len(lw) or int(loss.index.max()) < m:
+            break
+        out.append(dict(step=m, loss_std=float(np.std(lw)), grad_norm_std=float(np.std(gw)) if len(gw) else math.nan))
+        prev = m
+    return out
+
+
 def residual_explosion(df: pd.DataFrame, loops: int, d_model: int, ratio: float) -> dict:
     """Peak loop-end residual norm of the final loop, and whether it exploded."""
     final = series(df, M.RESID_NORM_LOOP_END, loop=loops)
     finite = final[np.isfinite(final.to_numpy())]
     peak = float(finite.max()) if len(finite) else math.nan
-    all_resid = df[df.metric.isin([M.RESID_NORM, M.RESID_NORM_LOOP_END])].value
-    all_resid = all_resid[np.isfinite(all_resid)]
-    return dict(peak_resid_norm=peak, peak_resid_norm_any=float(all_resid.max()) if len(all_resid) else math.nan,
+    every = df[df.metric.isin([M.RESID_NORM, M.RESID_NORM_LOOP_END])]
+    every = every[np.isfinite(every.value.to_numpy())]
+    peak_any = float(every.value.max()) if len(every) else math.nan
+    return dict(peak_resid_norm=peak, peak_resid_norm_any=peak_any,
+                peak_resid_loop=int(every.loop.loc[every.value.idxmax()]) if len(every) else None,
+                residual_explosion_any=bool(len(every) and peak_any > ratio * math.sqrt(d_model)),
                 peak_resid_step=int(finite.idxmax()) if len(finite) else None,
                 final_resid_norm=float(finite.iloc[-1]) if len(finite) else math.nan,
                 resid_ratio=peak / math.sqrt(d_model) if len(finite) else math.nan,
@@ -123,7 +164,8 @@ def residual_explosion(df: pd.DataFrame, loops: int, d_model: int, ratio: float)
 
 
 def summarize(df: pd.DataFrame, cfg, unigram_entropy: float | None = None, wall_time: float | None = None,
-              stop_reason: str | None = None, tokens_per_step: int | None = None) -> dict:
+              stop_reason: str | None = None, tokens_per_step: int | None = None,
+              prediction: dict | None = None) -> dict:
     """The run's summary.json: verdict, evidence and key figures, from its metrics table."""
     v = cfg.verdict
     loss = series(df, M.LOSS)
@@ -133,8 +175,19 @@ def summarize(df: pd.DataFrame, cfg, unigram_entropy: float | None = None, wall_
     g, cos = series(df, M.GRAD_NORM), series(df, M.GRAD_COSINE)
     dense = cfg.diagnostics.dense_steps
     osc = oscillation_indices(g[g.index < dense], cos[cos.index < dense])
+    if prediction is not None:  # the run was ended early by the collapse predictor (--stop-on-collapse)
+        name, evidence = "collapsed", {**evidence, "predicted_at": prediction["step"],
+                                       "reason": f"collapse predicted at step {prediction['step']} "
+                                                 f"(P={prediction['p_collapse']:.2f}; {prediction['evidence']})"}
+    elif name == "stable" and osc["cv"] > v.osc_cv_threshold:
+        name, evidence = "unstable", {**evidence, "reason": f"gradient-norm CV {osc['cv']:.2f} over the first "
+                                      f"{min(dense, len(g))} steps exceeds {v.osc_cv_threshold:g} (gradient oscillation)"}
     val = series(df, M.VAL_LOSS).dropna()
     finite_loss = loss[np.isfinite(loss.to_numpy())]
+    milestones = milestone_stds(loss, g, cfg.train.steps, cfg.train.warmdown_frac)
+    at = {m["step"]: m for m in milestones}
+    wd = warmdown_start(cfg.train.steps, cfg.train.warmdown_frac)
+    mid, last = at.get(wd, {}), at.get(cfg.train.steps - 1, {}) if wd < cfg.train.steps - 1 else {}
     steps_done = int(loss.index.max()) + 1 if len(loss) else 0
     out = dict(
         verdict=name, evidence=evidence, residual_explosion=resid.pop("residual_explosion"), **resid,
@@ -144,8 +197,12 @@ def summarize(df: pd.DataFrame, cfg, unigram_entropy: float | None = None, wall_
         val_loss=float(val.iloc[-1]) if len(val) else math.nan,
         val_ppl=float(math.exp(min(val.iloc[-1], 700))) if len(val) else math.nan,
         **{f"osc_{k}": val_ for k, val_ in osc.items()},
+        loss_std=mid.get(M.LOSS_STD, math.nan), grad_norm_std=mid.get(M.GRAD_NORM_STD, math.nan),
+        loss_std_warmdown=last.get(M.LOSS_STD, math.nan), grad_norm_std_warmdown=last.get(M.GRAD_NORM_STD, math.nan),
+        milestones=milestones,
         oscillation_windows=windowed_oscillation(g, cos, v.osc_window).to_dict("records"),
         steps_done=steps_done, steps=cfg.train.steps, wall_time=wall_time, stop_reason=stop_reason,
+        prediction=prediction,
         tokens_per_s=(tokens_per_step * steps_done / wall_time) if wall_time and tokens_per_step else None,
     )
     return out
@@ -167,7 +224,8 @@ def resummarize(run_dir, verdict_overrides: dict | None = None) -> dict:
         cfg.verdict = VerdictConfig(**{**cfg.verdict.__dict__, **verdict_overrides})
     t = cfg.train
     new = summarize(load_metrics(run_dir), cfg, unigram_entropy=cfg_dict.get("corpus", {}).get("unigram_entropy"),
-                    wall_time=old.get("wall_time"), stop_reason=old.get("stop_reason"),
-                    tokens_per_step=t.batch_size * t.grad_accum * cfg.model.sequence_len)
+                    wall_time=old.get("wall_time"), stop_reason=old.get("stop_reason"), prediction=old.get("prediction"),
+                    tokens_per_step=t.batch_size * t.grad_accum * cfg.model.sequence_len
+                    * cfg_dict.get("env", {}).get("world_size", 1))
     write_json(Path(run_dir) / SUMMARY, new)
     return new

@@ -175,6 +175,7 @@ class LoopedTransformer(nn.Module):
         self.loop_end = nn.Identity()  # hook point: residual stream at each loop's end
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.checkpoint_loops = False  # activation checkpointing, one segment per loop
+        self.table_dtype = torch.float32  # dtype the rotary tables are kept in (bf16 for reference precision)
         self._rotary(cfg.sequence_len)
         self.reset_parameters()
 
@@ -183,7 +184,7 @@ class LoopedTransformer(nn.Module):
         inv_freq = 1.0 / (self.cfg.rotary_base ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
         angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)  # (T, D/2)
         dtype = getattr(torch, self.cfg.rotary_dtype)  # tables rounded to this dtype, as the reference does
-        cos, sin = angles.cos().to(dtype).float(), angles.sin().to(dtype).float()
+        cos, sin = angles.cos().to(dtype).to(self.table_dtype), angles.sin().to(dtype).to(self.table_dtype)
         device = self.embed.weight.device
         self.register_buffer("cos", torch.cat([cos, cos], -1).to(device)[None, :, None, :], persistent=False)
         self.register_buffer("sin", torch.cat([sin, -sin], -1).to(device)[None, :, None, :], persistent=False)
@@ -258,6 +259,12 @@ class LoopedTransformer(nn.Module):
             raise ValueError(f"loss_on must be end, all or last-third, got {loss_on!r}")
         losses = [F.cross_entropy(lg.flatten(0, 1), targets.flatten()) for lg in logits]
         return logits[-1], torch.stack(losses).mean()
+
+
+def count_parameters(cfg: ModelConfig) -> int:
+    """Parameters of a model of this config, counted on the meta device (no memory, no download)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in LoopedTransformer(cfg).parameters())
 
 
 def parameter_groups(model: LoopedTransformer) -> dict[str, list[nn.Parameter]]:

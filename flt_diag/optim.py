@@ -1,6 +1,7 @@
 """The reference training recipe (DESIGN.md §2) and plain AdamW.
 
-muon:  torch.optim.Muon on the block matrices (lr 0.02, momentum 0.95, Nesterov, no weight decay);
+muon:  torch.optim.Muon on the block matrices (lr 0.02, Nesterov, no weight decay; momentum raised
+       linearly from 0.85 at step 0 to 0.95 at step 300, then constant: `muon_momentum`);
        AdamW on the embedding (lr 0.2) and head (lr 0.004), betas (0.8, 0.95), eps 1e-10, no weight
        decay, AdamW lrs scaled by (d/768)^-0.5.
 adamw: AdamW on every parameter (lr `adamw_lr`), same betas and eps.
@@ -29,7 +30,7 @@ def build_optimizers(model: LoopedTransformer, cfg: TrainConfig, fused: bool = F
          dict(params=groups["head"], lr=cfg.head_lr * scale * cfg.lr_scale)],
         **adam_kw,
     )
-    muon = torch.optim.Muon(matrices, lr=cfg.matrix_lr * cfg.lr_scale, momentum=cfg.momentum,
+    muon = torch.optim.Muon(matrices, lr=cfg.matrix_lr * cfg.lr_scale, momentum=muon_momentum(0, cfg),
                             nesterov=True, weight_decay=0.0)
     for opt in (adamw, muon):
         for g in opt.param_groups:
@@ -50,3 +51,23 @@ def set_lr(optimizers: list[torch.optim.Optimizer], multiplier: float) -> None:
         for g in opt.param_groups:
             g.setdefault("base_lr", g["lr"])
             g["lr"] = g["base_lr"] * multiplier
+
+
+def muon_momentum(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up from `momentum_start` at step 0 to `momentum` at step `momentum_warmup`
+    (the reference's get_muon_momentum: 0.85 -> 0.95 over 300 steps), constant after."""
+    if cfg.momentum_warmup <= 0:
+        return cfg.momentum
+    frac = min(step / cfg.momentum_warmup, 1.0)
+    return (1 - frac) * cfg.momentum_start + frac * cfg.momentum
+
+
+def set_momentum(optimizers: list[torch.optim.Optimizer], momentum: float) -> bool:
+    """Set the momentum of every Muon optimizer; True if there was one."""
+    found = False
+    for opt in optimizers:
+        if isinstance(opt, torch.optim.Muon):
+            for g in opt.param_groups:
+                g["momentum"] = momentum
+            found = True
+    return found

@@ -45,10 +45,11 @@ from .storage import (ERROR, METRICS, SWEEP_SPEC, StorageError, is_sweep, load_c
 log = logging.getLogger(__name__)
 
 VARIANT_ORDER = ["lt", "lt-ii", "lt-ai", "fla", "flt"]
-VARIANT_COLORS = {"lt": "#0173b2", "lt-ii": "#de8f05", "lt-ai": "#029e73", "fla": "#cc78bc", "flt": "#d55e00"}
+# Okabe-Ito (colour-blind safe), five clearly distinct hues; FLT, the method under study, in black.
+VARIANT_COLORS = {"lt": "#0072b2", "lt-ii": "#e69f00", "lt-ai": "#009e73", "fla": "#cc79a7", "flt": "#000000"}
 OTHER_COLOR = "#7f7f7f"
-VERDICT_ORDER = ["stable", "collapsed", "diverged"]  # by severity (ties in a majority go to the worse)
-VERDICT_COLORS = {"stable": "#a6d96a", "collapsed": "#fdae61", "diverged": "#d7191c",
+VERDICT_ORDER = ["stable", "unstable", "collapsed", "diverged"]  # by severity (ties in a majority go to the worse)
+VERDICT_COLORS = {"stable": "#a6d96a", "unstable": "#fee08b", "collapsed": "#fdae61", "diverged": "#d7191c",
                   "running": "#c6dbef", "failed": "#969696", "pending": "#f0f0f0"}
 LOOP_CMAP = "viridis"  # sequential palette for loop indices
 LINESTYLES = ["-", "--", ":", "-."]
@@ -260,7 +261,7 @@ def _majority(verdicts: list[str]) -> tuple[str, int]:
 
 
 SUMMARY_NUMBERS = ["final_loss", "best_loss", "val_loss", "val_ppl", "peak_resid_norm", "osc_cv",
-                   "osc_mean_abs_dlog", "osc_sign_alternation", "osc_neg_cosine_share"]
+                   "osc_mean_abs_dlog", "osc_sign_alternation", "osc_neg_cosine_share", "loss_std", "grad_norm_std"]
 
 
 def summary_table(src) -> pd.DataFrame:
@@ -655,13 +656,33 @@ def fig_loops(path) -> Figure:
     return draw_loops(_need(loops_data(path), "loops", "no eval_loops.csv; run `flt-diag eval-loops` first"))
 
 
+def _map_path(src) -> Path:
+    path = src.path if isinstance(src, Study) else Path(src)
+    spec = read_json(path / SWEEP_SPEC) if is_sweep(path) else {}
+    if spec.get("kind") != "map":
+        raise NoData(f"{path} is not a stability map (made by `flt-diag map`)")
+    return path
+
+
+def map_data(src) -> pd.DataFrame:
+    """Per (criterion, variant, loops): the boundary over seeds (flt_diag.figure_map)."""
+    from .figure_map import map_data as data
+    return data(_map_path(src))
+
+
+def fig_map(src) -> Figure:
+    """Phase diagram of a stability map: where each variant's training breaks (flt_diag.figure_map)."""
+    from .figure_map import fig_map as draw
+    return draw(_map_path(src))
+
+
 FIGURES = {"residuals": fig_residuals, "heatmap": fig_residual_heatmap, "gradients": fig_gradients,
-           "loss": fig_loss, "collapse": fig_collapse, "loops": fig_loops}
+           "loss": fig_loss, "collapse": fig_collapse, "loops": fig_loops, "map": fig_map}
 DATA = {"residuals": residuals_data, "heatmap": heatmap_data, "gradients": gradients_data,
-        "loss": loss_data, "collapse": collapse_data, "loops": loops_data}
+        "loss": loss_data, "collapse": collapse_data, "loops": loops_data, "map": map_data}
 NEEDS = {"residuals": [M.RESID_NORM_LOOP_END], "heatmap": [M.RESID_NORM],
          "gradients": [M.GRAD_NORM, M.GRAD_COSINE, M.ACT_GRAD_NORM], "loss": [M.LOSS, M.VAL_LOSS],
-         "collapse": [M.LOSS], "loops": [M.LOSS]}
+         "collapse": [M.LOSS], "loops": [M.LOSS], "map": [M.LOSS]}
 
 
 def _check_kind(kind: str) -> None:
@@ -686,7 +707,10 @@ class Written(list):
 def render(study: Study, kinds=None) -> tuple[dict[str, Figure], dict[str, str]]:
     """Every figure of `kinds` (default all) that has data, and the reason for each one left out."""
     figures, skipped = {}, {}
+    is_map = isinstance(study, Study) and bool(study.spec) and study.spec.get("kind") == "map"
     for kind in kinds or FIGURES:
+        if kind == "map" and not is_map and (kinds is None or len(kinds) > 1):
+            continue  # "all" of an ordinary sweep: nothing to say about a map it is not
         try:
             figures[kind] = FIGURES[kind](study)
         except NoData as e:
@@ -715,7 +739,7 @@ def plot(kind: str, path, out_dir=None, formats=("png", "pdf")) -> Written:
     kinds = list(FIGURES) if kind == "all" else [kind]
     for k in kinds:
         _check_kind(k)
-    study = collect(path)
+    study = Path(path) if kinds == ["map"] else collect(path)  # the map figure reads summaries only
     figures, skipped = render(study, kinds)
     if kind != "all" and skipped:
         raise StorageError(skipped[kind])

@@ -20,8 +20,9 @@ The one deliberate difference from a model trained by flt-diag: an imported mode
 
 A nanochat checkpoint folder holds model_<step>.pt (a plain state dict) and meta_<step>.json, whose
 "model_config" has sequence_len, vocab_size, n_layer, n_head, n_kv_head, n_embd; the looped
-reference adds the loop count ("n_loops", "loops" or "num_loops") and the variant ("variant" or
-"loop_type"). Explicit arguments of `import_reference` override the meta file.
+reference adds the loop count ("K"; also read: "n_loops", "loops", "num_loops") and the variant
+("model_type": LT, LT_i, ...; also read: "variant", "loop_type"). Explicit arguments of
+`import_reference` override the meta file.
 """
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ REFERENCE_VARIANTS: dict[str, str] = {"LT": "lt", "LT_i": "lt-ii", "LT_ia": "lt-
 PREFIXES = ("_orig_mod.", "module.")
 VOCAB_MULTIPLE = 64
 DEFAULT_SEQUENCE_LEN = 1024  # nanochat's GPTConfig default, used when neither meta nor caller says
-LOOP_KEYS = ("n_loops", "loops", "num_loops")
-VARIANT_KEYS = ("variant", "loop_type")
+LOOP_KEYS = ("K", "n_loops", "loops", "num_loops")  # "K": the reference's GPTConfig (scripts/base_train.py)
+VARIANT_KEYS = ("model_type", "variant", "loop_type")  # "model_type": the reference's GPTConfig
 
 # per-block names: reference suffix -> flt-diag suffix
 _BLOCK_NAMES = {"attn.c_q": "attn.q", "attn.c_k": "attn.k", "attn.c_v": "attn.v", "attn.c_proj": "attn.o",

@@ -28,6 +28,8 @@ TABLE_COLUMNS = {
     "Val ppl": ("val_ppl", "{:.2f}"),
     "Peak ‖h‖ (last loop)": ("peak_resid_norm", "{:.1f}"),
     "Osc |Δlog g|": ("osc_mean_abs_dlog", "{:.3f}"),
+    "Loss std": ("loss_std", "{:.3f}"),
+    "Grad-norm std": ("grad_norm_std", "{:.3f}"),
 }
 
 CSS = """
@@ -115,6 +117,12 @@ def render_html(study: P.Study, figures: dict, skipped: dict[str, str]) -> str:
              f"{len(study.runs) - done} running. Numbers are means over a cell's finished seeds; the verdict is "
              "their majority.</p>",
              "<h2>Results</h2>", _html_table(results_table(study))]
+    if study.spec and study.spec.get("kind") == "map":
+        from .stability_map import critical_table
+        parts += ["<h2>Stability map: critical values</h2>",
+                  '<p class="note">Boundary (geometric mean of the last value that held and the first that broke; '
+                  "median [min-max] over seeds); &gt; x: held up to the grid's top; &lt; x: broke at its bottom.</p>",
+                  _html_table(critical_table(study.path), verdict_column=None)]
     parts.append("<h2>Figures</h2>")
     for kind, fig in figures.items():
         parts.append(f'<figure id="{kind}"><img alt="{kind}" src="data:image/png;base64,{_png_base64(fig)}">'

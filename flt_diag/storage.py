@@ -170,14 +170,23 @@ def load_eval_loops(run_dir: Path) -> pd.DataFrame | None:
     return pd.read_csv(p) if p.exists() else None
 
 
+def cell_names(sweep: Path) -> list[str]:
+    """The cells of a sweep folder in order: the grid's, listed in sweep.json; for a stability map
+    (whose probes are chosen as it runs) the cell folders present, by name."""
+    spec = read_json(Path(sweep) / SWEEP_SPEC)
+    if spec.get("kind") == "map":
+        folder = Path(sweep) / CELLS
+        return sorted(p.name for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
+    return list(spec.get("cell_names", []))
+
+
 def run_dirs(path: Path) -> list[Path]:
     """The run folders of a sweep (in cell order), or [path] for a single run folder."""
     path = Path(path)
     if not path.exists():
         raise StorageError(f"no such folder: {path}")
     if is_sweep(path):
-        spec = read_json(path / SWEEP_SPEC)
-        return [path / CELLS / name for name in spec.get("cell_names", []) if is_run(path / CELLS / name)]
+        return [path / CELLS / name for name in cell_names(path) if is_run(path / CELLS / name)]
     if is_run(path):
         return [path]
     raise StorageError(f"{path} is neither a run folder (no {CONFIG}) nor a sweep folder (no {SWEEP_SPEC})")
@@ -187,4 +196,5 @@ def run_label(run_dir: Path) -> dict:
     """Variant, loops, seed and lr scale of a run, read from its config (never from its name)."""
     cfg = load_config(run_dir)
     return {"variant": cfg["model"]["variant"], "loops": cfg["model"]["loops"],
-            "seed": cfg["train"]["seed"], "lr_scale": cfg["train"]["lr_scale"], "run": str(run_dir)}
+            "seed": cfg["train"]["seed"], "lr_scale": cfg["train"]["lr_scale"], "depth": cfg["model"]["n_layer"],
+            "run": str(run_dir)}

@@ -17,31 +17,19 @@ import os
 import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
+from .cells import Cell
 from .config import RunConfig, with_overrides
-from .storage import (CELLS, ERROR, SWEEP_SPEC, SWEEP_SUMMARY, StorageError, atomic_write_text, is_run, load_config,
+from .storage import (CELLS, ERROR, cell_names, SWEEP_SPEC, SWEEP_SUMMARY, StorageError, atomic_write_text, is_run, load_config,
                       load_progress, load_summary, read_json, write_json)
 
 SUMMARY_COLUMNS = ["cell", "variant", "loops", "seed", "lr_scale", "verdict", "residual_explosion", "final_loss",
                    "best_loss", "val_loss", "val_ppl", "peak_resid_norm", "osc_cv", "osc_mean_abs_dlog",
-                   "osc_sign_alternation", "osc_neg_cosine_share", "steps_done", "wall_time"]
-
-
-@dataclass(frozen=True)
-class Cell:
-    index: int
-    variant: str
-    loops: int
-    seed: int
-    lr_scale: float
-
-    @property
-    def name(self) -> str:
-        return f"{self.variant}_K{self.loops:02d}_seed{self.seed}_lr{self.lr_scale:g}"
+                   "osc_sign_alternation", "osc_neg_cosine_share", "loss_std", "grad_norm_std", "steps_done",
+                   "wall_time"]
 
 
 class SweepSpec:
@@ -75,7 +63,8 @@ class SweepSpec:
 def cell_config(base: RunConfig, cell: Cell, **train_overrides) -> RunConfig:
     """The base config with the cell's variant, loops, seed and lr scale (and any extra train fields)."""
     from .config import validate
-    cfg = with_overrides(base, model=dict(variant=cell.variant, loops=cell.loops),
+    model = dict(variant=cell.variant, loops=cell.loops, **({} if cell.depth is None else {"n_layer": cell.depth}))
+    cfg = with_overrides(base, model=model,
                          train=dict(seed=cell.seed, lr_scale=cell.lr_scale, **train_overrides))
     validate(cfg)
     return cfg
@@ -283,9 +272,8 @@ class SweepMonitor:
 def sweep_summary(out: Path) -> pd.DataFrame:
     """One row per finished cell, read from the run folders (a pure function of the folder)."""
     out = Path(out)
-    spec = read_json(out / SWEEP_SPEC)
     rows = []
-    for name in spec["cell_names"]:
+    for name in cell_names(out):
         d = out / CELLS / name
         s = load_summary(d) if is_run(d) else None
         if s is None:

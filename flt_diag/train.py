@@ -1,7 +1,7 @@
 """Training: one run into one run folder, with callbacks at clear moments.
 
 Moments (Callback): on_start, before_step, after_backward (gradients ready, before clipping),
-after_step (optimizer stepped), on_end. Diagnostics are a callback plus hooks
+after_clip (gradients clipped), after_step (optimizer stepped), on_end. Diagnostics are a callback plus hooks
 (flt_diag.diagnostics); the loop itself logs only loss, lr, global grad norm and val loss.
 
 Every scalar of a step goes into a StepLog as a device tensor; the StepLog moves them to the
@@ -22,31 +22,22 @@ from typing import Callable
 import torch
 
 from . import metric_names as M
-from .config import RunConfig
-from .data import TokenData, batch_generator, get_batch, load_tokens
+from .callbacks import Callback
+from .config import RunConfig, padded_vocab
+from .data import TokenData, batch_generator, get_batch, load_tokens, stream_batch
 from .evaluation import evaluate
 from .model import LoopedTransformer
-from .optim import build_optimizers, lr_multiplier, set_lr
+from .optim import build_optimizers, lr_multiplier, muon_momentum, set_lr, set_momentum
 from .storage import (CHECKPOINT, CONFIG, PROGRESS, RESUME, SUMMARY, MetricsWriter, StorageError, load_metrics,
                       read_json, write_json)
 
 # Fields that may differ when a run folder is reused (they do not change what is computed).
 VOLATILE_TRAIN_FIELDS = ("device", "threads", "compile", "eval_every", "checkpoint_every")
-VOLATILE_DIAGNOSTICS_FIELDS = ("flush_every", "tensorboard", "wandb")
+VOLATILE_DIAGNOSTICS_FIELDS = ("flush_every", "tensorboard", "wandb", "warn")
 
 
 class RunConflict(StorageError):
     """The run folder holds a run with a different configuration."""
-
-
-class Callback:
-    def on_start(self, trainer: "Trainer") -> None: ...
-    def before_step(self, trainer: "Trainer", step: int) -> None: ...
-    def after_backward(self, trainer: "Trainer", step: int) -> None: ...
-    def after_step(self, trainer: "Trainer", step: int) -> None: ...
-    def on_end(self, trainer: "Trainer") -> None: ...
-    def state_dict(self) -> dict: return {}
-    def load_state_dict(self, state: dict) -> None: ...
 
 
 class StepLog:
@@ -84,7 +75,8 @@ def environment(device: torch.device) -> dict:
     import numpy, pandas
     env = dict(python=sys.version.split()[0], torch=torch.__version__, numpy=numpy.__version__,
                pandas=pandas.__version__, platform=platform.platform(), host=socket.gethostname(),
-               device=str(device), threads=torch.get_num_threads(), started=time.strftime("%Y-%m-%dT%H:%M:%S"))
+               device=str(device), threads=torch.get_num_threads(), world_size=int(os.environ.get("WORLD_SIZE", 1)),
+               started=time.strftime("%Y-%m-%dT%H:%M:%S"))
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
     try:
@@ -99,7 +91,7 @@ def comparable(cfg_dict: dict) -> dict:
     """The parts of a config that decide what a run computes (verdict thresholds, logging
     mirrors and intervals can change without invalidating a run folder)."""
     d = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg_dict.items()
-         if k not in ("env", "corpus", "verdict", "imported_from", "note")}
+         if k not in ("env", "corpus", "verdict", "imported_from", "note", "n_params")}
     for k in VOLATILE_TRAIN_FIELDS:
         d["train"].pop(k, None)
     for k in VOLATILE_DIAGNOSTICS_FIELDS:
@@ -145,9 +137,13 @@ class Trainer:
             torch.set_num_threads(cfg.train.threads)
         self.train_data = load_tokens(cfg.train.data, cfg.train.tokenizer, "train", cfg.train.max_tokens)
         self.val_data = load_tokens(cfg.train.data, cfg.train.tokenizer, "val", cfg.train.max_tokens)
-        cfg.model.vocab_size = self.train_data.vocab_size
+        cfg.model.vocab_size = padded_vocab(self.train_data.vocab_size)
         torch.manual_seed(cfg.train.seed)
         self.model = LoopedTransformer(cfg.model).to(self.device)
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        if cfg.train.precision == "reference":
+            from .parallel import reference_precision
+            reference_precision(self.model)
         self.model.checkpoint_loops = cfg.train.checkpoint_loops
         use_compile = cfg.train.compile if cfg.train.compile is not None else self.device.type == "cuda"
         if use_compile:
@@ -169,6 +165,16 @@ class Trainer:
         self.start_step = 0
         self.wall_time = 0.0
         self.stop_reason: str | None = None
+        self.stop_requested: str | None = None
+        self.prediction: dict | None = None
+        if cfg.diagnostics.warn or cfg.diagnostics.stop_on_collapse:
+            from .early_warning import CollapseWarning, load_predictor
+            self.callbacks.append(CollapseWarning(load_predictor(cfg.diagnostics.predictor),
+                                                  stop=cfg.diagnostics.stop_on_collapse))
+
+    def request_stop(self, reason: str, prediction: dict | None = None) -> None:
+        """End the run after the current step (a callback decided it); the run folder is completed."""
+        self.stop_requested, self.prediction = reason, prediction
 
     # ------------------------------------------------------------------ run folder
     def _prepare_folder(self) -> bool:
@@ -206,7 +212,7 @@ class Trainer:
             raise StorageError(f"cannot create run folder {d}: {e.strerror}") from None
         if not os.access(d, os.W_OK):
             raise StorageError(f"cannot write to {d}")
-        write_json(d / CONFIG, {**cfg_dict, "env": environment(self.device),
+        write_json(d / CONFIG, {**cfg_dict, "n_params": self.n_params, "env": environment(self.device),
                                 "corpus": {"train_tokens": len(self.train_data), "val_tokens": len(self.val_data),
                                            "unigram_entropy": self.train_data.unigram_entropy}})
         self.writer = MetricsWriter(d)
@@ -247,19 +253,37 @@ class Trainer:
 
     # ------------------------------------------------------------------ training
     def autocast(self):
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+        """bf16 autocast on CUDA; on CPU only with precision "reference" (so that its path runs anywhere)."""
+        if self.device.type == "cuda" or self.cfg.train.precision == "reference":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
+
+    def describe(self) -> str:
+        """One line for the start of a run: the model and its parameter count."""
+        m = self.cfg.model
+        return (f"{m.variant} K={m.loops}: L={m.n_layer} d={m.n_embd} heads={m.n_head} vocab={m.vocab_size} "
+                f"seq={m.sequence_len}, {self.n_params:,} parameters ({self.n_params / 1e6:.1f}M), "
+                f"precision {self.cfg.train.precision}, device {self.device}")
+
+    def batch(self, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Micro-batch `micro` of optimizer step `step` on this rank: a function of (seed, step,
+        micro, rank) in random sampling, of the position in the corpus in stream sampling."""
+        t, T = self.cfg.train, self.cfg.model.sequence_len
+        if t.sampling == "stream":
+            return stream_batch(self.train_data, t.batch_size, T, (step * t.grad_accum + micro) * self.world + self.rank,
+                                self.device)
+        return get_batch(self.train_data, t.batch_size, T, batch_generator(t.seed, step, micro, self.rank), self.device)
 
     def train_step(self, step: int) -> torch.Tensor:
         t = self.cfg.train
         set_lr(self.optimizers, lr_multiplier(step, t.steps, t.warmdown_frac))
+        momentum = muon_momentum(step, t)
+        has_muon = set_momentum(self.optimizers, momentum)
         for cb in self.callbacks:
             cb.before_step(self, step)
         total = torch.zeros((), device=self.device)
         for micro in range(t.grad_accum):
-            x, y = get_batch(self.train_data, t.batch_size, self.cfg.model.sequence_len,
-                             batch_generator(t.seed, step, micro, self.rank), self.device)
+            x, y = self.batch(step, micro)
             sync = self.world == 1 or micro == t.grad_accum - 1
             with (contextlib.nullcontext() if sync else self.ddp_model.no_sync()), self.autocast():
                 _, loss = self.ddp_model(x, y, loss_on=t.loss_on)
@@ -275,6 +299,8 @@ class Trainer:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
         else:
             grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))
+        for cb in self.callbacks:
+            cb.after_clip(self, step)
         for opt in self.optimizers:
             opt.step()
         for cb in self.callbacks:
@@ -284,6 +310,8 @@ class Trainer:
         self.log.add(M.LOSS, total)
         self.log.add(M.GRAD_NORM, grad_norm)
         self.log.add(M.LR, self.optimizers[0].param_groups[0]["lr"])
+        if has_muon:
+            self.log.add(M.MOMENTUM, momentum)
         return total
 
     def fit(self) -> dict:
@@ -308,9 +336,14 @@ class Trainer:
                     self.writer.extend(rows)
                     for sink in self.sinks:
                         sink.extend(rows)
+                for cb in self.callbacks:
+                    cb.on_rows(self, step, rows)
                 done = step + 1
                 if not math.isfinite(loss_value):
                     self.stop_reason = f"non-finite loss at step {step}"
+                    break
+                if self.stop_requested:
+                    self.stop_reason = self.stop_requested
                     break
                 if t.eval_every and done % t.eval_every == 0 and done < t.steps:
                     self._evaluate(step)
@@ -333,8 +366,8 @@ class Trainer:
                 for sink in self.sinks:
                     sink.close()
         self.wall_time += time.perf_counter() - t0
-        if self.stop_reason is None:
-            self._evaluate(t.steps - 1)
+        if self.stop_reason is None or self.prediction is not None:
+            self._evaluate(step)
         if not self.is_main:
             torch.distributed.destroy_process_group()
             return {}
@@ -342,7 +375,7 @@ class Trainer:
         self.save_checkpoint(self.run_dir / CHECKPOINT, step + 1)
         summary = summarize(load_metrics(self.run_dir), self.cfg,
                             unigram_entropy=self.train_data.unigram_entropy,
-                            wall_time=self.wall_time, stop_reason=self.stop_reason,
+                            wall_time=self.wall_time, stop_reason=self.stop_reason, prediction=self.prediction,
                             tokens_per_step=t.batch_size * t.grad_accum * self.world * self.cfg.model.sequence_len)
         write_json(self.run_dir / SUMMARY, summary)
         (self.run_dir / RESUME).unlink(missing_ok=True)

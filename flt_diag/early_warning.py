@@ -1,0 +1,274 @@
+"""Early warning: P(the run collapses by its end) from the signals recorded up to step s.
+
+A logistic regression on a few named features of the window of the last W = min(100, s // 2)
+recorded steps before s (numpy/scipy/pandas only; no torch):
+
+    resid_level     log10(final-loop residual norm / sqrt(d)), window mean   (residual explosion)
+    resid_growth    slope of log10(final-loop residual norm) per 100 steps    (still exploding?)
+    loop_ratio      log10(final-loop / first-loop residual norm)              (later vs earlier loops)
+    grad_cv         coefficient of variation of the global gradient norm      (oscillation)
+    grad_dlog       mean |delta log gradient norm|                            (oscillation)
+    act_grad_decay  log10(||dL/d out(loop 1, block 1)|| / ||dL/d out(loop K, block L)||)
+                    (how the backward signal changes through the loops)
+    loss_slope      slope of the training loss per 100 steps
+    loss_climb      trailing-mean loss minus its running minimum so far
+
+Features are standardised with the training set's mean and std (a missing feature, e.g. a run
+recorded without diagnostics, counts as the mean); the fit maximises the L2-penalised likelihood
+(scipy L-BFGS). One model per fitted step s (100, 200, 300, 500 by default); at another step the
+model of the largest fitted s at or below it is used. Label: the run's final verdict is collapsed or
+diverged. The fitted model is plain JSON (features, means, stds, coefficients, intercept, what it
+was fitted on and the command that refits it): flt_diag/early_warning.json ships with the package.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from . import metric_names as M
+from .callbacks import Callback
+from .storage import load_config, load_metrics, load_summary, run_dirs, series
+
+FEATURES = ["resid_level", "resid_growth", "loop_ratio", "grad_cv", "grad_dlog", "act_grad_decay",
+            "loss_slope", "loss_climb"]
+DEFAULT_STEPS = [100, 200, 300, 500]
+PACKAGED = Path(__file__).with_name("early_warning.json")
+COLLAPSE = ("collapsed", "diverged")
+SMOOTH = 50
+
+
+def _slope_per_100(s: pd.Series) -> float:
+    s = s[np.isfinite(s.to_numpy())]
+    if len(s) < 3:
+        return math.nan
+    x = s.index.to_numpy(dtype=float)
+    return float(np.polyfit(x - x.mean(), s.to_numpy(dtype=float), 1)[0] * 100)
+
+
+def _window(s: pd.Series, lo: int, hi: int) -> pd.Series:
+    return s[(s.index >= lo) & (s.index < hi)]
+
+
+def features(df: pd.DataFrame, at: int, loops: int, n_layer: int, d_model: int) -> dict:
+    """The features at step `at` (from rows with step < at) of one run's metrics table."""
+    W = max(2, min(100, at // 2))
+    lo = at - W
+    final = _window(series(df, M.RESID_NORM_LOOP_END, loop=loops), lo, at)
+    first = _window(series(df, M.RESID_NORM_LOOP_END, loop=1), lo, at)
+    g = _window(series(df, M.GRAD_NORM), lo, at)
+    g = g[np.isfinite(g.to_numpy()) & (g.to_numpy() > 0)]
+    a_first = _window(series(df, M.ACT_GRAD_NORM, loop=1, layer=1), lo, at)
+    a_last = _window(series(df, M.ACT_GRAD_NORM, loop=loops, layer=n_layer), lo, at)
+    loss = series(df, M.LOSS)
+    loss = loss[loss.index < at]
+    smooth = loss.rolling(SMOOTH, min_periods=1).mean()
+
+    def log_mean(s):
+        v = s.to_numpy(dtype=float)
+        v = v[np.isfinite(v) & (v > 0)]
+        return float(np.log10(v.mean())) if len(v) else math.nan
+
+    out = dict(
+        resid_level=log_mean(final) - 0.5 * math.log10(d_model) if len(final) else math.nan,
+        resid_growth=_slope_per_100(np.log10(final.clip(lower=1e-30))) if len(final) else math.nan,
+        loop_ratio=log_mean(final) - log_mean(first) if len(final) and len(first) else math.nan,
+        grad_cv=float(g.std(ddof=0) / g.mean()) if len(g) > 1 else math.nan,  # population std, as osc cv
+        grad_dlog=float(np.abs(np.diff(np.log(g.to_numpy()))).mean()) if len(g) > 1 else math.nan,
+        act_grad_decay=log_mean(a_first) - log_mean(a_last) if len(a_first) and len(a_last) else math.nan,
+        loss_slope=_slope_per_100(_window(loss, lo, at)),
+        loss_climb=float(smooth.iloc[-1] - smooth.cummin().iloc[-1]) if len(smooth) else math.nan,
+    )
+    return {k: (v if v is None or math.isfinite(v) else math.nan) for k, v in out.items()}
+
+
+def run_features(run_dir: Path, at: int) -> dict:
+    cfg = load_config(run_dir)
+    m = cfg["model"]
+    return features(load_metrics(run_dir), at, m["loops"], m["n_layer"], m["n_embd"])
+
+
+def label(summary: dict) -> int:
+    return int(summary.get("verdict") in COLLAPSE)
+
+
+# --------------------------------------------------------------------------- the model
+
+def _sigmoid(z):
+    return 1.0 / (1.0 + np.exp(-np.clip(z, -60, 60)))
+
+
+def fit_logistic(X: np.ndarray, y: np.ndarray, l2: float = 1.0) -> tuple[np.ndarray, float]:
+    """Coefficients and intercept maximising sum log-likelihood - l2/2 |w|^2 (intercept unpenalised)."""
+    from scipy.optimize import minimize
+
+    def loss(theta):
+        w, b = theta[:-1], theta[-1]
+        z = X @ w + b
+        nll = np.sum(np.logaddexp(0, z) - y * z) + 0.5 * l2 * w @ w
+        p = _sigmoid(z)
+        grad = np.concatenate([X.T @ (p - y) + l2 * w, [np.sum(p - y)]])
+        return nll, grad
+
+    res = minimize(loss, np.zeros(X.shape[1] + 1), jac=True, method="L-BFGS-B")
+    return res.x[:-1], float(res.x[-1])
+
+
+def design(rows: list[dict], mean=None, std=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    X = np.array([[r.get(f, math.nan) for f in FEATURES] for r in rows], dtype=float)
+    if mean is None:
+        mean = np.nanmean(np.where(np.isfinite(X), X, np.nan), axis=0) if len(X) else np.zeros(len(FEATURES))
+        mean = np.where(np.isfinite(mean), mean, 0.0)
+        std = np.nanstd(X, axis=0) if len(X) else np.ones(len(FEATURES))
+        std = np.where(np.isfinite(std) & (std > 1e-12), std, 1.0)
+    Z = (X - mean) / std
+    Z = np.where(np.isfinite(Z), Z, 0.0)  # a missing feature counts as the training mean
+    return Z, np.asarray(mean, float), np.asarray(std, float)
+
+
+def labelled_runs(sources) -> list[Path]:
+    """Finished runs (summary.json) of the given run or sweep folders."""
+    out = []
+    for src in sources:
+        out += [d for d in run_dirs(Path(src)) if load_summary(d) is not None]
+    return out
+
+
+def fit(sources, steps=DEFAULT_STEPS, l2: float = 1.0, command: str = "") -> dict:
+    """Fit one model per step from the finished runs of `sources` (run or sweep folders)."""
+    runs = labelled_runs(sources)
+    if not runs:
+        raise ValueError("no finished runs to fit on")
+    y = np.array([label(load_summary(d)) for d in runs], dtype=float)
+    models = {}
+    for s in steps:
+        usable = [(d, yy) for d, yy in zip(runs, y) if load_summary(d).get("steps_done", 0) > s]
+        rows = [run_features(d, s) for d, _ in usable]
+        yy = np.array([v for _, v in usable], dtype=float)
+        if not len(rows):
+            continue
+        Z, mean, std = design(rows)
+        w, b = fit_logistic(Z, yy, l2)
+        p = _sigmoid(Z @ w + b)
+        models[str(s)] = dict(mean=mean.tolist(), std=std.tolist(), coef=w.tolist(), intercept=b, runs=len(rows),
+                              positives=int(yy.sum()), train_accuracy=float(((p >= 0.5) == (yy == 1)).mean()))
+    return dict(features=FEATURES, models=models, threshold=0.5, l2=l2, window="min(100, s // 2) steps before s",
+                label="final verdict collapsed or diverged", fitted_on=[str(s) for s in sources],
+                runs=[str(d) for d in runs], command=command)
+
+
+def load_predictor(path=None) -> dict:
+    p = Path(path) if path else PACKAGED
+    try:
+        model = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"no predictor file {p}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"unreadable predictor file {p}: {e}") from None
+    if not isinstance(model, dict) or model.get("features") != FEATURES or not model.get("models"):
+        raise ValueError(f"{p} is not an flt-diag predictor (features {FEATURES})")
+    return model
+
+
+def model_at(predictor: dict, step: int) -> tuple[int, dict] | None:
+    fitted = sorted(int(s) for s in predictor["models"])
+    usable = [s for s in fitted if s <= step]
+    return (usable[-1], predictor["models"][str(usable[-1])]) if usable else None
+
+
+def probability(predictor: dict, feats: dict, step: int) -> tuple[float, list[tuple[str, float]]]:
+    """P(collapse) at `step` and each feature's contribution to the logit (largest first)."""
+    found = model_at(predictor, step)
+    if found is None:
+        raise ValueError(f"the predictor is fitted from step {min(map(int, predictor['models']))} on; "
+                         f"step {step} is too early")
+    _, m = found
+    Z, _, _ = design([feats], np.array(m["mean"]), np.array(m["std"]))
+    contrib = Z[0] * np.array(m["coef"])
+    p = float(_sigmoid(contrib.sum() + m["intercept"]))
+    return p, sorted(zip(FEATURES, contrib.tolist()), key=lambda t: -abs(t[1]))
+
+
+def evidence_text(feats: dict, contributions: list[tuple[str, float]], n: int = 3) -> str:
+    return ", ".join(f"{name} {feats[name]:.3g} ({c:+.2f})" for name, c in contributions[:n]
+                     if feats.get(name) is not None and math.isfinite(feats[name]))
+
+
+def predict_sweep(path, at: int, predictor: dict) -> pd.DataFrame:
+    """Per finished cell: P(collapse) at step `at`, the prediction, the final verdict, agreement."""
+    rows = []
+    for d in labelled_runs([path]):
+        s = load_summary(d)
+        if s.get("steps_done", 0) <= at:
+            continue
+        feats = run_features(d, at)
+        p, contrib = probability(predictor, feats, at)
+        predicted = p >= predictor.get("threshold", 0.5)
+        actual = bool(label(s))
+        rows.append(dict(cell=d.name, variant=s.get("variant"), loops=s.get("loops"), seed=s.get("seed"),
+                         lr_scale=s.get("lr_scale"), p_collapse=p, predicted="collapse" if predicted else "no collapse",
+                         verdict=s.get("verdict"), agree=predicted == actual,
+                         false_alarm=predicted and not actual, miss=actual and not predicted,
+                         evidence=evidence_text(feats, contrib)))
+    return pd.DataFrame(rows, columns=["cell", "variant", "loops", "seed", "lr_scale", "p_collapse", "predicted",
+                                       "verdict", "agree", "false_alarm", "miss", "evidence"])
+
+
+def agreement(table: pd.DataFrame) -> dict:
+    n = len(table)
+    return dict(cells=n, accuracy=float(table.agree.mean()) if n else math.nan,
+                false_alarms=int(table.false_alarm.sum()), misses=int(table.miss.sum()),
+                collapsed=int((table.verdict.isin(COLLAPSE)).sum()))
+
+
+# --------------------------------------------------------------------------- online
+
+class CollapseWarning(Callback):
+    """Checks P(collapse) every `every` steps from the predictor's first fitted step on; the first
+    time it reaches the threshold, prints a warning with the evidence, and with `stop` ends the run
+    there (verdict collapsed, predicted at that step). Keeps the few series the features need."""
+
+    KEEP = (M.LOSS, M.GRAD_NORM, M.RESID_NORM_LOOP_END, M.ACT_GRAD_NORM)
+
+    def __init__(self, predictor: dict, stop: bool = False, threshold: float | None = None, every: int = 25,
+                 say=None):
+        self.predictor, self.stop, self.every = predictor, stop, every
+        self.threshold = predictor.get("threshold", 0.5) if threshold is None else threshold
+        self.rows: list[tuple] = []
+        self.warned_at: int | None = None
+        self.say = say or (lambda text: print(text, file=__import__("sys").stderr, flush=True))
+        self.first = min(int(s) for s in predictor["models"])
+
+    def on_start(self, trainer) -> None:
+        m = trainer.cfg.model
+        self.loops, self.n_layer, self.d = m.loops, m.n_layer, m.n_embd
+        self.label = f"{m.variant} K={m.loops}"
+
+    def on_rows(self, trainer, step: int, rows: list[tuple]) -> None:
+        keep = {(M.RESID_NORM_LOOP_END, 1), (M.RESID_NORM_LOOP_END, self.loops)}
+        for r in rows:
+            if r[1] in (M.LOSS, M.GRAD_NORM) or (r[1], r[2]) in keep or (
+                    r[1] == M.ACT_GRAD_NORM and (r[2], r[3]) in ((1, 1), (self.loops, self.n_layer))):
+                self.rows.append(tuple(r))
+        done = step + 1
+        if self.warned_at is not None or done < self.first or done % self.every:
+            return
+        df = pd.DataFrame(self.rows, columns=["step", "metric", "loop", "layer", "value"])
+        feats = features(df, done, self.loops, self.n_layer, self.d)
+        p, contrib = probability(self.predictor, feats, done)
+        if p >= self.threshold:
+            self.warned_at = done
+            text = evidence_text(feats, contrib)
+            self.say(f"warning: {self.label}: collapse predicted at step {done} (P={p:.2f}; {text})")
+            if self.stop:
+                trainer.request_stop(f"collapse predicted at step {done}",
+                                     prediction=dict(step=done, p_collapse=p, evidence=text, features=feats))
+
+    def state_dict(self) -> dict:
+        return {"rows": list(self.rows), "warned_at": self.warned_at}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rows, self.warned_at = [tuple(r) for r in state["rows"]], state["warned_at"]

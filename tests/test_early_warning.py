@@ -1,0 +1,170 @@
+"""The early-warning predictor: features against hand computations, the fit against known
+separable data, `predict` on a sweep, and --warn / --stop-on-collapse end to end."""
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from conftest import tiny_config
+from flt_diag import early_warning as EW
+from flt_diag import metric_names as M
+from flt_diag.storage import load_summary, read_json
+
+
+def _rows(steps, loops=3, n_layer=2, resid=lambda s, k: 10.0, grad=lambda s: 1.0, loss=lambda s: 3.0,
+          act=lambda s, k: 1.0):
+    rows = []
+    for s in range(steps):
+        rows += [(s, M.LOSS, -1, -1, loss(s)), (s, M.GRAD_NORM, -1, -1, grad(s))]
+        for k in range(1, loops + 1):
+            rows.append((s, M.RESID_NORM_LOOP_END, k, -1, resid(s, k)))
+        rows += [(s, M.ACT_GRAD_NORM, 1, 1, act(s, 1)), (s, M.ACT_GRAD_NORM, loops, n_layer, act(s, loops))]
+    return pd.DataFrame(rows, columns=["step", "metric", "loop", "layer", "value"])
+
+
+def test_features_against_hand_computation():
+    rng = np.random.default_rng(0)
+    g = rng.lognormal(0, 0.5, 300)
+    df = _rows(300, resid=lambda s, k: 8.0 * 10 ** (s / 100) if k == 3 else 8.0, grad=lambda s: g[s],
+               loss=lambda s: 3 - 0.01 * s if s < 150 else 1.5 + 0.02 * (s - 150), act=lambda s, k: 4.0 if k == 1 else 0.4)
+    f = EW.features(df, at=300, loops=3, n_layer=2, d_model=64)
+    win = np.arange(200, 300)  # W = min(100, 300 // 2) steps before 300
+    assert f["resid_level"] == pytest.approx(math.log10(np.mean(8.0 * 10 ** (win / 100))) - math.log10(8), rel=1e-9)
+    assert f["resid_growth"] == pytest.approx(1.0, rel=1e-9)  # log10 grows by 1 per 100 steps
+    assert f["loop_ratio"] == pytest.approx(math.log10(np.mean(8.0 * 10 ** (win / 100)) / 8.0), rel=1e-9)
+    assert f["grad_cv"] == pytest.approx(np.std(g[200:300]) / np.mean(g[200:300]), rel=1e-9)
+    assert f["grad_dlog"] == pytest.approx(np.mean(np.abs(np.diff(np.log(g[200:300])))), rel=1e-9)
+    assert f["act_grad_decay"] == pytest.approx(1.0, rel=1e-9)
+    assert f["loss_slope"] == pytest.approx(2.0, rel=1e-9)  # +0.02 per step = +2 per 100 steps
+    loss = np.array([3 - 0.01 * s if s < 150 else 1.5 + 0.02 * (s - 150) for s in range(300)])
+    sm = pd.Series(loss).rolling(50, min_periods=1).mean()
+    assert f["loss_climb"] == pytest.approx(sm.iloc[-1] - sm.min(), rel=1e-9)
+
+
+def test_features_use_only_steps_before_s():
+    df = _rows(400, loss=lambda s: 3.0 if s < 300 else 100.0)
+    assert EW.features(df, 300, 3, 2, 64)["loss_slope"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_logistic_fit_matches_known_direction_and_probabilities():
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(400, 2))
+    y = (X[:, 0] - 0.5 * X[:, 1] + 0.3 * rng.normal(size=400) > 0).astype(float)
+    w, b = EW.fit_logistic(X, y, l2=1e-3)
+    assert w[0] > 0 > w[1] and abs(w[1] / w[0] + 0.5) < 0.15
+    # the optimum: gradient of the penalised likelihood vanishes (checked independently of the optimiser)
+    p = 1 / (1 + np.exp(-(X @ w + b)))
+    assert np.allclose(X.T @ (p - y) + 1e-3 * w, 0, atol=1e-3) and abs(np.sum(p - y)) < 1e-3
+
+
+def _toy_predictor(tmp_path, coef_climb=6.0, intercept=-3.0, steps=(20,)):
+    model = dict(features=EW.FEATURES, threshold=0.5, models={
+        str(s): dict(mean=[0.0] * len(EW.FEATURES), std=[1.0] * len(EW.FEATURES),
+                     coef=[coef_climb if f == "loss_climb" else 0.0 for f in EW.FEATURES], intercept=intercept)
+        for s in steps})
+    path = tmp_path / "predictor.json"
+    path.write_text(json.dumps(model))
+    return path
+
+
+def test_probability_is_the_logistic_of_the_written_out_logit(tmp_path):
+    pred = EW.load_predictor(_toy_predictor(tmp_path))
+    feats = {f: 0.0 for f in EW.FEATURES} | {"loss_climb": 0.75}
+    p, contrib = EW.probability(pred, feats, 40)
+    assert p == pytest.approx(1 / (1 + math.exp(-(6.0 * 0.75 - 3.0))))
+    assert contrib[0] == ("loss_climb", pytest.approx(4.5))
+    with pytest.raises(ValueError, match="too early"):
+        EW.probability(pred, feats, 10)
+
+
+def test_packaged_predictor_loads():
+    pred = EW.load_predictor()
+    assert pred["features"] == EW.FEATURES and set(pred["models"]) >= {"100", "200", "300", "500"}
+
+
+def test_bad_predictor_file_is_one_line(tmp_path, capsys):
+    from flt_diag.cli import main
+    (tmp_path / "p.json").write_text("{}")
+    code = main(["train", "--steps", "2", "--device", "cpu", "--warn", "--predictor", str(tmp_path / "p.json"),
+                 "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "not an flt-diag predictor" in err[0]
+    assert not (tmp_path / "r").exists()
+
+
+def test_stop_on_collapse_ends_the_run_with_a_complete_folder(tmp_path, capsys):
+    """A predictor that fires at its first check (step 25: fitted from step 20, checked every 25):
+    the run stops there, the summary says why, and every reader works on the folder.
+    (The real predictor on a collapsing 12-loop LT run: test_stop_on_collapse_on_12_loop_lt, slow.)"""
+    from flt_diag.cli import main
+    pred = _toy_predictor(tmp_path, coef_climb=1.0, intercept=5.0)
+    out = tmp_path / "run"
+    code = main(["train", "--variant", "lt", "--loops", "3", "--steps", "400", "--device", "cpu",
+                 "--eval-every", "0", "--stop-on-collapse", "--predictor", str(pred), "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    s = load_summary(out)
+    assert s["verdict"] == "collapsed" and s["prediction"]["step"] == 25 == s["steps_done"]
+    assert "collapse predicted at step 25 (P=" in s["evidence"]["reason"] and s["prediction"]["evidence"]
+    assert f"collapsed (predicted at step {s['prediction']['step']})" in captured.out
+    assert "warning: lt K=3: collapse predicted" in captured.err
+    assert (out / "checkpoint.pt").exists() and not (out / "resume.pt").exists()
+    from flt_diag.metrics import resummarize
+    assert resummarize(out)["verdict"] == "collapsed"  # a recomputed summary keeps the prediction
+    from flt_diag.plotting import plot
+    assert plot("all", out, tmp_path / "figs", ("png",))
+
+
+def test_warn_only_warns_and_trains_to_the_end(tmp_path, capsys):
+    from flt_diag.train import train
+    from flt_diag.config import build_config
+    pred = _toy_predictor(tmp_path, coef_climb=0.0, intercept=5.0)  # always P > 0.5
+    cfg = tiny_config(variant="flt", loops=2, steps=60, diagnostics=dict(warn=True, predictor=str(pred)))
+    s = train(cfg, tmp_path / "run")
+    assert s["steps_done"] == 60 and s.get("prediction") is None
+    err = capsys.readouterr().err
+    assert err.count("collapse predicted at step 25") == 1  # once, at the first check from step 20 on
+
+
+def test_predict_command_on_a_sweep(tmp_path, capsys):
+    from flt_diag.cli import main
+    from flt_diag.config import build_config
+    from flt_diag.sweep import SweepSpec, run_sweep
+    base = tiny_config(steps=40)
+    run_sweep(SweepSpec(base, ["lt", "flt"], [2], [0], [1.0]), tmp_path / "sw", workers=1, show_progress=False)
+    pred = _toy_predictor(tmp_path, coef_climb=0.0, intercept=5.0)  # predicts collapse everywhere
+    code = main(["predict", str(tmp_path / "sw"), "--at", "20", "--predictor", str(pred), "--csv", str(tmp_path / "p.csv")])
+    out = capsys.readouterr().out
+    assert code == 0
+    table = pd.read_csv(tmp_path / "p.csv")
+    assert len(table) == 2 and (table.predicted == "collapse").all()
+    stable = (table.verdict == "stable").sum()
+    assert f"{stable} false alarms" in out and table.false_alarm.sum() == stable
+
+
+def test_fit_predictor_command_writes_a_loadable_model(tmp_path, capsys):
+    from flt_diag.cli import main
+    from flt_diag.sweep import SweepSpec, run_sweep
+    run_sweep(SweepSpec(tiny_config(steps=30), ["lt", "flt"], [2], [0, 1], [1.0]), tmp_path / "sw", workers=1,
+              show_progress=False)
+    code = main(["fit-predictor", str(tmp_path / "sw"), "--at", "10", "20", "--out", str(tmp_path / "m.json")])
+    assert code == 0, capsys.readouterr().err
+    m = EW.load_predictor(tmp_path / "m.json")
+    assert set(m["models"]) == {"10", "20"} and m["models"]["20"]["runs"] == 4
+    assert m["command"].startswith("flt-diag fit-predictor")
+
+
+@pytest.mark.slow
+def test_stop_on_collapse_on_12_loop_lt(tmp_path, capsys):
+    """The packaged predictor stops a collapsing 12-loop LT run (tiny preset) early, and lets the
+    same run of FLT train to the end."""
+    from flt_diag.cli import main
+    for variant in ("lt", "flt"):
+        code = main(["train", "--variant", variant, "--loops", "12", "--steps", "2000", "--device", "cpu",
+                     "--stop-on-collapse", "--out", str(tmp_path / variant)])
+        assert code == 0
+    lt, flt = load_summary(tmp_path / "lt"), load_summary(tmp_path / "flt")
+    assert lt["verdict"] == "collapsed" and lt["prediction"]["step"] < 2000
+    assert flt["verdict"] != "collapsed" and flt["steps_done"] == 2000

@@ -1,0 +1,134 @@
+"""The boundary search of `flt-diag map`, on a synthetic cell runner ("breaks if x > threshold")."""
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_config
+from flt_diag.stability_map import (MapSpec, boundaries, bracket, critical_values, geometric_grid, run_map, search)
+from flt_diag.storage import CELLS, SUMMARY, write_json
+
+
+def test_geometric_grid():
+    g = geometric_grid(0.5, 16, 2)
+    assert g == [0.5, 1, 2, 4, 8, 16]
+    g = geometric_grid(1, 10, 1.5)
+    assert g[0] == 1 and g[-1] == 10 and all(b / a <= 1.5 + 1e-3 for a, b in zip(g, g[1:]))
+    assert geometric_grid(2, 12, 1.5, integer=True) == [2, 3, 4, 7, 10, 12]
+    for bad in [(0, 1, 2), (2, 1, 2), (1, 2, 1), (1, float("inf"), 2), (1e-9, 1e9, 1.01)]:
+        with pytest.raises(ValueError):
+            geometric_grid(*bad)
+
+
+@pytest.mark.parametrize("threshold_index", [-1, 0, 3, 7, 15])
+def test_bisection_finds_the_first_breaking_index_in_log_probes(threshold_index):
+    n = 16
+    calls = []
+
+    def outcome(i):
+        calls.append(i)
+        return i > threshold_index  # breaks above the threshold
+
+    r = search(n, outcome)
+    assert (r["a"], r["b"]) == (threshold_index, threshold_index + 1)
+    assert len(calls) == len(set(calls)) <= math.ceil(math.log2(n + 1))  # no probe twice, ~log2 probes
+
+
+def test_bracket_reports_non_monotone_outcomes():
+    assert bracket({0: False, 3: True, 5: False}, 8) == (0, 3, False)
+    assert bracket({}, 8) == (-1, 8, True)
+
+
+class Synthetic:
+    """A cell runner that writes a run folder's summary.json: collapsed if lr > threshold[variant];
+    explosion if lr > 2 x threshold. Counts runs; can die after `die_after` runs (kill -9 stand-in)."""
+
+    def __init__(self, thresholds, die_after=None):
+        self.thresholds, self.die_after, self.runs = thresholds, die_after, []
+
+    def __call__(self, base, cell, out):
+        if self.die_after is not None and len(self.runs) >= self.die_after:
+            raise KeyboardInterrupt
+        self.runs.append(cell.name)
+        d = Path(out) / CELLS / cell.name
+        d.mkdir(parents=True)
+        t = self.thresholds[cell.variant] * (1 + 0.1 * cell.seed)
+        cfg = tiny_config(variant=cell.variant, loops=cell.loops, seed=cell.seed, lr_scale=cell.lr_scale).to_dict()
+        write_json(d / "config.json", cfg)
+        write_json(d / SUMMARY, dict(verdict="collapsed" if cell.lr_scale > t else "stable",
+                                     residual_explosion_any=cell.lr_scale > 2 * t, variant=cell.variant,
+                                     loops=cell.loops, seed=cell.seed, lr_scale=cell.lr_scale))
+        return "done"
+
+
+def _spec(**kw):
+    base = tiny_config(steps=10)
+    args = dict(variants=["lt", "flt"], loops=[6, 12], seeds=[0, 1], axis="lr",
+                grid=geometric_grid(0.25, 64, 1.41), criteria=["training", "explosion"])
+    args.update(kw)
+    return MapSpec(base, **args)
+
+
+def test_map_finds_each_boundary_within_one_grid_ratio(tmp_path):
+    spec, runner = _spec(), Synthetic({"lt": 1.3, "flt": 9.0})
+    table = run_map(spec, tmp_path / "m", runner=runner, report=lambda s: None)
+    assert len(runner.runs) == len(set(runner.runs))  # no cell run twice
+    n_lines = 2 * 2 * 2
+    assert len(runner.runs) <= n_lines * 2 * math.ceil(math.log2(len(spec.grid) + 1))
+    for _, r in table.iterrows():
+        t = {"lt": 1.3, "flt": 9.0}[r.variant] * (1 + 0.1 * r.seed) * (2 if r.criterion == "explosion" else 1)
+        assert r.status == "found" and r.last_ok <= t < r.first_broken and r.first_broken / r.last_ok <= 1.42
+        assert r.boundary / t < 1.42 and t / r.boundary < 1.42  # within one grid ratio
+    crit = critical_values(tmp_path / "m")
+    assert set(crit.variant) == {"lt", "flt"} and (crit.seeds == 2).all()
+    assert (tmp_path / "m" / "map.csv").exists() and (tmp_path / "m" / "summary.csv").exists()
+
+
+def test_map_resumes_after_a_kill_without_rerunning(tmp_path):
+    spec = _spec()
+    first = Synthetic({"lt": 1.3, "flt": 9.0}, die_after=5)
+    with pytest.raises(KeyboardInterrupt):
+        run_map(spec, tmp_path / "m", runner=first, report=lambda s: None)
+    second = Synthetic({"lt": 1.3, "flt": 9.0})
+    resumed = run_map(spec, tmp_path / "m", runner=second, report=lambda s: None)
+    assert not set(first.runs) & set(second.runs)  # finished probes are read back, never re-run
+    fresh = Synthetic({"lt": 1.3, "flt": 9.0})
+    once = run_map(spec, tmp_path / "n", runner=fresh, report=lambda s: None)
+    assert sorted(first.runs + second.runs) == sorted(fresh.runs)  # the same probes as an uninterrupted map
+    assert resumed.equals(once)
+
+
+def test_boundaries_beyond_the_grid(tmp_path):
+    spec = _spec(variants=["lt", "flt"], loops=[6], seeds=[0], grid=[1, 2, 4, 8])
+    table = run_map(spec, tmp_path / "m", runner=Synthetic({"lt": 0.5, "flt": 100}), report=lambda s: None)
+    st = dict(zip(zip(table.variant, table.criterion), table.status))
+    assert st[("lt", "training")] == "below grid" and st[("flt", "training")] == "above grid"
+    text = dict(zip(critical_values(tmp_path / "m").query("criterion == 'training'").variant,
+                    critical_values(tmp_path / "m").query("criterion == 'training'").text))
+    assert text == {"lt": "< 1", "flt": "> 8"}
+
+
+def test_another_map_on_the_same_folder_is_refused(tmp_path):
+    run_map(_spec(loops=[6], seeds=[0]), tmp_path / "m", runner=Synthetic({"lt": 1, "flt": 2}), report=lambda s: None)
+    from flt_diag.storage import StorageError
+    with pytest.raises(StorageError, match="differs in"):
+        run_map(_spec(loops=[12], seeds=[0]), tmp_path / "m", runner=Synthetic({"lt": 1, "flt": 2}), report=lambda s: None)
+
+
+def test_map_figure_draws_from_the_folder(tmp_path):
+    from flt_diag.figure_map import fig_map, map_data
+    run_map(_spec(), tmp_path / "m", runner=Synthetic({"lt": 1.3, "flt": 9.0}), report=lambda s: None)
+    df = map_data(tmp_path / "m")
+    assert len(df) == 2 * 2 * 2  # criteria x variants x loops
+    fig = fig_map(tmp_path / "m")
+    fig.savefig(tmp_path / "map.png")
+    assert (tmp_path / "map.png").stat().st_size > 10_000
+
+
+def test_depth_axis_probes_are_cells_with_their_depth(tmp_path):
+    spec = _spec(axis="depth", grid=[1, 2, 3, 4], variants=["fla"], loops=[6], seeds=[0], criteria=["training"])
+    cell = spec.cell(spec.lines()[0], 3)
+    assert cell.depth == 3 and cell.name.endswith("_L3")
+    from flt_diag.sweep import cell_config
+    assert cell_config(spec.base, cell).model.n_layer == 3
