@@ -25,7 +25,15 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 plot_app = typer.Typer(no_args_is_help=True, help="Figures from run or sweep folders (PNG and PDF).")
 app.add_typer(plot_app, name="plot")
 
-LIST_OPTIONS = {"--loops", "--variants", "--seeds", "--lr-scale", "--steps-at", "--at", "--criteria"}
+# The options that take several values, per command (elsewhere the same names take one value, and a
+# second value is an error, never silently the last one).
+LIST_OPTIONS = {
+    "run-ablation": {"--loops", "--variants", "--seeds", "--lr-scale"},
+    "map": {"--loops", "--variants", "--seeds", "--criteria"},
+    "eval-loops": {"--loops"},
+    "predict": {"--at"},
+    "fit-predictor": {"--at"},
+}
 NUMBER = re.compile(r"^-?\d+(\.\d*)?([eE][-+]?\d+)?$")
 
 
@@ -34,12 +42,15 @@ class UserError(Exception):
 
 
 def expand_list_options(argv: list[str]) -> list[str]:
-    """`--loops 3 6 9` -> `--loops 3 --loops 6 --loops 9` (also splits `--loops 3,6`)."""
+    """`--loops 3 6 9` -> `--loops 3 --loops 6 --loops 9` (also splits `--loops 3,6`), for the
+    list options of the command in argv (see LIST_OPTIONS)."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    lists = LIST_OPTIONS.get(command, set())
     out, i = [], 0
     while i < len(argv):
         arg = argv[i]
         name, eq, inline = arg.partition("=")
-        if name in LIST_OPTIONS:
+        if name in lists:
             values = [inline] if eq else []
             i += 1
             while not eq and i < len(argv) and (not argv[i].startswith("-") or NUMBER.match(argv[i])):
@@ -48,7 +59,10 @@ def expand_list_options(argv: list[str]) -> list[str]:
             if not values:
                 out.append(name)  # let click report the missing value
             for v in values:
-                for part in v.split(","):
+                parts = v.split(",")
+                if any(not p.strip() for p in parts):
+                    raise UserError(f"{name}: empty value in {v!r}")
+                for part in parts:
                     out += [name, part]
             continue
         out.append(arg)
@@ -72,9 +86,10 @@ def _check_variants(variants: list[str]) -> list[str]:
 
 
 def _check_loops(loops: list[int]) -> list[int]:
+    from .model import MAX_LOOPS
     for k in loops:
-        if k < 1:
-            raise UserError(f"loops must be >= 1, got {k}")
+        if not 1 <= k <= MAX_LOOPS:
+            raise UserError(f"loops must be in 1..{MAX_LOOPS}, got {k}")
     return loops
 
 
@@ -149,6 +164,11 @@ def _build(preset: str, *, variant: str, loops: int, steps: Optional[int], seed:
     except (TypeError, ValueError) as e:
         raise UserError(str(e)) from None
     _check_data(cfg.train.data, cfg.train.tokenizer)
+    from .train import resolve_device
+    try:
+        resolve_device(cfg.train.device)
+    except ValueError as e:
+        raise UserError(str(e)) from None
     _vocab_for(cfg)  # a tokenizer that cannot be loaded: one line now, not after the folder exists
     return cfg
 
@@ -360,6 +380,18 @@ def run_ablation(
     df = run_sweep(spec, out, workers=workers, only_cell=cell, show_progress=not quiet)
     _print_table(df)
     print(f"sweep folder: {out}  (plots: flt-diag plot all {out}; report: flt-diag report {out})")
+    cells = spec.cells() if cell is None else [spec.cells()[cell]]
+    _exit_if_failed(out, cells)
+
+
+def _exit_if_failed(out: Path, cells) -> None:
+    """One line and exit status 1 when any cell of the sweep failed (its error.txt says why)."""
+    from .sweep import cell_status
+    failed = [c.name for c in cells if cell_status(out, c) == "failed"]
+    if failed:
+        print(f"error: {len(failed)} of {len(cells)} cells failed ({', '.join(failed[:4])}"
+              f"{', ...' if len(failed) > 4 else ''}); see {out}/cells/<cell>/error.txt", file=sys.stderr)
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -457,6 +489,8 @@ def study_argv(path: Path) -> list[str]:
         spec = tomllib.loads(Path(path).read_text())
     except FileNotFoundError:
         raise UserError(f"no such study file: {path}") from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: not a readable study file ({type(e).__name__})") from None
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"{path}: not valid TOML ({e})") from None
     tables = [t for t in ("ablation", "map") if t in spec]
@@ -545,18 +579,34 @@ def eval_loops_cmd(
 ):
     """Held-out loss and perplexity of each trained checkpoint at every inference loop count."""
     _check_loops(loops)
+    from .train import resolve_device
+    try:
+        device = str(resolve_device(device))
+    except ValueError as e:
+        raise UserError(str(e)) from None
     from .evaluation import eval_loops
-    from .storage import CHECKPOINT, run_dirs
+    from .storage import CHECKPOINT, StorageError, run_dirs
     if data is not None:
         _check_data(data, "bytes")
+    failed = 0
     for d in run_dirs(path):
         if not (d / CHECKPOINT).exists():
             print(f"{d}: no final checkpoint yet, skipped")
             continue
-        df = eval_loops(d, loops, batches=batches, data=data, device=device)
-        best = df.loc[df.val_loss.idxmin()]
-        print(f"{d}: trained at K={int(df.trained_loops[0])}; best val loss {best.val_loss:.3f} at "
-              f"{int(best.loops)} loops; " + " ".join(f"{int(k)}:{v:.2f}" for k, v in zip(df.loops, df.val_loss)))
+        try:
+            df = eval_loops(d, loops, batches=batches, data=data, device=device)
+        except (StorageError, ValueError, RuntimeError) as e:  # one bad cell does not stop the others
+            print(f"{d}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+            failed += 1
+            continue
+        finite = df[df.val_loss.apply(lambda v: v == v and abs(v) != float("inf"))]
+        best = finite.loc[finite.val_loss.idxmin()] if len(finite) else None
+        print(f"{d}: trained at K={int(df.trained_loops[0])}; "
+              + (f"best val loss {best.val_loss:.3f} at {int(best.loops)} loops; " if best is not None else
+                 "no finite val loss; ")
+              + " ".join(f"{int(k)}:{v:.2f}" for k, v in zip(df.loops, df.val_loss)))
+    if failed:
+        raise typer.Exit(1)
 
 
 @app.command("import-reference")
@@ -723,8 +773,8 @@ def main(argv: list[str] | None = None) -> int:
     from .data import DataError
     from .storage import StorageError
 
-    args = expand_list_options(list(sys.argv[1:] if argv is None else argv))
     try:
+        args = expand_list_options(list(sys.argv[1:] if argv is None else argv))
         code = app(args=args, prog_name="flt-diag", standalone_mode=False)
         if isinstance(code, int) and code:  # a typer.Exit(code) inside a command (e.g. study)
             return code

@@ -6,6 +6,7 @@ overridden.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from .model import ModelConfig
@@ -169,7 +170,7 @@ def validate(cfg: RunConfig) -> None:
         (t.batch_size >= 1, f"batch size must be >= 1, got {t.batch_size}"),
         (t.grad_accum >= 1, f"grad accumulation must be >= 1, got {t.grad_accum}"),
         (t.optimizer in ("muon", "adamw"), f"optimizer must be muon or adamw, got {t.optimizer!r}"),
-        (t.lr_scale > 0, f"lr scale must be > 0, got {t.lr_scale}"),
+        (t.lr_scale > 0 and math.isfinite(t.lr_scale), f"lr scale must be > 0 and finite, got {t.lr_scale}"),
         (0 <= t.momentum < 1 and 0 <= t.momentum_start < 1,
          f"Muon momentum must be in [0, 1), got {t.momentum_start} -> {t.momentum}"),
         (t.momentum_warmup >= 0, f"momentum warm-up must be >= 0 steps, got {t.momentum_warmup}"),

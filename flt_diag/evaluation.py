@@ -42,9 +42,13 @@ def eval_loops(run_dir: Path, loops: list[int], batches: int | None = None, data
     if not ckpt_path.exists():
         raise StorageError(f"{run_dir} has no {CHECKPOINT} (has the run finished?)")
     cfg = load_config(run_dir)
-    ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
-    model = LoopedTransformer(ModelConfig(**ckpt["model_config"])).to(device)
-    model.load_state_dict(ckpt["model"])
+    from .checkpoint import load
+    ckpt = load(ckpt_path, map_location=device)
+    try:
+        model = LoopedTransformer(ModelConfig(**ckpt["model_config"])).to(device)
+        model.load_state_dict(ckpt["model"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise StorageError(f"{ckpt_path} is not a checkpoint of this model: {str(e).splitlines()[0]}") from None
     t = cfg["train"]
     data = data or t["data"]
     val = load_tokens(data, t["tokenizer"], "val", t.get("max_tokens"))

@@ -52,6 +52,9 @@ VARIANT_DESCRIPTIONS: dict[str, str] = {
 }
 
 
+MAX_LOOPS = 1024  # far beyond any study; a mistyped 1e20 is refused instead of never finishing a step
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int = 256  # tokens; 256 = raw bytes
@@ -68,8 +71,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
             raise ValueError(f"unknown variant {self.variant!r}; choose from {', '.join(VARIANTS)}")
-        if self.loops < 1:
-            raise ValueError(f"loops must be >= 1, got {self.loops}")
+        if not 1 <= self.loops <= MAX_LOOPS:
+            raise ValueError(f"loops must be in 1..{MAX_LOOPS}, got {self.loops}")
         if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
             raise ValueError(f"n_embd={self.n_embd} must split into {self.n_head} heads of even size")
 

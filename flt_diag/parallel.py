@@ -1,9 +1,10 @@
 """Cross-cutting concerns applied to a built model from outside: compilation, precision.
 
-`compile_blocks` compiles each block's forward, not the whole model: the loop over K stays
-in Python (L*K cheap calls at GPU scale), and module hooks - which run around `forward`,
-outside the compiled region - keep firing once per (loop, layer), so diagnostics work
-unchanged under torch.compile.
+`compile_blocks` compiles each block's attention and MLP forward, not the whole model: the loop
+over K stays in Python (cheap calls at GPU scale), and module hooks - which run around `forward`,
+outside the compiled region - keep firing once per (loop, layer) on the blocks, their attention and
+their MLP, so diagnostics work unchanged under torch.compile. (Compiling the whole block would
+put the attention/MLP output hooks inside the compiled region, where each one is a graph break.)
 DDP is applied by the Trainer when launched with torchrun (WORLD_SIZE > 1).
 """
 from __future__ import annotations
@@ -15,7 +16,8 @@ from .model import LoopedTransformer
 
 def compile_blocks(model: LoopedTransformer, **compile_kwargs) -> LoopedTransformer:
     for block in model.blocks:
-        block.forward = torch.compile(block.forward, **compile_kwargs)
+        for part in (block.attn, block.mlp):
+            part.forward = torch.compile(part.forward, **compile_kwargs)
     return model
 
 

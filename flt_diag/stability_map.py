@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -34,7 +35,8 @@ import numpy as np
 import pandas as pd
 
 from .cells import Cell
-from .storage import CELLS, ERROR, SWEEP_SPEC, StorageError, load_summary, read_json, write_json
+from .storage import (CELLS, ERROR, SWEEP_SPEC, StorageError, folder_lock, has_content, load_summary, read_json,
+                      write_json)
 
 AXES = {"lr": "lr scale", "depth": "depth L"}
 CRITERIA: dict[str, Callable[[dict], bool]] = {
@@ -191,7 +193,7 @@ def prepare_map_folder(spec: MapSpec, out: Path) -> None:
             raise StorageError(f"{out} holds another sweep or map (differs in: {', '.join(keys)}); "
                                "use another --out, or the original options")
         return
-    if out.exists() and any(out.iterdir()):
+    if has_content(out):
         raise StorageError(f"{out} exists, is not empty and is not a map folder; use another --out")
     try:
         (out / CELLS).mkdir(parents=True, exist_ok=True)
@@ -222,8 +224,15 @@ def _spec_from_dict(d: dict, base) -> MapSpec:
 def run_map(spec: MapSpec, out: Path, workers: int = 1, only_line: int | None = None,
             runner: Callable | None = None, report: Callable[[str], None] = print) -> pd.DataFrame:
     """Search every line (or just `only_line`), then write map.csv and the sweep summary."""
-    from .sweep import run_cell, write_summary
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise StorageError(f"{out} exists and is a file, not a map folder; use another --out")
+    with (folder_lock(out) if only_line is None else nullcontext()):
+        return _run_map(spec, out, workers, only_line, runner, report)
+
+
+def _run_map(spec, out, workers, only_line, runner, report) -> pd.DataFrame:
+    from .sweep import die_with_parent, run_cell, write_summary
     prepare_map_folder(spec, out)
     lines = spec.lines()
     if only_line is not None:
@@ -237,7 +246,8 @@ def run_map(spec: MapSpec, out: Path, workers: int = 1, only_line: int | None = 
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
         spec_dict = {**spec.to_dict(), "base_full": spec.base.to_dict()}
-        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=die_with_parent,
+                                 initargs=(os.getpid(),)) as pool:
             for name in pool.map(_line_search_worker, [spec_dict] * len(lines), lines, [str(out)] * len(lines)):
                 report(f"{name}: searched")
     write_summary(out)

@@ -19,6 +19,7 @@ This module imports no torch: analysis scripts use it without the training code.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -29,6 +30,7 @@ CONFIG, SUMMARY, PROGRESS, METRICS = "config.json", "summary.json", "progress.js
 CHECKPOINT, RESUME, EVAL_LOOPS = "checkpoint.pt", "resume.pt", "eval_loops.csv"
 SWEEP_SPEC, SWEEP_SUMMARY, CELLS = "sweep.json", "summary.csv", "cells"
 ERROR = "error.txt"  # written into a sweep cell whose run raised
+LOCK = ".lock"  # held (flock) by the one process writing a run or sweep folder; holds its pid
 COLUMNS = ["step", "metric", "loop", "layer", "value"]
 
 
@@ -41,6 +43,46 @@ def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def folder_lock(folder: Path):
+    """Own a run or sweep folder while writing it: a second writer gets one StorageError line. The
+    lock is an flock on <folder>/.lock, so the kernel drops it when its process dies (kill -9
+    included) and a dead process never holds a folder. Creates the folder. (No-op without fcntl.)"""
+    folder = Path(folder)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        f = open(folder / LOCK, "a+")
+    except OSError as e:
+        raise StorageError(f"cannot create or write folder {folder}: {e.strerror or e}") from None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip()
+        f.close()
+        raise StorageError(f"{folder} is being written by another flt-diag process"
+                           f"{f' (pid {holder})' if holder else ''}; wait for it to finish or stop it") from None
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        yield
+    finally:
+        fcntl.flock(f, fcntl.LOCK_UN)
+        f.close()
+
+
+def has_content(folder: Path) -> bool:
+    """Whether a folder holds anything besides its lock file."""
+    return Path(folder).is_dir() and any(p.name != LOCK for p in Path(folder).iterdir())
 
 
 def write_json(path: Path, obj) -> None:

@@ -12,6 +12,7 @@ refused. `--cell I` runs one cell, so a job array can spread a sweep over machin
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import time
@@ -23,7 +24,7 @@ import pandas as pd
 
 from .cells import Cell
 from .config import RunConfig, with_overrides
-from .storage import (CELLS, ERROR, cell_names, SWEEP_SPEC, SWEEP_SUMMARY, StorageError, atomic_write_text, is_run, load_config,
+from .storage import (CELLS, ERROR, cell_names, folder_lock, has_content, SWEEP_SPEC, SWEEP_SUMMARY, StorageError, atomic_write_text, is_run, load_config,
                       load_progress, load_summary, read_json, write_json)
 
 SUMMARY_COLUMNS = ["cell", "variant", "loops", "seed", "lr_scale", "verdict", "residual_explosion", "final_loss",
@@ -82,7 +83,7 @@ def prepare_folder(spec: SweepSpec, out: Path) -> None:
             raise StorageError(f"{out} holds a sweep with a different spec (differs in: {', '.join(keys)}); "
                                "use another --out, or the original options")
         return
-    if out.exists() and any(out.iterdir()):
+    if has_content(out):
         raise StorageError(f"{out} exists, is not empty and is not a sweep folder; use another --out")
     try:
         (out / CELLS).mkdir(parents=True, exist_ok=True)
@@ -126,7 +127,24 @@ def run_cell(base: dict, cell: Cell, out: str, threads: int | None = None,
         return f"error: {type(e).__name__}: {e}"
 
 
-def _worker_init(gpu_queue):
+def die_with_parent(parent_pid: int) -> None:
+    """In a worker process: be killed when the parent dies (even by kill -9), so that no orphan
+    keeps training a cell that a re-run of the sweep will train again (Linux; elsewhere a no-op).
+    A parent that died before this ran is noticed by its pid, and the worker leaves at once."""
+    import signal
+    import sys
+    if sys.platform.startswith("linux"):
+        import ctypes
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+        except OSError:  # pragma: no cover - no glibc
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _worker_init(gpu_queue, parent_pid):
+    die_with_parent(parent_pid)
     if gpu_queue is not None:
         os.environ["FLT_DIAG_DEVICE"] = f"cuda:{gpu_queue.get()}"
 
@@ -137,8 +155,17 @@ def _run_cell_in_worker(base, cell, out, threads):
 
 def run_sweep(spec: SweepSpec, out: Path, workers: int = 1, only_cell: int | None = None,
               show_progress: bool = True) -> pd.DataFrame:
-    """Run the unfinished cells (all, or just `only_cell`) and write the summary table."""
+    """Run the unfinished cells (all, or just `only_cell`) and write the summary table. The sweep
+    folder is owned by this process meanwhile (a job array's `--cell` tasks share it: they only
+    lock their own cell's run folder)."""
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise StorageError(f"{out} exists and is a file, not a sweep folder; use another --out")
+    with (folder_lock(out) if only_cell is None else contextlib.nullcontext()):
+        return _run_sweep(spec, out, workers, only_cell, show_progress)
+
+
+def _run_sweep(spec, out, workers, only_cell, show_progress) -> pd.DataFrame:
     prepare_folder(spec, out)
     cells = spec.cells()
     if only_cell is not None:
@@ -185,7 +212,8 @@ def _run_parallel(base, todo, out, workers, monitor):
         threads = None
     else:
         threads = max(1, (os.cpu_count() or 1) // workers)
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=(gpu_queue,)) as pool:
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
+                             initargs=(gpu_queue, os.getpid())) as pool:
         pending = {}
         queue = list(todo)
         while queue or pending:

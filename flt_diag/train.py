@@ -28,8 +28,8 @@ from .data import TokenData, batch_generator, get_batch, load_tokens, stream_bat
 from .evaluation import evaluate
 from .model import LoopedTransformer
 from .optim import build_optimizers, lr_multiplier, muon_momentum, set_lr, set_momentum
-from .storage import (CHECKPOINT, CONFIG, PROGRESS, RESUME, SUMMARY, MetricsWriter, StorageError, load_metrics,
-                      read_json, write_json)
+from .storage import (CHECKPOINT, CONFIG, PROGRESS, RESUME, SUMMARY, MetricsWriter, StorageError, folder_lock,
+                      has_content, load_metrics, read_json, write_json)
 
 # Fields that may differ when a run folder is reused (they do not change what is computed).
 VOLATILE_TRAIN_FIELDS = ("device", "threads", "compile", "eval_every", "checkpoint_every")
@@ -65,9 +65,16 @@ class StepLog:
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {name!r}; use auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {name!r} is not supported; use auto, cpu, cuda or cuda:N")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device cuda requested but CUDA is not available")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {name} requested but there are {torch.cuda.device_count()} GPUs")
     return dev
 
 
@@ -204,8 +211,11 @@ class Trainer:
                                   "use another --out or delete the folder")
             if (d / SUMMARY).exists():
                 return False
-        elif d.exists() and any(d.iterdir()):
+        elif has_content(d):
             raise RunConflict(f"{d} exists, is not empty and is not a run folder; use another --out")
+        resumed = (d / RESUME).exists()
+        if resumed:  # read (and check) the resume state before anything in the folder changes
+            self._load_resume()
         try:
             d.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -217,10 +227,8 @@ class Trainer:
                                            "unigram_entropy": self.train_data.unigram_entropy}})
         self.writer = MetricsWriter(d)
         self.sinks = _external_sinks(self.cfg, d)
-        if (d / RESUME).exists():
-            self._load_resume()
-        else:
-            self.writer.truncate_after(-1)  # a run that died before its first checkpoint starts afresh
+        # a run that died before its first checkpoint starts afresh; a resumed one drops later rows
+        self.writer.truncate_after(self.start_step - 1 if resumed else -1)
         return True
 
     def _save_resume(self, next_step: int) -> None:
@@ -232,18 +240,18 @@ class Trainer:
         os.replace(tmp, self.run_dir / RESUME)
 
     def _load_resume(self) -> None:
+        from .checkpoint import load
+        state = load(self.run_dir / RESUME, map_location=self.device)
         try:
-            state = torch.load(self.run_dir / RESUME, map_location=self.device, weights_only=False)
-        except Exception as e:
-            raise StorageError(f"unreadable resume checkpoint {self.run_dir / RESUME}: {e}") from None
-        self.model.load_state_dict(state["model"])
-        for opt, s in zip(self.optimizers, state["optimizers"]):
-            opt.load_state_dict(s)
-        for cb, s in zip(self.callbacks, state["callbacks"]):
-            cb.load_state_dict(s)
-        self.start_step, self.wall_time = state["step"], state["wall_time"]
-        if self.writer is not None:
-            self.writer.truncate_after(self.start_step - 1)
+            self.model.load_state_dict(state["model"])
+            for opt, s in zip(self.optimizers, state["optimizers"], strict=True):
+                opt.load_state_dict(s)
+            for cb, s in zip(self.callbacks, state["callbacks"], strict=True):
+                cb.load_state_dict(s)
+            self.start_step, self.wall_time = int(state["step"]), float(state["wall_time"])
+        except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:
+            raise StorageError(f"{self.run_dir / RESUME} does not fit this run ({str(e).splitlines()[0][:200]}); "
+                               "delete it to restart the run from step 0") from None
 
     def save_checkpoint(self, path: Path, steps_done: int) -> None:
         tmp = path.with_name(f".{path.name}.tmp")
@@ -315,7 +323,14 @@ class Trainer:
         return total
 
     def fit(self) -> dict:
-        """Train (or resume) to the end and return the run's summary."""
+        """Train (or resume) to the end and return the run's summary. Rank 0 owns the run folder
+        (a second process writing the same folder is refused) until the summary is written."""
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise StorageError(f"{self.run_dir} exists and is a file, not a run folder; use another --out")
+        with folder_lock(self.run_dir) if self.is_main else contextlib.nullcontext():
+            return self._fit()
+
+    def _fit(self) -> dict:
         from .metrics import summarize
 
         if not self._prepare_folder():

@@ -1,0 +1,226 @@
+"""Hostile input and hostile events: one writer per folder, no code execution from a checkpoint,
+an unreadable resume state leaves the folder as it was, failures are reported with their exit
+status, and a sweep's workers die with their parent."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from flt_diag.cli import main
+from flt_diag.storage import StorageError, folder_lock
+
+
+def _snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _one_error_line(capsys) -> str:
+    err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def test_a_second_writer_of_a_run_folder_is_refused(tmp_path, capsys):
+    run = tmp_path / "run"
+    with folder_lock(run):  # another process would hold the same flock
+        code = main(["train", "--steps", "2", "--device", "cpu", "--out", str(run)])
+    assert code == 2 and "being written by another flt-diag process" in _one_error_line(capsys)
+    assert [p.name for p in run.iterdir()] == [".lock"]  # nothing was written
+
+
+def test_a_second_sweep_on_the_same_folder_is_refused(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    with folder_lock(out):
+        code = main(["run-ablation", "--loops", "2", "--variants", "lt", "--steps", "2", "--device", "cpu",
+                     "--out", str(out), "--quiet"])
+    assert code == 2 and "being written by another" in _one_error_line(capsys)
+
+
+def test_the_lock_of_a_dead_process_is_free(tmp_path):
+    folder = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-c", "import sys, time; from flt_diag.storage import folder_lock\n"
+                          f"with folder_lock({str(folder)!r}):\n    print('held', flush=True); time.sleep(60)"],
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    with pytest.raises(StorageError, match=f"pid {p.pid}"):
+        with folder_lock(folder):
+            pass
+    p.kill()  # kill -9: the kernel drops the flock
+    p.wait()
+    with folder_lock(folder):
+        pass
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("touch EVIL_RAN",))
+
+
+def test_a_crafted_checkpoint_runs_no_code(tmp_path, capsys, monkeypatch):
+    from flt_diag.train import train
+    train(tiny_config(variant="lt", loops=2, steps=2), tmp_path / "run")
+    torch.save({"model": _Evil(), "model_config": {}}, tmp_path / "run" / "checkpoint.pt")
+    monkeypatch.chdir(tmp_path)
+    code = main(["eval-loops", str(tmp_path / "run"), "--loops", "1", "--batches", "1"])
+    err = capsys.readouterr().err
+    assert code == 1 and "unreadable" in err and "Traceback" not in err
+    assert not (tmp_path / "EVIL_RAN").exists()
+
+
+def test_eval_loops_goes_on_after_a_bad_cell(tmp_path, capsys):
+    from flt_diag.sweep import SweepSpec, run_sweep
+    run_sweep(SweepSpec(tiny_config(steps=2), ["lt", "flt"], [2], [0], [1.0]), tmp_path / "sw", workers=1,
+              show_progress=False)
+    (tmp_path / "sw" / "cells" / "lt_K02_seed0_lr1" / "checkpoint.pt").write_bytes(b"truncated")
+    code = main(["eval-loops", str(tmp_path / "sw"), "--loops", "1", "2", "--batches", "1"])
+    out, err = capsys.readouterr()
+    assert code == 1 and "lt_K02_seed0_lr1: error: unreadable" in err
+    assert "flt_K02_seed0_lr1: trained at K=2" in out  # the next cell was still evaluated
+
+
+@pytest.mark.parametrize("content", [b"not a torch file", b""])
+def test_an_unreadable_resume_state_changes_nothing(tmp_path, capsys, content):
+    from flt_diag.train import train
+    run = tmp_path / "run"
+    cfg = tiny_config(variant="lt", loops=2, steps=4, checkpoint_every=2)
+    train(cfg, run)
+    (run / "summary.json").unlink()  # an unfinished run ...
+    (run / "resume.pt").write_bytes(content)  # ... whose resume state is damaged
+    before = _snapshot(run)
+    with pytest.raises(StorageError, match="resume.pt"):  # the CLI prints it as one error line
+        train(cfg, run)
+    after = _snapshot(run)
+    after.pop(".lock", None), before.pop(".lock", None)
+    assert after == before  # config.json was not rewritten, nothing else touched
+
+
+def test_a_wrong_shaped_resume_state_is_one_line(tmp_path, capsys):
+    from flt_diag.train import train
+    run = tmp_path / "run"
+    train(tiny_config(variant="lt", loops=2, steps=4), run)
+    (run / "summary.json").unlink()
+    torch.save({"model": {"embed.weight": torch.zeros(3, 3)}, "optimizers": [], "callbacks": [], "step": 2,
+                "wall_time": 0.0}, run / "resume.pt")
+    with pytest.raises(StorageError, match="does not fit this run"):
+        train(tiny_config(variant="lt", loops=2, steps=4), run)
+
+
+def test_a_sweep_with_failed_cells_exits_non_zero(tmp_path, capsys, monkeypatch):
+    import flt_diag.sweep as S
+
+    def boom(cfg, run_dir, **kw):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr("flt_diag.train.train", boom)
+    code = main(["run-ablation", "--loops", "2", "--variants", "lt", "flt", "--steps", "2", "--device", "cpu",
+                 "--workers", "1", "--out", str(tmp_path / "sw"), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 1 and "error: 2 of 2 cells failed" in err
+
+
+def test_study_errors_keep_their_exit_status(tmp_path, capsys):
+    assert main(["study", str(tmp_path)]) == 2  # a folder, not a study file
+    (tmp_path / "s.toml").write_text("[ablation]\nloops = [0]\n")
+    assert main(["study", str(tmp_path / "s.toml")]) == 2
+
+
+@pytest.mark.parametrize("args", [["train", "--device", "banana"], ["train", "--out", "__FILE__"],
+                                  ["eval-loops", "__RUN__", "--device", "cuda"]])
+def test_bad_devices_and_paths_are_one_line(tmp_path, capsys, args):
+    f = tmp_path / "file.txt"
+    f.write_text("x")
+    args = [str(f) if a == "__FILE__" else str(tmp_path) if a == "__RUN__" else a for a in args]
+    if torch.cuda.is_available() and "cuda" in args:
+        pytest.skip("CUDA present")
+    assert main(args + (["--steps", "1"] if args[0] == "train" else [])) == 2
+    _one_error_line(capsys)
+    assert f.read_text() == "x"
+
+
+def test_sweep_workers_die_with_their_parent(tmp_path):
+    """kill -9 of a sweep's parent leaves no worker training as an orphan."""
+    out = tmp_path / "sw"
+    parent = subprocess.Popen([sys.executable, "-m", "flt_diag.cli", "run-ablation", "--loops", "2", "--variants",
+                               "lt", "flt", "--steps", "5000", "--device", "cpu", "--workers", "2", "--quiet",
+                               "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    kids = []
+    while time.time() < deadline and len(kids) < 2:
+        time.sleep(0.5)
+        kids = [int(p) for p in subprocess.run(["pgrep", "-P", str(parent.pid)], capture_output=True,
+                                               text=True).stdout.split()]
+        kids = [k for k in kids if "spawn_main" in Path(f"/proc/{k}/cmdline").read_text(errors="replace")] \
+            if kids else []
+    assert len(kids) >= 2, "the workers did not start"
+    while time.time() < deadline and len(list(out.glob("cells/*/progress.json"))) < 2:
+        time.sleep(0.5)  # both workers are training
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and any(Path(f"/proc/{k}").exists() and
+                                         "Z" not in Path(f"/proc/{k}/stat").read_text().split()[2] for k in kids):
+        time.sleep(0.2)
+    alive = [k for k in kids if Path(f"/proc/{k}").exists() and "Z" not in Path(f"/proc/{k}/stat").read_text().split()[2]]
+    assert not alive, f"orphaned workers still running: {alive}"
+
+
+# ------------------------------------------------------------------ bad values, generated from the options
+
+def _numeric_options():
+    """(command path, option name, kind) for every int/float option of every command, read from the
+    CLI's own option definitions."""
+    import typing
+    import typer.main
+    from flt_diag.cli import app
+    root = typer.main.get_command(app)
+    out = []
+
+    def base_type(annotation):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return base_type(args[0]) if args else annotation
+
+    def walk(cmd, path):
+        if hasattr(cmd, "commands"):  # a group (the CLI, `plot`)
+            for name, sub in cmd.commands.items():
+                walk(sub, path + [name])
+            return
+        arguments = [a.name for a in cmd.params if type(a).__name__.endswith("Argument")]
+        for p in cmd.params:
+            if type(p).__name__.endswith("Option") and p.opts:
+                t = base_type(p.type_descriptor.annotation)
+                kind = {int: "int", float: "float"}.get(t)
+                if kind:
+                    out.append((tuple(path), p.opts[0], kind, arguments))
+    walk(root, [])
+    return out
+
+
+NUMERIC = _numeric_options()
+
+
+def test_the_generated_cases_cover_every_command():
+    commands = {c[0][0] for c in NUMERIC}
+    assert {"train", "run-ablation", "map", "eval-loops", "predict", "fit-predictor", "import-reference"} <= commands
+
+
+@pytest.mark.parametrize("command, option, kind, arguments", NUMERIC, ids=[f"{' '.join(c[0])} {c[1]}" for c in NUMERIC])
+def test_every_numeric_option_refuses_bad_values(tmp_path, monkeypatch, capsys, command, option, kind, arguments):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "keep.txt").write_text("data")
+    positional = [str(tmp_path / "missing") for _ in arguments]
+    bad = ["abc", "1.5"] if kind == "int" else ["abc", "nan", "inf", "1e400"]
+    for value in bad:
+        code = main([*command, *positional, option, value])
+        err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+        if kind == "float" and value in ("nan", "inf", "1e400") and code != 2:
+            pytest.fail(f"{' '.join(command)} {option} {value}: accepted (exit {code})")
+        assert code == 2, (value, err)
+        assert len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0], (value, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]  # nothing created, nothing changed
+    assert (tmp_path / "keep.txt").read_text() == "data"
