@@ -116,6 +116,7 @@ class UnrolledTransformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer * cfg.loops))
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.checkpoint_loops = False
+        self.table_dtype = torch.float32
         LoopedTransformer._rotary(self, cfg.sequence_len)  # the same tables, registered as buffers
         LoopedTransformer.reset_parameters(self)  # the same init, applied to all L*K blocks
 

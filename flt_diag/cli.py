@@ -169,7 +169,6 @@ def _build(preset: str, *, variant: str, loops: int, steps: Optional[int], seed:
         resolve_device(cfg.train.device)
     except ValueError as e:
         raise UserError(str(e)) from None
-    _vocab_for(cfg)  # a tokenizer that cannot be loaded: one line now, not after the folder exists
     return cfg
 
 
@@ -263,6 +262,7 @@ def train(
                  precision=precision, sampling=sampling, rotary_dtype=rotary_dtype, warn=warn,
                  stop_on_collapse=stop_on_collapse, predictor=predictor)
     out = out or Path("runs") / f"{variant}-K{loops}"
+    _vocab_for(cfg)  # a tokenizer that cannot be loaded: one line now, before the run folder exists
     from .train import Trainer
 
     trainer = Trainer(cfg, out, progress=_console_progress(cfg.train.steps, f"{variant} K={loops}"))
@@ -467,6 +467,7 @@ def stability_map(
         for line in spec.lines():
             print(f"{line.index:4d}  {line.name}")
         return
+    _vocab_for(base)  # a tokenizer that cannot be loaded: one line now, before any probe
     from .sweep import auto_workers
     print(f"map: {len(spec.lines())} lines x {len(criteria)} criteria; {axis} grid {', '.join(f'{v:g}' for v in grid)} "
           f"(each boundary within x{ratio:g})", flush=True)
@@ -521,12 +522,18 @@ def summary(
                                                  "tolerance, nats [default: 0.1]."),
     explosion_ratio: Optional[float] = typer.Option(None, "--explosion-ratio", min=0, help="Residual "
                                                     "explosion above ratio * sqrt(d) [default: 100]."),
+    osc_cv_threshold: Optional[float] = typer.Option(None, "--osc-cv-threshold", min=0, help="Verdict: unstable "
+                                                     "above this grad-norm CV over the dense steps [default: 3]."),
 ):
     """Print the summary table of a sweep (or the summary of one run)."""
     from .storage import is_sweep, load_summary, run_dirs
     overrides = {k: v for k, v in dict(smooth_window=smooth_window, rebound_abs=rebound_abs,
-                                       recovery_abs=recovery_abs, explosion_ratio=explosion_ratio).items()
+                                       recovery_abs=recovery_abs, explosion_ratio=explosion_ratio,
+                                       osc_cv_threshold=osc_cv_threshold).items()
                  if v is not None}
+    for k, v in overrides.items():
+        if v != v or v == float("inf"):
+            raise UserError(f"--{k.replace('_', '-')} must be finite, got {v}")
     if overrides and not recompute:
         raise UserError("verdict thresholds need --recompute")
     if recompute:
@@ -652,12 +659,14 @@ def predict(
         if table.empty:
             print(f"step {s}: no finished cell has more than {s} steps")
             continue
+        target = model.get("target", "collapse")
         for r in table.itertuples():
-            print(f"{r.cell:28s} step {s}: P(collapse) {r.p_collapse:.2f} -> {r.predicted:11s} | final: {r.verdict:9s} "
-                  f"{'agree' if r.agree else 'FALSE ALARM' if r.false_alarm else 'MISS'}  [{r.evidence}]")
+            print(f"{r.cell:28s} step {s}: P({target}) {r.p_collapse:.2f} -> {'WARN' if r.predicted else 'ok':4s} | "
+                  f"final: {r.verdict:9s} {'agree' if r.agree else 'FALSE ALARM' if r.false_alarm else 'MISS'}  "
+                  f"[{r.evidence}]")
         a = agreement(table)
-        print(f"step {s}: agreement {a['accuracy']:.0%} over {a['cells']} cells ({a['collapsed']} collapsed); "
-              f"{a['false_alarms']} false alarms, {a['misses']} misses")
+        print(f"step {s}: agreement {a['accuracy']:.0%} over {a['cells']} cells ({a['positives']} with target "
+              f"{target}); {a['false_alarms']} false alarms, {a['misses']} misses")
     if csv is not None:
         from .storage import atomic_write_text
         frames = [t.assign(step=s) for s, t in tables.items()]
@@ -671,6 +680,8 @@ def fit_predictor(
                              "packaged one)."),
     at: List[int] = typer.Option([100, 200, 300, 500], "--at", help="Steps to fit a model at."),
     l2: float = typer.Option(1.0, "--l2", help="L2 penalty of the logistic regression (> 0)."),
+    target: str = typer.Option("fails", "--target", help="fails (final verdict unstable, collapsed or diverged) "
+                               "or collapse (collapsed or diverged)."),
 ):
     """Fit the early-warning predictor (one logistic regression per step) on labelled runs."""
     from .early_warning import fit
@@ -680,9 +691,9 @@ def fit_predictor(
     for p in paths:
         run_dirs(p)
     command = "flt-diag fit-predictor " + " ".join(map(str, paths)) + f" --out {out} --at " + " ".join(map(str, at)) \
-        + (f" --l2 {l2:g}" if l2 != 1.0 else "")
+        + (f" --l2 {l2:g}" if l2 != 1.0 else "") + (f" --target {target}" if target != "fails" else "")
     try:
-        model = fit(paths, at, l2, command)
+        model = fit(paths, at, l2, command, target)
     except ValueError as e:
         raise UserError(str(e)) from None
     write_json(out, model)

@@ -13,11 +13,12 @@ recorded steps before s (numpy/scipy/pandas only; no torch):
     loss_slope      slope of the training loss per 100 steps
     loss_climb      trailing-mean loss minus its running minimum so far
 
+The target (what "collapse" means for a predictor) is stored with it: "fails" (the final verdict is
+unstable, collapsed or diverged; the packaged predictor's) or "collapse" (collapsed or diverged).
 Features are standardised with the training set's mean and std (a missing feature, e.g. a run
 recorded without diagnostics, counts as the mean); the fit maximises the L2-penalised likelihood
 (scipy L-BFGS). One model per fitted step s (100, 200, 300, 500 by default); at another step the
-model of the largest fitted s at or below it is used. Label: the run's final verdict is collapsed or
-diverged. The fitted model is plain JSON (features, means, stds, coefficients, intercept, what it
+model of the largest fitted s at or below it is used. The fitted model is plain JSON (features, means, stds, coefficients, intercept, what it
 was fitted on and the command that refits it): flt_diag/early_warning.json ships with the package.
 """
 from __future__ import annotations
@@ -91,8 +92,12 @@ def run_features(run_dir: Path, at: int) -> dict:
     return features(load_metrics(run_dir), at, m["loops"], m["n_layer"], m["n_embd"])
 
 
-def label(summary: dict) -> int:
-    return int(summary.get("verdict") in COLLAPSE)
+LABELS = {"fails": ("unstable", "collapsed", "diverged"),  # the run ends not stable (default)
+          "collapse": COLLAPSE}                               # the run ends collapsed or diverged
+
+
+def label(summary: dict, kind: str = "fails") -> int:
+    return int(summary.get("verdict") in LABELS[kind])
 
 
 # --------------------------------------------------------------------------- the model
@@ -137,12 +142,15 @@ def labelled_runs(sources) -> list[Path]:
     return out
 
 
-def fit(sources, steps=DEFAULT_STEPS, l2: float = 1.0, command: str = "") -> dict:
-    """Fit one model per step from the finished runs of `sources` (run or sweep folders)."""
+def fit(sources, steps=DEFAULT_STEPS, l2: float = 1.0, command: str = "", target: str = "fails") -> dict:
+    """Fit one model per step from the finished runs of `sources` (run or sweep folders).
+    target: "fails" (final verdict unstable, collapsed or diverged) or "collapse" (collapsed or diverged)."""
+    if target not in LABELS:
+        raise ValueError(f"target must be one of {', '.join(LABELS)}, got {target!r}")
     runs = labelled_runs(sources)
     if not runs:
         raise ValueError("no finished runs to fit on")
-    y = np.array([label(load_summary(d)) for d in runs], dtype=float)
+    y = np.array([label(load_summary(d), target) for d in runs], dtype=float)
     models = {}
     for s in steps:
         usable = [(d, yy) for d, yy in zip(runs, y) if load_summary(d).get("steps_done", 0) > s]
@@ -156,7 +164,7 @@ def fit(sources, steps=DEFAULT_STEPS, l2: float = 1.0, command: str = "") -> dic
         models[str(s)] = dict(mean=mean.tolist(), std=std.tolist(), coef=w.tolist(), intercept=b, runs=len(rows),
                               positives=int(yy.sum()), train_accuracy=float(((p >= 0.5) == (yy == 1)).mean()))
     return dict(features=FEATURES, models=models, threshold=0.5, l2=l2, window="min(100, s // 2) steps before s",
-                label="final verdict collapsed or diverged", fitted_on=[str(s) for s in sources],
+                target=target, label=f"final verdict in {', '.join(LABELS[target])}", fitted_on=[str(s) for s in sources],
                 runs=[str(d) for d in runs], command=command)
 
 
@@ -207,21 +215,20 @@ def predict_sweep(path, at: int, predictor: dict) -> pd.DataFrame:
         feats = run_features(d, at)
         p, contrib = probability(predictor, feats, at)
         predicted = p >= predictor.get("threshold", 0.5)
-        actual = bool(label(s))
+        actual = bool(label(s, predictor.get("target", "collapse")))
         rows.append(dict(cell=d.name, variant=s.get("variant"), loops=s.get("loops"), seed=s.get("seed"),
-                         lr_scale=s.get("lr_scale"), p_collapse=p, predicted="collapse" if predicted else "no collapse",
-                         verdict=s.get("verdict"), agree=predicted == actual,
-                         false_alarm=predicted and not actual, miss=actual and not predicted,
-                         evidence=evidence_text(feats, contrib)))
+                         lr_scale=s.get("lr_scale"), p_collapse=p, predicted=bool(predicted), verdict=s.get("verdict"),
+                         actual=actual, agree=predicted == actual, false_alarm=predicted and not actual,
+                         miss=actual and not predicted, evidence=evidence_text(feats, contrib)))
     return pd.DataFrame(rows, columns=["cell", "variant", "loops", "seed", "lr_scale", "p_collapse", "predicted",
-                                       "verdict", "agree", "false_alarm", "miss", "evidence"])
+                                       "verdict", "actual", "agree", "false_alarm", "miss", "evidence"])
 
 
 def agreement(table: pd.DataFrame) -> dict:
     n = len(table)
     return dict(cells=n, accuracy=float(table.agree.mean()) if n else math.nan,
                 false_alarms=int(table.false_alarm.sum()), misses=int(table.miss.sum()),
-                collapsed=int((table.verdict.isin(COLLAPSE)).sum()))
+                positives=int(table.actual.sum()) if n else 0)
 
 
 # --------------------------------------------------------------------------- online

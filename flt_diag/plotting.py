@@ -676,8 +676,11 @@ def fig_map(src) -> Figure:
     return draw(_map_path(src))
 
 
+# The figures of any run or sweep folder; a stability map (flt-diag map) adds MAP_FIGURES.
 FIGURES = {"residuals": fig_residuals, "heatmap": fig_residual_heatmap, "gradients": fig_gradients,
-           "loss": fig_loss, "collapse": fig_collapse, "loops": fig_loops, "map": fig_map}
+           "loss": fig_loss, "collapse": fig_collapse, "loops": fig_loops}
+MAP_FIGURES = {"map": fig_map}
+ALL_FIGURES = {**FIGURES, **MAP_FIGURES}
 DATA = {"residuals": residuals_data, "heatmap": heatmap_data, "gradients": gradients_data,
         "loss": loss_data, "collapse": collapse_data, "loops": loops_data, "map": map_data}
 NEEDS = {"residuals": [M.RESID_NORM_LOOP_END], "heatmap": [M.RESID_NORM],
@@ -686,8 +689,8 @@ NEEDS = {"residuals": [M.RESID_NORM_LOOP_END], "heatmap": [M.RESID_NORM],
 
 
 def _check_kind(kind: str) -> None:
-    if kind not in FIGURES:
-        raise ValueError(f"unknown figure {kind!r}; choose from {', '.join(FIGURES)}")
+    if kind not in ALL_FIGURES:
+        raise ValueError(f"unknown figure {kind!r}; choose from {', '.join(ALL_FIGURES)}")
 
 
 def figure_data(kind: str, path) -> pd.DataFrame:
@@ -708,11 +711,9 @@ def render(study: Study, kinds=None) -> tuple[dict[str, Figure], dict[str, str]]
     """Every figure of `kinds` (default all) that has data, and the reason for each one left out."""
     figures, skipped = {}, {}
     is_map = isinstance(study, Study) and bool(study.spec) and study.spec.get("kind") == "map"
-    for kind in kinds or FIGURES:
-        if kind == "map" and not is_map and (kinds is None or len(kinds) > 1):
-            continue  # "all" of an ordinary sweep: nothing to say about a map it is not
+    for kind in kinds or ({**FIGURES, **MAP_FIGURES} if is_map else FIGURES):
         try:
-            figures[kind] = FIGURES[kind](study)
+            figures[kind] = ALL_FIGURES[kind](study)
         except NoData as e:
             skipped[kind] = str(e)
             log.info("skipped %s", e)
@@ -736,8 +737,8 @@ def plot(kind: str, path, out_dir=None, formats=("png", "pdf")) -> Written:
 
     Default out_dir: <path>/figures. For "all", figures without data are skipped and listed in
     the result's `skipped`; a single kind without data raises StorageError."""
-    kinds = list(FIGURES) if kind == "all" else [kind]
-    for k in kinds:
+    kinds = None if kind == "all" else [kind]
+    for k in kinds or []:
         _check_kind(k)
     study = Path(path) if kinds == ["map"] else collect(path)  # the map figure reads summaries only
     figures, skipped = render(study, kinds)

@@ -104,7 +104,7 @@ def _png_base64(fig) -> str:
 
 
 def _caption(kind: str) -> str:
-    doc = P.FIGURES[kind].__doc__ or ""
+    doc = P.ALL_FIGURES[kind].__doc__ or ""
     return " ".join(doc.split())
 
 

@@ -46,7 +46,7 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 @contextlib.contextmanager
-def folder_lock(folder: Path):
+def folder_lock(folder: Path, kind: str = "run"):
     """Own a run or sweep folder while writing it: a second writer gets one StorageError line. The
     lock is an flock on <folder>/.lock, so the kernel drops it when its process dies (kill -9
     included) and a dead process never holds a folder. Creates the folder. (No-op without fcntl.)"""
@@ -60,7 +60,7 @@ def folder_lock(folder: Path):
         folder.mkdir(parents=True, exist_ok=True)
         f = open(folder / LOCK, "a+")
     except OSError as e:
-        raise StorageError(f"cannot create or write folder {folder}: {e.strerror or e}") from None
+        raise StorageError(f"cannot create {kind} folder {folder}: {e.strerror or e}") from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

@@ -161,7 +161,7 @@ def run_sweep(spec: SweepSpec, out: Path, workers: int = 1, only_cell: int | Non
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise StorageError(f"{out} exists and is a file, not a sweep folder; use another --out")
-    with (folder_lock(out) if only_cell is None else contextlib.nullcontext()):
+    with (folder_lock(out, "sweep") if only_cell is None else contextlib.nullcontext()):
         return _run_sweep(spec, out, workers, only_cell, show_progress)
 
 

@@ -246,7 +246,7 @@ class Trainer:
             self.model.load_state_dict(state["model"])
             for opt, s in zip(self.optimizers, state["optimizers"], strict=True):
                 opt.load_state_dict(s)
-            for cb, s in zip(self.callbacks, state["callbacks"], strict=True):
+            for cb, s in zip(self.callbacks, state["callbacks"]):  # callbacks of the caller may differ
                 cb.load_state_dict(s)
             self.start_step, self.wall_time = int(state["step"]), float(state["wall_time"])
         except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:

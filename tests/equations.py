@@ -13,13 +13,16 @@ def rms(x):
 
 
 def rotary(x, base=10000.0):
-    """x: (B, T, H, D). Pair i is (x[..., i], x[..., i + D/2]), rotated by t / base^(2i/D)."""
+    """x: (B, T, H, D). Pair i is (x[..., i], x[..., i + D/2]), rotated by t / base^(2i/D).
+
+    The angles and their cos/sin are computed in float64 (then rounded to x's dtype), so that in
+    float64 this is the exact rotation."""
     B, T, H, D = x.shape
     half = D // 2
     out = torch.empty_like(x)
     for i in range(half):
-        theta = torch.arange(T, dtype=torch.float32) / base ** (2 * i / D)  # (T,)
-        c, s = theta.cos()[None, :, None], theta.sin()[None, :, None]
+        theta = torch.arange(T, dtype=torch.float64) / base ** (2 * i / D)  # (T,)
+        c, s = theta.cos().to(x.dtype)[None, :, None], theta.sin().to(x.dtype)[None, :, None]
         a, b = x[..., i], x[..., i + half]
         out[..., i] = a * c + b * s
         out[..., i + half] = b * c - a * s
@@ -48,9 +51,10 @@ def block_forward(block, x, n_head, query=None):
     return x + torch.relu(u).pow(2) @ block.mlp.down.weight.T
 
 
-def forward(model, idx, variant, K, record=None):
-    """Logits of the final loop. `record`, if a list, receives (loop, layer, stream) after every
-    block and (loop, None, stream) at each loop's end (loops and layers counted from 1)."""
+def forward(model, idx, variant, K, record=None, softcap=True):
+    """Logits of the final loop (before the soft-cap if softcap=False). `record`, if a list, receives
+    (loop, layer, stream) after every block and (loop, None, stream) at each loop's end (loops and
+    layers counted from 1). Computed in the dtype of the model's weights."""
     cfg = model.cfg
     e = rms(model.embed.weight[idx])
     h = None
@@ -77,7 +81,8 @@ def forward(model, idx, variant, K, record=None):
         if record is not None:
             record.append((t, None, x))
         h = rms(x)
-    return 15.0 * torch.tanh((h @ model.head.weight.T) / 15.0)
+    z = h @ model.head.weight.T
+    return 15.0 * torch.tanh(z / 15.0) if softcap else z
 
 
 def randomize(model, seed=0, scale=0.3):

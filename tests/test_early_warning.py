@@ -139,7 +139,7 @@ def test_predict_command_on_a_sweep(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0
     table = pd.read_csv(tmp_path / "p.csv")
-    assert len(table) == 2 and (table.predicted == "collapse").all()
+    assert len(table) == 2 and table.predicted.all()
     stable = (table.verdict == "stable").sum()
     assert f"{stable} false alarms" in out and table.false_alarm.sum() == stable
 

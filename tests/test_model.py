@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from flt_diag.model import VARIANTS, LoopedTransformer, ModelConfig, parameter_groups
 
 from equations import forward as eq_forward, randomize
+from numerics import U32, assert_close64, exact_rotary_tables, float64_model, record, softcap_fp32_atol
 
 ALL = list(VARIANTS)
 
@@ -18,12 +19,68 @@ def make(variant="flt", loops=3, seed=0, **kw):
     return randomize(LoopedTransformer(cfg), seed)
 
 
+def assert_matches_equations(model, idx, variant, K, **forward_kwargs):
+    """float64 model against the float64 equations: the residual stream at every loop's end and the
+    pre-soft-cap logits to RTOL64; the fp32 logits to the rounding of their fp32 soft-cap."""
+    out, streams, heads = record(model, idx, **forward_kwargs)
+    rec = []
+    z = eq_forward(model, idx, variant, K, record=rec, softcap=False)
+    ends = [x for _, layer, x in rec if layer is None]
+    assert len(streams) == len(ends) == K
+    for got, want in zip(streams, ends):
+        assert_close64(got, want)
+    assert_close64(heads[-1], z)
+    assert out.dtype == torch.float32  # forward soft-caps in fp32, as the reference does
+    torch.testing.assert_close(out.double(), 15.0 * torch.tanh(z / 15.0), rtol=0, atol=softcap_fp32_atol(z))
+
+
 @pytest.mark.parametrize("variant", ALL)
 @pytest.mark.parametrize("K", [1, 2, 4])
 def test_forward_matches_written_out_equations(variant, K):
-    model = make(variant, K)
+    model = float64_model(make(variant, K))
     idx = torch.randint(0, 50, (3, 12), generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(model(idx), eq_forward(model, idx, variant, K), rtol=1e-4, atol=1e-4)
+    assert_matches_equations(model, idx, variant, K)
+
+
+@pytest.mark.parametrize("head_dim,seq_len", [(16, 16), (32, 64), (24, 1024)])
+def test_fp32_rotary_tables(head_dim, seq_len):
+    """The model's own tables (fp32 angles, cos and sin; the float64 tests swap in exact ones)
+    against float64 ones. The fp32 angle t * base^(-2i/D) is within (ln(base) + 10) U32 relative of
+    the exact one (the exponent 2i/D rounded, times the slope ln(base) of base^x; pow within 4 ulps;
+    reciprocal and product), an error cos and sin pass on with slope <= 1; they add <= 4 ulps (8 U32)."""
+    model = LoopedTransformer(ModelConfig(n_embd=2 * head_dim, n_head=2, sequence_len=seq_len))
+    cos, sin = exact_rotary_tables(seq_len, head_dim)
+    assert model.cos.dtype == model.sin.dtype == torch.float32 and model.cos.shape == cos.shape
+    max_angle = seq_len - 1.0  # t / base^0
+    atol = (math.log(model.cfg.rotary_base) + 10) * U32 * max_angle + 8 * U32
+    torch.testing.assert_close(model.cos.double(), cos, rtol=0, atol=atol)
+    torch.testing.assert_close(model.sin.double(), sin, rtol=0, atol=atol)
+
+
+def test_fp32_rmsnorm_against_float64():
+    """The hand-written fp32 RMSNorm (forward and backward; the path training takes on CPU) against
+    F.rms_norm and autograd in float64 on the same fp32 inputs, with the same eps. Bound per entry:
+    mean(x^2) over d terms carries <= (d + 1) U32 relative error, rsqrt halves it and adds two
+    roundings, the product one more, so y is within (d/2 + 4) U32 |y|; the backward
+    r * (g - y * mean(g * y)) adds a d-term mean with cancellation: within
+    2 (d + 8) U32 * r * (|g| + |y| * mean|g * y|). Rows from 1e-3 to 1e3 in scale."""
+    from flt_diag.model import norm
+    d = 64
+    gen = torch.Generator().manual_seed(0)
+    scale = 10.0 ** torch.linspace(-3, 3, 12).view(3, 4, 1)
+    x = (torch.randn(3, 4, d, generator=gen) * scale).requires_grad_()
+    g = torch.randn(3, 4, d, generator=gen)
+    y = norm(x)
+    (gx,) = torch.autograd.grad(y, x, g)
+
+    x64 = x.detach().double().requires_grad_()
+    y64 = F.rms_norm(x64, (d,), eps=torch.finfo(torch.float32).eps)
+    (gx64,) = torch.autograd.grad(y64, x64, g.double())
+    assert y.dtype == gx.dtype == torch.float32
+    assert ((y.double() - y64).abs() <= (d / 2 + 4) * U32 * y64.abs()).all()
+    r = torch.rsqrt(x64.detach().square().mean(-1, keepdim=True) + torch.finfo(torch.float32).eps)
+    bound = 2 * (d + 8) * U32 * r * (g.double().abs() + y64.abs() * (g.double() * y64).abs().mean(-1, keepdim=True))
+    assert ((gx.double() - gx64).abs() <= bound.detach()).all()
 
 
 def test_variants_differ_after_loop_one():
@@ -68,9 +125,9 @@ def test_identical_parameters_across_variants():
 
 
 def test_loops_changeable_at_call_time():
-    model = make("flt", 3)
+    model = float64_model(make("flt", 3))
     idx = torch.randint(0, 50, (2, 8))
-    torch.testing.assert_close(model(idx, loops=5), eq_forward(model, idx, "flt", 5), rtol=1e-4, atol=1e-4)
+    assert_matches_equations(model, idx, "flt", 5, loops=5)
     with pytest.raises(ValueError):
         model(idx, loops=0)
 
@@ -104,16 +161,20 @@ def test_softcap_bounds_logits():
     assert model(torch.randint(0, 50, (1, 8))).abs().max() <= 15.0
 
 
-def test_activation_checkpointing_same_logits_and_grads():
+@pytest.mark.parametrize("variant", ["flt", "lt"])
+def test_activation_checkpointing_same_logits_and_grads(variant):
+    """Bit for bit, in fp32 (the training path): non-reentrant checkpointing backpropagates through
+    the same graph, only with its saved tensors recomputed by the same ops on the same inputs."""
     idx = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(7))
-    a, b = make("flt", 4), make("flt", 4)
+    a, b = make(variant, 4), make(variant, 4)
     b.checkpoint_loops = True
     la, lb = a(idx, idx)[1], b(idx, idx)[1]
     la.backward()
     lb.backward()
-    torch.testing.assert_close(la, lb)
+    torch.testing.assert_close(la, lb, rtol=0, atol=0)
     for pa, pb in zip(a.parameters(), b.parameters()):
-        torch.testing.assert_close(pa.grad, pb.grad)
+        assert pa.dtype == torch.float32
+        torch.testing.assert_close(pa.grad, pb.grad, rtol=0, atol=0)
 
 
 def test_parameter_groups_cover_everything_once():

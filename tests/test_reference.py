@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from flt_diag.model import LoopedTransformer, ModelConfig
 from flt_diag.reference import (REFERENCE_VARIANTS, ReferenceImportError, convert_state_dict, export_reference,
                                 import_reference, write_imported_run)
+from numerics import assert_close64, record, softcap_fp32_atol
 
 VOCAB, PADDED, N_LAYER, N_EMBD, N_HEAD = 200, 256, 2, 64, 2
 
@@ -67,8 +68,10 @@ def ref_block(sd, i, x, cos, sin, q_src=None):
     return x + ref_mlp(sd, i, ref_norm(x))
 
 
-def ref_forward(sd, idx, variant, K, table_dtype=torch.bfloat16):
-    """Logits (B, T, VOCAB) of the reference's looped GPT after K loops; variant in reference names."""
+def ref_forward(sd, idx, variant, K, table_dtype=torch.bfloat16, softcap=True):
+    """Logits (B, T, VOCAB) of the reference's looped GPT after K loops; variant in reference names.
+    Computed in the dtype of sd (the tables stay table_dtype); with softcap=False, the sliced head
+    output before the fp32 cast and the soft-cap."""
     T = idx.shape[1]
     cos, sin = ref_rotary_tables(T, N_EMBD // N_HEAD, dtype=table_dtype)
     emb = F.embedding(idx, sd["transformer.wte.weight"])  # E[tok], (B, T, d)
@@ -94,8 +97,23 @@ def ref_forward(sd, idx, variant, K, table_dtype=torch.bfloat16):
             x = ref_block(sd, i, x, cos, sin, q_src)
         h = ref_norm(x)  # h(t)
     logits = h @ sd["lm_head.weight"].T  # (B, T, PADDED)
+    if not softcap:
+        return logits[..., :VOCAB]
     logits = logits[..., :VOCAB].float()
     return 15 * torch.tanh(logits / 15)
+
+
+def assert_matches_reference(model, sd, idx, ref_variant, K, table_dtype, **forward_kwargs):
+    """float64 model against the float64 reference on the same (float64) weights: the head outputs
+    to RTOL64; the logits, which both soft-cap in fp32, to twice the rounding bound of that step."""
+    model.double()
+    sd64 = {k: v.double() for k, v in sd.items()}
+    with torch.no_grad():
+        got, _, heads = record(model, idx, **forward_kwargs)
+        z = ref_forward(sd64, idx, ref_variant, K, table_dtype, softcap=False)
+        assert_close64(heads[-1], z)
+        torch.testing.assert_close(got, ref_forward(sd64, idx, ref_variant, K, table_dtype),
+                                   rtol=0, atol=2 * softcap_fp32_atol(z))
 
 
 def reference_state_dict(seed=0):
@@ -153,15 +171,15 @@ def test_reference_forward_is_sensitive(ref_sd, idx):
 
 @pytest.mark.parametrize("ref_variant", list(REFERENCE_VARIANTS))
 def test_converted_weights_and_loop_rules_match_reference(ref_sd, idx, ref_variant):
-    """With float32 rotary tables (a rotation up to fp32 rounding) on both sides: the name mapping,
-    vocab slicing and every variant's loop rules agree with the reference to fp32 tolerance."""
+    """With float32 rotary tables on both sides (both build them with the same fp32 recipe, used as
+    they are in float64): the name mapping, vocab slicing and every variant's loop rules agree
+    with the reference, both run in float64."""
     state, dims = convert_state_dict(ref_sd, vocab_size=VOCAB)
     model = LoopedTransformer(ModelConfig(vocab_size=VOCAB, n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD,
                                           variant=REFERENCE_VARIANTS[ref_variant], loops=3, rotary_dtype="float32"))
     model.load_state_dict(state)
-    with torch.no_grad():
-        for K in (1, 3, 5):
-            torch.testing.assert_close(model(idx, loops=K), ref_forward(ref_sd, idx, ref_variant, K, torch.float32))
+    for K in (1, 3, 5):
+        assert_matches_reference(model, ref_sd, idx, ref_variant, K, torch.float32, loops=K)
 
 
 # The reference rotates q and k and then RMS-normalises them (DESIGN.md §2, nanochat), with bf16 tables.
@@ -170,10 +188,9 @@ def test_import_matches_reference_logits(ref_sd, idx, ref_variant):
     model = import_reference(ref_sd, ref_variant, loops=3, n_head=N_HEAD, vocab_size=VOCAB)
     assert model.cfg.variant == REFERENCE_VARIANTS[ref_variant] and model.cfg.rotary_dtype == "bfloat16"
     assert model.cfg.vocab_size == VOCAB
-    with torch.no_grad():
-        for K in (1, 3, 5):  # 3 = the checkpoint's K; 1 and 5 chosen at test time
-            got = model(idx, loops=K) if K != 3 else model(idx)
-            torch.testing.assert_close(got, ref_forward(ref_sd, idx, ref_variant, K))
+    for K in (1, 3, 5):  # 3 = the checkpoint's K; 1 and 5 chosen at test time
+        # bf16 tables on both sides, the same bf16 values used in float64
+        assert_matches_reference(model, ref_sd, idx, ref_variant, K, torch.bfloat16, **({"loops": K} if K != 3 else {}))
 
 
 def test_flt_diag_names_and_meta(ref_sd, idx, tmp_path):
