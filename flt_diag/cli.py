@@ -283,7 +283,7 @@ class _ConsoleProgress:
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
             self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                                 TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TextColumn("ETA"),
-                                TimeRemainingColumn())
+                                TimeRemainingColumn(), redirect_stdout=False, redirect_stderr=False)
             self.task = self.bar.add_task(self.label, total=self.total, loss="-")
             self.bar.start()
         self.bar.update(self.task, completed=info["step"], loss=f"{info['loss']:.3f}")
@@ -644,6 +644,8 @@ def predict(
     at: List[int] = typer.Option([300], "--at", help="Step(s) at which to predict, space-separated."),
     predictor: Optional[Path] = PredictorOpt,
     csv: Optional[Path] = typer.Option(None, "--csv", help="Also write the per-cell table (all steps) here."),
+    figure: Optional[Path] = typer.Option(None, "--figure", help="Also draw agreement, false alarms and misses "
+                                          "against the step (PNG/PDF/SVG by the suffix)."),
 ):
     """Early warning: P(collapse) of every cell at step s beside its final verdict, and the agreement."""
     from .early_warning import agreement, load_predictor, predict_sweep
@@ -671,6 +673,13 @@ def predict(
         from .storage import atomic_write_text
         frames = [t.assign(step=s) for s, t in tables.items()]
         atomic_write_text(csv, pd.concat(frames, ignore_index=True).to_csv(index=False))
+    if figure is not None:
+        from .early_warning import draw_agreement
+        from .plotting import save
+        if figure.suffix not in (".png", ".pdf", ".svg"):
+            raise UserError(f"--figure must end in .png, .pdf or .svg, got {figure.name}")
+        curve = [dict(step=s, **agreement(t)) for s, t in tables.items() if len(t)]
+        print(save(draw_agreement({path.name: curve}), figure))
 
 
 @app.command("fit-predictor")
@@ -787,6 +796,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = expand_list_options(list(sys.argv[1:] if argv is None else argv))
         code = app(args=args, prog_name="flt-diag", standalone_mode=False)
+        if code == 130:  # click turns Ctrl-C into a return value of 130 outside standalone mode
+            raise KeyboardInterrupt
         if isinstance(code, int) and code:  # a typer.Exit(code) inside a command (e.g. study)
             return code
     except click_exc.NoArgsIsHelpError as e:
@@ -796,6 +807,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e.format_message()}", file=sys.stderr)
         return 2
     except (typer.Abort, KeyboardInterrupt):
+        _progress_bar.close()
         print("interrupted; finished work is kept (re-run the same command to resume)", file=sys.stderr)
         return 130
     except typer.Exit as e:

@@ -248,7 +248,8 @@ class SweepMonitor:
         if enabled:
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
             self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[cells]}"),
-                                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), transient=False)
+                                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), transient=False,
+                                redirect_stdout=False, redirect_stderr=False)
             self.task = self.bar.add_task("sweep", total=sum(self.weight.values()), completed=self.done_work,
                                           cells=self._cells_text())
             self.bar.start()

@@ -224,3 +224,21 @@ def test_every_numeric_option_refuses_bad_values(tmp_path, monkeypatch, capsys, 
         assert len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0], (value, err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]  # nothing created, nothing changed
     assert (tmp_path / "keep.txt").read_text() == "data"
+
+
+@pytest.mark.parametrize("command", [["train", "--variant", "lt", "--loops", "2"],
+                                     ["run-ablation", "--variants", "lt", "flt", "--loops", "2", "--workers", "2",
+                                      "--quiet"]])
+def test_ctrl_c_exits_130_with_a_message(tmp_path, command):
+    out = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, "-m", "flt_diag.cli", *command, "--steps", "5000", "--device", "cpu",
+                          "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    deadline = time.time() + 90
+    while time.time() < deadline and not list(out.rglob("progress.json")):
+        time.sleep(0.3)
+    assert list(out.rglob("progress.json")), "training did not start"
+    os.killpg(p.pid, signal.SIGINT)  # Ctrl-C reaches the whole foreground process group
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err[-2000:]
+    assert "interrupted" in err and "Traceback" not in err
