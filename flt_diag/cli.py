@@ -640,7 +640,7 @@ def import_reference_cmd(
 
 @app.command()
 def predict(
-    path: Path = typer.Argument(..., help="A sweep (or run) folder of finished runs."),
+    paths: List[Path] = typer.Argument(..., help="Sweep or run folders of finished runs."),
     at: List[int] = typer.Option([300], "--at", help="Step(s) at which to predict, space-separated."),
     predictor: Optional[Path] = PredictorOpt,
     csv: Optional[Path] = typer.Option(None, "--csv", help="Also write the per-cell table (all steps) here."),
@@ -650,13 +650,14 @@ def predict(
     """Early warning: P(collapse) of every cell at step s beside its final verdict, and the agreement."""
     from .early_warning import agreement, load_predictor, predict_sweep
     from .storage import run_dirs
-    run_dirs(path)  # a clear error for a path that is neither a run nor a sweep
+    import pandas as pd
+    for path in paths:
+        run_dirs(path)  # a clear error for a path that is neither a run nor a sweep
     try:
         model = load_predictor(predictor)
-        tables = {s: predict_sweep(path, s, model) for s in at}
+        tables = {s: pd.concat([predict_sweep(path, s, model) for path in paths], ignore_index=True) for s in at}
     except ValueError as e:
         raise UserError(str(e)) from None
-    import pandas as pd
     for s, table in tables.items():
         if table.empty:
             print(f"step {s}: no finished cell has more than {s} steps")
@@ -679,7 +680,8 @@ def predict(
         if figure.suffix not in (".png", ".pdf", ".svg"):
             raise UserError(f"--figure must end in .png, .pdf or .svg, got {figure.name}")
         curve = [dict(step=s, **agreement(t)) for s, t in tables.items() if len(t)]
-        print(save(draw_agreement({path.name: curve}), figure))
+        name = paths[0].name if len(paths) == 1 else f"{len(paths)} folders"
+        print(save(draw_agreement({name: curve}), figure))
 
 
 @app.command("fit-predictor")
@@ -707,7 +709,7 @@ def fit_predictor(
         raise UserError(str(e)) from None
     write_json(out, model)
     for s, m in model["models"].items():
-        print(f"step {s}: {m['runs']} runs ({m['positives']} collapsed), training accuracy {m['train_accuracy']:.0%}; "
+        print(f"step {s}: {m['runs']} runs ({m['positives']} with target {model['target']}), training accuracy {m['train_accuracy']:.0%}; "
               + ", ".join(f"{f} {c:+.2f}" for f, c in zip(model["features"], m["coef"])))
     print(f"predictor: {out}")
 

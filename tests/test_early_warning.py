@@ -81,7 +81,8 @@ def test_probability_is_the_logistic_of_the_written_out_logit(tmp_path):
 
 def test_packaged_predictor_loads():
     pred = EW.load_predictor()
-    assert pred["features"] == EW.FEATURES and set(pred["models"]) >= {"100", "200", "300", "500"}
+    assert pred["features"] == EW.FEATURES and set(pred["models"]) >= {"100", "200", "300"}
+    assert pred["target"] == "fails" and pred["command"].startswith("flt-diag fit-predictor")
 
 
 def test_bad_predictor_file_is_one_line(tmp_path, capsys):
