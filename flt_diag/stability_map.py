@@ -35,8 +35,7 @@ import numpy as np
 import pandas as pd
 
 from .cells import Cell
-from .storage import (CELLS, ERROR, SWEEP_SPEC, StorageError, folder_lock, has_content, load_summary, read_json,
-                      write_json)
+from .storage import CELLS, ERROR, SWEEP_SPEC, StorageError, folder_lock, load_summary, read_json
 
 AXES = {"lr": "lr scale", "depth": "depth L"}
 CRITERIA: dict[str, Callable[[dict], bool]] = {
@@ -184,22 +183,8 @@ def search_line(spec: MapSpec, out: Path, line: Line, runner: Callable, report: 
 
 def prepare_map_folder(spec: MapSpec, out: Path) -> None:
     """Create the map folder, or check that an existing one holds the same map."""
-    out = Path(out)
-    new = spec.to_dict()
-    if (out / SWEEP_SPEC).exists():
-        old = read_json(out / SWEEP_SPEC)
-        if {k: old.get(k) for k in new} != new:
-            keys = [k for k in new if old.get(k) != new[k]]
-            raise StorageError(f"{out} holds another sweep or map (differs in: {', '.join(keys)}); "
-                               "use another --out, or the original options")
-        return
-    if has_content(out):
-        raise StorageError(f"{out} exists, is not empty and is not a map folder; use another --out")
-    try:
-        (out / CELLS).mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise StorageError(f"cannot create map folder {out}: {e.strerror}") from None
-    write_json(out / SWEEP_SPEC, new)
+    from .sweep import prepare_spec_folder
+    prepare_spec_folder(Path(out), spec.to_dict(), "map")
 
 
 def spec_from_folder(out: Path) -> dict:

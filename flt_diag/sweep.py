@@ -73,22 +73,25 @@ def cell_config(base: RunConfig, cell: Cell, **train_overrides) -> RunConfig:
 
 def prepare_folder(spec: SweepSpec, out: Path) -> None:
     """Create the sweep folder, or check that an existing one holds the same spec."""
-    out = Path(out)
-    new = spec.to_dict()
+    prepare_spec_folder(Path(out), spec.to_dict(), "sweep")
+
+
+def prepare_spec_folder(out: Path, new: dict, what: str) -> None:
+    """Create a sweep or map folder holding spec `new` (sweep.json), or check that an existing one
+    holds the same spec (`what` names it in the messages)."""
     if (out / SWEEP_SPEC).exists():
         old = read_json(out / SWEEP_SPEC)
-        old = {k: v for k, v in old.items() if k in new}
-        if old != new:
+        if {k: old.get(k) for k in new} != new:
             keys = [k for k in new if old.get(k) != new[k]]
-            raise StorageError(f"{out} holds a sweep with a different spec (differs in: {', '.join(keys)}); "
-                               "use another --out, or the original options")
+            raise StorageError(f"{out} holds a {'map' if old.get('kind') == 'map' else 'sweep'} with a different "
+                               f"spec (differs in: {', '.join(keys)}); use another --out, or the original options")
         return
     if has_content(out):
-        raise StorageError(f"{out} exists, is not empty and is not a sweep folder; use another --out")
+        raise StorageError(f"{out} exists, is not empty and is not a {what} folder; use another --out")
     try:
         (out / CELLS).mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise StorageError(f"cannot create sweep folder {out}: {e.strerror}") from None
+        raise StorageError(f"cannot create {what} folder {out}: {e.strerror}") from None
     if not os.access(out, os.W_OK):
         raise StorageError(f"cannot write to {out}")
     write_json(out / SWEEP_SPEC, new)
