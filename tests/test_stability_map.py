@@ -56,6 +56,11 @@ class Synthetic:
         t = self.thresholds[cell.variant] * (1 + 0.1 * cell.seed)
         cfg = tiny_config(variant=cell.variant, loops=cell.loops, seed=cell.seed, lr_scale=cell.lr_scale).to_dict()
         write_json(d / "config.json", cfg)
+        from flt_diag.storage import MetricsWriter
+        w = MetricsWriter(d)
+        for step in range(10):
+            w.add(step, "loss", -1, -1, 3.0 - 0.1 * step)
+        w.flush()
         write_json(d / SUMMARY, dict(verdict="collapsed" if cell.lr_scale > t else "stable",
                                      residual_explosion_any=cell.lr_scale > 2 * t, variant=cell.variant,
                                      loops=cell.loops, seed=cell.seed, lr_scale=cell.lr_scale))
@@ -132,3 +137,17 @@ def test_depth_axis_probes_are_cells_with_their_depth(tmp_path):
     assert cell.depth == 3 and cell.name.endswith("_L3")
     from flt_diag.sweep import cell_config
     assert cell_config(spec.base, cell).model.n_layer == 3
+
+
+def test_report_and_regenerate_show_the_map(tmp_path):
+    import sys
+    from pathlib import Path as P
+    sys.path.insert(0, str(P(__file__).resolve().parents[1] / "analysis"))
+    from regenerate import regenerate
+    run_map(_spec(), tmp_path / "m", runner=Synthetic({"lt": 1.3, "flt": 9.0}), report=lambda s: None)
+    written = {p.name for p in regenerate(tmp_path / "m", tmp_path / "out", formats=("png",))}
+    assert {"map.png", "map_table.md", "map_table.csv", "report.html"} <= written
+    html = (tmp_path / "out" / "report.html").read_text()
+    assert "Stability map: critical values" in html and 'id="map"' in html
+    table = (tmp_path / "out" / "map_table.md").read_text()
+    assert "training at K=6 (lr scale)" in table and "| lt |" in table
