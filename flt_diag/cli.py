@@ -819,6 +819,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk, a path that is a file, ...: files in flight were removed (atomic_path)
+        if os.environ.get("FLT_DIAG_DEBUG"):
+            raise
+        where = f": {e.filename}" if e.filename else ""
+        print(f"error: {e.strerror or type(e).__name__}{where}", file=sys.stderr)
+        return 2
     return 0
 
 

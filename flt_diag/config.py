@@ -87,10 +87,14 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunConfig":
-        train = {**LEGACY_TRAIN_DEFAULTS, **d["train"]}
-        return cls(model=ModelConfig(**d["model"]), train=TrainConfig(**train),
-                   diagnostics=DiagnosticsConfig(**d["diagnostics"]), verdict=VerdictConfig(**d.get("verdict", {})),
-                   preset=d.get("preset", "custom"))
+        """A config read back from config.json; a file that is not one raises ValueError (one line)."""
+        try:
+            train = {**LEGACY_TRAIN_DEFAULTS, **d["train"]}
+            return cls(model=ModelConfig(**d["model"]), train=TrainConfig(**train),
+                       diagnostics=DiagnosticsConfig(**d["diagnostics"]),
+                       verdict=VerdictConfig(**d.get("verdict", {})), preset=d.get("preset", "custom"))
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"not an flt-diag config (missing or unknown field: {e})") from None
 
 
 # Train fields that run folders written before the field existed were trained without: an old

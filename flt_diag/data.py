@@ -181,10 +181,30 @@ def resolve_corpus(data: str) -> CorpusSpec | None:
     return CorpusSpec(builders.pop(), data_files=[str(f.resolve()) for f in files])
 
 
+def _check_local_file(path: Path) -> None:
+    """A local corpus file that is empty, or binary where text is expected, said plainly (the
+    datasets library would only say that an error occurred while generating the dataset)."""
+    if path.stat().st_size == 0:
+        raise DataError(f"data file {path} is empty")
+    if path.suffix in (".txt", ".jsonl", ".json"):
+        head = path.open("rb").read(4096)
+        try:
+            head.decode("utf-8")
+        except UnicodeDecodeError as e:
+            if e.start < len(head) - 4:  # not just a character cut at the end of the sample
+                raise DataError(f"data file {path} is not UTF-8 text") from None
+        if b"\x00" in head:
+            raise DataError(f"data file {path} is binary, not text")
+
+
 def iter_documents(spec: CorpusSpec, split: str) -> Iterator[str]:
     """Documents of one split, through `datasets.load_dataset` (hub or local alike)."""
     import datasets
 
+    datasets.disable_progress_bars()  # one error line, not progress bars and library log lines around it
+    datasets.logging.set_verbosity_error()
+    for f in spec.data_files if isinstance(spec.data_files, list) else []:
+        _check_local_file(Path(f))
     kwargs = dict(name=spec.name, streaming=spec.streaming)
     if spec.data_files:
         kwargs["data_files"] = spec.data_files
@@ -202,6 +222,8 @@ def iter_documents(spec: CorpusSpec, split: str) -> Iterator[str]:
         text = row.get(spec.text_field)
         if text is None:
             raise DataError(f"{spec.path}: rows have no {spec.text_field!r} field (fields: {', '.join(row)})")
+        if not isinstance(text, str):
+            raise DataError(f"{spec.path}: row {i} has a {spec.text_field!r} that is {type(text).__name__}, not text")
         if text:
             yield text
             n += 1
@@ -251,9 +273,9 @@ def _documents(data: str, split: str) -> Iterator[str]:
 
 def _tokenize_to_file(data: str, tok, split: str, out: Path, max_tokens: int | None) -> int:
     dtype = np.uint8 if tok.vocab_size <= 256 else np.uint16 if tok.vocab_size <= 65536 else np.uint32
+    from .storage import atomic_path
     n = 0
-    tmp = out.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_path(out) as tmp, open(tmp, "wb") as f:
         for doc in _documents(data, split):
             ids = tok.encode_array(doc).astype(dtype)
             if tok.bos_id is not None:  # documents are delimited as the reference delimits them
@@ -264,7 +286,6 @@ def _tokenize_to_file(data: str, tok, split: str, out: Path, max_tokens: int | N
             n += len(ids)
             if max_tokens is not None and n >= max_tokens:
                 break
-    os.replace(tmp, out)
     return n
 
 
@@ -288,9 +309,8 @@ def load_tokens(data: str = "stdlib", tokenizer: str = "bytes", split: str = "tr
         meta["dtype"] = np.dtype(dtype).name
         train = np.memmap(folder / "train.bin", dtype=dtype, mode="r")
         meta["unigram_entropy"] = unigram_entropy(train, tok.vocab_size)
-        tmp = meta_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(meta, indent=1))
-        os.replace(tmp, meta_path)  # the cache entry exists only once complete
+        from .storage import atomic_write_text
+        atomic_write_text(meta_path, json.dumps(meta, indent=1))  # the cache entry exists only once complete
     meta = json.loads(meta_path.read_text())
     tokens = np.memmap(folder / f"{split}.bin", dtype=meta["dtype"], mode="r")
     return TokenData(tokens, meta["vocab_size"], meta["unigram_entropy"], folder)

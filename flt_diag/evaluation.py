@@ -33,7 +33,7 @@ def eval_loops(run_dir: Path, loops: list[int], batches: int | None = None, data
     """Validation loss and perplexity of a run's final checkpoint at each inference loop count.
 
     Writes <run>/eval_loops.csv (columns: loops, trained_loops, val_loss, perplexity, data, batches)."""
-    from .storage import CHECKPOINT, EVAL_LOOPS, StorageError, load_config
+    from .storage import CHECKPOINT, EVAL_LOOPS, StorageError, atomic_path, load_config
     from .data import load_tokens
     from .model import LoopedTransformer, ModelConfig
 
@@ -59,7 +59,6 @@ def eval_loops(run_dir: Path, loops: list[int], batches: int | None = None, data
         rows.append(dict(loops=k, trained_loops=model.cfg.loops, val_loss=loss,
                          perplexity=math.exp(min(loss, 700)), data=data, batches=batches))
     df = pd.DataFrame(rows)
-    tmp = run_dir / f".{EVAL_LOOPS}.tmp"
-    df.to_csv(tmp, index=False)
-    tmp.replace(run_dir / EVAL_LOOPS)
+    with atomic_path(run_dir / EVAL_LOOPS) as tmp:
+        df.to_csv(tmp, index=False)
     return df

@@ -39,7 +39,7 @@ from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
 from . import metric_names as M  # noqa: E402
 from .metrics import oscillation_indices  # noqa: E402
-from .storage import (ERROR, METRICS, SWEEP_SPEC, StorageError, is_sweep, load_config, load_eval_loops,  # noqa: E402
+from .storage import (ERROR, METRICS, atomic_path, SWEEP_SPEC, StorageError, is_sweep, load_config, load_eval_loops,  # noqa: E402
                       load_metrics, load_summary, read_json, run_dirs, run_label, series)
 
 log = logging.getLogger(__name__)
@@ -724,11 +724,9 @@ def save(fig: Figure, path: Path, dpi: int = DPI) -> Path:
     """Write a figure atomically (format from the suffix; PDFs without a creation date), inside
     `style()` so that tick labels are laid out as intended."""
     path = Path(path)
-    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
     meta = {"CreationDate": None} if path.suffix == ".pdf" else None
-    with style():
+    with style(), atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=dpi, bbox_inches="tight", metadata=meta)
-    os.replace(tmp, path)
     return path
 
 

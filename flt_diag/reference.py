@@ -285,7 +285,7 @@ def write_imported_run(model: LoopedTransformer, out_dir, source: str, step: int
     folder gets tokenizer null and a "note" saying to set it. No summary.json is written: an imported
     model has no training history here."""
     from .config import RunConfig, TrainConfig
-    from .storage import CHECKPOINT, CONFIG, StorageError, write_json
+    from .storage import CHECKPOINT, CONFIG, StorageError, atomic_path, write_json
 
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
@@ -308,7 +308,6 @@ def write_imported_run(model: LoopedTransformer, out_dir, source: str, step: int
         doc["note"] = note
     write_json(out / CONFIG, doc)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    tmp = out / f".{CHECKPOINT}.tmp"
-    torch.save({"model": state, "model_config": model.cfg.to_dict(), "step": int(step)}, tmp)
-    tmp.replace(out / CHECKPOINT)
+    with atomic_path(out / CHECKPOINT) as tmp:
+        torch.save({"model": state, "model_config": model.cfg.to_dict(), "step": int(step)}, tmp)
     return out

@@ -35,7 +35,7 @@ import numpy as np
 import pandas as pd
 
 from .cells import Cell
-from .storage import CELLS, ERROR, SWEEP_SPEC, StorageError, folder_lock, load_summary, read_json
+from .storage import CELLS, ERROR, SWEEP_SPEC, StorageError, atomic_path, folder_lock, load_summary, read_json
 
 AXES = {"lr": "lr scale", "depth": "depth L"}
 CRITERIA: dict[str, Callable[[dict], bool]] = {
@@ -237,9 +237,8 @@ def _run_map(spec, out, workers, only_line, runner, report) -> pd.DataFrame:
                 report(f"{name}: searched")
     write_summary(out)
     table = boundaries(out)
-    tmp = out / f".{MAP_CSV}.tmp"
-    table.to_csv(tmp, index=False)
-    os.replace(tmp, out / MAP_CSV)
+    with atomic_path(out / MAP_CSV) as tmp:
+        table.to_csv(tmp, index=False)
     return table
 
 

@@ -38,11 +38,29 @@ class StorageError(ValueError):
     """A run or sweep folder that cannot be read or written as asked (one line in the CLI)."""
 
 
-def atomic_write_text(path: Path, text: str) -> None:
+@contextlib.contextmanager
+def atomic_path(path: Path):
+    """The one way flt-diag writes a file: yields a temporary name beside `path` to write to; on
+    success it is renamed over `path` (readers see the old file or the new one, never half of one),
+    on any failure (an exception, a full disk, Ctrl-C) it is removed."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    if path.is_dir():
+        raise StorageError(f"{path} is a folder; give a file name")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}{path.suffix}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
 
 
 @contextlib.contextmanager
@@ -128,9 +146,8 @@ class MetricsWriter:
         df = _frame(self.rows)
         first, last = int(df.step.min()), int(df.step.max())
         name = f"part-{first:09d}-{last:09d}-{len(list(self.dir.glob('part-*.parquet'))):05d}.parquet"
-        tmp = self.dir / f".{name}.tmp"
-        df.to_parquet(tmp, index=False)
-        os.replace(tmp, self.dir / name)
+        with atomic_path(self.dir / name) as tmp:
+            df.to_parquet(tmp, index=False)
         self.rows = []
 
     def truncate_after(self, step: int) -> None:
@@ -142,9 +159,8 @@ class MetricsWriter:
                 part.unlink()
             elif last > step:
                 df = pd.read_parquet(part)
-                tmp = self.dir / f".{part.name}.tmp"
-                df[df.step <= step].to_parquet(tmp, index=False)
-                os.replace(tmp, part)
+                with atomic_path(part) as tmp:
+                    df[df.step <= step].to_parquet(tmp, index=False)
 
 
 def _frame(rows) -> pd.DataFrame:
@@ -163,7 +179,11 @@ def is_sweep(path: Path) -> bool:
 
 
 def load_config(run_dir: Path) -> dict:
-    return read_json(Path(run_dir) / CONFIG)
+    """A run's config.json; one that lacks the model or train section is not a run's (StorageError)."""
+    cfg = read_json(Path(run_dir) / CONFIG)
+    if not (isinstance(cfg, dict) and isinstance(cfg.get("model"), dict) and isinstance(cfg.get("train"), dict)):
+        raise StorageError(f"{Path(run_dir) / CONFIG} is not an flt-diag run config (no model/train sections)")
+    return cfg
 
 
 def load_summary(run_dir: Path) -> dict | None:

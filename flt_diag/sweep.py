@@ -24,7 +24,7 @@ import pandas as pd
 
 from .cells import Cell
 from .config import RunConfig, with_overrides
-from .storage import (CELLS, ERROR, cell_names, folder_lock, has_content, SWEEP_SPEC, SWEEP_SUMMARY, StorageError, atomic_write_text, is_run, load_config,
+from .storage import (CELLS, ERROR, atomic_path, cell_names, folder_lock, has_content, SWEEP_SPEC, SWEEP_SUMMARY, StorageError, atomic_write_text, is_run, load_config,
                       load_progress, load_summary, read_json, write_json)
 
 SUMMARY_COLUMNS = ["cell", "variant", "loops", "seed", "lr_scale", "verdict", "residual_explosion", "final_loss",
@@ -125,8 +125,11 @@ def run_cell(base: dict, cell: Cell, out: str, threads: int | None = None,
     except KeyboardInterrupt:
         raise
     except Exception as e:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(run_dir / ERROR, traceback.format_exc())
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(run_dir / ERROR, traceback.format_exc())
+        except OSError:  # e.g. a full disk: the cell is reported failed all the same
+            pass
         return f"error: {type(e).__name__}: {e}"
 
 
@@ -316,12 +319,10 @@ def sweep_summary(out: Path) -> pd.DataFrame:
 
 def write_summary(out: Path) -> pd.DataFrame:
     df = sweep_summary(out)
-    tmp = out / f".{SWEEP_SUMMARY}.tmp"
-    df.to_csv(tmp, index=False)
-    os.replace(tmp, out / SWEEP_SUMMARY)
-    tmp = out / ".summary.parquet.tmp"
-    df.to_parquet(tmp, index=False)
-    os.replace(tmp, out / "summary.parquet")
+    with atomic_path(out / SWEEP_SUMMARY) as tmp:
+        df.to_csv(tmp, index=False)
+    with atomic_path(out / "summary.parquet") as tmp:
+        df.to_parquet(tmp, index=False)
     return df
 
 

@@ -24,12 +24,12 @@ import torch
 from . import metric_names as M
 from .callbacks import Callback
 from .config import RunConfig, padded_vocab
-from .data import TokenData, batch_generator, get_batch, load_tokens, stream_batch
+from .data import DataError, TokenData, batch_generator, get_batch, load_tokens, stream_batch
 from .evaluation import evaluate
 from .model import LoopedTransformer
 from .optim import build_optimizers, lr_multiplier, muon_momentum, set_lr, set_momentum
-from .storage import (CHECKPOINT, CONFIG, PROGRESS, RESUME, SUMMARY, MetricsWriter, StorageError, folder_lock,
-                      has_content, load_metrics, read_json, write_json)
+from .storage import (CHECKPOINT, CONFIG, PROGRESS, RESUME, SUMMARY, MetricsWriter, StorageError, atomic_path, folder_lock,
+                      has_content, load_config, load_metrics, read_json, write_json)
 
 # Fields that may differ when a run folder is reused (they do not change what is computed).
 VOLATILE_TRAIN_FIELDS = ("device", "threads", "compile", "eval_every", "checkpoint_every")
@@ -144,9 +144,19 @@ class Trainer:
             torch.set_num_threads(cfg.train.threads)
         self.train_data = load_tokens(cfg.train.data, cfg.train.tokenizer, "train", cfg.train.max_tokens)
         self.val_data = load_tokens(cfg.train.data, cfg.train.tokenizer, "val", cfg.train.max_tokens)
+        for split, data in (("train", self.train_data), ("validation", self.val_data)):
+            need = cfg.model.sequence_len + 2
+            if len(data) < need:  # found now, not after every step has been trained
+                raise DataError(f"the {split} split of {cfg.train.data} has {len(data)} tokens; a sequence of "
+                                f"{cfg.model.sequence_len} needs at least {need}")
         cfg.model.vocab_size = padded_vocab(self.train_data.vocab_size)
         torch.manual_seed(cfg.train.seed)
-        self.model = LoopedTransformer(cfg.model).to(self.device)
+        try:
+            self.model = LoopedTransformer(cfg.model).to(self.device)
+        except (RuntimeError, MemoryError) as e:  # e.g. a width no memory can hold
+            from .model import count_parameters
+            raise ValueError(f"cannot allocate the model ({count_parameters(cfg.model):,} parameters) on "
+                             f"{self.device}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
         self.n_params = sum(p.numel() for p in self.model.parameters())
         if cfg.train.precision == "reference":
             from .parallel import reference_precision
@@ -204,7 +214,7 @@ class Trainer:
         d = self.run_dir
         cfg_dict = self.cfg.to_dict()
         if (d / CONFIG).exists():
-            old = read_json(d / CONFIG)
+            old = load_config(d)
             diff = _differences(comparable(old), comparable(cfg_dict))
             if diff:
                 raise RunConflict(f"{d} holds a run with a different config ({'; '.join(diff[:3])}); "
@@ -235,9 +245,8 @@ class Trainer:
         state = dict(step=next_step, wall_time=self.wall_time, model=self.model.state_dict(),
                      optimizers=[o.state_dict() for o in self.optimizers],
                      callbacks=[c.state_dict() for c in self.callbacks])
-        tmp = self.run_dir / f".{RESUME}.tmp"
-        torch.save(state, tmp)
-        os.replace(tmp, self.run_dir / RESUME)
+        with atomic_path(self.run_dir / RESUME) as tmp:
+            torch.save(state, tmp)
 
     def _load_resume(self) -> None:
         from .checkpoint import load
@@ -254,10 +263,9 @@ class Trainer:
                                "delete it to restart the run from step 0") from None
 
     def save_checkpoint(self, path: Path, steps_done: int) -> None:
-        tmp = path.with_name(f".{path.name}.tmp")
-        torch.save({"model": self.model.state_dict(), "model_config": self.cfg.model.to_dict(),
-                    "step": steps_done}, tmp)
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            torch.save({"model": self.model.state_dict(), "model_config": self.cfg.model.to_dict(),
+                        "step": steps_done}, tmp)
 
     # ------------------------------------------------------------------ training
     def autocast(self):

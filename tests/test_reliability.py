@@ -242,3 +242,58 @@ def test_ctrl_c_exits_130_with_a_message(tmp_path, command):
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130, err[-2000:]
     assert "interrupted" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("bad.jsonl", b'{"text": 5}\n{"text": 6}\n', "not text"),
+    ("bin.txt", bytes(range(256)) * 8, "not UTF-8 text"),
+    ("empty.txt", b"", "is empty"),
+    ("blank.txt", b"   \n\n   \t\n", "has no text"),
+])
+def test_bad_corpus_files_are_one_line_before_any_folder(tmp_path, capsys, monkeypatch, name, content, message):
+    monkeypatch.setenv("FLT_DIAG_CACHE", str(tmp_path / "cache"))
+    (tmp_path / name).write_bytes(content)
+    code = main(["train", "--data", str(tmp_path / name), "--steps", "2", "--device", "cpu", "--out", str(tmp_path / "r")])
+    assert code == 2 and message in _one_error_line(capsys)
+    assert not (tmp_path / "r").exists()
+
+
+def test_folders_that_are_not_flt_diag_folders_are_one_line(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text("{}")
+    for args in (["train", "--steps", "1", "--device", "cpu", "--out", str(tmp_path / "run")],
+                 ["eval-loops", str(tmp_path / "run")], ["plot", "all", str(tmp_path / "run")]):
+        assert main(args) in (0, 2)
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+    assert (tmp_path / "run" / "config.json").read_text() == "{}"
+    (tmp_path / "sw").mkdir()
+    (tmp_path / "sw" / "sweep.json").write_text("{}")
+    assert main(["run-ablation", "--loops", "2", "--variants", "lt", "--steps", "1", "--device", "cpu",
+                 "--out", str(tmp_path / "sw"), "--quiet"]) == 2
+    assert "different spec" in _one_error_line(capsys)
+    assert (tmp_path / "sw" / "sweep.json").read_text() == "{}"
+
+
+def test_report_into_a_folder_is_refused_without_leftovers(tmp_path, capsys):
+    from flt_diag.train import train
+    train(tiny_config(variant="lt", loops=2, steps=2), tmp_path / "run")
+    (tmp_path / "out").mkdir()
+    assert main(["report", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 2
+    assert "is a folder" in _one_error_line(capsys)
+    assert list((tmp_path / "out").iterdir()) == [] and not list(tmp_path.glob(".*tmp*"))
+
+
+def test_a_failed_write_leaves_no_temporary_file(tmp_path):
+    from flt_diag.storage import atomic_path
+    with pytest.raises(OSError):
+        with atomic_path(tmp_path / "x.csv") as tmp:
+            tmp.write_text("half")
+            raise OSError(28, "No space left on device")  # what a full disk raises mid-write
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_os_errors_are_one_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    code = main(["train", "--steps", "1", "--device", "cpu", "--out", str(tmp_path / "file" / "run")])
+    assert code == 2 and _one_error_line(capsys)
