@@ -297,3 +297,42 @@ def test_os_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     code = main(["train", "--steps", "1", "--device", "cpu", "--out", str(tmp_path / "file" / "run")])
     assert code == 2 and _one_error_line(capsys)
+
+
+@pytest.mark.slow  # ~1-2.5 min: three sweeps of two cells
+def test_kill_9_of_a_sweep_and_an_immediate_restart_give_the_uninterrupted_result(tmp_path):
+    """The sweep's parent is killed with SIGKILL mid-way and the same command is run again at once:
+    every cell ends with exactly the metrics of an uninterrupted sweep (no duplicated row, the same
+    final loss) - the workers died with their parent and released their folders."""
+    from flt_diag.storage import load_metrics, load_summary
+    args = ["run-ablation", "--variants", "lt", "flt", "--loops", "2", "--steps", "150", "--device", "cpu",
+            "--workers", "2", "--quiet"]
+    cmd = [sys.executable, "-m", "flt_diag.cli", *args]
+    subprocess.run(cmd + ["--out", str(tmp_path / "a")], check=True, capture_output=True)
+    parent = subprocess.Popen(cmd + ["--out", str(tmp_path / "b")], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        steps = [json_step(p) for p in (tmp_path / "b").glob("cells/*/progress.json")]
+        if len(steps) == 2 and min(steps) >= 20:
+            break
+        time.sleep(0.2)
+    parent.kill()
+    parent.wait()
+    subprocess.run(cmd + ["--out", str(tmp_path / "b")], check=True, capture_output=True)
+    for cell in ("lt_K02_seed0_lr1", "flt_K02_seed0_lr1"):
+        a, b = load_metrics(tmp_path / "a" / "cells" / cell), load_metrics(tmp_path / "b" / "cells" / cell)
+        key = ["step", "metric", "loop", "layer"]
+        assert not b.duplicated(key).any()
+        pd_a, pd_b = a.sort_values(key).reset_index(drop=True), b.sort_values(key).reset_index(drop=True)
+        assert pd_a[key].equals(pd_b[key]) and (pd_a.value.to_numpy() == pd_b.value.to_numpy()).all()
+        assert load_summary(tmp_path / "a" / "cells" / cell)["final_loss"] == \
+            load_summary(tmp_path / "b" / "cells" / cell)["final_loss"]
+
+
+def json_step(path) -> int:
+    import json
+    try:
+        return json.loads(Path(path).read_text())["step"]
+    except (ValueError, KeyError, OSError):
+        return 0
