@@ -217,13 +217,9 @@ def run_map(spec: MapSpec, out: Path, workers: int = 1, only_line: int | None = 
 
 
 def _run_map(spec, out, workers, only_line, runner, report) -> pd.DataFrame:
-    from .sweep import die_with_parent, run_cell, write_summary
+    from .sweep import die_with_parent, only, run_cell, write_summary
     prepare_map_folder(spec, out)
-    lines = spec.lines()
-    if only_line is not None:
-        if not 0 <= only_line < len(lines):
-            raise ValueError(f"--cell must be in 0..{len(lines) - 1} (one per line), got {only_line}")
-        lines = [lines[only_line]]
+    lines = only(spec.lines(), only_line, " (one per line)")
     if runner is not None or workers <= 1 or len(lines) <= 1:
         for line in lines:
             search_line(spec, out, line, runner or run_cell, report)
@@ -304,8 +300,7 @@ def critical_values(out: Path) -> pd.DataFrame:
         elif below == len(g):
             text = f"< {g.first_broken.min():g}"
         else:
-            text = ", ".join(f"{s}" if st not in ("found",) else f"{bd:.3g}"
-                             for s, st, bd in zip(g.status, g.status, g.boundary))
+            text = ", ".join(f"{bd:.3g}" if st == "found" else st for st, bd in zip(g.status, g.boundary))
         rows.append(dict(criterion=criterion, variant=variant, loops=loops, median=found.median() if len(found) else math.nan,
                          low=found.min() if len(found) else math.nan, high=found.max() if len(found) else math.nan,
                          seeds=len(g), text=text))

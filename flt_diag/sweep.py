@@ -171,13 +171,18 @@ def run_sweep(spec: SweepSpec, out: Path, workers: int = 1, only_cell: int | Non
         return _run_sweep(spec, out, workers, only_cell, show_progress)
 
 
+def only(items: list, index: int | None, what: str = "") -> list:
+    """All items, or just item `index` (`--cell I` of a job array); a bad index is one ValueError."""
+    if index is None:
+        return items
+    if not 0 <= index < len(items):
+        raise ValueError(f"--cell must be in 0..{len(items) - 1}{what}, got {index}")
+    return [items[index]]
+
+
 def _run_sweep(spec, out, workers, only_cell, show_progress) -> pd.DataFrame:
     prepare_folder(spec, out)
-    cells = spec.cells()
-    if only_cell is not None:
-        if not 0 <= only_cell < len(cells):
-            raise ValueError(f"--cell must be in 0..{len(cells) - 1}, got {only_cell}")
-        cells = [cells[only_cell]]
+    cells = only(spec.cells(), only_cell)
     todo = [c for c in cells if cell_status(out, c) != "done"]
     base = spec.base.to_dict()
     if workers <= 0:
