@@ -9,7 +9,36 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
-from .model import ModelConfig
+from .variants import MAX_LOOPS, VARIANTS
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256  # tokens; 256 = raw bytes
+    n_layer: int = 2  # L, distinct blocks reused every loop
+    n_embd: int = 64  # d, width of the residual stream
+    n_head: int = 2  # heads; head dim = n_embd // n_head
+    sequence_len: int = 64  # longest context the rotary tables are built for (grown on demand)
+    variant: str = "flt"  # one of VARIANTS
+    loops: int = 12  # K, loops per forward unless forward(loops=k) says otherwise
+    rotary_base: float = 10000.0
+    rotary_dtype: str = "float32"  # the nanochat reference keeps its tables in "bfloat16"
+    softcap: float = 15.0  # logits = softcap * tanh(head(h) / softcap)
+
+    def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ValueError(f"unknown variant {self.variant!r}; choose from {', '.join(VARIANTS)}")
+        if not 1 <= self.loops <= MAX_LOOPS:
+            raise ValueError(f"loops must be in 1..{MAX_LOOPS}, got {self.loops}")
+        if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"n_embd={self.n_embd} must split into {self.n_head} heads of even size")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 @dataclass

@@ -17,71 +17,16 @@ A block reused K times fires K times per forward; listeners key by (loop, layer)
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-
-@dataclass(frozen=True)
-class VariantRule:
-    """How loop t >= 2 differs between variants (loop 1 is always a plain pass)."""
-
-    start: Literal["prev", "embed", "embed+prev"]  # stream at loop start: h(t-1), norm(E), norm(E + h(t-1))
-    add_prev_before_block: bool  # FLA: x = norm(x + h(t-1)) before every block
-    query_from_prev: Literal["none", "first", "all"]  # AI: blocks whose Q comes from norm(h(t-1))
+from .config import ModelConfig  # noqa: F401 (re-exported)
+from .variants import MAX_LOOPS, VARIANT_DESCRIPTIONS, VARIANTS, VariantRule  # noqa: F401 (re-exported)
 
 
-VARIANTS: dict[str, VariantRule] = {
-    "lt": VariantRule(start="prev", add_prev_before_block=False, query_from_prev="none"),
-    "lt-ii": VariantRule(start="embed+prev", add_prev_before_block=False, query_from_prev="none"),
-    "lt-ai": VariantRule(start="embed", add_prev_before_block=False, query_from_prev="first"),
-    "fla": VariantRule(start="embed", add_prev_before_block=True, query_from_prev="none"),
-    "flt": VariantRule(start="embed", add_prev_before_block=False, query_from_prev="all"),
-}
-
-VARIANT_DESCRIPTIONS: dict[str, str] = {
-    "lt": "original looped transformer: loop t starts from h(t-1)",
-    "lt-ii": "LT + additive input injection: loop t starts from norm(E + h(t-1))",
-    "lt-ai": "LT + attention injection in the first block only",
-    "fla": "fully looped architecture only: norm(x + h(t-1)) before every block",
-    "flt": "full FLT: every block takes its attention query from h(t-1)",
-}
-
-
-MAX_LOOPS = 1024  # far beyond any study; a mistyped 1e20 is refused instead of never finishing a step
-
-
-@dataclass
-class ModelConfig:
-    vocab_size: int = 256  # tokens; 256 = raw bytes
-    n_layer: int = 2  # L, distinct blocks reused every loop
-    n_embd: int = 64  # d, width of the residual stream
-    n_head: int = 2  # heads; head dim = n_embd // n_head
-    sequence_len: int = 64  # longest context the rotary tables are built for (grown on demand)
-    variant: str = "flt"  # one of VARIANTS
-    loops: int = 12  # K, loops per forward unless forward(loops=k) says otherwise
-    rotary_base: float = 10000.0
-    rotary_dtype: str = "float32"  # the nanochat reference keeps its tables in "bfloat16"
-    softcap: float = 15.0  # logits = softcap * tanh(head(h) / softcap)
-
-    def __post_init__(self) -> None:
-        if self.variant not in VARIANTS:
-            raise ValueError(f"unknown variant {self.variant!r}; choose from {', '.join(VARIANTS)}")
-        if not 1 <= self.loops <= MAX_LOOPS:
-            raise ValueError(f"loops must be in 1..{MAX_LOOPS}, got {self.loops}")
-        if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
-            raise ValueError(f"n_embd={self.n_embd} must split into {self.n_head} heads of even size")
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 class _RMSNorm(torch.autograd.Function):

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 VARIANT_ORDER = ["lt", "lt-ii", "lt-ai", "fla", "flt"]
 # Okabe-Ito (colour-blind safe), five clearly distinct hues; FLT, the method under study, in black.
-VARIANT_COLORS = {"lt": "#0072b2", "lt-ii": "#e69f00", "lt-ai": "#009e73", "fla": "#cc79a7", "flt": "#000000"}
+from .variants import VARIANT_COLORS  # noqa: E402
 OTHER_COLOR = "#7f7f7f"
 VERDICT_ORDER = ["stable", "unstable", "collapsed", "diverged"]  # by severity (ties in a majority go to the worse)
 VERDICT_COLORS = {"stable": "#a6d96a", "unstable": "#fee08b", "collapsed": "#fdae61", "diverged": "#d7191c",
