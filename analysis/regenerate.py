@@ -5,7 +5,7 @@
 Writes <DIR>/<figure>.png|pdf, <DIR>/table.csv (one row per cell, full precision),
 <DIR>/table.md (the report's table) and the report (<DIR>/report.html with --out, else
 <SWEEP>/report.html). Default DIR: <SWEEP>/figures. Works on a run folder too, and on a sweep
-still in progress. Imports only flt_diag.plotting / report / storage: never the training code.
+still in progress. Imports only flt_diag.results / figures / report / storage: never the training code.
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from flt_diag import plotting, report  # noqa: E402
+from flt_diag import figures, report  # noqa: E402
+from flt_diag.results import collect, results_table, summary_table  # noqa: E402
 from flt_diag.storage import StorageError  # noqa: E402
 
 
@@ -23,13 +24,13 @@ def regenerate(sweep: Path, out: Path | None = None, formats=("png", "pdf")) -> 
     """Write every output; returns the paths written."""
     fig_dir = out if out is not None else sweep / "figures"
     fig_dir.mkdir(parents=True, exist_ok=True)
-    study = plotting.collect(sweep)
-    figures, skipped = plotting.render(study)
-    written = [plotting.save(fig, fig_dir / f"{kind}.{fmt}") for kind, fig in figures.items() for fmt in formats]
+    study = collect(sweep)
+    drawn, skipped = figures.render(study)
+    written = [figures.save(fig, fig_dir / f"{kind}.{fmt}") for kind, fig in drawn.items() for fmt in formats]
     for kind, why in skipped.items():
         print(f"skipped {why}", file=sys.stderr)
-    plotting.summary_table(study).to_csv(fig_dir / "table.csv", index=False)
-    (fig_dir / "table.md").write_text(report.markdown(report.results_table(study)))
+    summary_table(study).to_csv(fig_dir / "table.csv", index=False)
+    (fig_dir / "table.md").write_text(report.markdown(results_table(study)))
     if study.spec and study.spec.get("kind") == "map":  # a stability map: its critical values too
         from flt_diag.stability_map import critical_table
         table = critical_table(sweep)
@@ -37,7 +38,7 @@ def regenerate(sweep: Path, out: Path | None = None, formats=("png", "pdf")) -> 
         (fig_dir / "map_table.md").write_text(report.markdown(table))
         written += [fig_dir / "map_table.csv", fig_dir / "map_table.md"]
     html = (out / report.REPORT) if out is not None else sweep / report.REPORT
-    written += [fig_dir / "table.csv", fig_dir / "table.md", report.write_html(study, figures, skipped, html)]
+    written += [fig_dir / "table.csv", fig_dir / "table.md", report.write_html(study, drawn, skipped, html)]
     return written
 
 

@@ -3,19 +3,27 @@
     python benchmarks/bench.py [--preset tiny|mid|gpu] [--variants lt flt ...] [--loops 3 6 9 12]
                                [--step-loops K] [--repeats N] [--out results.json]
                                [--device cpu|cuda] [--threads N] [--quick] [--profile]
+                               [--eager-variants V ...]
+    python benchmarks/bench.py --flops [--loops 3 6 9 12] [--variants flt] [--preset tiny]
+    python benchmarks/bench.py --flops --sweep runs/ablation-tiny
 
 What is measured (README.md in this folder has the formulas and the measured numbers):
 
-  a. training-step time of each variant (flt_diag.train.Trainer.train_step: forward, backward,
-     clipping, the Muon/AdamW recipe of flt_diag.optim.build_optimizers, + StepLog.collect) against
-     an UNROLLED reference: L*K distinct flt_diag.model.Block modules run as one plain pass, same
-     embedding / head / softcap, same optimizer recipe, driven by the same Trainer.train_step;
+  a. training-step time of each variant (flt_diag.train.Trainer.run_step, the step `fit` runs:
+     forward, backward, clipping, the Muon/AdamW recipe of flt_diag.optim.build_optimizers, + the
+     per-step host transfer) against an UNROLLED reference: L*K distinct flt_diag.model.Block
+     modules run as one plain pass, same embedding / head / softcap, same optimizer recipe, trained
+     by the same Trainer (`Trainer(..., model=UnrolledTransformer)`); with --eager-variants, also
+     the step with compilation off (compiled vs eager on CUDA);
   b. the same step with full diagnostics (DiagnosticsCallback, default DiagnosticsConfig, recording
      every step, exactly as the Trainer runs it) against the step without;
   c. achieved FLOP/s of the step (analytic matmul FLOPs, `train_flops`) against this machine's own
      measured matmul rate (`--peak-size`, fp32 on CPU, bf16 on CUDA) -> MFU;
   d. peak activation memory of one forward+backward against K, with and without per-loop
      activation checkpointing (`model.checkpoint_loops`).
+  --flops: only the achieved FLOP rate per K against the measured matmul peak (a table K -> step
+     time, GFLOP/s, % of peak): of the Trainer's step with diagnostics, timed here at each K of
+     --loops, or with --sweep of the runs of a finished sweep (wall time / steps, from summary.json).
 
 Timing is round-robin: every round runs one sample (`steps_per_sample` steps) of every
 configuration, in a freshly shuffled order, and ratios are taken within a round (paired), so
@@ -46,10 +54,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmarks/bench.py` from a checkout
 
 from flt_diag.config import RunConfig, build_config  # noqa: E402
-from flt_diag.data import batch_generator, get_batch  # noqa: E402
 from flt_diag.model import VARIANTS, Block, LoopedTransformer, ModelConfig, norm  # noqa: E402
-from flt_diag.optim import build_optimizers  # noqa: E402
-from flt_diag.train import Trainer  # noqa: E402
+from flt_diag.train import Trainer, settle  # noqa: E402
 
 
 # --------------------------------------------------------------------------- presets
@@ -90,13 +96,14 @@ TARGETS = dict(step_vs_unrolled=1.05, diagnostics_overhead=1.10, checkpoint_memo
 
 
 def bench_config(spec: BenchSpec, variant: str, loops: int, device: str,
-                 checkpoint_loops: bool = False) -> RunConfig:
-    """The RunConfig of one benchmarked configuration (no evaluation, no resume checkpoints,
-    lr held at its base value: the warm-down never starts)."""
+                 checkpoint_loops: bool = False, compile: bool | None = None) -> RunConfig:
+    """The settled RunConfig of one benchmarked configuration (no evaluation, no resume checkpoints,
+    lr held at its base value: the warm-down never starts). `compile` None: as the Trainer decides
+    (compiled blocks on CUDA, eager on CPU)."""
     train = dict(spec.train, device=device, steps=10**6, eval_every=0, checkpoint_every=0,
-                 checkpoint_loops=checkpoint_loops)
-    return build_config(spec.base, device == "cuda", model=dict(spec.model, variant=variant, loops=loops),
-                        train=train)
+                 checkpoint_loops=checkpoint_loops, compile=compile)
+    return settle(build_config(spec.base, device == "cuda", model=dict(spec.model, variant=variant, loops=loops),
+                               train=train))
 
 
 # --------------------------------------------------------------------------- the unrolled reference
@@ -172,33 +179,21 @@ def _sync(device: str) -> None:
 
 
 class StepJob:
-    """One configuration of the timed training step: a prepared Trainer and its step counter."""
+    """One configuration of the timed training step: a started Trainer (`Trainer.start`, whose
+    `run_step` is the step `fit` runs: train_step + the per-step host transfer) and its step counter.
+    `unrolled`: the Trainer trains UnrolledTransformer instead (same placement, compile, optimizers)."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, diagnostics: bool, unrolled: bool = False):
-        self.trainer = t = Trainer(cfg, run_dir, diagnostics=diagnostics)
-        if unrolled:
-            torch.manual_seed(cfg.train.seed)
-            model = UnrolledTransformer(cfg.model).to(t.device)
-            use_compile = cfg.train.compile if cfg.train.compile is not None else t.device.type == "cuda"
-            if use_compile:
-                from flt_diag.parallel import compile_blocks
-                compile_blocks(model)
-            t.model = t.ddp_model = model
-            t.optimizers = build_optimizers(model, cfg.train, fused=t.device.type == "cuda")
-        t._prepare_folder()
-        for cb in t.callbacks:
-            cb.on_start(t)
-        t.model.train()
+        self.trainer = Trainer(cfg, run_dir, diagnostics=diagnostics, model=UnrolledTransformer if unrolled else None)
+        self.trainer.start()
         self.step = 0
 
     def __call__(self) -> None:
-        self.trainer.train_step(self.step)
-        self.trainer.log.collect(self.step)  # the per-step host transfer (a sync on CUDA)
+        self.trainer.run_step(self.step)
         self.step += 1
 
     def close(self) -> None:
-        for cb in self.trainer.callbacks:
-            cb.on_end(self.trainer)
+        self.trainer.end()
 
 
 class FwdBwdJob:
@@ -210,11 +205,10 @@ class FwdBwdJob:
         self.step = 0
 
     def __call__(self) -> None:
-        t, c = self.trainer, self.trainer.cfg
-        x, y = get_batch(t.train_data, c.train.batch_size, c.model.sequence_len,
-                         batch_generator(c.train.seed, self.step, 0, t.rank), t.device)
+        t = self.trainer
+        x, y = t.batch(self.step)
         with t.autocast():
-            _, loss = t.ddp_model(x, y, loss_on=c.train.loss_on)
+            _, loss = t.ddp_model(x, y, loss_on=t.cfg.train.loss_on)
         loss.backward()
         for p in t.model.parameters():
             p.grad = None
@@ -285,6 +279,105 @@ def stats(xs: list[float]) -> dict:
 def paired(a: list[float], b: list[float], op=lambda x, y: x / y) -> dict:
     """Statistics of op(a_r, b_r) over rounds r (both samples from the same round)."""
     return stats([op(x, y) for x, y in zip(a, b)])
+
+
+# --------------------------------------------------------------------------- achieved FLOP rate per K
+
+def matmul_peak(n: int, device: str, repeats: int = 5) -> dict:
+    """This machine's measured matmul rate: an n x n torch.mm (fp32 on CPU at the current thread
+    count, bf16 on CUDA), timed `repeats` times after a warm-up. `peak` is the best rate (sharing
+    the machine only slows a matmul down), `median` the median."""
+    job = MatmulJob(n, device)
+    job()
+    rates = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        job()
+        rates.append(job.flops * job.inner / (time.perf_counter() - t0))
+    return dict(peak=max(rates), median=statistics.median(rates), size=n, repeats=repeats,
+                dtype="bfloat16" if device == "cuda" else "float32")
+
+
+def flops_rows(runs: list[tuple[RunConfig, float]], peak: float) -> list[dict]:
+    """One row per K from (config, seconds per step) pairs: median step time, analytic GFLOP per
+    step (`train_flops`, per process), achieved GFLOP/s and its share of `peak` (medians over the
+    runs at that K)."""
+    by_k: dict[int, list[tuple[float, float]]] = {}
+    for cfg, step_s in runs:
+        t = cfg.train
+        by_k.setdefault(cfg.model.loops, []).append(
+            (step_s, train_flops(cfg.model, t.batch_size, grad_accum=t.grad_accum)["total"]))
+    rows = []
+    for K, xs in sorted(by_k.items()):
+        rate = statistics.median(f / s for s, f in xs)
+        rows.append(dict(loops=K, runs=len(xs), step_s=statistics.median(s for s, _ in xs),
+                         gflop_per_step=statistics.median(f for _, f in xs) / 1e9,
+                         gflops=rate / 1e9, pct_of_peak=100 * rate / peak))
+    return rows
+
+
+def sweep_step_times(sweep: Path) -> list[tuple[RunConfig, float]]:
+    """(config, seconds per step) of every finished run of a sweep (or one run) folder: its training
+    wall time over its steps - evaluation, diagnostics and checkpoints included, as the sweep ran."""
+    from flt_diag.storage import load_config, load_summary, run_dirs
+    out = []
+    for d in run_dirs(sweep):
+        s = load_summary(d)
+        if s and s.get("wall_time") and s.get("steps_done"):
+            out.append((RunConfig.from_dict(load_config(d)), s["wall_time"] / s["steps_done"]))
+    return out
+
+
+def timed_step_times(spec: BenchSpec, variant: str, loops: list[int], device: str, seed: int = 0,
+                     log: Callable[[str], None] = lambda m: None) -> list[tuple[RunConfig, float]]:
+    """(config, median seconds per step) at each K: the Trainer's step with its default diagnostics,
+    as a sweep runs it, timed round-robin over the K."""
+    with tempfile.TemporaryDirectory(prefix="flt-bench-") as tmp:
+        jobs = {K: StepJob(bench_config(spec, variant, K, device), Path(tmp) / f"K{K}", diagnostics=True)
+                for K in loops}
+        wall, _ = time_interleaved(jobs, spec.repeats, spec.steps_per_sample, spec.warmup, device, seed, progress=log)
+        for job in jobs.values():
+            job.close()
+    return [(jobs[K].trainer.cfg, statistics.median(wall[K])) for K in loops]
+
+
+def format_flops(res: dict) -> str:
+    pk = res["peak"]
+    lines = [f"achieved FLOP rate per K ({res['source']}); analytic matmul FLOPs (train_flops: 6 N tokens "
+             f"+ attention) against the measured matmul peak {pk['peak'] / 1e9:.1f} GFLOP/s "
+             f"({pk['size']}^2 {pk['dtype']} torch.mm, best of {pk['repeats']}; median {pk['median'] / 1e9:.1f}), "
+             f"{res['threads']} thread(s)",
+             f"{'K':>4s} {'runs':>5s} {'step ms':>10s} {'GFLOP/step':>11s} {'GFLOP/s':>9s} {'% of peak':>10s}"]
+    lines += [f"{r['loops']:4d} {r['runs']:5d} {1e3 * r['step_s']:10.1f} {r['gflop_per_step']:11.3f} "
+              f"{r['gflops']:9.2f} {r['pct_of_peak']:9.1f}%" for r in res["rows"]]
+    return "\n".join(lines)
+
+
+def flops_main(args: argparse.Namespace, spec: BenchSpec) -> int:
+    """`--flops`: time the step at each K of --loops (first of --variants, default flt); `--sweep DIR`:
+    the step times a finished sweep achieved. Either way a table K -> step time, GFLOP/s, % of peak."""
+    if args.sweep is not None:
+        runs = sweep_step_times(args.sweep)
+        if not runs:
+            print(f"error: {args.sweep} has no finished runs with a wall time", file=sys.stderr)
+            return 2
+        source = f"sweep {args.sweep}"
+    else:
+        loops = args.loops or [3, 6, 9, 12]
+        variant = (args.variants or ["flt"])[0]
+        source = (f"{variant}, preset {args.preset}, {args.device}, diagnostics on, {spec.repeats} rounds x "
+                  f"{spec.steps_per_sample} steps")
+        runs = timed_step_times(spec, variant, loops, args.device, args.seed, _log)
+    peak = matmul_peak(spec.peak_size, args.device)
+    res = dict(source=source, peak=peak, threads=torch.get_num_threads(), rows=flops_rows(runs, peak["peak"]),
+               env=environment(args.device))
+    print(format_flops(res))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(res, indent=1, default=str))
+        print(f"results: {args.out}")
+    return 0
 
 
 # --------------------------------------------------------------------------- memory
@@ -380,7 +473,6 @@ def activation_memory(model: LoopedTransformer, x: torch.Tensor, y: torch.Tensor
 
 def memory_sweep(spec: BenchSpec, variant: str, loops: list[int], device: str) -> list[dict]:
     cfg = bench_config(spec, variant, max(loops), device)
-    cfg.model.vocab_size = 256 if cfg.train.tokenizer == "bytes" else cfg.model.vocab_size
     torch.manual_seed(0)
     model = LoopedTransformer(cfg.model).to(device)  # eager: the memory of the plain model
     model.train()
@@ -403,8 +495,9 @@ def _log(msg: str) -> None:
 
 def run_benchmarks(spec: BenchSpec, variants: list[str], device: str = "cpu", diag_variants: list[str] | None = None,
                    memory_variant: str = "flt", seed: int = 0, profile: bool = False,
-                   verbose: bool = True, fwd_bwd: bool = True) -> dict:
-    """Parts a-d. Returns the results as a JSON-ready dict."""
+                   verbose: bool = True, fwd_bwd: bool = True, eager_variants: list[str] = ()) -> dict:
+    """Parts a-d. Returns the results as a JSON-ready dict. `eager_variants`: also time their step
+    with compilation off (on CUDA: compiled vs eager; on CPU both are eager)."""
     log = _log if verbose else (lambda msg: None)
     diag_variants = variants if diag_variants is None else [v for v in diag_variants if v in variants]
     K = spec.step_loops
@@ -423,6 +516,10 @@ def run_benchmarks(spec: BenchSpec, variants: list[str], device: str = "cpu", di
         for v in diag_variants:
             step_jobs.append(StepJob(bench_config(spec, v, K, device), tmp / f"diag-{v}", diagnostics=True))
             jobs[f"diag:{v}"] = step_jobs[-1]
+        for v in eager_variants:
+            step_jobs.append(StepJob(bench_config(spec, v, K, device, compile=False), tmp / f"eager-{v}",
+                                     diagnostics=False))
+            jobs[f"eager:{v}"] = step_jobs[-1]
         unrolled = StepJob(bench_config(spec, "lt", K, device), tmp / "unrolled", diagnostics=False, unrolled=True)
         step_jobs.append(unrolled)
         jobs["unrolled"] = unrolled
@@ -473,6 +570,9 @@ def run_benchmarks(spec: BenchSpec, variants: list[str], device: str = "cpu", di
                 row["fwd_bwd_vs_unrolled"] = paired(samples[f"fb:{v}"], samples["fb:unrolled"])
                 if use_cpu:
                     row["cpu_fwd_bwd_vs_unrolled"] = paired(cpu[f"fb:{v}"], cpu["fb:unrolled"])
+        if f"eager:{v}" in samples:
+            row["eager_step_s"] = stats(samples[f"eager:{v}"])
+            row["compiled_vs_eager"] = paired(s, samples[f"eager:{v}"])
         if f"diag:{v}" in samples:
             d = samples[f"diag:{v}"]
             row["diag_step_s"] = stats(d)
@@ -589,6 +689,12 @@ def format_table(res: dict) -> str:
         t = res["targets"]["diagnostics_overhead"]
         lines.append(f"{'pooled':9s} {'':>21s} {'':>21s} {_x(t['pooled']):>20s} "
                      f"{cpu(t, 'pooled_cpu'):>6s}")
+    eager = [r for r in res["steps"] if "compiled_vs_eager" in r]
+    if eager:
+        lines += ["", "compiled vs eager (the step as the Trainer runs it, compile on / off):",
+                  f"{'variant':9s} {'compiled ms':>21s} {'eager ms':>21s} {'compiled/eager':>20s}"]
+        lines += [f"{r['variant']:9s} {_ms(r['step_s']):>21s} {_ms(r['eager_step_s']):>21s} "
+                  f"{_x(r['compiled_vs_eager']):>20s}" for r in eager]
     lines.append("(cpu): the same paired ratio from this process's CPU time (leaves out time other processes "
                  "hold the core, not slowdowns from sharing it)" if res["device"] == "cpu" else "")
     mem = res["memory"]
@@ -649,6 +755,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loops", nargs="+", type=int, default=None,
                    help="K of the memory sweep [default: 3 6 9 12; --quick: 3 12]")
     p.add_argument("--step-loops", type=int, default=None, help="K of the timed steps [default: per preset]")
+    p.add_argument("--eager-variants", nargs="*", default=[], choices=list(VARIANTS),
+                   help="variants (among --variants) whose step is also timed with compilation off "
+                        "(on CUDA: compiled vs eager)")
     p.add_argument("--memory-variant", default="flt", choices=list(VARIANTS))
     p.add_argument("--repeats", type=int, default=None, help="rounds of the round-robin [default: per preset]")
     p.add_argument("--steps-per-sample", type=int, default=None)
@@ -661,7 +770,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="also profile one looped and the unrolled step")
     p.add_argument("--no-fwd-bwd", action="store_true", help="skip the forward+backward-only timings")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--flops", action="store_true",
+                   help="only the achieved FLOP rate per K (--loops) against the measured matmul peak")
+    p.add_argument("--sweep", type=Path, default=None,
+                   help="with --flops: the rate a finished sweep (or run) folder achieved, from its summaries")
     args = p.parse_args(argv)
+    if args.sweep is not None:
+        args.flops = True
     for k in args.loops or []:
         if k < 1:
             p.error(f"loops must be >= 1, got {k}")
@@ -683,14 +798,16 @@ def main(argv: list[str] | None = None) -> int:
     overrides = dict(step_loops=args.step_loops, repeats=args.repeats, steps_per_sample=args.steps_per_sample,
                      mem_loops=tuple(args.loops) if args.loops else None)
     spec = replace(spec, **{k: v for k, v in overrides.items() if v is not None})
+    threads = args.threads or (1 if args.device == "cpu" else None)
+    if threads:
+        torch.set_num_threads(threads)
+    if args.flops:
+        return flops_main(args, spec)
     variants = args.variants or (QUICK_VARIANTS if args.quick else list(VARIANTS))
     diag_variants = args.diag_variants if args.diag_variants is not None else variants
     if len(spec.mem_loops) < 2:
         print("error: --loops needs at least two loop counts for the memory ratio", file=sys.stderr)
         return 2
-    threads = args.threads or (1 if args.device == "cpu" else None)
-    if threads:
-        torch.set_num_threads(threads)
     if args.device == "cuda":
         import importlib
         dynamo = importlib.import_module("torch._dynamo")
@@ -700,7 +817,7 @@ def main(argv: list[str] | None = None) -> int:
                 setattr(dynamo.config, name, max(getattr(dynamo.config, name), 1024))
     t0 = time.perf_counter()
     res = run_benchmarks(spec, variants, args.device, diag_variants, args.memory_variant, args.seed, args.profile,
-                         fwd_bwd=not args.no_fwd_bwd)
+                         fwd_bwd=not args.no_fwd_bwd, eager_variants=[v for v in args.eager_variants if v in variants])
     res["preset"] = args.preset
     res["quick"] = args.quick
     res["command"] = "python benchmarks/bench.py " + " ".join(shlex.quote(a) for a in

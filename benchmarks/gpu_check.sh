@@ -2,9 +2,13 @@
 # GPU checks on ONE H100/H200-class GPU, in under 8 minutes:
 #   1. nvidia-smi and the software versions;
 #   2. benchmarks/bench.py --device cuda --preset gpu (flt_diag's small preset: d=384, L=6,
-#      3 heads, seq 512, batch 64; bf16 autocast and compiled blocks, as the Trainer runs them);
-#   3. a short diagnostic sweep of the small preset (lt and flt at K = 3 and 6, 300 steps each),
-#      then `flt-diag plot all` and `flt-diag report` on it.
+#      3 heads, seq 512, batch 64; bf16 autocast and compiled blocks, as the Trainer runs them):
+#      bf16 MFU of the step (lt, flt, the unrolled reference), diagnostics overhead (flt),
+#      compiled vs eager (flt), activation memory against K;
+#   3. a short diagnostic sweep of the small preset (all five variants at K = 3 and 6, 200 steps
+#      each) and its verdicts (`flt-diag summary`), `flt-diag plot all` and `flt-diag report` on it,
+#      and the FLOP rate the sweep achieved per K against the measured bf16 matmul peak
+#      (`bench.py --flops --sweep`).
 # Everything goes to $OUT if set, else ./gpu-results (log: gpu_check.log). Every stage has its own
 # time limit, so a slow stage cannot take the others with it; the exit status is that of the
 # first failed stage (0 if all passed).
@@ -68,18 +72,21 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
     exit 2
 fi
 
-# Stage limits: 180 + 200 + 40 + 25 + 10 = 455 s, plus ~15 s of setup: under 8 minutes.
+# Stage limits: 150 + 220 + 10 + 25 + 15 + 30 = 450 s, plus ~15 s of setup: under 8 minutes.
 
 # 2. benchmarks (most of the time is torch.compile of the blocks on first use; the timing itself
 #    takes well under a minute). Table: bench-gpu.txt, everything: bench-gpu.json.
-stage bench-gpu 180 "$PY" benchmarks/bench.py --device cuda --preset gpu --out "$OUT/bench-gpu.json"
+stage bench-gpu 150 "$PY" benchmarks/bench.py --device cuda --preset gpu --variants lt flt \
+    --diag-variants flt --eager-variants flt --no-fwd-bwd --out "$OUT/bench-gpu.json"
 
-# 3. a short diagnostic sweep of the small preset, its figures and report
-stage sweep 200 "$PY" -m flt_diag.cli run-ablation --preset small --device cuda --loops 3 6 \
-    --variants lt flt --steps 300 --out "$OUT/sweep" --quiet
-stage plot 40 "$PY" -m flt_diag.cli plot all "$OUT/sweep"
-stage report 25 "$PY" -m flt_diag.cli report "$OUT/sweep"
+# 3. a short diagnostic sweep of the small preset: verdicts, figures, report, achieved FLOP rate
+stage sweep 220 "$PY" -m flt_diag.cli run-ablation --preset small --device cuda --loops 3 6 \
+    --variants lt lt-ii lt-ai fla flt --steps 200 --out "$OUT/sweep" --quiet
 stage summary 10 "$PY" -m flt_diag.cli summary "$OUT/sweep"
+stage plot 25 "$PY" -m flt_diag.cli plot all "$OUT/sweep"
+stage report 15 "$PY" -m flt_diag.cli report "$OUT/sweep"
+stage sweep-flops 30 "$PY" benchmarks/bench.py --flops --sweep "$OUT/sweep" --device cuda --preset gpu \
+    --out "$OUT/sweep-flops.json"
 
 nvidia-smi --query-gpu=name,memory.used,temperature.gpu,clocks.sm --format=csv >> "$OUT/nvidia-smi.txt" 2>&1 || true
 echo "total $(( $(date +%s) - START ))s, status $STATUS" | tee -a "$OUT/timings.txt"

@@ -1,184 +1,196 @@
-"""The `flt-diag` command line.
+"""The `flt-diag` command line: a thin layer generated from the typed options.
 
-List options take space-separated values (`--loops 3 6 9 12`), repeated options
-(`--loops 3 --loops 6`) or commas (`--loops 3,6`). Errors a user can cause print one line
-(`error: ...`) and exit with status 2; nothing already written is touched.
+Every training option is a field of a config section (flt_diag.config), every grid option a field of
+SweepSpec, MapSpec or MapGrid; each command's parser is generated from those fields, so an option
+exists in every command that accepts it (its `commands`), with the same help, and is validated in
+one place (`Option.check`). List options take space-separated values (`--loops 3 6 9 12`), commas
+(`--loops 3,6`) or repetition. Errors a user can cause print one line (`error: ...`) and exit with
+status 2; nothing already written is touched. Ctrl-C exits with 130.
 """
 from __future__ import annotations
 
+import argparse
 import os
-import re
 import sys
-from enum import Enum
 from pathlib import Path
-from typing import List, Optional
 
-import typer
+from .config import PRESETS, Option, options_for, options_of, sections_from
+from .variants import MAX_LOOPS, VARIANT_DESCRIPTIONS
 
-try:  # typer >= 0.20 vendors click; older releases use the click package
-    from typer._click import exceptions as click_exc
-except ImportError:  # pragma: no cover
-    from click import exceptions as click_exc
-
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Train looped-transformer variants, record why they collapse, and plot it.")
-plot_app = typer.Typer(no_args_is_help=True, help="Figures from run or sweep folders (PNG and PDF).")
-app.add_typer(plot_app, name="plot")
-
-# The options that take several values, per command (elsewhere the same names take one value, and a
-# second value is an error, never silently the last one).
-LIST_OPTIONS = {
-    "run-ablation": {"--loops", "--variants", "--seeds", "--lr-scale"},
-    "map": {"--loops", "--variants", "--seeds", "--criteria"},
-    "eval-loops": {"--loops"},
-    "predict": {"--at"},
-    "fit-predictor": {"--at"},
-}
-NUMBER = re.compile(r"^-?\d+(\.\d*)?([eE][-+]?\d+)?$")
+SECTION_TITLES = {"run": "preset", "model": "model", "train": "training", "diagnostics": "diagnostics",
+                  "verdict": "verdict thresholds", "sweep": "sweep grid", "map": "map grid", "cli": "this command"}
 
 
 class UserError(Exception):
     """A mistake in the user's input: reported as one line."""
 
 
-def expand_list_options(argv: list[str]) -> list[str]:
-    """`--loops 3 6 9` -> `--loops 3 --loops 6 --loops 9` (also splits `--loops 3,6`), for the
-    list options of the command in argv (see LIST_OPTIONS)."""
-    command = next((a for a in argv if not a.startswith("-")), None)
-    lists = LIST_OPTIONS.get(command, set())
-    out, i = [], 0
-    while i < len(argv):
-        arg = argv[i]
-        name, eq, inline = arg.partition("=")
-        if name in lists:
-            values = [inline] if eq else []
-            i += 1
-            while not eq and i < len(argv) and (not argv[i].startswith("-") or NUMBER.match(argv[i])):
-                values.append(argv[i])
-                i += 1
-            if not values:
-                out.append(name)  # let click report the missing value
-            for v in values:
-                parts = v.split(",")
-                if any(not p.strip() for p in parts):
-                    raise UserError(f"{name}: empty value in {v!r}")
-                for part in parts:
-                    out += [name, part]
+class Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line (UserError) instead of usage text + exit."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)  # `--step` is not silently `--steps`
+
+    def error(self, message):
+        raise UserError(message)
+
+
+def cli_opt(flag: str, kind: type, help: str, default=None, *, many=False, low=None, high=None, above=None,
+            choices=None, optional=True) -> Option:
+    """An option of one command that is not a config field (output folder, workers, ...)."""
+    return Option("cli", flag[2:].replace("-", "_"), flag, kind, optional, many, default, help,
+                  tuple(choices) if choices else None, low, high, above, None, frozenset())
+
+
+def _grid_options():
+    from .stability_map import MapGrid, MapSpec
+    from .sweep import SweepSpec
+    return {"run-ablation": options_of(SweepSpec, "sweep"),
+            "map": options_of(MapSpec, "map") + options_of(MapGrid, "map")}
+
+
+def _split(kind: type, flag: str):
+    def convert(text: str):
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {'an integer' if kind is int else 'a number'}: {text!r}") from None
+    return convert
+
+
+class ListAction(argparse.Action):
+    """nargs='+' with commas allowed (`--loops 3,6 9`) and repetition adding to the list."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        items = []
+        for v in values:
+            parts = v.split(",")
+            if any(not p.strip() for p in parts):
+                raise UserError(f"{option_string}: empty value in {v!r}")
+            try:
+                items += [self.convert(p.strip()) for p in parts]
+            except argparse.ArgumentTypeError as e:
+                raise UserError(f"argument {option_string}: {e}") from None
+        setattr(namespace, self.dest, (getattr(namespace, self.dest) or []) + items)
+
+
+def _default_text(o: Option) -> str:
+    if o.kind is bool and o.default is None:
+        return ""
+    shown = " ".join(map(str, o.default)) if o.many else o.default
+    presets = [f"{name} {p[o.section][o.name]}" for name, p in PRESETS.items()
+               if o.section in p and o.name in p[o.section]]
+    if "[default" in o.help or o.default is None and not presets:
+        return ""
+    if len(presets) == len(PRESETS):
+        return f" [default by preset: {', '.join(presets)}]"
+    return f" [default: {shown}" + (f"; preset {', '.join(presets)}" if presets else "") + "]"
+
+
+def add_option(group, o: Option) -> None:
+    kwargs = dict(dest=o.dest, default=None, help=o.help + _default_text(o))
+    if o.kind is bool:  # config switches get --x/--no-x; a command's own switches are plain flags
+        action = "store_true" if o.section == "cli" else argparse.BooleanOptionalAction
+        group.add_argument(o.flag, action=action, **kwargs)
+        return
+    metavar = {int: "N", float: "X", str: "TEXT", Path: "PATH"}[o.kind]
+    if o.choices and o.many:
+        metavar, kwargs["help"] = "NAME", f"{kwargs['help']} Choices: {', '.join(o.choices)}."
+    elif o.choices:
+        metavar = "{" + ",".join(o.choices) + "}"
+    if o.many:
+        action = group.add_argument(o.flag, nargs="+", action=ListAction, metavar=metavar, **kwargs)
+        action.convert = _split(o.kind, o.flag) if o.kind in (int, float) else o.kind
+    else:
+        group.add_argument(o.flag, type=_split(o.kind, o.flag) if o.kind in (int, float) else o.kind,
+                           metavar=metavar, **kwargs)
+
+
+def add_options(parser, options: list[Option]) -> None:
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for o in options:
+        if o.section not in groups:
+            groups[o.section] = parser.add_argument_group(SECTION_TITLES.get(o.section, o.section))
+        add_option(groups[o.section], o)
+
+
+def check_values(values: dict, options: list[Option]) -> dict:
+    """Validate the given values of `options` (one line on the first bad one); defaults filled in
+    for the command-level options."""
+    out = dict(values)
+    for o in options:
+        v = values.get(o.dest)
+        if v is None:
+            if o.section == "cli":
+                out[o.dest] = o.default
             continue
-        out.append(arg)
-        i += 1
+        problem = o.check(v)
+        if problem:
+            raise UserError(problem)
     return out
 
 
-# ------------------------------------------------------------------ shared options
+# ------------------------------------------------------------------ the commands' own options
 
-def _variant_names() -> list[str]:
-    from .model import VARIANTS
-    return list(VARIANTS)
+OUT_RUN = cli_opt("--out", Path, "Run folder [default: runs/<variant>-K<loops>]. An unfinished run in it is resumed.")
+OUT_SWEEP = cli_opt("--out", Path, "Sweep folder [default: runs/ablation-<preset>]. Re-running resumes it.")
+OUT_MAP = cli_opt("--out", Path, "Map folder [default: runs/map-<axis>-<preset>]. Re-running resumes it.")
+WORKERS = cli_opt("--workers", int, "Cells (lines for maps) in parallel processes; 0 = auto (one per CPU core, each "
+                  "with one thread; one per GPU on a multi-GPU machine).", 0, low=0, optional=False)
+LIST = cli_opt("--list", bool, "Print the cells (index, name, status) and exit.", False)
+CELL = cli_opt("--cell", int, "Run only cell (map: line) I, for job arrays.", low=0)
+QUIET = cli_opt("--quiet", bool, "No progress bar.", False)
+FOLDER_OPTIONS = [WORKERS, LIST, CELL, QUIET]
 
-
-def _check_variants(variants: list[str]) -> list[str]:
-    known = _variant_names()
-    for v in variants:
-        if v not in known:
-            raise UserError(f"unknown variant {v!r}; choose from {', '.join(known)}")
-    return variants
-
-
-def _check_loops(loops: list[int]) -> list[int]:
-    from .model import MAX_LOOPS
-    for k in loops:
-        if not 1 <= k <= MAX_LOOPS:
-            raise UserError(f"loops must be in 1..{MAX_LOOPS}, got {k}")
-    return loops
+COMMAND_OPTIONS: dict[str, list[Option]] = {
+    "train": [OUT_RUN],
+    "run-ablation": [OUT_SWEEP, *FOLDER_OPTIONS],
+    "map": [OUT_MAP, *FOLDER_OPTIONS],
+}
 
 
-class LossOn(str, Enum):
-    end = "end"
-    all = "all"
-    last_third = "last-third"
+def command_options(command: str) -> list[Option]:
+    """Every option of `train`, `run-ablation` or `map`: grid, config, then the command's own."""
+    return _grid_options().get(command, []) + options_for(command) + COMMAND_OPTIONS[command]
 
 
-class Optimizer(str, Enum):
-    muon = "muon"
-    adamw = "adamw"
+# ------------------------------------------------------------------ configs from option values
 
-
-PresetOpt = typer.Option("auto", "--preset", help="tiny (CPU, minutes), small (one GPU), paper-small, "
-                                                  "paper-base, or auto (tiny on CPU, small on GPU).")
-StepsOpt = typer.Option(None, "--steps", min=1, help="Optimizer steps [default: 2000].")
-MomentumWarmupOpt = typer.Option(None, "--momentum-warmup", min=0, help="Steps over which Muon's momentum rises "
-                                 "linearly from 0.85 to 0.95, as the reference's [default: 300]; 0 = 0.95 throughout.")
-PrecisionOpt = typer.Option(None, "--precision", help="fp32 (fp32 weights and residual stream; bf16 autocast on "
-                            "GPU) or reference (bf16 embedding, rotary tables and stream, as the reference "
-                            "trains on GPU; CPU autocast on CPU) [default: fp32].")
-SamplingOpt = typer.Option(None, "--sampling", help="random (random windows) or stream (the corpus in order, "
-                           "as the reference reads it) [default: random].")
-WarnOpt = typer.Option(False, "--warn", help="Print a warning, with its evidence, the first time the early-warning "
-                       "predictor puts P(collapse) at or above its threshold.")
-StopOpt = typer.Option(False, "--stop-on-collapse", help="End the run there (verdict collapsed, predicted at step "
-                       "s); the run folder stays complete. Implies --warn.")
-PredictorOpt = typer.Option(None, "--predictor", help="Predictor JSON from `flt-diag fit-predictor` "
-                            "[default: the one shipped with flt-diag].")
-RotaryDtypeOpt = typer.Option(None, "--rotary-dtype", help="float32 or bfloat16 (the reference's tables) "
-                              "[default: float32].")
-
-
-def _build(preset: str, *, variant: str, loops: int, steps: Optional[int], seed: int = 0, lr_scale: float = 1.0,
-           optimizer=None, loss_on=None, batch_size=None, grad_accum=None, seq_len=None, depth=None,
-           width=None, heads=None, data=None, tokenizer=None, max_tokens=None, device="auto", compile=None,
-           checkpoint_loops=False, threads=None, diagnostics=True, attention_stats=False, dense_steps=None,
-           record_every=None, tensorboard=False, wandb=None, eval_every=None, checkpoint_every=None,
-           momentum_warmup=None, precision=None, sampling=None, rotary_dtype=None, warn=False,
-           stop_on_collapse=False, predictor=None):
+def build_run_config(values: dict, **grid):
+    """The RunConfig of option values (Option.dest -> value, None = not given) with the grid's
+    fields of one cell (variant, loops, seed, lr_scale); every problem is one UserError line."""
     import torch
     from .config import build_config
+    from .train import resolve_device
 
+    values = {**values, **{k: v for k, v in grid.items() if v is not None}}
+    if values.get("stop_on_collapse"):
+        values["warn"] = True
+    sections = sections_from(values)
+    device = values.get("device") or "auto"
     cuda = device != "cpu" and torch.cuda.is_available()
-    model = dict(variant=variant, loops=loops, sequence_len=seq_len, n_head=heads, rotary_dtype=rotary_dtype)
-    if depth is not None:
-        from .config import PRESETS, resolve_preset
-        p = PRESETS[resolve_preset(preset, cuda)]["model"]
-        aspect = p["n_embd"] // p["n_layer"]
-        model.update(n_layer=depth, n_embd=width or aspect * depth,
-                     n_head=heads or max(1, (width or aspect * depth) // (p["n_embd"] // p["n_head"])))
-    elif width is not None:
-        model.update(n_embd=width)
-    train = dict(steps=steps if steps is not None else 2000, seed=seed, lr_scale=lr_scale,
-                 optimizer=optimizer.value if optimizer else None, loss_on=loss_on.value if loss_on else None,
-                 batch_size=batch_size, grad_accum=grad_accum, data=data, tokenizer=tokenizer,
-                 max_tokens=max_tokens, device=device, compile=compile, checkpoint_loops=checkpoint_loops,
-                 threads=threads, eval_every=eval_every, checkpoint_every=checkpoint_every,
-                 momentum_warmup=momentum_warmup, precision=precision, sampling=sampling)
-    diag = dict(enabled=diagnostics, attention=attention_stats, dense_steps=dense_steps, every=record_every,
-                tensorboard=tensorboard, wandb=wandb, warn=warn or stop_on_collapse, stop_on_collapse=stop_on_collapse,
-                predictor=str(predictor) if predictor else None)
-    if predictor is not None or warn or stop_on_collapse:
+    if values.get("predictor") is not None or values.get("warn"):
         from .early_warning import load_predictor
         try:
-            load_predictor(predictor)
+            load_predictor(values.get("predictor"))
         except ValueError as e:
             raise UserError(str(e)) from None
     try:
-        cfg = build_config(preset, cuda, model=model, train=train, diagnostics=diag)
-    except (TypeError, ValueError) as e:
-        raise UserError(str(e)) from None
-    _check_data(cfg.train.data, cfg.train.tokenizer)
-    from .train import resolve_device
-    try:
+        cfg = build_config(sections.pop("preset", "auto"), cuda, **sections)
         resolve_device(cfg.train.device)
     except ValueError as e:
         raise UserError(str(e)) from None
+    _check_data(cfg.train.data, cfg.train.tokenizer)
     return cfg
 
 
-def _vocab_for(cfg) -> int:
-    """The (padded) vocabulary a run of this config will have; loads the tokenizer, so that one that
-    cannot be fetched is reported in one line before anything runs."""
-    from .config import padded_vocab
-    from .data import DataError, get_tokenizer
+def _settled(cfg):
+    """The config with its vocabulary from the tokenizer (flt_diag.train.settle), so that a tokenizer
+    that cannot be fetched is reported in one line before anything runs."""
+    from .data import DataError
+    from .train import settle
     try:
-        return padded_vocab(get_tokenizer(cfg.train.tokenizer).vocab_size)
+        return settle(cfg)
     except DataError as e:
         raise UserError(f"{e} (paper presets use the reference's Qwen3 tokenizer: fetch it once with network "
                         "access, or pass --tokenizer path/to/tokenizer.json)" if "Qwen" in cfg.train.tokenizer
@@ -197,81 +209,21 @@ def _check_data(data: str, tokenizer: str) -> None:
 
 # ------------------------------------------------------------------ train
 
-@app.command()
-def train(
-    variant: str = typer.Option("flt", "--variant", help="lt, lt-ii, lt-ai, fla or flt (DESIGN.md §2)."),
-    loops: int = typer.Option(12, "--loops", help="Loops K: how often the L blocks are reused."),
-    preset: str = PresetOpt,
-    steps: Optional[int] = StepsOpt,
-    out: Optional[Path] = typer.Option(None, "--out", help="Run folder [default: runs/<variant>-K<loops>]. "
-                                       "An unfinished run in it is resumed."),
-    seed: int = typer.Option(0, "--seed", help="Seed of initialisation and batches."),
-    lr_scale: float = typer.Option(1.0, "--lr-scale", help="Multiplies every learning rate."),
-    optimizer: Optional[Optimizer] = typer.Option(None, "--optimizer", help="muon (reference recipe) or adamw."),
-    loss_on: Optional[LossOn] = typer.Option(None, "--loss-on", help="Loss on the final loop (end), the mean "
-                                             "over all loops (all) or over the last third."),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", min=1, help="Sequences per micro-batch."),
-    grad_accum: Optional[int] = typer.Option(None, "--grad-accum", min=1, help="Micro-batches per step."),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=2, help="Tokens per sequence."),
-    depth: Optional[int] = typer.Option(None, "--depth", min=1, help="Size dial: L blocks; width follows the "
-                                        "preset's aspect ratio unless --width is given."),
-    width: Optional[int] = typer.Option(None, "--width", min=2, help="Model width d."),
-    heads: Optional[int] = typer.Option(None, "--heads", min=1, help="Attention heads."),
-    data: Optional[str] = typer.Option(None, "--data", help="stdlib (offline default), fineweb-edu, wikitext2, "
-                                       "or a .txt/.jsonl/.parquet file or folder."),
-    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="bytes, a Hugging Face tokenizer name, "
-                                            "or a tokenizer.json path."),
-    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=2, help="Cap on training tokens read."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
-    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile the blocks "
-                                           "[default: on CUDA only]."),
-    checkpoint_loops: bool = typer.Option(False, "--checkpoint-loops", help="Activation checkpointing per loop "
-                                          "(memory flat in K)."),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="CPU threads."),
-    no_diagnostics: bool = typer.Option(False, "--no-diagnostics", help="Record only loss, lr, grad norm."),
-    attention_stats: bool = typer.Option(False, "--attention-stats", help="Also record max attention logit "
-                                         "and attention entropy per (loop, layer)."),
-    dense_steps: Optional[int] = typer.Option(None, "--dense-steps", min=0, help="Record every step up to here "
-                                              "[default: 2000] ..."),
-    record_every: Optional[int] = typer.Option(None, "--record-every", min=1, help="... then every N steps "
-                                               "[default: 10]."),
-    eval_every: Optional[int] = typer.Option(None, "--eval-every", min=0, help="Steps between validation "
-                                             "losses [default: 250]."),
-    checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", min=0, help="Steps between "
-                                                   "resume checkpoints [default: 500]."),
-    tensorboard: bool = typer.Option(False, "--tensorboard", help="Also log to <run>/tensorboard."),
-    wandb: Optional[str] = typer.Option(None, "--wandb", help="Also log to this W&B project."),
-    momentum_warmup: Optional[int] = MomentumWarmupOpt,
-    precision: Optional[str] = PrecisionOpt,
-    sampling: Optional[str] = SamplingOpt,
-    rotary_dtype: Optional[str] = RotaryDtypeOpt,
-    warn: bool = WarnOpt,
-    stop_on_collapse: bool = StopOpt,
-    predictor: Optional[Path] = PredictorOpt,
-):
+def cmd_train(v: dict) -> int:
     """Train one variant into one run folder, with diagnostics, and print its verdict."""
-    _check_variants([variant])
-    _check_loops([loops])
-    cfg = _build(preset, variant=variant, loops=loops, steps=steps, seed=seed, lr_scale=lr_scale,
-                 optimizer=optimizer, loss_on=loss_on, batch_size=batch_size, grad_accum=grad_accum,
-                 seq_len=seq_len, depth=depth, width=width, heads=heads, data=data, tokenizer=tokenizer,
-                 max_tokens=max_tokens, device=device, compile=compile, checkpoint_loops=checkpoint_loops,
-                 threads=threads, diagnostics=not no_diagnostics, attention_stats=attention_stats,
-                 dense_steps=dense_steps, record_every=record_every, tensorboard=tensorboard, wandb=wandb,
-                 eval_every=eval_every, checkpoint_every=checkpoint_every, momentum_warmup=momentum_warmup,
-                 precision=precision, sampling=sampling, rotary_dtype=rotary_dtype, warn=warn,
-                 stop_on_collapse=stop_on_collapse, predictor=predictor)
-    out = out or Path("runs") / f"{variant}-K{loops}"
-    _vocab_for(cfg)  # a tokenizer that cannot be loaded: one line now, before the run folder exists
+    cfg = build_run_config(v)
+    out = v["out"] or Path("runs") / f"{cfg.model.variant}-K{cfg.model.loops}"
+    cfg = _settled(cfg)  # a tokenizer that cannot be loaded: one line now, before the run folder exists
     from .train import Trainer
 
-    trainer = Trainer(cfg, out, progress=_console_progress(cfg.train.steps, f"{variant} K={loops}"))
+    trainer = Trainer(cfg, out, progress=_console_progress(cfg.train.steps, f"{cfg.model.variant} K={cfg.model.loops}"))
     if trainer.is_main:
         print(trainer.describe(), flush=True)
     summary = trainer.fit()
     _progress_bar.close()
     if summary:  # empty on DDP ranks other than 0
         _print_run_summary(out, summary)
+    return 0
 
 
 class _ConsoleProgress:
@@ -310,178 +262,116 @@ def _print_run_summary(out: Path, s: dict) -> None:
           f"{' (EXPLODED)' if s['residual_explosion'] else ''}; grad-norm CV {s['osc_cv']:.2f}")
 
 
-# ------------------------------------------------------------------ sweeps
+# ------------------------------------------------------------------ sweeps and maps
 
-@app.command("run-ablation")
-def run_ablation(
-    loops: List[int] = typer.Option([3, 6, 9, 12], "--loops", help="Loop counts, space-separated."),
-    variants: List[str] = typer.Option(None, "--variants", help="Variants [default: all five]."),
-    seeds: List[int] = typer.Option([0], "--seeds", help="Seeds."),
-    lr_scale: List[float] = typer.Option([1.0], "--lr-scale", help="Learning-rate multipliers (an lr x loops map)."),
-    preset: str = PresetOpt,
-    steps: Optional[int] = StepsOpt,
-    out: Optional[Path] = typer.Option(None, "--out", help="Sweep folder [default: runs/ablation-<preset>]."),
-    workers: int = typer.Option(0, "--workers", min=0, help="Cells in parallel processes; 0 = auto (one per "
-                                "CPU core, each with one thread; one per GPU on a multi-GPU machine)."),
-    list_cells: bool = typer.Option(False, "--list", help="Print the cells (index, name, status) and exit."),
-    cell: Optional[int] = typer.Option(None, "--cell", help="Run only cell I (for job arrays)."),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", min=1, help="Sequences per micro-batch."),
-    grad_accum: Optional[int] = typer.Option(None, "--grad-accum", min=1, help="Micro-batches per step."),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=2, help="Tokens per sequence."),
-    depth: Optional[int] = typer.Option(None, "--depth", min=1, help="Size dial: L blocks."),
-    width: Optional[int] = typer.Option(None, "--width", min=2, help="Model width d."),
-    heads: Optional[int] = typer.Option(None, "--heads", min=1, help="Attention heads."),
-    data: Optional[str] = typer.Option(None, "--data", help="Corpus (see `train --help`)."),
-    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Tokenizer (see `train --help`)."),
-    optimizer: Optional[Optimizer] = typer.Option(None, "--optimizer", help="muon or adamw."),
-    loss_on: Optional[LossOn] = typer.Option(None, "--loss-on", help="end, all or last-third."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda."),
-    checkpoint_loops: bool = typer.Option(False, "--checkpoint-loops", help="Activation checkpointing per loop."),
-    no_diagnostics: bool = typer.Option(False, "--no-diagnostics", help="Record only loss, lr, grad norm."),
-    attention_stats: bool = typer.Option(False, "--attention-stats", help="Also record attention statistics."),
-    momentum_warmup: Optional[int] = MomentumWarmupOpt,
-    precision: Optional[str] = PrecisionOpt,
-    sampling: Optional[str] = SamplingOpt,
-    rotary_dtype: Optional[str] = RotaryDtypeOpt,
-    warn: bool = WarnOpt,
-    stop_on_collapse: bool = StopOpt,
-    predictor: Optional[Path] = PredictorOpt,
-    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
-):
-    """Train every variant at every loop count (x seeds x lr scales) and summarise how they collapse."""
-    variants = _check_variants(variants or _variant_names())
-    _check_loops(loops)
-    for s in lr_scale:
-        if s <= 0:
-            raise UserError(f"lr scale must be > 0, got {s}")
-    from .sweep import SweepSpec, cell_status, run_sweep
-
-    base = _build(preset, variant=variants[0], loops=loops[0], steps=steps, batch_size=batch_size,
-                  grad_accum=grad_accum, seq_len=seq_len, depth=depth, width=width, heads=heads, data=data,
-                  tokenizer=tokenizer, optimizer=optimizer, loss_on=loss_on, device=device,
-                  checkpoint_loops=checkpoint_loops, diagnostics=not no_diagnostics, attention_stats=attention_stats,
-                  momentum_warmup=momentum_warmup, precision=precision, sampling=sampling, rotary_dtype=rotary_dtype,
-                  warn=warn, stop_on_collapse=stop_on_collapse, predictor=predictor)
+def sweep_spec(v: dict):
+    """The SweepSpec of run-ablation option values (from the command line or a study file)."""
+    from .sweep import SweepSpec
+    from .variants import VARIANTS
+    grid = dict(variants=v.get("variants") or list(VARIANTS), loops=v.get("loops") or [3, 6, 9, 12],
+                seeds=v.get("seeds") or [0], lr_scales=v.get("lr_scale") or [1.0])
+    base = build_run_config({k: x for k, x in v.items() if k not in ("loops", "lr_scale")},
+                            variant=grid["variants"][0], loops=grid["loops"][0], seed=grid["seeds"][0],
+                            lr_scale=grid["lr_scales"][0])
     try:
-        spec = SweepSpec(base, variants, loops, seeds, lr_scale)
+        return SweepSpec(base, **grid)
     except ValueError as e:
         raise UserError(str(e)) from None
-    out = out or Path("runs") / f"ablation-{base.preset}"
-    if list_cells:
-        for c in spec.cells():
-            print(f"{c.index:4d}  {c.name:32s} {cell_status(out, c)}")
-        return
-    if cell is not None and not 0 <= cell < len(spec.cells()):
-        raise UserError(f"--cell must be in 0..{len(spec.cells()) - 1}, got {cell}")
-    from .model import count_parameters, ModelConfig
-    n = count_parameters(ModelConfig(**{**base.model.to_dict(), "vocab_size": _vocab_for(base)}))
-    print(f"model: L={base.model.n_layer} d={base.model.n_embd} heads={base.model.n_head}, {n:,} parameters "
-          f"({n / 1e6:.1f}M) per cell", flush=True)
-    df = run_sweep(spec, out, workers=workers, only_cell=cell, show_progress=not quiet)
+
+
+def cmd_run_ablation(v: dict) -> int:
+    """Train every variant at every loop count (x seeds x lr scales) and summarise how they collapse."""
+    from .sweep import cell_status, run_sweep
+    spec = sweep_spec(v)
+    out = v["out"] or Path("runs") / f"ablation-{spec.base.preset}"
+    cells, cell = spec.cells(), v["cell"]
+    if _listed_or_picked(cells, v, lambda c: f"{c.index:4d}  {c.name:32s} {cell_status(out, c)}"):
+        return 0
+    from .model import count_parameters
+    n = count_parameters(_settled(spec.base).model)
+    m = spec.base.model
+    print(f"model: L={m.n_layer} d={m.n_embd} heads={m.n_head}, {n:,} parameters ({n / 1e6:.1f}M) per cell", flush=True)
+    df = run_sweep(spec, out, workers=v["workers"], only_cell=cell, show_progress=not v["quiet"])
     _print_table(df)
     print(f"sweep folder: {out}  (plots: flt-diag plot all {out}; report: flt-diag report {out})")
-    cells = spec.cells() if cell is None else [spec.cells()[cell]]
-    _exit_if_failed(out, cells)
+    return _failed_cells(out, cells if cell is None else [cells[cell]])
 
 
-def _exit_if_failed(out: Path, cells) -> None:
+def _listed_or_picked(items: list, v: dict, line) -> bool:
+    """`--list`: print one line per cell (or map line) and say so; `--cell I` must name one of them."""
+    if v["list"]:
+        for item in items:
+            print(line(item))
+        return True
+    if v["cell"] is not None and not 0 <= v["cell"] < len(items):
+        raise UserError(f"--cell must be in 0..{len(items) - 1}, got {v['cell']}")
+    return False
+
+
+def _failed_cells(out: Path, cells) -> int:
     """One line and exit status 1 when any cell of the sweep failed (its error.txt says why)."""
     from .sweep import cell_status
     failed = [c.name for c in cells if cell_status(out, c) == "failed"]
     if failed:
         print(f"error: {len(failed)} of {len(cells)} cells failed ({', '.join(failed[:4])}"
               f"{', ...' if len(failed) > 4 else ''}); see {out}/cells/<cell>/error.txt", file=sys.stderr)
-        raise typer.Exit(1)
+        return 1
+    return 0
 
 
-@app.command()
-def study(
-    path: Path = typer.Argument(..., help="A study file from experiments/ (TOML)."),
-    workers: int = typer.Option(0, "--workers", min=0, help="Cells in parallel processes; 0 = auto."),
-    list_cells: bool = typer.Option(False, "--list", help="Print the cells and exit."),
-    cell: Optional[int] = typer.Option(None, "--cell", help="Run only cell I (for job arrays)."),
-    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
-):
-    """Run a named study: the [ablation] (run-ablation options) or [map] (map options) table of a TOML file."""
-    argv = study_argv(path) + ["--workers", str(workers)] + (["--list"] if list_cells else []) \
-        + (["--cell", str(cell)] if cell is not None else []) + (["--quiet"] if quiet else [])
-    code = main(argv)
-    if code:
-        raise typer.Exit(code)
-
-
-@app.command("map")
-def stability_map(
-    variants: List[str] = typer.Option(None, "--variants", help="Variants [default: all five]."),
-    loops: List[int] = typer.Option([6, 12], "--loops", help="Loop counts (the x axis of the map)."),
-    seeds: List[int] = typer.Option([0], "--seeds", help="Seeds: each boundary is reported with its spread."),
-    axis: str = typer.Option("lr", "--axis", help="lr (lr scale) or depth (L blocks, width fixed)."),
-    lo: float = typer.Option(0.5, "--lo", help="Lowest axis value of the grid."),
-    hi: float = typer.Option(16.0, "--hi", help="Highest axis value of the grid."),
-    ratio: float = typer.Option(1.41, "--ratio", help="Grid ratio: the tolerance of every boundary (> 1)."),
-    criteria: List[str] = typer.Option(["training", "explosion"], "--criteria", help="training (verdict not "
-                                       "stable), collapse (collapsed or diverged), explosion (any loop)."),
-    preset: str = PresetOpt,
-    steps: Optional[int] = StepsOpt,
-    out: Optional[Path] = typer.Option(None, "--out", help="Map folder [default: runs/map-<axis>-<preset>]."),
-    workers: int = typer.Option(0, "--workers", min=0, help="Lines (variant x K x seed) searched in parallel "
-                                "processes; 0 = auto (one per CPU core)."),
-    list_cells: bool = typer.Option(False, "--list", help="Print the lines (index, name) and exit."),
-    cell: Optional[int] = typer.Option(None, "--cell", help="Search only line I (for job arrays)."),
-    lr_scale: float = typer.Option(1.0, "--lr-scale", help="lr scale of every probe on the depth axis."),
-    depth: Optional[int] = typer.Option(None, "--depth", min=1, help="L of every probe on the lr axis."),
-    width: Optional[int] = typer.Option(None, "--width", min=2, help="Model width d (fixed along the axis)."),
-    heads: Optional[int] = typer.Option(None, "--heads", min=1, help="Attention heads."),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", min=1, help="Sequences per micro-batch."),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=2, help="Tokens per sequence."),
-    data: Optional[str] = typer.Option(None, "--data", help="Corpus (see `train --help`)."),
-    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Tokenizer (see `train --help`)."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda."),
-    momentum_warmup: Optional[int] = MomentumWarmupOpt,
-):
-    """Where each variant's training breaks: bisection along lr scale or depth, per variant and K."""
-    variants = _check_variants(variants or _variant_names())
-    _check_loops(loops)
-    from .stability_map import AXES, MapSpec, geometric_grid, run_map
-    if axis not in AXES:
-        raise UserError(f"--axis must be one of {', '.join(AXES)}, got {axis!r}")
+def map_spec(v: dict):
+    """The MapSpec of map option values (from the command line or a study file)."""
+    from .stability_map import MapGrid, MapSpec
+    from .variants import VARIANTS
+    grid_values = {k: v[k] for k in ("lo", "hi", "ratio") if v.get(k) is not None}
     try:
-        grid = geometric_grid(lo, hi, ratio, integer=axis == "depth")
+        axis = v.get("axis") or "lr"
+        grid = MapGrid(**grid_values).values(axis)
     except ValueError as e:
         raise UserError(str(e)) from None
-    if lr_scale <= 0 or not lr_scale < float("inf"):
-        raise UserError(f"lr scale must be > 0 and finite, got {lr_scale}")
-    base = _build(preset, variant=variants[0], loops=loops[0], steps=steps, lr_scale=lr_scale, depth=depth,
-                  width=width, heads=heads, batch_size=batch_size, seq_len=seq_len, data=data, tokenizer=tokenizer,
-                  device=device, momentum_warmup=momentum_warmup)
+    lines = dict(variants=v.get("variants") or list(VARIANTS), loops=v.get("loops") or [6, 12],
+                 seeds=v.get("seeds") or [0])
+    base = build_run_config({k: x for k, x in v.items() if k != "loops"}, variant=lines["variants"][0],
+                            loops=lines["loops"][0], seed=lines["seeds"][0],
+                            lr_scale=grid[0] if axis == "lr" else None)
     try:
-        spec = MapSpec(base, variants, loops, seeds, axis, grid, list(criteria))
+        spec = MapSpec(base, **lines, axis=axis, grid=grid, criteria=v.get("criteria") or ["training", "explosion"])
         from .sweep import cell_config
         for line in spec.lines():  # every probe's config is valid before anything runs
             for value in grid:
                 cell_config(base, spec.cell(line, value))
     except ValueError as e:
         raise UserError(str(e)) from None
-    out = out or Path("runs") / f"map-{axis}-{base.preset}"
-    if list_cells:
-        for line in spec.lines():
-            print(f"{line.index:4d}  {line.name}")
-        return
-    _vocab_for(base)  # a tokenizer that cannot be loaded: one line now, before any probe
+    return spec
+
+
+def cmd_map(v: dict) -> int:
+    """Where each variant's training breaks: bisection along lr scale or depth, per variant and K."""
+    from .stability_map import critical_values, run_map
     from .sweep import auto_workers
-    print(f"map: {len(spec.lines())} lines x {len(criteria)} criteria; {axis} grid {', '.join(f'{v:g}' for v in grid)} "
-          f"(each boundary within x{ratio:g})", flush=True)
-    run_map(spec, out, workers=workers or auto_workers(base.train.device), only_line=cell,
+    spec = map_spec(v)
+    out = v["out"] or Path("runs") / f"map-{spec.axis}-{spec.base.preset}"
+    if _listed_or_picked(spec.lines(), v, lambda line: f"{line.index:4d}  {line.name}"):
+        return 0
+    _settled(spec.base)  # a tokenizer that cannot be loaded: one line now, before any probe
+    ratio = v.get("ratio") or 1.41
+    print(f"map: {len(spec.lines())} lines x {len(spec.criteria)} criteria; {spec.axis} grid "
+          f"{', '.join(f'{x:g}' for x in spec.grid)} (each boundary within x{ratio:g})", flush=True)
+    run_map(spec, out, workers=v["workers"] or auto_workers(spec.base.train.device), only_line=v["cell"],
             report=lambda text: print(text, flush=True))
-    from .stability_map import critical_values
     crit = critical_values(out)
     for criterion, g in crit.groupby("criterion", sort=False):
         print(f"{criterion}: " + "; ".join(f"{r.variant} K={r.loops}: {r.text}" for r in g.itertuples()))
     print(f"map folder: {out}  (figure: flt-diag plot map {out}; report: flt-diag report {out})")
+    return 0
 
 
-def study_argv(path: Path) -> list[str]:
-    """The run-ablation arguments of a study file."""
+STUDY_TABLES = {"ablation": "run-ablation", "map": "map"}
+
+
+def load_study(path: Path) -> tuple[str, dict]:
+    """A study file -> (command, option values): its one [ablation] or [map] table, whose keys are
+    the command's option names (`lr_scale`, `seq_len`, ...), checked like command-line options."""
     try:
         import tomllib
     except ImportError:  # Python 3.10
@@ -494,49 +384,46 @@ def study_argv(path: Path) -> list[str]:
         raise UserError(f"{path}: not a readable study file ({type(e).__name__})") from None
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"{path}: not valid TOML ({e})") from None
-    tables = [t for t in ("ablation", "map") if t in spec]
-    if len(tables) != 1:
+    tables = [t for t in STUDY_TABLES if t in spec]
+    if len(tables) != 1 or not isinstance(spec[tables[0]], dict):
         raise UserError(f"{path}: needs exactly one [ablation] or [map] table")
-    argv = ["run-ablation" if tables[0] == "ablation" else "map"]
+    command = STUDY_TABLES[tables[0]]
+    known = {o.dest: o for o in command_options(command) if o not in FOLDER_OPTIONS}
+    values = {}
     for key, value in spec[tables[0]].items():
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            argv.append(flag)
-        elif isinstance(value, list):
-            argv += [flag, *map(str, value)]
-        elif value is not False:
-            argv += [flag, str(value)]
-    return argv
+        o = known.get(key.replace("-", "_"))
+        if o is None:
+            raise UserError(f"{path}: unknown option {key!r} in [{tables[0]}] (the options of `flt-diag {command}`)")
+        if o.kind is Path and isinstance(value, str):
+            value = Path(value)
+        if o.many and not isinstance(value, list):
+            value = [value]
+        if o.kind is float and (isinstance(value, int) and not isinstance(value, bool)):
+            value = float(value)
+        elif o.kind is float and o.many and isinstance(value, list):
+            value = [float(x) if isinstance(x, int) and not isinstance(x, bool) else x for x in value]
+        values[o.dest] = value
+    check_values(values, list(known.values()))
+    return command, values
 
 
-@app.command()
-def summary(
-    path: Path = typer.Argument(..., help="A sweep or run folder."),
-    recompute: bool = typer.Option(False, "--recompute", help="Recompute every finished run's verdict and "
-                                   "figures from its stored metrics (e.g. with new thresholds)."),
-    smooth_window: Optional[int] = typer.Option(None, "--smooth-window", min=1, help="Verdict: steps of the "
-                                                "loss smoothing [default: 50]."),
-    rebound_abs: Optional[float] = typer.Option(None, "--rebound-abs", min=0, help="Verdict: climb threshold, "
-                                                "nats [default: 0.25]."),
-    recovery_abs: Optional[float] = typer.Option(None, "--recovery-abs", min=0, help="Verdict: recovery "
-                                                 "tolerance, nats [default: 0.1]."),
-    explosion_ratio: Optional[float] = typer.Option(None, "--explosion-ratio", min=0, help="Residual "
-                                                    "explosion above ratio * sqrt(d) [default: 100]."),
-    osc_cv_threshold: Optional[float] = typer.Option(None, "--osc-cv-threshold", min=0, help="Verdict: unstable "
-                                                     "above this grad-norm CV over the dense steps [default: 3]."),
-):
+def cmd_study(v: dict) -> int:
+    """Run a named study: the [ablation] (run-ablation options) or [map] (map options) table of a TOML file."""
+    command, values = load_study(v["path"])
+    values = check_values({**values, **{o.dest: v[o.dest] for o in FOLDER_OPTIONS}}, command_options(command))
+    return (cmd_run_ablation if command == "run-ablation" else cmd_map)(values)
+
+
+# ------------------------------------------------------------------ summaries
+
+def cmd_summary(v: dict) -> int:
     """Print the summary table of a sweep (or the summary of one run)."""
     from .storage import is_sweep, load_summary, run_dirs
-    overrides = {k: v for k, v in dict(smooth_window=smooth_window, rebound_abs=rebound_abs,
-                                       recovery_abs=recovery_abs, explosion_ratio=explosion_ratio,
-                                       osc_cv_threshold=osc_cv_threshold).items()
-                 if v is not None}
-    for k, v in overrides.items():
-        if v != v or v == float("inf"):
-            raise UserError(f"--{k.replace('_', '-')} must be finite, got {v}")
-    if overrides and not recompute:
+    overrides = {o.name: v[o.dest] for o in options_for("summary") if v.get(o.dest) is not None}
+    if overrides and not v["recompute"]:
         raise UserError("verdict thresholds need --recompute")
-    if recompute:
+    path = v["path"]
+    if v["recompute"]:
         from .metrics import resummarize
         for d in run_dirs(path):
             if load_summary(d) is not None:
@@ -547,13 +434,14 @@ def summary(
     if is_sweep(path):
         from .sweep import sweep_summary
         _print_table(sweep_summary(path))
-        return
+        return 0
     for d in run_dirs(path):
         s = load_summary(d)
         if s is None:
             print(f"{d}: not finished")
         else:
             _print_run_summary(d, s)
+    return 0
 
 
 def _print_table(df) -> None:
@@ -566,103 +454,74 @@ def _print_table(df) -> None:
     for c in cols:
         table.add_column(c.replace("_", " "))
     for _, row in df.iterrows():
-        cells = []
-        for c in cols:
-            v = row[c]
-            cells.append(f"{v:.3g}" if isinstance(v, float) else str(v))
-        table.add_row(*cells)
+        table.add_row(*[f"{row[c]:.3g}" if isinstance(row[c], float) else str(row[c]) for c in cols])
     Console(width=200).print(table)
 
 
-# ------------------------------------------------------------------ evaluation, import
+# ------------------------------------------------------------------ evaluation, import, early warning
 
-@app.command("eval-loops")
-def eval_loops_cmd(
-    path: Path = typer.Argument(..., help="A finished run folder or a sweep folder."),
-    loops: List[int] = typer.Option(list(range(1, 17)), "--loops", help="Inference loop counts [default: 1..16]."),
-    batches: Optional[int] = typer.Option(None, "--batches", min=1, help="Validation batches per count."),
-    data: Optional[str] = typer.Option(None, "--data", help="Evaluate on another corpus (e.g. wikitext2)."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
-):
+def cmd_eval_loops(v: dict) -> int:
     """Held-out loss and perplexity of each trained checkpoint at every inference loop count."""
-    _check_loops(loops)
     from .train import resolve_device
     try:
-        device = str(resolve_device(device))
+        device = str(resolve_device(v["device"]))
     except ValueError as e:
         raise UserError(str(e)) from None
     from .evaluation import eval_loops
     from .storage import CHECKPOINT, StorageError, run_dirs
-    if data is not None:
-        _check_data(data, "bytes")
+    if v["data"] is not None:
+        _check_data(v["data"], "bytes")
     failed = 0
-    for d in run_dirs(path):
+    for d in run_dirs(v["path"]):
         if not (d / CHECKPOINT).exists():
             print(f"{d}: no final checkpoint yet, skipped")
             continue
         try:
-            df = eval_loops(d, loops, batches=batches, data=data, device=device)
+            df = eval_loops(d, v["loops"], batches=v["batches"], data=v["data"], device=device)
         except (StorageError, ValueError, RuntimeError) as e:  # one bad cell does not stop the others
             print(f"{d}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
             failed += 1
             continue
-        finite = df[df.val_loss.apply(lambda v: v == v and abs(v) != float("inf"))]
+        finite = df[df.val_loss.apply(lambda x: x == x and abs(x) != float("inf"))]
         best = finite.loc[finite.val_loss.idxmin()] if len(finite) else None
         print(f"{d}: trained at K={int(df.trained_loops[0])}; "
               + (f"best val loss {best.val_loss:.3f} at {int(best.loops)} loops; " if best is not None else
                  "no finite val loss; ")
-              + " ".join(f"{int(k)}:{v:.2f}" for k, v in zip(df.loops, df.val_loss)))
-    if failed:
-        raise typer.Exit(1)
+              + " ".join(f"{int(k)}:{x:.2f}" for k, x in zip(df.loops, df.val_loss)))
+    return 1 if failed else 0
 
 
-@app.command("import-reference")
-def import_reference_cmd(
-    checkpoint: Path = typer.Argument(..., help="State dict (.pt) in the reference (nanochat) layout."),
-    variant: Optional[str] = typer.Option(None, "--variant", help="LT, LT_i, LT_ia, FLT_res, FLT (or lt, ..., "
-                                          "flt) [default: model_type of the meta_*.json beside the checkpoint]."),
-    loops: Optional[int] = typer.Option(None, "--loops", help="Loop count the checkpoint was trained with "
-                                        "[default: K of the meta_*.json]."),
-    out: Path = typer.Option(..., "--out", help="Run folder to create (usable by eval-loops)."),
-    heads: Optional[int] = typer.Option(None, "--heads", min=1, help="Attention heads (if no meta json)."),
-    vocab_size: Optional[int] = typer.Option(None, "--vocab-size", min=1, help="True (unpadded) vocab size."),
-):
+def cmd_import_reference(v: dict) -> int:
     """Import a reference-implementation checkpoint into a run folder."""
-    if loops is not None:
-        _check_loops([loops])
-    if not checkpoint.exists():
-        raise UserError(f"no such checkpoint: {checkpoint}")
+    if not v["checkpoint"].exists():
+        raise UserError(f"no such checkpoint: {v['checkpoint']}")
     from .reference import import_reference, write_imported_run
-    model = import_reference(checkpoint, variant, loops, n_head=heads, vocab_size=vocab_size)
-    write_imported_run(model, out, str(checkpoint))
-    print(f"imported {checkpoint} as {model.cfg.variant} (K={model.cfg.loops}) into {out}")
+    model = import_reference(v["checkpoint"], v["variant"], v["loops"], n_head=v["heads"], vocab_size=v["vocab_size"])
+    write_imported_run(model, v["out"], str(v["checkpoint"]))
+    print(f"imported {v['checkpoint']} as {model.cfg.variant} (K={model.cfg.loops}) into {v['out']}")
+    return 0
 
 
-@app.command()
-def predict(
-    paths: List[Path] = typer.Argument(..., help="Sweep or run folders of finished runs."),
-    at: List[int] = typer.Option([300], "--at", help="Step(s) at which to predict, space-separated."),
-    predictor: Optional[Path] = PredictorOpt,
-    csv: Optional[Path] = typer.Option(None, "--csv", help="Also write the per-cell table (all steps) here."),
-    figure: Optional[Path] = typer.Option(None, "--figure", help="Also draw agreement, false alarms and misses "
-                                          "against the step (PNG/PDF/SVG by the suffix)."),
-):
+def cmd_predict(v: dict) -> int:
     """Early warning: P(collapse) of every cell at step s beside its final verdict, and the agreement."""
+    import pandas as pd
     from .early_warning import agreement, load_predictor, predict_sweep
     from .storage import run_dirs
-    import pandas as pd
+    paths = v["paths"]
     for path in paths:
         run_dirs(path)  # a clear error for a path that is neither a run nor a sweep
+    if v["figure"] is not None and v["figure"].suffix not in (".png", ".pdf", ".svg"):
+        raise UserError(f"--figure must end in .png, .pdf or .svg, got {v['figure'].name}")
     try:
-        model = load_predictor(predictor)
-        tables = {s: pd.concat([predict_sweep(path, s, model) for path in paths], ignore_index=True) for s in at}
+        model = load_predictor(v["predictor"])
+        tables = {s: pd.concat([predict_sweep(path, s, model) for path in paths], ignore_index=True) for s in v["at"]}
     except ValueError as e:
         raise UserError(str(e)) from None
+    target = model.get("target", "collapse")
     for s, table in tables.items():
         if table.empty:
             print(f"step {s}: no finished cell has more than {s} steps")
             continue
-        target = model.get("target", "collapse")
         for r in table.itertuples():
             print(f"{r.cell:28s} step {s}: P({target}) {r.p_collapse:.2f} -> {'WARN' if r.predicted else 'ok':4s} | "
                   f"final: {r.verdict:9s} {'agree' if r.agree else 'FALSE ALARM' if r.false_alarm else 'MISS'}  "
@@ -670,35 +529,24 @@ def predict(
         a = agreement(table)
         print(f"step {s}: agreement {a['accuracy']:.0%} over {a['cells']} cells ({a['positives']} with target "
               f"{target}); {a['false_alarms']} false alarms, {a['misses']} misses")
-    if csv is not None:
+    if v["csv"] is not None:
         from .storage import atomic_write_text
         frames = [t.assign(step=s) for s, t in tables.items()]
-        atomic_write_text(csv, pd.concat(frames, ignore_index=True).to_csv(index=False))
-    if figure is not None:
+        atomic_write_text(v["csv"], pd.concat(frames, ignore_index=True).to_csv(index=False))
+    if v["figure"] is not None:
         from .early_warning import draw_agreement
-        from .plotting import save
-        if figure.suffix not in (".png", ".pdf", ".svg"):
-            raise UserError(f"--figure must end in .png, .pdf or .svg, got {figure.name}")
+        from .figures import save as save_figure
         curve = [dict(step=s, **agreement(t)) for s, t in tables.items() if len(t)]
         name = paths[0].name if len(paths) == 1 else f"{len(paths)} folders"
-        print(save(draw_agreement({name: curve}), figure))
+        print(save_figure(draw_agreement({name: curve}), v["figure"]))
+    return 0
 
 
-@app.command("fit-predictor")
-def fit_predictor(
-    paths: List[Path] = typer.Argument(..., help="Sweep or run folders of finished runs (the training set)."),
-    out: Path = typer.Option(..., "--out", help="Predictor JSON to write (flt_diag/early_warning.json is the "
-                             "packaged one)."),
-    at: List[int] = typer.Option([100, 200, 300, 500], "--at", help="Steps to fit a model at."),
-    l2: float = typer.Option(1.0, "--l2", help="L2 penalty of the logistic regression (> 0)."),
-    target: str = typer.Option("fails", "--target", help="fails (final verdict unstable, collapsed or diverged) "
-                               "or collapse (collapsed or diverged)."),
-):
+def cmd_fit_predictor(v: dict) -> int:
     """Fit the early-warning predictor (one logistic regression per step) on labelled runs."""
     from .early_warning import fit
     from .storage import run_dirs, write_json
-    if not l2 > 0 or l2 == float("inf"):
-        raise UserError(f"--l2 must be > 0 and finite, got {l2}")
+    paths, out, at, l2, target = v["paths"], v["out"], v["at"], v["l2"], v["target"]
     for p in paths:
         run_dirs(p)
     command = "flt-diag fit-predictor " + " ".join(map(str, paths)) + f" --out {out} --at " + " ".join(map(str, at)) \
@@ -709,111 +557,160 @@ def fit_predictor(
         raise UserError(str(e)) from None
     write_json(out, model)
     for s, m in model["models"].items():
-        print(f"step {s}: {m['runs']} runs ({m['positives']} with target {model['target']}), training accuracy {m['train_accuracy']:.0%}; "
-              + ", ".join(f"{f} {c:+.2f}" for f, c in zip(model["features"], m["coef"])))
+        print(f"step {s}: {m['runs']} runs ({m['positives']} with target {model['target']}), training accuracy "
+              f"{m['train_accuracy']:.0%}; " + ", ".join(f"{f} {c:+.2f}" for f, c in zip(model["features"], m["coef"])))
     print(f"predictor: {out}")
+    return 0
 
 
-@app.command()
-def variants():
+def cmd_variants(v: dict) -> int:
     """List the five variants and what each does in loops t >= 2."""
-    from .model import VARIANT_DESCRIPTIONS
     for name, text in VARIANT_DESCRIPTIONS.items():
         print(f"{name:6s} {text}")
+    return 0
 
 
 # ------------------------------------------------------------------ plots and report
 
-def _plot(kind: str, path: Path, out: Optional[Path], formats: List[str]) -> None:
-    from .plotting import plot
-    for f in formats:
-        if f not in ("png", "pdf", "svg"):
-            raise UserError(f"format must be png, pdf or svg, got {f!r}")
-    for p in plot(kind, path, out, tuple(formats)):
+def cmd_plot(v: dict) -> int:
+    from .figures import plot
+    for p in plot(v["figure"], v["path"], v["out"], tuple(v["format"])):
         print(p)
+    return 0
 
 
-PathArg = typer.Argument(..., help="A sweep folder or a run folder (also while it is running).")
-OutOpt = typer.Option(None, "--out", help="Folder for the figures [default: <path>/figures].")
-FormatOpt = typer.Option(["png", "pdf"], "--format", help="png, pdf, svg (repeatable).")
-
-
-@plot_app.command("residuals")
-def plot_residuals(path: Path = PathArg, out: Optional[Path] = OutOpt, format: List[str] = FormatOpt):
-    """Residual norm per loop against step (one panel per variant x loops), and loop x layer heatmaps."""
-    _plot("residuals", path, out, format)
-    _plot("heatmap", path, out, format)
-
-
-@plot_app.command("gradients")
-def plot_gradients(path: Path = PathArg, out: Optional[Path] = OutOpt, format: List[str] = FormatOpt):
-    """Grad-norm traces with oscillation indices, per-loop gradient norms, consecutive cosine."""
-    _plot("gradients", path, out, format)
-
-
-@plot_app.command("loss")
-def plot_loss(path: Path = PathArg, out: Optional[Path] = OutOpt, format: List[str] = FormatOpt):
-    """Training loss (smoothed) and validation loss."""
-    _plot("loss", path, out, format)
-
-
-@plot_app.command("collapse")
-def plot_collapse(path: Path = PathArg, out: Optional[Path] = OutOpt, format: List[str] = FormatOpt):
-    """Variant x loops grid coloured by verdict, annotated with final loss."""
-    _plot("collapse", path, out, format)
-
-
-@plot_app.command("loops")
-def plot_loops(path: Path = PathArg, out: Optional[Path] = OutOpt, format: List[str] = FormatOpt):
-    """Test-time loop curves (run `flt-diag eval-loops` first)."""
-    _plot("loops", path, out, format)
-
-
-@plot_app.command("map")
-def plot_map(path: Path = PathArg, out: Optional[Path] = OutOpt, format: List[str] = FormatOpt):
-    """Stability map (from `flt-diag map`): the boundary per variant over K, region that trains shaded."""
-    _plot("map", path, out, format)
-
-
-@plot_app.command("all")
-def plot_all(path: Path = PathArg, out: Optional[Path] = OutOpt, format: List[str] = FormatOpt):
-    """Every figure that has data."""
-    _plot("all", path, out, format)
-
-
-@app.command()
-def report(path: Path = typer.Argument(..., help="A sweep folder."),
-           out: Optional[Path] = typer.Option(None, "--out", help="HTML file [default: <sweep>/report.html].")):
+def cmd_report(v: dict) -> int:
     """One self-contained HTML report: table, every figure, spec and environment."""
     from .report import write_report
-    print(write_report(path, out))
+    print(write_report(v["path"], v["out"]))
+    return 0
+
+
+# ------------------------------------------------------------------ the parser
+
+def _positional(name: str, kind: type, help: str, many: bool = False) -> tuple:
+    return name, dict(type=kind, help=help, **({"nargs": "+"} if many else {}))
+
+
+RUN_OR_SWEEP = "A sweep folder or a run folder (also while it is running)."
+
+# command -> (function, positional arguments, options)
+COMMANDS: dict[str, tuple] = {
+    "train": (cmd_train, [], lambda: command_options("train")),
+    "run-ablation": (cmd_run_ablation, [], lambda: command_options("run-ablation")),
+    "map": (cmd_map, [], lambda: command_options("map")),
+    "study": (cmd_study, [_positional("path", Path, "A study file from experiments/ (TOML).")],
+              lambda: FOLDER_OPTIONS),
+    "summary": (cmd_summary, [_positional("path", Path, "A sweep or run folder.")], lambda: [
+        cli_opt("--recompute", bool, "Recompute every finished run's verdict and figures from its stored metrics "
+                "(e.g. with new verdict thresholds).", False), *options_for("summary")]),
+    "eval-loops": (cmd_eval_loops, [_positional("path", Path, "A finished run folder or a sweep folder.")], lambda: [
+        cli_opt("--loops", int, "Inference loop counts.", list(range(1, 17)), many=True, low=1, high=MAX_LOOPS,
+                optional=False),
+        cli_opt("--batches", int, "Validation batches per count [default: the run's eval batches].", low=1),
+        cli_opt("--data", str, "Evaluate on another corpus (e.g. wikitext2) [default: the run's]."),
+        cli_opt("--device", str, "cpu, cuda or cuda:N.", "cpu", optional=False)]),
+    "import-reference": (cmd_import_reference, [_positional("checkpoint", Path, "State dict (.pt) in the reference "
+                                                            "(nanochat) layout.")], lambda: [
+        cli_opt("--out", Path, "Run folder to create (usable by eval-loops).", optional=False),
+        cli_opt("--variant", str, "LT, LT_i, LT_ia, FLT_res, FLT (or lt, ..., flt) [default: model_type of the "
+                "meta_*.json beside the checkpoint]."),
+        cli_opt("--loops", int, "Loop count the checkpoint was trained with [default: K of the meta_*.json].",
+                low=1),
+        cli_opt("--heads", int, "Attention heads (if no meta json).", low=1),
+        cli_opt("--vocab-size", int, "True (unpadded) vocabulary size.", low=1)]),
+    "predict": (cmd_predict, [_positional("paths", Path, "Sweep or run folders of finished runs.", many=True)],
+                lambda: [
+        cli_opt("--at", int, "Step(s) at which to predict.", [300], many=True, low=1, optional=False),
+        cli_opt("--predictor", Path, "Predictor JSON from `flt-diag fit-predictor` [default: the packaged one]."),
+        cli_opt("--csv", Path, "Also write the per-cell table (all steps) here."),
+        cli_opt("--figure", Path, "Also draw agreement, false alarms and misses against the step (.png/.pdf/.svg).")]),
+    "fit-predictor": (cmd_fit_predictor, [_positional("paths", Path, "Sweep or run folders of finished runs (the "
+                                                      "training set).", many=True)], lambda: [
+        cli_opt("--out", Path, "Predictor JSON to write (flt_diag/early_warning.json is the packaged one).",
+                optional=False),
+        cli_opt("--at", int, "Steps to fit a model at.", [100, 200, 300, 500], many=True, low=1, optional=False),
+        cli_opt("--l2", float, "L2 penalty of the logistic regression.", 1.0, above=0, optional=False),
+        cli_opt("--target", str, "fails (final verdict unstable, collapsed or diverged) or collapse (collapsed or "
+                "diverged).", "fails", choices=("fails", "collapse"), optional=False)]),
+    "variants": (cmd_variants, [], lambda: []),
+    "report": (cmd_report, [_positional("path", Path, "A sweep or map folder.")], lambda: [
+        cli_opt("--out", Path, "HTML file [default: <sweep>/report.html].")]),
+}
+
+
+def build_parser() -> Parser:
+    from .figures import FIGURES
+    parser = Parser(prog="flt-diag", description="Train looped-transformer variants, record why they collapse, "
+                    "and plot it.", formatter_class=argparse.RawDescriptionHelpFormatter)
+    subs = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    for name, (func, positionals, options) in COMMANDS.items():
+        doc = func.__doc__.strip().splitlines()[0]
+        usage = f"flt-diag {name} {' '.join(p[0].upper() for p in positionals)} [options]".replace("  ", " ")
+        sub = subs.add_parser(name, help=doc, description=doc, usage=usage)
+        for pname, kwargs in positionals:
+            sub.add_argument(pname, **kwargs)
+        add_options(sub, options())
+        sub.set_defaults(_func=func, _options=options)
+    plot = subs.add_parser("plot", help="Figures from run, sweep or map folders (PNG and PDF).",
+                           description="Figures from run, sweep or map folders (PNG and PDF).")
+    figures = plot.add_subparsers(dest="figure", metavar="FIGURE", parser_class=Parser)
+    for name, fig in [*FIGURES.items(), ("all", None)]:
+        help = fig.help if fig is not None else "Every figure that has data."
+        f = figures.add_parser(name, help=help, description=help)
+        f.add_argument("path", type=Path, help=RUN_OR_SWEEP)
+        options = [cli_opt("--out", Path, "Folder for the figures [default: <path>/figures]."),
+                   cli_opt("--format", str, "Formats.", ["png", "pdf"], many=True, choices=("png", "pdf", "svg"),
+                           optional=False)]
+        add_options(f, options)
+        f.set_defaults(_func=cmd_plot, _options=lambda options=options: options)
+    return parser
+
+
+def options_markdown() -> str:
+    """The README's table of every option of train, run-ablation and map (and summary's thresholds),
+    generated from the same definitions as the parser; a test keeps the README equal to it."""
+    rows, seen = ["| option | commands | default | meaning |", "|---|---|---|---|"], {}
+    for command in ("run-ablation", "map", "train"):
+        for o in command_options(command):
+            key = (o.flag, o.help)
+            seen.setdefault(key, (o, []))[1].append(command)
+    for o in options_for("summary"):
+        seen[(o.flag, o.help)][1].append("summary --recompute")
+    for (flag, _), (o, commands) in seen.items():
+        name = f"`{flag}`" + (f" / `--no-{flag[2:]}`" if o.kind is bool and o.section != "cli" else "")
+        default = _default_text(o).strip()[1:-1].replace("default: ", "").replace("default by preset: ", "")
+        rows.append(f"| {name} | {', '.join(commands)} | {default or '-'} | {o.help.replace('|', '/')} |")
+    return "\n".join(rows)
 
 
 # ------------------------------------------------------------------ entry point
+
+def run(argv: list[str]) -> int:
+    parser = build_parser()
+    if not argv:
+        parser.print_help(sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
+    if getattr(args, "_func", None) is None:  # `flt-diag plot` without a figure
+        from .figures import FIGURES
+        raise UserError(f"plot needs a figure: {', '.join([*FIGURES, 'all'])} (flt-diag plot --help)")
+    values = check_values(vars(args), args._options())
+    return args._func(values)
+
 
 def main(argv: list[str] | None = None) -> int:
     from .data import DataError
     from .storage import StorageError
 
     try:
-        args = expand_list_options(list(sys.argv[1:] if argv is None else argv))
-        code = app(args=args, prog_name="flt-diag", standalone_mode=False)
-        if code == 130:  # click turns Ctrl-C into a return value of 130 outside standalone mode
-            raise KeyboardInterrupt
-        if isinstance(code, int) and code:  # a typer.Exit(code) inside a command (e.g. study)
-            return code
-    except click_exc.NoArgsIsHelpError as e:
-        print(e.ctx.get_help() if e.ctx else "", file=sys.stderr)
-        return 2
-    except click_exc.ClickException as e:
-        print(f"error: {e.format_message()}", file=sys.stderr)
-        return 2
-    except (typer.Abort, KeyboardInterrupt):
+        return run(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as e:  # --help
+        return e.code if isinstance(e.code, int) else 0
+    except KeyboardInterrupt:
         _progress_bar.close()
         print("interrupted; finished work is kept (re-run the same command to resume)", file=sys.stderr)
         return 130
-    except typer.Exit as e:
-        return e.exit_code
     except (UserError, StorageError, DataError, ValueError, FileNotFoundError, PermissionError) as e:
         if os.environ.get("FLT_DIAG_DEBUG"):
             raise
@@ -825,7 +722,6 @@ def main(argv: list[str] | None = None) -> int:
         where = f": {e.filename}" if e.filename else ""
         print(f"error: {e.strerror or type(e).__name__}{where}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

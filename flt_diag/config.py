@@ -1,37 +1,144 @@
-"""Small per-component configs, the presets, and the resolved config of a run.
+"""Every option of flt-diag, once: typed config sections whose fields carry their help text,
+their command-line flag, their bounds and the commands that accept them.
 
-Size dial: `depth` (= L). Width is d = aspect * depth and heads are d // head_dim, as in the
+The command line (flt_diag.cli), the sweep and map specs and the study files are generated from
+these fields (`OPTIONS`); validation is `check()` on the same metadata and runs whenever a section
+is constructed, so a bad value raises one ValueError naming the flag, wherever it came from.
+
+Size dial: `depth` (= L). Width is d = aspect * depth and heads are ceil(d / head_dim), as in the
 paper (aspect 64, head dim 128); presets fix the aspect and head dim, and any field can be
 overridden.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
 from .variants import MAX_LOOPS, VARIANTS
+
+RUN_COMMANDS = frozenset({"train", "run-ablation", "map"})  # commands that configure training runs
+
+
+def opt(default, help: str, *, flag: str | None = None, choices=None, low=None, high=None, above=None, below=None,
+        commands=RUN_COMMANDS):
+    """A config field that is also a command-line option. `low`/`high` bound it inclusively,
+    `above`/`below` exclusively; floats must be finite; `commands` lists the commands that accept it."""
+    kind = dict(default_factory=lambda: list(default)) if isinstance(default, list) else dict(default=default)
+    return field(**kind, metadata=dict(help=help, flag=flag, choices=tuple(choices) if choices else None,
+                                                low=low, high=high, above=above, below=below,
+                                                commands=frozenset(commands)))
+
+
+@dataclass(frozen=True)
+class Option:
+    """One config field as the command line sees it."""
+
+    section: str  # "model", "train", "diagnostics", "verdict" or "run"
+    name: str  # the field name
+    flag: str  # "--batch-size"
+    kind: type  # int, float, str or bool
+    optional: bool  # None is a value (= "decided elsewhere", e.g. by the device)
+    many: bool  # a list of values (`--loops 3 6 9`)
+    default: object
+    help: str
+    choices: tuple | None
+    low: float | None
+    high: float | None
+    above: float | None
+    below: float | None
+    commands: frozenset
+
+    @property
+    def dest(self) -> str:
+        return self.flag[2:].replace("-", "_")
+
+    def check(self, value) -> str | None:
+        """Why `value` is not acceptable (one line), or None."""
+        if value is None:
+            return None if self.optional else f"{self.flag} needs a value"
+        if self.many:
+            if not isinstance(value, (list, tuple)) or not value:
+                return f"{self.flag} needs at least one value, got {value!r}"
+            if len(set(value)) != len(value):
+                return f"{self.flag} has duplicates: {' '.join(map(str, value))}"
+            return next((p for p in map(self._check_one, value) if p), None)
+        return self._check_one(value)
+
+    def _check_one(self, value) -> str | None:
+        if self.kind is bool:
+            return None if isinstance(value, bool) else f"{self.flag} must be true or false, got {value!r}"
+        if self.kind in (int, float):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    (self.kind is int and not float(value).is_integer()):
+                return f"{self.flag} must be {'an integer' if self.kind is int else 'a number'}, got {value!r}"
+            if not math.isfinite(value):
+                return f"{self.flag} must be finite, got {value}"
+            if self.low is not None and self.high is not None and not self.low <= value <= self.high:
+                return f"{self.flag} must be in {self.low}..{self.high}, got {value}"
+            if self.low is not None and value < self.low:
+                return f"{self.flag} must be >= {self.low}, got {value}"
+            if self.high is not None and value > self.high:
+                return f"{self.flag} must be <= {self.high}, got {value}"
+            if self.above is not None and not value > self.above:
+                return f"{self.flag} must be > {self.above}, got {value}"
+            if self.below is not None and not value < self.below:
+                return f"{self.flag} must be < {self.below}, got {value}"
+            return None
+        if not isinstance(value, str) and not (self.kind is not str and isinstance(value, self.kind)):
+            return f"{self.flag} must be text, got {value!r}"
+        if self.choices and value not in self.choices:
+            return f"{self.flag} must be one of {', '.join(self.choices)}, got {value!r}"
+        return None
+
+
+def options_of(cls, section: str) -> list[Option]:
+    """The Options of a config dataclass (fields with `opt` metadata)."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in fields(cls):
+        if "help" not in f.metadata:
+            continue
+        hint = hints[f.name]
+        many = typing.get_origin(hint) is list
+        args = typing.get_args(hint)
+        kind = next((a for a in args if a is not type(None)), None) if args else hint
+        m = f.metadata
+        default = f.default_factory() if f.default is MISSING and f.default_factory is not MISSING else f.default
+        out.append(Option(section, f.name, m["flag"] or "--" + f.name.replace("_", "-"), kind,
+                          type(None) in args, many, None if default is MISSING else default, m["help"], m["choices"],
+                          m["low"], m["high"], m["above"], m["below"], m["commands"]))
+    return out
+
+
+def check(section) -> None:
+    """Validate a config section against its options; raises ValueError with one line."""
+    for o in options_of(type(section), ""):
+        problem = o.check(getattr(section, o.name))
+        if problem:
+            raise ValueError(problem)
 
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 256  # tokens; 256 = raw bytes
-    n_layer: int = 2  # L, distinct blocks reused every loop
-    n_embd: int = 64  # d, width of the residual stream
-    n_head: int = 2  # heads; head dim = n_embd // n_head
-    sequence_len: int = 64  # longest context the rotary tables are built for (grown on demand)
-    variant: str = "flt"  # one of VARIANTS
-    loops: int = 12  # K, loops per forward unless forward(loops=k) says otherwise
-    rotary_base: float = 10000.0
-    rotary_dtype: str = "float32"  # the nanochat reference keeps its tables in "bfloat16"
-    softcap: float = 15.0  # logits = softcap * tanh(head(h) / softcap)
+    vocab_size: int = opt(256, "Tokens (set from the tokenizer, padded to a multiple of 64).", low=1, commands=())
+    n_layer: int = opt(2, "Size dial: L distinct blocks reused every loop; width follows the preset's aspect ratio "
+                       "unless --width is given.", flag="--depth", low=1)
+    n_embd: int = opt(64, "Model width d (the residual stream).", flag="--width", low=2)
+    n_head: int = opt(2, "Attention heads (head dim = width / heads, even).", flag="--heads", low=1)
+    sequence_len: int = opt(64, "Tokens per training sequence.", flag="--seq-len", low=2)
+    variant: str = opt("flt", "lt, lt-ii, lt-ai, fla or flt (DESIGN.md §2).", choices=VARIANTS, commands={"train"})
+    loops: int = opt(12, "Loops K: how often the L blocks are reused per forward.", low=1, high=MAX_LOOPS,
+                     commands={"train"})
+    rotary_base: float = opt(10000.0, "Rotary embedding base.", above=0)
+    rotary_dtype: str = opt("float32", "Rotary tables: float32, or bfloat16 as the reference keeps them.",
+                            choices=("float32", "bfloat16"))
+    softcap: float = opt(15.0, "Logit soft cap: logits = c * tanh(head(h) / c).", above=0)
 
     def __post_init__(self) -> None:
-        if self.variant not in VARIANTS:
-            raise ValueError(f"unknown variant {self.variant!r}; choose from {', '.join(VARIANTS)}")
-        if not 1 <= self.loops <= MAX_LOOPS:
-            raise ValueError(f"loops must be in 1..{MAX_LOOPS}, got {self.loops}")
+        check(self)
         if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
-            raise ValueError(f"n_embd={self.n_embd} must split into {self.n_head} heads of even size")
+            raise ValueError(f"width {self.n_embd} must split into {self.n_head} heads of even size")
 
     @property
     def head_dim(self) -> int:
@@ -43,64 +150,94 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 2000  # optimizer steps
-    batch_size: int = 16  # sequences per micro-batch (per process)
-    grad_accum: int = 1  # micro-batches per optimizer step
-    optimizer: str = "muon"  # "muon": the reference recipe; "adamw": AdamW on everything
-    matrix_lr: float = 0.02  # Muon lr on block matrices
-    embedding_lr: float = 0.2  # AdamW lr on the embedding (scaled by (d/768)^-0.5)
-    head_lr: float = 0.004  # AdamW lr on the head (scaled by (d/768)^-0.5)
-    adamw_lr: float = 0.003  # lr of everything when optimizer="adamw"
-    momentum: float = 0.95  # Muon momentum once warmed up
-    momentum_start: float = 0.85  # Muon momentum at step 0, raised linearly to `momentum` ...
-    momentum_warmup: int = 300  # ... over this many steps (the reference's recipe); 0 = `momentum` throughout
-    lr_scale: float = 1.0  # multiplies every learning rate (for lr x loops maps)
-    warmdown_frac: float = 0.2  # constant lr, then linear decay to 0 over this final share of steps
-    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
-    loss_on: str = "end"  # "end" (final loop), "all" (mean over loops), "last-third"
-    precision: str = "fp32"  # "fp32": fp32 weights and stream (bf16 autocast on GPU); "reference": as the
-    #                          reference trains on GPU (bf16 embedding, rotary tables and residual stream)
-    sampling: str = "random"  # "random": random windows of the corpus; "stream": consecutive windows in
-    #                           corpus order (documents BOS-separated by the tokenizer), as the reference reads
-    seed: int = 0
-    device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
-    compile: bool | None = None  # torch.compile the blocks; None = on for CUDA
-    checkpoint_loops: bool = False  # activation checkpointing, one segment per loop
-    threads: int | None = None  # CPU threads; None = 1 on CPU (parallelise with sweep workers instead)
-    flush_denormal: bool = True  # CPU: flush subnormal floats to zero (collapsed LT runs make many)
-    eval_every: int = 250  # steps between validation losses (and at the end); 0 = only at the end
-    eval_batches: int = 8  # validation micro-batches per evaluation
-    checkpoint_every: int = 500  # steps between resume checkpoints; 0 = none
-    data: str = "stdlib"  # see flt_diag.data
-    tokenizer: str = "bytes"
-    max_tokens: int | None = None  # cap on training tokens read from the corpus
+    steps: int = opt(2000, "Optimizer steps.", low=1)
+    batch_size: int = opt(16, "Sequences per micro-batch (per process).", low=1)
+    grad_accum: int = opt(1, "Micro-batches per optimizer step.", low=1)
+    optimizer: str = opt("muon", "muon (the reference recipe: Muon on block matrices, AdamW on embedding and head) "
+                         "or adamw (AdamW on everything).", choices=("muon", "adamw"))
+    matrix_lr: float = opt(0.02, "Muon lr on block matrices.", above=0)
+    embedding_lr: float = opt(0.2, "AdamW lr on the embedding (scaled by (d/768)^-0.5).", above=0)
+    head_lr: float = opt(0.004, "AdamW lr on the head (scaled by (d/768)^-0.5).", above=0)
+    adamw_lr: float = opt(0.003, "lr of everything with --optimizer adamw.", above=0)
+    momentum: float = opt(0.95, "Muon momentum once warmed up.", low=0, below=1)
+    momentum_start: float = opt(0.85, "Muon momentum at step 0, raised linearly to --momentum ...", low=0, below=1)
+    momentum_warmup: int = opt(300, "... over this many steps, as the reference; 0 = --momentum throughout.", low=0)
+    lr_scale: float = opt(1.0, "Multiplies every learning rate.", above=0, commands={"train", "map"})
+    warmdown_frac: float = opt(0.2, "Constant lr, then linear decay to 0 over this final share of the steps.",
+                               low=0, high=1)
+    grad_clip: float = opt(1.0, "Max global gradient norm; 0 disables clipping.", low=0)
+    loss_on: str = opt("end", "Loss on the final loop (end), the mean over all loops (all) or over the last third.",
+                       choices=("end", "all", "last-third"))
+    precision: str = opt("fp32", "fp32 (fp32 weights and residual stream; bf16 autocast on GPU) or reference (bf16 "
+                         "embedding, rotary tables and stream, as the reference trains on GPU; CPU autocast on CPU).",
+                         choices=("fp32", "reference"))
+    sampling: str = opt("random", "random (random windows of the corpus) or stream (the corpus in order, documents "
+                        "BOS-separated, as the reference reads it).", choices=("random", "stream"))
+    seed: int = opt(0, "Seed of initialisation and batches.", low=0, commands={"train"})
+    device: str = opt("auto", "auto (cuda if available), cpu, cuda or cuda:N.")
+    compile: bool | None = opt(None, "torch.compile the blocks [default: on CUDA only].")
+    checkpoint_loops: bool = opt(False, "Activation checkpointing, one segment per loop (memory flat in K).")
+    threads: int | None = opt(None, "CPU threads [default: 1 per process on CPU; parallelise with sweep workers].",
+                              low=1)
+    flush_denormal: bool = opt(True, "CPU: flush subnormal floats to zero (collapsed LT runs make many).")
+    eval_every: int = opt(250, "Steps between validation losses (and at the end); 0 = only at the end.", low=0)
+    eval_batches: int = opt(8, "Validation micro-batches per evaluation.", low=1)
+    checkpoint_every: int = opt(500, "Steps between resume checkpoints; 0 = none.", low=0)
+    data: str = opt("stdlib", "stdlib (offline default), fineweb-edu, fineweb-edu-100b, wikitext2, or a "
+                    ".txt/.jsonl/.parquet file or folder.")
+    tokenizer: str | None = opt("bytes", "bytes, a Hugging Face tokenizer name, or a tokenizer.json path (unset "
+                                "only in imported runs whose tokenizer is unknown).")
+    max_tokens: int | None = opt(None, "Cap on training tokens read from the corpus.", low=2)
+
+    def __post_init__(self) -> None:
+        check(self)  # every section validates itself when built (also by `replace`)
 
 
 @dataclass
 class DiagnosticsConfig:
-    enabled: bool = True
-    dense_steps: int = 2000  # record every step up to here ...
-    every: int = 10  # ... then every `every` steps
-    attention: bool = False  # also max attention logit and entropy per (loop, layer)
-    flush_every: int = 100  # steps between metric parts written to disk
-    tensorboard: bool = False  # also log scalars to <run>/tensorboard
-    wandb: str | None = None  # also log to this Weights & Biases project
-    warn: bool = False  # print a warning when the early-warning predictor expects a collapse
-    stop_on_collapse: bool = False  # ... and end the run there (verdict collapsed, predicted at step s)
-    predictor: str | None = None  # predictor JSON (flt-diag fit-predictor); None = the packaged one
+    enabled: bool = opt(True, "Record the diagnostics (--no-diagnostics: only loss, lr, grad norm).",
+                        flag="--diagnostics")
+    dense_steps: int = opt(2000, "Record every step up to here ...", low=0)
+    every: int = opt(10, "... then every N steps.", flag="--record-every", low=1)
+    attention: bool = opt(False, "Also record max attention logit and entropy per (loop, layer).",
+                          flag="--attention-stats")
+    flush_every: int = opt(100, "Steps between metric parts written to disk.", low=1)
+    tensorboard: bool = opt(False, "Also log scalars to <run>/tensorboard.")
+    wandb: str | None = opt(None, "Also log to this Weights & Biases project.")
+    warn: bool = opt(False, "Print a warning, with its evidence, the first time the early-warning predictor puts "
+                     "P(collapse) at or above its threshold.")
+    stop_on_collapse: bool = opt(False, "End the run there (verdict collapsed, predicted at step s); the run "
+                                 "folder stays complete. Implies --warn.")
+    predictor: str | None = opt(None, "Predictor JSON from `flt-diag fit-predictor` [default: the packaged one].")
+
+    def __post_init__(self) -> None:
+        check(self)  # every section validates itself when built (also by `replace`)
+
+
+VERDICT_COMMANDS = RUN_COMMANDS | {"summary"}
 
 
 @dataclass
 class VerdictConfig:
-    smooth_window: int = 50  # steps in the trailing mean that smooths the loss
-    rebound_abs: float = 0.25  # collapsed if the smoothed loss climbs > max(rebound_abs, ...
-    rebound_rel: float = 0.1  # ... rebound_rel * min) above its running minimum ...
-    recovery_abs: float = 0.1  # ... and ends > max(recovery_abs, ...
-    recovery_rel: float = 0.05  # ... recovery_rel * min) above its best
-    explosion_ratio: float = 100.0  # residual explosion if peak final-loop norm > ratio * sqrt(d)
-    osc_window: int = 200  # steps per window of the oscillation indices
-    osc_cv_threshold: float = 3.0  # unstable if the grad-norm CV over the dense steps exceeds this (calibration:
-    #                                docs/DESIGN.md §3; stable runs measured 0.3-1.6)
+    smooth_window: int = opt(50, "Verdict: steps in the trailing mean that smooths the loss.", low=1,
+                             commands=VERDICT_COMMANDS)
+    rebound_abs: float = opt(0.25, "Verdict: collapsed if the smoothed loss climbs more than max(this, "
+                             "rebound-rel * min) nats above its running minimum ...", low=0, commands=VERDICT_COMMANDS)
+    rebound_rel: float = opt(0.1, "Verdict: ... (relative part of the climb threshold) ...", low=0,
+                             commands=VERDICT_COMMANDS)
+    recovery_abs: float = opt(0.1, "Verdict: ... and ends more than max(this, recovery-rel * min) above its best.",
+                              low=0, commands=VERDICT_COMMANDS)
+    recovery_rel: float = opt(0.05, "Verdict: relative part of the recovery tolerance.", low=0,
+                              commands=VERDICT_COMMANDS)
+    explosion_ratio: float = opt(100.0, "Residual explosion if a peak residual norm exceeds ratio * sqrt(d).",
+                                 above=0, commands=VERDICT_COMMANDS)
+    osc_window: int = opt(200, "Steps per window of the oscillation indices.", low=2, commands=VERDICT_COMMANDS)
+    osc_cv_threshold: float = opt(3.0, "Verdict: unstable if the grad-norm CV over the dense steps exceeds this "
+                                  "(calibration: docs/DESIGN.md §3; stable runs measured 0.3-1.6).", low=0,
+                                  commands=VERDICT_COMMANDS)
+
+    def __post_init__(self) -> None:
+        check(self)  # every section validates itself when built (also by `replace`)
 
 
 @dataclass
@@ -109,7 +246,9 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     verdict: VerdictConfig = field(default_factory=VerdictConfig)
-    preset: str = "custom"
+    preset: str = opt("custom", "tiny (CPU, minutes), small (one GPU), paper-small, paper-base, or auto (tiny on "
+                      "CPU, small on GPU) [default: auto].", choices=("tiny", "small", "paper-small", "paper-base",
+                                                                       "auto"))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -124,6 +263,32 @@ class RunConfig:
                        verdict=VerdictConfig(**d.get("verdict", {})), preset=d.get("preset", "custom"))
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"not an flt-diag config (missing or unknown field: {e})") from None
+
+
+SECTIONS = {"model": ModelConfig, "train": TrainConfig, "diagnostics": DiagnosticsConfig, "verdict": VerdictConfig}
+
+# Every config option, in help order; the CLI and the study files are generated from this list.
+OPTIONS: list[Option] = options_of(RunConfig, "run") + \
+    [o for section, cls in SECTIONS.items() for o in options_of(cls, section)]
+
+
+def options_for(command: str) -> list[Option]:
+    return [o for o in OPTIONS if command in o.commands]
+
+
+def sections_from(values: dict) -> dict[str, dict]:
+    """Flat option values keyed by `Option.dest` (None = not given) -> build_config's keyword
+    arguments: {"preset": ..., "model": {...}, "train": {...}, ...}. Unknown keys are ignored."""
+    out: dict = {section: {} for section in SECTIONS}
+    for o in OPTIONS:
+        value = values.get(o.dest)
+        if value is None:
+            continue
+        if o.section == "run":
+            out[o.name] = value
+        else:
+            out[o.section][o.name] = value
+    return out
 
 
 # Train fields that run folders written before the field existed were trained without: an old
@@ -178,46 +343,33 @@ def resolve_preset(name: str, cuda_available: bool) -> str:
 def build_config(preset: str = "auto", cuda_available: bool = False, model: dict | None = None,
                  train: dict | None = None, diagnostics: dict | None = None,
                  verdict: dict | None = None) -> RunConfig:
-    """A preset with overrides (None values are ignored). Raises ValueError on bad input."""
+    """A preset with overrides (None values are ignored). Raises ValueError (one line) on bad input.
+
+    `model["n_layer"]` without `n_embd` scales the width with the preset's aspect ratio (and the
+    heads with its head dimension, unless given): the paper's size dial."""
     name = resolve_preset(preset, cuda_available)
     p = PRESETS[name]
 
-    def merged(base: dict, over: dict | None) -> dict:
-        return {**base, **{k: v for k, v in (over or {}).items() if v is not None}}
+    def given(over: dict | None) -> dict:
+        return {k: v for k, v in (over or {}).items() if v is not None}
 
-    cfg = RunConfig(
-        model=ModelConfig(**merged(p["model"], model)),
-        train=TrainConfig(**merged(p["train"], train)),
-        diagnostics=DiagnosticsConfig(**merged({}, diagnostics)),
-        verdict=VerdictConfig(**merged({}, verdict)),
-        preset=name,
-    )
-    validate(cfg)
-    return cfg
+    m = given(model)
+    if "n_layer" in m and "n_embd" not in m:
+        aspect = p["model"]["n_embd"] // p["model"]["n_layer"]
+        head_dim = p["model"]["n_embd"] // p["model"]["n_head"]
+        m = {**shape(m["n_layer"], aspect, head_dim), **m}
+    try:
+        return RunConfig(model=ModelConfig(**{**p["model"], **m}), train=TrainConfig(**{**p["train"], **given(train)}),
+                         diagnostics=DiagnosticsConfig(**given(diagnostics)), verdict=VerdictConfig(**given(verdict)),
+                         preset=name)
+    except TypeError as e:  # an unknown field name
+        raise ValueError(f"unknown option: {e}") from None
 
 
 def validate(cfg: RunConfig) -> None:
-    t = cfg.train
-    checks = [
-        (t.steps >= 1, f"steps must be >= 1, got {t.steps}"),
-        (t.batch_size >= 1, f"batch size must be >= 1, got {t.batch_size}"),
-        (t.grad_accum >= 1, f"grad accumulation must be >= 1, got {t.grad_accum}"),
-        (t.optimizer in ("muon", "adamw"), f"optimizer must be muon or adamw, got {t.optimizer!r}"),
-        (t.lr_scale > 0 and math.isfinite(t.lr_scale), f"lr scale must be > 0 and finite, got {t.lr_scale}"),
-        (0 <= t.momentum < 1 and 0 <= t.momentum_start < 1,
-         f"Muon momentum must be in [0, 1), got {t.momentum_start} -> {t.momentum}"),
-        (t.momentum_warmup >= 0, f"momentum warm-up must be >= 0 steps, got {t.momentum_warmup}"),
-        (t.precision in ("fp32", "reference"), f"precision must be fp32 or reference, got {t.precision!r}"),
-        (t.sampling in ("random", "stream"), f"sampling must be random or stream, got {t.sampling!r}"),
-        (0 <= t.warmdown_frac <= 1, f"warmdown fraction must be in [0, 1], got {t.warmdown_frac}"),
-        (t.loss_on in ("end", "all", "last-third"), f"loss must be end, all or last-third, got {t.loss_on!r}"),
-        (t.eval_every >= 0 and t.checkpoint_every >= 0, "eval/checkpoint intervals must be >= 0"),
-        (cfg.model.sequence_len >= 2, "sequence length must be >= 2"),
-        (cfg.diagnostics.every >= 1, "diagnostics interval must be >= 1"),
-    ]
-    for ok, msg in checks:
-        if not ok:
-            raise ValueError(msg)
+    """Check a config whose sections were changed in place (construction already checks)."""
+    for section in (cfg.model, cfg.train, cfg.diagnostics, cfg.verdict):
+        type(section).__post_init__(section)
 
 
 def with_overrides(cfg: RunConfig, **sections) -> RunConfig:

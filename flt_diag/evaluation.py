@@ -1,4 +1,5 @@
-"""Held-out loss, and test-time loop evaluation of trained checkpoints."""
+"""Held-out loss during training (`Evaluation`, a Trainer callback), and test-time loop
+evaluation of trained checkpoints."""
 from __future__ import annotations
 
 import math
@@ -8,6 +9,8 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
+from . import metric_names as M
+from .callbacks import Callback
 from .data import TokenData, batch_generator, get_batch
 
 VAL_SEED = 1234567  # validation batches are the same for every run and every evaluation
@@ -26,6 +29,29 @@ def evaluate(model, data: TokenData, batch_size: int, seq_len: int, batches: int
         total += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()).item()
     model.train(was_training)
     return total / batches
+
+
+class Evaluation(Callback):
+    """val_loss every `eval_every` steps (not after the last) and once when training ends - unless it
+    ended on a non-finite loss - under the run's autocast. Every rank computes it (no collective
+    operations); the row goes to the callbacks' `on_rows` (the metrics table, the mirrors)."""
+
+    def on_step_end(self, trainer, step: int) -> None:
+        t, done = trainer.cfg.train, step + 1
+        if t.eval_every and done % t.eval_every == 0 and done < t.steps:
+            self.run(trainer, step)
+
+    def on_finish(self, trainer, step: int) -> None:
+        if trainer.stop_reason is None or trainer.prediction is not None:
+            self.run(trainer, step)
+
+    @staticmethod
+    def run(trainer, step: int) -> None:
+        t = trainer.cfg.train
+        with trainer.autocast():
+            val = evaluate(trainer.model, trainer.val_data, t.batch_size, trainer.cfg.model.sequence_len,
+                           t.eval_batches, trainer.device)
+        trainer.emit(step, [(step, M.VAL_LOSS, M.NONE, M.NONE, val)])
 
 
 def eval_loops(run_dir: Path, loops: list[int], batches: int | None = None, data: str | None = None,

@@ -1,12 +1,13 @@
 """Optional mirrors of the metrics table for TensorBoard and Weights & Biases (off by default).
 
 The run folder's Parquet table stays the source of truth; these only copy rows, named
-"<metric>" or "<metric>/loop<t>/layer<i>".
+"<metric>" or "<metric>/loop<t>/layer<i>". `ExternalSinks` is the Trainer's callback for them.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
+from .callbacks import Callback
 from .metric_names import NONE
 
 
@@ -48,3 +49,27 @@ class WandbSink:
 
     def close(self) -> None:
         self.run.finish()
+
+
+class ExternalSinks(Callback):
+    """The mirrors a run asks for (rank 0): `--tensorboard`, `--wandb <project>`; rows as they come,
+    closed at the end."""
+
+    def __init__(self):
+        self.sinks: list = []
+
+    def on_start(self, trainer) -> None:
+        d, cfg = trainer.run_dir, trainer.cfg
+        if trainer.is_main and cfg.diagnostics.tensorboard:
+            self.sinks.append(TensorBoardSink(d))
+        if trainer.is_main and cfg.diagnostics.wandb:
+            self.sinks.append(WandbSink(cfg.diagnostics.wandb, d, cfg.to_dict()))
+
+    def on_rows(self, trainer, step, rows) -> None:
+        for sink in self.sinks:
+            sink.extend(rows)
+
+    def on_end(self, trainer) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []

@@ -73,6 +73,12 @@ def oscillation_indices(grad_norm: pd.Series, cosine: pd.Series | None = None) -
                 sign_alternation=sign_alternation(g), neg_cosine_share=neg_cosine_share(c))
 
 
+def dense_oscillation(grad_norm: pd.Series, cosine: pd.Series | None, dense_steps) -> dict:
+    """The run's oscillation indices (the summary's osc_*, the verdict's CV): over the dense steps only."""
+    return oscillation_indices(grad_norm[grad_norm.index < dense_steps],
+                               cosine[cosine.index < dense_steps] if cosine is not None else None)
+
+
 def windowed_oscillation(grad_norm: pd.Series, cosine: pd.Series | None, window: int) -> pd.DataFrame:
     """Oscillation indices per window of steps [start, start + window)."""
     if grad_norm.empty:
@@ -174,7 +180,7 @@ def summarize(df: pd.DataFrame, cfg, unigram_entropy: float | None = None, wall_
     resid = residual_explosion(df, cfg.model.loops, cfg.model.n_embd, v.explosion_ratio)
     g, cos = series(df, M.GRAD_NORM), series(df, M.GRAD_COSINE)
     dense = cfg.diagnostics.dense_steps
-    osc = oscillation_indices(g[g.index < dense], cos[cos.index < dense])
+    osc = dense_oscillation(g, cos, dense)
     if prediction is not None:  # the run was ended early by the collapse predictor (--stop-on-collapse)
         name, evidence = "collapsed", {**evidence, "predicted_at": prediction["step"],
                                        "reason": f"collapse predicted at step {prediction['step']} "
@@ -208,6 +214,13 @@ def summarize(df: pd.DataFrame, cfg, unigram_entropy: float | None = None, wall_
     return out
 
 
+def tokens_per_step(cfg, world_size: int = 1) -> int:
+    """Tokens one optimizer step trains on, over every data-parallel rank: batch_size * grad_accum *
+    sequence_len * world_size (the one count behind a run's tokens_per_s, at training and on recompute)."""
+    t = cfg.train
+    return t.batch_size * t.grad_accum * cfg.model.sequence_len * int(world_size)
+
+
 def resummarize(run_dir, verdict_overrides: dict | None = None) -> dict:
     """Recompute a finished run's summary.json from its stored metrics (for example with other
     verdict thresholds); wall time and stop reason are kept from the old summary."""
@@ -222,10 +235,8 @@ def resummarize(run_dir, verdict_overrides: dict | None = None) -> dict:
     cfg = RunConfig.from_dict(cfg_dict)
     if verdict_overrides:
         cfg.verdict = VerdictConfig(**{**cfg.verdict.__dict__, **verdict_overrides})
-    t = cfg.train
     new = summarize(load_metrics(run_dir), cfg, unigram_entropy=cfg_dict.get("corpus", {}).get("unigram_entropy"),
                     wall_time=old.get("wall_time"), stop_reason=old.get("stop_reason"), prediction=old.get("prediction"),
-                    tokens_per_step=t.batch_size * t.grad_accum * cfg.model.sequence_len
-                    * cfg_dict.get("env", {}).get("world_size", 1))
+                    tokens_per_step=tokens_per_step(cfg, cfg_dict.get("env", {}).get("world_size", 1)))
     write_json(Path(run_dir) / SUMMARY, new)
     return new

@@ -26,13 +26,14 @@ reference adds the loop count ("K"; also read: "n_loops", "loops", "num_loops") 
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import torch
 
 from .model import VARIANTS, LoopedTransformer, ModelConfig
+from .checkpoint import save_weights
+from .storage import read_json
 
 REFERENCE_VARIANTS: dict[str, str] = {"LT": "lt", "LT_i": "lt-ii", "LT_ia": "lt-ai", "FLT_res": "fla", "FLT": "flt"}
 PREFIXES = ("_orig_mod.", "module.")
@@ -203,12 +204,7 @@ def _load_meta(meta, checkpoint_path: Path | None) -> dict:
         meta = guess
     if meta is None:
         return {}
-    try:
-        return json.loads(Path(meta).read_text())
-    except FileNotFoundError:
-        raise ReferenceImportError(f"no such meta file: {meta}") from None
-    except json.JSONDecodeError as e:
-        raise ReferenceImportError(f"unreadable meta file {meta}: {e}") from None
+    return read_json(meta)  # a missing or unreadable file: one StorageError line
 
 
 def _pick(sources: list[dict], keys: tuple[str, ...]):
@@ -285,7 +281,7 @@ def write_imported_run(model: LoopedTransformer, out_dir, source: str, step: int
     folder gets tokenizer null and a "note" saying to set it. No summary.json is written: an imported
     model has no training history here."""
     from .config import RunConfig, TrainConfig
-    from .storage import CHECKPOINT, CONFIG, StorageError, atomic_path, write_json
+    from .storage import CHECKPOINT, CONFIG, StorageError, write_json
 
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
@@ -307,7 +303,5 @@ def write_imported_run(model: LoopedTransformer, out_dir, source: str, step: int
     if note:
         doc["note"] = note
     write_json(out / CONFIG, doc)
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    with atomic_path(out / CHECKPOINT) as tmp:
-        torch.save({"model": state, "model_config": model.cfg.to_dict(), "step": int(step)}, tmp)
+    save_weights(out / CHECKPOINT, model.cpu(), model.cfg.to_dict(), int(step))
     return out

@@ -10,27 +10,18 @@ import base64
 import html
 import io
 import json
-import math
+import sys
 from pathlib import Path
 
 import pandas as pd
 
-from . import plotting as P
+from .figures import FIGURES, render
+from .figures.style import VERDICT_COLORS, style
+from .results import Study, collect, results_table  # noqa: F401  (results_table: re-exported)
 from .storage import atomic_write_text
 
 REPORT = "report.html"
 REPORT_DPI = 110
-
-# display name -> (summary_table column, format)
-TABLE_COLUMNS = {
-    "Final loss": ("final_loss", "{:.3f}"),
-    "Val loss": ("val_loss", "{:.3f}"),
-    "Val ppl": ("val_ppl", "{:.2f}"),
-    "Peak ‖h‖ (last loop)": ("peak_resid_norm", "{:.1f}"),
-    "Osc |Δlog g|": ("osc_mean_abs_dlog", "{:.3f}"),
-    "Loss std": ("loss_std", "{:.3f}"),
-    "Grad-norm std": ("grad_norm_std", "{:.3f}"),
-}
 
 CSS = """
 body { font-family: -apple-system, 'Segoe UI', Helvetica, Arial, sans-serif; margin: 2em auto; max-width: 1200px;
@@ -44,32 +35,6 @@ figcaption { font-size: 0.9em; color: #555; margin-top: 0.3em; }
 pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; font-size: 0.8em; }
 .note { color: #777; font-size: 0.9em; }
 """
-
-
-def _fmt(value, spec: str) -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "–"
-    return spec.format(value)
-
-
-def results_table(src) -> pd.DataFrame:
-    """The report's table as text: one row per (lr scale, variant, loops) cell, numbers formatted.
-
-    Numbers are means over a cell's finished seeds; the verdict is their majority."""
-    df = P.summary_table(src)
-    multi_lr = df.lr_scale.nunique() > 1
-    multi_seed = (df.runs > 1).any()
-    rows = []
-    for r in df.itertuples():
-        row = {"Variant": r.variant, "Loops": str(r.loops)}
-        if multi_lr:
-            row["LR scale"] = f"{r.lr_scale:g}"
-        if multi_seed:
-            row["Seeds"] = f"{r.agree}/{r.finished}" + (f" (+{r.runs - r.finished})" if r.runs > r.finished else "")
-        row["Verdict"] = r.verdict + (" (residual explosion)" if r.residual_explosion else "")
-        row.update({name: _fmt(getattr(r, col), spec) for name, (col, spec) in TABLE_COLUMNS.items()})
-        rows.append(row)
-    return pd.DataFrame(rows)
 
 
 def markdown(df: pd.DataFrame) -> str:
@@ -89,7 +54,7 @@ def _html_table(df: pd.DataFrame, verdict_column: str | None = "Verdict") -> str
         for col, value in zip(df.columns, row):
             style = ""
             if col == verdict_column:
-                color = P.VERDICT_COLORS.get(str(value).split(" ")[0], "#ffffff")
+                color = VERDICT_COLORS.get(str(value).split(" ")[0], "#ffffff")
                 style = f' style="background:{color}"'
             cells.append(f'<td class="{"l" if col in left else ""}"{style}>{html.escape(str(value))}</td>')
         body.append("<tr>" + "".join(cells) + "</tr>")
@@ -98,17 +63,18 @@ def _html_table(df: pd.DataFrame, verdict_column: str | None = "Verdict") -> str
 
 def _png_base64(fig) -> str:
     buf = io.BytesIO()
-    with P.style():
+    with style():
         fig.savefig(buf, format="png", dpi=REPORT_DPI, bbox_inches="tight")
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 def _caption(kind: str) -> str:
-    doc = P.ALL_FIGURES[kind].__doc__ or ""
+    figure = FIGURES[kind]
+    doc = sys.modules[figure.draw.__module__].__doc__ or figure.help
     return " ".join(doc.split())
 
 
-def render_html(study: P.Study, figures: dict, skipped: dict[str, str]) -> str:
+def render_html(study: Study, figures: dict, skipped: dict[str, str]) -> str:
     """The report page of a collected study and its rendered figures."""
     title = f"flt-diag report: {study.path.name}"
     done = sum(r.summary is not None for r in study.runs)
@@ -142,12 +108,12 @@ def render_html(study: P.Study, figures: dict, skipped: dict[str, str]) -> str:
 
 def write_report(sweep_path, out=None) -> Path:
     """Write the HTML report of a sweep (or a run folder); default <sweep>/report.html."""
-    study = P.collect(sweep_path)
-    figures, skipped = P.render(study)
+    study = collect(sweep_path)
+    figures, skipped = render(study)
     return write_html(study, figures, skipped, Path(out) if out is not None else Path(sweep_path) / REPORT)
 
 
-def write_html(study: P.Study, figures: dict, skipped: dict[str, str], out: Path) -> Path:
+def write_html(study: Study, figures: dict, skipped: dict[str, str], out: Path) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, render_html(study, figures, skipped))

@@ -31,10 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import pandas as pd
 
 from .cells import Cell
+from .config import check, opt
+from .variants import MAX_LOOPS, VARIANTS
 from .storage import CELLS, ERROR, SWEEP_SPEC, StorageError, atomic_path, folder_lock, load_summary, read_json
 
 AXES = {"lr": "lr scale", "depth": "depth L"}
@@ -75,20 +76,41 @@ class Line:
         return f"{self.variant}_K{self.loops:02d}_seed{self.seed}"
 
 
+MAP = {"map"}
+
+
+@dataclass
+class MapGrid:
+    """The axis values a map searches: lo, lo*r, lo*r^2, ... <= hi (see geometric_grid)."""
+
+    lo: float = opt(0.5, "Lowest axis value of the grid.", above=0, commands=MAP)
+    hi: float = opt(16.0, "Highest axis value of the grid.", above=0, commands=MAP)
+    ratio: float = opt(1.41, "Grid ratio: the tolerance of every boundary.", above=1, commands=MAP)
+
+    def __post_init__(self):
+        check(self)
+
+    def values(self, axis: str) -> list[float]:
+        return geometric_grid(self.lo, self.hi, self.ratio, integer=axis == "depth")
+
+
 @dataclass
 class MapSpec:
     """What a map searches: lines (variants x loops x seeds), one axis and its grid, the criteria.
-    `base` is the RunConfig every probe starts from (the axis field and the line's fields replaced)."""
+    `base` is the RunConfig of line 0 (the axis field and each line's fields are replaced per probe)."""
 
     base: object
-    variants: list[str]
-    loops: list[int]
-    seeds: list[int]
-    axis: str
-    grid: list[float]
-    criteria: list[str] = field(default_factory=lambda: ["training", "explosion"])
+    variants: list[str] = opt(list(VARIANTS), "Variants [default: all five].", choices=VARIANTS, commands=MAP)
+    loops: list[int] = opt([6, 12], "Loop counts K (the x axis of the map).", low=1, high=MAX_LOOPS, commands=MAP)
+    seeds: list[int] = opt([0], "Seeds: each boundary is reported with its spread.", low=0, commands=MAP)
+    axis: str = opt("lr", "lr (lr scale) or depth (L blocks, width fixed).", choices=AXES, commands=MAP)
+    grid: list[float] = field(default_factory=lambda: MapGrid().values("lr"))
+    criteria: list[str] = opt(["training", "explosion"], "training (verdict not stable), collapse (collapsed or "
+                              "diverged), explosion (a residual norm of any loop exploded).", choices=CRITERIA,
+                              commands=MAP)
 
     def __post_init__(self):
+        check(self)  # every option field against its bounds and choices (flt_diag.config)
         if self.axis not in AXES:
             raise ValueError(f"axis must be one of {', '.join(AXES)}, got {self.axis!r}")
         for c in self.criteria:
@@ -184,7 +206,9 @@ def search_line(spec: MapSpec, out: Path, line: Line, runner: Callable, report: 
 def prepare_map_folder(spec: MapSpec, out: Path) -> None:
     """Create the map folder, or check that an existing one holds the same map."""
     from .sweep import prepare_spec_folder
-    prepare_spec_folder(Path(out), spec.to_dict(), "map")
+    grid_fields = {"model": ("variant", "loops") + (("n_layer",) if spec.axis == "depth" else ()),
+                   "train": ("seed",) + (("lr_scale",) if spec.axis == "lr" else ())}
+    prepare_spec_folder(Path(out), spec.to_dict(), "map", grid_fields)
 
 
 def spec_from_folder(out: Path) -> dict:

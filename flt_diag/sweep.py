@@ -15,37 +15,45 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
-import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
 from .cells import Cell
-from .config import RunConfig, with_overrides
-from .storage import (CELLS, ERROR, atomic_path, cell_names, folder_lock, has_content, SWEEP_SPEC, SWEEP_SUMMARY, StorageError, atomic_write_text, is_run, load_config,
-                      load_progress, load_summary, read_json, write_json)
-
-SUMMARY_COLUMNS = ["cell", "variant", "loops", "seed", "lr_scale", "verdict", "residual_explosion", "final_loss",
-                   "best_loss", "val_loss", "val_ppl", "peak_resid_norm", "osc_cv", "osc_mean_abs_dlog",
-                   "osc_sign_alternation", "osc_neg_cosine_share", "loss_std", "grad_norm_std", "steps_done",
-                   "wall_time"]
+from .config import RunConfig, check, opt, with_overrides
+from .results import SUMMARY_COLUMNS, sweep_summary  # noqa: F401  (the one summary table; re-exported)
+from .storage import (CELLS, ERROR, SWEEP_SPEC, SWEEP_SUMMARY, StorageError, atomic_path, atomic_write_text, folder_lock,
+                      has_content, load_progress, read_json, write_json)
+from .variants import MAX_LOOPS, VARIANTS
 
 
+SWEEP = {"run-ablation"}
+
+
+@dataclass
 class SweepSpec:
-    """The grid and the base config every cell starts from."""
+    """The grid of a sweep and the config its cells share.
 
-    def __init__(self, base: RunConfig, variants: list[str], loops: list[int], seeds: list[int],
-                 lr_scales: list[float]):
-        for name, values in (("variants", variants), ("loops", loops), ("seeds", seeds), ("lr scales", lr_scales)):
-            if not values:
-                raise ValueError(f"the list of {name} is empty")
-            if len(set(values)) != len(values):
-                raise ValueError(f"the list of {name} has duplicates: {values}")
-        self.base, self.variants, self.loops = base, list(variants), list(loops)
-        self.seeds, self.lr_scales = list(seeds), list(lr_scales)
-        for cell in self.cells():  # validates every cell before anything runs
+    `base` is the config of cell 0 (the first variant, loop count, seed and lr scale); every other
+    cell differs from it only in those four fields. Construction validates every cell."""
+
+    base: RunConfig
+    variants: list[str] = opt(list(VARIANTS), "Variants [default: all five].", choices=VARIANTS, commands=SWEEP)
+    loops: list[int] = opt([3, 6, 9, 12], "Loop counts K.", low=1, high=MAX_LOOPS, commands=SWEEP)
+    seeds: list[int] = opt([0], "Seeds.", low=0, commands=SWEEP)
+    lr_scales: list[float] = opt([1.0], "Learning-rate multipliers (an lr x loops map).", flag="--lr-scale", above=0,
+                                 commands=SWEEP)
+
+    def __post_init__(self):
+        check(self)  # every option field against its bounds and choices (flt_diag.config)
+        self.variants, self.loops = list(self.variants), list(self.loops)
+        self.seeds, self.lr_scales = list(self.seeds), list(self.lr_scales)
+        cells = self.cells()
+        self.base = cell_config(self.base, cells[0])
+        for cell in cells:  # validates every cell before anything runs
             self.cell_config(cell)
 
     def cells(self) -> list[Cell]:
@@ -61,6 +69,11 @@ class SweepSpec:
                     base=comparable(self.base.to_dict()), cell_names=[c.name for c in self.cells()])
 
 
+# The config fields a sweep's grid sets per cell: a folder's stored base is compared without them (its
+# base is cell 0's config; earlier versions stored seed 0 and lr scale 1 there).
+SWEEP_GRID_FIELDS = {"model": ("variant", "loops"), "train": ("seed", "lr_scale")}
+
+
 def cell_config(base: RunConfig, cell: Cell, **train_overrides) -> RunConfig:
     """The base config with the cell's variant, loops, seed and lr scale (and any extra train fields)."""
     from .config import validate
@@ -73,16 +86,28 @@ def cell_config(base: RunConfig, cell: Cell, **train_overrides) -> RunConfig:
 
 def prepare_folder(spec: SweepSpec, out: Path) -> None:
     """Create the sweep folder, or check that an existing one holds the same spec."""
-    prepare_spec_folder(Path(out), spec.to_dict(), "sweep")
+    prepare_spec_folder(Path(out), spec.to_dict(), "sweep", SWEEP_GRID_FIELDS)
 
 
-def prepare_spec_folder(out: Path, new: dict, what: str) -> None:
+def _without(base, grid_fields: dict):
+    if not isinstance(base, dict):
+        return base
+    return {k: ({f: x for f, x in v.items() if f not in grid_fields.get(k, ())} if isinstance(v, dict) else v)
+            for k, v in base.items()}
+
+
+def prepare_spec_folder(out: Path, new: dict, what: str, grid_fields: dict) -> None:
     """Create a sweep or map folder holding spec `new` (sweep.json), or check that an existing one
-    holds the same spec (`what` names it in the messages)."""
+    holds the same spec (`what` names it in the messages; the bases are compared without the
+    `grid_fields` that every cell sets)."""
     if (out / SWEEP_SPEC).exists():
         old = read_json(out / SWEEP_SPEC)
-        if {k: old.get(k) for k in new} != new:
-            keys = [k for k in new if old.get(k) != new[k]]
+
+        def same(k):
+            return _without(old.get(k), grid_fields) == _without(new[k], grid_fields) if k == "base" \
+                else old.get(k) == new[k]
+        if not all(same(k) for k in new):
+            keys = [k for k in new if not same(k)]
             raise StorageError(f"{out} holds a {'map' if old.get('kind') == 'map' else 'sweep'} with a different "
                                f"spec (differs in: {', '.join(keys)}); use another --out, or the original options")
         return
@@ -307,19 +332,6 @@ class SweepMonitor:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
-
-
-def sweep_summary(out: Path) -> pd.DataFrame:
-    """One row per finished cell, read from the run folders (a pure function of the folder)."""
-    out = Path(out)
-    rows = []
-    for name in cell_names(out):
-        d = out / CELLS / name
-        s = load_summary(d) if is_run(d) else None
-        if s is None:
-            continue
-        rows.append({"cell": name, **{k: s.get(k) for k in SUMMARY_COLUMNS if k != "cell"}})
-    return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
 
 
 def write_summary(out: Path) -> pd.DataFrame:

@@ -1,15 +1,24 @@
-"""Training: one run into one run folder, with callbacks at clear moments.
+"""Training: one run into one run folder. `Trainer` is the loop; everything else is a callback.
 
-Moments (Callback): on_start, before_step, after_backward (gradients ready, before clipping),
-after_clip (gradients clipped), after_step (optimizer stepped), on_end. Diagnostics are a callback plus hooks
-(flt_diag.diagnostics); the loop itself logs only loss, lr, global grad norm and val loss.
+The loop: for each step, `step()` (forward/backward per micro-batch, clipping, optimizer step; the
+step's scalars collected in one host transfer), then the callbacks' `on_rows` and `on_step_end`.
+Side concerns are callbacks (flt_diag.callbacks for the moments): diagnostics
+(flt_diag.diagnostics), the caller's, the collapse warning, then evaluation (flt_diag.evaluation),
+the metrics table (flt_diag.callbacks.MetricsTable), TensorBoard / W&B mirrors (flt_diag.external),
+resume.pt / checkpoint.pt (flt_diag.checkpoint) and progress (flt_diag.callbacks.Progress).
+The Trainer itself owns the run folder's config.json (written first) and summary.json (written last).
 
 Every scalar of a step goes into a StepLog as a device tensor; the StepLog moves them to the
 host in one transfer per step.
+
+The config is settled before training (`settle`: the vocabulary from the tokenizer); the Trainer
+works on its own settled copy and never changes the config it was given.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import math
 import os
 import platform
@@ -22,14 +31,16 @@ from typing import Callable
 import torch
 
 from . import metric_names as M
-from .callbacks import Callback
+from .callbacks import Callback, MetricsTable, Progress
+from .checkpoint import Checkpoints, restore
 from .config import RunConfig, padded_vocab
 from .data import DataError, TokenData, batch_generator, get_batch, load_tokens, stream_batch
-from .evaluation import evaluate
-from .model import LoopedTransformer
+from .evaluation import Evaluation
+from .external import ExternalSinks
+from .model import LoopedTransformer, ModelConfig
 from .optim import build_optimizers, lr_multiplier, muon_momentum, set_lr, set_momentum
-from .storage import (CHECKPOINT, CONFIG, PROGRESS, RESUME, SUMMARY, MetricsWriter, StorageError, atomic_path, folder_lock,
-                      has_content, load_config, load_metrics, read_json, write_json)
+from .storage import (CONFIG, RESUME, SUMMARY, StorageError, folder_lock, has_content, load_config, load_metrics,
+                      read_json, write_json)
 
 # Fields that may differ when a run folder is reused (they do not change what is computed).
 VOLATILE_TRAIN_FIELDS = ("device", "threads", "compile", "eval_every", "checkpoint_every")
@@ -118,104 +129,153 @@ def _differences(a: dict, b: dict) -> list[str]:
     return out
 
 
+def settle(cfg: RunConfig, tokenizer_vocab: int | None = None) -> RunConfig:
+    """A copy of `cfg` with what is decided before training filled in: model.vocab_size is the
+    tokenizer's vocabulary (`tokenizer_vocab`, else read from cfg.train.tokenizer) padded to a multiple
+    of 64. `cfg` itself is not changed. A tokenizer that cannot be loaded raises DataError."""
+    if tokenizer_vocab is None:
+        from .data import get_tokenizer
+        tokenizer_vocab = get_tokenizer(cfg.train.tokenizer).vocab_size
+    settled = copy.deepcopy(cfg)
+    settled.model = dataclasses.replace(settled.model, vocab_size=padded_vocab(tokenizer_vocab))
+    return settled
+
+
+def _start_process(cfg: RunConfig) -> tuple[torch.device, int, int]:
+    """(device, rank, world size) of this process; joins the process group when launched with
+    torchrun (WORLD_SIZE > 1: nccl on CUDA, gloo on CPU) and sets the CPU thread settings."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = resolve_device(cfg.train.device)
+    if world > 1:
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(device)
+    if device.type == "cpu":
+        # One thread by default: tiny models are bound by per-op overhead, and OpenMP threads
+        # that wait for a core slow a step down 100x when other processes share the machine.
+        torch.set_num_threads(cfg.train.threads or 1)
+        # A collapsing LT drives activation gradients through the loops towards 1e-20 and
+        # below; subnormal arithmetic made such steps 3.5x slower (benchmarks/README.md).
+        # (The setting holds for the calling thread, so for all compute at one thread.)
+        torch.set_flush_denormal(cfg.train.flush_denormal)
+    elif cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    return device, rank, world
+
+
+def _load_splits(t, seq_len: int) -> tuple[TokenData, TokenData]:
+    splits = [load_tokens(t.data, t.tokenizer, split, t.max_tokens) for split in ("train", "val")]
+    for name, data in zip(("train", "validation"), splits):
+        if len(data) < seq_len + 2:  # found now, not after every step has been trained
+            raise DataError(f"the {name} split of {t.data} has {len(data)} tokens; a sequence of "
+                            f"{seq_len} needs at least {seq_len + 2}")
+    return splits[0], splits[1]
+
+
 class Trainer:
+    """One run into `run_dir`: `fit()` trains it (or resumes it) to the end and returns its summary.
+
+    For benchmarks and tests, the pieces of `fit` are public: `start()` (run folder ready, callbacks
+    started), `run_step(step)` (one optimizer step; returns its rows), `end()` (callbacks ended).
+    `model` builds the model from the (settled) ModelConfig instead of LoopedTransformer (e.g. the
+    benchmarks' unrolled reference); it is built under the run's seed and then placed, compiled and
+    given the optimizer recipe like the default one. The config given is not changed: `self.cfg` is
+    a settled copy."""
+
     def __init__(self, cfg: RunConfig, run_dir: str | Path, callbacks: list[Callback] | None = None,
-                 progress: Callable[[dict], None] | None = None, diagnostics: bool | None = None):
-        self.cfg = cfg
+                 progress: Callable[[dict], None] | None = None, diagnostics: bool | None = None,
+                 model: Callable[[ModelConfig], torch.nn.Module] | None = None):
         self.run_dir = Path(run_dir)
-        self.progress = progress
-        self.rank = int(os.environ.get("RANK", 0))
-        self.world = int(os.environ.get("WORLD_SIZE", 1))
-        self.device = resolve_device(cfg.train.device)
-        if self.world > 1:
-            torch.distributed.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
-            if self.device.type == "cuda":
-                self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-                torch.cuda.set_device(self.device)
-        if self.device.type == "cpu":
-            # One thread by default: tiny models are bound by per-op overhead, and OpenMP threads
-            # that wait for a core slow a step down 100x when other processes share the machine.
-            torch.set_num_threads(cfg.train.threads or 1)
-            # A collapsing LT drives activation gradients through the loops towards 1e-20 and
-            # below; subnormal arithmetic made such steps 3.5x slower (benchmarks/README.md).
-            # (The setting holds for the calling thread, so for all compute at one thread.)
-            torch.set_flush_denormal(cfg.train.flush_denormal)
-        elif cfg.train.threads:
-            torch.set_num_threads(cfg.train.threads)
-        self.train_data = load_tokens(cfg.train.data, cfg.train.tokenizer, "train", cfg.train.max_tokens)
-        self.val_data = load_tokens(cfg.train.data, cfg.train.tokenizer, "val", cfg.train.max_tokens)
-        for split, data in (("train", self.train_data), ("validation", self.val_data)):
-            need = cfg.model.sequence_len + 2
-            if len(data) < need:  # found now, not after every step has been trained
-                raise DataError(f"the {split} split of {cfg.train.data} has {len(data)} tokens; a sequence of "
-                                f"{cfg.model.sequence_len} needs at least {need}")
-        cfg.model.vocab_size = padded_vocab(self.train_data.vocab_size)
-        torch.manual_seed(cfg.train.seed)
-        try:
-            self.model = LoopedTransformer(cfg.model).to(self.device)
-        except (RuntimeError, MemoryError) as e:  # e.g. a width no memory can hold
-            from .model import count_parameters
-            raise ValueError(f"cannot allocate the model ({count_parameters(cfg.model):,} parameters) on "
-                             f"{self.device}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        self.device, self.rank, self.world = _start_process(cfg)
+        self.is_main = self.rank == 0
+        self.train_data, self.val_data = _load_splits(cfg.train, cfg.model.sequence_len)
+        self.cfg = cfg = settle(cfg, self.train_data.vocab_size)
+        self.model = self._build_model(model or LoopedTransformer)
         self.n_params = sum(p.numel() for p in self.model.parameters())
-        if cfg.train.precision == "reference":
-            from .parallel import reference_precision
-            reference_precision(self.model)
-        self.model.checkpoint_loops = cfg.train.checkpoint_loops
-        use_compile = cfg.train.compile if cfg.train.compile is not None else self.device.type == "cuda"
-        if use_compile:
-            from .parallel import compile_blocks
-            compile_blocks(self.model)
         self.ddp_model = self.model
         if self.world > 1:
             self.ddp_model = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self.optimizers = build_optimizers(self.model, cfg.train, fused=self.device.type == "cuda")
         self.log = StepLog()
-        self.callbacks = list(callbacks or [])
+        self.callbacks: list[Callback] = list(callbacks or [])
         if diagnostics if diagnostics is not None else cfg.diagnostics.enabled:
             from .diagnostics import DiagnosticsCallback
             self.callbacks.insert(0, DiagnosticsCallback(cfg.diagnostics))
-        self.is_main = self.rank == 0
-        self.writer: MetricsWriter | None = None
-        self.sinks: list = []
-        self.start_step = 0
-        self.wall_time = 0.0
-        self.stop_reason: str | None = None
-        self.stop_requested: str | None = None
-        self.prediction: dict | None = None
         if cfg.diagnostics.warn or cfg.diagnostics.stop_on_collapse:
             from .early_warning import CollapseWarning, load_predictor
             self.callbacks.append(CollapseWarning(load_predictor(cfg.diagnostics.predictor),
                                                   stop=cfg.diagnostics.stop_on_collapse))
+        # the side concerns of every run, last (their order is the order of their work in a moment)
+        self.callbacks += [Evaluation(), MetricsTable(), ExternalSinks(), Checkpoints(), Progress(progress)]
+        self.start_step = self.steps_done = 0
+        self.wall_time = 0.0
+        self.last_loss = math.nan
+        self.stop_reason: str | None = None
+        self.stop_requested: str | None = None
+        self.prediction: dict | None = None
+        self._t0: float | None = None
+
+    def _build_model(self, factory) -> torch.nn.Module:
+        torch.manual_seed(self.cfg.train.seed)
+        try:
+            model = factory(self.cfg.model).to(self.device)
+        except (RuntimeError, MemoryError) as e:  # e.g. a width no memory can hold
+            from .model import count_parameters
+            raise ValueError(f"cannot allocate the model ({count_parameters(self.cfg.model):,} parameters) on "
+                             f"{self.device}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        t = self.cfg.train
+        if t.precision == "reference":
+            from .parallel import reference_precision
+            reference_precision(model)
+        model.checkpoint_loops = t.checkpoint_loops
+        if t.compile if t.compile is not None else self.device.type == "cuda":
+            from .parallel import compile_blocks
+            compile_blocks(model)
+        return model
 
     def request_stop(self, reason: str, prediction: dict | None = None) -> None:
         """End the run after the current step (a callback decided it); the run folder is completed."""
         self.stop_requested, self.prediction = reason, prediction
 
+    def elapsed(self) -> float:
+        """Training seconds so far, over every session of a resumed run."""
+        return self.wall_time + (time.perf_counter() - self._t0 if self._t0 is not None else 0.0)
+
+    def emit(self, step: int, rows: list[tuple]) -> None:
+        """Rows (step, metric, loop, layer, value) to every callback's on_rows (table, mirrors, ...)."""
+        for cb in self.callbacks:
+            cb.on_rows(self, step, rows)
+
     # ------------------------------------------------------------------ run folder
-    def _prepare_folder(self) -> bool:
-        """Create or reuse the run folder. Returns False if the run has already finished.
-        Under DDP, rank 0 does this while the other ranks wait, then they read the same state."""
+    def start(self) -> bool:
+        """Make the run folder ready (create it, or check and reuse it; load resume.pt), then start
+        the callbacks. False if the folder holds a finished run (there is nothing to train).
+        Under DDP, rank 0 does the folder while the other ranks wait, then they read the same state."""
         if not self.is_main:
             torch.distributed.barrier()
-            if (self.run_dir / SUMMARY).exists():
-                return False
-            if (self.run_dir / RESUME).exists():
-                self._load_resume()
-            return True
-        try:
-            return self._prepare_folder_main()
-        finally:
-            if self.world > 1:
-                torch.distributed.barrier()
+            ready = not (self.run_dir / SUMMARY).exists()
+            if ready and (self.run_dir / RESUME).exists():
+                restore(self)
+        else:
+            try:
+                ready = self._open_folder()
+            finally:
+                if self.world > 1:
+                    torch.distributed.barrier()
+        if ready:
+            for cb in self.callbacks:
+                cb.on_start(self)
+            self.model.train()
+            self._t0 = time.perf_counter()
+        return ready
 
-    def _prepare_folder_main(self) -> bool:
+    def _open_folder(self) -> bool:
         d = self.run_dir
         cfg_dict = self.cfg.to_dict()
         if (d / CONFIG).exists():
-            old = load_config(d)
-            diff = _differences(comparable(old), comparable(cfg_dict))
+            diff = _differences(comparable(load_config(d)), comparable(cfg_dict))
             if diff:
                 raise RunConflict(f"{d} holds a run with a different config ({'; '.join(diff[:3])}); "
                                   "use another --out or delete the folder")
@@ -223,9 +283,8 @@ class Trainer:
                 return False
         elif has_content(d):
             raise RunConflict(f"{d} exists, is not empty and is not a run folder; use another --out")
-        resumed = (d / RESUME).exists()
-        if resumed:  # read (and check) the resume state before anything in the folder changes
-            self._load_resume()
+        if (d / RESUME).exists():  # read (and check) the resume state before anything in the folder changes
+            restore(self)
         try:
             d.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -235,37 +294,12 @@ class Trainer:
         write_json(d / CONFIG, {**cfg_dict, "n_params": self.n_params, "env": environment(self.device),
                                 "corpus": {"train_tokens": len(self.train_data), "val_tokens": len(self.val_data),
                                            "unigram_entropy": self.train_data.unigram_entropy}})
-        self.writer = MetricsWriter(d)
-        self.sinks = _external_sinks(self.cfg, d)
-        # a run that died before its first checkpoint starts afresh; a resumed one drops later rows
-        self.writer.truncate_after(self.start_step - 1 if resumed else -1)
         return True
 
-    def _save_resume(self, next_step: int) -> None:
-        state = dict(step=next_step, wall_time=self.wall_time, model=self.model.state_dict(),
-                     optimizers=[o.state_dict() for o in self.optimizers],
-                     callbacks=[c.state_dict() for c in self.callbacks])
-        with atomic_path(self.run_dir / RESUME) as tmp:
-            torch.save(state, tmp)
-
-    def _load_resume(self) -> None:
-        from .checkpoint import load
-        state = load(self.run_dir / RESUME, map_location=self.device)
-        try:
-            self.model.load_state_dict(state["model"])
-            for opt, s in zip(self.optimizers, state["optimizers"], strict=True):
-                opt.load_state_dict(s)
-            for cb, s in zip(self.callbacks, state["callbacks"]):  # callbacks of the caller may differ
-                cb.load_state_dict(s)
-            self.start_step, self.wall_time = int(state["step"]), float(state["wall_time"])
-        except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:
-            raise StorageError(f"{self.run_dir / RESUME} does not fit this run ({str(e).splitlines()[0][:200]}); "
-                               "delete it to restart the run from step 0") from None
-
-    def save_checkpoint(self, path: Path, steps_done: int) -> None:
-        with atomic_path(path) as tmp:
-            torch.save({"model": self.model.state_dict(), "model_config": self.cfg.model.to_dict(),
-                        "step": steps_done}, tmp)
+    def end(self) -> None:
+        """End the callbacks (hooks removed, files flushed and closed)."""
+        for cb in self.callbacks:
+            cb.on_end(self)
 
     # ------------------------------------------------------------------ training
     def autocast(self):
@@ -291,6 +325,8 @@ class Trainer:
         return get_batch(self.train_data, t.batch_size, T, batch_generator(t.seed, step, micro, self.rank), self.device)
 
     def train_step(self, step: int) -> torch.Tensor:
+        """One optimizer step (callbacks at before_step, after_backward, after_clip, after_step);
+        its scalars go to `self.log`. Returns the loss (the global mean under DDP), on the device."""
         t = self.cfg.train
         set_lr(self.optimizers, lr_multiplier(step, t.steps, t.warmdown_frac))
         momentum = muon_momentum(step, t)
@@ -330,6 +366,11 @@ class Trainer:
             self.log.add(M.MOMENTUM, momentum)
         return total
 
+    def run_step(self, step: int) -> list[tuple]:
+        """`train_step`, then the step's rows on the host (one transfer; a sync on CUDA)."""
+        self.train_step(step)
+        return self.log.collect(step)
+
     def fit(self) -> dict:
         """Train (or resume) to the end and return the run's summary. Rank 0 owns the run folder
         (a second process writing the same folder is refused) until the summary is written."""
@@ -339,100 +380,41 @@ class Trainer:
             return self._fit()
 
     def _fit(self) -> dict:
-        from .metrics import summarize
-
-        if not self._prepare_folder():
+        if not self.start():
             return read_json(self.run_dir / SUMMARY)
-        t = self.cfg.train
-        for cb in self.callbacks:
-            cb.on_start(self)
-        self.model.train()
-        last_report, step = 0.0, self.start_step
-        loss_value = float("nan")
-        t0 = time.perf_counter()
+        step = self.start_step
         try:
-            for step in range(self.start_step, t.steps):
-                self.train_step(step)
-                rows = self.log.collect(step)
-                loss_value = next(v for _, m, _, _, v in rows if m == M.LOSS)
-                if self.is_main:
-                    self.writer.extend(rows)
-                    for sink in self.sinks:
-                        sink.extend(rows)
-                for cb in self.callbacks:
-                    cb.on_rows(self, step, rows)
-                done = step + 1
-                if not math.isfinite(loss_value):
+            for step in range(self.start_step, self.cfg.train.steps):
+                rows = self.run_step(step)
+                self.steps_done, self.last_loss = step + 1, next(v for _, m, _, _, v in rows if m == M.LOSS)
+                self.emit(step, rows)
+                if not math.isfinite(self.last_loss):
                     self.stop_reason = f"non-finite loss at step {step}"
-                    break
-                if self.stop_requested:
+                elif self.stop_requested:
                     self.stop_reason = self.stop_requested
+                if self.stop_reason:
                     break
-                if t.eval_every and done % t.eval_every == 0 and done < t.steps:
-                    self._evaluate(step)
-                if self.is_main and done % self.cfg.diagnostics.flush_every == 0:
-                    self.writer.flush()
-                if self.is_main and t.checkpoint_every and done % t.checkpoint_every == 0 and done < t.steps:
-                    self.writer.flush()
-                    self.wall_time += time.perf_counter() - t0
-                    t0 = time.perf_counter()
-                    self._save_resume(done)
-                now = time.perf_counter()
-                if self.is_main and (now - last_report > 1.0 or done == t.steps):
-                    last_report = now
-                    self._report(done, loss_value, self.wall_time + now - t0)
-        finally:
+                for cb in self.callbacks:
+                    cb.on_step_end(self, step)
+            self.wall_time = self.elapsed()
+            self._t0 = None
             for cb in self.callbacks:
-                cb.on_end(self)
-            if self.is_main and self.writer is not None:
-                self.writer.flush()
-                for sink in self.sinks:
-                    sink.close()
-        self.wall_time += time.perf_counter() - t0
-        if self.stop_reason is None or self.prediction is not None:
-            self._evaluate(step)
+                cb.on_finish(self, step)
+        finally:
+            self.end()
         if not self.is_main:
             torch.distributed.destroy_process_group()
             return {}
-        self.writer.flush()
-        self.save_checkpoint(self.run_dir / CHECKPOINT, step + 1)
-        summary = summarize(load_metrics(self.run_dir), self.cfg,
-                            unigram_entropy=self.train_data.unigram_entropy,
+        from .metrics import summarize, tokens_per_step
+        summary = summarize(load_metrics(self.run_dir), self.cfg, unigram_entropy=self.train_data.unigram_entropy,
                             wall_time=self.wall_time, stop_reason=self.stop_reason, prediction=self.prediction,
-                            tokens_per_step=t.batch_size * t.grad_accum * self.world * self.cfg.model.sequence_len)
+                            tokens_per_step=tokens_per_step(self.cfg, self.world))
         write_json(self.run_dir / SUMMARY, summary)
-        (self.run_dir / RESUME).unlink(missing_ok=True)
-        self._report(step + 1, loss_value, self.wall_time, final=True)
+        for cb in self.callbacks:
+            cb.on_summary(self, summary)
         if self.world > 1:
             torch.distributed.destroy_process_group()
         return summary
-
-    def _evaluate(self, step: int) -> None:
-        t = self.cfg.train
-        with self.autocast():
-            val = evaluate(self.model, self.val_data, t.batch_size, self.cfg.model.sequence_len,
-                           t.eval_batches, self.device)
-        if self.is_main:
-            self.writer.add(step, M.VAL_LOSS, M.NONE, M.NONE, val)
-
-    def _report(self, step: int, loss: float, elapsed: float, final: bool = False) -> None:
-        info = dict(step=step, steps=self.cfg.train.steps, loss=loss, elapsed=elapsed, final=final,
-                    steps_per_s=step / elapsed if elapsed > 0 else 0.0)
-        write_json(self.run_dir / PROGRESS, info)
-        if self.progress is not None:
-            self.progress(info)
-
-
-def _external_sinks(cfg: RunConfig, run_dir: Path) -> list:
-    """TensorBoard / Weights & Biases mirrors of the metrics table, when asked for."""
-    sinks = []
-    if cfg.diagnostics.tensorboard:
-        from .external import TensorBoardSink
-        sinks.append(TensorBoardSink(run_dir))
-    if cfg.diagnostics.wandb:
-        from .external import WandbSink
-        sinks.append(WandbSink(cfg.diagnostics.wandb, run_dir, cfg.to_dict()))
-    return sinks
 
 
 def train(cfg: RunConfig, run_dir: str | Path, **kwargs) -> dict:

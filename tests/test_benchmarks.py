@@ -1,5 +1,5 @@
 """Smoke test of benchmarks/bench.py at a toy size (seconds): the unrolled reference, the FLOP
-formula, the memory measurement and the JSON output."""
+formula, the memory measurement, the achieved-FLOP-rate mode and the JSON output."""
 import importlib.util
 import json
 import math
@@ -99,7 +99,7 @@ def test_main_writes_sane_json(bench, one_thread, tmp_path, monkeypatch, capsys)
     monkeypatch.setitem(bench.BENCH_PRESETS, "toy", toy_spec(bench))
     out = tmp_path / "bench.json"
     assert bench.main(["--preset", "toy", "--variants", "lt", "flt", "--diag-variants", "flt",
-                       "--out", str(out)]) == 0
+                       "--eager-variants", "flt", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     printed = capsys.readouterr().out
     assert "looped/unrolled" in printed and "targets:" in printed
@@ -113,10 +113,45 @@ def test_main_writes_sane_json(bench, one_thread, tmp_path, monkeypatch, capsys)
             assert math.isfinite(r["vs_unrolled"]["median"]) and r["vs_unrolled"]["median"] > 0
     flt = next(r for r in res["steps"] if r["variant"] == "flt")
     assert flt["diag_overhead"]["median"] > 0
+    assert flt["compiled_vs_eager"]["median"] > 0 and "compiled vs eager" in printed  # (both eager on CPU)
     assert res["peak_flops"]["median"] > 0
     assert set(res["targets"]) == {"step_vs_unrolled", "diagnostics_overhead", "checkpoint_memory_ratio"}
     assert res["memory"]["ratio_checkpoint"]["loops"] == [3, 12]
     assert res["memory"]["ratio_plain"]["peak"] > res["memory"]["ratio_checkpoint"]["peak"]
+
+
+def test_flops_mode_times_each_K_against_the_measured_peak(bench, one_thread, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(bench.BENCH_PRESETS, "toy", toy_spec(bench))
+    out = tmp_path / "flops.json"
+    assert bench.main(["--flops", "--preset", "toy", "--loops", "1", "2", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "% of peak" in printed and "GFLOP/s" in printed
+    res = json.loads(out.read_text())
+    assert [r["loops"] for r in res["rows"]] == [1, 2]
+    assert res["peak"]["peak"] >= res["peak"]["median"] > 0 and res["peak"]["dtype"] == "float32"
+    cfg = ModelConfig(n_layer=1, n_embd=32, n_head=2, sequence_len=16, vocab_size=256)
+    for r in res["rows"]:
+        flops = bench.train_flops(cfg, batch_size=4, loops=r["loops"])["total"]
+        assert r["gflop_per_step"] == pytest.approx(flops / 1e9)
+        assert r["gflops"] == pytest.approx(flops / r["step_s"] / 1e9)
+        assert r["pct_of_peak"] == pytest.approx(100 * flops / r["step_s"] / res["peak"]["peak"])
+
+
+def test_flops_of_a_finished_sweep_per_K(bench, one_thread, tmp_path, monkeypatch, capsys):
+    """--sweep: step time = wall time / steps of each finished run (fake runs: 1 s for 80 steps),
+    medians per K over the finished runs (two per K; fla K3 is still running)."""
+    from fake_runs import STEPS, make_sweep
+    from flt_diag.config import build_config
+    monkeypatch.setitem(bench.BENCH_PRESETS, "toy", toy_spec(bench))
+    sweep = make_sweep(tmp_path / "sweep")
+    assert bench.main(["--flops", "--preset", "toy", "--sweep", str(sweep), "--out", str(tmp_path / "f.json")]) == 0
+    res = json.loads((tmp_path / "f.json").read_text())
+    assert [(r["loops"], r["runs"]) for r in res["rows"]] == [(3, 2), (6, 2)]
+    for r in res["rows"]:
+        cfg = build_config("tiny", model=dict(loops=r["loops"]))
+        assert r["step_s"] == pytest.approx(1.0 / STEPS)
+        assert r["gflop_per_step"] == pytest.approx(bench.train_flops(cfg.model, cfg.train.batch_size)["total"] / 1e9)
+    assert "sweep" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed without CUDA")

@@ -114,7 +114,7 @@ def test_stop_on_collapse_ends_the_run_with_a_complete_folder(tmp_path, capsys):
     assert (out / "checkpoint.pt").exists() and not (out / "resume.pt").exists()
     from flt_diag.metrics import resummarize
     assert resummarize(out)["verdict"] == "collapsed"  # a recomputed summary keeps the prediction
-    from flt_diag.plotting import plot
+    from flt_diag.figures import plot
     assert plot("all", out, tmp_path / "figs", ("png",))
 
 

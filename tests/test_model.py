@@ -186,7 +186,7 @@ def test_parameter_groups_cover_everything_once():
 
 
 def test_bad_config():
-    with pytest.raises(ValueError, match="unknown variant"):
+    with pytest.raises(ValueError, match="--variant must be one of lt, lt-ii, lt-ai, fla, flt"):
         ModelConfig(variant="nope")
     with pytest.raises(ValueError, match="loops"):
         ModelConfig(loops=0)

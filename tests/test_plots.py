@@ -15,13 +15,16 @@ import pytest
 
 from fake_runs import EXPECTED_VERDICTS, make_run, make_sweep
 from flt_diag import metric_names as M
-from flt_diag import plotting as P
+from flt_diag import figures as P
+from flt_diag.figures import heatmap
+from flt_diag.results import OSC_COLUMNS
 from flt_diag.report import write_report
 from flt_diag.storage import CELLS, StorageError, read_json, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CHROMIUM = Path("/usr/bin/chromium")
+RUN_FIGURES = [k for k in P.FIGURES if k != "map"]  # the figures of any run or sweep (map: map folders only)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +63,7 @@ def stored(run_dir: Path, metric: str) -> pd.DataFrame:
 # --------------------------------------------------------------------------- writing figures
 
 def test_regenerate_writes_every_figure_table_and_report(regenerated, sweep):
-    for kind in P.FIGURES:
+    for kind in RUN_FIGURES:
         assert_png(regenerated / f"{kind}.png")
         assert_pdf(regenerated / f"{kind}.pdf")
     table = pd.read_csv(regenerated / "table.csv")
@@ -72,7 +75,7 @@ def test_regenerate_writes_every_figure_table_and_report(regenerated, sweep):
 def test_plot_all_on_a_single_run(tmp_path):
     run = make_run(tmp_path / "run", "flt", 3, eval_loops=True)
     written = P.plot("all", run)
-    assert sorted(p.name for p in written) == sorted(f"{k}.{f}" for k in P.FIGURES for f in ("png", "pdf"))
+    assert sorted(p.name for p in written) == sorted(f"{k}.{f}" for k in RUN_FIGURES for f in ("png", "pdf"))
     assert all(p.parent == run / "figures" for p in written) and not written.skipped
     for p in written:
         (assert_png if p.suffix == ".png" else assert_pdf)(p)
@@ -81,7 +84,7 @@ def test_plot_all_on_a_single_run(tmp_path):
 def test_in_progress_run_without_eval_loops(tmp_path):
     run = make_run(tmp_path / "run", "lt", 6, collapsed=True, finished=False)
     written = P.plot("all", run, out_dir=tmp_path / "out", formats=("png",))
-    assert sorted(p.stem for p in written) == sorted(k for k in P.FIGURES if k != "loops")
+    assert sorted(p.stem for p in written) == sorted(k for k in RUN_FIGURES if k != "loops")
     assert "eval_loops.csv" in written.skipped["loops"]
     with pytest.raises(StorageError, match="eval_loops"):
         P.plot("loops", run)
@@ -108,7 +111,7 @@ def test_bad_paths_raise_storage_error(tmp_path, make_bad, message):
 # --------------------------------------------------------------------------- figure data
 
 def test_figure_data_is_pure(sweep):
-    for kind in P.FIGURES:
+    for kind in RUN_FIGURES:
         a, b = P.figure_data(kind, sweep), P.figure_data(kind, sweep)
         assert len(a), kind
         pd.testing.assert_frame_equal(a, b)
@@ -118,7 +121,7 @@ def test_figure_data_matches_stored_rows(sweep):
     spec = read_json(sweep / "sweep.json")
     runs = [sweep / CELLS / n for n in spec["cell_names"] if (sweep / CELLS / n).exists()]
     resid, grads, loss = (P.figure_data(k, sweep) for k in ("residuals", "gradients", "loss"))
-    heat = P.heatmap_data(sweep, steps=[10, 10_000])
+    heat = heatmap.data(P.study_of(sweep, ["heatmap"]), steps=[10, 10_000])
     for run in runs:
         got = resid[resid.run == run.name].sort_values(["step", "loop"]).reset_index(drop=True)
         want = stored(run, M.RESID_NORM_LOOP_END)
@@ -128,10 +131,13 @@ def test_figure_data_matches_stored_rows(sweep):
         g = grads[(grads.run == run.name) & (grads.metric == M.GRAD_NORM)]
         np.testing.assert_allclose(g.value, stored(run, M.GRAD_NORM).query("layer == -1").value)
 
-        raw = stored(run, M.LOSS).value
+        raw = stored(run, M.LOSS)  # the verdict's smoothing: a trailing mean over full windows only
         window = read_json(run / "config.json")["verdict"]["smooth_window"]
-        smooth = [raw[max(0, i - window + 1):i + 1].mean() for i in range(len(raw))]
-        np.testing.assert_allclose(loss[(loss.run == run.name) & (loss.metric == "loss_smoothed")].value, smooth)
+        values = raw.value.to_numpy()
+        smooth = [values[i - window + 1:i + 1].mean() for i in range(window - 1, len(values))]
+        got = loss[(loss.run == run.name) & (loss.metric == "loss_smoothed")]
+        np.testing.assert_array_equal(got.step, raw.step[window - 1:])
+        np.testing.assert_allclose(got.value, smooth)
 
         h = heat[heat.run == run.name]
         last = int(stored(run, M.RESID_NORM).step.max())
@@ -146,7 +152,7 @@ def test_oscillation_indices_come_from_the_summary(sweep):
     run = sweep / CELLS / "lt_K06_seed0_lr1"
     summary = read_json(run / "summary.json")
     osc = grads[(grads.run == run.name) & grads.metric.str.startswith("osc_")]
-    assert dict(zip(osc.metric, osc.value)) == pytest.approx({k: summary[k] for k in P.OSC_LABELS})
+    assert dict(zip(osc.metric, osc.value)) == pytest.approx({k: summary[k] for k in OSC_COLUMNS})
     running = grads[(grads.run == "fla_K03_seed0_lr1") & grads.metric.str.startswith("osc_")]
     assert len(running) == 4 and running.value.notna().all()
 
@@ -166,7 +172,7 @@ def test_collapse_grid_aggregates_seeds_and_lr_scales(tmp_path):
     for r in grid.itertuples():
         assert r.verdict == EXPECTED_VERDICTS[(r.variant, r.loops)]
         assert (r.runs, r.finished, r.agree) == {"pending": (0, 0, 0), "running": (2, 0, 0)}.get(r.verdict, (2, 2, 2))
-    assert P.fig_collapse(sweep).axes[0].get_title() == "lr×1"
+    assert P.FIGURES["collapse"].figure(P.study_of(sweep, ["collapse"])).axes[0].get_title() == "lr×1"
 
 
 # --------------------------------------------------------------------------- report
@@ -174,7 +180,7 @@ def test_collapse_grid_aggregates_seeds_and_lr_scales(tmp_path):
 def test_report_has_every_figure_and_the_table(regenerated):
     html = (regenerated / "report.html").read_text()
     images = re.findall(r'<img[^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"', html)
-    assert len(images) == html.count("<img") == len(P.FIGURES)
+    assert len(images) == html.count("<img") == len(RUN_FIGURES)
     assert all(base64.b64decode(i)[:8] == PNG_MAGIC for i in images)
     for (variant, loops), verdict in EXPECTED_VERDICTS.items():
         assert re.search(rf"<tr><td[^>]*>{variant}</td><td[^>]*>{loops}</td><td[^>]*>{verdict}", html), (variant, loops)
@@ -186,7 +192,7 @@ def test_write_report_default_location_on_a_run(tmp_path):
     run = make_run(tmp_path / "run", "lt", 3)  # no eval_loops.csv: five figures
     html = write_report(run).read_text()
     assert (run / "report.html").exists()
-    assert html.count("data:image/png;base64,") == len(P.FIGURES) - 1 and "left out" in html
+    assert html.count("data:image/png;base64,") == len(RUN_FIGURES) - 1 and "left out" in html
 
 
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs /usr/bin/chromium")
@@ -203,7 +209,8 @@ def test_report_renders_in_headless_chromium(regenerated, tmp_path):
 
 
 def test_plotting_and_report_never_import_torch():
-    code = ("import runpy, sys; import flt_diag.plotting, flt_diag.report, flt_diag.storage; "
+    code = ("import runpy, sys; import flt_diag.results, flt_diag.figures, flt_diag.report, "
+            "flt_diag.storage, flt_diag.metrics; "
             "runpy.run_path('analysis/regenerate.py', run_name='imported'); "
             "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'flt_diag.train', "
             "'flt_diag.model', 'flt_diag.config'))); assert not bad, bad")

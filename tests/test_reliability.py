@@ -173,31 +173,14 @@ def test_sweep_workers_die_with_their_parent(tmp_path):
 # ------------------------------------------------------------------ bad values, generated from the options
 
 def _numeric_options():
-    """(command path, option name, kind) for every int/float option of every command, read from the
-    CLI's own option definitions."""
-    import typing
-    import typer.main
-    from flt_diag.cli import app
-    root = typer.main.get_command(app)
+    """(command path, option name, kind, positional arguments) for every int/float option of every
+    command, read from the option definitions the parser is generated from."""
+    from flt_diag.cli import COMMANDS
     out = []
-
-    def base_type(annotation):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return base_type(args[0]) if args else annotation
-
-    def walk(cmd, path):
-        if hasattr(cmd, "commands"):  # a group (the CLI, `plot`)
-            for name, sub in cmd.commands.items():
-                walk(sub, path + [name])
-            return
-        arguments = [a.name for a in cmd.params if type(a).__name__.endswith("Argument")]
-        for p in cmd.params:
-            if type(p).__name__.endswith("Option") and p.opts:
-                t = base_type(p.type_descriptor.annotation)
-                kind = {int: "int", float: "float"}.get(t)
-                if kind:
-                    out.append((tuple(path), p.opts[0], kind, arguments))
-    walk(root, [])
+    for name, (_, positionals, options) in COMMANDS.items():
+        for o in options():
+            if o.kind in (int, float):
+                out.append(((name,), o.flag, o.kind.__name__, [p[0] for p in positionals]))
     return out
 
 

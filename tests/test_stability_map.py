@@ -122,7 +122,7 @@ def test_another_map_on_the_same_folder_is_refused(tmp_path):
 
 
 def test_map_figure_draws_from_the_folder(tmp_path):
-    from flt_diag.figure_map import fig_map, map_data
+    from flt_diag.figures.map import fig_map, map_data
     run_map(_spec(), tmp_path / "m", runner=Synthetic({"lt": 1.3, "flt": 9.0}), report=lambda s: None)
     df = map_data(tmp_path / "m")
     assert len(df) == 2 * 2 * 2  # criteria x variants x loops

@@ -3,7 +3,7 @@ import pytest
 
 from conftest import tiny_config
 from flt_diag import sweep as S
-from flt_diag.cli import expand_list_options, main
+from flt_diag.cli import main
 from flt_diag.storage import StorageError, load_summary
 from flt_diag.train import Callback, Trainer
 
@@ -29,17 +29,24 @@ def test_bad_specs(bad):
         spec(**bad)
 
 
+def _parsed(argv):
+    """The option values the real parser produces for argv (no command runs)."""
+    from flt_diag.cli import build_parser
+    return vars(build_parser().parse_args(argv))
+
+
 def test_list_options_space_separated_repeated_and_commas():
-    assert expand_list_options(["run-ablation", "--loops", "3", "6", "9", "--out", "x"]) == \
-        ["run-ablation", "--loops", "3", "--loops", "6", "--loops", "9", "--out", "x"]
-    assert expand_list_options(["run-ablation", "--loops", "3", "--loops", "6"]) == \
-        ["run-ablation", "--loops", "3", "--loops", "6"]
-    # list options are expanded for the command whose option is a list (train's --loops is one value)
-    assert expand_list_options(["train", "--loops", "3", "6"]) == ["train", "--loops", "3", "6"]
-    assert expand_list_options(["run-ablation", "--loops=3,6", "--variants", "lt", "flt"])[1:] == \
-        ["--loops", "3", "--loops", "6", "--variants", "lt", "--variants", "flt"]
-    assert expand_list_options(["run-ablation", "--lr-scale", "0.5", "-1", "--list"])[1:] == \
-        ["--lr-scale", "0.5", "--lr-scale", "-1", "--list"]
+    assert _parsed(["run-ablation", "--loops", "3", "6", "9", "--out", "x"])["loops"] == [3, 6, 9]
+    assert _parsed(["run-ablation", "--loops", "3", "--loops", "6"])["loops"] == [3, 6]
+    assert _parsed(["run-ablation", "--loops=3,6", "--variants", "lt", "flt"])["loops"] == [3, 6]
+    v = _parsed(["run-ablation", "--loops", "3,6", "9", "--variants", "lt", "flt", "--list"])
+    assert v["loops"] == [3, 6, 9] and v["variants"] == ["lt", "flt"] and v["list"] is True
+    # negative numbers are values (refused later by the option's bound, not taken for options)
+    assert _parsed(["run-ablation", "--lr-scale", "0.5", "-1", "--list"])["lr_scale"] == [0.5, -1.0]
+    # train's --loops is one value: a second one is an error, never silently the last
+    from flt_diag.cli import UserError
+    with pytest.raises(UserError, match="unrecognized arguments: 6"):
+        _parsed(["train", "--loops", "3", "6"])
 
 
 def test_cli_list_parses_space_separated(tmp_path, capsys):
@@ -52,10 +59,10 @@ def test_cli_list_parses_space_separated(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--variants", "lt", "bogus"], "unknown variant 'bogus'"),
-    (["--loops", "3", "0"], "loops must be in 1..1024"),
-    (["--loops", "3", "x"], "Invalid value for '--loops'"),
-    (["--lr-scale", "0"], "lr scale must be > 0"),
+    (["--variants", "lt", "bogus"], "--variants must be one of lt, lt-ii, lt-ai, fla, flt, got 'bogus'"),
+    (["--loops", "3", "0"], "--loops must be in 1..1024, got 0"),
+    (["--loops", "3", "x"], "argument --loops: not an integer: 'x'"),
+    (["--lr-scale", "0"], "--lr-scale must be > 0"),
     (["--loops", "3", "3"], "duplicates"),
     (["--cell", "99"], "--cell must be in 0.."),
     (["--out", "/proc/forbidden/sweep"], "cannot create sweep folder"),
@@ -148,11 +155,42 @@ def test_parallel_workers(tmp_path):
 
 def test_every_study_file_lists_its_cells(capsys):
     from pathlib import Path
-    from flt_diag.cli import study_argv
+    from flt_diag.cli import load_study
     studies = sorted((Path(__file__).parent.parent / "experiments").glob("*.toml"))
     assert len(studies) >= 6
     for path in studies:
-        argv = study_argv(path)
-        assert argv[0] in ("run-ablation", "map") and "--out" in argv
-        assert main(argv + ["--list"]) == 0, path
+        command, values = load_study(path)
+        assert command in ("run-ablation", "map") and values["out"]
+        assert main(["study", str(path), "--list"]) == 0, path
         assert capsys.readouterr().out.strip()
+
+
+def test_a_study_file_is_the_same_spec_as_its_command_line(tmp_path):
+    """A study TOML loads straight into the sweep spec: the same cells and configs as the options."""
+    from flt_diag.cli import check_values, command_options, load_study, sweep_spec
+    (tmp_path / "s.toml").write_text('[ablation]\npreset = "tiny"\nvariants = ["lt", "flt"]\nloops = [2, 3]\n'
+                                     'seeds = [1]\nlr_scale = [0.5, 2]\nsteps = 7\nseq_len = 32\nout = "o"\n')
+    command, values = load_study(tmp_path / "s.toml")
+    from_file = sweep_spec(check_values(values, command_options(command)))
+    from_cli = sweep_spec(check_values(_parsed(["run-ablation", "--preset", "tiny", "--variants", "lt", "flt",
+                                                "--loops", "2", "3", "--seeds", "1", "--lr-scale", "0.5", "2",
+                                                "--steps", "7", "--seq-len", "32"]), command_options(command)))
+    assert from_file.to_dict() == from_cli.to_dict()
+    cfg = from_file.cell_config(from_file.cells()[-1])
+    assert (cfg.model.variant, cfg.model.loops, cfg.train.seed, cfg.train.lr_scale, cfg.train.steps,
+            cfg.model.sequence_len) == ("flt", 3, 1, 2.0, 7, 32)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[ablation]\nstep = 3\n', "unknown option 'step'"),
+    ('[ablation]\nsteps = 0\n', "--steps must be >= 1"),
+    ('[ablation]\nloops = [3, 3]\n', "duplicates"),
+    ('[ablation]\nsteps = "many"\n', "--steps must be an integer"),
+    ('[map]\nratio = 1\n', "--ratio must be > 1"),
+    ('[ablation]\n[map]\n', "exactly one"),
+])
+def test_bad_study_files_are_one_line(tmp_path, capsys, text, message):
+    (tmp_path / "s.toml").write_text(text)
+    assert main(["study", str(tmp_path / "s.toml"), "--list"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1

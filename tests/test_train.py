@@ -130,6 +130,103 @@ def test_gradient_accumulation_matches_big_batch(tmp_path):
         assert_close64(grads[name], g)
 
 
+def test_trainer_works_on_a_settled_copy_of_the_config(tmp_path):
+    """The vocabulary is settled from the tokenizer (bytes: 256) into the Trainer's own copy; the
+    config given keeps its value, before and after training."""
+    from flt_diag.train import settle
+    cfg = tiny_config(loops=1, steps=2, diagnostics=dict(enabled=False))
+    cfg.model.vocab_size = 999  # not what the tokenizer gives
+    before = cfg.to_dict()
+    assert settle(cfg).model.vocab_size == 256 and cfg.to_dict() == before
+    trainer = Trainer(cfg, tmp_path / "r")
+    assert trainer.cfg.model.vocab_size == 256 and trainer.model.head.weight.shape[0] == 256
+    trainer.fit()
+    assert cfg.to_dict() == before
+
+
+# ---------------------------------------------------------------- data parallel (gloo, two processes)
+
+def _ddp_rank(rank: int, port: int, cfg, out) -> None:
+    """One rank of a 2-process run, set up as torchrun would (env:// rendezvous); saves its weights."""
+    import os
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    trainer = Trainer(cfg, out, model=lambda m: LoopedTransformer(m).double())
+    trainer.fit()
+    torch.save(trainer.model.state_dict(), f"{out}.rank{rank}.pt")
+
+
+class ConcatenatedRanks(Trainer):
+    """One process training on the concatenation of what ranks 0 and 1 draw at each step."""
+
+    def batch(self, step, micro=0):
+        from flt_diag.data import batch_generator, get_batch
+        t = self.cfg.train
+        xy = [get_batch(self.train_data, t.batch_size, self.cfg.model.sequence_len,
+                        batch_generator(t.seed, step, micro, rank), self.device) for rank in range(2)]
+        return torch.cat([x for x, _ in xy]), torch.cat([y for _, y in xy])
+
+
+def test_ddp_two_gloo_processes_equal_one_process_on_the_concatenated_batch(tmp_path):
+    """Two CPU processes over gloo (the env:// rendezvous torchrun sets up), float64 weights, AdamW,
+    3 steps: both ranks end with the same weights, equal to one process trained on both ranks'
+    batches; the diagnostics hooks recorded every (loop, layer); tokens/s counts both ranks, at
+    training and when the summary is recomputed."""
+    import multiprocessing
+    import socket
+    from flt_diag.metrics import resummarize, tokens_per_step
+    from flt_diag.storage import load_config
+    from numerics import U32, fp32_positive_sum_rtol
+
+    cfg = tiny_config(variant="flt", loops=2, steps=3, batch_size=4, optimizer="adamw", seed=5)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "ddp"
+    # forked from this process (torch already imported: seconds saved); no process group exists here
+    ranks = [multiprocessing.get_context("fork").Process(target=_ddp_rank, args=(r, port, cfg, out))
+             for r in range(2)]
+    for p in ranks:
+        p.start()
+    single = ConcatenatedRanks(cfg, tmp_path / "single", model=lambda m: LoopedTransformer(m).double())
+    single.fit()  # meanwhile
+    for p in ranks:
+        p.join(timeout=120)
+    for p in ranks:
+        if p.is_alive():
+            p.kill()
+        assert p.exitcode == 0, f"a rank exited with {p.exitcode}"
+
+    w0, w1 = (torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in range(2))
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)  # DDP: every rank applies the same update
+    # DDP averages the two ranks' float64 gradients; one process sums over the concatenated batch:
+    # float64 reductions in another order (the per-token fp32 logit gradients are the same, up to the
+    # exact factor 1/2), so the weights agree to RTOL64 of float64 arithmetic
+    for k, v in single.model.state_dict().items():
+        assert_close64(w0[k], v)
+
+    B, T = cfg.train.batch_size, cfg.model.sequence_len
+    # the logged loss is fp32: the mean of two rank means over B*T token losses (each an fp32 sum,
+    # a division, the all-reduce's addition, a halving) against one mean over 2*B*T; the token losses
+    # are the same (the same fp32 logits), only the summation order differs
+    rtol = fp32_positive_sum_rtol(B * T) + fp32_positive_sum_rtol(2 * B * T) + 4 * U32
+    got, want = losses(out), losses(tmp_path / "single")
+    assert list(got.index) == [0, 1, 2]
+    assert ((got - want).abs() <= rtol * want.abs()).all(), (got - want).abs().max()
+
+    df = load_metrics(out)  # rank 0's hooks, on its own micro-batch
+    for metric in (M.RESID_NORM, M.ACT_GRAD_NORM):
+        sel = df[df.metric == metric]
+        assert set(zip(sel.loop, sel.layer)) == {(t, i) for t in (1, 2) for i in (1, 2)}, metric
+        assert sorted(set(sel.step)) == [0, 1, 2] and sel.value.notna().all()
+
+    assert load_config(out)["env"]["world_size"] == 2
+    summary = load_summary(out)
+    assert summary["tokens_per_s"] == pytest.approx(tokens_per_step(cfg, 2) * 3 / summary["wall_time"], rel=1e-12)
+    assert tokens_per_step(cfg, 2) == 2 * B * T * cfg.train.grad_accum
+    assert resummarize(out)["tokens_per_s"] == summary["tokens_per_s"]
+
+
 def test_loss_on_all_loops_trains(tmp_path):
     s = train(tiny_config(variant="lt-ii", loops=3, steps=4, loss_on="all"), tmp_path / "r")
     assert s["steps_done"] == 4 and math.isfinite(s["final_loss"])
@@ -150,12 +247,12 @@ def run_cli(args, capsys):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["train", "--variant", "nope"], "unknown variant 'nope'"),
-    (["train", "--loops", "0"], "loops must be in 1..1024"),
-    (["train", "--loops", "-3"], "loops must be in 1..1024"),
-    (["train", "--loops", "many"], "Invalid value for '--loops'"),
+    (["train", "--variant", "nope"], "--variant must be one of lt, lt-ii, lt-ai, fla, flt, got 'nope'"),
+    (["train", "--loops", "0"], "--loops must be in 1..1024, got 0"),
+    (["train", "--loops", "-3"], "--loops must be in 1..1024, got -3"),
+    (["train", "--loops", "many"], "argument --loops: not an integer: 'many'"),
     (["train", "--data", "/no/such/file.txt"], "neither a known corpus"),
-    (["train", "--preset", "huge"], "unknown preset 'huge'"),
+    (["train", "--preset", "huge"], "--preset must be one of tiny, small, paper-small, paper-base, auto, got 'huge'"),
     (["train", "--steps", "0"], "--steps"),
     (["train", "--tokenizer", "/no/such/tokenizer.json"], "tokenizer file /no/such/tokenizer.json does not exist"),
 ])

@@ -1,0 +1,105 @@
+"""The command line, the README and `--help` agree option for option with the typed config.
+
+Every field of every config section is walked: each command that should accept it does (and
+parses a value into the field), each that should not refuses it, and the README lists it."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from flt_diag import config as C
+from flt_diag.cli import UserError, build_parser, command_options, main, options_markdown
+
+README = (Path(__file__).parent.parent / "README.md").read_text()
+TRAINING_COMMANDS = ("train", "run-ablation", "map")
+
+
+def _sample(o: C.Option):
+    """A valid value of an option other than its default, as text and as the parsed value."""
+    if o.choices:
+        value = next((c for c in o.choices if c != o.default), o.choices[0])
+        return value, value
+    if o.kind is int:
+        value = int(o.low or 0) + 3
+        return str(value), value
+    if o.kind is float:
+        value = (o.above if o.above is not None else o.low or 0) + 0.5
+        value = min(value, o.below - 0.01) if o.below is not None else value
+        return repr(value), value
+    return "some-text", "some-text"
+
+
+def _parse(command: str, args: list[str]) -> dict:
+    return vars(build_parser().parse_args([command, *args]))
+
+
+def test_every_config_field_is_an_option():
+    """No config field escapes the option table (a new field must say which commands take it)."""
+    for section, cls in C.SECTIONS.items():
+        names = {o.name for o in C.OPTIONS if o.section == section}
+        assert names == {f.name for f in dataclasses.fields(cls)}, section
+
+
+@pytest.mark.parametrize("o", [o for o in C.OPTIONS if o.commands], ids=lambda o: o.flag)
+def test_each_command_that_should_accept_an_option_does(o):
+    text, value = _sample(o)
+    for command in TRAINING_COMMANDS:
+        same_flag = [x for x in command_options(command) if x.flag == o.flag]
+        if command in o.commands:
+            args = [o.flag] if o.kind is bool else [o.flag, text]
+            got = _parse(command, args)[o.dest]
+            assert got == (True if o.kind is bool else value), (command, o.flag)
+            if o.kind is bool:
+                assert _parse(command, [f"--no-{o.flag[2:]}"])[o.dest] is False
+        elif not same_flag:  # e.g. train's --seed: run-ablation and map take --seeds instead
+            with pytest.raises(UserError, match="unrecognized arguments"):
+                _parse(command, [o.flag] if o.kind is bool else [o.flag, text])
+
+
+@pytest.mark.parametrize("command", TRAINING_COMMANDS + ("summary",))
+def test_help_lists_every_option_of_the_command(command, capsys):
+    assert main([command, "--help"]) == 0
+    help_text = capsys.readouterr().out
+    options = command_options(command) if command != "summary" else C.options_for("summary")
+    for o in options:
+        assert re.search(rf"(^|\s){re.escape(o.flag)}\b", help_text), (command, o.flag)
+
+
+def test_the_readme_option_table_is_generated_from_the_options():
+    """README's table equals the generated one (regenerate: see the comment above it in README)."""
+    block = README.split("<!-- options:start -->")[1].split("<!-- options:end -->")[0].strip()
+    assert block == options_markdown()
+
+
+def test_every_flag_the_readme_names_exists():
+    """A flag in the README that no command accepts is a broken promise."""
+    parser = build_parser()
+    known = set()
+    for action in parser._subparsers._group_actions[0].choices.values():
+        for a in action._actions:
+            known.update(a.option_strings)
+        if action._subparsers is not None:
+            for sub in action._subparsers._group_actions[0].choices.values():
+                for a in sub._actions:
+                    known.update(a.option_strings)
+    named = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9_-]*[a-z0-9])(?![\w-])", README))
+    # pytest's and pip's own flags in the install/test section are not flt-diag's
+    foreign = {"--cov", "--upgrade", "--index-url", "--extra-index-url", "--runslow", "--durations", "--nproc_per_node",
+               "--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend", "--standalone",
+               "--wrap", "--array", "--gres", "--ntasks", "--cpus-per-task", "--time"}
+    assert named - known - foreign == set()
+
+
+def test_defaults_in_help_are_the_dataclass_defaults():
+    """`--help` shows the config's own default (or each preset's), never a second copy."""
+    o = next(o for o in C.OPTIONS if o.flag == "--momentum-warmup")
+    assert o.default == C.TrainConfig().momentum_warmup
+    row = next(line for line in options_markdown().splitlines() if line.startswith(f"| `{o.flag}`"))
+    assert f"| {C.TrainConfig().momentum_warmup} |" in row
+    bs = next(o for o in C.OPTIONS if o.flag == "--batch-size")
+    row = next(line for line in options_markdown().splitlines() if line.startswith(f"| `{bs.flag}`"))
+    for name, preset in C.PRESETS.items():
+        assert f"{name} {preset['train']['batch_size']}" in row

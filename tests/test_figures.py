@@ -1,0 +1,133 @@
+"""The figure registry, the torch-free study layer, and what figures show (tests/fake_runs.py folders)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure as MplFigure
+from matplotlib.table import Table
+
+from fake_runs import make_run, make_sweep
+from flt_diag import figures
+from flt_diag import metric_names as M
+from flt_diag.figures import FIGURES, Figure, plot, register, render, study_of, unregister
+from flt_diag.figures.style import style
+from flt_diag.results import SUMMARY_COLUMNS, collect
+from flt_diag.storage import CELLS, StorageError, read_json
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> Path:
+    return make_sweep(tmp_path_factory.mktemp("figures") / "sweep")
+
+
+@pytest.mark.parametrize("module", ["flt_diag.results", "flt_diag.figures", "flt_diag.report"])
+def test_study_layer_never_imports_torch(module):
+    code = f"import sys, {module}; assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_one_list_of_summary_columns():
+    from flt_diag import sweep
+    assert sweep.SUMMARY_COLUMNS is SUMMARY_COLUMNS
+
+
+def test_registry_in_display_order_with_help():
+    assert list(FIGURES)[:7] == ["residuals", "heatmap", "gradients", "loss", "collapse", "loops", "map"]
+    assert all(f.name == name and f.help and "\n" not in f.help for name, f in FIGURES.items())
+
+
+def _runs_table(study) -> pd.DataFrame:
+    return pd.DataFrame({"run": [r.name for r in study.runs], "final": [r.summary is not None for r in study.runs]})
+
+
+def _draw_runs(df: pd.DataFrame) -> MplFigure:
+    fig = MplFigure(figsize=(3, 2))
+    fig.subplots().bar(range(len(df)), df.final.astype(int))
+    return fig
+
+
+@pytest.fixture
+def throwaway():
+    register(Figure("finished", "which runs finished", (), _runs_table, _draw_runs, order=65))
+    yield "finished"
+    unregister("finished")
+
+
+def test_a_registered_figure_is_plotted_by_name_and_by_all(throwaway, sweep, tmp_path):
+    assert list(FIGURES).index("finished") == list(FIGURES).index("loops") + 1
+    written = plot("finished", sweep, tmp_path / "one", ("png",))
+    assert [p.name for p in written] == ["finished.png"] and written[0].stat().st_size > 1000
+    every = plot("all", sweep, tmp_path / "all", ("png",))
+    assert "finished.png" in {p.name for p in every}
+    assert "map" not in {p.stem for p in every} and "map" not in every.skipped  # a sweep is not a map
+    assert figures.figure_data("finished", sweep).final.sum() == 4
+
+
+def test_unknown_and_empty_figures(tmp_path):
+    run = make_run(tmp_path / "run", "lt", 3)  # no eval_loops.csv
+    with pytest.raises(ValueError, match="unknown figure 'nope'"):
+        plot("nope", run)
+    with pytest.raises(StorageError, match="eval_loops"):
+        plot("loops", run)
+    with pytest.raises(StorageError, match="not a stability map"):
+        plot("map", run)
+
+
+def test_loss_figure_draws_the_verdicts_smoothing(sweep):
+    """The plotted smoothed loss is the verdict's: a trailing mean over full windows of smooth_window
+    steps (computed here with numpy), ending at the summary's final_loss, its minimum its best_loss,
+    and the collapse cross sits at the evidence's climb_step."""
+    loss = figures.figure_data("loss", sweep)
+    for name in ("lt_K06_seed0_lr1", "flt_K03_seed0_lr1"):
+        run = sweep / CELLS / name
+        window = read_json(run / "config.json")["verdict"]["smooth_window"]
+        raw = pd.read_parquet(run / "metrics")
+        raw = raw[raw.metric == M.LOSS].sort_values("step")
+        kernel = np.ones(window) / window
+        want = np.convolve(raw.value.to_numpy(), kernel, mode="valid")
+        got = loss[(loss.run == name) & (loss.metric == "loss_smoothed")]
+        np.testing.assert_array_equal(got.step, raw.step.to_numpy()[window - 1:])
+        np.testing.assert_allclose(got.value, want, rtol=1e-12)
+        summary = read_json(run / "summary.json")
+        assert got.value.iloc[-1] == pytest.approx(summary["final_loss"])
+        assert got.value.min() == pytest.approx(summary["best_loss"])
+    mark = loss[loss.metric == "collapsed"]
+    summary = read_json(sweep / CELLS / "lt_K06_seed0_lr1" / "summary.json")
+    assert mark.run.tolist() == ["lt_K06_seed0_lr1"] and mark.step.tolist() == [summary["evidence"]["climb_step"]]
+
+
+def _boxes(fig: MplFigure):
+    canvas = FigureCanvasAgg(fig)
+    with style():  # as save() lays it out
+        canvas.draw()
+    renderer = canvas.get_renderer()
+    tables = [a.get_window_extent(renderer) for ax in fig.axes for a in ax.get_children() if isinstance(a, Table)]
+    legends = [lg.get_window_extent(renderer) for lg in fig.legends]
+    axes = [ax.get_window_extent(renderer) for ax in fig.axes if ax.axison]
+    return tables, legends, axes
+
+
+def test_gradients_legend_covers_no_table_and_no_panel(sweep):
+    fig = FIGURES["gradients"].figure(study_of(sweep, ["gradients"]))
+    tables, legends, axes = _boxes(fig)
+    assert len(tables) == 2 and len(legends) == 1  # one table per loops value, one legend per figure
+    assert not any(legends[0].overlaps(box) for box in tables + axes)
+    assert not any(a.overlaps(b) for i, a in enumerate(tables) for b in tables[i + 1:])
+
+
+def test_every_figure_has_one_legend_outside_its_panels(sweep):
+    drawn, skipped = render(collect(sweep))
+    assert not skipped
+    for name, fig in drawn.items():
+        _, legends, axes = _boxes(fig)
+        assert len(legends) == 1 and not any(ax.legend_ for ax in fig.axes), name
+        assert not any(legends[0].overlaps(box) for box in axes), name
