@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from flt_diag import config as C
-from flt_diag.cli import UserError, build_parser, command_options, main, options_markdown
+from flt_diag.cli import build_parser, main
+from flt_diag.options import UserError, command_options, options_markdown
 
 README = (Path(__file__).parent.parent / "README.md").read_text()
 TRAINING_COMMANDS = ("train", "run-ablation", "map")
