@@ -221,10 +221,16 @@ def _run_sweep(spec, out, workers, only_cell, show_progress) -> pd.DataFrame:
                 monitor.finish(cell, result)
                 write_summary(out)
         else:
-            _run_parallel(base, todo, out, workers, monitor)
+            _run_parallel(base, longest_first(todo), out, workers, monitor)
     finally:
         monitor.close()
     return write_summary(out)
+
+
+def longest_first(cells: list[Cell]) -> list[Cell]:
+    """Cells in the order parallel workers should take them: the most block applications per step
+    (loops x depth) first, so that no long cell starts last and runs alone (ties keep the grid's order)."""
+    return sorted(cells, key=lambda c: -c.loops * (c.depth or 1))
 
 
 def auto_workers(device: str) -> int:

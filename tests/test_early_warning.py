@@ -159,13 +159,18 @@ def test_fit_predictor_command_writes_a_loadable_model(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_stop_on_collapse_on_12_loop_lt(tmp_path, capsys):
-    """The packaged predictor stops a collapsing 12-loop LT run (tiny preset) early, and lets the
-    same run of FLT train to the end."""
+    """The packaged predictor stops a collapsing 12-loop LT run (tiny preset, seed 1, 800 steps: it
+    collapses, measured in README) early, and lets the same run of FLT train to the end."""
     from flt_diag.cli import main
     for variant in ("lt", "flt"):
-        code = main(["train", "--variant", variant, "--loops", "12", "--steps", "2000", "--device", "cpu",
-                     "--stop-on-collapse", "--out", str(tmp_path / variant)])
+        code = main(["train", "--variant", variant, "--loops", "12", "--steps", "800", "--seed", "1", "--device",
+                     "cpu", "--stop-on-collapse", "--out", str(tmp_path / variant)])
         assert code == 0
+    out = capsys.readouterr().out
     lt, flt = load_summary(tmp_path / "lt"), load_summary(tmp_path / "flt")
-    assert lt["verdict"] == "collapsed" and lt["prediction"]["step"] < 2000
-    assert flt["verdict"] != "collapsed" and flt["steps_done"] == 2000
+    assert lt["verdict"] == "collapsed" and lt["prediction"]["step"] < 800 and lt["steps_done"] < 800
+    assert f"predicted at step {lt['prediction']['step']}" in out
+    assert flt["verdict"] == "stable" and flt["steps_done"] == 800 and not flt.get("prediction")
+    # the stopped run's folder is complete: every figure draws from it
+    from flt_diag.figures import plot
+    assert plot("all", tmp_path / "lt", tmp_path / "fig", ("png",))

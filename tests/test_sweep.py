@@ -194,3 +194,11 @@ def test_bad_study_files_are_one_line(tmp_path, capsys, text, message):
     assert main(["study", str(tmp_path / "s.toml"), "--list"]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_parallel_workers_take_the_longest_cells_first():
+    cells = spec(variants=["lt", "flt"], loops=[1, 3, 2], seeds=[0, 1]).cells()
+    order = S.longest_first(cells)
+    assert [c.loops for c in order] == [3] * 4 + [2] * 4 + [1] * 4
+    assert [c.index for c in order[:4]] == sorted(c.index for c in cells if c.loops == 3)  # ties: grid order
+    assert sorted(c.index for c in order) == [c.index for c in cells]
