@@ -41,7 +41,7 @@ def test_one_list_of_summary_columns():
 
 
 def test_registry_in_display_order_with_help():
-    assert list(FIGURES)[:7] == ["residuals", "heatmap", "gradients", "loss", "collapse", "loops", "map"]
+    assert list(FIGURES)[:7] == ["residuals", "depth", "gradients", "loss", "collapse", "loops", "map"]
     assert all(f.name == name and f.help and "\n" not in f.help for name, f in FIGURES.items())
 
 

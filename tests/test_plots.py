@@ -16,7 +16,7 @@ import pytest
 from fake_runs import EXPECTED_VERDICTS, make_run, make_sweep
 from flt_diag import metric_names as M
 from flt_diag import figures as P
-from flt_diag.figures import heatmap
+from flt_diag.figures import depth
 from flt_diag.results import OSC_COLUMNS
 from flt_diag.report import write_report
 from flt_diag.storage import CELLS, StorageError, read_json, write_json
@@ -121,7 +121,7 @@ def test_figure_data_matches_stored_rows(sweep):
     spec = read_json(sweep / "sweep.json")
     runs = [sweep / CELLS / n for n in spec["cell_names"] if (sweep / CELLS / n).exists()]
     resid, grads, loss = (P.figure_data(k, sweep) for k in ("residuals", "gradients", "loss"))
-    heat = heatmap.data(P.study_of(sweep, ["heatmap"]), steps=[10, 10_000])
+    heat = depth.data(P.study_of(sweep, ["depth"]), steps=[10, 10_000])
     for run in runs:
         got = resid[resid.run == run.name].sort_values(["step", "loop"]).reset_index(drop=True)
         want = stored(run, M.RESID_NORM_LOOP_END)

@@ -1,6 +1,6 @@
 """Residual norm through depth (loop by loop, layer by layer) at the first, middle and last recorded
 step: one row of panels per loops K (and lr scale), one column per chosen step, one line per variant.
-(The CLI name `heatmap` is kept from the earlier loop x layer heatmap this figure replaces.)"""
+(It replaces the earlier loop x layer heatmap.)"""
 from __future__ import annotations
 
 import numpy as np
@@ -70,5 +70,5 @@ def draw(df: pd.DataFrame):
     return finish(fig, "Residual norm by loop index, at the first, middle and last step")
 
 
-register(Figure("heatmap", "residual norm by loop index (and layer) at the first, middle and last step",
+register(Figure("depth", "residual norm by loop index (and layer) at the first, middle and last step",
                 (M.RESID_NORM,), data, draw, empty="no resid_norm recorded", order=20))
