@@ -104,3 +104,28 @@ def test_defaults_in_help_are_the_dataclass_defaults():
     row = next(line for line in options_markdown().splitlines() if line.startswith(f"| `{bs.flag}`"))
     for name, preset in C.PRESETS.items():
         assert f"{name} {preset['train']['batch_size']}" in row
+
+
+def _choice_and_list_cases():
+    """(command, option) for every option with choices, and every list option, of every command."""
+    from flt_diag.cli import COMMANDS
+    return [(name, o) for name, (_, positionals, options) in COMMANDS.items() if not positionals
+            for o in options() if o.choices or o.many]
+
+
+@pytest.mark.parametrize("command, o", _choice_and_list_cases(), ids=lambda x: x if isinstance(x, str) else x.flag)
+def test_every_choice_and_list_option_refuses_bad_values(tmp_path, monkeypatch, capsys, command, o):
+    """Generated from the definitions: a value outside the choices, a duplicate in a list, an empty
+    list item — one error line, exit 2, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    bad = []
+    if o.choices:
+        bad.append([o.flag, "bogus"])
+    if o.many:
+        text, _ = _sample(o)
+        bad += [[o.flag, text, text], [o.flag, f"{text},"]]
+    for args in bad:
+        assert main([command, *args]) == 2, args
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(err) == 1 and err[0].startswith("error: ") and o.flag in err[0], (args, err)
+    assert list(tmp_path.iterdir()) == []
