@@ -90,7 +90,8 @@ def test_every_flag_the_readme_names_exists():
     # pytest's and pip's own flags in the install/test section are not flt-diag's
     foreign = {"--cov", "--upgrade", "--index-url", "--extra-index-url", "--runslow", "--durations", "--nproc_per_node",
                "--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend", "--standalone",
-               "--wrap", "--array", "--gres", "--ntasks", "--cpus-per-task", "--time"}
+               "--wrap", "--array", "--gres", "--ntasks", "--cpus-per-task", "--time",
+               "--flops", "--sweep"}  # the last two: benchmarks/bench.py's own
     assert named - known - foreign == set()
 
 
