@@ -67,8 +67,8 @@ def _listed_or_picked(items: list, v: dict, line) -> bool:
         for item in items:
             print(line(item))
         return True
-    if v["cell"] is not None and not 0 <= v["cell"] < len(items):
-        raise UserError(f"--cell must be in 0..{len(items) - 1}, got {v['cell']}")
+    from .sweep import only
+    only(items, v["cell"])  # a bad --cell: the one check the sweep and the map also use
     return False
 
 
