@@ -1,7 +1,7 @@
 """Performance benchmarks of the looped transformer, in one process, interleaved.
 
     python benchmarks/bench.py [--preset tiny|mid|gpu] [--variants lt flt ...] [--loops 3 6 9 12]
-                               [--step-loops K] [--repeats N] [--out results.json]
+                               [--step-loops K] [--repeats N] [--out results.json] [--toy]
                                [--device cpu|cuda] [--threads N] [--quick] [--profile]
                                [--eager-variants V ...]
     python benchmarks/bench.py --flops [--loops 3 6 9 12] [--variants flt] [--preset tiny]
@@ -73,6 +73,7 @@ class BenchSpec:
     steps_per_sample: int = 3  # training steps per timed sample
     warmup: int = 2  # untimed steps per configuration first
     peak_size: int = 2048  # square matmul timed for the peak rate
+    compile: bool | None = None  # compiled blocks: None = as the Trainer decides (on CUDA, not on CPU)
     description: str = ""
 
 
@@ -85,14 +86,25 @@ BENCH_PRESETS: dict[str, BenchSpec] = {
                      train=dict(batch_size=16), step_loops=6, repeats=5, steps_per_sample=2, warmup=1,
                      description="mid (CPU): d=128, L=4, 4 heads (head dim 32), seq 128, batch 16"),
     # One H100/H200-class GPU: flt_diag's small preset, bf16 autocast, compiled blocks.
-    "gpu": BenchSpec("small", step_loops=6, repeats=7, steps_per_sample=5, warmup=3, peak_size=8192,
+    "gpu": BenchSpec("small", step_loops=6, repeats=7, steps_per_sample=5, warmup=3, peak_size=8192, compile=True,
                      description="flt_diag small: d=384, L=6, 3 heads (head dim 128), seq 512, batch 64"),
 }
 
 QUICK = dict(repeats=5, steps_per_sample=2, warmup=1, step_loops=3, mem_loops=(3, 12), peak_size=1024)
 QUICK_VARIANTS = ["lt", "flt"]
+# --toy: the preset's code path (its compile setting, diagnostics, eager comparison, memory sweep) at
+# tiny's shape and a smaller batch, so that e.g. `--preset gpu --toy` runs on a CPU in seconds.
+TOY = dict(model=dict(n_layer=2, n_embd=64, n_head=2, sequence_len=64), train=dict(batch_size=4),
+           repeats=3, steps_per_sample=1, warmup=1, step_loops=3, mem_loops=(2, 3), peak_size=512)
 
-TARGETS = dict(step_vs_unrolled=1.05, diagnostics_overhead=1.10, checkpoint_memory_ratio=1.5)
+
+def toy(spec: BenchSpec) -> BenchSpec:
+    """`spec` at toy size (TOY): same preset, compile setting and recipe, tiny model and timing."""
+    return replace(spec, **{k: v for k, v in TOY.items() if k not in ("model", "train")},
+                   model={**spec.model, **TOY["model"]}, train={**spec.train, **TOY["train"]},
+                   description=f"{spec.description} -- toy size: d=64, L=2, 2 heads, seq 64, batch 4")
+
+TARGETS = dict(step_vs_unrolled=1.05, diagnostics_overhead=1.05, checkpoint_memory_ratio=1.5)
 
 
 def bench_config(spec: BenchSpec, variant: str, loops: int, device: str,
@@ -101,7 +113,7 @@ def bench_config(spec: BenchSpec, variant: str, loops: int, device: str,
     lr held at its base value: the warm-down never starts). `compile` None: as the Trainer decides
     (compiled blocks on CUDA, eager on CPU)."""
     train = dict(spec.train, device=device, steps=10**6, eval_every=0, checkpoint_every=0,
-                 checkpoint_loops=checkpoint_loops, compile=compile)
+                 checkpoint_loops=checkpoint_loops, compile=spec.compile if compile is None else compile)
     return settle(build_config(spec.base, device == "cuda", model=dict(spec.model, variant=variant, loops=loops),
                                train=train))
 
@@ -767,6 +779,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="CPU threads [default: 1 on cpu (see README: 2 threads on a shared 2-core box "
                         "are 2-40x slower under contention), torch's default on cuda]")
     p.add_argument("--quick", action="store_true", help="a smoke-test size: < 2 minutes on 2 cores")
+    p.add_argument("--toy", action="store_true",
+                   help="the preset's code path at toy size (d=64, L=2, batch 4): e.g. --preset gpu --toy "
+                        "runs the GPU preset's compiled blocks, diagnostics and eager comparison on a CPU")
     p.add_argument("--profile", action="store_true", help="also profile one looped and the unrolled step")
     p.add_argument("--no-fwd-bwd", action="store_true", help="skip the forward+backward-only timings")
     p.add_argument("--seed", type=int, default=0)
@@ -795,6 +810,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = replace(BENCH_PRESETS[args.preset])
     if args.quick:
         spec = replace(spec, **QUICK)
+    if args.toy:
+        spec = toy(spec)
     overrides = dict(step_loops=args.step_loops, repeats=args.repeats, steps_per_sample=args.steps_per_sample,
                      mem_loops=tuple(args.loops) if args.loops else None)
     spec = replace(spec, **{k: v for k, v in overrides.items() if v is not None})
@@ -808,7 +825,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(spec.mem_loops) < 2:
         print("error: --loops needs at least two loop counts for the memory ratio", file=sys.stderr)
         return 2
-    if args.device == "cuda":
+    if args.device == "cuda" or spec.compile:
         import importlib
         dynamo = importlib.import_module("torch._dynamo")
         for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
@@ -820,6 +837,7 @@ def main(argv: list[str] | None = None) -> int:
                          fwd_bwd=not args.no_fwd_bwd, eager_variants=[v for v in args.eager_variants if v in variants])
     res["preset"] = args.preset
     res["quick"] = args.quick
+    res["toy"] = args.toy
     res["command"] = "python benchmarks/bench.py " + " ".join(shlex.quote(a) for a in
                                                             (sys.argv[1:] if argv is None else argv))
     res["env"] = environment(args.device)

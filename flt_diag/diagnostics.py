@@ -28,6 +28,11 @@ def should_record(step: int, cfg: DiagnosticsConfig) -> bool:
     return cfg.enabled and (step < cfg.dense_steps or (step - cfg.dense_steps) % cfg.every == 0)
 
 
+def token_norm(x: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of the L2 norm of x's last dim (the residual-stream norm of DESIGN.md §3)."""
+    return torch.linalg.vector_norm(x.detach(), dim=-1).mean()
+
+
 class LoopHooks:
     """Per-(loop, layer) residual norms, gradients w.r.t. block outputs, attention statistics.
 
@@ -77,7 +82,7 @@ class LoopHooks:
 
     def _loop_end(self, module, args, output):
         if self._active:
-            self.log(M.RESID_NORM_LOOP_END, output.detach().norm(dim=-1).mean(), self.loop, M.NONE)
+            self.log(M.RESID_NORM_LOOP_END, token_norm(output), self.loop, M.NONE)
             self.loop += 1
 
     def _block_hook(self, layer: int):
@@ -86,7 +91,7 @@ class LoopHooks:
         def hook(module, args, output):
             if not self._active:
                 return
-            self.log(M.RESID_NORM, output.detach().norm(dim=-1).mean(), self.loop, layer)
+            self.log(M.RESID_NORM, token_norm(output), self.loop, layer)
             if self.act_grads:
                 record_grad(module, args, output)
         return hook
@@ -97,7 +102,10 @@ class LoopHooks:
             if not self._active or not output.requires_grad:
                 return
             loop, scale = self.loop, self.grad_scale
-            output.register_hook(lambda g: self.log(metric, g.detach().norm() * scale, loop, layer))
+            if scale == 1:  # (a multiplication by 1 is a kernel launch per record)
+                output.register_hook(lambda g: self.log(metric, torch.linalg.vector_norm(g.detach()), loop, layer))
+            else:
+                output.register_hook(lambda g: self.log(metric, torch.linalg.vector_norm(g.detach()) * scale, loop, layer))
         return hook
 
     def _attn_hook(self, layer: int):
@@ -122,33 +130,48 @@ def flat_grads(params) -> torch.Tensor:
     return torch.cat([p.grad.detach().flatten().float() for p in params if p.grad is not None])
 
 
-def pair_sums(g: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-    """[g.prev, |g|^2, |prev|^2, flipped coordinates, coordinates] of two flat gradients."""
+def segment_sums(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """Sums of the consecutive segments of x (lengths `sizes`) along its last dim: (..., len(sizes))."""
+    return torch.stack([part.sum(-1) for part in x.split(sizes, -1)], -1)
+
+
+def pair_sums(g: torch.Tensor, prev: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
+    """[g.prev, |g|^2, |prev|^2, flipped coordinates, coordinates] of two flat gradients: shape (5,),
+    or (5, len(sizes)) with one column per segment of `sizes` (the parameter groups, laid end to end)."""
+    parts = [g.numel()] if sizes is None else sizes
     prod = g * prev
-    return torch.stack([prod.sum(), g.square().sum(), prev.square().sum(), (prod < 0).sum().float(),
-                        torch.tensor(float(g.numel()), device=g.device)])
+    sums = torch.stack([segment_sums(x, parts) for x in (prod, g.square(), prev.square(), (prod < 0).float())])
+    out = torch.cat([sums, torch.tensor([[float(k) for k in parts]], device=g.device)])
+    return out[:, 0] if sizes is None else out
 
 
 def consecutive_stats(sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Cosine between consecutive gradients, and the share of coordinates whose sign flipped
     (g_i * prev_i < 0: a coordinate that is zero in either step does not count as flipped),
-    from `pair_sums` (summed over groups for the global figures)."""
+    from `pair_sums` (per group, or summed over groups for the global figures)."""
     dot, sq_g, sq_prev, flips, n = sums.unbind()
     return dot / (sq_g * sq_prev).sqrt().clamp_min(1e-30), flips / n
 
 
 class DiagnosticsCallback(Callback):
-    """Records everything of DESIGN.md §3 on recorded steps (see `should_record`)."""
+    """Records everything of DESIGN.md §3 on recorded steps (see `should_record`).
+
+    The per-group figures are computed on one flat gradient (the groups laid end to end) with a few
+    vector operations, not a loop of small operations per group: a recorded step costs the same
+    handful of kernel launches whatever the number of groups."""
 
     def __init__(self, cfg: DiagnosticsConfig):
         self.cfg = cfg
         self.prev: dict[str, torch.Tensor] = {}  # previous step's flat gradient per group
         self.prev_step = -2
-        self.before: dict[str, list[torch.Tensor]] = {}
+        self.before: list[torch.Tensor] = []  # the parameters before the optimizer step
         self.recording = False
 
     def on_start(self, trainer) -> None:
         self.groups = parameter_groups(trainer.model)
+        self.params = [p for ps in self.groups.values() for p in ps]
+        # position of every parameter's group, to sum per-parameter norms into group norms
+        self.group_of = torch.tensor([i for i, ps in enumerate(self.groups.values()) for _ in ps])
         self.hooks = LoopHooks(trainer.model, trainer.log.add, attention=self.cfg.attention)
         self.hooks.grad_scale = trainer.cfg.train.grad_accum
         self.hooks.__enter__()
@@ -157,55 +180,65 @@ class DiagnosticsCallback(Callback):
         self.recording = should_record(step, self.cfg)
         self.hooks.arm(self.recording)
 
+    def _keys(self, metric: str, names) -> list[tuple[str, int, int]]:
+        return [(m, M.NONE, layer) for m, layer in (M.group_key(metric, name) for name in names)]
+
+    def _group_norms(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Euclidean norm of each group's tensors (one per parameter, in `self.params` order)."""
+        sq = torch.stack(torch._foreach_norm(tensors)).float().square()
+        return torch.zeros(len(self.groups), device=sq.device).index_add_(0, self.group_of.to(sq.device), sq).sqrt()
+
     def after_backward(self, trainer, step: int) -> None:
         need_next = should_record(step + 1, self.cfg)
         if not (self.recording or need_next):
             return
-        log = trainer.log.add
-        flats = {name: flat_grads(ps) for name, ps in self.groups.items()}
+        grads = {name: [p.grad for p in ps if p.grad is not None] for name, ps in self.groups.items()}
+        names = [name for name, gs in grads.items() if gs]
+        if not names:
+            return
+        sizes = [sum(g.numel() for g in grads[name]) for name in names]
+        flat = torch.cat([g.detach().flatten().float() for name in names for g in grads[name]])
         if self.recording:
-            have_prev = self.prev_step == step - 1 and self.prev.keys() == flats.keys()
-            total = 0
-            for name, g in flats.items():
-                metric, layer = M.group_key(M.GRAD_NORM, name)
-                log(metric, g.norm(), M.NONE, layer)
-                if have_prev:
-                    sums = pair_sums(g, self.prev[name])
-                    cos, flip = consecutive_stats(sums)
-                    log(M.group_key(M.GRAD_COSINE, name)[0], cos, M.NONE, layer)
-                    log(M.group_key(M.SIGN_FLIP, name)[0], flip, M.NONE, layer)
-                    total = total + sums
+            log = trainer.log
+            prev = self.prev
+            have_prev = self.prev_step == step - 1 and list(prev) == names
             if have_prev:
-                cos, flip = consecutive_stats(total)
-                log(M.GRAD_COSINE, cos)
-                log(M.SIGN_FLIP, flip)
-            self.before = {name: [p.detach().clone() for p in ps] for name, ps in self.groups.items()}
+                sums = pair_sums(flat, torch.cat([prev[name] for name in names]), sizes)  # (5, groups)
+                log.add_vector(self._keys(M.GRAD_NORM, names), sums[1].sqrt())
+                cos, flip = consecutive_stats(sums)
+                log.add_vector(self._keys(M.GRAD_COSINE, names), cos)
+                log.add_vector(self._keys(M.SIGN_FLIP, names), flip)
+                cos, flip = consecutive_stats(sums.sum(1))
+                log.add(M.GRAD_COSINE, cos)
+                log.add(M.SIGN_FLIP, flip)
+            else:
+                log.add_vector(self._keys(M.GRAD_NORM, names), segment_sums(flat.square(), sizes).sqrt())
+            self.before = [p.detach().clone() for p in self.params]
         if need_next:
-            self.prev, self.prev_step = flats, step
+            self.prev, self.prev_step = dict(zip(names, flat.split(sizes))), step
         else:
             self.prev, self.prev_step = {}, -2
 
     def after_clip(self, trainer, step: int) -> None:
         """Per-group gradient norms after clipping (the reference's grad_norm/block_XX/attn|mlp,
         grad_norm/embed, grad_norm/lm_head), beside the pre-clipping ones of `after_backward`."""
-        if not self.recording:
+        if not self.recording or any(p.grad is None for p in self.params):
+            if self.recording:  # a parameter without gradient: per group, as the groups that have one
+                for name, ps in self.groups.items():
+                    norms = torch._foreach_norm([p.grad for p in ps if p.grad is not None])
+                    if norms:
+                        metric, layer = M.group_key(M.GRAD_NORM_CLIPPED, name)
+                        trainer.log.add(metric, torch.linalg.vector_norm(torch.stack(norms)), M.NONE, layer)
             return
-        for name, ps in self.groups.items():
-            norms = torch._foreach_norm([p.grad for p in ps if p.grad is not None])
-            if norms:
-                metric, layer = M.group_key(M.GRAD_NORM_CLIPPED, name)
-                trainer.log.add(metric, torch.linalg.vector_norm(torch.stack(norms)), M.NONE, layer)
+        trainer.log.add_vector(self._keys(M.GRAD_NORM_CLIPPED, self.groups), self._group_norms([p.grad for p in self.params]))
 
     def after_step(self, trainer, step: int) -> None:
         if not self.recording:
             return
-        for name, ps in self.groups.items():
-            before = self.before[name]
-            delta = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(torch._foreach_sub(ps, before))))
-            weight = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(before)))
-            metric, layer = M.group_key(M.UPDATE_RATIO, name)
-            trainer.log.add(metric, delta / weight.clamp_min(1e-30), M.NONE, layer)
-        self.before = {}
+        delta = self._group_norms(torch._foreach_sub(self.params, self.before))
+        weight = self._group_norms(self.before)
+        trainer.log.add_vector(self._keys(M.UPDATE_RATIO, self.groups), delta / weight.clamp_min(1e-30))
+        self.before = []
 
     def on_end(self, trainer) -> None:
         self.hooks.__exit__(None, None, None)

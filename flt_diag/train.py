@@ -60,14 +60,21 @@ class StepLog:
 
     def add(self, metric: str, value: torch.Tensor | float, loop: int = M.NONE, layer: int = M.NONE) -> None:
         self.keys.append((metric, loop, layer))
-        self.values.append(value.detach().float().reshape(()) if torch.is_tensor(value) else torch.tensor(float(value)))
+        self.values.append(value.detach().reshape(1) if torch.is_tensor(value) else torch.tensor([float(value)]))
+
+    def add_vector(self, keys: list[tuple[str, int, int]], values: torch.Tensor) -> None:
+        """Several scalars at once: values[i] under keys[i] = (metric, loop, layer)."""
+        if len(keys) != values.numel():
+            raise ValueError(f"{len(keys)} keys for {values.numel()} values")
+        self.keys.extend(keys)
+        self.values.append(values.detach().reshape(-1))
 
     def collect(self, step: int) -> list[tuple]:
         if not self.values:
             return []
         devices = {v.device for v in self.values}
         target = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
-        vals = torch.stack([v.to(target) for v in self.values]).tolist()  # the one sync
+        vals = torch.cat([v.to(target, torch.float32) for v in self.values]).tolist()  # the one sync
         rows = [(step, m, lp, ly, v) for (m, lp, ly), v in zip(self.keys, vals)]
         self.keys, self.values = [], []
         return rows

@@ -161,13 +161,20 @@ def test_cuda_without_cuda_is_one_clear_line(bench, capsys):
     assert err.count("\n") == 0 and "CUDA is not available" in err
 
 
-def test_quick_command_line(tmp_path):
-    """`python benchmarks/bench.py --quick` as a user runs it (one variant to stay fast)."""
+def test_gpu_preset_at_toy_size_on_cpu(tmp_path):
+    """`python benchmarks/bench.py --preset gpu --quick --toy` as a user runs it: the GPU preset's own
+    code path (compiled blocks, diagnostics, compiled vs eager, memory with checkpointing) on a CPU,
+    at tiny's shape."""
     import subprocess
-    out = tmp_path / "quick.json"
-    proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--variants", "flt", "--loops", "3", "6",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    out = tmp_path / "toy.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "--preset", "gpu", "--quick", "--toy", "--variants", "flt",
+                           "--diag-variants", "flt", "--eager-variants", "flt", "--no-fwd-bwd", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(out.read_text())
-    assert res["quick"] and res["env"]["threads"] == 1
-    assert "MET" in proc.stdout or "MISSED" in proc.stdout
+    assert res["quick"] and res["toy"] and res["env"]["threads"] == 1 and res["device"] == "cpu"
+    assert res["spec"]["compile"] is True and res["spec"]["base"] == "small"
+    assert (res["model"]["n_embd"], res["model"]["n_layer"], res["batch_size"]) == (64, 2, 4)
+    flt = next(r for r in res["steps"] if r["variant"] == "flt")
+    assert flt["compiled_vs_eager"]["median"] > 0 and flt["diag_overhead"]["median"] > 0
+    assert "compiled vs eager" in proc.stdout and ("MET" in proc.stdout or "MISSED" in proc.stdout)

@@ -178,6 +178,40 @@ def test_callback_global_and_group_cosines():
         torch.cat([g.flatten() for g in steps[1][1:5]]).double().norm().item(), rel=rtol)
 
 
+def test_callback_update_ratios_and_clipped_norms_per_group():
+    """The per-group update ratio ||W_after - W_before|| / ||W_before|| and the post-clipping gradient
+    norm, against float64 figures of hand-set weights, updates and gradients (small integers and
+    halves: exact in fp32; what remains are a few rounded operations: <= 8 U32)."""
+    model = make("flt", 2)
+    log = StepLog()
+    trainer = type("T", (), {"model": model, "log": log, "cfg": tiny_config(), "is_main": True, "run_dir": None})()
+    cb = DiagnosticsCallback(DiagnosticsConfig())
+    cb.on_start(trainer)
+    gen = torch.Generator().manual_seed(1)
+    groups = parameter_groups(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randint(-4, 5, p.shape, generator=gen).float())
+            p.grad = torch.randint(-3, 4, p.shape, generator=gen).float()
+    before = {name: torch.cat([p.detach().flatten() for p in ps]).double() for name, ps in groups.items()}
+    grads = {name: torch.cat([p.grad.flatten() for p in ps]).double() for name, ps in groups.items()}
+    cb.before_step(trainer, 0)
+    cb.after_backward(trainer, 0)
+    cb.after_clip(trainer, 0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randint(-2, 3, p.shape, generator=gen).float() / 2)
+    cb.after_step(trainer, 0)
+    cb.on_end(trainer)
+    rows = {(m, ly): v for _, m, lp, ly, v in log.collect(0)}
+    for name, ps in groups.items():
+        after = torch.cat([p.detach().flatten() for p in ps]).double()
+        ratio_key = M.group_key(M.UPDATE_RATIO, name)
+        assert rows[ratio_key] == pytest.approx(((after - before[name]).norm() / before[name].norm()).item(), rel=8 * U32)
+        assert rows[M.group_key(M.GRAD_NORM_CLIPPED, name)] == pytest.approx(grads[name].norm().item(), rel=8 * U32)
+        assert rows[M.group_key(M.GRAD_NORM, name)] == pytest.approx(grads[name].norm().item(), rel=8 * U32)
+
+
 def test_recording_schedule():
     cfg = DiagnosticsConfig(dense_steps=5, every=3)
     assert [s for s in range(15) if should_record(s, cfg)] == [0, 1, 2, 3, 4, 5, 8, 11, 14]
