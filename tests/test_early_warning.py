@@ -10,7 +10,7 @@ import pytest
 from conftest import tiny_config
 from flt_diag import early_warning as EW
 from flt_diag import metric_names as M
-from flt_diag.storage import load_summary, read_json
+from flt_diag.storage import load_summary
 
 
 def _rows(steps, loops=3, n_layer=2, resid=lambda s, k: 10.0, grad=lambda s: 1.0, loss=lambda s: 3.0,
@@ -120,7 +120,6 @@ def test_stop_on_collapse_ends_the_run_with_a_complete_folder(tmp_path, capsys):
 
 def test_warn_only_warns_and_trains_to_the_end(tmp_path, capsys):
     from flt_diag.train import train
-    from flt_diag.config import build_config
     pred = _toy_predictor(tmp_path, coef_climb=0.0, intercept=5.0)  # always P > 0.5
     cfg = tiny_config(variant="flt", loops=2, steps=60, diagnostics=dict(warn=True, predictor=str(pred)))
     s = train(cfg, tmp_path / "run")
@@ -131,7 +130,6 @@ def test_warn_only_warns_and_trains_to_the_end(tmp_path, capsys):
 
 def test_predict_command_on_a_sweep(tmp_path, capsys):
     from flt_diag.cli import main
-    from flt_diag.config import build_config
     from flt_diag.sweep import SweepSpec, run_sweep
     base = tiny_config(steps=40)
     run_sweep(SweepSpec(base, ["lt", "flt"], [2], [0], [1.0]), tmp_path / "sw", workers=1, show_progress=False)

@@ -18,7 +18,7 @@ from flt_diag.config import RunConfig, build_config, padded_vocab
 from flt_diag.diagnostics import LoopHooks
 from flt_diag.model import LoopedTransformer, ModelConfig, count_parameters
 from flt_diag.optim import muon_momentum
-from flt_diag.storage import load_metrics, load_summary, read_json, series
+from flt_diag.storage import load_metrics, read_json, series
 from flt_diag.train import Trainer, train
 
 

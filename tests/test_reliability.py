@@ -112,7 +112,6 @@ def test_a_wrong_shaped_resume_state_is_one_line(tmp_path, capsys):
 
 
 def test_a_sweep_with_failed_cells_exits_non_zero(tmp_path, capsys, monkeypatch):
-    import flt_diag.sweep as S
 
     def boom(cfg, run_dir, **kw):
         raise RuntimeError("boom")

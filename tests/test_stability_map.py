@@ -1,12 +1,11 @@
 """The boundary search of `flt-diag map`, on a synthetic cell runner ("breaks if x > threshold")."""
-import json
 import math
 from pathlib import Path
 
 import pytest
 
 from conftest import tiny_config
-from flt_diag.stability_map import (MapSpec, boundaries, bracket, critical_values, geometric_grid, run_map, search)
+from flt_diag.stability_map import (MapSpec, bracket, critical_values, geometric_grid, run_map, search)
 from flt_diag.storage import CELLS, SUMMARY, write_json
 
 
