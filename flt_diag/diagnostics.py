@@ -126,10 +126,6 @@ class LoopHooks:
         return hook
 
 
-def flat_grads(params) -> torch.Tensor:
-    return torch.cat([p.grad.detach().flatten().float() for p in params if p.grad is not None])
-
-
 def segment_sums(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     """Sums of the consecutive segments of x (lengths `sizes`) along its last dim: (..., len(sizes))."""
     return torch.stack([part.sum(-1) for part in x.split(sizes, -1)], -1)
@@ -222,18 +218,20 @@ class DiagnosticsCallback(Callback):
     def after_clip(self, trainer, step: int) -> None:
         """Per-group gradient norms after clipping (the reference's grad_norm/block_XX/attn|mlp,
         grad_norm/embed, grad_norm/lm_head), beside the pre-clipping ones of `after_backward`."""
-        if not self.recording or any(p.grad is None for p in self.params):
-            if self.recording:  # a parameter without gradient: per group, as the groups that have one
-                for name, ps in self.groups.items():
-                    norms = torch._foreach_norm([p.grad for p in ps if p.grad is not None])
-                    if norms:
-                        metric, layer = M.group_key(M.GRAD_NORM_CLIPPED, name)
-                        trainer.log.add(metric, torch.linalg.vector_norm(torch.stack(norms)), M.NONE, layer)
+        if not self.recording:
             return
-        trainer.log.add_vector(self._keys(M.GRAD_NORM_CLIPPED, self.groups), self._group_norms([p.grad for p in self.params]))
+        if all(p.grad is not None for p in self.params):
+            trainer.log.add_vector(self._keys(M.GRAD_NORM_CLIPPED, self.groups),
+                                   self._group_norms([p.grad for p in self.params]))
+            return
+        for name, ps in self.groups.items():  # some parameter has no gradient: the groups that have one
+            grads = [p.grad for p in ps if p.grad is not None]
+            if grads:
+                metric, layer = M.group_key(M.GRAD_NORM_CLIPPED, name)
+                trainer.log.add(metric, torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))), M.NONE, layer)
 
     def after_step(self, trainer, step: int) -> None:
-        if not self.recording:
+        if not self.recording or not self.before:
             return
         delta = self._group_norms(torch._foreach_sub(self.params, self.before))
         weight = self._group_norms(self.before)

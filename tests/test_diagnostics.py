@@ -335,3 +335,27 @@ def test_tiny_preset_contrast(tmp_path, variant, expected):
         assert ev["min_smoothed_loss"] < ev["unigram_entropy"] - 0.5, ev
         assert s["osc_cv"] < cfg.verdict.osc_cv_threshold / 2, s["osc_cv"]
         assert peak < limit / 2, (peak, limit)
+
+
+def test_callback_with_a_parameter_without_gradient():
+    """A frozen or unused parameter (grad None): its group is left out, every other group is recorded."""
+    model = make("flt", 2)
+    log = StepLog()
+    trainer = type("T", (), {"model": model, "log": log, "cfg": tiny_config(), "is_main": True, "run_dir": None})()
+    cb = DiagnosticsCallback(DiagnosticsConfig())
+    cb.on_start(trainer)
+    gen = torch.Generator().manual_seed(2)
+    for p in model.parameters():
+        p.grad = torch.randint(-3, 4, p.shape, generator=gen).float()
+    model.head.weight.grad = None
+    cb.before_step(trainer, 0)
+    cb.after_backward(trainer, 0)
+    cb.after_clip(trainer, 0)
+    cb.after_step(trainer, 0)
+    cb.on_end(trainer)
+    rows = {(m, ly): v for _, m, lp, ly, v in log.collect(0)}
+    assert ("grad_norm/head", M.NONE) not in rows and ("grad_norm_clipped/head", M.NONE) not in rows
+    mlp = torch.cat([p.grad.flatten() for p in model.blocks[1].mlp.parameters()]).double().norm().item()
+    assert rows[("grad_norm_clipped/mlp", 2)] == pytest.approx(mlp, rel=8 * U32)
+    assert rows[("grad_norm/mlp", 2)] == pytest.approx(mlp, rel=8 * U32)
+    assert rows[("update_ratio/head", M.NONE)] == 0.0  # the weights did not move
