@@ -220,7 +220,7 @@ def cmd_predict(v: dict) -> int:
         from .early_warning import draw_agreement
         from .figures import save as save_figure
         curve = [dict(step=s, **agreement(t)) for s, t in tables.items() if len(t)]
-        name = paths[0].name if len(paths) == 1 else f"{len(paths)} folders"
+        name = " + ".join(p.name for p in paths) if len(paths) <= 3 else f"{len(paths)} folders"
         print(save_figure(draw_agreement({name: curve}), v["figure"]))
     return 0
 

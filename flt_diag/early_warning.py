@@ -235,7 +235,7 @@ def draw_agreement(curves: dict[str, list[dict]]):
     """Agreement of the prediction at step s with the final verdict, against s: one line per set of
     runs (e.g. "fitted on", "held out"), from `agreement` dicts that carry their "step"."""
     from matplotlib.figure import Figure
-    fig = Figure(figsize=(5.6, 3.4), layout="constrained")
+    fig = Figure(figsize=(5.6, 3.6 + 0.25 * len(curves)), layout="constrained")
     ax = fig.subplots()
     styles = ["-", "--", ":", "-."]
     for (name, rows), ls in zip(curves.items(), styles):
@@ -251,7 +251,7 @@ def draw_agreement(curves: dict[str, list[dict]]):
     ax.set_ylabel("share of runs")
     ax.set_ylim(-0.03, 1.03)
     ax.grid(alpha=0.3)
-    fig.legend(loc="outside right center", fontsize=7, frameon=False)
+    fig.legend(loc="outside lower center", ncols=3 if len(curves) == 1 else 1, fontsize=7, frameon=False)
     fig.suptitle("early warning: prediction at step s vs the final verdict", fontsize=9, fontweight="bold")
     return fig
 
