@@ -102,10 +102,11 @@ class LoopHooks:
             if not self._active or not output.requires_grad:
                 return
             loop, scale = self.loop, self.grad_scale
-            if scale == 1:  # (a multiplication by 1 is a kernel launch per record)
-                output.register_hook(lambda g: self.log(metric, torch.linalg.vector_norm(g.detach()), loop, layer))
-            else:
-                output.register_hook(lambda g: self.log(metric, torch.linalg.vector_norm(g.detach()) * scale, loop, layer))
+
+            def record(g):
+                norm = torch.linalg.vector_norm(g.detach())
+                self.log(metric, norm if scale == 1 else norm * scale, loop, layer)  # (x 1 would be a kernel launch)
+            output.register_hook(record)
         return hook
 
     def _attn_hook(self, layer: int):
@@ -179,10 +180,12 @@ class DiagnosticsCallback(Callback):
     def _keys(self, metric: str, names) -> list[tuple[str, int, int]]:
         return [(m, M.NONE, layer) for m, layer in (M.group_key(metric, name) for name in names)]
 
-    def _group_norms(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """Euclidean norm of each group's tensors (one per parameter, in `self.params` order)."""
+    def _group_norms(self, tensors: list[torch.Tensor], group_of: torch.Tensor | None = None) -> torch.Tensor:
+        """Euclidean norm of each group's tensors (one per parameter, in `self.params` order; with
+        `group_of`, a subset of them and the group index of each)."""
         sq = torch.stack(torch._foreach_norm(tensors)).float().square()
-        return torch.zeros(len(self.groups), device=sq.device).index_add_(0, self.group_of.to(sq.device), sq).sqrt()
+        index = (self.group_of if group_of is None else group_of).to(sq.device)
+        return torch.zeros(len(self.groups), device=sq.device).index_add_(0, index, sq).sqrt()
 
     def after_backward(self, trainer, step: int) -> None:
         need_next = should_record(step + 1, self.cfg)
@@ -220,15 +223,14 @@ class DiagnosticsCallback(Callback):
         grad_norm/embed, grad_norm/lm_head), beside the pre-clipping ones of `after_backward`."""
         if not self.recording:
             return
-        if all(p.grad is not None for p in self.params):
-            trainer.log.add_vector(self._keys(M.GRAD_NORM_CLIPPED, self.groups),
-                                   self._group_norms([p.grad for p in self.params]))
+        have = [i for i, p in enumerate(self.params) if p.grad is not None]  # all, unless some are frozen
+        if not have:
             return
-        for name, ps in self.groups.items():  # some parameter has no gradient: the groups that have one
-            grads = [p.grad for p in ps if p.grad is not None]
-            if grads:
-                metric, layer = M.group_key(M.GRAD_NORM_CLIPPED, name)
-                trainer.log.add(metric, torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))), M.NONE, layer)
+        group_of = self.group_of[have]
+        norms = self._group_norms([self.params[i].grad for i in have], group_of)
+        present = sorted(set(group_of.tolist()))  # the groups with at least one gradient
+        names = list(self.groups)
+        trainer.log.add_vector(self._keys(M.GRAD_NORM_CLIPPED, [names[i] for i in present]), norms[present])
 
     def after_step(self, trainer, step: int) -> None:
         if not self.recording or not self.before:

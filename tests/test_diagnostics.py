@@ -37,6 +37,16 @@ class Recorder:
 IDX = torch.randint(0, 40, (2, 10), generator=torch.Generator().manual_seed(0))
 
 
+def started_callback(model):
+    """A DiagnosticsCallback started on `model` with a stand-in trainer (no training loop): the test
+    sets gradients and weights by hand and calls the callback's moments itself."""
+    log = StepLog()
+    trainer = type("T", (), {"model": model, "log": log, "cfg": tiny_config(), "is_main": True, "run_dir": None})()
+    cb = DiagnosticsCallback(DiagnosticsConfig())
+    cb.on_start(trainer)
+    return cb, trainer, log
+
+
 @pytest.mark.parametrize("variant", ["lt", "lt-ii", "fla", "flt"])
 def test_residual_norms_equal_independent_forward(variant):
     model, rec = float64_model(make(variant, 3)), Recorder()  # hooks and equations both in float64
@@ -150,10 +160,7 @@ def test_callback_global_and_group_cosines():
     it must match the float64 figures to 4 U32 on any machine."""
     model = make("lt", 1)
     params = list(model.parameters())
-    log = StepLog()
-    trainer = type("T", (), {"model": model, "log": log, "cfg": tiny_config(), "is_main": True, "run_dir": None})()
-    cb = DiagnosticsCallback(DiagnosticsConfig())
-    cb.on_start(trainer)
+    cb, trainer, log = started_callback(model)
     gen = torch.Generator().manual_seed(0)
     steps = [[torch.randint(-3, 4, p.shape, generator=gen).float() for p in params] for _ in range(2)]
     assert sum(p.numel() for p in params) * 3 * 3 < 2 ** 24  # exact sums of squares and products
@@ -183,10 +190,7 @@ def test_callback_update_ratios_and_clipped_norms_per_group():
     norm, against float64 figures of hand-set weights, updates and gradients (small integers and
     halves: exact in fp32; what remains are a few rounded operations: <= 8 U32)."""
     model = make("flt", 2)
-    log = StepLog()
-    trainer = type("T", (), {"model": model, "log": log, "cfg": tiny_config(), "is_main": True, "run_dir": None})()
-    cb = DiagnosticsCallback(DiagnosticsConfig())
-    cb.on_start(trainer)
+    cb, trainer, log = started_callback(model)
     gen = torch.Generator().manual_seed(1)
     groups = parameter_groups(model)
     with torch.no_grad():
@@ -343,10 +347,7 @@ def test_tiny_preset_contrast(tmp_path, variant, expected):
 def test_callback_with_a_parameter_without_gradient():
     """A frozen or unused parameter (grad None): its group is left out, every other group is recorded."""
     model = make("flt", 2)
-    log = StepLog()
-    trainer = type("T", (), {"model": model, "log": log, "cfg": tiny_config(), "is_main": True, "run_dir": None})()
-    cb = DiagnosticsCallback(DiagnosticsConfig())
-    cb.on_start(trainer)
+    cb, trainer, log = started_callback(model)
     gen = torch.Generator().manual_seed(2)
     for p in model.parameters():
         p.grad = torch.randint(-3, 4, p.shape, generator=gen).float()
