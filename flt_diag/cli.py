@@ -233,11 +233,23 @@ def cmd_fit_predictor(v: dict) -> int:
     for p in paths:
         run_dirs(p)
     command = "flt-diag fit-predictor " + " ".join(map(str, paths)) + f" --out {out} --at " + " ".join(map(str, at)) \
-        + (f" --l2 {l2:g}" if l2 != 1.0 else "") + (f" --target {target}" if target != "fails" else "")
+        + (f" --l2 {l2:g}" if l2 != 1.0 else "") + (f" --target {target}" if target != "fails" else "") \
+        + (" --cross-validate" if v["cross_validate"] else "")
     try:
         model = fit(paths, at, l2, command, target)
     except ValueError as e:
         raise UserError(str(e)) from None
+    if v["cross_validate"]:
+        from .early_warning import agreement, cross_validate
+        table = cross_validate(paths, at, l2, target)
+        model["cross_validation"] = {}
+        for s, t in table.groupby("step", sort=True):
+            a = agreement(t)
+            wrong = {"false_alarm": sorted(t.run[t.false_alarm]), "miss": sorted(t.run[t.miss])}
+            model["cross_validation"][str(s)] = a | wrong
+            print(f"step {s}: leave-one-cell-out agreement {a['accuracy']:.0%} over {a['cells']} runs "
+                  f"({a['positives']} with target {target}); {a['false_alarms']} false alarms, {a['misses']} misses"
+                  + "".join(f"\n  {kind.replace('_', ' ')}: {run}" for kind, runs in wrong.items() for run in runs))
     write_json(out, model)
     for s, m in model["models"].items():
         print(f"step {s}: {m['runs']} runs ({m['positives']} with target {model['target']}), training accuracy "
@@ -315,7 +327,9 @@ COMMANDS: dict[str, tuple] = {
         cli_opt("--at", int, "Steps to fit a model at.", [100, 200, 300, 500], many=True, low=1, optional=False),
         cli_opt("--l2", float, "L2 penalty of the logistic regression.", 1.0, above=0, optional=False),
         cli_opt("--target", str, "fails (final verdict unstable, collapsed or diverged) or collapse (collapsed or "
-                "diverged).", "fails", choices=("fails", "collapse"), optional=False)]),
+                "diverged).", "fails", choices=("fails", "collapse"), optional=False),
+        cli_opt("--cross-validate", bool, "Also report leave-one-cell-out agreement at each step (every run "
+                "predicted by a model fitted without its cell) and store it in the predictor JSON.", False)]),
     "variants": (cmd_variants, [], lambda: []),
     "report": (cmd_report, [_positional("path", Path, "A sweep or map folder.")], lambda: [
         cli_opt("--out", Path, "HTML file [default: <sweep>/report.html].")]),

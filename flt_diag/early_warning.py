@@ -142,30 +142,72 @@ def labelled_runs(sources) -> list[Path]:
     return out
 
 
+def training_runs(sources) -> list[Path]:
+    """Finished runs whose verdict is an outcome: a run ended by --stop-on-collapse carries a prediction
+    as its verdict, and fitting on it would teach the predictor its own guesses."""
+    return [d for d in labelled_runs(sources) if not load_summary(d).get("prediction")]
+
+
+def cell_identity(run_dir: Path) -> tuple:
+    """What makes two runs the same experiment apart from their length: variant, K, depth, width, seed,
+    lr scale. (A cell trained for 800 and for 2,000 steps has the same first 800 steps.)"""
+    m, t = (cfg := load_config(run_dir))["model"], cfg["train"]
+    return m["variant"], m["loops"], m["n_layer"], m["n_embd"], t["seed"], t["lr_scale"]
+
+
+def _examples(sources, steps, target: str) -> list[dict]:
+    """Per usable run: its folder, label, identity, and its features at every step it ran past."""
+    if target not in LABELS:
+        raise ValueError(f"target must be one of {', '.join(LABELS)}, got {target!r}")
+    runs = training_runs(sources)
+    if not runs:
+        raise ValueError("no finished runs to fit on")
+    out = []
+    for d in runs:
+        s = load_summary(d)
+        out.append(dict(run=d, y=label(s, target), identity=cell_identity(d),
+                        feats={at: run_features(d, at) for at in steps if s.get("steps_done", 0) > at}))
+    return out
+
+
+def _fit_step(examples: list[dict], at: int, l2: float) -> dict | None:
+    usable = [e for e in examples if at in e["feats"]]
+    if not usable:
+        return None
+    y = np.array([e["y"] for e in usable], dtype=float)
+    Z, mean, std = design([e["feats"][at] for e in usable])
+    w, b = fit_logistic(Z, y, l2)
+    p = _sigmoid(Z @ w + b)
+    return dict(mean=mean.tolist(), std=std.tolist(), coef=w.tolist(), intercept=b, runs=len(usable),
+                positives=int(y.sum()), train_accuracy=float(((p >= 0.5) == (y == 1)).mean()))
+
+
 def fit(sources, steps=DEFAULT_STEPS, l2: float = 1.0, command: str = "", target: str = "fails") -> dict:
     """Fit one model per step from the finished runs of `sources` (run or sweep folders).
     target: "fails" (final verdict unstable, collapsed or diverged) or "collapse" (collapsed or diverged)."""
-    if target not in LABELS:
-        raise ValueError(f"target must be one of {', '.join(LABELS)}, got {target!r}")
-    runs = labelled_runs(sources)
-    if not runs:
-        raise ValueError("no finished runs to fit on")
-    y = np.array([label(load_summary(d), target) for d in runs], dtype=float)
-    models = {}
-    for s in steps:
-        usable = [(d, yy) for d, yy in zip(runs, y) if load_summary(d).get("steps_done", 0) > s]
-        rows = [run_features(d, s) for d, _ in usable]
-        yy = np.array([v for _, v in usable], dtype=float)
-        if not len(rows):
-            continue
-        Z, mean, std = design(rows)
-        w, b = fit_logistic(Z, yy, l2)
-        p = _sigmoid(Z @ w + b)
-        models[str(s)] = dict(mean=mean.tolist(), std=std.tolist(), coef=w.tolist(), intercept=b, runs=len(rows),
-                              positives=int(yy.sum()), train_accuracy=float(((p >= 0.5) == (yy == 1)).mean()))
+    examples = _examples(sources, steps, target)
+    models = {str(s): m for s in steps if (m := _fit_step(examples, s, l2)) is not None}
     return dict(features=FEATURES, models=models, threshold=0.5, l2=l2, window="min(100, s // 2) steps before s",
                 target=target, label=f"final verdict in {', '.join(LABELS[target])}", fitted_on=[str(s) for s in sources],
-                runs=[str(d) for d in runs], command=command)
+                runs=[str(e["run"]) for e in examples], command=command)
+
+
+def cross_validate(sources, steps=DEFAULT_STEPS, l2: float = 1.0, target: str = "fails") -> pd.DataFrame:
+    """Leave-one-cell-out agreement: every run is predicted at every step by a model fitted on the
+    other cells only (runs with the same cell identity, e.g. one cell trained for two lengths, are
+    left out together). Columns as `predict_sweep`'s, plus `step` and `run` (the folder)."""
+    examples = _examples(sources, steps, target)
+    rows = []
+    for at in steps:
+        for identity in dict.fromkeys(e["identity"] for e in examples):
+            held = [e for e in examples if e["identity"] == identity and at in e["feats"]]
+            m = _fit_step([e for e in examples if e["identity"] != identity], at, l2) if held else None
+            if m is None:
+                continue
+            predictor = dict(features=FEATURES, threshold=0.5, target=target, models={str(at): m})
+            rows += [_prediction_row(e["run"], load_summary(e["run"]), predictor, e["feats"][at], at)
+                     | dict(step=at, run=str(e["run"])) for e in held]
+    return pd.DataFrame(rows, columns=COLUMNS + ["step", "run"])
 
 
 def load_predictor(path=None) -> dict:
@@ -205,23 +247,27 @@ def evidence_text(feats: dict, contributions: list[tuple[str, float]], n: int = 
                      if feats.get(name) is not None and math.isfinite(feats[name]))
 
 
+COLUMNS = ["cell", "variant", "loops", "seed", "lr_scale", "p_collapse", "predicted", "verdict", "actual", "agree",
+           "false_alarm", "miss", "evidence"]
+
+
+def _prediction_row(run_dir: Path, summary: dict, predictor: dict, feats: dict, at: int) -> dict:
+    """One run's prediction at `at` beside its final verdict (a row of `predict` / `cross_validate`)."""
+    p, contrib = probability(predictor, feats, at)
+    predicted = bool(p >= predictor.get("threshold", 0.5))
+    actual = bool(label(summary, predictor.get("target", "collapse")))
+    return dict(cell=run_dir.name, variant=summary.get("variant"), loops=summary.get("loops"),
+                seed=summary.get("seed"), lr_scale=summary.get("lr_scale"), p_collapse=p, predicted=predicted,
+                verdict=summary.get("verdict"), actual=actual, agree=predicted == actual,
+                false_alarm=predicted and not actual, miss=actual and not predicted,
+                evidence=evidence_text(feats, contrib))
+
+
 def predict_sweep(path, at: int, predictor: dict) -> pd.DataFrame:
     """Per finished cell: P(collapse) at step `at`, the prediction, the final verdict, agreement."""
-    rows = []
-    for d in labelled_runs([path]):
-        s = load_summary(d)
-        if s.get("steps_done", 0) <= at:
-            continue
-        feats = run_features(d, at)
-        p, contrib = probability(predictor, feats, at)
-        predicted = p >= predictor.get("threshold", 0.5)
-        actual = bool(label(s, predictor.get("target", "collapse")))
-        rows.append(dict(cell=d.name, variant=s.get("variant"), loops=s.get("loops"), seed=s.get("seed"),
-                         lr_scale=s.get("lr_scale"), p_collapse=p, predicted=bool(predicted), verdict=s.get("verdict"),
-                         actual=actual, agree=predicted == actual, false_alarm=predicted and not actual,
-                         miss=actual and not predicted, evidence=evidence_text(feats, contrib)))
-    return pd.DataFrame(rows, columns=["cell", "variant", "loops", "seed", "lr_scale", "p_collapse", "predicted",
-                                       "verdict", "actual", "agree", "false_alarm", "miss", "evidence"])
+    rows = [_prediction_row(d, s, predictor, run_features(d, at), at)
+            for d in labelled_runs([path]) if (s := load_summary(d)).get("steps_done", 0) > at]
+    return pd.DataFrame(rows, columns=COLUMNS)
 
 
 def agreement(table: pd.DataFrame) -> dict:

@@ -143,16 +143,71 @@ def test_predict_command_on_a_sweep(tmp_path, capsys):
     assert f"{stable} false alarms" in out and table.false_alarm.sum() == stable
 
 
-def test_fit_predictor_command_writes_a_loadable_model(tmp_path, capsys):
-    from flt_diag.cli import main
+@pytest.fixture(scope="module")
+def labelled(tmp_path_factory):
+    """A finished sweep (lt, flt x seeds 0, 1; 30 steps) and one more run of the sweep's lt seed-0 cell,
+    trained for 24 steps (the same cell at another length)."""
     from flt_diag.sweep import SweepSpec, run_sweep
-    run_sweep(SweepSpec(tiny_config(steps=30), ["lt", "flt"], [2], [0, 1], [1.0]), tmp_path / "sw", workers=1,
+    from flt_diag.train import train
+    root = tmp_path_factory.mktemp("labelled")
+    run_sweep(SweepSpec(tiny_config(steps=30), ["lt", "flt"], [2], [0, 1], [1.0]), root / "sw", workers=1,
               show_progress=False)
-    code = main(["fit-predictor", str(tmp_path / "sw"), "--at", "10", "20", "--out", str(tmp_path / "m.json")])
+    train(tiny_config(variant="lt", loops=2, seed=0, steps=24), root / "lt-short")
+    return root
+
+
+def test_fit_predictor_command_writes_a_loadable_model(labelled, tmp_path, capsys):
+    from flt_diag.cli import main
+    code = main(["fit-predictor", str(labelled / "sw"), "--at", "10", "20", "--out", str(tmp_path / "m.json")])
     assert code == 0, capsys.readouterr().err
     m = EW.load_predictor(tmp_path / "m.json")
     assert set(m["models"]) == {"10", "20"} and m["models"]["20"]["runs"] == 4
-    assert m["command"].startswith("flt-diag fit-predictor")
+    assert m["command"].startswith("flt-diag fit-predictor") and "cross_validation" not in m
+
+
+def test_cross_validation_predicts_each_run_from_the_other_cells_only(labelled):
+    """Leave-one-cell-out: a run's prediction is the one of a model fitted on the runs of the other cells,
+    and both lengths of the lt seed-0 cell are left out together."""
+    from flt_diag.storage import run_dirs
+    sweep_runs = run_dirs(labelled / "sw")
+    short = labelled / "lt-short"
+    table = EW.cross_validate([labelled / "sw", short], steps=[10, 20])
+    assert sorted(table.step.unique()) == [10, 20] and len(table) == 5 + 5
+    for r in table.itertuples():
+        run = next(d for d in sweep_runs + [short] if str(d) == r.run)
+        others = [d for d in sweep_runs + [short] if EW.cell_identity(d) != EW.cell_identity(run)]
+        assert len(others) == (3 if run.name.startswith("lt_K02_seed0") or run == short else 4)
+        alone = EW.fit(others, [r.step])
+        p, _ = EW.probability(alone, EW.run_features(run, r.step), r.step)
+        assert r.p_collapse == pytest.approx(p, rel=1e-9, abs=1e-12)
+        assert r.agree == (r.predicted == r.actual) and r.actual == (load_summary(run)["verdict"] != "stable")
+
+
+def test_runs_stopped_by_a_prediction_are_not_training_labels(labelled, tmp_path):
+    import shutil
+    from flt_diag.storage import SUMMARY, write_json
+    stopped = tmp_path / "stopped"
+    shutil.copytree(labelled / "lt-short", stopped)
+    write_json(stopped / SUMMARY, load_summary(stopped) | {"verdict": "collapsed", "prediction": {"step": 20}})
+    assert EW.labelled_runs([stopped]) == [stopped] and EW.training_runs([stopped]) == []
+    with pytest.raises(ValueError, match="no finished runs"):
+        EW.fit([stopped], [10])
+
+
+def test_fit_predictor_cross_validate_reports_and_stores_agreement(labelled, tmp_path, capsys):
+    from flt_diag.cli import main
+    out = tmp_path / "m.json"
+    code = main(["fit-predictor", str(labelled / "sw"), "--at", "10", "20", "--cross-validate", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0
+    m = EW.load_predictor(out)
+    assert m["command"].endswith("--cross-validate") and set(m["cross_validation"]) == {"10", "20"}
+    table = EW.cross_validate([labelled / "sw"], steps=[10, 20])
+    for s, cv in m["cross_validation"].items():
+        t = table[table.step == int(s)]
+        assert cv["cells"] == 4 and cv["accuracy"] == pytest.approx(t.agree.mean())
+        assert len(cv["false_alarm"]) == cv["false_alarms"] and len(cv["miss"]) == cv["misses"]
+        assert f"step {s}: leave-one-cell-out agreement {cv['accuracy']:.0%} over 4 runs" in text
 
 
 @pytest.mark.slow
