@@ -193,10 +193,14 @@ def cmd_predict(v: dict) -> int:
     paths = v["paths"]
     for path in paths:
         run_dirs(path)  # a clear error for a path that is neither a run nor a sweep
+    if v["online"] and v["figure"] is not None:
+        raise UserError("--figure draws agreement against fixed steps (--at); it does not apply with --online")
     if v["figure"] is not None and v["figure"].suffix not in (".png", ".pdf", ".svg"):
         raise UserError(f"--figure must end in .png, .pdf or .svg, got {v['figure'].name}")
     try:
         model = load_predictor(v["predictor"])
+        if v["online"]:
+            return _predict_online(paths, model, v["csv"])
         tables = {s: pd.concat([predict_sweep(path, s, model) for path in paths], ignore_index=True) for s in v["at"]}
     except ValueError as e:
         raise UserError(str(e)) from None
@@ -222,6 +226,29 @@ def cmd_predict(v: dict) -> int:
         curve = [dict(step=s, **agreement(t)) for s, t in tables.items() if len(t)]
         name = " + ".join(p.name for p in paths) if len(paths) <= 3 else f"{len(paths)} folders"
         print(save_figure(draw_agreement({name: curve}), v["figure"]))
+    return 0
+
+
+def _predict_online(paths, model: dict, csv) -> int:
+    """`predict --online`: replay the --warn checks over each whole run."""
+    import pandas as pd
+    from .early_warning import CHECK_EVERY, agreement, online_sweep
+    table = pd.concat([online_sweep(path, model) for path in paths], ignore_index=True)
+    target = model.get("target", "collapse")
+    for r in table.itertuples():
+        said = f"warned at step {int(r.warned_at)} (P={r.p_warn:.2f})" if pd.notna(r.warned_at) else "never warned"
+        lead = f" (loss minimum at step {r.onset:.0f})" if pd.notna(r.onset) else ""
+        print(f"{r.cell:28s} {said:30s} max P {r.p_max:.2f} | final: {r.verdict + lead:9s}  "
+              f"{'agree' if r.agree else 'FALSE ALARM' if r.false_alarm else 'MISS'}" + (f"  [{r.evidence}]" if r.evidence else ""))
+    if table.empty:
+        print("no finished cell")
+    else:
+        a = agreement(table)
+        print(f"online (checks every {CHECK_EVERY} steps, whole run): agreement {a['accuracy']:.0%} over {a['cells']} cells "
+              f"({a['positives']} with target {target}); {a['false_alarms']} false alarms, {a['misses']} misses")
+    if csv is not None:
+        from .storage import atomic_write_text
+        atomic_write_text(csv, table.to_csv(index=False))
     return 0
 
 
@@ -319,7 +346,10 @@ COMMANDS: dict[str, tuple] = {
         cli_opt("--at", int, "Step(s) at which to predict.", [300], many=True, low=1, optional=False),
         cli_opt("--predictor", Path, "Predictor JSON from `flt-diag fit-predictor` [default: the packaged one]."),
         cli_opt("--csv", Path, "Also write the per-cell table (all steps) here."),
-        cli_opt("--figure", Path, "Also draw agreement, false alarms and misses against the step (.png/.pdf/.svg).")]),
+        cli_opt("--figure", Path, "Also draw agreement, false alarms and misses against the step (.png/.pdf/.svg)."),
+        cli_opt("--online", bool, "Instead of fixed steps, replay what --warn says over each whole run: the first "
+                "warning step (checks every 25 steps), its P and evidence, the largest P, beside the final verdict.",
+                False)]),
     "fit-predictor": (cmd_fit_predictor, [_positional("paths", Path, "Sweep or run folders of finished runs (the "
                                                       "training set).", many=True)], lambda: [
         cli_opt("--out", Path, "Predictor JSON to write (flt_diag/early_warning.json is the packaged one).",

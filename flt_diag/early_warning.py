@@ -270,6 +270,45 @@ def predict_sweep(path, at: int, predictor: dict) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
+CHECK_EVERY = 25  # steps between two online checks (CollapseWarning and its replay, `first_warning`)
+
+
+def first_warning(df: pd.DataFrame, predictor: dict, loops: int, n_layer: int, d_model: int, steps_done: int,
+                  every: int = CHECK_EVERY, threshold: float | None = None) -> dict:
+    """Replay of the online warning on a recorded run: the checks `--warn` makes (every `every` steps
+    from the predictor's first fitted step), the first step where P reaches the threshold (None if
+    never), that P and its evidence, and the largest P of all checks."""
+    threshold = predictor.get("threshold", 0.5) if threshold is None else threshold
+    first = min(int(s) for s in predictor["models"])
+    start = -(-first // every) * every  # the first multiple of `every` at or after the first fitted step
+    p_max, out = 0.0, dict(warned_at=None, p_warn=math.nan, evidence="")
+    for at in range(start, steps_done + 1, every):
+        feats = features(df, at, loops, n_layer, d_model)
+        p, contrib = probability(predictor, feats, at)
+        p_max = max(p_max, p)
+        if p >= threshold and out["warned_at"] is None:
+            out = dict(warned_at=at, p_warn=p, evidence=evidence_text(feats, contrib))
+    return out | dict(p_max=p_max, checks=len(range(start, steps_done + 1, every)))
+
+
+def online_sweep(path, predictor: dict) -> pd.DataFrame:
+    """Per finished cell: what `--warn` would have said over the whole run (first warning step, its P and
+    evidence, the largest P), beside the final verdict; `onset` is the step of the smoothed loss's minimum
+    before a collapse (collapsed runs), so `onset - warned_at` is the warning's lead."""
+    rows = []
+    for d in labelled_runs([path]):
+        s, m = load_summary(d), load_config(d)["model"]
+        w = first_warning(load_metrics(d), predictor, m["loops"], m["n_layer"], m["n_embd"], s.get("steps_done", 0))
+        warned, actual = w["warned_at"] is not None, bool(label(s, predictor.get("target", "collapse")))
+        onset = (s.get("evidence") or {}).get("min_step") if s.get("verdict") == "collapsed" else None
+        rows.append(dict(cell=d.name, variant=s.get("variant"), loops=s.get("loops"), seed=s.get("seed"),
+                         lr_scale=s.get("lr_scale"), warned_at=w["warned_at"], p_warn=w["p_warn"], p_max=w["p_max"],
+                         verdict=s.get("verdict"), onset=onset, actual=actual, agree=warned == actual,
+                         false_alarm=warned and not actual, miss=actual and not warned, evidence=w["evidence"]))
+    return pd.DataFrame(rows, columns=["cell", "variant", "loops", "seed", "lr_scale", "warned_at", "p_warn", "p_max",
+                                       "verdict", "onset", "actual", "agree", "false_alarm", "miss", "evidence"])
+
+
 def agreement(table: pd.DataFrame) -> dict:
     n = len(table)
     return dict(cells=n, accuracy=float(table.agree.mean()) if n else math.nan,
@@ -311,7 +350,7 @@ class CollapseWarning(Callback):
 
     KEEP = (M.LOSS, M.GRAD_NORM, M.RESID_NORM_LOOP_END, M.ACT_GRAD_NORM)
 
-    def __init__(self, predictor: dict, stop: bool = False, threshold: float | None = None, every: int = 25,
+    def __init__(self, predictor: dict, stop: bool = False, threshold: float | None = None, every: int = CHECK_EVERY,
                  say=None):
         self.predictor, self.stop, self.every = predictor, stop, every
         self.threshold = predictor.get("threshold", 0.5) if threshold is None else threshold

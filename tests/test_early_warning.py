@@ -210,6 +210,45 @@ def test_fit_predictor_cross_validate_reports_and_stores_agreement(labelled, tmp
         assert f"step {s}: leave-one-cell-out agreement {cv['accuracy']:.0%} over 4 runs" in text
 
 
+def test_online_replay_warns_where_the_callback_warns():
+    """`first_warning` (the replay behind `predict --online`) fires at the same check as the live
+    CollapseWarning fed the same rows step by step, and at the step computed by hand: the first multiple
+    of 25 (from the first fitted step, 20) whose smoothed loss has climbed more than 0.5 above its minimum."""
+    from types import SimpleNamespace
+    loss = lambda s: 3 - 0.01 * s if s < 150 else 1.5 + 0.02 * (s - 150)
+    df = _rows(400, loss=loss)
+    pred = dict(features=EW.FEATURES, threshold=0.5, models={"20": dict(
+        mean=[0.0] * 8, std=[1.0] * 8, coef=[6.0 if f == "loss_climb" else 0.0 for f in EW.FEATURES], intercept=-3.0)})
+    smooth = pd.Series([loss(s) for s in range(400)]).rolling(50, min_periods=1).mean()
+    climb = smooth - smooth.cummin()  # climb after step s-1 decides the check at s
+    by_hand = next(s for s in range(25, 401, 25) if climb[s - 1] > 0.5)
+    replay = EW.first_warning(df, pred, loops=3, n_layer=2, d_model=64, steps_done=400)
+    said = []
+    cb = EW.CollapseWarning(pred, say=said.append)
+    cb.on_start(SimpleNamespace(cfg=SimpleNamespace(model=SimpleNamespace(loops=3, n_layer=2, n_embd=64, variant="lt"))))
+    for step, rows in df.groupby("step"):
+        cb.on_rows(None, int(step), list(rows.itertuples(index=False, name=None)))
+    assert replay["warned_at"] == cb.warned_at == by_hand and len(said) == 1
+    assert replay["p_warn"] == pytest.approx(1 / (1 + math.exp(-(6 * climb[by_hand - 1] - 3))))
+    assert replay["checks"] == 16 and replay["p_max"] >= replay["p_warn"]
+
+
+def test_predict_online_on_a_sweep(labelled, tmp_path, capsys):
+    from flt_diag.cli import main
+    pred = _toy_predictor(tmp_path, coef_climb=0.0, intercept=5.0)  # fires at the first check (25)
+    code = main(["predict", str(labelled / "sw"), "--online", "--predictor", str(pred), "--csv", str(tmp_path / "o.csv")])
+    out = capsys.readouterr().out
+    assert code == 0
+    table = pd.read_csv(tmp_path / "o.csv")
+    assert len(table) == 4 and (table.warned_at == 25).all()
+    stable = (table.verdict == "stable").sum()
+    assert table.false_alarm.sum() == stable and f"{stable} false alarms" in out
+    assert "online (checks every 25 steps, whole run): agreement" in out
+    code = main(["predict", str(labelled / "sw"), "--online", "--figure", str(tmp_path / "f.png")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--online" in err[0] and not (tmp_path / "f.png").exists()
+
+
 @pytest.mark.slow
 def test_stop_on_collapse_on_12_loop_lt(tmp_path, capsys):
     """The packaged predictor stops a collapsing 12-loop LT run (tiny preset, seed 1, 800 steps: it
