@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
@@ -276,7 +277,11 @@ def _run_parallel(base, todo, out, workers, monitor):
 
 
 class SweepMonitor:
-    """Progress bar: cells done, each running cell's step and loss, ETA (work weighted by loops)."""
+    """Progress bar: cells done, each running cell's step and loss, ETA (work weighted by loops).
+    Where stdout is not a terminal (nohup, a batch job's log), where a bar cannot redraw, it prints a
+    plain status line every `heartbeat` seconds instead."""
+
+    heartbeat = 300.0
 
     def __init__(self, out: Path, cells: list[Cell], steps: int, enabled: bool):
         self.out, self.steps, self.enabled = out, steps, enabled
@@ -295,6 +300,8 @@ class SweepMonitor:
             self.task = self.bar.add_task("sweep", total=sum(self.weight.values()), completed=self.done_work,
                                           cells=self._cells_text())
             self.bar.start()
+        self.t0 = self.last_beat = time.monotonic()
+        self.work0 = self.done_work
 
     def _cells_text(self) -> str:
         return f"{self.n_done}/{self.n_cells} cells"
@@ -334,6 +341,14 @@ class SweepMonitor:
             parts.append(f"{cell.name} {step}/{self.steps}{loss}")
         self.bar.update(self.task, completed=work, cells=self._cells_text(),
                         description=("; ".join(parts) or "sweep")[:90])
+        now = time.monotonic()
+        if not self.bar.console.is_terminal and now - self.last_beat >= self.heartbeat:
+            self.last_beat = now
+            total, elapsed = sum(self.weight.values()), now - self.t0
+            rate = (work - self.work0) / elapsed if elapsed > 0 else 0.0
+            left = f", about {(total - work) / rate / 60:.0f} min left" if rate > 0 else ""
+            self.bar.console.print(f"  [{elapsed / 60:.0f} min] {self._cells_text()}, {work / total:.0%} of the work"
+                                   f"{left}; running: {'; '.join(parts) or '-'}", soft_wrap=True)
 
     def close(self) -> None:
         if self.bar is not None:

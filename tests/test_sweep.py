@@ -202,3 +202,16 @@ def test_parallel_workers_take_the_longest_cells_first():
     assert [c.loops for c in order] == [3] * 4 + [2] * 4 + [1] * 4
     assert [c.index for c in order[:4]] == sorted(c.index for c in cells if c.loops == 3)  # ties: grid order
     assert sorted(c.index for c in order) == [c.index for c in cells]
+
+
+def test_sweep_prints_status_lines_where_stdout_is_not_a_terminal(tmp_path, capsys, monkeypatch):
+    """In a log file (no terminal for the bar) the sweep says how far it is, not only when a cell ends."""
+    from conftest import tiny_config
+    from flt_diag.sweep import SweepMonitor, SweepSpec, run_sweep
+    monkeypatch.setattr(SweepMonitor, "heartbeat", 0.0)
+    run_sweep(SweepSpec(tiny_config(steps=12), ["lt"], [2], [0], [1.0]), tmp_path / "sw", workers=1,
+              show_progress=True)
+    lines = capsys.readouterr().out.splitlines()
+    beats = [line for line in lines if "0/1 cells" in line and "of the work" in line]
+    assert beats and any("running: lt_K02_seed0_lr1 " in line for line in beats), lines[:5]
+    assert any("cell 0 lt_K02_seed0_lr1: " in line for line in lines)
