@@ -186,9 +186,10 @@ def cmd_import_reference(v: dict) -> int:
 
 
 def cmd_predict(v: dict) -> int:
-    """Early warning: P(collapse) of every cell at step s beside its final verdict, and the agreement."""
+    """Early warning: P(collapse) of every cell at step s beside its final verdict, and the agreement
+    (for each --predictor given: several compare on the same runs)."""
     import pandas as pd
-    from .early_warning import agreement, load_predictor, predict_sweep
+    from .early_warning import load_predictor
     from .storage import run_dirs
     paths = v["paths"]
     for path in paths:
@@ -197,39 +198,57 @@ def cmd_predict(v: dict) -> int:
         raise UserError("--figure draws agreement against fixed steps (--at); it does not apply with --online")
     if v["figure"] is not None and v["figure"].suffix not in (".png", ".pdf", ".svg"):
         raise UserError(f"--figure must end in .png, .pdf or .svg, got {v['figure'].name}")
+    given = v["predictor"] or [None]
     try:
-        model = load_predictor(v["predictor"])
-        if v["online"]:
-            return _predict_online(paths, model, v["csv"])
-        tables = {s: pd.concat([predict_sweep(path, s, model) for path in paths], ignore_index=True) for s in v["at"]}
+        models = {("packaged" if p is None else str(p)): load_predictor(p) for p in given}
+        tables = []
+        for name, model in models.items():
+            if len(models) > 1:
+                print(f"predictor {name}:")
+            report = _predict_online if v["online"] else _predict_at
+            tables.append(report(paths, model, v["at"]).assign(predictor=name))
     except ValueError as e:
         raise UserError(str(e)) from None
+    if v["csv"] is not None:
+        from .storage import atomic_write_text
+        atomic_write_text(v["csv"], pd.concat(tables, ignore_index=True).to_csv(index=False))
+    if v["figure"] is not None:
+        from .early_warning import agreement, draw_agreement
+        from .figures import save as save_figure
+        where = " + ".join(p.name for p in paths) if len(paths) <= 3 else f"{len(paths)} folders"
+        curves = {(where if len(models) == 1 else f"{Path(name).stem} on {where}"):
+                  [dict(step=s, **agreement(t[t.step == s])) for s in v["at"] if (t.step == s).any()]
+                  for name, t in zip(models, tables)}
+        print(save_figure(draw_agreement(curves), v["figure"]))
+    return 0
+
+
+def _verdict_word(r) -> str:
+    return "agree" if r.agree else "FALSE ALARM" if r.false_alarm else "MISS"
+
+
+def _predict_at(paths, model: dict, steps):
+    """`predict --at`: the prediction at each step s beside the final verdict, and the agreement."""
+    import pandas as pd
+    from .early_warning import agreement, predict_sweep
     target = model.get("target", "collapse")
-    for s, table in tables.items():
+    frames = []
+    for s in steps:
+        table = pd.concat([predict_sweep(path, s, model) for path in paths], ignore_index=True)
+        frames.append(table.assign(step=s))
         if table.empty:
             print(f"step {s}: no finished cell has more than {s} steps")
             continue
         for r in table.itertuples():
             print(f"{r.cell:28s} step {s}: P({target}) {r.p_collapse:.2f} -> {'WARN' if r.predicted else 'ok':4s} | "
-                  f"final: {r.verdict:9s} {'agree' if r.agree else 'FALSE ALARM' if r.false_alarm else 'MISS'}  "
-                  f"[{r.evidence}]")
+                  f"final: {r.verdict:9s} {_verdict_word(r)}  [{r.evidence}]")
         a = agreement(table)
         print(f"step {s}: agreement {a['accuracy']:.0%} over {a['cells']} cells ({a['positives']} with target "
               f"{target}); {a['false_alarms']} false alarms, {a['misses']} misses")
-    if v["csv"] is not None:
-        from .storage import atomic_write_text
-        frames = [t.assign(step=s) for s, t in tables.items()]
-        atomic_write_text(v["csv"], pd.concat(frames, ignore_index=True).to_csv(index=False))
-    if v["figure"] is not None:
-        from .early_warning import draw_agreement
-        from .figures import save as save_figure
-        curve = [dict(step=s, **agreement(t)) for s, t in tables.items() if len(t)]
-        name = " + ".join(p.name for p in paths) if len(paths) <= 3 else f"{len(paths)} folders"
-        print(save_figure(draw_agreement({name: curve}), v["figure"]))
-    return 0
+    return pd.concat(frames, ignore_index=True)
 
 
-def _predict_online(paths, model: dict, csv) -> int:
+def _predict_online(paths, model: dict, steps=None):
     """`predict --online`: replay the --warn checks over each whole run."""
     import pandas as pd
     from .early_warning import CHECK_EVERY, agreement, online_sweep
@@ -238,18 +257,15 @@ def _predict_online(paths, model: dict, csv) -> int:
     for r in table.itertuples():
         said = f"warned at step {int(r.warned_at)} (P={r.p_warn:.2f})" if pd.notna(r.warned_at) else "never warned"
         lead = f" (loss minimum at step {r.onset:.0f})" if pd.notna(r.onset) else ""
-        print(f"{r.cell:28s} {said:30s} max P {r.p_max:.2f} | final: {r.verdict + lead:9s}  "
-              f"{'agree' if r.agree else 'FALSE ALARM' if r.false_alarm else 'MISS'}" + (f"  [{r.evidence}]" if r.evidence else ""))
+        print(f"{r.cell:28s} {said:30s} max P {r.p_max:.2f} | final: {r.verdict + lead:9s}  {_verdict_word(r)}"
+              + (f"  [{r.evidence}]" if r.evidence else ""))
     if table.empty:
         print("no finished cell")
     else:
         a = agreement(table)
         print(f"online (checks every {CHECK_EVERY} steps, whole run): agreement {a['accuracy']:.0%} over {a['cells']} cells "
               f"({a['positives']} with target {target}); {a['false_alarms']} false alarms, {a['misses']} misses")
-    if csv is not None:
-        from .storage import atomic_write_text
-        atomic_write_text(csv, table.to_csv(index=False))
-    return 0
+    return table
 
 
 def cmd_fit_predictor(v: dict) -> int:
@@ -344,8 +360,9 @@ COMMANDS: dict[str, tuple] = {
     "predict": (cmd_predict, [_positional("paths", Path, "Sweep or run folders of finished runs.", many=True)],
                 lambda: [
         cli_opt("--at", int, "Step(s) at which to predict.", [300], many=True, low=1, optional=False),
-        cli_opt("--predictor", Path, "Predictor JSON from `flt-diag fit-predictor` [default: the packaged one]."),
-        cli_opt("--csv", Path, "Also write the per-cell table (all steps) here."),
+        cli_opt("--predictor", Path, "Predictor JSON(s) from `flt-diag fit-predictor`; several are compared on the "
+                "same runs [default: the packaged one].", many=True),
+        cli_opt("--csv", Path, "Also write the per-cell table (all steps; a predictor column) here."),
         cli_opt("--figure", Path, "Also draw agreement, false alarms and misses against the step (.png/.pdf/.svg)."),
         cli_opt("--online", bool, "Instead of fixed steps, replay what --warn says over each whole run: the first "
                 "warning step (checks every 25 steps), its P and evidence, the largest P, beside the final verdict.",

@@ -74,7 +74,7 @@ class ListAction(argparse.Action):
 def _default_text(o: Option) -> str:
     if o.kind is bool and o.default is None:
         return ""
-    shown = " ".join(map(str, o.default)) if o.many else o.default
+    shown = " ".join(map(str, o.default)) if o.many and o.default is not None else o.default
     presets = [f"{name} {p[o.section][o.name]}" for name, p in PRESETS.items()
                if o.section in p and o.name in p[o.section]]
     if "[default" in o.help or o.default is None and not presets:

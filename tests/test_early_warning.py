@@ -266,3 +266,18 @@ def test_stop_on_collapse_on_12_loop_lt(tmp_path, capsys):
     # the stopped run's folder is complete: every figure draws from it
     from flt_diag.figures import plot
     assert plot("all", tmp_path / "lt", tmp_path / "fig", ("png",))
+
+
+def test_predict_compares_several_predictors_on_the_same_runs(labelled, tmp_path, capsys):
+    from flt_diag.cli import main
+    always = _toy_predictor(tmp_path, coef_climb=0.0, intercept=5.0)
+    (tmp_path / "never").mkdir()
+    never = _toy_predictor(tmp_path / "never", coef_climb=0.0, intercept=-5.0)
+    code = main(["predict", str(labelled / "sw"), "--at", "20", "25", "--predictor", str(always), str(never),
+                 "--csv", str(tmp_path / "p.csv"), "--figure", str(tmp_path / "f.png")])
+    out = capsys.readouterr().out
+    assert code == 0 and f"predictor {always}:" in out and f"predictor {never}:" in out
+    t = pd.read_csv(tmp_path / "p.csv")
+    assert len(t) == 2 * 2 * 4 and set(t.predictor) == {str(always), str(never)}
+    assert t[t.predictor == str(always)].predicted.all() and not t[t.predictor == str(never)].predicted.any()
+    assert (tmp_path / "f.png").stat().st_size > 0
