@@ -216,10 +216,10 @@ def cmd_predict(v: dict) -> int:
         from .early_warning import agreement, draw_agreement
         from .figures import save as save_figure
         where = " + ".join(p.name for p in paths) if len(paths) <= 3 else f"{len(paths)} folders"
-        curves = {(where if len(models) == 1 else f"{Path(name).stem} on {where}"):
+        curves = {(where if len(models) == 1 else Path(name).stem):
                   [dict(step=s, **agreement(t[t.step == s])) for s in v["at"] if (t.step == s).any()]
                   for name, t in zip(models, tables)}
-        print(save_figure(draw_agreement(curves), v["figure"]))
+        print(save_figure(draw_agreement(curves, runs=None if len(models) == 1 else where), v["figure"]))
     return 0
 
 

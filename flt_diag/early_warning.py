@@ -316,9 +316,10 @@ def agreement(table: pd.DataFrame) -> dict:
                 positives=int(table.actual.sum()) if n else 0)
 
 
-def draw_agreement(curves: dict[str, list[dict]]):
+def draw_agreement(curves: dict[str, list[dict]], runs: str | None = None):
     """Agreement of the prediction at step s with the final verdict, against s: one line per set of
-    runs (e.g. "fitted on", "held out"), from `agreement` dicts that carry their "step"."""
+    runs (e.g. "fitted on", "held out") or per predictor on the same `runs`, from `agreement` dicts
+    that carry their "step"."""
     from matplotlib.figure import Figure
     fig = Figure(figsize=(5.6, 3.6 + 0.25 * len(curves)), layout="constrained")
     ax = fig.subplots()
@@ -337,7 +338,8 @@ def draw_agreement(curves: dict[str, list[dict]]):
     ax.set_ylim(-0.03, 1.03)
     ax.grid(alpha=0.3)
     fig.legend(loc="outside lower center", ncols=3 if len(curves) == 1 else 1, fontsize=7, frameon=False)
-    fig.suptitle("early warning: prediction at step s vs the final verdict", fontsize=9, fontweight="bold")
+    fig.suptitle("early warning: prediction at step s vs the final verdict" + (f"\non {runs}" if runs else ""),
+                 fontsize=9, fontweight="bold")
     return fig
 
 
