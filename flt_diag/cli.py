@@ -286,6 +286,8 @@ def cmd_fit_predictor(v: dict) -> int:
         from .early_warning import agreement, cross_validate
         table = cross_validate(paths, at, l2, target)
         model["cross_validation"] = {}
+        if table.empty:
+            print("cross-validation: nothing to leave out (it needs finished runs of at least two cells)")
         for s, t in table.groupby("step", sort=True):
             a = agreement(t)
             wrong = {"false_alarm": sorted(t.run[t.false_alarm]), "miss": sorted(t.run[t.miss])}
