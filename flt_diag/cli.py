@@ -375,8 +375,9 @@ COMMANDS: dict[str, tuple] = {
                 optional=False),
         cli_opt("--at", int, "Steps to fit a model at.", [100, 200, 300, 500], many=True, low=1, optional=False),
         cli_opt("--l2", float, "L2 penalty of the logistic regression.", 1.0, above=0, optional=False),
-        cli_opt("--target", str, "fails (final verdict unstable, collapsed or diverged) or collapse (collapsed or "
-                "diverged).", "fails", choices=("fails", "collapse"), optional=False),
+        cli_opt("--target", str, "fails (final verdict unstable, collapsed or diverged), collapse (collapsed or "
+                "diverged) or climbs (fails, or the loss climbed and recovered: the verdict's transient_rebound).",
+                "fails", choices=("fails", "collapse", "climbs"), optional=False),
         cli_opt("--cross-validate", bool, "Also report leave-one-cell-out agreement at each step (every run "
                 "predicted by a model fitted without its cell) and store it in the predictor JSON.", False)]),
     "variants": (cmd_variants, [], lambda: []),

@@ -14,7 +14,8 @@ recorded steps before s (numpy/scipy/pandas only; no torch):
     loss_climb      trailing-mean loss minus its running minimum so far
 
 The target (what "collapse" means for a predictor) is stored with it: "fails" (the final verdict is
-unstable, collapsed or diverged; the packaged predictor's) or "collapse" (collapsed or diverged).
+unstable, collapsed or diverged; the packaged predictor's), "collapse" (collapsed or diverged) or
+"climbs" (fails, or the loss climbed above the verdict's rebound threshold and recovered).
 Features are standardised with the training set's mean and std (a missing feature, e.g. a run
 recorded without diagnostics, counts as the mean); the fit maximises the L2-penalised likelihood
 (scipy L-BFGS). One model per fitted step s (100, 200, 300, 500 by default); at another step the
@@ -93,11 +94,19 @@ def run_features(run_dir: Path, at: int) -> dict:
 
 
 LABELS = {"fails": ("unstable", "collapsed", "diverged"),  # the run ends not stable (default)
-          "collapse": COLLAPSE}                               # the run ends collapsed or diverged
+          "collapse": COLLAPSE,                               # the run ends collapsed or diverged
+          "climbs": ("unstable", "collapsed", "diverged")}    # ... or its loss climbed and recovered
+TARGET_TEXT = {"fails": "final verdict in unstable, collapsed, diverged",
+               "collapse": "final verdict in collapsed, diverged",
+               "climbs": "final verdict in unstable, collapsed, diverged, or a loss climb that recovered "
+                         "(the verdict's transient_rebound)"}
 
 
 def label(summary: dict, kind: str = "fails") -> int:
-    return int(summary.get("verdict") in LABELS[kind])
+    bad = summary.get("verdict") in LABELS[kind]
+    if kind == "climbs":
+        bad = bad or bool((summary.get("evidence") or {}).get("transient_rebound"))
+    return int(bad)
 
 
 # --------------------------------------------------------------------------- the model
@@ -188,7 +197,7 @@ def fit(sources, steps=DEFAULT_STEPS, l2: float = 1.0, command: str = "", target
     examples = _examples(sources, steps, target)
     models = {str(s): m for s in steps if (m := _fit_step(examples, s, l2)) is not None}
     return dict(features=FEATURES, models=models, threshold=0.5, l2=l2, window="min(100, s // 2) steps before s",
-                target=target, label=f"final verdict in {', '.join(LABELS[target])}", fitted_on=[str(s) for s in sources],
+                target=target, label=TARGET_TEXT[target], fitted_on=[str(s) for s in sources],
                 runs=[str(e["run"]) for e in examples], command=command)
 
 
