@@ -202,10 +202,10 @@ def cmd_predict(v: dict) -> int:
     try:
         models = {("packaged" if p is None else str(p)): load_predictor(p) for p in given}
         tables = []
+        report = _predict_online if v["online"] else _predict_at
         for name, model in models.items():
             if len(models) > 1:
                 print(f"predictor {name}:")
-            report = _predict_online if v["online"] else _predict_at
             tables.append(report(paths, model, v["at"]).assign(predictor=name))
     except ValueError as e:
         raise UserError(str(e)) from None
@@ -270,7 +270,7 @@ def _predict_online(paths, model: dict, steps=None):
 
 def cmd_fit_predictor(v: dict) -> int:
     """Fit the early-warning predictor (one logistic regression per step) on labelled runs."""
-    from .early_warning import fit
+    from .early_warning import fit, training_examples
     from .storage import run_dirs, write_json
     paths, out, at, l2, target = v["paths"], v["out"], v["at"], v["l2"], v["target"]
     for p in paths:
@@ -279,12 +279,13 @@ def cmd_fit_predictor(v: dict) -> int:
         + (f" --l2 {l2:g}" if l2 != 1.0 else "") + (f" --target {target}" if target != "fails" else "") \
         + (" --cross-validate" if v["cross_validate"] else "")
     try:
-        model = fit(paths, at, l2, command, target)
+        examples = training_examples(paths, at, target)  # features computed once, for the fit and the CV
+        model = fit(paths, at, l2, command, target, examples)
     except ValueError as e:
         raise UserError(str(e)) from None
     if v["cross_validate"]:
         from .early_warning import agreement, cross_validate
-        table = cross_validate(paths, at, l2, target)
+        table = cross_validate(paths, at, l2, target, examples)
         model["cross_validation"] = {}
         if table.empty:
             print("cross-validation: nothing to leave out (it needs finished runs of at least two cells)")

@@ -93,20 +93,23 @@ def run_features(run_dir: Path, at: int) -> dict:
     return features(load_metrics(run_dir), at, m["loops"], m["n_layer"], m["n_embd"])
 
 
-LABELS = {"fails": ("unstable", "collapsed", "diverged"),  # the run ends not stable (default)
-          "collapse": COLLAPSE,                               # the run ends collapsed or diverged
-          "climbs": ("unstable", "collapsed", "diverged")}    # ... or its loss climbed and recovered
-TARGET_TEXT = {"fails": "final verdict in unstable, collapsed, diverged",
-               "collapse": "final verdict in collapsed, diverged",
-               "climbs": "final verdict in unstable, collapsed, diverged, or a loss climb that recovered "
-                         "(the verdict's transient_rebound)"}
+FAILS = ("unstable", "collapsed", "diverged")
+# target -> (the final verdicts it counts, whether a loss climb that recovered counts too)
+TARGETS = {"fails": (FAILS, False),      # the run ends not stable (default)
+           "collapse": (COLLAPSE, False),  # the run ends collapsed or diverged
+           "climbs": (FAILS, True)}        # ... or its loss climbed and recovered (transient_rebound)
 
 
 def label(summary: dict, kind: str = "fails") -> int:
-    bad = summary.get("verdict") in LABELS[kind]
-    if kind == "climbs":
-        bad = bad or bool((summary.get("evidence") or {}).get("transient_rebound"))
-    return int(bad)
+    verdicts, rebound = TARGETS[kind]
+    return int(summary.get("verdict") in verdicts
+               or rebound and bool((summary.get("evidence") or {}).get("transient_rebound")))
+
+
+def target_text(kind: str) -> str:
+    verdicts, rebound = TARGETS[kind]
+    return f"final verdict in {', '.join(verdicts)}" + (
+        ", or a loss climb that recovered (the verdict's transient_rebound)" if rebound else "")
 
 
 # --------------------------------------------------------------------------- the model
@@ -164,17 +167,18 @@ def cell_identity(run_dir: Path) -> tuple:
     return m["variant"], m["loops"], m["n_layer"], m["n_embd"], t["seed"], t["lr_scale"]
 
 
-def _examples(sources, steps, target: str) -> list[dict]:
-    """Per usable run: its folder, label, identity, and its features at every step it ran past."""
-    if target not in LABELS:
-        raise ValueError(f"target must be one of {', '.join(LABELS)}, got {target!r}")
+def training_examples(sources, steps, target: str = "fails") -> list[dict]:
+    """Per usable run (`training_runs`): its folder, summary, label, cell identity, and its features at
+    every step of `steps` it ran past: what `fit` and `cross_validate` share (computed once)."""
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
     runs = training_runs(sources)
     if not runs:
         raise ValueError("no finished runs to fit on")
     out = []
     for d in runs:
         s = load_summary(d)
-        out.append(dict(run=d, y=label(s, target), identity=cell_identity(d),
+        out.append(dict(run=d, summary=s, y=label(s, target), identity=cell_identity(d),
                         feats={at: run_features(d, at) for at in steps if s.get("steps_done", 0) > at}))
     return out
 
@@ -191,21 +195,23 @@ def _fit_step(examples: list[dict], at: int, l2: float) -> dict | None:
                 positives=int(y.sum()), train_accuracy=float(((p >= 0.5) == (y == 1)).mean()))
 
 
-def fit(sources, steps=DEFAULT_STEPS, l2: float = 1.0, command: str = "", target: str = "fails") -> dict:
-    """Fit one model per step from the finished runs of `sources` (run or sweep folders).
-    target: "fails" (final verdict unstable, collapsed or diverged) or "collapse" (collapsed or diverged)."""
-    examples = _examples(sources, steps, target)
+def fit(sources, steps=DEFAULT_STEPS, l2: float = 1.0, command: str = "", target: str = "fails",
+        examples: list[dict] | None = None) -> dict:
+    """Fit one model per step from the finished runs of `sources` (run or sweep folders), or from their
+    `training_examples` when given. target: a key of TARGETS ("fails", "collapse", "climbs")."""
+    examples = training_examples(sources, steps, target) if examples is None else examples
     models = {str(s): m for s in steps if (m := _fit_step(examples, s, l2)) is not None}
     return dict(features=FEATURES, models=models, threshold=0.5, l2=l2, window="min(100, s // 2) steps before s",
-                target=target, label=TARGET_TEXT[target], fitted_on=[str(s) for s in sources],
+                target=target, label=target_text(target), fitted_on=[str(s) for s in sources],
                 runs=[str(e["run"]) for e in examples], command=command)
 
 
-def cross_validate(sources, steps=DEFAULT_STEPS, l2: float = 1.0, target: str = "fails") -> pd.DataFrame:
+def cross_validate(sources, steps=DEFAULT_STEPS, l2: float = 1.0, target: str = "fails",
+                   examples: list[dict] | None = None) -> pd.DataFrame:
     """Leave-one-cell-out agreement: every run is predicted at every step by a model fitted on the
     other cells only (runs with the same cell identity, e.g. one cell trained for two lengths, are
     left out together). Columns as `predict_sweep`'s, plus `step` and `run` (the folder)."""
-    examples = _examples(sources, steps, target)
+    examples = training_examples(sources, steps, target) if examples is None else examples
     rows = []
     for at in steps:
         for identity in dict.fromkeys(e["identity"] for e in examples):
@@ -214,7 +220,7 @@ def cross_validate(sources, steps=DEFAULT_STEPS, l2: float = 1.0, target: str = 
             if m is None:
                 continue
             predictor = dict(features=FEATURES, threshold=0.5, target=target, models={str(at): m})
-            rows += [_prediction_row(e["run"], load_summary(e["run"]), predictor, e["feats"][at], at)
+            rows += [_prediction_row(e["run"], e["summary"], predictor, e["feats"][at], at)
                      | dict(step=at, run=str(e["run"])) for e in held]
     return pd.DataFrame(rows, columns=COLUMNS + ["step", "run"])
 
@@ -260,16 +266,22 @@ COLUMNS = ["cell", "variant", "loops", "seed", "lr_scale", "p_collapse", "predic
            "false_alarm", "miss", "evidence"]
 
 
+def _scored(run_dir: Path, summary: dict, predictor: dict, predicted: bool) -> dict:
+    """The fields every row of a prediction table has: the cell, its final verdict, and how the
+    prediction fares against the predictor's target."""
+    actual = bool(label(summary, predictor.get("target", "collapse")))
+    return dict(cell=run_dir.name, variant=summary.get("variant"), loops=summary.get("loops"),
+                seed=summary.get("seed"), lr_scale=summary.get("lr_scale"), verdict=summary.get("verdict"),
+                actual=actual, agree=predicted == actual, false_alarm=predicted and not actual,
+                miss=actual and not predicted)
+
+
 def _prediction_row(run_dir: Path, summary: dict, predictor: dict, feats: dict, at: int) -> dict:
     """One run's prediction at `at` beside its final verdict (a row of `predict` / `cross_validate`)."""
     p, contrib = probability(predictor, feats, at)
     predicted = bool(p >= predictor.get("threshold", 0.5))
-    actual = bool(label(summary, predictor.get("target", "collapse")))
-    return dict(cell=run_dir.name, variant=summary.get("variant"), loops=summary.get("loops"),
-                seed=summary.get("seed"), lr_scale=summary.get("lr_scale"), p_collapse=p, predicted=predicted,
-                verdict=summary.get("verdict"), actual=actual, agree=predicted == actual,
-                false_alarm=predicted and not actual, miss=actual and not predicted,
-                evidence=evidence_text(feats, contrib))
+    return _scored(run_dir, summary, predictor, predicted) | dict(
+        p_collapse=p, predicted=predicted, evidence=evidence_text(feats, contrib))
 
 
 def predict_sweep(path, at: int, predictor: dict) -> pd.DataFrame:
@@ -290,14 +302,15 @@ def first_warning(df: pd.DataFrame, predictor: dict, loops: int, n_layer: int, d
     threshold = predictor.get("threshold", 0.5) if threshold is None else threshold
     first = min(int(s) for s in predictor["models"])
     start = -(-first // every) * every  # the first multiple of `every` at or after the first fitted step
+    checks = range(start, steps_done + 1, every)
     p_max, out = 0.0, dict(warned_at=None, p_warn=math.nan, evidence="")
-    for at in range(start, steps_done + 1, every):
+    for at in checks:
         feats = features(df, at, loops, n_layer, d_model)
         p, contrib = probability(predictor, feats, at)
         p_max = max(p_max, p)
         if p >= threshold and out["warned_at"] is None:
             out = dict(warned_at=at, p_warn=p, evidence=evidence_text(feats, contrib))
-    return out | dict(p_max=p_max, checks=len(range(start, steps_done + 1, every)))
+    return out | dict(p_max=p_max, checks=len(checks))
 
 
 def online_sweep(path, predictor: dict) -> pd.DataFrame:
@@ -308,12 +321,9 @@ def online_sweep(path, predictor: dict) -> pd.DataFrame:
     for d in labelled_runs([path]):
         s, m = load_summary(d), load_config(d)["model"]
         w = first_warning(load_metrics(d), predictor, m["loops"], m["n_layer"], m["n_embd"], s.get("steps_done", 0))
-        warned, actual = w["warned_at"] is not None, bool(label(s, predictor.get("target", "collapse")))
         onset = (s.get("evidence") or {}).get("min_step") if s.get("verdict") == "collapsed" else None
-        rows.append(dict(cell=d.name, variant=s.get("variant"), loops=s.get("loops"), seed=s.get("seed"),
-                         lr_scale=s.get("lr_scale"), warned_at=w["warned_at"], p_warn=w["p_warn"], p_max=w["p_max"],
-                         verdict=s.get("verdict"), onset=onset, actual=actual, agree=warned == actual,
-                         false_alarm=warned and not actual, miss=actual and not warned, evidence=w["evidence"]))
+        rows.append(_scored(d, s, predictor, w["warned_at"] is not None) | dict(
+            warned_at=w["warned_at"], p_warn=w["p_warn"], p_max=w["p_max"], onset=onset, evidence=w["evidence"]))
     return pd.DataFrame(rows, columns=["cell", "variant", "loops", "seed", "lr_scale", "warned_at", "p_warn", "p_max",
                                        "verdict", "onset", "actual", "agree", "false_alarm", "miss", "evidence"])
 
