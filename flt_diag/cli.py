@@ -272,20 +272,27 @@ def cmd_fit_predictor(v: dict) -> int:
     """Fit the early-warning predictor (one logistic regression per step) on labelled runs."""
     from .early_warning import fit, training_examples
     from .storage import run_dirs, write_json
-    paths, out, at, l2, target = v["paths"], v["out"], v["at"], v["l2"], v["target"]
+    from .early_warning import DEFAULT_FEATURES, _check_features
+    paths, out, at, l2, target, weight = v["paths"], v["out"], v["at"], v["l2"], v["target"], v["class_weight"]
+    try:
+        features = _check_features(v["features"] or DEFAULT_FEATURES)
+    except ValueError as e:
+        raise UserError(str(e)) from None
     for p in paths:
         run_dirs(p)
     command = "flt-diag fit-predictor " + " ".join(map(str, paths)) + f" --out {out} --at " + " ".join(map(str, at)) \
         + (f" --l2 {l2:g}" if l2 != 1.0 else "") + (f" --target {target}" if target != "fails" else "") \
+        + (" --features " + " ".join(features) if features != DEFAULT_FEATURES else "") \
+        + (f" --class-weight {weight}" if weight != "balanced" else "") \
         + (" --cross-validate" if v["cross_validate"] else "")
     try:
         examples = training_examples(paths, at, target)  # features computed once, for the fit and the CV
-        model = fit(paths, at, l2, command, target, examples)
+        model = fit(paths, at, l2, command, target, examples, features, weight)
     except ValueError as e:
         raise UserError(str(e)) from None
     if v["cross_validate"]:
         from .early_warning import agreement, cross_validate
-        table = cross_validate(paths, at, l2, target, examples)
+        table = cross_validate(paths, at, l2, target, examples, features, weight)
         model["cross_validation"] = {}
         if table.empty:
             print("cross-validation: nothing to leave out (it needs finished runs of at least two cells)")
@@ -379,6 +386,12 @@ COMMANDS: dict[str, tuple] = {
         cli_opt("--target", str, "fails (final verdict unstable, collapsed or diverged), collapse (collapsed or "
                 "diverged) or climbs (fails, or the loss climbed and recovered: the verdict's transient_rebound).",
                 "fails", choices=("fails", "collapse", "climbs"), optional=False),
+        cli_opt("--features", str, "Features the model uses, among resid_level resid_growth loop_ratio grad_cv "
+                "grad_dlog grad_cos act_grad_decay loss_slope loss_climb [default: all but grad_cos].", many=True,
+                choices=("resid_level", "resid_growth", "loop_ratio", "grad_cv", "grad_dlog", "grad_cos",
+                         "act_grad_decay", "loss_slope", "loss_climb")),
+        cli_opt("--class-weight", str, "balanced (each class weighs half of the fit, whatever share of the runs "
+                "fails) or none (each run weighs 1).", "balanced", choices=("balanced", "none"), optional=False),
         cli_opt("--cross-validate", bool, "Also report leave-one-cell-out agreement at each step (every run "
                 "predicted by a model fitted without its cell) and store it in the predictor JSON.", False)]),
     "variants": (cmd_variants, [], lambda: []),

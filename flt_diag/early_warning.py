@@ -8,6 +8,8 @@ recorded steps before s (numpy/scipy/pandas only; no torch):
     loop_ratio      log10(final-loop / first-loop residual norm)              (later vs earlier loops)
     grad_cv         coefficient of variation of the global gradient norm      (oscillation)
     grad_dlog       mean |delta log gradient norm|                            (oscillation)
+    grad_cos        mean cosine between successive gradients                  (oscillation: < 0 when
+                    each step undoes part of the last)
     act_grad_decay  log10(||dL/d out(loop 1, block 1)|| / ||dL/d out(loop K, block L)||)
                     (how the backward signal changes through the loops)
     loss_slope      slope of the training loss per 100 steps
@@ -16,9 +18,11 @@ recorded steps before s (numpy/scipy/pandas only; no torch):
 The target (what "collapse" means for a predictor) is stored with it: "fails" (the final verdict is
 unstable, collapsed or diverged; the packaged predictor's), "collapse" (collapsed or diverged) or
 "climbs" (fails, or the loss climbed above the verdict's rebound threshold and recovered).
+A predictor names the features it uses (a subset of FEATURES; `fit-predictor --features`).
 Features are standardised with the training set's mean and std (a missing feature, e.g. a run
 recorded without diagnostics, counts as the mean); the fit maximises the L2-penalised likelihood
-(scipy L-BFGS). One model per fitted step s (100, 200, 300, 500 by default); at another step the
+(scipy L-BFGS), by default with class-balanced weights (each class weighs half, whatever share of
+the training runs fail: that share is an artefact of which sweeps were run, not a prior). One model per fitted step s (100, 200, 300, 500 by default); at another step the
 model of the largest fitted s at or below it is used. The fitted model is plain JSON (features, means, stds, coefficients, intercept, what it
 was fitted on and the command that refits it): flt_diag/early_warning.json ships with the package.
 """
@@ -35,8 +39,11 @@ from . import metric_names as M
 from .callbacks import Callback
 from .storage import load_config, load_metrics, load_summary, run_dirs, series
 
-FEATURES = ["resid_level", "resid_growth", "loop_ratio", "grad_cv", "grad_dlog", "act_grad_decay",
-            "loss_slope", "loss_climb"]
+FEATURES = ["resid_level", "resid_growth", "loop_ratio", "grad_cv", "grad_dlog", "grad_cos", "act_grad_decay",
+            "loss_slope", "loss_climb"]  # every feature `features` computes
+DEFAULT_FEATURES = ["resid_level", "resid_growth", "loop_ratio", "grad_cv", "grad_dlog", "act_grad_decay",
+                    "loss_slope", "loss_climb"]  # what `fit-predictor` uses unless told otherwise
+CLASS_WEIGHTS = ("balanced", "none")
 DEFAULT_STEPS = [100, 200, 300, 500]
 PACKAGED = Path(__file__).with_name("early_warning.json")
 COLLAPSE = ("collapsed", "diverged")
@@ -63,6 +70,8 @@ def features(df: pd.DataFrame, at: int, loops: int, n_layer: int, d_model: int) 
     first = _window(series(df, M.RESID_NORM_LOOP_END, loop=1), lo, at)
     g = _window(series(df, M.GRAD_NORM), lo, at)
     g = g[np.isfinite(g.to_numpy()) & (g.to_numpy() > 0)]
+    cos = _window(series(df, M.GRAD_COSINE), lo, at)
+    cos = cos[np.isfinite(cos.to_numpy())]
     a_first = _window(series(df, M.ACT_GRAD_NORM, loop=1, layer=1), lo, at)
     a_last = _window(series(df, M.ACT_GRAD_NORM, loop=loops, layer=n_layer), lo, at)
     loss = series(df, M.LOSS)
@@ -80,6 +89,7 @@ def features(df: pd.DataFrame, at: int, loops: int, n_layer: int, d_model: int) 
         loop_ratio=log_mean(final) - log_mean(first) if len(final) and len(first) else math.nan,
         grad_cv=float(g.std(ddof=0) / g.mean()) if len(g) > 1 else math.nan,  # population std, as osc cv
         grad_dlog=float(np.abs(np.diff(np.log(g.to_numpy()))).mean()) if len(g) > 1 else math.nan,
+        grad_cos=float(cos.mean()) if len(cos) else math.nan,
         act_grad_decay=log_mean(a_first) - log_mean(a_last) if len(a_first) and len(a_last) else math.nan,
         loss_slope=_slope_per_100(_window(loss, lo, at)),
         loss_climb=float(smooth.iloc[-1] - smooth.cummin().iloc[-1]) if len(smooth) else math.nan,
@@ -118,28 +128,43 @@ def _sigmoid(z):
     return 1.0 / (1.0 + np.exp(-np.clip(z, -60, 60)))
 
 
-def fit_logistic(X: np.ndarray, y: np.ndarray, l2: float = 1.0) -> tuple[np.ndarray, float]:
-    """Coefficients and intercept maximising sum log-likelihood - l2/2 |w|^2 (intercept unpenalised)."""
+def fit_logistic(X: np.ndarray, y: np.ndarray, l2: float = 1.0,
+                 weights: np.ndarray | None = None) -> tuple[np.ndarray, float]:
+    """Coefficients and intercept maximising sum_i weight_i log-likelihood_i - l2/2 |w|^2 (intercept
+    unpenalised; weights 1 unless given)."""
     from scipy.optimize import minimize
+    c = np.ones(len(y)) if weights is None else np.asarray(weights, dtype=float)
 
     def loss(theta):
         w, b = theta[:-1], theta[-1]
         z = X @ w + b
-        nll = np.sum(np.logaddexp(0, z) - y * z) + 0.5 * l2 * w @ w
-        p = _sigmoid(z)
-        grad = np.concatenate([X.T @ (p - y) + l2 * w, [np.sum(p - y)]])
+        nll = np.sum(c * (np.logaddexp(0, z) - y * z)) + 0.5 * l2 * w @ w
+        r = c * (_sigmoid(z) - y)
+        grad = np.concatenate([X.T @ r + l2 * w, [np.sum(r)]])
         return nll, grad
 
     res = minimize(loss, np.zeros(X.shape[1] + 1), jac=True, method="L-BFGS-B")
     return res.x[:-1], float(res.x[-1])
 
 
-def design(rows: list[dict], mean=None, std=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    X = np.array([[r.get(f, math.nan) for f in FEATURES] for r in rows], dtype=float)
+def class_weights(y: np.ndarray, kind: str = "balanced") -> np.ndarray:
+    """Per-run weights: "none" = 1 each; "balanced" = n / (2 n_class), so each class weighs n / 2."""
+    if kind not in CLASS_WEIGHTS:
+        raise ValueError(f"class weight must be one of {', '.join(CLASS_WEIGHTS)}, got {kind!r}")
+    y = np.asarray(y, dtype=float)
+    n, pos = len(y), float(y.sum())
+    if kind == "none" or pos in (0.0, float(n)):
+        return np.ones(n)
+    return np.where(y == 1, n / (2 * pos), n / (2 * (n - pos)))
+
+
+def design(rows: list[dict], features: list[str], mean=None,
+           std=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    X = np.array([[r.get(f, math.nan) for f in features] for r in rows], dtype=float).reshape(len(rows), len(features))
     if mean is None:
-        mean = np.nanmean(np.where(np.isfinite(X), X, np.nan), axis=0) if len(X) else np.zeros(len(FEATURES))
+        mean = np.nanmean(np.where(np.isfinite(X), X, np.nan), axis=0) if len(X) else np.zeros(len(features))
         mean = np.where(np.isfinite(mean), mean, 0.0)
-        std = np.nanstd(X, axis=0) if len(X) else np.ones(len(FEATURES))
+        std = np.nanstd(X, axis=0) if len(X) else np.ones(len(features))
         std = np.where(np.isfinite(std) & (std > 1e-12), std, 1.0)
     Z = (X - mean) / std
     Z = np.where(np.isfinite(Z), Z, 0.0)  # a missing feature counts as the training mean
@@ -183,43 +208,58 @@ def training_examples(sources, steps, target: str = "fails") -> list[dict]:
     return out
 
 
-def _fit_step(examples: list[dict], at: int, l2: float) -> dict | None:
+def _fit_step(examples: list[dict], at: int, l2: float, features: list[str], class_weight: str) -> dict | None:
     usable = [e for e in examples if at in e["feats"]]
     if not usable:
         return None
     y = np.array([e["y"] for e in usable], dtype=float)
-    Z, mean, std = design([e["feats"][at] for e in usable])
-    w, b = fit_logistic(Z, y, l2)
+    Z, mean, std = design([e["feats"][at] for e in usable], features)
+    w, b = fit_logistic(Z, y, l2, class_weights(y, class_weight))
     p = _sigmoid(Z @ w + b)
     return dict(mean=mean.tolist(), std=std.tolist(), coef=w.tolist(), intercept=b, runs=len(usable),
                 positives=int(y.sum()), train_accuracy=float(((p >= 0.5) == (y == 1)).mean()))
 
 
+def _check_features(features) -> list[str]:
+    features = list(features)
+    unknown = [f for f in features if f not in FEATURES]
+    if unknown or not features or len(set(features)) < len(features):
+        raise ValueError(f"features must be distinct names among {', '.join(FEATURES)}"
+                         + (f"; unknown: {', '.join(unknown)}" if unknown else ""))
+    return features
+
+
 def fit(sources, steps=DEFAULT_STEPS, l2: float = 1.0, command: str = "", target: str = "fails",
-        examples: list[dict] | None = None) -> dict:
+        examples: list[dict] | None = None, features=DEFAULT_FEATURES, class_weight: str = "balanced") -> dict:
     """Fit one model per step from the finished runs of `sources` (run or sweep folders), or from their
-    `training_examples` when given. target: a key of TARGETS ("fails", "collapse", "climbs")."""
+    `training_examples` when given. target: a key of TARGETS ("fails", "collapse", "climbs");
+    features: a subset of FEATURES; class_weight: "balanced" or "none" (`class_weights`)."""
+    features = _check_features(features)
+    class_weights([], class_weight)  # a wrong name fails before any run is read
     examples = training_examples(sources, steps, target) if examples is None else examples
-    models = {str(s): m for s in steps if (m := _fit_step(examples, s, l2)) is not None}
-    return dict(features=FEATURES, models=models, threshold=0.5, l2=l2, window="min(100, s // 2) steps before s",
-                target=target, label=target_text(target), fitted_on=[str(s) for s in sources],
-                runs=[str(e["run"]) for e in examples], command=command)
+    models = {str(s): m for s in steps if (m := _fit_step(examples, s, l2, features, class_weight)) is not None}
+    return dict(features=features, models=models, threshold=0.5, l2=l2, class_weight=class_weight,
+                window="min(100, s // 2) steps before s", target=target, label=target_text(target),
+                fitted_on=[str(s) for s in sources], runs=[str(e["run"]) for e in examples], command=command)
 
 
 def cross_validate(sources, steps=DEFAULT_STEPS, l2: float = 1.0, target: str = "fails",
-                   examples: list[dict] | None = None) -> pd.DataFrame:
+                   examples: list[dict] | None = None, features=DEFAULT_FEATURES,
+                   class_weight: str = "balanced") -> pd.DataFrame:
     """Leave-one-cell-out agreement: every run is predicted at every step by a model fitted on the
     other cells only (runs with the same cell identity, e.g. one cell trained for two lengths, are
     left out together). Columns as `predict_sweep`'s, plus `step` and `run` (the folder)."""
+    features = _check_features(features)
     examples = training_examples(sources, steps, target) if examples is None else examples
     rows = []
     for at in steps:
         for identity in dict.fromkeys(e["identity"] for e in examples):
             held = [e for e in examples if e["identity"] == identity and at in e["feats"]]
-            m = _fit_step([e for e in examples if e["identity"] != identity], at, l2) if held else None
+            m = _fit_step([e for e in examples if e["identity"] != identity], at, l2, features,
+                          class_weight) if held else None
             if m is None:
                 continue
-            predictor = dict(features=FEATURES, threshold=0.5, target=target, models={str(at): m})
+            predictor = dict(features=features, threshold=0.5, target=target, models={str(at): m})
             rows += [_prediction_row(e["run"], e["summary"], predictor, e["feats"][at], at)
                      | dict(step=at, run=str(e["run"])) for e in held]
     return pd.DataFrame(rows, columns=COLUMNS + ["step", "run"])
@@ -233,8 +273,12 @@ def load_predictor(path=None) -> dict:
         raise ValueError(f"no predictor file {p}") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"unreadable predictor file {p}: {e}") from None
-    if not isinstance(model, dict) or model.get("features") != FEATURES or not model.get("models"):
-        raise ValueError(f"{p} is not an flt-diag predictor (features {FEATURES})")
+    feats = model.get("features") if isinstance(model, dict) else None
+    if not isinstance(feats, list) or not feats or any(f not in FEATURES for f in feats) \
+            or not isinstance(model.get("models"), dict) or not model["models"] \
+            or any(len(m.get("coef", ())) != len(feats) for m in model["models"].values()):
+        raise ValueError(f"{p} is not an flt-diag predictor (features among {', '.join(FEATURES)}, "
+                         "one model per step)")
     return model
 
 
@@ -251,10 +295,11 @@ def probability(predictor: dict, feats: dict, step: int) -> tuple[float, list[tu
         raise ValueError(f"the predictor is fitted from step {min(map(int, predictor['models']))} on; "
                          f"step {step} is too early")
     _, m = found
-    Z, _, _ = design([feats], np.array(m["mean"]), np.array(m["std"]))
+    names = predictor["features"]
+    Z, _, _ = design([feats], names, np.array(m["mean"]), np.array(m["std"]))
     contrib = Z[0] * np.array(m["coef"])
     p = float(_sigmoid(contrib.sum() + m["intercept"]))
-    return p, sorted(zip(FEATURES, contrib.tolist()), key=lambda t: -abs(t[1]))
+    return p, sorted(zip(names, contrib.tolist()), key=lambda t: -abs(t[1]))
 
 
 def evidence_text(feats: dict, contributions: list[tuple[str, float]], n: int = 3) -> str:
@@ -369,7 +414,7 @@ class CollapseWarning(Callback):
     time it reaches the threshold, prints a warning with the evidence, and with `stop` ends the run
     there (verdict collapsed, predicted at that step). Keeps the few series the features need."""
 
-    KEEP = (M.LOSS, M.GRAD_NORM, M.RESID_NORM_LOOP_END, M.ACT_GRAD_NORM)
+    KEEP = (M.LOSS, M.GRAD_NORM, M.GRAD_COSINE, M.RESID_NORM_LOOP_END, M.ACT_GRAD_NORM)
 
     def __init__(self, predictor: dict, stop: bool = False, threshold: float | None = None, every: int = CHECK_EVERY,
                  say=None):
@@ -388,7 +433,7 @@ class CollapseWarning(Callback):
     def on_rows(self, trainer, step: int, rows: list[tuple]) -> None:
         keep = {(M.RESID_NORM_LOOP_END, 1), (M.RESID_NORM_LOOP_END, self.loops)}
         for r in rows:
-            if r[1] in (M.LOSS, M.GRAD_NORM) or (r[1], r[2]) in keep or (
+            if r[1] in (M.LOSS, M.GRAD_NORM, M.GRAD_COSINE) or (r[1], r[2]) in keep or (
                     r[1] == M.ACT_GRAD_NORM and (r[2], r[3]) in ((1, 1), (self.loops, self.n_layer))):
                 self.rows.append(tuple(r))
         done = step + 1

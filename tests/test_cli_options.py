@@ -133,3 +133,14 @@ def test_every_choice_and_list_option_refuses_bad_values(tmp_path, monkeypatch, 
         err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert len(err) == 1 and err[0].startswith("error: ") and o.flag in err[0], (args, err)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_python_dash_m_is_the_console_script():
+    """`python -m flt_diag` runs the same CLI (help and its exit code; a bad command's one line and 2)."""
+    import subprocess
+    import sys
+    ok = subprocess.run([sys.executable, "-m", "flt_diag", "variants"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "flt" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "flt_diag", "no-such-command"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr

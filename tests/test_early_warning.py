@@ -14,10 +14,11 @@ from flt_diag.storage import load_summary
 
 
 def _rows(steps, loops=3, n_layer=2, resid=lambda s, k: 10.0, grad=lambda s: 1.0, loss=lambda s: 3.0,
-          act=lambda s, k: 1.0):
+          act=lambda s, k: 1.0, cos=lambda s: 0.0):
     rows = []
     for s in range(steps):
-        rows += [(s, M.LOSS, -1, -1, loss(s)), (s, M.GRAD_NORM, -1, -1, grad(s))]
+        rows += [(s, M.LOSS, -1, -1, loss(s)), (s, M.GRAD_NORM, -1, -1, grad(s)), (s, M.GRAD_COSINE, -1, -1, cos(s)),
+                 (s, M.GRAD_COSINE + "/matrix", -1, 0, 0.9)]  # a per-group cosine: not the feature
         for k in range(1, loops + 1):
             rows.append((s, M.RESID_NORM_LOOP_END, k, -1, resid(s, k)))
         rows += [(s, M.ACT_GRAD_NORM, 1, 1, act(s, 1)), (s, M.ACT_GRAD_NORM, loops, n_layer, act(s, loops))]
@@ -27,8 +28,10 @@ def _rows(steps, loops=3, n_layer=2, resid=lambda s, k: 10.0, grad=lambda s: 1.0
 def test_features_against_hand_computation():
     rng = np.random.default_rng(0)
     g = rng.lognormal(0, 0.5, 300)
+    c = rng.uniform(-1, 1, 300)
     df = _rows(300, resid=lambda s, k: 8.0 * 10 ** (s / 100) if k == 3 else 8.0, grad=lambda s: g[s],
-               loss=lambda s: 3 - 0.01 * s if s < 150 else 1.5 + 0.02 * (s - 150), act=lambda s, k: 4.0 if k == 1 else 0.4)
+               loss=lambda s: 3 - 0.01 * s if s < 150 else 1.5 + 0.02 * (s - 150), act=lambda s, k: 4.0 if k == 1 else 0.4,
+               cos=lambda s: c[s])
     f = EW.features(df, at=300, loops=3, n_layer=2, d_model=64)
     win = np.arange(200, 300)  # W = min(100, 300 // 2) steps before 300
     assert f["resid_level"] == pytest.approx(math.log10(np.mean(8.0 * 10 ** (win / 100))) - math.log10(8), rel=1e-9)
@@ -36,6 +39,7 @@ def test_features_against_hand_computation():
     assert f["loop_ratio"] == pytest.approx(math.log10(np.mean(8.0 * 10 ** (win / 100)) / 8.0), rel=1e-9)
     assert f["grad_cv"] == pytest.approx(np.std(g[200:300]) / np.mean(g[200:300]), rel=1e-9)
     assert f["grad_dlog"] == pytest.approx(np.mean(np.abs(np.diff(np.log(g[200:300])))), rel=1e-9)
+    assert f["grad_cos"] == pytest.approx(sum(c[200:300]) / 100, rel=1e-9)
     assert f["act_grad_decay"] == pytest.approx(1.0, rel=1e-9)
     assert f["loss_slope"] == pytest.approx(2.0, rel=1e-9)  # +0.02 per step = +2 per 100 steps
     loss = np.array([3 - 0.01 * s if s < 150 else 1.5 + 0.02 * (s - 150) for s in range(300)])
@@ -59,10 +63,46 @@ def test_logistic_fit_matches_known_direction_and_probabilities():
     assert np.allclose(X.T @ (p - y) + 1e-3 * w, 0, atol=1e-3) and abs(np.sum(p - y)) < 1e-3
 
 
-def _toy_predictor(tmp_path, coef_climb=6.0, intercept=-3.0, steps=(20,)):
-    model = dict(features=EW.FEATURES, threshold=0.5, models={
-        str(s): dict(mean=[0.0] * len(EW.FEATURES), std=[1.0] * len(EW.FEATURES),
-                     coef=[coef_climb if f == "loss_climb" else 0.0 for f in EW.FEATURES], intercept=intercept)
+def test_weighted_fit_equals_the_fit_on_duplicated_rows():
+    """Weight 3 on a run is the same likelihood as three copies of it (an independent construction)."""
+    rng = np.random.default_rng(2)
+    X = rng.normal(size=(60, 3))
+    y = (X[:, 0] + rng.normal(size=60) > 0.8).astype(float)
+    weights = np.where(y == 1, 3.0, 1.0)
+    w, b = EW.fit_logistic(X, y, l2=0.5, weights=weights)
+    reps = weights.astype(int)
+    w2, b2 = EW.fit_logistic(np.repeat(X, reps, axis=0), np.repeat(y, reps), l2=0.5)
+    assert np.allclose(w, w2, atol=1e-4) and b == pytest.approx(b2, abs=1e-4)
+
+
+def test_balanced_class_weights():
+    y = np.array([1, 0, 0, 0, 0, 0, 0, 0.0])
+    c = EW.class_weights(y, "balanced")
+    assert c[y == 1].sum() == pytest.approx(4.0) and c[y == 0].sum() == pytest.approx(4.0)
+    assert (EW.class_weights(y, "none") == 1).all() and (EW.class_weights(np.zeros(3)) == 1).all()
+    with pytest.raises(ValueError, match="class weight"):
+        EW.class_weights(y, "inverse")
+
+
+def test_balanced_weights_move_the_boundary_toward_the_rare_class():
+    """1-D data, 5 positives near x = 1 among 45 negatives around 0: balanced weights raise every
+    positive's P, and the fitted P = 0.5 point lies between the two class means."""
+    rng = np.random.default_rng(3)
+    X = np.concatenate([rng.normal(1.0, 0.2, 5), rng.normal(0.0, 0.5, 45)])[:, None]
+    y = np.array([1.0] * 5 + [0.0] * 45)
+    p = {}
+    for kind in ("none", "balanced"):
+        w, b = EW.fit_logistic(X, y, 0.1, EW.class_weights(y, kind))
+        p[kind] = 1 / (1 + np.exp(-(X[:5, 0] * w[0] + b)))
+        if kind == "balanced":
+            assert 0.0 < -b / w[0] < 1.0
+    assert (p["balanced"] > p["none"]).all()
+
+
+def _toy_predictor(tmp_path, coef_climb=6.0, intercept=-3.0, steps=(20,), features=EW.FEATURES):
+    model = dict(features=list(features), threshold=0.5, models={
+        str(s): dict(mean=[0.0] * len(features), std=[1.0] * len(features),
+                     coef=[coef_climb if f == "loss_climb" else 0.0 for f in features], intercept=intercept)
         for s in steps})
     path = tmp_path / "predictor.json"
     path.write_text(json.dumps(model))
@@ -79,9 +119,34 @@ def test_probability_is_the_logistic_of_the_written_out_logit(tmp_path):
         EW.probability(pred, feats, 10)
 
 
+def test_a_predictor_uses_its_own_features(tmp_path):
+    """A predictor on two features ignores the others, whatever their values."""
+    pred = EW.load_predictor(_toy_predictor(tmp_path, features=["grad_cos", "loss_climb"]))
+    feats = {f: 100.0 for f in EW.FEATURES} | {"grad_cos": -0.5, "loss_climb": 0.75}
+    p, contrib = EW.probability(pred, feats, 40)
+    assert p == pytest.approx(1 / (1 + math.exp(-(6.0 * 0.75 - 3.0))))
+    assert [name for name, _ in contrib] == ["loss_climb", "grad_cos"]
+
+
+@pytest.mark.parametrize("edit", [lambda m: m | {"features": ["loss_climb", "no_such_feature"]},
+                                  lambda m: m | {"models": {"20": m["models"]["20"] | {"coef": [1.0]}}},
+                                  lambda m: m | {"features": []}])
+def test_malformed_predictors_are_refused(tmp_path, edit):
+    path = _toy_predictor(tmp_path, features=["grad_cos", "loss_climb"])
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+    with pytest.raises(ValueError, match="not an flt-diag predictor"):
+        EW.load_predictor(path)
+
+
+def test_cli_feature_choices_are_the_computed_features():
+    from flt_diag.cli import COMMANDS
+    opt = next(o for o in COMMANDS["fit-predictor"][2]() if o.flag == "--features")
+    assert list(opt.choices) == EW.FEATURES and set(EW.DEFAULT_FEATURES) <= set(EW.FEATURES)
+
+
 def test_packaged_predictor_loads():
     pred = EW.load_predictor()
-    assert pred["features"] == EW.FEATURES and set(pred["models"]) >= {"100", "200", "300"}
+    assert set(pred["features"]) <= set(EW.FEATURES) and set(pred["models"]) >= {"100", "200", "300"}
     assert pred["target"] == "fails" and pred["command"].startswith("flt-diag fit-predictor")
 
 
@@ -218,7 +283,7 @@ def test_online_replay_warns_where_the_callback_warns():
     loss = lambda s: 3 - 0.01 * s if s < 150 else 1.5 + 0.02 * (s - 150)
     df = _rows(400, loss=loss)
     pred = dict(features=EW.FEATURES, threshold=0.5, models={"20": dict(
-        mean=[0.0] * 8, std=[1.0] * 8, coef=[6.0 if f == "loss_climb" else 0.0 for f in EW.FEATURES], intercept=-3.0)})
+        mean=[0.0] * len(EW.FEATURES), std=[1.0] * len(EW.FEATURES), coef=[6.0 if f == "loss_climb" else 0.0 for f in EW.FEATURES], intercept=-3.0)})
     smooth = pd.Series([loss(s) for s in range(400)]).rolling(50, min_periods=1).mean()
     climb = smooth - smooth.cummin()  # climb after step s-1 decides the check at s
     by_hand = next(s for s in range(25, 401, 25) if climb[s - 1] > 0.5)
