@@ -272,10 +272,10 @@ def cmd_fit_predictor(v: dict) -> int:
     """Fit the early-warning predictor (one logistic regression per step) on labelled runs."""
     from .early_warning import fit, training_examples
     from .storage import run_dirs, write_json
-    from .early_warning import DEFAULT_FEATURES, _check_features
+    from .early_warning import DEFAULT_FEATURES, check_features
     paths, out, at, l2, target, weight = v["paths"], v["out"], v["at"], v["l2"], v["target"], v["class_weight"]
     try:
-        features = _check_features(v["features"] or DEFAULT_FEATURES)
+        features = check_features(v["features"] or DEFAULT_FEATURES)
     except ValueError as e:
         raise UserError(str(e)) from None
     for p in paths:

@@ -22,9 +22,11 @@ A predictor names the features it uses (a subset of FEATURES; `fit-predictor --f
 Features are standardised with the training set's mean and std (a missing feature, e.g. a run
 recorded without diagnostics, counts as the mean); the fit maximises the L2-penalised likelihood
 (scipy L-BFGS), by default with class-balanced weights (each class weighs half, whatever share of
-the training runs fail: that share is an artefact of which sweeps were run, not a prior). One model per fitted step s (100, 200, 300, 500 by default); at another step the
-model of the largest fitted s at or below it is used. The fitted model is plain JSON (features, means, stds, coefficients, intercept, what it
-was fitted on and the command that refits it): flt_diag/early_warning.json ships with the package.
+the training runs fail: that share is an artefact of which sweeps were run, not a prior). One model
+per fitted step s (100, 200, 300, 500 by default); at another step the model of the largest fitted
+s at or below it is used. The fitted model is plain JSON (features, means, stds, coefficients,
+intercept, class weights, what it was fitted on and the command that refits it):
+flt_diag/early_warning.json ships with the package.
 """
 from __future__ import annotations
 
@@ -220,7 +222,7 @@ def _fit_step(examples: list[dict], at: int, l2: float, features: list[str], cla
                 positives=int(y.sum()), train_accuracy=float(((p >= 0.5) == (y == 1)).mean()))
 
 
-def _check_features(features) -> list[str]:
+def check_features(features) -> list[str]:
     features = list(features)
     unknown = [f for f in features if f not in FEATURES]
     if unknown or not features or len(set(features)) < len(features):
@@ -234,7 +236,7 @@ def fit(sources, steps=DEFAULT_STEPS, l2: float = 1.0, command: str = "", target
     """Fit one model per step from the finished runs of `sources` (run or sweep folders), or from their
     `training_examples` when given. target: a key of TARGETS ("fails", "collapse", "climbs");
     features: a subset of FEATURES; class_weight: "balanced" or "none" (`class_weights`)."""
-    features = _check_features(features)
+    features = check_features(features)
     class_weights([], class_weight)  # a wrong name fails before any run is read
     examples = training_examples(sources, steps, target) if examples is None else examples
     models = {str(s): m for s in steps if (m := _fit_step(examples, s, l2, features, class_weight)) is not None}
@@ -249,7 +251,7 @@ def cross_validate(sources, steps=DEFAULT_STEPS, l2: float = 1.0, target: str = 
     """Leave-one-cell-out agreement: every run is predicted at every step by a model fitted on the
     other cells only (runs with the same cell identity, e.g. one cell trained for two lengths, are
     left out together). Columns as `predict_sweep`'s, plus `step` and `run` (the folder)."""
-    features = _check_features(features)
+    features = check_features(features)
     examples = training_examples(sources, steps, target) if examples is None else examples
     rows = []
     for at in steps:

@@ -230,6 +230,26 @@ def test_fit_predictor_command_writes_a_loadable_model(labelled, tmp_path, capsy
     assert m["command"].startswith("flt-diag fit-predictor") and "cross_validation" not in m
 
 
+def test_fit_predictor_features_and_class_weight_reach_the_model(labelled, tmp_path, capsys):
+    """--features and --class-weight: the model has those features (one coefficient each), the weights
+    named, and the refit command repeats them; the fit equals fit_logistic on the same standardised rows."""
+    from flt_diag.cli import main
+    out = tmp_path / "m.json"
+    code = main(["fit-predictor", str(labelled / "sw"), "--at", "20", "--features", "grad_cos", "loss_climb",
+                 "--class-weight", "none", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    m = EW.load_predictor(out)
+    assert m["features"] == ["grad_cos", "loss_climb"] and m["class_weight"] == "none"
+    assert len(m["models"]["20"]["coef"]) == 2
+    assert "--features grad_cos loss_climb" in m["command"] and "--class-weight none" in m["command"]
+    runs = EW.training_runs([labelled / "sw"])
+    X = np.array([[EW.run_features(d, 20)[f] for f in ("grad_cos", "loss_climb")] for d in runs])
+    y = np.array([EW.label(load_summary(d)) for d in runs], dtype=float)
+    std = np.where(X.std(axis=0) > 1e-12, X.std(axis=0), 1.0)
+    w, b = EW.fit_logistic((X - X.mean(axis=0)) / std, y, 1.0)
+    assert np.allclose(m["models"]["20"]["coef"], w, atol=1e-6) and m["models"]["20"]["intercept"] == pytest.approx(b, abs=1e-6)
+
+
 def test_cross_validation_predicts_each_run_from_the_other_cells_only(labelled):
     """Leave-one-cell-out: a run's prediction is the one of a model fitted on the runs of the other cells,
     and both lengths of the lt seed-0 cell are left out together."""
