@@ -270,14 +270,10 @@ def _predict_online(paths, model: dict, steps=None):
 
 def cmd_fit_predictor(v: dict) -> int:
     """Fit the early-warning predictor (one logistic regression per step) on labelled runs."""
-    from .early_warning import fit, training_examples
+    from .early_warning import DEFAULT_FEATURES, fit, training_examples
     from .storage import run_dirs, write_json
-    from .early_warning import DEFAULT_FEATURES, check_features
     paths, out, at, l2, target, weight = v["paths"], v["out"], v["at"], v["l2"], v["target"], v["class_weight"]
-    try:
-        features = check_features(v["features"] or DEFAULT_FEATURES)
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    features = v["features"] or DEFAULT_FEATURES  # names and duplicates checked by the parser, again by fit
     for p in paths:
         run_dirs(p)
     command = "flt-diag fit-predictor " + " ".join(map(str, paths)) + f" --out {out} --at " + " ".join(map(str, at)) \
@@ -343,6 +339,24 @@ def _positional(name: str, kind: type, help: str, many: bool = False) -> tuple:
 RUN_OR_SWEEP = "A sweep folder or a run folder (also while it is running)."
 
 # command -> (function, positional arguments, options)
+def _fit_predictor_options() -> list:
+    from . import early_warning as EW  # light (numpy/pandas, no torch): the choices come from its tables
+    return [
+        cli_opt("--out", Path, "Predictor JSON to write (flt_diag/early_warning.json is the packaged one).",
+                optional=False),
+        cli_opt("--at", int, "Steps to fit a model at.", [100, 200, 300, 500], many=True, low=1, optional=False),
+        cli_opt("--l2", float, "L2 penalty of the logistic regression.", 1.0, above=0, optional=False),
+        cli_opt("--target", str, "fails (final verdict unstable, collapsed or diverged), collapse (collapsed or "
+                "diverged) or climbs (fails, or the loss climbed and recovered: the verdict's transient_rebound).",
+                "fails", choices=tuple(EW.TARGETS), optional=False),
+        cli_opt("--features", str, f"Features the model uses [default: {' '.join(EW.DEFAULT_FEATURES)}].",
+                many=True, choices=EW.FEATURES),
+        cli_opt("--class-weight", str, "balanced (each class weighs half of the fit, whatever share of the runs "
+                "fails) or none (each run weighs 1).", "balanced", choices=EW.CLASS_WEIGHTS, optional=False),
+        cli_opt("--cross-validate", bool, "Also report leave-one-cell-out agreement at each step (every run "
+                "predicted by a model fitted without its cell) and store it in the predictor JSON.", False)]
+
+
 COMMANDS: dict[str, tuple] = {
     "train": (cmd_train, [], lambda: command_options("train")),
     "run-ablation": (cmd_run_ablation, [], lambda: command_options("run-ablation")),
@@ -378,22 +392,7 @@ COMMANDS: dict[str, tuple] = {
                 "warning step (checks every 25 steps), its P and evidence, the largest P, beside the final verdict.",
                 False)]),
     "fit-predictor": (cmd_fit_predictor, [_positional("paths", Path, "Sweep or run folders of finished runs (the "
-                                                      "training set).", many=True)], lambda: [
-        cli_opt("--out", Path, "Predictor JSON to write (flt_diag/early_warning.json is the packaged one).",
-                optional=False),
-        cli_opt("--at", int, "Steps to fit a model at.", [100, 200, 300, 500], many=True, low=1, optional=False),
-        cli_opt("--l2", float, "L2 penalty of the logistic regression.", 1.0, above=0, optional=False),
-        cli_opt("--target", str, "fails (final verdict unstable, collapsed or diverged), collapse (collapsed or "
-                "diverged) or climbs (fails, or the loss climbed and recovered: the verdict's transient_rebound).",
-                "fails", choices=("fails", "collapse", "climbs"), optional=False),
-        cli_opt("--features", str, "Features the model uses, among resid_level resid_growth loop_ratio grad_cv "
-                "grad_dlog grad_cos act_grad_decay loss_slope loss_climb [default: all but grad_cos].", many=True,
-                choices=("resid_level", "resid_growth", "loop_ratio", "grad_cv", "grad_dlog", "grad_cos",
-                         "act_grad_decay", "loss_slope", "loss_climb")),
-        cli_opt("--class-weight", str, "balanced (each class weighs half of the fit, whatever share of the runs "
-                "fails) or none (each run weighs 1).", "balanced", choices=("balanced", "none"), optional=False),
-        cli_opt("--cross-validate", bool, "Also report leave-one-cell-out agreement at each step (every run "
-                "predicted by a model fitted without its cell) and store it in the predictor JSON.", False)]),
+                                                      "training set).", many=True)], _fit_predictor_options),
     "variants": (cmd_variants, [], lambda: []),
     "report": (cmd_report, [_positional("path", Path, "A sweep or map folder.")], lambda: [
         cli_opt("--out", Path, "HTML file [default: <sweep>/report.html].")]),

@@ -414,9 +414,11 @@ def draw_agreement(curves: dict[str, list[dict]], runs: str | None = None):
 class CollapseWarning(Callback):
     """Checks P(collapse) every `every` steps from the predictor's first fitted step on; the first
     time it reaches the threshold, prints a warning with the evidence, and with `stop` ends the run
-    there (verdict collapsed, predicted at that step). Keeps the few series the features need."""
+    there (verdict collapsed, predicted at that step). Keeps the few series the features need: the
+    global ones (GLOBAL), the first and last loop's residual norm, the activation gradient at the first
+    and the last block."""
 
-    KEEP = (M.LOSS, M.GRAD_NORM, M.GRAD_COSINE, M.RESID_NORM_LOOP_END, M.ACT_GRAD_NORM)
+    GLOBAL = (M.LOSS, M.GRAD_NORM, M.GRAD_COSINE)
 
     def __init__(self, predictor: dict, stop: bool = False, threshold: float | None = None, every: int = CHECK_EVERY,
                  say=None):
@@ -435,7 +437,7 @@ class CollapseWarning(Callback):
     def on_rows(self, trainer, step: int, rows: list[tuple]) -> None:
         keep = {(M.RESID_NORM_LOOP_END, 1), (M.RESID_NORM_LOOP_END, self.loops)}
         for r in rows:
-            if r[1] in (M.LOSS, M.GRAD_NORM, M.GRAD_COSINE) or (r[1], r[2]) in keep or (
+            if r[1] in self.GLOBAL or (r[1], r[2]) in keep or (
                     r[1] == M.ACT_GRAD_NORM and (r[2], r[3]) in ((1, 1), (self.loops, self.n_layer))):
                 self.rows.append(tuple(r))
         done = step + 1
