@@ -73,12 +73,20 @@ def _listed_or_picked(items: list, v: dict, line) -> bool:
 
 
 def _failed_cells(out: Path, cells) -> int:
-    """One line and exit status 1 when any cell of the sweep failed (its error.txt says why)."""
+    """One line and exit status 1 when any cell of the sweep did not finish: it failed (its error.txt
+    says why), or it has no summary although the sweep ran it (a failure that could not even be
+    recorded, e.g. on a full disk, or a cell refused before it started)."""
     from .sweep import cell_status
-    failed = [c.name for c in cells if cell_status(out, c) == "failed"]
-    if failed:
-        print(f"error: {len(failed)} of {len(cells)} cells failed ({', '.join(failed[:4])}"
-              f"{', ...' if len(failed) > 4 else ''}); see {out}/cells/<cell>/error.txt", file=sys.stderr)
+    status = {c.name: cell_status(out, c) for c in cells}
+    failed = [n for n, s in status.items() if s == "failed"]
+    missing = [n for n, s in status.items() if s not in ("done", "failed")]
+    if failed or missing:
+        names = failed + missing
+        what = " and ".join(x for x in (f"{len(failed)} failed" if failed else "",
+                                        f"{len(missing)} did not finish" if missing else "") if x)
+        print(f"error: {len(names)} of {len(cells)} cells not done ({what}: {', '.join(names[:4])}"
+              f"{', ...' if len(names) > 4 else ''}); see {out}/cells/<cell>/error.txt where it exists",
+              file=sys.stderr)
         return 1
     return 0
 

@@ -20,8 +20,10 @@ This module imports no torch: analysis scripts use it without the training code.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pandas as pd
@@ -38,17 +40,31 @@ class StorageError(ValueError):
     """A run or sweep folder that cannot be read or written as asked (one line in the CLI)."""
 
 
+def refuse_symlink(path: Path, what: str = "write") -> None:
+    """A symlink inside a run, sweep or map folder was not made by flt-diag (which never makes one):
+    writing through it would change a file elsewhere, so every write refuses it (one line)."""
+    if Path(path).is_symlink():
+        raise StorageError(f"{path} is a symbolic link; flt-diag does not {what} through links "
+                           f"(a folder from elsewhere may point anywhere): remove the link or use the real path")
+
+
 @contextlib.contextmanager
 def atomic_path(path: Path):
     """The one way flt-diag writes a file: yields a temporary name beside `path` to write to; on
     success it is renamed over `path` (readers see the old file or the new one, never half of one),
-    on any failure (an exception, a full disk, Ctrl-C) it is removed."""
+    on any failure (an exception, a full disk, Ctrl-C) it is removed. The temporary file is created
+    exclusively (never an existing file or link), and a `path` that is a symbolic link is refused, so
+    no write follows a link to a file outside the folder."""
     path = Path(path)
+    refuse_symlink(path)
     if path.is_dir():
         raise StorageError(f"{path} is a folder; give a file name")
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}{path.suffix}")
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".tmp{path.suffix}", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
     try:
         yield tmp
+        refuse_symlink(path)  # made while we wrote?
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -67,35 +83,57 @@ def atomic_write_text(path: Path, text: str) -> None:
 def folder_lock(folder: Path, kind: str = "run"):
     """Own a run or sweep folder while writing it: a second writer gets one StorageError line. The
     lock is an flock on <folder>/.lock, so the kernel drops it when its process dies (kill -9
-    included) and a dead process never holds a folder. Creates the folder. (No-op without fcntl.)"""
+    included) and a dead process never holds a folder. Creates the folder. The lock file is opened
+    without following links (a `.lock` that is a link is refused: nothing outside the folder is
+    touched) and removed on the way out, with the folder itself if this call created it and left it
+    empty: a refused command leaves nothing behind. (No-op without fcntl.)"""
     folder = Path(folder)
     try:
         import fcntl
     except ImportError:  # pragma: no cover - Windows
         yield
         return
+    refuse_symlink(folder)
+    refuse_symlink(folder / LOCK, "lock")
+    created = not folder.exists()
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        f = open(folder / LOCK, "a+")
+        fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            refuse_symlink(folder / LOCK, "lock")
         raise StorageError(f"cannot create {kind} folder {folder}: {e.strerror or e}") from None
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # the holder before us may have removed the file we opened: then the lock is on a dead name
+        if not _same_file(fd, folder / LOCK):
+            raise BlockingIOError
     except OSError:
-        f.seek(0)
-        holder = f.read().strip()
-        f.close()
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
         raise StorageError(f"{folder} is being written by another flt-diag process"
-                           f"{f' (pid {holder})' if holder else ''}; wait for it to finish or stop it") from None
+                           f"{f' (pid {holder})' if holder.isdigit() else ''}; wait for it to finish or stop it") from None
     try:
-        f.seek(0)
-        f.truncate()
-        f.write(str(os.getpid()))
-        f.flush()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield
     finally:
-        fcntl.flock(f, fcntl.LOCK_UN)
-        f.close()
+        with contextlib.suppress(OSError):
+            if _same_file(fd, folder / LOCK):
+                os.unlink(folder / LOCK)  # while still held: a waiting opener sees the name gone
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+        if created:
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only if empty: a refused command leaves no folder either
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        a, b = os.fstat(fd), os.lstat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def has_content(folder: Path) -> bool:
@@ -131,6 +169,7 @@ class MetricsWriter:
 
     def __init__(self, run_dir: Path):
         self.dir = Path(run_dir) / METRICS
+        refuse_symlink(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.rows: list[tuple] = []
 

@@ -27,7 +27,7 @@ from .cells import Cell
 from .config import RunConfig, check, opt, with_overrides
 from .results import SUMMARY_COLUMNS, sweep_summary  # noqa: F401  (the one summary table; re-exported)
 from .storage import (CELLS, ERROR, SWEEP_SPEC, SWEEP_SUMMARY, StorageError, atomic_path, atomic_write_text, folder_lock,
-                      has_content, load_progress, read_json, write_json)
+                      has_content, load_progress, read_json, refuse_symlink, write_json)
 from .variants import MAX_LOOPS, VARIANTS
 
 
@@ -114,6 +114,7 @@ def prepare_spec_folder(out: Path, new: dict, what: str, grid_fields: dict) -> N
         return
     if has_content(out):
         raise StorageError(f"{out} exists, is not empty and is not a {what} folder; use another --out")
+    refuse_symlink(out / CELLS)
     try:
         (out / CELLS).mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -142,7 +143,8 @@ def run_cell(base: dict, cell: Cell, out: str, threads: int | None = None,
     cfg = cell_config(RunConfig.from_dict(base), cell, **({"threads": threads} if threads else {}),
                       **({"device": device} if device else {}))
     run_dir = Path(out) / CELLS / cell.name
-    (run_dir / ERROR).unlink(missing_ok=True)
+    if not run_dir.is_symlink():  # a linked cell is refused by train(); nothing is removed through it
+        (run_dir / ERROR).unlink(missing_ok=True)
     try:
         if threads:
             torch.set_num_threads(threads)
@@ -152,9 +154,10 @@ def run_cell(base: dict, cell: Cell, out: str, threads: int | None = None,
         raise
     except Exception as e:
         try:
+            refuse_symlink(run_dir)
             run_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(run_dir / ERROR, traceback.format_exc())
-        except OSError:  # e.g. a full disk: the cell is reported failed all the same
+        except (OSError, StorageError):  # a full disk, a linked cell: the cell is reported failed all the same
             pass
         return f"error: {type(e).__name__}: {e}"
 
