@@ -15,10 +15,13 @@ running minimum; gap = s_final - min(s).
   collapsed  climb > max(rebound_abs, rebound_rel * min(s)) and the loss did not recover:
              gap > max(recovery_abs, recovery_rel * min(s)); or min(s) never gets below the
              unigram entropy of the training data
-  unstable   not collapsed, but the gradient norm oscillates beyond anything stable runs show: its
-             coefficient of variation over the dense steps exceeds osc_cv_threshold (the paper's
-             "gradient oscillation" failure, e.g. FLA stalling on a plateau at L=6, K=12)
-  stable     otherwise (a climb that fully recovered is reported as `transient_rebound`)
+  unstable   not collapsed, but a loss spike: the smoothed loss climbed more than the same threshold
+             above its running minimum and then recovered (`transient_rebound`; the evidence says how
+             far it climbed, at which step, and how much of the climb it recovered); or the gradient
+             norm oscillates beyond anything stable runs show: its coefficient of variation over the
+             dense steps exceeds osc_cv_threshold (the paper's "gradient oscillation" failure, e.g.
+             FLA stalling on a plateau at L=6, K=12)
+  stable     otherwise: the loss fell and stayed down
 Residual explosion (reported beside the verdict): the peak over steps of the final loop's
 loop-end residual norm exceeds explosion_ratio * sqrt(d) (a normalised stream has norm sqrt(d)).
 `residual_explosion_any` applies the same test to every (loop, layer) and loop end: FLA can
@@ -100,7 +103,8 @@ def smoothed(loss: pd.Series, window: int) -> pd.Series:
 def verdict(loss: pd.Series, unigram_entropy: float | None, smooth_window: int = 50,
             rebound_abs: float = 0.25, rebound_rel: float = 0.1, recovery_abs: float = 0.1,
             recovery_rel: float = 0.05) -> tuple[str, dict]:
-    """("diverged" | "collapsed" | "stable", evidence) for a step-indexed loss series."""
+    """("diverged" | "collapsed" | "unstable" | "stable", evidence) for a step-indexed loss series
+    (the loss-only part of the verdict; `summarize` adds the gradient-oscillation test)."""
     values = loss.to_numpy(dtype=float)
     bad = np.flatnonzero(~np.isfinite(values))
     if len(bad):
@@ -113,8 +117,11 @@ def verdict(loss: pd.Series, unigram_entropy: float | None, smooth_window: int =
     climb, gap = float(rise.max()), final - lo
     threshold = max(rebound_abs, rebound_rel * lo)
     tolerance = max(recovery_abs, recovery_rel * lo)
+    peak_at = rise.idxmax()
     ev = dict(min_smoothed_loss=lo, min_step=int(s.idxmin()), final_smoothed_loss=final, climb=climb,
-              climb_step=int(rise.idxmax()), rebound=gap, rebound_threshold=threshold, recovery_tolerance=tolerance,
+              climb_step=int(peak_at), climb_start_step=int(s.loc[:peak_at].idxmin()),
+              recovered=float(s.loc[peak_at] - final), rebound=gap, rebound_threshold=threshold,
+              recovery_tolerance=tolerance,
               transient_rebound=bool(climb > threshold and gap <= tolerance),
               unigram_entropy=unigram_entropy, smooth_window=smooth_window)
     if climb > threshold and gap > tolerance:
@@ -123,7 +130,9 @@ def verdict(loss: pd.Series, unigram_entropy: float | None, smooth_window: int =
     if unigram_entropy is not None and lo >= unigram_entropy:
         return "collapsed", {**ev, "reason": "loss never got below the unigram entropy of the data"}
     if ev["transient_rebound"]:
-        return "stable", {**ev, "reason": f"loss climbed {climb:.3f} above its running minimum, then recovered"}
+        return "unstable", {**ev, "reason": f"loss spike: smoothed loss climbed {climb:.3f} above its running minimum "
+                                            f"(steps {ev['climb_start_step']}-{ev['climb_step']}), then recovered "
+                                            f"{ev['recovered']:.3f} (ends {gap:.3f} above its best)"}
     return "stable", {**ev, "reason": "loss fell and stayed down"}
 
 

@@ -263,14 +263,31 @@ def test_verdicts_on_synthetic_curves():
     assert v == "diverged" and ev["nonfinite_step"] == 300
     # thresholds are options
     assert X.verdict(rebound, 3.2, rebound_abs=1.0, rebound_rel=0.5)[0] == "stable"
-    # a climb that fully recovers is stable (flagged); one that only partly recovers is not
-    dip = np.where(steps < 200, 5.5 - steps * 0.015, 2.5)
-    bump = 0.6 * np.exp(-((steps - 400) / 60.0) ** 2)
+
+
+def test_a_loss_spike_that_recovers_is_unstable_and_says_how_far_it_climbed_and_recovered():
+    steps = np.arange(800)
+    dip = np.where(steps < 200, 5.5 - steps * 0.015, 2.5)  # falls to 2.5 by step 200, then flat
+    bump = 0.6 * np.exp(-((steps - 400) / 60.0) ** 2)  # a 0.6-nat spike centred on step 400
     v, ev = X.verdict(curve(dip + bump), 3.2)
-    assert v == "stable" and ev["transient_rebound"] and ev["climb"] == pytest.approx(0.6, abs=0.05)
+    s = pd.Series(dip + bump).rolling(50).mean().dropna()  # the 50-step trailing mean, by hand
+    assert v == "unstable" and ev["transient_rebound"] and "spike" in ev["reason"]
+    assert ev["climb"] == pytest.approx((s - s.cummin()).max())
+    assert ev["climb_step"] == int((s - s.cummin()).idxmax()) and 400 < ev["climb_step"] < 440
+    assert ev["recovered"] == pytest.approx(s.loc[ev["climb_step"]] - s.iloc[-1]) and 200 <= ev["climb_start_step"] < 400
+    # one that only partly recovers has collapsed
     partial = dip + np.where(steps < 400, bump, 0.6 - (steps - 400) * 0.001)  # ends 0.2 above its best
     v, ev = X.verdict(curve(partial), 3.2)
     assert v == "collapsed" and ev["rebound"] == pytest.approx(0.2, abs=0.03) and ev["climb"] > 0.55
+
+
+def test_a_plateau_above_the_unigram_entropy_collapsed_and_a_clean_descent_is_stable():
+    steps = np.arange(800)
+    plateau = np.where(steps < 100, 5.5 - steps * 0.02, 3.5) + 0.01 * np.sin(steps)  # stuck at 3.5 > 3.2
+    assert X.verdict(curve(plateau), 3.2)[0] == "collapsed"
+    noisy_descent = 5.5 * np.exp(-steps / 100) + 1.5 + 0.05 * np.sin(steps * 1.7)  # wiggles < the threshold
+    v, ev = X.verdict(curve(noisy_descent), 3.2)
+    assert v == "stable" and not ev["transient_rebound"] and ev["reason"] == "loss fell and stayed down"
 
 
 # ---------------------------------------------------------------- end to end
