@@ -5,7 +5,7 @@
 Writes <DIR>/<figure>.png|pdf, <DIR>/table.csv (one row per cell, full precision),
 <DIR>/table.md (the report's table) and the report (<DIR>/report.html with --out, else
 <SWEEP>/report.html). Default DIR: <SWEEP>/figures. Works on a run folder too, and on a sweep
-still in progress. Imports only flt_diag.results / figures / report / storage: never the training code.
+still in progress. Imports only flt_diag.analysis.results / figures / report / storage: never the training code.
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from flt_diag import figures, report  # noqa: E402
-from flt_diag.results import collect, results_table, summary_table  # noqa: E402
-from flt_diag.storage import StorageError  # noqa: E402
+from flt_diag.analysis import figures, report  # noqa: E402
+from flt_diag.analysis.results import collect, results_table, summary_table  # noqa: E402
+from flt_diag.analysis.storage import StorageError  # noqa: E402
 
 
 def regenerate(sweep: Path, out: Path | None = None, formats=("png", "pdf")) -> list[Path]:
@@ -32,7 +32,7 @@ def regenerate(sweep: Path, out: Path | None = None, formats=("png", "pdf")) -> 
     summary_table(study).to_csv(fig_dir / "table.csv", index=False)
     (fig_dir / "table.md").write_text(report.markdown(results_table(study)))
     if study.spec and study.spec.get("kind") == "map":  # a stability map: its critical values too
-        from flt_diag.stability_map import critical_table
+        from flt_diag.grids.stability_map import critical_table
         table = critical_table(sweep)
         table.to_csv(fig_dir / "map_table.csv", index=False)
         (fig_dir / "map_table.md").write_text(report.markdown(table))

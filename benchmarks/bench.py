@@ -9,9 +9,9 @@
 
 What is measured (README.md in this folder has the formulas and the measured numbers):
 
-  a. training-step time of each variant (flt_diag.train.Trainer.run_step, the step `fit` runs:
-     forward, backward, clipping, the Muon/AdamW recipe of flt_diag.optim.build_optimizers, + the
-     per-step host transfer) against an UNROLLED reference: L*K distinct flt_diag.model.Block
+  a. training-step time of each variant (flt_diag.training.trainer.Trainer.run_step, the step `fit` runs:
+     forward, backward, clipping, the Muon/AdamW recipe of flt_diag.training.optim.build_optimizers, + the
+     per-step host transfer) against an UNROLLED reference: L*K distinct flt_diag.model.transformer.Block
      modules run as one plain pass, same embedding / head / softcap, same optimizer recipe, trained
      by the same Trainer (`Trainer(..., model=UnrolledTransformer)`); with --eager-variants, also
      the step with compilation off (compiled vs eager on CUDA);
@@ -54,8 +54,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmarks/bench.py` from a checkout
 
 from flt_diag.config import RunConfig, build_config  # noqa: E402
-from flt_diag.model import VARIANTS, Block, LoopedTransformer, ModelConfig, norm  # noqa: E402
-from flt_diag.train import Trainer, settle  # noqa: E402
+from flt_diag.model.transformer import VARIANTS, Block, LoopedTransformer, ModelConfig, norm  # noqa: E402
+from flt_diag.training.trainer import Trainer, settle  # noqa: E402
 
 
 # --------------------------------------------------------------------------- presets
@@ -126,7 +126,7 @@ class UnrolledTransformer(nn.Module):
     Same Block, embedding, head, softcap, rotary tables and initialisation as LoopedTransformer;
     the forward is one plain pass norm(E) -> blocks -> norm -> head (the lt variant without its
     K-1 extra norms at loop boundaries). It has `embed`, `blocks`, `head` and `cfg`, so
-    flt_diag.model.parameter_groups, build_optimizers and compile_blocks apply unchanged."""
+    flt_diag.model.transformer.parameter_groups, build_optimizers and compile_blocks apply unchanged."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -332,7 +332,7 @@ def flops_rows(runs: list[tuple[RunConfig, float]], peak: float) -> list[dict]:
 def sweep_step_times(sweep: Path) -> list[tuple[RunConfig, float]]:
     """(config, seconds per step) of every finished run of a sweep (or one run) folder: its training
     wall time over its steps - evaluation, diagnostics and checkpoints included, as the sweep ran."""
-    from flt_diag.storage import load_config, load_summary, run_dirs
+    from flt_diag.analysis.storage import load_config, load_summary, run_dirs
     out = []
     for d in run_dirs(sweep):
         s = load_summary(d)

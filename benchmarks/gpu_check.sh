@@ -63,7 +63,7 @@ print("cuda available", torch.cuda.is_available())
 if torch.cuda.is_available():
     print("gpu", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability())
     print("memory GiB", round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1))
-import flt_diag, flt_diag.cli
+import flt_diag, flt_diag.cli.commands
 print("flt_diag", flt_diag.__file__)
 EOF
 cat "$OUT/env.txt"
@@ -80,11 +80,11 @@ stage bench-gpu 150 "$PY" benchmarks/bench.py --device cuda --preset gpu --varia
     --diag-variants flt --eager-variants flt --no-fwd-bwd --out "$OUT/bench-gpu.json"
 
 # 3. a short diagnostic sweep of the small preset: verdicts, figures, report, achieved FLOP rate
-stage sweep 220 "$PY" -m flt_diag.cli run-ablation --preset small --device cuda --loops 3 6 \
+stage sweep 220 "$PY" -m flt_diag.cli.commands run-ablation --preset small --device cuda --loops 3 6 \
     --variants lt lt-ii lt-ai fla flt --steps 200 --out "$OUT/sweep" --quiet
-stage summary 10 "$PY" -m flt_diag.cli summary "$OUT/sweep"
-stage plot 25 "$PY" -m flt_diag.cli plot all "$OUT/sweep"
-stage report 15 "$PY" -m flt_diag.cli report "$OUT/sweep"
+stage summary 10 "$PY" -m flt_diag.cli.commands summary "$OUT/sweep"
+stage plot 25 "$PY" -m flt_diag.cli.commands plot all "$OUT/sweep"
+stage report 15 "$PY" -m flt_diag.cli.commands report "$OUT/sweep"
 stage sweep-flops 30 "$PY" benchmarks/bench.py --flops --sweep "$OUT/sweep" --device cuda --preset gpu \
     --out "$OUT/sweep-flops.json"
 

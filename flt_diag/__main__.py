@@ -1,6 +1,6 @@
 """`python -m flt_diag ...` is `flt-diag ...` (for environments where the console script is not on PATH)."""
 import sys
 
-from .cli import main
+from flt_diag.cli.commands import main
 
 sys.exit(main())

@@ -1,7 +1,7 @@
 """Every option of flt-diag, once: typed config sections whose fields carry their help text,
 their command-line flag, their bounds and the commands that accept them.
 
-The command line (flt_diag.cli), the sweep and map specs and the study files are generated from
+The command line (flt_diag.cli.commands), the sweep and map specs and the study files are generated from
 these fields (`OPTIONS`); validation is `check()` on the same metadata and runs whenever a section
 is constructed, so a bad value raises one ValueError naming the flag, wherever it came from.
 
@@ -15,7 +15,7 @@ import math
 import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
-from .variants import MAX_LOOPS, VARIANTS
+from flt_diag.model.variants import MAX_LOOPS, VARIANTS
 
 RUN_COMMANDS = frozenset({"train", "run-ablation", "map"})  # commands that configure training runs
 

@@ -1,4 +1,4 @@
-"""DESIGN.md §2 written out again, independently of flt_diag.model, for the tests.
+"""DESIGN.md §2 written out again, independently of flt_diag.model.transformer, for the tests.
 
 Plain tensor algebra on the model's weights: its own RMSNorm, its own pairwise rotary, its
 own masked-softmax attention, and each variant's loop rules spelled out with if/elif.

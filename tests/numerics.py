@@ -33,7 +33,7 @@ TANH_ULPS = 4
 
 def exact_rotary_tables(seq_len: int, head_dim: int, base: float = 10000.0):
     """float64 cos/sin tables with angles t / base^(2i/D) computed in float64, in the layout
-    flt_diag.model.apply_rotary documents: cos = [c, c], sin = [s, -s] over the last dim,
+    flt_diag.model.transformer.apply_rotary documents: cos = [c, c], sin = [s, -s] over the last dim,
     shaped (1, T, 1, D) like the model's buffers."""
     i = torch.arange(head_dim // 2, dtype=torch.float64)
     angles = torch.arange(seq_len, dtype=torch.float64)[:, None] / base ** (2 * i / head_dim)  # (T, D/2)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flt_diag.model import Block, LoopedTransformer, ModelConfig, parameter_groups
+from flt_diag.model.transformer import Block, LoopedTransformer, ModelConfig, parameter_groups
 from numerics import assert_close64, record, softcap_fp32_atol
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"

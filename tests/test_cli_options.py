@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from flt_diag import config as C
-from flt_diag.cli import build_parser, main
-from flt_diag.options import UserError, command_options, options_markdown
+from flt_diag.cli.commands import build_parser, main
+from flt_diag.cli.options import UserError, command_options, options_markdown
 
 README = (Path(__file__).parent.parent / "README.md").read_text()
 TRAINING_COMMANDS = ("train", "run-ablation", "map")
@@ -112,7 +112,7 @@ def test_defaults_in_help_are_the_dataclass_defaults():
 
 def _choice_and_list_cases():
     """(command, option) for every option with choices, and every list option, of every command."""
-    from flt_diag.cli import COMMANDS
+    from flt_diag.cli.commands import COMMANDS
     return [(name, o) for name, (_, positionals, options) in COMMANDS.items() if not positionals
             for o in options() if o.choices or o.many]
 

@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 import torch
 
-from flt_diag import data as D
+from flt_diag.data import corpus as D
 
 
 def test_stdlib_split_by_file_is_disjoint_and_nonempty():

@@ -8,9 +8,9 @@ import pandas as pd
 import pytest
 
 from conftest import tiny_config
-from flt_diag import early_warning as EW
-from flt_diag import metric_names as M
-from flt_diag.storage import load_summary
+from flt_diag.analysis import early_warning as EW
+from flt_diag.analysis import metric_names as M
+from flt_diag.analysis.storage import load_summary
 
 
 def _rows(steps, loops=3, n_layer=2, resid=lambda s, k: 10.0, grad=lambda s: 1.0, loss=lambda s: 3.0,
@@ -139,7 +139,7 @@ def test_malformed_predictors_are_refused(tmp_path, edit):
 
 
 def test_cli_feature_choices_are_the_computed_features():
-    from flt_diag.cli import COMMANDS
+    from flt_diag.cli.commands import COMMANDS
     opt = next(o for o in COMMANDS["fit-predictor"][2]() if o.flag == "--features")
     assert list(opt.choices) == EW.FEATURES and set(EW.DEFAULT_FEATURES) <= set(EW.FEATURES)
 
@@ -151,7 +151,7 @@ def test_packaged_predictor_loads():
 
 
 def test_bad_predictor_file_is_one_line(tmp_path, capsys):
-    from flt_diag.cli import main
+    from flt_diag.cli.commands import main
     (tmp_path / "p.json").write_text("{}")
     code = main(["train", "--steps", "2", "--device", "cpu", "--warn", "--predictor", str(tmp_path / "p.json"),
                  "--out", str(tmp_path / "r")])
@@ -164,7 +164,7 @@ def test_stop_on_collapse_ends_the_run_with_a_complete_folder(tmp_path, capsys):
     """A predictor that fires at its first check (step 25: fitted from step 20, checked every 25):
     the run stops there, the summary says why, and every reader works on the folder.
     (The real predictor on a collapsing 12-loop LT run: test_stop_on_collapse_on_12_loop_lt, slow.)"""
-    from flt_diag.cli import main
+    from flt_diag.cli.commands import main
     pred = _toy_predictor(tmp_path, coef_climb=1.0, intercept=5.0)
     out = tmp_path / "run"
     code = main(["train", "--variant", "lt", "--loops", "3", "--steps", "400", "--device", "cpu",
@@ -177,14 +177,14 @@ def test_stop_on_collapse_ends_the_run_with_a_complete_folder(tmp_path, capsys):
     assert f"collapsed (predicted at step {s['prediction']['step']})" in captured.out
     assert "warning: lt K=3: collapse predicted" in captured.err
     assert (out / "checkpoint.pt").exists() and not (out / "resume.pt").exists()
-    from flt_diag.metrics import resummarize
+    from flt_diag.analysis.metrics import resummarize
     assert resummarize(out)["verdict"] == "collapsed"  # a recomputed summary keeps the prediction
-    from flt_diag.figures import plot
+    from flt_diag.analysis.figures import plot
     assert plot("all", out, tmp_path / "figs", ("png",))
 
 
 def test_warn_only_warns_and_trains_to_the_end(tmp_path, capsys):
-    from flt_diag.train import train
+    from flt_diag.training.trainer import train
     pred = _toy_predictor(tmp_path, coef_climb=0.0, intercept=5.0)  # always P > 0.5
     cfg = tiny_config(variant="flt", loops=2, steps=60, diagnostics=dict(warn=True, predictor=str(pred)))
     s = train(cfg, tmp_path / "run")
@@ -194,8 +194,8 @@ def test_warn_only_warns_and_trains_to_the_end(tmp_path, capsys):
 
 
 def test_predict_command_on_a_sweep(tmp_path, capsys):
-    from flt_diag.cli import main
-    from flt_diag.sweep import SweepSpec, run_sweep
+    from flt_diag.cli.commands import main
+    from flt_diag.grids.sweep import SweepSpec, run_sweep
     base = tiny_config(steps=40)
     run_sweep(SweepSpec(base, ["lt", "flt"], [2], [0], [1.0]), tmp_path / "sw", workers=1, show_progress=False)
     pred = _toy_predictor(tmp_path, coef_climb=0.0, intercept=5.0)  # predicts collapse everywhere
@@ -212,8 +212,8 @@ def test_predict_command_on_a_sweep(tmp_path, capsys):
 def labelled(tmp_path_factory):
     """A finished sweep (lt, flt x seeds 0, 1; 30 steps) and one more run of the sweep's lt seed-0 cell,
     trained for 24 steps (the same cell at another length)."""
-    from flt_diag.sweep import SweepSpec, run_sweep
-    from flt_diag.train import train
+    from flt_diag.grids.sweep import SweepSpec, run_sweep
+    from flt_diag.training.trainer import train
     root = tmp_path_factory.mktemp("labelled")
     run_sweep(SweepSpec(tiny_config(steps=30), ["lt", "flt"], [2], [0, 1], [1.0]), root / "sw", workers=1,
               show_progress=False)
@@ -222,7 +222,7 @@ def labelled(tmp_path_factory):
 
 
 def test_fit_predictor_command_writes_a_loadable_model(labelled, tmp_path, capsys):
-    from flt_diag.cli import main
+    from flt_diag.cli.commands import main
     code = main(["fit-predictor", str(labelled / "sw"), "--at", "10", "20", "--out", str(tmp_path / "m.json")])
     assert code == 0, capsys.readouterr().err
     m = EW.load_predictor(tmp_path / "m.json")
@@ -233,7 +233,7 @@ def test_fit_predictor_command_writes_a_loadable_model(labelled, tmp_path, capsy
 def test_fit_predictor_features_and_class_weight_reach_the_model(labelled, tmp_path, capsys):
     """--features and --class-weight: the model has those features (one coefficient each), the weights
     named, and the refit command repeats them; the fit equals fit_logistic on the same standardised rows."""
-    from flt_diag.cli import main
+    from flt_diag.cli.commands import main
     out = tmp_path / "m.json"
     code = main(["fit-predictor", str(labelled / "sw"), "--at", "20", "--features", "grad_cos", "loss_climb",
                  "--class-weight", "none", "--out", str(out)])
@@ -253,7 +253,7 @@ def test_fit_predictor_features_and_class_weight_reach_the_model(labelled, tmp_p
 def test_cross_validation_predicts_each_run_from_the_other_cells_only(labelled):
     """Leave-one-cell-out: a run's prediction is the one of a model fitted on the runs of the other cells,
     and both lengths of the lt seed-0 cell are left out together."""
-    from flt_diag.storage import run_dirs
+    from flt_diag.analysis.storage import run_dirs
     sweep_runs = run_dirs(labelled / "sw")
     short = labelled / "lt-short"
     table = EW.cross_validate([labelled / "sw", short], steps=[10, 20])
@@ -270,7 +270,7 @@ def test_cross_validation_predicts_each_run_from_the_other_cells_only(labelled):
 
 def test_runs_stopped_by_a_prediction_are_not_training_labels(labelled, tmp_path):
     import shutil
-    from flt_diag.storage import SUMMARY, write_json
+    from flt_diag.analysis.storage import SUMMARY, write_json
     stopped = tmp_path / "stopped"
     shutil.copytree(labelled / "lt-short", stopped)
     write_json(stopped / SUMMARY, load_summary(stopped) | {"verdict": "collapsed", "prediction": {"step": 20}})
@@ -280,7 +280,7 @@ def test_runs_stopped_by_a_prediction_are_not_training_labels(labelled, tmp_path
 
 
 def test_fit_predictor_cross_validate_reports_and_stores_agreement(labelled, tmp_path, capsys):
-    from flt_diag.cli import main
+    from flt_diag.cli.commands import main
     out = tmp_path / "m.json"
     code = main(["fit-predictor", str(labelled / "sw"), "--at", "10", "20", "--cross-validate", "--out", str(out)])
     text = capsys.readouterr().out
@@ -319,7 +319,7 @@ def test_online_replay_warns_where_the_callback_warns():
 
 
 def test_predict_online_on_a_sweep(labelled, tmp_path, capsys):
-    from flt_diag.cli import main
+    from flt_diag.cli.commands import main
     pred = _toy_predictor(tmp_path, coef_climb=0.0, intercept=5.0)  # fires at the first check (25)
     code = main(["predict", str(labelled / "sw"), "--online", "--predictor", str(pred), "--csv", str(tmp_path / "o.csv")])
     out = capsys.readouterr().out
@@ -338,7 +338,7 @@ def test_predict_online_on_a_sweep(labelled, tmp_path, capsys):
 def test_stop_on_collapse_on_12_loop_lt(tmp_path, capsys):
     """The packaged predictor stops a collapsing 12-loop LT run (tiny preset, seed 1, 800 steps: it
     collapses, measured in README) early, and lets the same run of FLT train to the end."""
-    from flt_diag.cli import main
+    from flt_diag.cli.commands import main
     for variant in ("lt", "flt"):
         code = main(["train", "--variant", variant, "--loops", "12", "--steps", "800", "--seed", "1", "--device",
                      "cpu", "--stop-on-collapse", "--out", str(tmp_path / variant)])
@@ -349,12 +349,12 @@ def test_stop_on_collapse_on_12_loop_lt(tmp_path, capsys):
     assert f"predicted at step {lt['prediction']['step']}" in out
     assert flt["verdict"] == "stable" and flt["steps_done"] == 800 and not flt.get("prediction")
     # the stopped run's folder is complete: every figure draws from it
-    from flt_diag.figures import plot
+    from flt_diag.analysis.figures import plot
     assert plot("all", tmp_path / "lt", tmp_path / "fig", ("png",))
 
 
 def test_predict_compares_several_predictors_on_the_same_runs(labelled, tmp_path, capsys):
-    from flt_diag.cli import main
+    from flt_diag.cli.commands import main
     always = _toy_predictor(tmp_path, coef_climb=0.0, intercept=5.0)
     (tmp_path / "never").mkdir()
     never = _toy_predictor(tmp_path / "never", coef_climb=0.0, intercept=-5.0)

@@ -8,12 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_config
-from flt_diag.cli import main
-from flt_diag.data import batch_generator, get_batch, load_tokens
-from flt_diag.evaluation import VAL_SEED, eval_loops
-from flt_diag.external import WandbSink, tag
-from flt_diag.model import LoopedTransformer, ModelConfig
-from flt_diag.train import train
+from flt_diag.cli.commands import main
+from flt_diag.data.corpus import batch_generator, get_batch, load_tokens
+from flt_diag.training.evaluation import VAL_SEED, eval_loops
+from flt_diag.training.external import WandbSink, tag
+from flt_diag.model.transformer import LoopedTransformer, ModelConfig
+from flt_diag.training.trainer import train
 
 
 @pytest.fixture(scope="module")

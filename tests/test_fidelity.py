@@ -11,15 +11,15 @@ import torch
 
 from conftest import tiny_config
 from equations import randomize
-from flt_diag import data as D
-from flt_diag import metric_names as M
-from flt_diag import metrics as X
+from flt_diag.data import corpus as D
+from flt_diag.analysis import metric_names as M
+from flt_diag.analysis import metrics as X
 from flt_diag.config import RunConfig, build_config, padded_vocab
-from flt_diag.diagnostics import LoopHooks
-from flt_diag.model import LoopedTransformer, ModelConfig, count_parameters
-from flt_diag.optim import muon_momentum
-from flt_diag.storage import load_metrics, read_json, series
-from flt_diag.train import Trainer, train
+from flt_diag.training.diagnostics import LoopHooks
+from flt_diag.model.transformer import LoopedTransformer, ModelConfig, count_parameters
+from flt_diag.training.optim import muon_momentum
+from flt_diag.analysis.storage import load_metrics, read_json, series
+from flt_diag.training.trainer import Trainer, train
 
 
 def small_run_config(**train_kw):
@@ -91,7 +91,7 @@ def test_heads_follow_the_reference_ceiling():
 
 
 def test_run_stores_and_prints_its_parameter_count(tmp_path, capsys):
-    from flt_diag.cli import main
+    from flt_diag.cli.commands import main
     code = main(["train", "--variant", "lt", "--loops", "2", "--steps", "2", "--device", "cpu",
                  "--out", str(tmp_path / "r"), "--eval-every", "0"])
     assert code == 0
@@ -102,7 +102,7 @@ def test_run_stores_and_prints_its_parameter_count(tmp_path, capsys):
 
 
 def test_unreachable_tokenizer_is_one_line(tmp_path, capsys, monkeypatch):
-    from flt_diag.cli import main
+    from flt_diag.cli.commands import main
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
     code = main(["train", "--preset", "paper-small", "--steps", "1", "--device", "cpu", "--out", str(tmp_path / "r")])
@@ -136,7 +136,7 @@ def test_summary_and_sweep_table_carry_loss_and_grad_norm_std(tmp_path):
     assert s["loss_std"] == pytest.approx(float(np.std(loss[1:25])), rel=1e-9)  # steps 1..24: 30 - 6 = 24
     assert s["grad_norm_std"] == pytest.approx(float(np.std(g[1:25])), rel=1e-9)
     assert s["loss_std_warmdown"] == pytest.approx(float(np.std(loss[25:30])), rel=1e-9)
-    from flt_diag.sweep import SUMMARY_COLUMNS
+    from flt_diag.grids.sweep import SUMMARY_COLUMNS
     assert {"loss_std", "grad_norm_std"} <= set(SUMMARY_COLUMNS)
 
 
@@ -173,7 +173,7 @@ def test_group_norms_after_clipping(tmp_path):
     cfg = tiny_config(variant="lt", loops=3, steps=1)
     grabbed = {}
 
-    from flt_diag.train import Callback
+    from flt_diag.training.trainer import Callback
 
     class Grab(Callback):
         def after_backward(self, tr, step):
@@ -263,8 +263,8 @@ def test_bf16_rotary_tables_train_on_cpu(tmp_path):
 # ------------------------------------------------------------------ 6. import reads the reference's meta
 
 def test_import_reads_model_type_and_K_from_meta(tmp_path, capsys):
-    from flt_diag.cli import main
-    from flt_diag.reference import export_reference
+    from flt_diag.cli.commands import main
+    from flt_diag.model.reference import export_reference
     torch.manual_seed(0)
     model = LoopedTransformer(ModelConfig(vocab_size=256, n_layer=2, n_embd=64, n_head=2, variant="fla", loops=4))
     folder = tmp_path / "ckpt"
@@ -288,7 +288,7 @@ def test_batched_muon_matches_torch_muon():
     own relative precision (2^-8 ~ 0.4%, measured up to 1.4x that): the bound is 2^-6 relative, in the
     Frobenius norm, for the orthogonalised update and for the parameters' total change."""
     from torch.optim._muon import _zeropower_via_newtonschulz
-    from flt_diag.optim import BatchedMuon, newton_schulz_bf16
+    from flt_diag.training.optim import BatchedMuon, newton_schulz_bf16
     coeffs = (3.4445, -4.7750, 2.0315)
     for seed in range(3):
         torch.manual_seed(seed)

@@ -13,12 +13,12 @@ from matplotlib.figure import Figure as MplFigure
 from matplotlib.table import Table
 
 from fake_runs import make_run, make_sweep
-from flt_diag import figures
-from flt_diag import metric_names as M
-from flt_diag.figures import FIGURES, Figure, plot, register, render, study_of, unregister
-from flt_diag.figures.style import style
-from flt_diag.results import SUMMARY_COLUMNS, collect
-from flt_diag.storage import CELLS, StorageError, read_json
+from flt_diag.analysis import figures
+from flt_diag.analysis import metric_names as M
+from flt_diag.analysis.figures import FIGURES, Figure, plot, register, render, study_of, unregister
+from flt_diag.analysis.figures.style import style
+from flt_diag.analysis.results import SUMMARY_COLUMNS, collect
+from flt_diag.analysis.storage import CELLS, StorageError, read_json
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,7 +28,7 @@ def sweep(tmp_path_factory) -> Path:
     return make_sweep(tmp_path_factory.mktemp("figures") / "sweep")
 
 
-@pytest.mark.parametrize("module", ["flt_diag.results", "flt_diag.figures", "flt_diag.report"])
+@pytest.mark.parametrize("module", ["flt_diag.analysis.results", "flt_diag.analysis.figures", "flt_diag.analysis.report"])
 def test_study_layer_never_imports_torch(module):
     code = f"import sys, {module}; assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -36,7 +36,7 @@ def test_study_layer_never_imports_torch(module):
 
 
 def test_one_list_of_summary_columns():
-    from flt_diag import sweep
+    from flt_diag.grids import sweep
     assert sweep.SUMMARY_COLUMNS is SUMMARY_COLUMNS
 
 

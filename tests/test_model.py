@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flt_diag.model import VARIANTS, LoopedTransformer, ModelConfig, parameter_groups
+from flt_diag.model.transformer import VARIANTS, LoopedTransformer, ModelConfig, parameter_groups
 
 from equations import forward as eq_forward, randomize
 from numerics import U32, assert_close64, exact_rotary_tables, float64_model, record, softcap_fp32_atol
@@ -64,7 +64,7 @@ def test_fp32_rmsnorm_against_float64():
     roundings, the product one more, so y is within (d/2 + 4) U32 |y|; the backward
     r * (g - y * mean(g * y)) adds a d-term mean with cancellation: within
     2 (d + 8) U32 * r * (|g| + |y| * mean|g * y|). Rows from 1e-3 to 1e3 in scale."""
-    from flt_diag.model import norm
+    from flt_diag.model.transformer import norm
     d = 64
     gen = torch.Generator().manual_seed(0)
     scale = 10.0 ** torch.linspace(-3, 3, 12).view(3, 4, 1)

@@ -13,12 +13,12 @@ import pandas as pd
 import pytest
 
 from fake_runs import EXPECTED_VERDICTS, make_run, make_sweep
-from flt_diag import metric_names as M
-from flt_diag import figures as P
-from flt_diag.figures import depth
-from flt_diag.results import OSC_COLUMNS
-from flt_diag.report import write_report
-from flt_diag.storage import CELLS, StorageError, read_json, write_json
+from flt_diag.analysis import metric_names as M
+from flt_diag.analysis import figures as P
+from flt_diag.analysis.figures import depth
+from flt_diag.analysis.results import OSC_COLUMNS
+from flt_diag.analysis.report import write_report
+from flt_diag.analysis.storage import CELLS, StorageError, read_json, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -208,10 +208,10 @@ def test_report_renders_in_headless_chromium(regenerated, tmp_path):
 
 
 def test_plotting_and_report_never_import_torch():
-    code = ("import runpy, sys; import flt_diag.results, flt_diag.figures, flt_diag.report, "
-            "flt_diag.storage, flt_diag.metrics; "
+    code = ("import runpy, sys; import flt_diag.analysis.results, flt_diag.analysis.figures, flt_diag.analysis.report, "
+            "flt_diag.analysis.storage, flt_diag.analysis.metrics; "
             "runpy.run_path('analysis/regenerate.py', run_name='imported'); "
-            "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'flt_diag.train', "
-            "'flt_diag.model', 'flt_diag.config'))); assert not bad, bad")
+            "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'flt_diag.training.trainer', "
+            "'flt_diag.model.transformer', 'flt_diag.config'))); assert not bad, bad")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

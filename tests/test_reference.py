@@ -1,6 +1,6 @@
 """Importing reference (nanochat-based) checkpoints gives the reference's logits.
 
-The reference forward pass below is written independently of flt_diag.model, in nanochat's style:
+The reference forward pass below is written independently of flt_diag.model.transformer, in nanochat's style:
 it works directly on a reference-layout state dict, with its own rotary (bfloat16 tables,
 half-split convention, applied before the QK-norm), F.rms_norm, a (B, T, H, D) layout and a
 padded vocabulary sliced at the end. The loop rules are spelled out from DESIGN.md §2.
@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flt_diag.model import LoopedTransformer, ModelConfig
-from flt_diag.reference import (REFERENCE_VARIANTS, ReferenceImportError, convert_state_dict, export_reference,
+from flt_diag.model.transformer import LoopedTransformer, ModelConfig
+from flt_diag.model.reference import (REFERENCE_VARIANTS, ReferenceImportError, convert_state_dict, export_reference,
                                 import_reference, write_imported_run)
 from numerics import assert_close64, record, softcap_fp32_atol
 
@@ -258,7 +258,7 @@ def test_export_import_round_trip(ref_sd, idx):
 
 def test_write_imported_run_reloads(ref_sd, idx, tmp_path):
     from flt_diag.config import RunConfig
-    from flt_diag.storage import CHECKPOINT, CONFIG, StorageError
+    from flt_diag.analysis.storage import CHECKPOINT, CONFIG, StorageError
 
     model = import_reference(ref_sd, "FLT", loops=3, n_head=N_HEAD, vocab_size=VOCAB)
     run = write_imported_run(model, tmp_path / "run", source="model_000500.pt", step=500)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from flt_diag.cli import main
-from flt_diag.storage import StorageError, folder_lock
+from flt_diag.cli.commands import main
+from flt_diag.analysis.storage import StorageError, folder_lock
 
 
 def _snapshot(folder: Path) -> dict:
@@ -44,7 +44,7 @@ def test_a_second_sweep_on_the_same_folder_is_refused(tmp_path, capsys):
 
 def test_the_lock_of_a_dead_process_is_free(tmp_path):
     folder = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "-c", "import sys, time; from flt_diag.storage import folder_lock\n"
+    p = subprocess.Popen([sys.executable, "-c", "import sys, time; from flt_diag.analysis.storage import folder_lock\n"
                           f"with folder_lock({str(folder)!r}):\n    print('held', flush=True); time.sleep(60)"],
                          stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "held"
@@ -63,7 +63,7 @@ class _Evil:
 
 
 def test_a_crafted_checkpoint_runs_no_code(tmp_path, capsys, monkeypatch):
-    from flt_diag.train import train
+    from flt_diag.training.trainer import train
     train(tiny_config(variant="lt", loops=2, steps=2), tmp_path / "run")
     torch.save({"model": _Evil(), "model_config": {}}, tmp_path / "run" / "checkpoint.pt")
     monkeypatch.chdir(tmp_path)
@@ -74,7 +74,7 @@ def test_a_crafted_checkpoint_runs_no_code(tmp_path, capsys, monkeypatch):
 
 
 def test_eval_loops_goes_on_after_a_bad_cell(tmp_path, capsys):
-    from flt_diag.sweep import SweepSpec, run_sweep
+    from flt_diag.grids.sweep import SweepSpec, run_sweep
     run_sweep(SweepSpec(tiny_config(steps=2), ["lt", "flt"], [2], [0], [1.0]), tmp_path / "sw", workers=1,
               show_progress=False)
     (tmp_path / "sw" / "cells" / "lt_K02_seed0_lr1" / "checkpoint.pt").write_bytes(b"truncated")
@@ -86,7 +86,7 @@ def test_eval_loops_goes_on_after_a_bad_cell(tmp_path, capsys):
 
 @pytest.mark.parametrize("content", [b"not a torch file", b""])
 def test_an_unreadable_resume_state_changes_nothing(tmp_path, capsys, content):
-    from flt_diag.train import train
+    from flt_diag.training.trainer import train
     run = tmp_path / "run"
     cfg = tiny_config(variant="lt", loops=2, steps=4, checkpoint_every=2)
     train(cfg, run)
@@ -101,7 +101,7 @@ def test_an_unreadable_resume_state_changes_nothing(tmp_path, capsys, content):
 
 
 def test_a_wrong_shaped_resume_state_is_one_line(tmp_path, capsys):
-    from flt_diag.train import train
+    from flt_diag.training.trainer import train
     run = tmp_path / "run"
     train(tiny_config(variant="lt", loops=2, steps=4), run)
     (run / "summary.json").unlink()
@@ -116,7 +116,7 @@ def test_a_sweep_with_failed_cells_exits_non_zero(tmp_path, capsys, monkeypatch)
     def boom(cfg, run_dir, **kw):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr("flt_diag.train.train", boom)
+    monkeypatch.setattr("flt_diag.training.trainer.train", boom)
     code = main(["run-ablation", "--loops", "2", "--variants", "lt", "flt", "--steps", "2", "--device", "cpu",
                  "--workers", "1", "--out", str(tmp_path / "sw"), "--quiet"])
     err = capsys.readouterr().err
@@ -174,7 +174,7 @@ def test_sweep_workers_die_with_their_parent(tmp_path):
 def _numeric_options():
     """(command path, option name, kind, positional arguments) for every int/float option of every
     command, read from the option definitions the parser is generated from."""
-    from flt_diag.cli import COMMANDS
+    from flt_diag.cli.commands import COMMANDS
     out = []
     for name, (_, positionals, options) in COMMANDS.items():
         for o in options():
@@ -258,7 +258,7 @@ def test_folders_that_are_not_flt_diag_folders_are_one_line(tmp_path, capsys):
 
 
 def test_report_into_a_folder_is_refused_without_leftovers(tmp_path, capsys):
-    from flt_diag.train import train
+    from flt_diag.training.trainer import train
     train(tiny_config(variant="lt", loops=2, steps=2), tmp_path / "run")
     (tmp_path / "out").mkdir()
     assert main(["report", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 2
@@ -267,7 +267,7 @@ def test_report_into_a_folder_is_refused_without_leftovers(tmp_path, capsys):
 
 
 def test_a_failed_write_leaves_no_temporary_file(tmp_path):
-    from flt_diag.storage import atomic_path
+    from flt_diag.analysis.storage import atomic_path
     with pytest.raises(OSError):
         with atomic_path(tmp_path / "x.csv") as tmp:
             tmp.write_text("half")
@@ -286,7 +286,7 @@ def test_kill_9_of_a_sweep_and_an_immediate_restart_give_the_uninterrupted_resul
     """The sweep's parent is killed with SIGKILL mid-way and the same command is run again at once:
     every cell ends with exactly the metrics of an uninterrupted sweep (no duplicated row, the same
     final loss) - the workers died with their parent and released their folders."""
-    from flt_diag.storage import load_metrics, load_summary
+    from flt_diag.analysis.storage import load_metrics, load_summary
     args = ["run-ablation", "--variants", "lt", "flt", "--loops", "2", "--steps", "150", "--device", "cpu",
             "--workers", "2", "--quiet"]
     cmd = [sys.executable, "-m", "flt_diag.cli", *args]

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_config
-from flt_diag.stability_map import (MapSpec, bracket, critical_values, geometric_grid, run_map, search)
-from flt_diag.storage import CELLS, SUMMARY, write_json
+from flt_diag.grids.stability_map import (MapSpec, bracket, critical_values, geometric_grid, run_map, search)
+from flt_diag.analysis.storage import CELLS, SUMMARY, write_json
 
 
 def test_geometric_grid():
@@ -55,7 +55,7 @@ class Synthetic:
         t = self.thresholds[cell.variant] * (1 + 0.1 * cell.seed)
         cfg = tiny_config(variant=cell.variant, loops=cell.loops, seed=cell.seed, lr_scale=cell.lr_scale).to_dict()
         write_json(d / "config.json", cfg)
-        from flt_diag.storage import MetricsWriter
+        from flt_diag.analysis.storage import MetricsWriter
         w = MetricsWriter(d)
         for step in range(10):
             w.add(step, "loss", -1, -1, 3.0 - 0.1 * step)
@@ -115,13 +115,13 @@ def test_boundaries_beyond_the_grid(tmp_path):
 
 def test_another_map_on_the_same_folder_is_refused(tmp_path):
     run_map(_spec(loops=[6], seeds=[0]), tmp_path / "m", runner=Synthetic({"lt": 1, "flt": 2}), report=lambda s: None)
-    from flt_diag.storage import StorageError
+    from flt_diag.analysis.storage import StorageError
     with pytest.raises(StorageError, match="differs in"):
         run_map(_spec(loops=[12], seeds=[0]), tmp_path / "m", runner=Synthetic({"lt": 1, "flt": 2}), report=lambda s: None)
 
 
 def test_map_figure_draws_from_the_folder(tmp_path):
-    from flt_diag.figures.map import fig_map, map_data
+    from flt_diag.analysis.figures.map import fig_map, map_data
     run_map(_spec(), tmp_path / "m", runner=Synthetic({"lt": 1.3, "flt": 9.0}), report=lambda s: None)
     df = map_data(tmp_path / "m")
     assert len(df) == 2 * 2 * 2  # criteria x variants x loops
@@ -134,7 +134,7 @@ def test_depth_axis_probes_are_cells_with_their_depth(tmp_path):
     spec = _spec(axis="depth", grid=[1, 2, 3, 4], variants=["fla"], loops=[6], seeds=[0], criteria=["training"])
     cell = spec.cell(spec.lines()[0], 3)
     assert cell.depth == 3 and cell.name.endswith("_L3")
-    from flt_diag.sweep import cell_config
+    from flt_diag.grids.sweep import cell_config
     assert cell_config(spec.base, cell).model.n_layer == 3
 
 

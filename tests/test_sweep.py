@@ -2,10 +2,10 @@ import pandas as pd
 import pytest
 
 from conftest import tiny_config
-from flt_diag import sweep as S
-from flt_diag.cli import main
-from flt_diag.storage import StorageError, load_summary
-from flt_diag.train import Callback, Trainer
+from flt_diag.grids import sweep as S
+from flt_diag.cli.commands import main
+from flt_diag.analysis.storage import StorageError, load_summary
+from flt_diag.training.trainer import Callback, Trainer
 
 
 def spec(variants=("lt", "flt"), loops=(1, 2), seeds=(0,), lrs=(1.0,), steps=4):
@@ -31,7 +31,7 @@ def test_bad_specs(bad):
 
 def _parsed(argv):
     """The option values the real parser produces for argv (no command runs)."""
-    from flt_diag.cli import build_parser
+    from flt_diag.cli.commands import build_parser
     return vars(build_parser().parse_args(argv))
 
 
@@ -44,7 +44,7 @@ def test_list_options_space_separated_repeated_and_commas():
     # negative numbers are values (refused later by the option's bound, not taken for options)
     assert _parsed(["run-ablation", "--lr-scale", "0.5", "-1", "--list"])["lr_scale"] == [0.5, -1.0]
     # train's --loops is one value: a second one is an error, never silently the last
-    from flt_diag.cli import UserError
+    from flt_diag.cli.commands import UserError
     with pytest.raises(UserError, match="unrecognized arguments: 6"):
         _parsed(["train", "--loops", "3", "6"])
 
@@ -104,7 +104,7 @@ def test_killed_cell_is_resumed_and_others_skipped(tmp_path):
     assert len(df) == 2 and (df.steps_done == 4).all()
     # the resumed cell equals an uninterrupted run of the same config
     Trainer(sp.cell_config(first), tmp_path / "straight").fit()
-    from flt_diag.storage import load_metrics
+    from flt_diag.analysis.storage import load_metrics
     assert load_metrics(tmp_path / "straight").equals(load_metrics(tmp_path / "sw" / "cells" / first.name))
 
 
@@ -117,7 +117,7 @@ def test_changed_spec_is_refused(tmp_path):
 
 
 def test_failed_cell_does_not_stop_the_sweep(tmp_path, monkeypatch):
-    import flt_diag.train as T
+    import flt_diag.training.trainer as T
     real = T.train
 
     def flaky(cfg, run_dir, **kw):
@@ -155,7 +155,7 @@ def test_parallel_workers(tmp_path):
 
 def test_every_study_file_lists_its_cells(capsys):
     from pathlib import Path
-    from flt_diag.cli import load_study
+    from flt_diag.cli.commands import load_study
     studies = sorted((Path(__file__).parent.parent / "experiments").glob("*.toml"))
     assert len(studies) >= 6
     for path in studies:
@@ -167,7 +167,7 @@ def test_every_study_file_lists_its_cells(capsys):
 
 def test_a_study_file_is_the_same_spec_as_its_command_line(tmp_path):
     """A study TOML loads straight into the sweep spec: the same cells and configs as the options."""
-    from flt_diag.cli import check_values, command_options, load_study, sweep_spec
+    from flt_diag.cli.commands import check_values, command_options, load_study, sweep_spec
     (tmp_path / "s.toml").write_text('[ablation]\npreset = "tiny"\nvariants = ["lt", "flt"]\nloops = [2, 3]\n'
                                      'seeds = [1]\nlr_scale = [0.5, 2]\nsteps = 7\nseq_len = 32\nout = "o"\n')
     command, values = load_study(tmp_path / "s.toml")
@@ -207,7 +207,7 @@ def test_parallel_workers_take_the_longest_cells_first():
 def test_sweep_prints_status_lines_where_stdout_is_not_a_terminal(tmp_path, capsys, monkeypatch):
     """In a log file (no terminal for the bar) the sweep says how far it is, not only when a cell ends."""
     from conftest import tiny_config
-    from flt_diag.sweep import SweepMonitor, SweepSpec, run_sweep
+    from flt_diag.grids.sweep import SweepMonitor, SweepSpec, run_sweep
     monkeypatch.setattr(SweepMonitor, "heartbeat", 0.0)
     run_sweep(SweepSpec(tiny_config(steps=12), ["lt"], [2], [0], [1.0]), tmp_path / "sw", workers=1,
               show_progress=True)

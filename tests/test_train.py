@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from flt_diag import metric_names as M
-from flt_diag.cli import main
-from flt_diag.model import LoopedTransformer
-from flt_diag.optim import build_optimizers, lr_multiplier
-from flt_diag.storage import load_metrics, load_summary, series
-from flt_diag.train import Callback, Trainer, train
+from flt_diag.analysis import metric_names as M
+from flt_diag.cli.commands import main
+from flt_diag.model.transformer import LoopedTransformer
+from flt_diag.training.optim import build_optimizers, lr_multiplier
+from flt_diag.analysis.storage import load_metrics, load_summary, series
+from flt_diag.training.trainer import Callback, Trainer, train
 from numerics import assert_close64
 
 
@@ -120,7 +120,7 @@ def test_gradient_accumulation_matches_big_batch(tmp_path):
     ref = LoopedTransformer(cfg.model).double()
     ref.load_state_dict(trainer.model.state_dict())
     trainer.train_step(0)
-    from flt_diag.data import batch_generator, get_batch
+    from flt_diag.data.corpus import batch_generator, get_batch
     total = 0
     for micro in range(2):
         x, y = get_batch(trainer.train_data, 8, cfg.model.sequence_len, batch_generator(cfg.train.seed, 0, micro))
@@ -133,7 +133,7 @@ def test_gradient_accumulation_matches_big_batch(tmp_path):
 def test_trainer_works_on_a_settled_copy_of_the_config(tmp_path):
     """The vocabulary is settled from the tokenizer (bytes: 256) into the Trainer's own copy; the
     config given keeps its value, before and after training."""
-    from flt_diag.train import settle
+    from flt_diag.training.trainer import settle
     cfg = tiny_config(loops=1, steps=2, diagnostics=dict(enabled=False))
     cfg.model.vocab_size = 999  # not what the tokenizer gives
     before = cfg.to_dict()
@@ -160,7 +160,7 @@ class ConcatenatedRanks(Trainer):
     """One process training on the concatenation of what ranks 0 and 1 draw at each step."""
 
     def batch(self, step, micro=0):
-        from flt_diag.data import batch_generator, get_batch
+        from flt_diag.data.corpus import batch_generator, get_batch
         t = self.cfg.train
         xy = [get_batch(self.train_data, t.batch_size, self.cfg.model.sequence_len,
                         batch_generator(t.seed, step, micro, rank), self.device) for rank in range(2)]
@@ -174,8 +174,8 @@ def test_ddp_two_gloo_processes_equal_one_process_on_the_concatenated_batch(tmp_
     training and when the summary is recomputed."""
     import multiprocessing
     import socket
-    from flt_diag.metrics import resummarize, tokens_per_step
-    from flt_diag.storage import load_config
+    from flt_diag.analysis.metrics import resummarize, tokens_per_step
+    from flt_diag.analysis.storage import load_config
     from numerics import U32, fp32_positive_sum_rtol
 
     cfg = tiny_config(variant="flt", loops=2, steps=3, batch_size=4, optimizer="adamw", seed=5)

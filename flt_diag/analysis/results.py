@@ -1,0 +1,273 @@
+"""The study layer: run and sweep folders read back as tables (numpy/pandas only; never torch).
+
+`collect(path)` reads a sweep (or one run folder) into a `Study` of `Run`s; the summary tables
+below are what the sweep's summary.csv, the CLI, the report, the figures and analysis/ all show:
+
+    SUMMARY_COLUMNS   the one list of summary columns (summary.json keys, per run)
+    sweep_summary     one row per finished cell (the sweep's summary.csv)
+    summary_table     one row per (lr scale, variant, loops) cell of the grid, seeds aggregated
+    results_table     summary_table as the report's text table (TABLE_COLUMNS: display name -> column)
+
+Derived series come from flt_diag.analysis.metrics, the module that owns the verdict: `smoothed_loss` is the
+verdict's smoothed loss and `oscillation` the summary's oscillation indices (dense steps only).
+Works on a sweep still in progress: unfinished runs have `summary` None and status "running".
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from flt_diag.analysis import metric_names as M
+from flt_diag.analysis.metrics import dense_oscillation, smoothed
+from flt_diag.analysis.storage import (COLUMNS, CELLS, ERROR, METRICS, SWEEP_SPEC, StorageError, cell_names, is_run, is_sweep, load_config,
+                      load_eval_loops, load_metrics, load_summary, read_json, run_dirs, run_label, series)
+from flt_diag.model.variants import VARIANTS
+
+VARIANT_ORDER = list(VARIANTS)
+VERDICT_ORDER = ["stable", "unstable", "collapsed", "diverged"]  # by severity (ties in a majority go to the worse)
+RUN_COLUMNS = ["run", "variant", "loops", "seed", "lr_scale"]
+NO_METRICS = pd.DataFrame(columns=COLUMNS).astype({"step": "int64", "loop": "int16", "layer": "int16", "value": "float64"})
+
+# summary.json keys shown per run; SUMMARY_NUMBERS (final_loss .. grad_norm_std) are averaged per grid cell
+SUMMARY_COLUMNS = ["cell", "variant", "loops", "seed", "lr_scale", "verdict", "residual_explosion", "final_loss",
+                   "best_loss", "val_loss", "val_ppl", "peak_resid_norm", "osc_cv", "osc_mean_abs_dlog",
+                   "osc_sign_alternation", "osc_neg_cosine_share", "loss_std", "grad_norm_std", "steps_done",
+                   "wall_time"]
+SUMMARY_NUMBERS = SUMMARY_COLUMNS[SUMMARY_COLUMNS.index("final_loss"):SUMMARY_COLUMNS.index("steps_done")]
+OSC_COLUMNS = [c for c in SUMMARY_COLUMNS if c.startswith("osc_")]
+GRID_COLUMNS = ["lr_scale", "variant", "loops", "verdict", "agree", "runs", "finished", "residual_explosion"]
+
+# the report's table: display name -> (summary_table column, format)
+TABLE_COLUMNS = {
+    "Final loss": ("final_loss", "{:.3f}"),
+    "Val loss": ("val_loss", "{:.3f}"),
+    "Val ppl": ("val_ppl", "{:.2f}"),
+    "Peak ‖h‖ (last loop)": ("peak_resid_norm", "{:.1f}"),
+    "Osc |Δlog g|": ("osc_mean_abs_dlog", "{:.3f}"),
+    "Loss std": ("loss_std", "{:.3f}"),
+    "Grad-norm std": ("grad_norm_std", "{:.3f}"),
+}
+
+
+# --------------------------------------------------------------------------- runs and studies
+
+@dataclass(eq=False)
+class Run:
+    """One run folder: its labels, config, summary (None while running), metrics and eval_loops."""
+    path: Path
+    variant: str
+    loops: int
+    seed: int
+    lr_scale: float
+    config: dict
+    summary: dict | None
+    metrics: pd.DataFrame
+    eval_loops: pd.DataFrame | None
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def status(self) -> str:
+        """The verdict once finished, else "failed" (the sweep left an error.txt) or "running"."""
+        if self.summary:
+            return self.summary["verdict"]
+        return "failed" if (self.path / ERROR).exists() else "running"
+
+    def sort_key(self) -> tuple:
+        return self.lr_scale, self.seed, self.loops, variant_rank(self.variant), self.variant, self.name
+
+    @property
+    def smooth_window(self) -> int:
+        return int(self.config.get("verdict", {}).get("smooth_window", 50))
+
+    @property
+    def explosion_threshold(self) -> float:
+        """The verdict's residual-explosion threshold: explosion_ratio * sqrt(d)."""
+        ratio = self.config.get("verdict", {}).get("explosion_ratio", math.nan)
+        return float(ratio) * math.sqrt(self.config.get("model", {}).get("n_embd", math.nan))
+
+    def select(self, metric: str) -> pd.DataFrame:
+        """The finite rows of one metric (step, metric, loop, layer, value)."""
+        m = self.metrics
+        sel = m[(m.metric == metric) & np.isfinite(m.value)]
+        return sel.astype({"step": "int64", "loop": "int64", "layer": "int64", "value": "float64"})
+
+    def tag(self, df: pd.DataFrame) -> pd.DataFrame:
+        """Prefix a per-run table with the run's identifying columns (RUN_COLUMNS)."""
+        ids = dict(run=self.name, variant=self.variant, loops=self.loops, seed=self.seed, lr_scale=self.lr_scale)
+        return df.reset_index(drop=True).assign(**ids)[RUN_COLUMNS + list(df.columns)]
+
+
+@dataclass(eq=False)
+class Study:
+    """Every run of a sweep (or one run folder), sorted by lr scale, seed, loops and variant."""
+    path: Path
+    runs: list[Run]
+    spec: dict | None = None  # sweep.json; None for a single run folder
+
+    @property
+    def kind(self) -> str:
+        """"map" for a stability map (flt-diag map), "sweep", or "run"."""
+        return (self.spec or {}).get("kind", "sweep") if self.spec is not None else "run"
+
+
+def variant_rank(variant: str) -> int:
+    return VARIANT_ORDER.index(variant) if variant in VARIANT_ORDER else len(VARIANT_ORDER)
+
+
+def _has_metrics(run_dir: Path) -> bool:
+    return any((run_dir / METRICS).glob("part-*.parquet"))
+
+
+def collect(path, metrics: list[str] | None = None) -> Study:
+    """Load every run of a sweep, or a single run folder. `metrics` keeps only those names (None: all;
+    an empty list reads no metrics at all, for tables of summaries).
+
+    Raises StorageError for a path that is neither, or one with no metrics recorded yet."""
+    path = Path(path)
+    dirs = run_dirs(path)
+    if not dirs:
+        raise StorageError(f"{path}: no run folders yet")
+    if not any(_has_metrics(d) for d in dirs):
+        raise StorageError(f"{path}: no metrics recorded yet")
+    runs = []
+    for d in dirs:
+        label = run_label(d)
+        table = load_metrics(d, metrics) if metrics is None or metrics else NO_METRICS.copy()
+        runs.append(Run(d, label["variant"], int(label["loops"]), int(label["seed"]), float(label["lr_scale"]),
+                        load_config(d), load_summary(d), table, load_eval_loops(d)))
+    spec = read_json(path / SWEEP_SPEC) if is_sweep(path) else None
+    return Study(path, sorted(runs, key=Run.sort_key), spec)
+
+
+def concat(frames: list[pd.DataFrame], columns: list[str]) -> pd.DataFrame:
+    """Per-run tables (from Run.tag) as one, with RUN_COLUMNS + columns even when there are none."""
+    frames = [f for f in frames if len(f)]
+    if not frames:
+        return pd.DataFrame(columns=RUN_COLUMNS + columns)
+    return pd.concat(frames, ignore_index=True)[RUN_COLUMNS + columns]
+
+
+def run_order(study: Study, column: str = "run"):
+    """A sort key (for DataFrame.sort_values) that orders `column` like the study's runs."""
+    order = {r.name: i for i, r in enumerate(study.runs)}
+    return lambda s: s.map(order) if s.name == column else s
+
+
+# --------------------------------------------------------------------------- derived series
+
+def smoothed_loss(run: Run) -> pd.Series:
+    """The verdict's smoothed training loss (flt_diag.analysis.metrics.smoothed over the finite losses; steps
+    before the first full window have none), step-indexed."""
+    loss = series(run.metrics, M.LOSS)
+    return smoothed(loss[np.isfinite(loss.to_numpy())], run.smooth_window).dropna()
+
+
+def oscillation(run: Run) -> dict:
+    """The run's oscillation indices (osc_*): from summary.json, or computed like it while running."""
+    if run.summary and all(k in run.summary for k in OSC_COLUMNS):
+        return {k: run.summary[k] for k in OSC_COLUMNS}
+    dense = run.config.get("diagnostics", {}).get("dense_steps", math.inf)
+    osc = dense_oscillation(series(run.metrics, M.GRAD_NORM), series(run.metrics, M.GRAD_COSINE), dense)
+    return {f"osc_{k}": v for k, v in osc.items()}
+
+
+# --------------------------------------------------------------------------- summary tables
+
+def sweep_summary(out: Path) -> pd.DataFrame:
+    """One row per finished cell (SUMMARY_COLUMNS), read from the run folders (a pure function of the folder)."""
+    out = Path(out)
+    rows = []
+    for name in cell_names(out):
+        d = out / CELLS / name
+        s = load_summary(d) if is_run(d) else None
+        if s is None:
+            continue
+        rows.append({"cell": name, **{k: s.get(k) for k in SUMMARY_COLUMNS if k != "cell"}})
+    return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
+
+
+def _majority(verdicts: list[str]) -> tuple[str, int]:
+    """The most common verdict (ties go to the more severe one) and how many runs have it."""
+    counts = Counter(verdicts)
+    best = max(counts, key=lambda v: (counts[v], VERDICT_ORDER.index(v) if v in VERDICT_ORDER else -1))
+    return best, counts[best]
+
+
+def _mean(values) -> float:
+    """Mean of the finite numbers among `values` (NaN when there are none)."""
+    v = np.array([x for x in values if isinstance(x, (int, float))], dtype=float)
+    v = v[np.isfinite(v)]
+    return float(v.mean()) if len(v) else math.nan
+
+
+def _grid(study: Study) -> list[tuple]:
+    """Every (lr_scale, variant, loops) of the sweep's spec (empty for a single run folder)."""
+    spec = study.spec or {}
+    if not all(k in spec for k in ("variants", "loops", "lr_scales")):
+        return []
+    return [(float(lr), v, int(k)) for lr in spec["lr_scales"] for v in spec["variants"] for k in spec["loops"]]
+
+
+def summary_table(src) -> pd.DataFrame:
+    """One row per (lr_scale, variant, loops) cell of the grid: majority verdict over its finished seeds
+    ("running" while none finished, "failed" when its runs only left an error.txt, "pending" with no
+    run folder yet), `agree` seeds agreeing with it, `runs` and `finished` counts, any residual
+    explosion, and the mean over finished seeds of each summary number (SUMMARY_NUMBERS)."""
+    study = src if isinstance(src, Study) else collect(src, [])
+    cells: dict[tuple, list[Run]] = {key: [] for key in _grid(study)}
+    for run in study.runs:
+        cells.setdefault((run.lr_scale, run.variant, run.loops), []).append(run)
+    rows = []
+    for (lr, variant, loops), runs in cells.items():
+        done = [r.summary for r in runs if r.summary]
+        if done:
+            verdict, agree = _majority([s["verdict"] for s in done])
+        else:
+            statuses = {r.status for r in runs}
+            verdict, agree = ("running" if "running" in statuses else "failed" if runs else "pending"), 0
+        numbers = {k: _mean([s.get(k) for s in done]) for k in SUMMARY_NUMBERS}
+        rows.append(dict(lr_scale=lr, variant=variant, loops=loops, verdict=verdict, agree=agree, runs=len(runs),
+                         finished=len(done), residual_explosion=any(bool(s.get("residual_explosion")) for s in done),
+                         **numbers))
+    df = pd.DataFrame(rows, columns=GRID_COLUMNS + SUMMARY_NUMBERS)
+    order = df.assign(_r=df.variant.map(variant_rank)).sort_values(["lr_scale", "loops", "_r", "variant"])
+    return df.loc[order.index].reset_index(drop=True)
+
+
+def _fmt(value, spec: str) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "–"
+    return spec.format(value)
+
+
+def seeds_text(row) -> str:
+    """"agree/finished (+running)" of a summary_table row."""
+    return f"{row.agree}/{row.finished}" + (f" (+{row.runs - row.finished})" if row.runs > row.finished else "")
+
+
+def results_table(src) -> pd.DataFrame:
+    """The report's table as text: one row per (lr scale, variant, loops) cell, numbers formatted.
+
+    Numbers are means over a cell's finished seeds; the verdict is their majority."""
+    df = summary_table(src)
+    multi_lr = df.lr_scale.nunique() > 1
+    multi_seed = (df.runs > 1).any()
+    rows = []
+    for r in df.itertuples():
+        row = {"Variant": r.variant, "Loops": str(r.loops)}
+        if multi_lr:
+            row["LR scale"] = f"{r.lr_scale:g}"
+        if multi_seed:
+            row["Seeds"] = seeds_text(r)
+        row["Verdict"] = r.verdict + (" (residual explosion)" if r.residual_explosion else "")
+        row.update({name: _fmt(getattr(r, col), spec) for name, (col, spec) in TABLE_COLUMNS.items()})
+        rows.append(row)
+    return pd.DataFrame(rows)

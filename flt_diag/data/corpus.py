@@ -1,0 +1,366 @@
+"""Corpora, tokenizers, an on-disk token cache, and deterministic batches.
+
+Corpora (`--data`):
+  stdlib        the Python standard-library sources of the running interpreter (offline default,
+                ~30 MB of real text), split into train/val by file
+  fineweb-edu   HuggingFaceFW/fineweb-edu "sample-10BT", streamed (what the paper trains on)
+  wikitext2     wikitext-2-raw-v1 (its own train/validation splits; used for perplexity)
+  PATH          a local .txt / .jsonl / .parquet file, or a folder of them
+
+Every corpus except stdlib goes through one function, `iter_documents`, which calls
+`datasets.load_dataset`: hub names and local files take the same code path.
+
+Tokenizers (`--tokenizer`): "bytes" (vocab 256, offline default) or any Hugging Face tokenizer,
+by hub name or by the path of a tokenizer.json (needs the `tokenizers` package).
+
+Tokens are cached as flat memory-mapped arrays under $FLT_DIAG_CACHE (default
+~/.cache/flt-diag) and reused by every later run.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+VAL_EVERY = 20  # documents (or files) whose stable hash % VAL_EVERY == 0 form the validation split
+LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+class DataError(ValueError):
+    """A corpus or tokenizer that cannot be used (reported as one line by the CLI)."""
+
+
+# --------------------------------------------------------------------------- tokenizers
+
+class ByteTokenizer:
+    name = "bytes"
+    vocab_size = 256
+    bos_id = None  # all 256 ids are bytes: documents are concatenated without a separator
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8", errors="replace"))
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8", errors="replace"), dtype=np.uint8)
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """Any Hugging Face `tokenizers` tokenizer: a hub name or a local tokenizer.json."""
+
+    def __init__(self, name_or_path: str):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise DataError("Hugging Face tokenizers need `pip install tokenizers`") from e
+        self.name = name_or_path
+        try:
+            if Path(name_or_path).exists():
+                self.tok = Tokenizer.from_file(name_or_path)
+            else:
+                self.tok = Tokenizer.from_file(_hub_file(name_or_path, "tokenizer.json"))
+        except Exception as e:
+            raise DataError(f"cannot load tokenizer {name_or_path!r}: {str(e).splitlines()[0]}") from e
+        self.vocab_size = self.tok.get_vocab_size()
+        self.bos_id = next((i for t in BOS_TOKENS if (i := self.tok.token_to_id(t)) is not None), None)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.asarray(self.encode(text), dtype=np.int64)
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids])
+
+
+# The document delimiter put before every document, the first of these the tokenizer knows: nanochat's
+# "<|bos|>", Qwen3's "<|im_start|>" (the reference's get_bos_token_id), GPT-2's "<|endoftext|>", "<s>".
+BOS_TOKENS = ("<|bos|>", "<|im_start|>", "<|endoftext|>", "<s>")
+
+
+def _hub_file(repo: str, filename: str) -> str:
+    """A file of a hub repository: from the local cache, else downloaded. Without a route to the
+    hub, one DataError at once (the hub client would retry for half a minute, printing each try)."""
+    from huggingface_hub import hf_hub_download
+    try:
+        return hf_hub_download(repo, filename, local_files_only=True)
+    except Exception:
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false") or not _hub_reachable():
+        raise DataError("it is not in the local Hugging Face cache and the hub "
+                        "cannot be reached (no network)")
+    return hf_hub_download(repo, filename)
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    import socket
+    from urllib.parse import urlparse
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def get_tokenizer(name: str):
+    return ByteTokenizer() if name == "bytes" else HFTokenizer(name)
+
+
+# --------------------------------------------------------------------------- corpora
+
+@dataclass
+class CorpusSpec:
+    """Arguments for `datasets.load_dataset`, and how train/val are separated."""
+
+    path: str  # builder or hub dataset name ("text", "json", "parquet", "HuggingFaceFW/fineweb-edu")
+    name: str | None = None  # dataset config ("sample-10BT", "wikitext-2-raw-v1")
+    data_files: list[str] | dict[str, str] = field(default_factory=list)  # local files (or split -> file)
+    text_field: str = "text"
+    streaming: bool = False
+    splits: dict[str, str] | None = None  # {"train": ..., "val": ...}; None = split by document hash
+    max_docs: int | None = None
+
+
+HUB_CORPORA = {
+    "fineweb-edu": CorpusSpec("HuggingFaceFW/fineweb-edu", name="sample-10BT", streaming=True),
+    # The reference's corpus (nanochat/dataset.py): FineWeb-Edu reshuffled into parquet shards, read in order.
+    "fineweb-edu-100b": CorpusSpec("karpathy/fineweb-edu-100b-shuffle", streaming=True),
+    "wikitext2": CorpusSpec("wikitext", name="wikitext-2-raw-v1",
+                            splits={"train": "train", "val": "validation", "test": "test"}),
+}
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files(split: str) -> list[Path]:
+    """The interpreter's standard-library .py files (site-packages excluded), split by file."""
+    root = stdlib_root()
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts)
+    return [p for p in files if _in_split(str(p.relative_to(root)), split)]
+
+
+def _in_split(key: str, split: str) -> bool:
+    is_val = zlib.crc32(key.encode()) % VAL_EVERY == 0
+    return is_val if split == "val" else not is_val
+
+
+def resolve_corpus(data: str) -> CorpusSpec | None:
+    """None for the stdlib corpus; otherwise the `load_dataset` arguments."""
+    if data == "stdlib":
+        return None
+    if data in HUB_CORPORA:
+        return HUB_CORPORA[data]
+    p = Path(data)
+    if not p.exists():
+        raise DataError(f"data {data!r} is neither a known corpus ({', '.join(['stdlib', *HUB_CORPORA])}) "
+                        "nor an existing file or folder")
+    files = sorted(f for f in p.rglob("*") if f.suffix in LOCAL_BUILDERS) if p.is_dir() else [p]
+    if not files:
+        raise DataError(f"no .txt/.jsonl/.parquet files under {data}")
+    builders = {LOCAL_BUILDERS.get(f.suffix) for f in files}
+    if None in builders or len(builders) != 1:
+        raise DataError(f"{data}: need files of one kind among {', '.join(LOCAL_BUILDERS)}")
+    for f in files:
+        if not os.access(f, os.R_OK):
+            raise DataError(f"cannot read data file {f}")
+    return CorpusSpec(builders.pop(), data_files=[str(f.resolve()) for f in files])
+
+
+def _check_local_file(path: Path) -> None:
+    """A local corpus file that is empty, or binary where text is expected, said plainly (the
+    datasets library would only say that an error occurred while generating the dataset)."""
+    if path.stat().st_size == 0:
+        raise DataError(f"data file {path} is empty")
+    if path.suffix in (".txt", ".jsonl", ".json"):
+        head = path.open("rb").read(4096)
+        try:
+            head.decode("utf-8")
+        except UnicodeDecodeError as e:
+            if e.start < len(head) - 4:  # not just a character cut at the end of the sample
+                raise DataError(f"data file {path} is not UTF-8 text") from None
+        if b"\x00" in head:
+            raise DataError(f"data file {path} is binary, not text")
+
+
+def iter_documents(spec: CorpusSpec, split: str) -> Iterator[str]:
+    """Documents of one split, through `datasets.load_dataset` (hub or local alike)."""
+    import datasets
+
+    datasets.disable_progress_bars()  # one error line, not progress bars and library log lines around it
+    datasets.logging.set_verbosity_error()
+    for f in spec.data_files if isinstance(spec.data_files, list) else []:
+        _check_local_file(Path(f))
+    kwargs = dict(name=spec.name, streaming=spec.streaming)
+    if spec.data_files:
+        kwargs["data_files"] = spec.data_files
+    try:
+        if spec.splits is not None:
+            ds = datasets.load_dataset(spec.path, split=spec.splits[split], **kwargs)
+        else:
+            ds = datasets.load_dataset(spec.path, split="train", **kwargs)
+    except Exception as e:
+        raise DataError(f"cannot load {spec.path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+    n = 0
+    for i, row in enumerate(ds):
+        if spec.splits is None and not _in_split(str(i), split):
+            continue
+        text = row.get(spec.text_field)
+        if text is None:
+            raise DataError(f"{spec.path}: rows have no {spec.text_field!r} field (fields: {', '.join(row)})")
+        if not isinstance(text, str):
+            raise DataError(f"{spec.path}: row {i} has a {spec.text_field!r} that is {type(text).__name__}, not text")
+        if text:
+            yield text
+            n += 1
+            if spec.max_docs is not None and n >= spec.max_docs:
+                return
+
+
+# --------------------------------------------------------------------------- token cache
+
+def cache_root() -> Path:
+    return Path(os.environ.get("FLT_DIAG_CACHE", Path.home() / ".cache" / "flt-diag"))
+
+
+@dataclass
+class TokenData:
+    """Token ids of one split as a flat (memory-mapped) array, plus what we know of them."""
+
+    tokens: np.ndarray
+    vocab_size: int
+    unigram_entropy: float  # nats per token of the training split's unigram distribution
+    path: Path | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def _cache_key(data: str, tokenizer: str, max_tokens: int | None) -> str:
+    ident = {"data": data, "tokenizer": tokenizer, "max_tokens": max_tokens, "v": 2}  # v2: BOS before documents
+    if data == "stdlib":
+        ident["python"] = sys.version
+    elif Path(data).exists():
+        p = Path(data).resolve()
+        ident["data"] = str(p)
+        files = sorted(p.rglob("*")) if p.is_dir() else [p]
+        ident["stat"] = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _documents(data: str, split: str) -> Iterator[str]:
+    spec = resolve_corpus(data)
+    if spec is None:
+        for f in stdlib_files(split):
+            yield f.read_text(encoding="utf-8", errors="replace")
+    else:
+        yield from iter_documents(spec, split)
+
+
+def _tokenize_to_file(data: str, tok, split: str, out: Path, max_tokens: int | None) -> int:
+    dtype = np.uint8 if tok.vocab_size <= 256 else np.uint16 if tok.vocab_size <= 65536 else np.uint32
+    from flt_diag.analysis.storage import atomic_path
+    n = 0
+    with atomic_path(out) as tmp, open(tmp, "wb") as f:
+        for doc in _documents(data, split):
+            ids = tok.encode_array(doc).astype(dtype)
+            if tok.bos_id is not None:  # documents are delimited as the reference delimits them
+                ids = np.concatenate([np.asarray([tok.bos_id], dtype=dtype), ids])
+            if max_tokens is not None:
+                ids = ids[: max_tokens - n]
+            f.write(ids.tobytes())
+            n += len(ids)
+            if max_tokens is not None and n >= max_tokens:
+                break
+    return n
+
+
+def load_tokens(data: str = "stdlib", tokenizer: str = "bytes", split: str = "train",
+                max_tokens: int | None = None) -> TokenData:
+    """Tokenize (once, cached on disk) and memory-map one split of a corpus."""
+    if split not in ("train", "val"):
+        raise DataError(f"split must be train or val, got {split!r}")
+    tok = get_tokenizer(tokenizer)
+    folder = cache_root() / "tokens" / _cache_key(data, tokenizer, max_tokens)
+    meta_path = folder / "meta.json"
+    if not meta_path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        meta = {"data": data, "tokenizer": tokenizer, "vocab_size": tok.vocab_size}
+        for s in ("train", "val"):
+            meta[f"{s}_tokens"] = _tokenize_to_file(data, tok, s, folder / f"{s}.bin",
+                                                    max_tokens if s == "train" else None)
+            if meta[f"{s}_tokens"] < 2:
+                raise DataError(f"{data}: the {s} split has no text")
+        dtype = np.uint8 if tok.vocab_size <= 256 else np.uint16 if tok.vocab_size <= 65536 else np.uint32
+        meta["dtype"] = np.dtype(dtype).name
+        train = np.memmap(folder / "train.bin", dtype=dtype, mode="r")
+        meta["unigram_entropy"] = unigram_entropy(train, tok.vocab_size)
+        from flt_diag.analysis.storage import atomic_write_text
+        atomic_write_text(meta_path, json.dumps(meta, indent=1))  # the cache entry exists only once complete
+    meta = json.loads(meta_path.read_text())
+    tokens = np.memmap(folder / f"{split}.bin", dtype=meta["dtype"], mode="r")
+    return TokenData(tokens, meta["vocab_size"], meta["unigram_entropy"], folder)
+
+
+def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
+    """Entropy (nats) of the empirical unigram distribution: the loss of the best
+    context-free predictor. A model that never gets below it has learned nothing."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for start in range(0, len(tokens), 1 << 24):
+        counts += np.bincount(np.asarray(tokens[start:start + (1 << 24)]), minlength=vocab_size)[:vocab_size]
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+# --------------------------------------------------------------------------- batches
+
+def batch_generator(seed: int, step: int, micro: int = 0, rank: int = 0) -> torch.Generator:
+    """Each (seed, step, micro-batch, rank) draws its own batch: resuming at any step is exact."""
+    key = hashlib.sha256(f"{seed}/{step}/{micro}/{rank}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(key[:8], "little") & ((1 << 63) - 1))
+
+
+def get_batch(data: TokenData, batch_size: int, seq_len: int, generator: torch.Generator,
+              device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Random windows: x (B, T) and its next-token targets y (B, T)."""
+    n = len(data.tokens) - seq_len - 1
+    if n <= 0:
+        raise DataError(f"corpus has {len(data.tokens)} tokens, fewer than a sequence of {seq_len + 1}")
+    starts = torch.randint(0, n, (batch_size,), generator=generator).tolist()
+    buf = np.stack([np.asarray(data.tokens[s:s + seq_len + 1], dtype=np.int64) for s in starts])
+    xy = _to_device(torch.from_numpy(buf), device)
+    return xy[:, :-1], xy[:, 1:]
+
+
+def stream_batch(data: TokenData, batch_size: int, seq_len: int, index: int,
+                 device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch number `index` of the corpus read in order, as the reference's loader reads it:
+    B*T + 1 consecutive tokens from position index * B*T (wrapping round at the end), x the first
+    B*T as (B, T), y the same shifted by one. A function of the index alone, so resuming is exact."""
+    span = batch_size * seq_len
+    n = len(data.tokens) - span - 1
+    if n <= 0:
+        raise DataError(f"corpus has {len(data.tokens)} tokens, fewer than a micro-batch of {span + 1}")
+    start = (index * span) % n
+    buf = _to_device(torch.from_numpy(np.asarray(data.tokens[start:start + span + 1], dtype=np.int64)), device)
+    return buf[:-1].view(batch_size, seq_len), buf[1:].view(batch_size, seq_len)
+
+
+def _to_device(tokens: torch.Tensor, device) -> torch.Tensor:
+    if torch.device(device).type == "cuda":
+        tokens = tokens.pin_memory().to(device, non_blocking=True)
+    return tokens

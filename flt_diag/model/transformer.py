@@ -1,0 +1,225 @@
+"""The looped transformer: one readable file, five variants expressed as data.
+
+Reference formulation: DESIGN.md §2. Notation: L blocks, K loops, d = n_embd,
+norm = RMSNorm without a learnable weight, h(t) = norm(stream at the end of loop t).
+
+Loop 1 is a plain pass in every variant. For loops t >= 2 a variant is three rules
+(see VARIANTS): where the stream starts, whether h(t-1) is added before every block,
+and which blocks take their attention query from h(t-1) ("attention injection").
+
+The model has no diagnostic code. It exposes hook points that diagnostics attach to
+from outside (flt_diag.training.diagnostics):
+  * every block's forward output is the residual stream after that block;
+  * `model.loop_end` (an identity) sees the residual stream at the end of each loop;
+  * `Attention.query_key(q_src, kv_src)` recomputes the (rotated, normed) q and k.
+A block reused K times fires K times per forward; listeners key by (loop, layer).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from flt_diag.config import ModelConfig  # noqa: F401 (re-exported)
+from flt_diag.model.variants import MAX_LOOPS, VARIANT_DESCRIPTIONS, VARIANTS, VariantRule  # noqa: F401 (re-exported)
+
+
+
+
+class _RMSNorm(torch.autograd.Function):
+    """y = x / sqrt(mean(x^2) + eps) with a hand-written backward: the same values as
+    F.rms_norm, several times faster on CPU, where F.rms_norm is a chain of small ops."""
+
+    @staticmethod
+    def forward(ctx, x):
+        r = torch.rsqrt(x.square().mean(-1, keepdim=True) + torch.finfo(x.dtype).eps)
+        y = x * r
+        ctx.save_for_backward(y, r)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        y, r = ctx.saved_tensors
+        return r * (g - y * (g * y).mean(-1, keepdim=True))
+
+
+def norm(x: torch.Tensor) -> torch.Tensor:
+    """RMSNorm over the last dim, no learnable weight (eps = machine epsilon of x's dtype)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return _RMSNorm.apply(x)
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., i], x[..., i + D/2]) by position-dependent angles.  x: (B, T, H, D)
+
+    cos = [c, c] and sin = [s, -s] over the last dim (see LoopedTransformer._rotary), so
+    y[:D/2] = x1*c + x2*s and y[D/2:] = x2*c - x1*s."""
+    return (x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, self.n_head, self.head_dim = cfg.n_embd, cfg.n_head, cfg.head_dim
+        self.q = nn.Linear(d, d, bias=False)
+        self.k = nn.Linear(d, d, bias=False)
+        self.v = nn.Linear(d, d, bias=False)
+        self.o = nn.Linear(d, d, bias=False)
+
+    def query_key(self, q_src, kv_src, cos, sin):
+        """Rotated, then RMS-normed queries and keys, each (B, T, H, D).
+
+        q and k are stacked along the head axis so both take one rotary and one norm pass.
+        (The order matters once the tables are rounded to bf16: cos^2 + sin^2 != 1.)"""
+        B, T, _ = kv_src.shape
+        qk = torch.cat([self.q(q_src), self.k(kv_src)], dim=-1).view(B, T, 2 * self.n_head, self.head_dim)
+        qk = norm(apply_rotary(qk, cos, sin))
+        return qk[:, :, : self.n_head], qk[:, :, self.n_head:]
+
+    def forward(self, q_src, kv_src, cos, sin):
+        B, T, C = kv_src.shape
+        q, k = self.query_key(q_src, kv_src, cos, sin)  # (B, T, H, D)
+        v = self.v(kv_src).view(B, T, self.n_head, self.head_dim)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )  # (B, H, T, D): query i sees keys j <= i of the current stream only
+        return self.o(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.up = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False)
+        self.down = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.down(F.relu(self.up(x)).square())
+
+
+class Block(nn.Module):
+    """Pre-norm block. With `query` given, attention takes its Q from norm(query)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, query=None):
+        z = norm(x)
+        x = x + self.attn(z if query is None else norm(query), z, cos, sin)
+        return x + self.mlp(norm(x))
+
+
+class LoopedTransformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.loop_end = nn.Identity()  # hook point: residual stream at each loop's end
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.checkpoint_loops = False  # activation checkpointing, one segment per loop
+        self.table_dtype = torch.float32  # dtype the rotary tables are kept in (bf16 for reference precision)
+        self._rotary(cfg.sequence_len)
+        self.reset_parameters()
+
+    def _rotary(self, seq_len: int) -> None:
+        hd = self.cfg.head_dim
+        inv_freq = 1.0 / (self.cfg.rotary_base ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+        angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)  # (T, D/2)
+        dtype = getattr(torch, self.cfg.rotary_dtype)  # tables rounded to this dtype, as the reference does
+        cos, sin = angles.cos().to(dtype).to(self.table_dtype), angles.sin().to(dtype).to(self.table_dtype)
+        device = self.embed.weight.device
+        self.register_buffer("cos", torch.cat([cos, cos], -1).to(device)[None, :, None, :], persistent=False)
+        self.register_buffer("sin", torch.cat([sin, -sin], -1).to(device)[None, :, None, :], persistent=False)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        bound = math.sqrt(3.0 / self.cfg.n_embd)  # uniform with std 1/sqrt(d)
+        nn.init.normal_(self.embed.weight, std=1.0)
+        nn.init.normal_(self.head.weight, std=0.001)
+        for block in self.blocks:
+            for lin in (block.attn.q, block.attn.k, block.attn.v, block.mlp.up):
+                nn.init.uniform_(lin.weight, -bound, bound)
+            nn.init.zeros_(block.attn.o.weight)
+            nn.init.zeros_(block.mlp.down.weight)
+
+    def _loop(self, x, h_prev, emb, cos, sin):
+        """One pass through the L blocks. h_prev is None in loop 1 (a plain pass);
+        emb is the raw embedding E[tokens]."""
+        rule = VARIANTS[self.cfg.variant]
+        if h_prev is not None:
+            if rule.start == "prev":
+                x = h_prev
+            elif rule.start == "embed":
+                x = norm(emb)
+            else:  # "embed+prev": additive input injection
+                x = norm(emb + h_prev)
+        for i, block in enumerate(self.blocks):
+            query = None
+            if h_prev is not None:
+                if rule.add_prev_before_block:
+                    x = norm(x + h_prev)
+                if rule.query_from_prev == "all" or (rule.query_from_prev == "first" and i == 0):
+                    query = h_prev
+            x = block(x, cos, sin, query)
+        return self.loop_end(x)
+
+    def forward_loops(self, idx: torch.Tensor, loops: int | None = None, keep: str = "end") -> list[torch.Tensor]:
+        """Logits (B, T, V) of the final loop (keep="end") or of every loop (keep="all")."""
+        K = self.cfg.loops if loops is None else loops
+        if K < 1:
+            raise ValueError(f"loops must be >= 1, got {K}")
+        T = idx.shape[1]
+        if T > self.cos.shape[1]:
+            self._rotary(T)
+        cos, sin = self.cos[:, :T], self.sin[:, :T]
+        emb = self.embed(idx)  # (B, T, d)
+        x, h = norm(emb), None
+        outs = []
+        for t in range(K):
+            if self.checkpoint_loops and torch.is_grad_enabled():
+                x = checkpoint(self._loop, x, h, emb, cos, sin, use_reentrant=False)
+            else:
+                x = self._loop(x, h, emb, cos, sin)
+            h = norm(x)  # h(t)
+            if keep == "all" or t == K - 1:
+                outs.append(h)
+        return [self.cfg.softcap * torch.tanh(self.head(h).float() / self.cfg.softcap) for h in outs]
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loops: int | None = None,
+                loss_on: str = "end"):
+        """Logits (B, T, V) of the final loop; with targets, (logits, loss).
+
+        loss_on: "end" (final loop), "all" (mean over loops) or "last-third" (mean over the
+        last ceil(K/3) loops)."""
+        if targets is None:
+            return self.forward_loops(idx, loops)[-1]
+        K = self.cfg.loops if loops is None else loops
+        logits = self.forward_loops(idx, loops, keep="end" if loss_on == "end" else "all")
+        if loss_on == "last-third":
+            logits = logits[-math.ceil(K / 3):]
+        elif loss_on not in ("end", "all"):
+            raise ValueError(f"loss_on must be end, all or last-third, got {loss_on!r}")
+        losses = [F.cross_entropy(lg.flatten(0, 1), targets.flatten()) for lg in logits]
+        return logits[-1], torch.stack(losses).mean()
+
+
+def count_parameters(cfg: ModelConfig) -> int:
+    """Parameters of a model of this config, counted on the meta device (no memory, no download)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in LoopedTransformer(cfg).parameters())
+
+
+def parameter_groups(model: LoopedTransformer) -> dict[str, list[nn.Parameter]]:
+    """Named groups used by the optimizer recipe and by diagnostics: embedding, head,
+    and each block's attention and MLP ("block0.attn", "block0.mlp", ...)."""
+    groups = {"embedding": [model.embed.weight], "head": [model.head.weight]}
+    for i, block in enumerate(model.blocks):
+        groups[f"block{i}.attn"] = list(block.attn.parameters())
+        groups[f"block{i}.mlp"] = list(block.mlp.parameters())
+    return groups

@@ -1,0 +1,251 @@
+"""Diagnostics attached from outside the model: forward hooks, tensor (backward) hooks, and a
+training callback. Definitions: DESIGN.md §3 and flt_diag.analysis.metric_names.
+
+`LoopHooks` is a context manager that always removes its hooks. A forward of the model arms it
+once (`arm()`); during that forward every block output is recorded under (loop, layer), where
+the loop counter advances at `model.loop_end`. A block reused K times therefore yields K records.
+Forwards that were not armed - further micro-batches, evaluation, and the recomputation that
+activation checkpointing runs during backward - record nothing, so nothing is counted twice.
+
+Supported: eager CPU/GPU, activation checkpointing (non-reentrant), torch.compile of the blocks
+(flt_diag.training.parallel.compile_blocks keeps hooks outside compiled code), and DDP (hooks see the
+local micro-batch of each rank; parameter gradients are read after the all-reduce; rank 0 writes).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flt_diag.analysis import metric_names as M
+from flt_diag.training.callbacks import Callback
+from flt_diag.config import DiagnosticsConfig
+from flt_diag.model.transformer import LoopedTransformer, parameter_groups
+
+
+def should_record(step: int, cfg: DiagnosticsConfig) -> bool:
+    """Every step of the first `dense_steps`, then every `every` steps."""
+    return cfg.enabled and (step < cfg.dense_steps or (step - cfg.dense_steps) % cfg.every == 0)
+
+
+def token_norm(x: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of the L2 norm of x's last dim (the residual-stream norm of DESIGN.md §3)."""
+    return torch.linalg.vector_norm(x.detach(), dim=-1).mean()
+
+
+class LoopHooks:
+    """Per-(loop, layer) residual norms, gradients w.r.t. block outputs, attention statistics.
+
+    `log(metric, value_tensor, loop, layer)` receives every record (values stay on the device).
+    `grad_scale` multiplies the recorded activation gradients (the trainer passes grad_accum so
+    that they are gradients of the micro-batch's mean loss)."""
+
+    def __init__(self, model: LoopedTransformer, log, act_grads: bool = True, attention: bool = False):
+        self.model, self.log = model, log
+        self.act_grads, self.attention = act_grads, attention
+        self.grad_scale = 1.0
+        self.handles: list = []
+        self._armed = False
+        self._active = False
+        self.loop = 0
+
+    def arm(self, on: bool = True) -> None:
+        """Record during the next forward of the model only."""
+        self._armed = on
+
+    def __enter__(self) -> "LoopHooks":
+        m = self.model
+        self.handles.append(m.register_forward_pre_hook(self._start))
+        self.handles.append(m.register_forward_hook(self._stop))
+        self.handles.append(m.loop_end.register_forward_hook(self._loop_end))
+        for i, block in enumerate(m.blocks):
+            self.handles.append(block.register_forward_hook(self._block_hook(i + 1)))
+            if self.act_grads:  # the reference's per-loop attention / MLP output gradients
+                self.handles.append(block.attn.register_forward_hook(self._output_grad_hook(M.ACT_GRAD_NORM_ATTN, i + 1)))
+                self.handles.append(block.mlp.register_forward_hook(self._output_grad_hook(M.ACT_GRAD_NORM_MLP, i + 1)))
+            if self.attention:
+                self.handles.append(block.attn.register_forward_hook(self._attn_hook(i + 1)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        self._active = self._armed = False
+
+    def _start(self, module, args):
+        self._active, self._armed = self._armed, False
+        self.loop = 1
+
+    def _stop(self, module, args, output):
+        self._active = False
+
+    def _loop_end(self, module, args, output):
+        if self._active:
+            self.log(M.RESID_NORM_LOOP_END, token_norm(output), self.loop, M.NONE)
+            self.loop += 1
+
+    def _block_hook(self, layer: int):
+        record_grad = self._output_grad_hook(M.ACT_GRAD_NORM, layer)
+
+        def hook(module, args, output):
+            if not self._active:
+                return
+            self.log(M.RESID_NORM, token_norm(output), self.loop, layer)
+            if self.act_grads:
+                record_grad(module, args, output)
+        return hook
+
+    def _output_grad_hook(self, metric: str, layer: int):
+        """Forward hook that records ||d(loss)/d(output)|| under (loop, layer) during backward."""
+        def hook(module, args, output):
+            if not self._active or not output.requires_grad:
+                return
+            loop, scale = self.loop, self.grad_scale
+
+            def record(g):
+                norm = torch.linalg.vector_norm(g.detach())
+                self.log(metric, norm if scale == 1 else norm * scale, loop, layer)  # (x 1 would be a kernel launch)
+            output.register_hook(record)
+        return hook
+
+    def _attn_hook(self, layer: int):
+        def hook(module, args, output):
+            if not self._active:
+                return
+            q_src, kv_src, cos, sin = args
+            with torch.no_grad():
+                q, k = module.query_key(q_src, kv_src, cos, sin)  # (B, T, H, D)
+                scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) / math.sqrt(q.shape[-1])
+                T = scores.shape[-1]
+                causal = torch.ones(T, T, dtype=torch.bool, device=scores.device).tril()
+                scores = scores.masked_fill(~causal, float("-inf"))  # (B, H, T, T)
+                p = scores.softmax(-1)
+                entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1).mean()
+            self.log(M.ATTN_MAX_LOGIT, scores.amax(), self.loop, layer)
+            self.log(M.ATTN_ENTROPY, entropy, self.loop, layer)
+        return hook
+
+
+def segment_sums(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """Sums of the consecutive segments of x (lengths `sizes`) along its last dim: (..., len(sizes))."""
+    return torch.stack([part.sum(-1) for part in x.split(sizes, -1)], -1)
+
+
+def pair_sums(g: torch.Tensor, prev: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
+    """[g.prev, |g|^2, |prev|^2, flipped coordinates, coordinates] of two flat gradients: shape (5,),
+    or (5, len(sizes)) with one column per segment of `sizes` (the parameter groups, laid end to end)."""
+    parts = [g.numel()] if sizes is None else sizes
+    prod = g * prev
+    sums = torch.stack([segment_sums(x, parts) for x in (prod, g.square(), prev.square(), (prod < 0).float())])
+    out = torch.cat([sums, torch.tensor([[float(k) for k in parts]], device=g.device)])
+    return out[:, 0] if sizes is None else out
+
+
+def consecutive_stats(sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cosine between consecutive gradients, and the share of coordinates whose sign flipped
+    (g_i * prev_i < 0: a coordinate that is zero in either step does not count as flipped),
+    from `pair_sums` (per group, or summed over groups for the global figures)."""
+    dot, sq_g, sq_prev, flips, n = sums.unbind()
+    return dot / (sq_g * sq_prev).sqrt().clamp_min(1e-30), flips / n
+
+
+class DiagnosticsCallback(Callback):
+    """Records everything of DESIGN.md §3 on recorded steps (see `should_record`).
+
+    The per-group figures are computed on one flat gradient (the groups laid end to end) with a few
+    vector operations, not a loop of small operations per group: a recorded step costs the same
+    handful of kernel launches whatever the number of groups."""
+
+    def __init__(self, cfg: DiagnosticsConfig):
+        self.cfg = cfg
+        self.prev: dict[str, torch.Tensor] = {}  # previous step's flat gradient per group
+        self.prev_step = -2
+        self.before: list[torch.Tensor] = []  # the parameters before the optimizer step
+        self.recording = False
+
+    def on_start(self, trainer) -> None:
+        self.groups = parameter_groups(trainer.model)
+        self.params = [p for ps in self.groups.values() for p in ps]
+        # position of every parameter's group, to sum per-parameter norms into group norms
+        self.group_of = torch.tensor([i for i, ps in enumerate(self.groups.values()) for _ in ps])
+        self.hooks = LoopHooks(trainer.model, trainer.log.add, attention=self.cfg.attention)
+        self.hooks.grad_scale = trainer.cfg.train.grad_accum
+        self.hooks.__enter__()
+
+    def before_step(self, trainer, step: int) -> None:
+        self.recording = should_record(step, self.cfg)
+        self.hooks.arm(self.recording)
+
+    def _keys(self, metric: str, names) -> list[tuple[str, int, int]]:
+        return [(m, M.NONE, layer) for m, layer in (M.group_key(metric, name) for name in names)]
+
+    def _group_norms(self, tensors: list[torch.Tensor], group_of: torch.Tensor | None = None) -> torch.Tensor:
+        """Euclidean norm of each group's tensors (one per parameter, in `self.params` order; with
+        `group_of`, a subset of them and the group index of each)."""
+        sq = torch.stack(torch._foreach_norm(tensors)).float().square()
+        index = (self.group_of if group_of is None else group_of).to(sq.device)
+        return torch.zeros(len(self.groups), device=sq.device).index_add_(0, index, sq).sqrt()
+
+    def after_backward(self, trainer, step: int) -> None:
+        need_next = should_record(step + 1, self.cfg)
+        if not (self.recording or need_next):
+            return
+        grads = {name: [p.grad for p in ps if p.grad is not None] for name, ps in self.groups.items()}
+        names = [name for name, gs in grads.items() if gs]
+        if not names:
+            return
+        sizes = [sum(g.numel() for g in grads[name]) for name in names]
+        flat = torch.cat([g.detach().flatten().float() for name in names for g in grads[name]])
+        if self.recording:
+            log = trainer.log
+            prev = self.prev
+            have_prev = self.prev_step == step - 1 and list(prev) == names
+            if have_prev:
+                sums = pair_sums(flat, torch.cat([prev[name] for name in names]), sizes)  # (5, groups)
+                log.add_vector(self._keys(M.GRAD_NORM, names), sums[1].sqrt())
+                cos, flip = consecutive_stats(sums)
+                log.add_vector(self._keys(M.GRAD_COSINE, names), cos)
+                log.add_vector(self._keys(M.SIGN_FLIP, names), flip)
+                cos, flip = consecutive_stats(sums.sum(1))
+                log.add(M.GRAD_COSINE, cos)
+                log.add(M.SIGN_FLIP, flip)
+            else:
+                log.add_vector(self._keys(M.GRAD_NORM, names), segment_sums(flat.square(), sizes).sqrt())
+            self.before = [p.detach().clone() for p in self.params]
+        if need_next:
+            self.prev, self.prev_step = dict(zip(names, flat.split(sizes))), step
+        else:
+            self.prev, self.prev_step = {}, -2
+
+    def after_clip(self, trainer, step: int) -> None:
+        """Per-group gradient norms after clipping (the reference's grad_norm/block_XX/attn|mlp,
+        grad_norm/embed, grad_norm/lm_head), beside the pre-clipping ones of `after_backward`."""
+        if not self.recording:
+            return
+        have = [i for i, p in enumerate(self.params) if p.grad is not None]  # all, unless some are frozen
+        if not have:
+            return
+        group_of = self.group_of[have]
+        norms = self._group_norms([self.params[i].grad for i in have], group_of)
+        present = sorted(set(group_of.tolist()))  # the groups with at least one gradient
+        names = list(self.groups)
+        trainer.log.add_vector(self._keys(M.GRAD_NORM_CLIPPED, [names[i] for i in present]), norms[present])
+
+    def after_step(self, trainer, step: int) -> None:
+        if not self.recording or not self.before:
+            return
+        delta = self._group_norms(torch._foreach_sub(self.params, self.before))
+        weight = self._group_norms(self.before)
+        trainer.log.add_vector(self._keys(M.UPDATE_RATIO, self.groups), delta / weight.clamp_min(1e-30))
+        self.before = []
+
+    def on_end(self, trainer) -> None:
+        self.hooks.__exit__(None, None, None)
+
+    def state_dict(self) -> dict:
+        return {"prev": {k: v.cpu() for k, v in self.prev.items()}, "prev_step": self.prev_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.prev, self.prev_step = state["prev"], state["prev_step"]
+

@@ -1,0 +1,429 @@
+"""Training: one run into one run folder. `Trainer` is the loop; everything else is a callback.
+
+The loop: for each step, `step()` (forward/backward per micro-batch, clipping, optimizer step; the
+step's scalars collected in one host transfer), then the callbacks' `on_rows` and `on_step_end`.
+Side concerns are callbacks (flt_diag.training.callbacks for the moments): diagnostics
+(flt_diag.training.diagnostics), the caller's, the collapse warning, then evaluation (flt_diag.training.evaluation),
+the metrics table (flt_diag.training.callbacks.MetricsTable), TensorBoard / W&B mirrors (flt_diag.training.external),
+resume.pt / checkpoint.pt (flt_diag.training.checkpoint) and progress (flt_diag.training.callbacks.Progress).
+The Trainer itself owns the run folder's config.json (written first) and summary.json (written last).
+
+Every scalar of a step goes into a StepLog as a device tensor; the StepLog moves them to the
+host in one transfer per step.
+
+The config is settled before training (`settle`: the vocabulary from the tokenizer); the Trainer
+works on its own settled copy and never changes the config it was given.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import math
+import os
+import platform
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from flt_diag.analysis import metric_names as M
+from flt_diag.training.callbacks import Callback, MetricsTable, Progress
+from flt_diag.training.checkpoint import Checkpoints, restore
+from flt_diag.config import RunConfig, padded_vocab
+from flt_diag.data.corpus import DataError, TokenData, batch_generator, get_batch, load_tokens, stream_batch
+from flt_diag.training.evaluation import Evaluation
+from flt_diag.training.external import ExternalSinks
+from flt_diag.model.transformer import LoopedTransformer, ModelConfig
+from flt_diag.training.optim import build_optimizers, lr_multiplier, muon_momentum, set_lr, set_momentum
+from flt_diag.analysis.storage import (CONFIG, RESUME, SUMMARY, StorageError, folder_lock, has_content, load_config, load_metrics,
+                      read_json, write_json)
+
+# Fields that may differ when a run folder is reused (they do not change what is computed).
+VOLATILE_TRAIN_FIELDS = ("device", "threads", "compile", "eval_every", "checkpoint_every")
+VOLATILE_DIAGNOSTICS_FIELDS = ("flush_every", "tensorboard", "wandb", "warn")
+
+
+class RunConflict(StorageError):
+    """The run folder holds a run with a different configuration."""
+
+
+class StepLog:
+    """Scalars of one step, kept on the device until `collect` (one host transfer)."""
+
+    def __init__(self):
+        self.keys: list[tuple[str, int, int]] = []
+        self.values: list[torch.Tensor] = []
+
+    def add(self, metric: str, value: torch.Tensor | float, loop: int = M.NONE, layer: int = M.NONE) -> None:
+        self.keys.append((metric, loop, layer))
+        self.values.append(value.detach().reshape(1) if torch.is_tensor(value) else torch.tensor([float(value)]))
+
+    def add_vector(self, keys: list[tuple[str, int, int]], values: torch.Tensor) -> None:
+        """Several scalars at once: values[i] under keys[i] = (metric, loop, layer)."""
+        if len(keys) != values.numel():
+            raise ValueError(f"{len(keys)} keys for {values.numel()} values")
+        self.keys.extend(keys)
+        self.values.append(values.detach().reshape(-1))
+
+    def collect(self, step: int) -> list[tuple]:
+        if not self.values:
+            return []
+        devices = {v.device for v in self.values}
+        target = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
+        vals = torch.cat([v.to(target, torch.float32) for v in self.values]).tolist()  # the one sync
+        rows = [(step, m, lp, ly, v) for (m, lp, ly), v in zip(self.keys, vals)]
+        self.keys, self.values = [], []
+        return rows
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {name!r}; use auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {name!r} is not supported; use auto, cpu, cuda or cuda:N")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda requested but CUDA is not available")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {name} requested but there are {torch.cuda.device_count()} GPUs")
+    return dev
+
+
+def environment(device: torch.device) -> dict:
+    import numpy, pandas
+    env = dict(python=sys.version.split()[0], torch=torch.__version__, numpy=numpy.__version__,
+               pandas=pandas.__version__, platform=platform.platform(), host=socket.gethostname(),
+               device=str(device), threads=torch.get_num_threads(), world_size=int(os.environ.get("WORLD_SIZE", 1)),
+               started=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    try:
+        from importlib.metadata import version
+        env["flt_diag"] = version("flt-diag")
+    except Exception:
+        env["flt_diag"] = "unknown"
+    return env
+
+
+def comparable(cfg_dict: dict) -> dict:
+    """The parts of a config that decide what a run computes (verdict thresholds, logging
+    mirrors and intervals can change without invalidating a run folder)."""
+    d = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg_dict.items()
+         if k not in ("env", "corpus", "verdict", "imported_from", "note", "n_params")}
+    for k in VOLATILE_TRAIN_FIELDS:
+        d["train"].pop(k, None)
+    for k in VOLATILE_DIAGNOSTICS_FIELDS:
+        d.get("diagnostics", {}).pop(k, None)
+    return d
+
+
+def _differences(a: dict, b: dict) -> list[str]:
+    out = []
+    for section in sorted(set(a) | set(b)):
+        sa, sb = a.get(section), b.get(section)
+        if isinstance(sa, dict) and isinstance(sb, dict):
+            out += [f"{section}.{k}: {sa.get(k)!r} -> {sb.get(k)!r}" for k in sorted(set(sa) | set(sb))
+                    if sa.get(k) != sb.get(k)]
+        elif sa != sb:
+            out.append(f"{section}: {sa!r} -> {sb!r}")
+    return out
+
+
+def settle(cfg: RunConfig, tokenizer_vocab: int | None = None) -> RunConfig:
+    """A copy of `cfg` with what is decided before training filled in: model.vocab_size is the
+    tokenizer's vocabulary (`tokenizer_vocab`, else read from cfg.train.tokenizer) padded to a multiple
+    of 64. `cfg` itself is not changed. A tokenizer that cannot be loaded raises DataError."""
+    if tokenizer_vocab is None:
+        from flt_diag.data.corpus import get_tokenizer
+        tokenizer_vocab = get_tokenizer(cfg.train.tokenizer).vocab_size
+    settled = copy.deepcopy(cfg)
+    settled.model = dataclasses.replace(settled.model, vocab_size=padded_vocab(tokenizer_vocab))
+    return settled
+
+
+def _start_process(cfg: RunConfig) -> tuple[torch.device, int, int]:
+    """(device, rank, world size) of this process; joins the process group when launched with
+    torchrun (WORLD_SIZE > 1: nccl on CUDA, gloo on CPU) and sets the CPU thread settings."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = resolve_device(cfg.train.device)
+    if world > 1:
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(device)
+    if device.type == "cpu":
+        # One thread by default: tiny models are bound by per-op overhead, and OpenMP threads
+        # that wait for a core slow a step down 100x when other processes share the machine.
+        torch.set_num_threads(cfg.train.threads or 1)
+        # A collapsing LT drives activation gradients through the loops towards 1e-20 and
+        # below; subnormal arithmetic made such steps 3.5x slower (benchmarks/README.md).
+        # (The setting holds for the calling thread, so for all compute at one thread.)
+        torch.set_flush_denormal(cfg.train.flush_denormal)
+    elif cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    return device, rank, world
+
+
+def _load_splits(t, seq_len: int) -> tuple[TokenData, TokenData]:
+    splits = [load_tokens(t.data, t.tokenizer, split, t.max_tokens) for split in ("train", "val")]
+    for name, data in zip(("train", "validation"), splits):
+        if len(data) < seq_len + 2:  # found now, not after every step has been trained
+            raise DataError(f"the {name} split of {t.data} has {len(data)} tokens; a sequence of "
+                            f"{seq_len} needs at least {seq_len + 2}")
+    return splits[0], splits[1]
+
+
+class Trainer:
+    """One run into `run_dir`: `fit()` trains it (or resumes it) to the end and returns its summary.
+
+    For benchmarks and tests, the pieces of `fit` are public: `start()` (run folder ready, callbacks
+    started), `run_step(step)` (one optimizer step; returns its rows), `end()` (callbacks ended).
+    `model` builds the model from the (settled) ModelConfig instead of LoopedTransformer (e.g. the
+    benchmarks' unrolled reference); it is built under the run's seed and then placed, compiled and
+    given the optimizer recipe like the default one. The config given is not changed: `self.cfg` is
+    a settled copy."""
+
+    def __init__(self, cfg: RunConfig, run_dir: str | Path, callbacks: list[Callback] | None = None,
+                 progress: Callable[[dict], None] | None = None, diagnostics: bool | None = None,
+                 model: Callable[[ModelConfig], torch.nn.Module] | None = None):
+        self.run_dir = Path(run_dir)
+        self.device, self.rank, self.world = _start_process(cfg)
+        self.is_main = self.rank == 0
+        self.train_data, self.val_data = _load_splits(cfg.train, cfg.model.sequence_len)
+        self.cfg = cfg = settle(cfg, self.train_data.vocab_size)
+        self.model = self._build_model(model or LoopedTransformer)
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        self.ddp_model = self.model
+        if self.world > 1:
+            self.ddp_model = torch.nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self.optimizers = build_optimizers(self.model, cfg.train, fused=self.device.type == "cuda")
+        self.log = StepLog()
+        self.callbacks: list[Callback] = list(callbacks or [])
+        if diagnostics if diagnostics is not None else cfg.diagnostics.enabled:
+            from flt_diag.training.diagnostics import DiagnosticsCallback
+            self.callbacks.insert(0, DiagnosticsCallback(cfg.diagnostics))
+        if cfg.diagnostics.warn or cfg.diagnostics.stop_on_collapse:
+            from flt_diag.analysis.early_warning import CollapseWarning, load_predictor
+            self.callbacks.append(CollapseWarning(load_predictor(cfg.diagnostics.predictor),
+                                                  stop=cfg.diagnostics.stop_on_collapse))
+        # the side concerns of every run, last (their order is the order of their work in a moment)
+        self.callbacks += [Evaluation(), MetricsTable(), ExternalSinks(), Checkpoints(), Progress(progress)]
+        self.start_step = self.steps_done = 0
+        self.wall_time = 0.0
+        self.last_loss = math.nan
+        self.stop_reason: str | None = None
+        self.stop_requested: str | None = None
+        self.prediction: dict | None = None
+        self._t0: float | None = None
+
+    def _build_model(self, factory) -> torch.nn.Module:
+        torch.manual_seed(self.cfg.train.seed)
+        try:
+            model = factory(self.cfg.model).to(self.device)
+        except (RuntimeError, MemoryError) as e:  # e.g. a width no memory can hold
+            from flt_diag.model.transformer import count_parameters
+            raise ValueError(f"cannot allocate the model ({count_parameters(self.cfg.model):,} parameters) on "
+                             f"{self.device}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        t = self.cfg.train
+        if t.precision == "reference":
+            from flt_diag.training.parallel import reference_precision
+            reference_precision(model)
+        model.checkpoint_loops = t.checkpoint_loops
+        if t.compile if t.compile is not None else self.device.type == "cuda":
+            from flt_diag.training.parallel import compile_blocks
+            compile_blocks(model)
+        return model
+
+    def request_stop(self, reason: str, prediction: dict | None = None) -> None:
+        """End the run after the current step (a callback decided it); the run folder is completed."""
+        self.stop_requested, self.prediction = reason, prediction
+
+    def elapsed(self) -> float:
+        """Training seconds so far, over every session of a resumed run."""
+        return self.wall_time + (time.perf_counter() - self._t0 if self._t0 is not None else 0.0)
+
+    def emit(self, step: int, rows: list[tuple]) -> None:
+        """Rows (step, metric, loop, layer, value) to every callback's on_rows (table, mirrors, ...)."""
+        for cb in self.callbacks:
+            cb.on_rows(self, step, rows)
+
+    # ------------------------------------------------------------------ run folder
+    def start(self) -> bool:
+        """Make the run folder ready (create it, or check and reuse it; load resume.pt), then start
+        the callbacks. False if the folder holds a finished run (there is nothing to train).
+        Under DDP, rank 0 does the folder while the other ranks wait, then they read the same state."""
+        if not self.is_main:
+            torch.distributed.barrier()
+            ready = not (self.run_dir / SUMMARY).exists()
+            if ready and (self.run_dir / RESUME).exists():
+                restore(self)
+        else:
+            try:
+                ready = self._open_folder()
+            finally:
+                if self.world > 1:
+                    torch.distributed.barrier()
+        if ready:
+            for cb in self.callbacks:
+                cb.on_start(self)
+            self.model.train()
+            self._t0 = time.perf_counter()
+        return ready
+
+    def _open_folder(self) -> bool:
+        d = self.run_dir
+        cfg_dict = self.cfg.to_dict()
+        if (d / CONFIG).exists():
+            diff = _differences(comparable(load_config(d)), comparable(cfg_dict))
+            if diff:
+                raise RunConflict(f"{d} holds a run with a different config ({'; '.join(diff[:3])}); "
+                                  "use another --out or delete the folder")
+            if (d / SUMMARY).exists():
+                return False
+        elif has_content(d):
+            raise RunConflict(f"{d} exists, is not empty and is not a run folder; use another --out")
+        if (d / RESUME).exists():  # read (and check) the resume state before anything in the folder changes
+            restore(self)
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StorageError(f"cannot create run folder {d}: {e.strerror}") from None
+        if not os.access(d, os.W_OK):
+            raise StorageError(f"cannot write to {d}")
+        write_json(d / CONFIG, {**cfg_dict, "n_params": self.n_params, "env": environment(self.device),
+                                "corpus": {"train_tokens": len(self.train_data), "val_tokens": len(self.val_data),
+                                           "unigram_entropy": self.train_data.unigram_entropy}})
+        return True
+
+    def end(self) -> None:
+        """End the callbacks (hooks removed, files flushed and closed)."""
+        for cb in self.callbacks:
+            cb.on_end(self)
+
+    # ------------------------------------------------------------------ training
+    def autocast(self):
+        """bf16 autocast on CUDA; on CPU only with precision "reference" (so that its path runs anywhere)."""
+        if self.device.type == "cuda" or self.cfg.train.precision == "reference":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def describe(self) -> str:
+        """One line for the start of a run: the model and its parameter count."""
+        m = self.cfg.model
+        return (f"{m.variant} K={m.loops}: L={m.n_layer} d={m.n_embd} heads={m.n_head} vocab={m.vocab_size} "
+                f"seq={m.sequence_len}, {self.n_params:,} parameters ({self.n_params / 1e6:.1f}M), "
+                f"precision {self.cfg.train.precision}, device {self.device}")
+
+    def batch(self, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Micro-batch `micro` of optimizer step `step` on this rank: a function of (seed, step,
+        micro, rank) in random sampling, of the position in the corpus in stream sampling."""
+        t, T = self.cfg.train, self.cfg.model.sequence_len
+        if t.sampling == "stream":
+            return stream_batch(self.train_data, t.batch_size, T, (step * t.grad_accum + micro) * self.world + self.rank,
+                                self.device)
+        return get_batch(self.train_data, t.batch_size, T, batch_generator(t.seed, step, micro, self.rank), self.device)
+
+    def train_step(self, step: int) -> torch.Tensor:
+        """One optimizer step (callbacks at before_step, after_backward, after_clip, after_step);
+        its scalars go to `self.log`. Returns the loss (the global mean under DDP), on the device."""
+        t = self.cfg.train
+        set_lr(self.optimizers, lr_multiplier(step, t.steps, t.warmdown_frac))
+        momentum = muon_momentum(step, t)
+        has_muon = set_momentum(self.optimizers, momentum)
+        for cb in self.callbacks:
+            cb.before_step(self, step)
+        total = torch.zeros((), device=self.device)
+        for micro in range(t.grad_accum):
+            x, y = self.batch(step, micro)
+            sync = self.world == 1 or micro == t.grad_accum - 1
+            with (contextlib.nullcontext() if sync else self.ddp_model.no_sync()), self.autocast():
+                _, loss = self.ddp_model(x, y, loss_on=t.loss_on)
+            (loss / t.grad_accum).backward()
+            total += loss.detach() / t.grad_accum
+        if self.world > 1:  # every rank logs (and judges) the same, global mean loss
+            torch.distributed.all_reduce(total)
+            total /= self.world
+        for cb in self.callbacks:
+            cb.after_backward(self, step)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if t.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        else:
+            grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))
+        for cb in self.callbacks:
+            cb.after_clip(self, step)
+        for opt in self.optimizers:
+            opt.step()
+        for cb in self.callbacks:
+            cb.after_step(self, step)
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        self.log.add(M.LOSS, total)
+        self.log.add(M.GRAD_NORM, grad_norm)
+        self.log.add(M.LR, self.optimizers[0].param_groups[0]["lr"])
+        if has_muon:
+            self.log.add(M.MOMENTUM, momentum)
+        return total
+
+    def run_step(self, step: int) -> list[tuple]:
+        """`train_step`, then the step's rows on the host (one transfer; a sync on CUDA)."""
+        self.train_step(step)
+        return self.log.collect(step)
+
+    def fit(self) -> dict:
+        """Train (or resume) to the end and return the run's summary. Rank 0 owns the run folder
+        (a second process writing the same folder is refused) until the summary is written."""
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise StorageError(f"{self.run_dir} exists and is a file, not a run folder; use another --out")
+        with folder_lock(self.run_dir) if self.is_main else contextlib.nullcontext():
+            return self._fit()
+
+    def _fit(self) -> dict:
+        if not self.start():
+            return read_json(self.run_dir / SUMMARY)
+        step = self.start_step
+        try:
+            for step in range(self.start_step, self.cfg.train.steps):
+                rows = self.run_step(step)
+                self.steps_done, self.last_loss = step + 1, next(v for _, m, _, _, v in rows if m == M.LOSS)
+                self.emit(step, rows)
+                if not math.isfinite(self.last_loss):
+                    self.stop_reason = f"non-finite loss at step {step}"
+                elif self.stop_requested:
+                    self.stop_reason = self.stop_requested
+                if self.stop_reason:
+                    break
+                for cb in self.callbacks:
+                    cb.on_step_end(self, step)
+            self.wall_time = self.elapsed()
+            self._t0 = None
+            for cb in self.callbacks:
+                cb.on_finish(self, step)
+        finally:
+            self.end()
+        if not self.is_main:
+            torch.distributed.destroy_process_group()
+            return {}
+        from flt_diag.analysis.metrics import summarize, tokens_per_step
+        summary = summarize(load_metrics(self.run_dir), self.cfg, unigram_entropy=self.train_data.unigram_entropy,
+                            wall_time=self.wall_time, stop_reason=self.stop_reason, prediction=self.prediction,
+                            tokens_per_step=tokens_per_step(self.cfg, self.world))
+        write_json(self.run_dir / SUMMARY, summary)
+        for cb in self.callbacks:
+            cb.on_summary(self, summary)
+        if self.world > 1:
+            torch.distributed.destroy_process_group()
+        return summary
+
+
+def train(cfg: RunConfig, run_dir: str | Path, **kwargs) -> dict:
+    """Train one run into `run_dir` (resuming it if it was interrupted); returns the summary."""
+    return Trainer(cfg, run_dir, **kwargs).fit()
