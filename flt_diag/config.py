@@ -175,7 +175,7 @@ class TrainConfig:
                         "BOS-separated, as the reference reads it).", choices=("random", "stream"))
     seed: int = opt(0, "Seed of initialisation and batches.", low=0, commands={"train"})
     device: str = opt("auto", "auto (cuda if available), cpu, cuda or cuda:N.")
-    compile: bool | None = opt(None, "torch.compile the blocks [default: on CUDA only].")
+    compile: bool | None = opt(None, "torch.compile the blocks [default: on CUDA; on a CPU for runs of 1,000 steps or more].")
     checkpoint_loops: bool = opt(False, "Activation checkpointing, one segment per loop (memory flat in K).")
     threads: int | None = opt(None, "CPU threads [default: 1 per process on CPU; parallelise with sweep workers].",
                               low=1)

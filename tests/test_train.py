@@ -1,4 +1,5 @@
 import math
+import numpy as np
 
 import pytest
 import torch
@@ -308,3 +309,26 @@ def test_cli_half_written_run_folder(tmp_path, capsys):
     code, err = run_cli(["train", "--preset", "tiny", "--steps", "2", "--out", str(out)], capsys)
     assert code == 2 and "unreadable" in err and len(err.splitlines()) == 1
     assert (out / "config.json").read_text() == '{"model": {"variant": "flt"'
+
+
+def test_compilation_is_wanted_on_cuda_and_on_a_cpu_only_for_long_runs(monkeypatch):
+    from flt_diag.training import parallel as P
+    monkeypatch.setattr(P, "cpu_compiler_available", lambda: True)
+    assert P.compile_wanted(None, "cuda", 10) and not P.compile_wanted(None, "cpu", P.COMPILE_MIN_STEPS_CPU - 1)
+    assert P.compile_wanted(None, "cpu", P.COMPILE_MIN_STEPS_CPU) and not P.compile_wanted(False, "cpu", 10**6)
+    assert P.compile_wanted(True, "cpu", 1)  # the user's choice wins
+    monkeypatch.setattr(P, "cpu_compiler_available", lambda: False)
+    assert not P.compile_wanted(None, "cpu", 10**6)  # no C++ compiler: eager
+
+
+def test_compiled_training_on_a_cpu_is_deterministic_and_follows_the_eager_run(tmp_path):
+    """The default for long CPU runs: same losses as eager up to rounding, and bit-for-bit
+    the same run twice (what resuming and seeds rely on)."""
+    runs = {}
+    for name, compile_ in (("eager", False), ("a", True), ("b", True)):
+        cfg = tiny_config(variant="lt-ii", loops=2, steps=3, compile=compile_)
+        train(cfg, tmp_path / name)
+        runs[name] = load_metrics(tmp_path / name)
+    assert runs["a"].equals(runs["b"])
+    loss = {k: series(v, M.LOSS).to_numpy() for k, v in runs.items()}
+    np.testing.assert_allclose(loss["a"], loss["eager"], rtol=1e-4)

@@ -237,8 +237,8 @@ class Trainer:
             from flt_diag.training.parallel import reference_precision
             reference_precision(model)
         model.checkpoint_loops = t.checkpoint_loops
-        if t.compile if t.compile is not None else self.device.type == "cuda":
-            from flt_diag.training.parallel import compile_blocks
+        from flt_diag.training.parallel import compile_blocks, compile_wanted
+        if compile_wanted(t.compile, self.device.type, t.steps):
             compile_blocks(model)
         return model
 
