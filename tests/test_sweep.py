@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pandas as pd
 import pytest
 
@@ -215,3 +217,24 @@ def test_sweep_prints_status_lines_where_stdout_is_not_a_terminal(tmp_path, caps
     beats = [line for line in lines if "0/1 cells" in line and "of the work" in line]
     assert beats and any("running: lt_K02_seed0_lr1 " in line for line in beats), lines[:5]
     assert any("cell 0 lt_K02_seed0_lr1: " in line for line in lines)
+
+
+def test_the_sweep_prints_one_estimate_of_its_total_time_from_its_first_steps(tmp_path, capsys, monkeypatch):
+    from conftest import tiny_config
+    from flt_diag.grids.sweep import SweepMonitor, SweepSpec, run_sweep
+    monkeypatch.setattr(SweepMonitor, "estimate_after", 0.0)
+    run_sweep(SweepSpec(tiny_config(steps=6), ["lt", "flt"], [2, 4], [0], [1.0]), tmp_path / "sw", workers=1,
+              show_progress=True)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "the whole sweep takes about" in line]
+    assert len(lines) == 1 and "from now" in lines[0]
+
+
+def test_the_estimate_extrapolates_the_work_done_weighted_by_loops_and_depth(monkeypatch):
+    from flt_diag.grids.cells import Cell
+    from flt_diag.grids.sweep import SweepMonitor
+    cells = [Cell(0, "lt", 2, 0, 1.0), Cell(1, "lt", 6, 0, 1.0, depth=3)]  # 2x100 and 18x100 units of work
+    m = SweepMonitor(Path("/nonexistent"), cells, 100, enabled=False)
+    printed = []
+    m.bar = type("Bar", (), {"console": type("C", (), {"print": lambda self, s, **k: printed.append(s)})()})()
+    m._estimate(work=200, elapsed=60.0)  # the first cell (200 units) in 60 s: 2,000 units take 600 s
+    assert printed == ["  estimate from the first 60 s: the whole sweep takes about 10 min, 9 min from now"]

@@ -282,13 +282,17 @@ def _run_parallel(base, todo, out, workers, monitor):
 class SweepMonitor:
     """Progress bar: cells done, each running cell's step and loss, ETA (work weighted by loops).
     Where stdout is not a terminal (nohup, a batch job's log), where a bar cannot redraw, it prints a
-    plain status line every `heartbeat` seconds instead."""
+    plain status line every `heartbeat` seconds instead. Once `estimate_after` seconds of training
+    have been measured it prints, once, an estimate of the whole sweep's time (the work done so far,
+    weighted by loops x depth, extrapolated to all of it: a rough figure, compilation included)."""
 
     heartbeat = 300.0
+    estimate_after = 60.0
 
     def __init__(self, out: Path, cells: list[Cell], steps: int, enabled: bool):
         self.out, self.steps, self.enabled = out, steps, enabled
-        self.weight = {c: c.loops * steps for c in cells}
+        self.weight = {c: c.loops * (c.depth or 1) * steps for c in cells}
+        self.estimated = False
         self.done_work = sum(self.weight[c] for c in cells if cell_status(out, c) == "done")
         self.running: dict[Cell, int] = {}
         self.results: dict[Cell, str] = {}
@@ -336,7 +340,7 @@ class SweepMonitor:
     def _refresh(self, info: dict | None = None) -> None:
         if self.bar is None:
             return
-        work = self.done_work + sum(cell.loops * step for cell, step in self.running.items())
+        work = self.done_work + sum(self.weight[cell] // self.steps * step for cell, step in self.running.items())
         parts = []
         for cell, step in self.running.items():
             p = load_progress(self.out / CELLS / cell.name) if info is None else info
@@ -345,6 +349,7 @@ class SweepMonitor:
         self.bar.update(self.task, completed=work, cells=self._cells_text(),
                         description=("; ".join(parts) or "sweep")[:90])
         now = time.monotonic()
+        self._estimate(work, now - self.t0)
         if not self.bar.console.is_terminal and now - self.last_beat >= self.heartbeat:
             self.last_beat = now
             total, elapsed = sum(self.weight.values()), now - self.t0
@@ -353,9 +358,23 @@ class SweepMonitor:
             self.bar.console.print(f"  [{elapsed / 60:.0f} min] {self._cells_text()}, {work / total:.0%} of the work"
                                    f"{left}; running: {'; '.join(parts) or '-'}", soft_wrap=True)
 
+    def _estimate(self, work: float, elapsed: float) -> None:
+        if self.estimated or elapsed < self.estimate_after or work <= self.work0:
+            return
+        self.estimated = True
+        total = sum(self.weight.values())
+        rate = (work - self.work0) / elapsed
+        self.bar.console.print(f"  estimate from the first {elapsed:.0f} s: the whole sweep takes about "
+                               f"{_minutes((total - self.work0) / rate)}, {_minutes((total - work) / rate)} from now",
+                               soft_wrap=True)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
 
 def write_summary(out: Path) -> pd.DataFrame:
