@@ -28,14 +28,17 @@ UNIGRAM_ENTROPY = 4.5
 ENV = {"python": "3.11", "torch": "fake", "device": "cpu", "host": "test", "flt_diag": "0.1.0"}
 
 
-def config(variant: str, loops: int, seed: int = 0, lr_scale: float = 1.0):
-    return build_config("tiny", model=dict(variant=variant, loops=loops),
+def config(variant: str, loops: int, seed: int = 0, lr_scale: float = 1.0, depth: int | None = None):
+    depth_override = {} if depth is None else dict(n_layer=depth)
+    return build_config("tiny", model=dict(variant=variant, loops=loops, **depth_override),
                         train=dict(steps=STEPS, seed=seed, lr_scale=lr_scale),
                         verdict=dict(smooth_window=10, osc_window=20))
 
 
-def _rows(cfg, collapsed: bool, steps: int, rng: np.random.Generator):
-    """Synthetic (step, metric, loop, layer, value) rows of one run."""
+def _rows(cfg, collapsed: bool, steps: int, rng: np.random.Generator, val_shift: float = 0.0,
+          resid_scale: float = 1.0):
+    """Synthetic (step, metric, loop, layer, value) rows of one run: val losses `val_shift` above the
+    training loss plus 0.05, residual norms multiplied by `resid_scale`."""
     K, L, d = cfg.model.loops, cfg.model.n_layer, cfg.model.n_embd
     rows = []
     for t in range(steps):
@@ -44,11 +47,12 @@ def _rows(cfg, collapsed: bool, steps: int, rng: np.random.Generator):
         rows.append((t, M.LOSS, M.NONE, M.NONE, loss + 0.02 * rng.standard_normal()))
         rows.append((t, M.LR, M.NONE, M.NONE, 0.02))
         if t % 20 == 19:
-            rows.append((t, M.VAL_LOSS, M.NONE, M.NONE, loss + 0.05))
+            rows.append((t, M.VAL_LOSS, M.NONE, M.NONE, loss + 0.05 + val_shift))
         for k in range(1, K + 1):
-            rows.append((t, M.RESID_NORM_LOOP_END, k, M.NONE, math.sqrt(d) * (1 + 0.1 * k) * grow ** (k / K)))
+            rows.append((t, M.RESID_NORM_LOOP_END, k, M.NONE, resid_scale * math.sqrt(d) * (1 + 0.1 * k) * grow ** (k / K)))
             for layer in range(1, L + 1):
-                rows.append((t, M.RESID_NORM, k, layer, math.sqrt(d) * (1 + 0.1 * k + 0.02 * layer) * grow ** (k / K)))
+                rows.append((t, M.RESID_NORM, k, layer,
+                             resid_scale * math.sqrt(d) * (1 + 0.1 * k + 0.02 * layer) * grow ** (k / K)))
                 rows.append((t, M.ACT_GRAD_NORM, k, layer, 0.1 * (1.5 if collapsed else 0.9) ** k))
         wobble = 1 + (0.5 if collapsed else 0.05) * (-1) ** t
         rows.append((t, M.GRAD_NORM, M.NONE, M.NONE, 0.5 * wobble * (1 + rng.random() * 0.1)))
@@ -63,14 +67,16 @@ def _rows(cfg, collapsed: bool, steps: int, rng: np.random.Generator):
 
 
 def make_run(run_dir: Path, variant: str, loops: int, seed: int = 0, lr_scale: float = 1.0,
-             collapsed: bool = False, finished: bool = True, eval_loops: bool = False) -> Path:
-    """A run folder: config.json, metrics parts (40 steps each), and when finished summary.json."""
+             collapsed: bool = False, finished: bool = True, eval_loops: bool = False, depth: int | None = None,
+             val_shift: float = 0.0, resid_scale: float = 1.0) -> Path:
+    """A run folder: config.json, metrics parts (40 steps each), and when finished summary.json
+    (`depth` blocks, default the tiny preset's; val_shift and resid_scale: see _rows)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    cfg = config(variant, loops, seed, lr_scale)
+    cfg = config(variant, loops, seed, lr_scale, depth)
     write_json(run_dir / CONFIG, {**cfg.to_dict(), "env": ENV, "data": {"unigram_entropy": UNIGRAM_ENTROPY}})
     rng = np.random.default_rng(zlib.crc32(f"{variant}-{loops}-{seed}-{lr_scale}".encode()))
-    rows = _rows(cfg, collapsed, STEPS if finished else STEPS // 2, rng)
+    rows = _rows(cfg, collapsed, STEPS if finished else STEPS // 2, rng, val_shift, resid_scale)
     writer = MetricsWriter(run_dir)
     for t0 in range(0, STEPS, 40):
         writer.extend(r for r in rows if t0 <= r[0] < t0 + 40)

@@ -1,7 +1,8 @@
 """A self-contained HTML report of a sweep (or a run folder), from its folder alone (no torch).
 
-One file, no external resources: the results table (variant x loops: verdict, final loss,
-validation perplexity, peak residual norm, an oscillation index), every figure with data as an
+One file, no external resources: the results table (variant x loops: verdict, seeds failed, final
+and validation loss with the gap to the best variant, validation perplexity, peak residual norm and
+its ratio to FLT's, an oscillation index), every figure with data as an
 embedded base64 PNG, the sweep's spec (sweep.json) and the environment of its first run.
 """
 from __future__ import annotations
@@ -21,6 +22,10 @@ from flt_diag.analysis.results import Study, collect, results_table  # noqa: F40
 from flt_diag.analysis.storage import atomic_write_text
 
 REPORT = "report.html"
+COMPARISON_NOTE = ("Gap to best: the cell's val loss minus the lowest among the variants at the same loops K, lr scale "
+                   "and depth, in nats (best: that lowest). Peak ÷ FLT: its peak final-loop residual norm over FLT's "
+                   "there (– where the sweep has no FLT). Failed (with several seeds): k/n, k of the cell's n finished "
+                   "seeds ended with a verdict other than stable; unfinished seeds are not in n.")
 REPORT_DPI = 110
 
 CSS = """
@@ -82,7 +87,7 @@ def render_html(study: Study, figures: dict, skipped: dict[str, str]) -> str:
              f'<p class="note">{html.escape(str(study.path))}: {len(study.runs)} run folders, {done} finished, '
              f"{len(study.runs) - done} running. Numbers are means over a cell's finished seeds; the verdict is "
              "their majority.</p>",
-             "<h2>Results</h2>", _html_table(results_table(study))]
+             "<h2>Results</h2>", f'<p class="note">{html.escape(COMPARISON_NOTE)}</p>', _html_table(results_table(study))]
     if study.spec and study.spec.get("kind") == "map":
         from flt_diag.grids.stability_map import critical_table
         parts += ["<h2>Stability map: critical values</h2>",

@@ -5,8 +5,13 @@ below are what the sweep's summary.csv, the CLI, the report, the figures and ana
 
     SUMMARY_COLUMNS   the one list of summary columns (summary.json keys, per run)
     sweep_summary     one row per finished cell (the sweep's summary.csv)
-    summary_table     one row per (lr scale, variant, loops) cell of the grid, seeds aggregated
+    summary_table     one row per (lr scale, variant, loops, depth) cell of the grid, seeds aggregated
+    seed_table        the same from sweep_summary's rows (finished runs only; what `summary` prints)
     results_table     summary_table as the report's text table (TABLE_COLUMNS: display name -> column)
+
+Per-run and per-cell tables both compare the variants (flt_diag.analysis.comparison): val_gap, the
+nats between a row's val loss and the lowest among the variants at the same loops, depth and lr scale
+(and seed, per run), and resid_vs_flt, its peak residual norm over FLT's there.
 
 Derived series come from flt_diag.analysis.metrics, the module that owns the verdict: `smoothed_loss` is the
 verdict's smoothed loss and `oscillation` the summary's oscillation indices (dense steps only).
@@ -23,6 +28,7 @@ import numpy as np
 import pandas as pd
 
 from flt_diag.analysis import metric_names as M
+from flt_diag.analysis.comparison import compare_cells, compare_runs, failed_text, gap_text, ratio_text
 from flt_diag.analysis.metrics import dense_oscillation, smoothed
 from flt_diag.analysis.storage import (COLUMNS, CELLS, ERROR, METRICS, SWEEP_SPEC, StorageError, cell_names, is_run, is_sweep, load_config,
                       load_eval_loops, load_metrics, load_summary, read_json, run_dirs, run_label, series)
@@ -40,7 +46,8 @@ SUMMARY_COLUMNS = ["cell", "variant", "loops", "seed", "lr_scale", "verdict", "r
                    "wall_time"]
 SUMMARY_NUMBERS = SUMMARY_COLUMNS[SUMMARY_COLUMNS.index("final_loss"):SUMMARY_COLUMNS.index("steps_done")]
 OSC_COLUMNS = [c for c in SUMMARY_COLUMNS if c.startswith("osc_")]
-GRID_COLUMNS = ["lr_scale", "variant", "loops", "verdict", "agree", "runs", "finished", "residual_explosion"]
+GRID_COLUMNS = ["lr_scale", "variant", "loops", "depth", "verdict", "agree", "runs", "finished", "failed",
+                "residual_explosion"]
 
 # the report's table: display name -> (summary_table column, format)
 TABLE_COLUMNS = {
@@ -82,6 +89,10 @@ class Run:
 
     def sort_key(self) -> tuple:
         return self.lr_scale, self.seed, self.loops, variant_rank(self.variant), self.variant, self.name
+
+    @property
+    def depth(self) -> int | None:
+        return self.config.get("model", {}).get("n_layer")
 
     @property
     def smooth_window(self) -> int:
@@ -182,7 +193,8 @@ def oscillation(run: Run) -> dict:
 # --------------------------------------------------------------------------- summary tables
 
 def sweep_summary(out: Path) -> pd.DataFrame:
-    """One row per finished cell (SUMMARY_COLUMNS), read from the run folders (a pure function of the folder)."""
+    """One row per finished cell (SUMMARY_COLUMNS, `depth` after loops, and the comparison columns
+    val_gap and resid_vs_flt, per run), read from the run folders (a pure function of the folder)."""
     out = Path(out)
     rows = []
     for name in cell_names(out):
@@ -190,8 +202,13 @@ def sweep_summary(out: Path) -> pd.DataFrame:
         s = load_summary(d) if is_run(d) else None
         if s is None:
             continue
-        rows.append({"cell": name, **{k: s.get(k) for k in SUMMARY_COLUMNS if k != "cell"}})
-    return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
+        rows.append({"cell": name, **{k: s.get(k) for k in SUMMARY_COLUMNS if k != "cell"}, "depth": run_depth(d)})
+    return compare_runs(pd.DataFrame(rows, columns=SUMMARY_COLUMNS + ["depth"]))
+
+
+def run_depth(run_dir: Path) -> int | None:
+    """The run's number of blocks L (n_layer of its config.json)."""
+    return load_config(run_dir).get("model", {}).get("n_layer")
 
 
 def _majority(verdicts: list[str]) -> tuple[str, int]:
@@ -203,43 +220,79 @@ def _majority(verdicts: list[str]) -> tuple[str, int]:
 
 def _mean(values) -> float:
     """Mean of the finite numbers among `values` (NaN when there are none)."""
-    v = np.array([x for x in values if isinstance(x, (int, float))], dtype=float)
+    v = np.array([x for x in values if isinstance(x, (int, float, np.number))], dtype=float)
     v = v[np.isfinite(v)]
     return float(v.mean()) if len(v) else math.nan
 
 
 def _grid(study: Study) -> list[tuple]:
-    """Every (lr_scale, variant, loops) of the sweep's spec (empty for a single run folder)."""
+    """Every (lr_scale, variant, loops, depth) of the sweep's spec, depth its base config's (empty for a
+    single run folder)."""
     spec = study.spec or {}
     if not all(k in spec for k in ("variants", "loops", "lr_scales")):
         return []
-    return [(float(lr), v, int(k)) for lr in spec["lr_scales"] for v in spec["variants"] for k in spec["loops"]]
+    depth = spec.get("base", {}).get("model", {}).get("n_layer")
+    return [(float(lr), v, int(k), depth) for lr in spec["lr_scales"] for v in spec["variants"] for k in spec["loops"]]
+
+
+def _is_true(value) -> bool:
+    """A stored flag: True only for a true value (None and a CSV's NaN are not)."""
+    return value is not None and value == value and bool(value)
+
+
+def _aggregate(done: list[dict]) -> dict:
+    """What a cell's finished runs (summaries, or sweep_summary rows) say together: the majority verdict
+    and how many agree with it, how many finished and how many of those failed (verdict not `stable`),
+    any residual explosion, and the mean of each summary number (SUMMARY_NUMBERS)."""
+    verdicts = [s["verdict"] for s in done]
+    verdict, agree = _majority(verdicts)
+    return dict(verdict=verdict, agree=agree, finished=len(done), failed=sum(v != "stable" for v in verdicts),
+                residual_explosion=any(_is_true(s.get("residual_explosion")) for s in done),
+                **{k: _mean([s.get(k) for s in done]) for k in SUMMARY_NUMBERS})
+
+
+def _not_done(runs: list[Run]) -> dict:
+    """A cell none of whose runs finished: "running", "failed" (only an error.txt) or "pending" (no run)."""
+    statuses = {r.status for r in runs}
+    verdict = "running" if "running" in statuses else "failed" if runs else "pending"
+    return dict(verdict=verdict, agree=0, finished=0, failed=0, residual_explosion=False,
+                **{k: math.nan for k in SUMMARY_NUMBERS})
+
+
+def _cells(rows: list[dict]) -> pd.DataFrame:
+    """Cell rows as a table in display order (lr scale, depth, loops, variant), variants compared."""
+    df = pd.DataFrame(rows, columns=GRID_COLUMNS + SUMMARY_NUMBERS)
+    df["depth"] = df.depth.astype("Int64")
+    order = df.assign(_r=df.variant.map(variant_rank)).sort_values(["lr_scale", "depth", "loops", "_r", "variant"])
+    return compare_cells(df.loc[order.index].reset_index(drop=True))
 
 
 def summary_table(src) -> pd.DataFrame:
-    """One row per (lr_scale, variant, loops) cell of the grid: majority verdict over its finished seeds
-    ("running" while none finished, "failed" when its runs only left an error.txt, "pending" with no
-    run folder yet), `agree` seeds agreeing with it, `runs` and `finished` counts, any residual
-    explosion, and the mean over finished seeds of each summary number (SUMMARY_NUMBERS)."""
+    """One row per (lr_scale, variant, loops, depth) cell of the grid: majority verdict over its finished
+    seeds ("running" while none finished, "failed" when its runs only left an error.txt, "pending" with
+    no run folder yet), `agree` seeds agreeing with it, `runs`, `finished` and `failed` (finished with a
+    verdict other than stable) counts, any residual explosion, the mean over finished seeds of each
+    summary number (SUMMARY_NUMBERS), and the comparison between variants (compare_cells)."""
     study = src if isinstance(src, Study) else collect(src, [])
-    cells: dict[tuple, list[Run]] = {key: [] for key in _grid(study)}
+    cells: dict[tuple, list[Run]] = {}
     for run in study.runs:
-        cells.setdefault((run.lr_scale, run.variant, run.loops), []).append(run)
+        cells.setdefault((run.lr_scale, run.variant, run.loops, run.depth), []).append(run)
+    started = {key[:3] for key in cells}
+    cells.update({key: [] for key in _grid(study) if key[:3] not in started})
     rows = []
-    for (lr, variant, loops), runs in cells.items():
+    for (lr, variant, loops, depth), runs in cells.items():
         done = [r.summary for r in runs if r.summary]
-        if done:
-            verdict, agree = _majority([s["verdict"] for s in done])
-        else:
-            statuses = {r.status for r in runs}
-            verdict, agree = ("running" if "running" in statuses else "failed" if runs else "pending"), 0
-        numbers = {k: _mean([s.get(k) for s in done]) for k in SUMMARY_NUMBERS}
-        rows.append(dict(lr_scale=lr, variant=variant, loops=loops, verdict=verdict, agree=agree, runs=len(runs),
-                         finished=len(done), residual_explosion=any(bool(s.get("residual_explosion")) for s in done),
-                         **numbers))
-    df = pd.DataFrame(rows, columns=GRID_COLUMNS + SUMMARY_NUMBERS)
-    order = df.assign(_r=df.variant.map(variant_rank)).sort_values(["lr_scale", "loops", "_r", "variant"])
-    return df.loc[order.index].reset_index(drop=True)
+        rows.append(dict(lr_scale=lr, variant=variant, loops=loops, depth=depth, runs=len(runs),
+                         **(_aggregate(done) if done else _not_done(runs))))
+    return _cells(rows)
+
+
+def seed_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """summary_table's cells from sweep_summary's rows (finished runs only, so `runs` = `finished`)."""
+    rows = [dict(lr_scale=lr, variant=variant, loops=loops, depth=depth, runs=len(g),
+                 **_aggregate(g.to_dict("records")))
+            for (lr, variant, loops, depth), g in runs.groupby(["lr_scale", "variant", "loops", "depth"], dropna=False)]
+    return _cells(rows)
 
 
 def _fmt(value, spec: str) -> str:
@@ -248,26 +301,34 @@ def _fmt(value, spec: str) -> str:
     return spec.format(value)
 
 
-def seeds_text(row) -> str:
-    """"agree/finished (+running)" of a summary_table row."""
-    return f"{row.agree}/{row.finished}" + (f" (+{row.runs - row.finished})" if row.runs > row.finished else "")
+# the report table's comparison columns: each follows the TABLE_COLUMNS entry it compares
+COMPARED_AFTER = {"Val loss": ("Gap to best", "val_gap", gap_text),
+                  "Peak ‖h‖ (last loop)": ("Peak ÷ FLT", "resid_vs_flt", ratio_text)}
 
 
 def results_table(src) -> pd.DataFrame:
-    """The report's table as text: one row per (lr scale, variant, loops) cell, numbers formatted.
+    """The report's table as text: one row per (lr scale, depth, variant, loops) cell, numbers formatted,
+    each compared number followed by its comparison (COMPARED_AFTER).
 
-    Numbers are means over a cell's finished seeds; the verdict is their majority."""
+    Numbers are means over a cell's finished seeds; the verdict is their majority; "Failed" (with
+    several seeds) is k/n: k of the n finished seeds ended with a verdict other than stable."""
     df = summary_table(src)
-    multi_lr = df.lr_scale.nunique() > 1
+    multi_lr, multi_depth = df.lr_scale.nunique() > 1, df.depth.nunique() > 1
     multi_seed = (df.runs > 1).any()
     rows = []
     for r in df.itertuples():
         row = {"Variant": r.variant, "Loops": str(r.loops)}
+        if multi_depth:
+            row["Depth"] = "–" if pd.isna(r.depth) else str(r.depth)
         if multi_lr:
             row["LR scale"] = f"{r.lr_scale:g}"
-        if multi_seed:
-            row["Seeds"] = seeds_text(r)
         row["Verdict"] = r.verdict + (" (residual explosion)" if r.residual_explosion else "")
-        row.update({name: _fmt(getattr(r, col), spec) for name, (col, spec) in TABLE_COLUMNS.items()})
+        if multi_seed:
+            row["Failed"] = failed_text(r)
+        for name, (col, spec) in TABLE_COLUMNS.items():
+            row[name] = _fmt(getattr(r, col), spec)
+            if name in COMPARED_AFTER:
+                label, compared, text = COMPARED_AFTER[name]
+                row[label] = text(getattr(r, compared))
         rows.append(row)
     return pd.DataFrame(rows)

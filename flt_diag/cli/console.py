@@ -1,7 +1,10 @@
-"""What the command line prints: the progress bar, a run's verdict line, a sweep's table."""
+"""What the command line prints: the progress bar, a run's verdict line, a sweep's tables (per run and,
+with several seeds, per cell), each comparing the variants at the same K."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from types import SimpleNamespace
 
 
 class _ConsoleProgress:
@@ -40,15 +43,79 @@ def print_run_summary(out: Path, s: dict) -> None:
           f"{' (EXPLODED)' if s['residual_explosion'] else ''}; grad-norm CV {s['osc_cv']:.2f}")
 
 
-def print_sweep_table(df) -> None:
+def _number(value, spec: str) -> str:
+    from pandas import isna  # (a missing depth is pandas' NA)
+    return "–" if value is None or isna(value) or value in (math.inf, -math.inf) else spec.format(value)
+
+
+def _comparison():
+    from flt_diag.analysis import comparison  # numpy and pandas: only when a table is printed
+    return comparison
+
+
+def _peak(row) -> str:
+    """The peak residual norm, * when it exploded."""
+    value = row.get("peak_resid_norm")
+    text = _number(value, "{:.1f}" if value is not None and abs(value) < 100 else "{:.0f}")
+    return text + ("*" if row.get("residual_explosion") in (True, 1) else "")
+
+
+# (header, column, text of a row): the columns of `summary`'s tables in order; a column the table lacks
+# (val_accuracy on older folders) is left out, and an identity column with one value moves to the title
+IDENTITY = [("variant", "variant", lambda r: str(r["variant"])), ("K", "loops", lambda r: str(r["loops"])),
+            ("L", "depth", lambda r: _number(r["depth"], "{:.0f}")), ("seed", "seed", lambda r: str(r["seed"])),
+            ("lr×", "lr_scale", lambda r: f"{r['lr_scale']:g}"), ("verdict", "verdict", lambda r: str(r["verdict"]))]
+COMPARED = [("val loss", "val_loss", lambda r: _number(r["val_loss"], "{:.3f}")),
+            ("gap to best", "val_gap", lambda r: _comparison().gap_text(r["val_gap"])),
+            ("val acc", "val_accuracy", lambda r: _number(r["val_accuracy"], "{:.3f}")),
+            ("peak ‖h‖", "peak_resid_norm", _peak),
+            ("÷ FLT", "resid_vs_flt", lambda r: _comparison().ratio_text(r["resid_vs_flt"]))]
+DETAILS = [("final loss", "final_loss", lambda r: _number(r["final_loss"], "{:.3f}")),
+           ("best loss", "best_loss", lambda r: _number(r["best_loss"], "{:.3f}")),
+           ("grad CV", "osc_cv", lambda r: _number(r["osc_cv"], "{:.2f}")),
+           ("loss std", "loss_std", lambda r: _number(r["loss_std"], "{:.3f}")),
+           ("grad std", "grad_norm_std", lambda r: _number(r["grad_norm_std"], "{:.3f}")),
+           ("time", "wall_time", lambda r: _number(r["wall_time"], "{:.0f}s"))]
+FAILED = [("failed", "failed", lambda r: _comparison().failed_text(SimpleNamespace(**r)))]
+COMPARISON_NOTE = ("gap to best: val loss minus the lowest among the variants at the same K{peers} (nats); "
+                   "÷ FLT: peak final-loop residual norm ‖h‖ over FLT's there (– without FLT); "
+                   "* residual explosion")
+SEEDS_NOTE = ("failed k/n: k of the cell's n finished seeds ended with a verdict other than stable (running or "
+              "crashed seeds are not in n); numbers are means over the finished seeds")
+CONSTANT_TITLE = {"seed": "seed {}", "lr_scale": "lr×{:g}", "depth": "L={}"}
+
+
+def _constant_columns(df) -> dict[str, object]:
+    """The identity columns (seed, lr scale, depth) with a single value in the table."""
+    return {c: df[c].iloc[0] for c in CONSTANT_TITLE if c in df and df[c].nunique(dropna=False) == 1}
+
+
+def _print_table(df, columns: list[tuple], title: str, caption: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    cols = ["variant", "loops", "seed", "lr_scale", "verdict", "residual_explosion", "final_loss", "best_loss",
-            "val_loss", "peak_resid_norm", "osc_cv", "osc_sign_alternation", "loss_std", "grad_norm_std", "wall_time"]
-    table = Table(title="sweep summary")
-    for c in cols:
-        table.add_column(c.replace("_", " "))
-    for _, row in df.iterrows():
-        table.add_row(*[f"{row[c]:.3g}" if isinstance(row[c], float) else str(row[c]) for c in cols])
+    constant = _constant_columns(df)
+    shown = [c for c in columns if c[1] in df and c[1] not in constant]
+    fixed = ", ".join(CONSTANT_TITLE[c].format(v) for c, v in constant.items())
+    table = Table(title=title + (f" ({fixed})" if fixed else ""), caption=caption, caption_justify="left")
+    for header, column, _ in shown:
+        table.add_column(header, justify="left" if column in ("variant", "verdict") else "right")
+    for row in df.to_dict("records"):
+        table.add_row(*[text(row) for _, _, text in shown])
     Console(width=200).print(table)
+
+
+def print_sweep_table(df) -> None:
+    """`summary` of a sweep: one row per finished run and, where the sweep has several seeds, one per
+    cell (seeds averaged), each compared with the other variants at the same K."""
+    if df.empty:
+        print("no finished runs yet")
+        return
+    _print_table(df, IDENTITY + COMPARED + DETAILS, "sweep summary: one row per finished run",
+                 COMPARISON_NOTE.format(peers=", seed, lr scale and depth"))
+    if df.seed.nunique() > 1:
+        from flt_diag.analysis.results import seed_table
+        cells = seed_table(df)
+        _print_table(cells, [c for c in IDENTITY if c[1] != "seed"] + FAILED + COMPARED + DETAILS[:3],
+                     "per cell: majority verdict over seeds, seeds failed, means over finished seeds",
+                     COMPARISON_NOTE.format(peers=", lr scale and depth") + "\n" + SEEDS_NOTE)

@@ -1,55 +1,99 @@
 """The variant x loops grid coloured by verdict (majority over finished seeds, "running" while none
-finished, "pending" before a cell starts), annotated with the mean final smoothed loss (and, with
-several seeds, how many agree); one grid per lr scale."""
+finished, "pending" before a cell starts). Each cell reads, top to bottom: its gap to the best
+variant's final validation loss at the same K, in nats ("best" for the lowest, which is also outlined
+in black; * marks a residual explosion), its val loss (its final training loss, marked "train", when it
+has none) and, with several seeds, k/n failed: k of its n finished seeds ended with a verdict other
+than stable (unfinished seeds are not in n). Numbers are means over finished seeds; one grid per lr
+scale (and depth, where the folder has several)."""
 from __future__ import annotations
+
+import math
 
 import pandas as pd
 from matplotlib.patches import Patch, Rectangle
 
-from flt_diag.analysis.results import GRID_COLUMNS, Study, seeds_text, summary_table
+from flt_diag.analysis.comparison import gap_text
+from flt_diag.analysis.results import GRID_COLUMNS, Study, summary_table
 from flt_diag.analysis.figures import Figure, register
 from flt_diag.analysis.figures.style import OTHER_COLOR, VERDICT_COLORS, finish, new_figure, style, text_color, variants
 
+NOT_DONE = ("running", "failed", "pending")
+NOTE = ("top: gap to the best variant's val loss at this K (nats; best outlined); * residual explosion\n"
+        "below: val loss (mean over finished seeds)")
+SEEDS_NOTE = "\nk/n failed: k of the n finished seeds not stable; (+u): u seeds unfinished, not counted"
+
 
 def data(study: Study) -> pd.DataFrame:
-    """lr_scale, variant, loops, verdict, agree, runs, finished, residual_explosion, final_loss: the
-    collapse grid's cells (see flt_diag.analysis.results.summary_table)."""
-    return summary_table(study)[GRID_COLUMNS + ["final_loss"]]
+    """lr_scale, variant, loops, depth, verdict, agree, runs, finished, failed, residual_explosion,
+    final_loss, val_loss, val_gap: the collapse grid's cells (see flt_diag.analysis.results.summary_table)."""
+    return summary_table(study)[GRID_COLUMNS + ["final_loss", "val_loss", "val_gap"]]
 
 
-def _cell_text(row) -> str:
-    if row.verdict in ("running", "failed", "pending"):
+def _loss_text(row) -> str:
+    if math.isfinite(row.val_loss):
+        return f"{row.val_loss:.2f}"
+    return f"train {row.final_loss:.2f}"
+
+
+def cell_text(row, multi_seed: bool) -> str:
+    """The text of one grid cell (a row of `data`)."""
+    if row.verdict in NOT_DONE:
         return row.verdict
-    text = f"{row.final_loss:.2f}" + ("*" if row.residual_explosion else "")
-    return text + (f"\n{seeds_text(row)}" if row.runs > 1 else "")
+    lines = [_loss_text(row)]
+    if math.isfinite(row.val_gap):
+        lines.insert(0, gap_text(row.val_gap, 2))
+    lines[0] += "*" if row.residual_explosion else ""
+    if multi_seed:
+        lines.append(f"{row.failed}/{row.finished} failed" + (f" (+{row.runs - row.finished})"
+                                                             if row.runs > row.finished else ""))
+    return "\n".join(lines)
+
+
+def _panels(df: pd.DataFrame) -> list[tuple[pd.DataFrame, str]]:
+    """One (cells, title) per lr scale and depth present."""
+    keys = sorted({(r.lr_scale, r.depth) for r in df.itertuples()}, key=lambda k: (k[0], -1 if pd.isna(k[1]) else k[1]))
+    multi_lr, multi_depth = len({k[0] for k in keys}) > 1, len({k[1] for k in keys}) > 1
+    out = []
+    for lr, depth in keys:
+        title = ", ".join(([f"lr×{lr:g}"] if multi_lr else []) + ([f"L={depth}"] if multi_depth else []))
+        same_depth = df.depth.isna() if pd.isna(depth) else df.depth == depth
+        out.append((df[(df.lr_scale == lr) & same_depth], title))
+    return out
+
+
+def _draw_cells(ax, cells: pd.DataFrame, names: list[str], loops_values: list[int], multi_seed: bool) -> None:
+    for row in cells.itertuples():
+        x, y = loops_values.index(row.loops), names.index(row.variant)
+        fill = VERDICT_COLORS.get(row.verdict, OTHER_COLOR)
+        ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, facecolor=fill, edgecolor="white", lw=2))
+        ax.text(x, y, cell_text(row, multi_seed), ha="center", va="center", fontsize="small", color=text_color(fill))
+    for row in cells[cells.val_gap == 0].itertuples():  # over the white edges of the neighbours
+        x, y = loops_values.index(row.loops), names.index(row.variant)
+        ax.add_patch(Rectangle((x - 0.45, y - 0.45), 0.9, 0.9, fill=False, edgecolor="black", lw=1.5, zorder=3))
 
 
 def draw(df: pd.DataFrame):
-    lrs = sorted(df.lr_scale.unique())
+    panels = _panels(df)
     names, loops_values = variants(df), sorted(df.loops.unique())
+    multi_seed = bool((df.runs > 1).any())
     with style():
-        fig, axes = new_figure(1, len(lrs), panel=(0.9 * len(loops_values) + 1.4, 0.6 * len(names) + 1.2))
-        for ax, lr in zip(axes[0], lrs):
-            for row in df[df.lr_scale == lr].itertuples():
-                x, y = loops_values.index(row.loops), names.index(row.variant)
-                fill = VERDICT_COLORS.get(row.verdict, OTHER_COLOR)
-                ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, facecolor=fill, edgecolor="white", lw=2))
-                ax.text(x, y, _cell_text(row), ha="center", va="center", fontsize="small", color=text_color(fill))
+        row_height = 0.8 if multi_seed else 0.6
+        fig, axes = new_figure(1, len(panels), panel=(1.0 * len(loops_values) + 1.4, row_height * len(names) + 1.2))
+        for ax, (cells, title) in zip(axes[0], panels):
+            _draw_cells(ax, cells, names, loops_values, multi_seed)
             ax.set_xlim(-0.5, len(loops_values) - 0.5)
             ax.set_ylim(len(names) - 0.5, -0.5)
             ax.set_xticks(range(len(loops_values)), loops_values)
             ax.set_yticks(range(len(names)), names)
             ax.set_xlabel("loops K")
             ax.grid(False)
-            ax.set_title(f"lr×{lr:g}" if len(lrs) > 1 else "")
+            ax.set_title(title)
         shown = [v for v in VERDICT_COLORS if v in set(df.verdict)]
-        note = "numbers: final smoothed loss (mean over seeds); * residual explosion"
-        if (df.runs > 1).any():
-            note += "; n/m: seeds agreeing / finished (+running)"
         fig.legend([Patch(color=VERDICT_COLORS[v]) for v in shown], shown, loc="outside lower center",
-                   ncols=len(shown), fontsize="small", handlelength=1.2, title=note, title_fontsize="small")
+                   ncols=len(shown), fontsize="small", handlelength=1.2,
+                   title=NOTE + (SEEDS_NOTE if multi_seed else ""), title_fontsize="small")
     return finish(fig, "Verdict by variant and loops")
 
 
-register(Figure("collapse", "variant x loops grid coloured by verdict, annotated with the final loss",
+register(Figure("collapse", "variant x loops grid coloured by verdict, annotated with the gap to the best val loss",
                 (), data, draw, empty="no runs", order=50))

@@ -1,0 +1,212 @@
+"""A sweep that compares variants: val_gap, resid_vs_flt and seeds failed (k/n) in the tables, the
+collapse grid, `summary` and the report, checked against numbers computed here from the stored rows."""
+from __future__ import annotations
+
+import math
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from matplotlib.patches import Rectangle
+
+from fake_runs import config, make_run
+from flt_diag.analysis import figures as P
+from flt_diag.analysis import metric_names as M
+from flt_diag.analysis.report import write_report
+from flt_diag.analysis.results import results_table, summary_table, sweep_summary
+from flt_diag.analysis.storage import CELLS, read_json, write_json
+from flt_diag.cli.commands import main
+from flt_diag.grids.sweep import SweepSpec, write_summary
+
+SEEDS = (0, 1, 2)
+# (variant, loops, seed) -> make_run options. K=3: all stable, FLT best except at seed 1 (FLA);
+# K=6: LT collapses in seeds 0 and 1, FLA in seed 1 and has not finished seed 2, FLT is stable.
+PLAN = {}
+for _seed in SEEDS:
+    PLAN[("lt", 3, _seed)] = dict(val_shift=0.30, resid_scale=3.0)
+    PLAN[("fla", 3, _seed)] = dict(val_shift=-0.05 if _seed == 1 else 0.10, resid_scale=2.0)
+    PLAN[("flt", 3, _seed)] = dict(val_shift=0.0)
+    PLAN[("lt", 6, _seed)] = dict(collapsed=True) if _seed < 2 else dict(val_shift=0.40, resid_scale=3.0)
+    PLAN[("fla", 6, _seed)] = [dict(val_shift=0.0, resid_scale=2.0), dict(collapsed=True), dict(finished=False)][_seed]
+    PLAN[("flt", 6, _seed)] = dict(val_shift=0.20)
+FAILED = {("lt", 3): (0, 3), ("fla", 3): (0, 3), ("flt", 3): (0, 3),  # (seeds not stable, seeds finished)
+          ("lt", 6): (2, 3), ("fla", 6): (1, 2), ("flt", 6): (0, 3)}
+
+
+def write_sweep(out: Path, variants=("lt", "fla", "flt"), loops=(3, 6), seeds=SEEDS) -> Path:
+    spec = SweepSpec(config("flt", 3), list(variants), list(loops), list(seeds), [1.0])
+    (out / CELLS).mkdir(parents=True)
+    write_json(out / "sweep.json", spec.to_dict())
+    for cell in spec.cells():
+        plan = PLAN[(cell.variant, cell.loops, cell.seed)]
+        make_run(out / CELLS / cell.name, cell.variant, cell.loops, cell.seed, **plan)
+    write_summary(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> Path:
+    return write_sweep(tmp_path_factory.mktemp("comparison") / "sweep")
+
+
+def stored_runs(sweep: Path) -> pd.DataFrame:
+    """Per finished run, read straight from its Parquet parts: the last val loss and the peak loop-end
+    residual norm of its final loop (exploded: above explosion_ratio·√d), with its variant, loops, seed
+    and verdict."""
+    rows = []
+    for (variant, loops, seed), plan in PLAN.items():
+        run = sweep / CELLS / f"{variant}_K{loops:02d}_seed{seed}_lr1"
+        if plan.get("finished") is False:
+            continue
+        df = pd.read_parquet(run / "metrics")
+        val = df[df.metric == M.VAL_LOSS].sort_values("step").value.iloc[-1]
+        peak = df[(df.metric == M.RESID_NORM_LOOP_END) & (df.loop == loops)].value.max()
+        cfg = read_json(run / "config.json")
+        threshold = cfg["verdict"]["explosion_ratio"] * math.sqrt(cfg["model"]["n_embd"])
+        rows.append(dict(variant=variant, loops=loops, seed=seed, val=val, peak=peak, exploded=peak > threshold,
+                         verdict=read_json(run / "summary.json")["verdict"]))
+    return pd.DataFrame(rows)
+
+
+def hand_gaps(rows: list[dict], peers) -> dict:
+    """{key: (val gap, residual ratio to FLT)}, by plain loops over the rows sharing `peers`."""
+    out = {}
+    for r in rows:
+        same = [q for q in rows if all(q[p] == r[p] for p in peers)]
+        flt = [q["peak"] for q in same if q["variant"] == "flt"]
+        out[tuple(r[p] for p in ("variant", *peers))] = (r["val"] - min(q["val"] for q in same),
+                                                         r["peak"] / flt[0] if flt else math.nan)
+    return out
+
+
+def hand_cells(sweep: Path) -> dict:
+    """Per (variant, loops) cell: the comparison of the means over its finished seeds."""
+    runs = stored_runs(sweep)
+    means = runs.groupby(["variant", "loops"]).agg(val=("val", "mean"), peak=("peak", "mean")).reset_index()
+    return hand_gaps(means.to_dict("records"), ("loops",))
+
+
+def test_the_fixture_has_the_planned_verdicts(sweep):
+    runs = stored_runs(sweep)
+    for r in runs.itertuples():
+        assert (r.verdict != "stable") == bool(PLAN[(r.variant, r.loops, r.seed)].get("collapsed")), r
+
+
+def test_each_run_is_compared_with_the_other_variants_of_its_seed_and_loops(sweep):
+    expected = hand_gaps(stored_runs(sweep).to_dict("records"), ("loops", "seed"))
+    for df in (sweep_summary(sweep), pd.read_csv(sweep / "summary.csv")):
+        assert len(df) == len(expected)
+        for r in df.itertuples():
+            gap, ratio = expected[(r.variant, r.loops, r.seed)]
+            assert r.val_gap == pytest.approx(gap, abs=1e-12) and r.resid_vs_flt == pytest.approx(ratio, rel=1e-12)
+        best = df[df.val_gap == 0]
+        assert sorted(zip(best.loops, best.seed, best.variant)) == [
+            (3, 0, "flt"), (3, 1, "fla"), (3, 2, "flt"), (6, 0, "fla"), (6, 1, "flt"), (6, 2, "flt")]
+        columns = list(df.columns)
+        assert columns.index("val_gap") == columns.index("val_loss") + 1
+        assert columns.index("resid_vs_flt") == columns.index("peak_resid_norm") + 1
+        assert columns.index("depth") == columns.index("loops") + 1
+
+
+def test_cells_compare_their_seed_means_and_count_failed_seeds(sweep):
+    expected = hand_cells(sweep)
+    table = summary_table(sweep)
+    assert len(table) == len(FAILED)
+    for r in table.itertuples():
+        gap, ratio = expected[(r.variant, r.loops)]
+        assert r.val_gap == pytest.approx(gap, abs=1e-12) and r.resid_vs_flt == pytest.approx(ratio, rel=1e-12)
+        assert (r.failed, r.finished, r.runs) == (*FAILED[(r.variant, r.loops)], 3)
+    assert table[table.val_gap == 0][["variant", "loops"]].values.tolist() == [["flt", 3], ["flt", 6]]
+
+
+def test_collapse_grid_shows_the_gap_the_best_and_seeds_failed(sweep):
+    expected = hand_cells(sweep)
+    runs = stored_runs(sweep)
+    mean_val = runs.groupby(["variant", "loops"]).val.mean()
+    exploded = runs.groupby(["variant", "loops"]).exploded.any()
+    assert exploded.sum() == 2  # the collapsed runs' residuals (LT and FLA at K=6)
+    fig = P.FIGURES["collapse"].figure(P.study_of(sweep, ["collapse"]))
+    ax = fig.axes[0]
+    texts = {(round(t.get_position()[0]), round(t.get_position()[1])): t.get_text() for t in ax.texts}
+    names, ks = ["lt", "fla", "flt"], [3, 6]
+    for (variant, loops), (failed, finished) in FAILED.items():
+        gap = expected[(variant, loops)][0]
+        head = "best" if gap == 0 else f"+{gap:.2f}"
+        star = "*" if exploded[(variant, loops)] else ""
+        more = " (+1)" if (variant, loops) == ("fla", 6) else ""
+        want = f"{head}{star}\n{mean_val[(variant, loops)]:.2f}\n{failed}/{finished} failed{more}"
+        assert texts[(ks.index(loops), names.index(variant))] == want
+    outlined = [p for p in ax.patches if isinstance(p, Rectangle) and not p.get_fill()]
+    assert sorted((round(p.get_x() + 0.45), round(p.get_y() + 0.45)) for p in outlined) == [(0, 2), (1, 2)]
+    assert "k/n failed" in fig.legends[0].get_title().get_text()
+
+
+def test_report_shows_gap_ratio_and_failed_seeds(sweep, tmp_path):
+    html = write_report(sweep, tmp_path / "report.html").read_text()
+    expected = hand_cells(sweep)
+    for (variant, loops), (failed, finished) in FAILED.items():
+        gap, ratio = expected[(variant, loops)]
+        row = re.search(rf"<tr><td[^>]*>{variant}</td><td[^>]*>{loops}</td>(.*?)</tr>", html).group(1)
+        cells = re.findall(r"<td[^>]*>(.*?)</td>", row)
+        assert cells[1].startswith(f"{failed}/{finished}")
+        assert ("best" if gap == 0 else f"+{gap:.3f}") in cells and f"{ratio:.2f}" in cells
+    assert "Gap to best" in html and "Peak ÷ FLT" in html and "n finished" in html
+
+
+def test_summary_prints_runs_and_cells_with_seeds_failed(sweep, capsys):
+    assert main(["summary", str(sweep)]) == 0
+    out = capsys.readouterr().out
+    per_run, per_cell = out.split("per cell: majority verdict")
+    expected = hand_cells(sweep)
+    lt6 = next(line for line in per_cell.splitlines() if re.match(r"\W*lt\W+6\W", line))
+    assert re.search(r"collapsed\s*│\s*2/3\s*│", lt6) and f"+{expected[('lt', 6)][0]:.3f}" in lt6
+    assert f"{expected[('lt', 6)][1]:.2f}" in lt6
+    fla6 = next(line for line in per_cell.splitlines() if re.match(r"\W*fla\W+6\W", line))
+    assert "1/2" in fla6
+    assert per_run.count(" best │") == 6 and "gap to best" in per_run and "÷ FLT" in per_run
+
+
+def test_summary_recompute_adds_the_comparison_to_an_old_folder(sweep, tmp_path, capsys):
+    old = shutil.copytree(sweep, tmp_path / "old")
+    csv = pd.read_csv(old / "summary.csv").drop(columns=["val_gap", "resid_vs_flt", "depth"])
+    csv.to_csv(old / "summary.csv", index=False)  # as written before these columns existed
+    assert main(["summary", str(old), "--recompute"]) == 0
+    expected = hand_gaps(stored_runs(old).to_dict("records"), ("loops", "seed"))
+    new = pd.read_csv(old / "summary.csv")
+    for r in new.itertuples():
+        assert r.val_gap == pytest.approx(expected[(r.variant, r.loops, r.seed)][0], abs=1e-12)
+    assert "2/3" in capsys.readouterr().out
+
+
+def test_a_sweep_without_flt_has_nan_ratios_not_an_error(tmp_path, capsys):
+    sweep = write_sweep(tmp_path / "noflt", variants=("lt", "fla"), loops=(3,), seeds=(0,))
+    runs = sweep_summary(sweep)
+    assert runs.resid_vs_flt.isna().all() and (runs.val_gap.dropna() >= 0).all()
+    assert summary_table(sweep).resid_vs_flt.isna().all()
+    assert set(results_table(sweep)["Peak ÷ FLT"]) == {"–"}
+    assert P.FIGURES["collapse"].figure(P.study_of(sweep, ["collapse"])) is not None
+    assert main(["summary", str(sweep)]) == 0 and "–" in capsys.readouterr().out
+    assert "Peak ÷ FLT" in write_report(sweep).read_text()
+
+
+def test_runs_of_other_depths_are_not_compared(tmp_path):
+    """A depth-axis map folder: at L=1 FLT is best, at L=2 LT is; each is compared only at its depth."""
+    out = tmp_path / "map"
+    (out / CELLS).mkdir(parents=True)
+    write_json(out / "sweep.json", {"kind": "map"})
+    shifts = {("lt", 1): 0.3, ("flt", 1): 0.0, ("lt", 2): 0.0, ("flt", 2): 0.5}
+    for (variant, depth), shift in shifts.items():
+        make_run(out / CELLS / f"{variant}_K03_seed0_lr1_L{depth}", variant, 3, depth=depth, val_shift=shift,
+                 resid_scale=2.0 if variant == "lt" else 1.0)
+    runs = sweep_summary(out).set_index(["variant", "depth"])
+    cells = summary_table(out).set_index(["variant", "depth"])
+    for table in (runs, cells):
+        for depth, best, other in ((1, "flt", "lt"), (2, "lt", "flt")):
+            assert table.val_gap[(best, depth)] == 0
+            assert table.val_gap[(other, depth)] == pytest.approx(abs(shifts[("lt", depth)] - shifts[("flt", depth)]),
+                                                                abs=1e-12)  # fake val losses: same curve + shift
+        np.testing.assert_allclose([table.resid_vs_flt[("lt", 1)], table.resid_vs_flt[("lt", 2)]], 2.0, rtol=1e-6)
+    assert "Depth" in results_table(out).columns
