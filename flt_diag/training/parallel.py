@@ -40,6 +40,14 @@ def compile_wanted(option: bool | None, device_type: str, steps: int) -> bool:
 
 
 def compile_blocks(model: LoopedTransformer, **compile_kwargs) -> LoopedTransformer:
+    """Compile every block's attention and MLP forward. Each module instance (and grad mode: training
+    and evaluation) is one entry of its code object's cache, so a deep model needs more entries than
+    dynamo's default allows; the limits are raised so that no block silently falls back to eager."""
+    import torch._dynamo
+    need = 4 * len(model.blocks) + 8
+    for name in ("cache_size_limit", "recompile_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), need))
     for block in model.blocks:
         for part in (block.attn, block.mlp):
             part.forward = torch.compile(part.forward, **compile_kwargs)
