@@ -187,9 +187,6 @@ def parse(argv: list[str]):
 
 
 def run(argv: list[str]) -> int:
-    if not argv:
-        print("usage: flt-diag COMMAND [ARGUMENTS] [OPTIONS]  (flt-diag --help lists the commands)", file=sys.stderr)
-        return 2
     parsed = parse(argv)
     if isinstance(parsed, int) or parsed is None:
         return parsed or 0
