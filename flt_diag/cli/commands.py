@@ -18,7 +18,9 @@ from flt_diag.analysis.figures import plot, save as save_figure
 from flt_diag.analysis.metrics import resummarize
 from flt_diag.analysis.report import write_report
 from flt_diag.analysis.storage import CHECKPOINT, StorageError, atomic_write_text, is_sweep, load_summary, run_dirs, write_json
-from flt_diag.cli import output
+from flt_diag.cli.output import (fit_command, print_critical_values, print_cross_validation, print_eval_loops,
+                                  print_failed_cells, print_fitted, print_map_plan, print_model_line, print_online,
+                                  print_predictions_at)
 from flt_diag.cli.console import console_progress, print_run_summary, print_sweep_table, progress_bar
 from flt_diag.cli.options import FOLDER_OPTIONS, UserError, check_values, command_options, config_options
 from flt_diag.cli.specs import load_study, map_spec, sweep_spec
@@ -51,7 +53,7 @@ def cmd_run_ablation(v: dict) -> int:
     cells, cell = spec.cells(), v["cell"]
     if _listed_or_picked(cells, v, lambda c: f"{c.index:4d}  {c.name:32s} {cell_status(out, c)}"):
         return 0
-    output.print_model_line(spec.base.model, count_parameters(spec.base.model))
+    print_model_line(spec.base.model, count_parameters(spec.base.model))
     df = run_sweep(spec, out, workers=v["workers"], only_cell=cell, show_progress=not v["quiet"])
     print_sweep_table(df)
     print(f"sweep folder: {out}  (plots: flt-diag plot all {out}; report: flt-diag report {out})")
@@ -75,7 +77,7 @@ def _failed_cells(out: Path, cells) -> int:
     failed = [n for n, s in status.items() if s == "failed"]
     missing = [n for n, s in status.items() if s not in ("done", "failed")]
     if failed or missing:
-        output.print_failed_cells(out, len(cells), failed, missing)
+        print_failed_cells(out, len(cells), failed, missing)
         return 1
     return 0
 
@@ -86,10 +88,10 @@ def cmd_map(v: dict) -> int:
     out = v["out"] or Path("runs") / f"map-{spec.axis}-{spec.base.preset}"
     if _listed_or_picked(spec.lines(), v, lambda line: f"{line.index:4d}  {line.name}"):
         return 0
-    output.print_map_plan(spec, v.get("ratio") or 1.41)
+    print_map_plan(spec, v.get("ratio") or 1.41)
     run_map(spec, out, workers=v["workers"] or auto_workers(spec.base.train.device), only_line=v["cell"],
             report=lambda text: print(text, flush=True))
-    output.print_critical_values(critical_values(out))
+    print_critical_values(critical_values(out))
     print(f"map folder: {out}  (figure: flt-diag plot map {out}; report: flt-diag report {out})")
     return 0
 
@@ -137,7 +139,7 @@ def cmd_eval_loops(v: dict) -> int:
             print(f"{d}: no final checkpoint yet, skipped")
             continue
         try:
-            output.print_eval_loops(d, eval_loops(d, v["loops"], batches=v["batches"], data=v["data"], device=device))
+            print_eval_loops(d, eval_loops(d, v["loops"], batches=v["batches"], data=v["data"], device=device))
         except (StorageError, ValueError, RuntimeError) as e:  # one bad cell does not stop the others
             print(f"{d}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
             failed += 1
@@ -187,14 +189,14 @@ def _predict_at(paths, model: dict, steps) -> pd.DataFrame:
     frames = []
     for s in steps:
         table = pd.concat([EW.predict_sweep(path, s, model) for path in paths], ignore_index=True)
-        output.print_predictions_at(table, s, model.get("target", "collapse"))
+        print_predictions_at(table, s, model.get("target", "collapse"))
         frames.append(table.assign(step=s))
     return pd.concat(frames, ignore_index=True)
 
 
 def _predict_online(paths, model: dict) -> pd.DataFrame:
     table = pd.concat([EW.online_sweep(path, model) for path in paths], ignore_index=True)
-    output.print_online(table, model.get("target", "collapse"))
+    print_online(table, model.get("target", "collapse"))
     return table
 
 
@@ -205,11 +207,11 @@ def cmd_fit_predictor(v: dict) -> int:
     for p in paths:
         run_dirs(p)
     examples = EW.training_examples(paths, at, target)  # features computed once, for the fit and the CV
-    model = EW.fit(paths, at, l2, output.fit_command(v, features), target, examples, features, weight)
+    model = EW.fit(paths, at, l2, fit_command(v, features), target, examples, features, weight)
     if v["cross_validate"]:
         model["cross_validation"] = _cross_validate(paths, v, examples, features)
     write_json(v["out"], model)
-    output.print_fitted(model, v["out"])
+    print_fitted(model, v["out"])
     return 0
 
 
@@ -222,7 +224,7 @@ def _cross_validate(paths, v: dict, examples, features) -> dict:
         a = EW.agreement(t)
         wrong = {"false_alarm": sorted(t.run[t.false_alarm]), "miss": sorted(t.run[t.miss])}
         result[str(s)] = a | wrong
-        output.print_cross_validation(s, a, wrong, v["target"])
+        print_cross_validation(s, a, wrong, v["target"])
     return result
 
 
