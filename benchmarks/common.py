@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmar
 
 from flt_diag.config import RunConfig, build_config  # noqa: E402
 from flt_diag.model.transformer import VARIANTS, Block, LoopedTransformer, ModelConfig, norm  # noqa: E402
-from flt_diag.training.trainer import Trainer, settle  # noqa: E402
+from flt_diag.settle import settle  # noqa: E402
+from flt_diag.training.trainer import Trainer  # noqa: E402
 
 # --------------------------------------------------------------------------- presets
 

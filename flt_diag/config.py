@@ -1,9 +1,11 @@
 """Every option of flt-diag, once: typed config sections whose fields carry their help text,
-their command-line flag, their bounds and the commands that accept them.
+their command-line flag, their bounds and their choices.
 
-The command line (flt_diag.cli.commands), the sweep and map specs and the study files are generated from
-these fields (`OPTIONS`); validation is `check()` on the same metadata and runs whenever a section
-is constructed, so a bad value raises one ValueError naming the flag, wherever it came from.
+The command line (flt_diag.cli, which also decides which command takes which option), the sweep and
+map specs and the study files are generated from these fields (`OPTIONS`); validation is `check()` on
+the same metadata and runs whenever a section is constructed, so a bad value raises one ValueError
+naming the flag, wherever it came from. flt_diag.settle turns options into the one settled config a
+run takes.
 
 Size dial: `depth` (= L). Width is d = aspect * depth and heads are ceil(d / head_dim), as in the
 paper (aspect 64, head dim 128); presets fix the aspect and head dim, and any field can be
@@ -17,17 +19,13 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
 from flt_diag.model.variants import MAX_LOOPS, VARIANTS
 
-RUN_COMMANDS = frozenset({"train", "run-ablation", "map"})  # commands that configure training runs
 
-
-def opt(default, help: str, *, flag: str | None = None, choices=None, low=None, high=None, above=None, below=None,
-        commands=RUN_COMMANDS):
-    """A config field that is also a command-line option. `low`/`high` bound it inclusively,
-    `above`/`below` exclusively; floats must be finite; `commands` lists the commands that accept it."""
+def opt(default, help: str, *, flag: str | None = None, choices=None, low=None, high=None, above=None, below=None):
+    """A config field that is also an option. `low`/`high` bound it inclusively, `above`/`below`
+    exclusively; floats must be finite. Which commands take it is the CLI's business (flt_diag.cli.options)."""
     kind = dict(default_factory=lambda: list(default)) if isinstance(default, list) else dict(default=default)
     return field(**kind, metadata=dict(help=help, flag=flag, choices=tuple(choices) if choices else None,
-                                                low=low, high=high, above=above, below=below,
-                                                commands=frozenset(commands)))
+                                       low=low, high=high, above=above, below=below))
 
 
 @dataclass(frozen=True)
@@ -47,7 +45,6 @@ class Option:
     high: float | None
     above: float | None
     below: float | None
-    commands: frozenset
 
     @property
     def dest(self) -> str:
@@ -107,7 +104,7 @@ def options_of(cls, section: str) -> list[Option]:
         default = f.default_factory() if f.default is MISSING and f.default_factory is not MISSING else f.default
         out.append(Option(section, f.name, m["flag"] or "--" + f.name.replace("_", "-"), kind,
                           type(None) in args, many, None if default is MISSING else default, m["help"], m["choices"],
-                          m["low"], m["high"], m["above"], m["below"], m["commands"]))
+                          m["low"], m["high"], m["above"], m["below"]))
     return out
 
 
@@ -121,15 +118,14 @@ def check(section) -> None:
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = opt(256, "Tokens (set from the tokenizer, padded to a multiple of 64).", low=1, commands=())
+    vocab_size: int = opt(256, "Tokens (set from the tokenizer, padded to a multiple of 64).", low=1)
     n_layer: int = opt(2, "Size dial: L distinct blocks reused every loop; width follows the preset's aspect ratio "
                        "unless --width is given.", flag="--depth", low=1)
     n_embd: int = opt(64, "Model width d (the residual stream).", flag="--width", low=2)
     n_head: int = opt(2, "Attention heads (head dim = width / heads, even).", flag="--heads", low=1)
     sequence_len: int = opt(64, "Tokens per training sequence.", flag="--seq-len", low=2)
-    variant: str = opt("flt", "lt, lt-ii, lt-ai, fla or flt (DESIGN.md §2).", choices=VARIANTS, commands={"train"})
-    loops: int = opt(12, "Loops K: how often the L blocks are reused per forward.", low=1, high=MAX_LOOPS,
-                     commands={"train"})
+    variant: str = opt("flt", "lt, lt-ii, lt-ai, fla or flt (DESIGN.md §2).", choices=VARIANTS)
+    loops: int = opt(12, "Loops K: how often the L blocks are reused per forward.", low=1, high=MAX_LOOPS)
     rotary_base: float = opt(10000.0, "Rotary embedding base.", above=0)
     rotary_dtype: str = opt("float32", "Rotary tables: float32, or bfloat16 as the reference keeps them.",
                             choices=("float32", "bfloat16"))
@@ -162,7 +158,7 @@ class TrainConfig:
     momentum: float = opt(0.95, "Muon momentum once warmed up.", low=0, below=1)
     momentum_start: float = opt(0.85, "Muon momentum at step 0, raised linearly to --momentum ...", low=0, below=1)
     momentum_warmup: int = opt(300, "... over this many steps, as the reference; 0 = --momentum throughout.", low=0)
-    lr_scale: float = opt(1.0, "Multiplies every learning rate.", above=0, commands={"train", "map"})
+    lr_scale: float = opt(1.0, "Multiplies every learning rate.", above=0)
     warmdown_frac: float = opt(0.2, "Constant lr, then linear decay to 0 over this final share of the steps.",
                                low=0, high=1)
     grad_clip: float = opt(1.0, "Max global gradient norm; 0 disables clipping.", low=0)
@@ -173,7 +169,7 @@ class TrainConfig:
                          choices=("fp32", "reference"))
     sampling: str = opt("random", "random (random windows of the corpus) or stream (the corpus in order, documents "
                         "BOS-separated, as the reference reads it).", choices=("random", "stream"))
-    seed: int = opt(0, "Seed of initialisation and batches.", low=0, commands={"train"})
+    seed: int = opt(0, "Seed of initialisation and batches.", low=0)
     device: str = opt("auto", "auto (cuda if available), cpu, cuda or cuda:N.")
     compile: bool | None = opt(None, "torch.compile the blocks [default: on CUDA; on a CPU for runs of 1,000 steps or more].")
     checkpoint_loops: bool = opt(False, "Activation checkpointing, one segment per loop (memory flat in K).")
@@ -214,27 +210,20 @@ class DiagnosticsConfig:
         check(self)  # every section validates itself when built (also by `replace`)
 
 
-VERDICT_COMMANDS = RUN_COMMANDS | {"summary"}
-
-
 @dataclass
 class VerdictConfig:
-    smooth_window: int = opt(50, "Verdict: steps in the trailing mean that smooths the loss.", low=1,
-                             commands=VERDICT_COMMANDS)
+    smooth_window: int = opt(50, "Verdict: steps in the trailing mean that smooths the loss.", low=1)
     rebound_abs: float = opt(0.25, "Verdict: collapsed if the smoothed loss climbs more than max(this, "
-                             "rebound-rel * min) nats above its running minimum ...", low=0, commands=VERDICT_COMMANDS)
-    rebound_rel: float = opt(0.1, "Verdict: ... (relative part of the climb threshold) ...", low=0,
-                             commands=VERDICT_COMMANDS)
+                             "rebound-rel * min) nats above its running minimum ...", low=0)
+    rebound_rel: float = opt(0.1, "Verdict: ... (relative part of the climb threshold) ...", low=0)
     recovery_abs: float = opt(0.1, "Verdict: ... and ends more than max(this, recovery-rel * min) above its best.",
-                              low=0, commands=VERDICT_COMMANDS)
-    recovery_rel: float = opt(0.05, "Verdict: relative part of the recovery tolerance.", low=0,
-                              commands=VERDICT_COMMANDS)
+                              low=0)
+    recovery_rel: float = opt(0.05, "Verdict: relative part of the recovery tolerance.", low=0)
     explosion_ratio: float = opt(100.0, "Residual explosion if a peak residual norm exceeds ratio * sqrt(d).",
-                                 above=0, commands=VERDICT_COMMANDS)
-    osc_window: int = opt(200, "Steps per window of the oscillation indices.", low=2, commands=VERDICT_COMMANDS)
+                                 above=0)
+    osc_window: int = opt(200, "Steps per window of the oscillation indices.", low=2)
     osc_cv_threshold: float = opt(3.0, "Verdict: unstable if the grad-norm CV over the dense steps exceeds this "
-                                  "(calibration: docs/DESIGN.md §3; stable runs measured 0.3-1.6).", low=0,
-                                  commands=VERDICT_COMMANDS)
+                                  "(calibration: docs/DESIGN.md §3; stable runs measured 0.3-1.6).", low=0)
 
     def __post_init__(self) -> None:
         check(self)  # every section validates itself when built (also by `replace`)
@@ -270,10 +259,6 @@ SECTIONS = {"model": ModelConfig, "train": TrainConfig, "diagnostics": Diagnosti
 # Every config option, in help order; the CLI and the study files are generated from this list.
 OPTIONS: list[Option] = options_of(RunConfig, "run") + \
     [o for section, cls in SECTIONS.items() for o in options_of(cls, section)]
-
-
-def options_for(command: str) -> list[Option]:
-    return [o for o in OPTIONS if command in o.commands]
 
 
 def sections_from(values: dict) -> dict[str, dict]:

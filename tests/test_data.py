@@ -6,6 +6,7 @@ import pandas as pd
 import pytest
 import torch
 
+from flt_diag.data import batches as B
 from flt_diag.data import corpus as D
 
 
@@ -111,11 +112,11 @@ def test_unusable_hub_tokenizer_fails_cleanly():
 
 def test_batches_shift_by_one_and_are_deterministic(tmp_path):
     data = D.TokenData(np.arange(1000, dtype=np.uint16) % 256, 256, 0.0)
-    x, y = D.get_batch(data, 4, 16, D.batch_generator(0, 5))
+    x, y = B.get_batch(data, 4, 16, B.batch_generator(0, 5))
     assert x.shape == y.shape == (4, 16)
     assert torch.equal(y[:, :-1], x[:, 1:])
-    x2, _ = D.get_batch(data, 4, 16, D.batch_generator(0, 5))
-    x3, _ = D.get_batch(data, 4, 16, D.batch_generator(0, 6))
+    x2, _ = B.get_batch(data, 4, 16, B.batch_generator(0, 5))
+    x3, _ = B.get_batch(data, 4, 16, B.batch_generator(0, 6))
     assert torch.equal(x, x2) and not torch.equal(x, x3)
 
 

@@ -139,8 +139,8 @@ def test_malformed_predictors_are_refused(tmp_path, edit):
 
 
 def test_cli_feature_choices_are_the_computed_features():
-    from flt_diag.cli.commands import COMMANDS
-    opt = next(o for o in COMMANDS["fit-predictor"][2]() if o.flag == "--features")
+    from flt_diag.cli.options import command_options
+    opt = next(o for o in command_options("fit-predictor") if o.flag == "--features")
     assert list(opt.choices) == EW.FEATURES and set(EW.DEFAULT_FEATURES) <= set(EW.FEATURES)
 
 
@@ -151,7 +151,7 @@ def test_packaged_predictor_loads():
 
 
 def test_bad_predictor_file_is_one_line(tmp_path, capsys):
-    from flt_diag.cli.commands import main
+    from flt_diag.cli import main
     (tmp_path / "p.json").write_text("{}")
     code = main(["train", "--steps", "2", "--device", "cpu", "--warn", "--predictor", str(tmp_path / "p.json"),
                  "--out", str(tmp_path / "r")])
@@ -164,7 +164,7 @@ def test_stop_on_collapse_ends_the_run_with_a_complete_folder(tmp_path, capsys):
     """A predictor that fires at its first check (step 25: fitted from step 20, checked every 25):
     the run stops there, the summary says why, and every reader works on the folder.
     (The real predictor on a collapsing 12-loop LT run: test_stop_on_collapse_on_12_loop_lt, slow.)"""
-    from flt_diag.cli.commands import main
+    from flt_diag.cli import main
     pred = _toy_predictor(tmp_path, coef_climb=1.0, intercept=5.0)
     out = tmp_path / "run"
     code = main(["train", "--variant", "lt", "--loops", "3", "--steps", "400", "--device", "cpu",
@@ -194,7 +194,7 @@ def test_warn_only_warns_and_trains_to_the_end(tmp_path, capsys):
 
 
 def test_predict_command_on_a_sweep(tmp_path, capsys):
-    from flt_diag.cli.commands import main
+    from flt_diag.cli import main
     from flt_diag.grids.sweep import SweepSpec, run_sweep
     base = tiny_config(steps=40)
     run_sweep(SweepSpec(base, ["lt", "flt"], [2], [0], [1.0]), tmp_path / "sw", workers=1, show_progress=False)
@@ -222,7 +222,7 @@ def labelled(tmp_path_factory):
 
 
 def test_fit_predictor_command_writes_a_loadable_model(labelled, tmp_path, capsys):
-    from flt_diag.cli.commands import main
+    from flt_diag.cli import main
     code = main(["fit-predictor", str(labelled / "sw"), "--at", "10", "20", "--out", str(tmp_path / "m.json")])
     assert code == 0, capsys.readouterr().err
     m = EW.load_predictor(tmp_path / "m.json")
@@ -233,7 +233,7 @@ def test_fit_predictor_command_writes_a_loadable_model(labelled, tmp_path, capsy
 def test_fit_predictor_features_and_class_weight_reach_the_model(labelled, tmp_path, capsys):
     """--features and --class-weight: the model has those features (one coefficient each), the weights
     named, and the refit command repeats them; the fit equals fit_logistic on the same standardised rows."""
-    from flt_diag.cli.commands import main
+    from flt_diag.cli import main
     out = tmp_path / "m.json"
     code = main(["fit-predictor", str(labelled / "sw"), "--at", "20", "--features", "grad_cos", "loss_climb",
                  "--class-weight", "none", "--out", str(out)])
@@ -280,7 +280,7 @@ def test_runs_stopped_by_a_prediction_are_not_training_labels(labelled, tmp_path
 
 
 def test_fit_predictor_cross_validate_reports_and_stores_agreement(labelled, tmp_path, capsys):
-    from flt_diag.cli.commands import main
+    from flt_diag.cli import main
     out = tmp_path / "m.json"
     code = main(["fit-predictor", str(labelled / "sw"), "--at", "10", "20", "--cross-validate", "--out", str(out)])
     text = capsys.readouterr().out
@@ -319,7 +319,7 @@ def test_online_replay_warns_where_the_callback_warns():
 
 
 def test_predict_online_on_a_sweep(labelled, tmp_path, capsys):
-    from flt_diag.cli.commands import main
+    from flt_diag.cli import main
     pred = _toy_predictor(tmp_path, coef_climb=0.0, intercept=5.0)  # fires at the first check (25)
     code = main(["predict", str(labelled / "sw"), "--online", "--predictor", str(pred), "--csv", str(tmp_path / "o.csv")])
     out = capsys.readouterr().out
@@ -338,7 +338,7 @@ def test_predict_online_on_a_sweep(labelled, tmp_path, capsys):
 def test_stop_on_collapse_on_12_loop_lt(tmp_path, capsys):
     """The packaged predictor stops a collapsing 12-loop LT run (tiny preset, seed 1, 800 steps: it
     collapses, measured in README) early, and lets the same run of FLT train to the end."""
-    from flt_diag.cli.commands import main
+    from flt_diag.cli import main
     for variant in ("lt", "flt"):
         code = main(["train", "--variant", variant, "--loops", "12", "--steps", "800", "--seed", "1", "--device",
                      "cpu", "--stop-on-collapse", "--out", str(tmp_path / variant)])
@@ -354,7 +354,7 @@ def test_stop_on_collapse_on_12_loop_lt(tmp_path, capsys):
 
 
 def test_predict_compares_several_predictors_on_the_same_runs(labelled, tmp_path, capsys):
-    from flt_diag.cli.commands import main
+    from flt_diag.cli import main
     always = _toy_predictor(tmp_path, coef_climb=0.0, intercept=5.0)
     (tmp_path / "never").mkdir()
     never = _toy_predictor(tmp_path / "never", coef_climb=0.0, intercept=-5.0)

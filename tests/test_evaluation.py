@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_config
-from flt_diag.cli.commands import main
-from flt_diag.data.corpus import batch_generator, get_batch, load_tokens
+from flt_diag.cli import main
+from flt_diag.data.batches import batch_generator, get_batch
+from flt_diag.data.corpus import load_tokens
 from flt_diag.training.evaluation import VAL_SEED, eval_loops
 from flt_diag.training.external import WandbSink, tag
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig

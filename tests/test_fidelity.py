@@ -11,6 +11,7 @@ import torch
 
 from conftest import tiny_config
 from equations import randomize
+from flt_diag.data import batches
 from flt_diag.data import corpus as D
 from flt_diag.analysis import metric_names as M
 from flt_diag.analysis import metrics as X
@@ -91,7 +92,7 @@ def test_heads_follow_the_reference_ceiling():
 
 
 def test_run_stores_and_prints_its_parameter_count(tmp_path, capsys):
-    from flt_diag.cli.commands import main
+    from flt_diag.cli import main
     code = main(["train", "--variant", "lt", "--loops", "2", "--steps", "2", "--device", "cpu",
                  "--out", str(tmp_path / "r"), "--eval-every", "0"])
     assert code == 0
@@ -102,7 +103,7 @@ def test_run_stores_and_prints_its_parameter_count(tmp_path, capsys):
 
 
 def test_unreachable_tokenizer_is_one_line(tmp_path, capsys, monkeypatch):
-    from flt_diag.cli.commands import main
+    from flt_diag.cli import main
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
     code = main(["train", "--preset", "paper-small", "--steps", "1", "--device", "cpu", "--out", str(tmp_path / "r")])
@@ -218,8 +219,8 @@ def test_documents_are_bos_separated_and_streamed_in_order(tmp_path, monkeypatch
     first_doc = toks[1:starts[1]]
     assert tok.decode(first_doc.tolist()) in docs
     B, T = 3, 5
-    x0, y0 = D.stream_batch(data, B, T, 0)
-    x1, _ = D.stream_batch(data, B, T, 1)
+    x0, y0 = batches.stream_batch(data, B, T, 0)
+    x1, _ = batches.stream_batch(data, B, T, 1)
     flat = torch.from_numpy(toks[: 2 * B * T + 1].astype(np.int64))
     assert torch.equal(x0.flatten(), flat[:B * T]) and torch.equal(y0.flatten(), flat[1:B * T + 1])
     assert torch.equal(x1.flatten(), flat[B * T: 2 * B * T])  # micro-batch 1 continues where 0 stopped
@@ -229,7 +230,7 @@ def test_stream_sampling_trains_and_resumes_deterministically(tmp_path):
     cfg = small_run_config(steps=6, sampling="stream")
     tr = Trainer(cfg, tmp_path / "a")
     xa, _ = tr.batch(2, 0)
-    xb, _ = D.stream_batch(tr.train_data, 2, 8, 2)
+    xb, _ = batches.stream_batch(tr.train_data, 2, 8, 2)
     assert torch.equal(xa, xb)
     assert np.isfinite(train(cfg, tmp_path / "b")["final_loss"])
 
@@ -263,7 +264,7 @@ def test_bf16_rotary_tables_train_on_cpu(tmp_path):
 # ------------------------------------------------------------------ 6. import reads the reference's meta
 
 def test_import_reads_model_type_and_K_from_meta(tmp_path, capsys):
-    from flt_diag.cli.commands import main
+    from flt_diag.cli import main
     from flt_diag.model.reference import export_reference
     torch.manual_seed(0)
     model = LoopedTransformer(ModelConfig(vocab_size=256, n_layer=2, n_embd=64, n_head=2, variant="fla", loops=4))

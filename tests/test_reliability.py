@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from flt_diag.cli.commands import main
+from flt_diag.cli import main
 from flt_diag.analysis.storage import StorageError, folder_lock
 
 
@@ -175,11 +175,12 @@ def _numeric_options():
     """(command path, option name, kind, positional arguments) for every int/float option of every
     command, read from the option definitions the parser is generated from."""
     from flt_diag.cli.commands import COMMANDS
+    from flt_diag.cli.options import POSITIONALS, command_options
     out = []
-    for name, (_, positionals, options) in COMMANDS.items():
-        for o in options():
+    for name in COMMANDS:
+        for o in command_options(name):
             if o.kind in (int, float):
-                out.append(((name,), o.flag, o.kind.__name__, [p[0] for p in positionals]))
+                out.append(((name,), o.flag, o.kind.__name__, [p[0] for p in POSITIONALS.get(name, [])]))
     return out
 
 

@@ -5,7 +5,7 @@ import pytest
 
 from conftest import tiny_config
 from flt_diag.grids import sweep as S
-from flt_diag.cli.commands import main
+from flt_diag.cli import main
 from flt_diag.analysis.storage import StorageError, load_summary
 from flt_diag.training.trainer import Callback, Trainer
 
@@ -33,8 +33,9 @@ def test_bad_specs(bad):
 
 def _parsed(argv):
     """The option values the real parser produces for argv (no command runs)."""
-    from flt_diag.cli.commands import build_parser
-    return vars(build_parser().parse_args(argv))
+    from flt_diag.cli.app import parse
+    _, values, _ = parse(argv)
+    return values
 
 
 def test_list_options_space_separated_repeated_and_commas():
@@ -46,8 +47,8 @@ def test_list_options_space_separated_repeated_and_commas():
     # negative numbers are values (refused later by the option's bound, not taken for options)
     assert _parsed(["run-ablation", "--lr-scale", "0.5", "-1", "--list"])["lr_scale"] == [0.5, -1.0]
     # train's --loops is one value: a second one is an error, never silently the last
-    from flt_diag.cli.commands import UserError
-    with pytest.raises(UserError, match="unrecognized arguments: 6"):
+    from flt_diag.cli.options import UserError
+    with pytest.raises(UserError, match=r"unexpected extra argument\(s\) \(6\)"):
         _parsed(["train", "--loops", "3", "6"])
 
 
@@ -63,7 +64,7 @@ def test_cli_list_parses_space_separated(tmp_path, capsys):
 @pytest.mark.parametrize("args,message", [
     (["--variants", "lt", "bogus"], "--variants must be one of lt, lt-ii, lt-ai, fla, flt, got 'bogus'"),
     (["--loops", "3", "0"], "--loops must be in 1..1024, got 0"),
-    (["--loops", "3", "x"], "argument --loops: not an integer: 'x'"),
+    (["--loops", "3", "x"], "Invalid value for '--loops'"),
     (["--lr-scale", "0"], "--lr-scale must be > 0"),
     (["--loops", "3", "3"], "duplicates"),
     (["--cell", "99"], "--cell must be in 0.."),
@@ -157,7 +158,7 @@ def test_parallel_workers(tmp_path):
 
 def test_every_study_file_lists_its_cells(capsys):
     from pathlib import Path
-    from flt_diag.cli.commands import load_study
+    from flt_diag.cli.specs import load_study
     studies = sorted((Path(__file__).parent.parent / "experiments").glob("*.toml"))
     assert len(studies) >= 6
     for path in studies:
@@ -169,7 +170,8 @@ def test_every_study_file_lists_its_cells(capsys):
 
 def test_a_study_file_is_the_same_spec_as_its_command_line(tmp_path):
     """A study TOML loads straight into the sweep spec: the same cells and configs as the options."""
-    from flt_diag.cli.commands import check_values, command_options, load_study, sweep_spec
+    from flt_diag.cli.options import check_values, command_options
+    from flt_diag.cli.specs import load_study, sweep_spec
     (tmp_path / "s.toml").write_text('[ablation]\npreset = "tiny"\nvariants = ["lt", "flt"]\nloops = [2, 3]\n'
                                      'seeds = [1]\nlr_scale = [0.5, 2]\nsteps = 7\nseq_len = 32\nout = "o"\n')
     command, values = load_study(tmp_path / "s.toml")

@@ -6,7 +6,7 @@ import torch
 
 from conftest import tiny_config
 from flt_diag.analysis import metric_names as M
-from flt_diag.cli.commands import main
+from flt_diag.cli import main
 from flt_diag.model.transformer import LoopedTransformer
 from flt_diag.training.optim import build_optimizers, lr_multiplier
 from flt_diag.analysis.storage import load_metrics, load_summary, series
@@ -121,7 +121,7 @@ def test_gradient_accumulation_matches_big_batch(tmp_path):
     ref = LoopedTransformer(cfg.model).double()
     ref.load_state_dict(trainer.model.state_dict())
     trainer.train_step(0)
-    from flt_diag.data.corpus import batch_generator, get_batch
+    from flt_diag.data.batches import batch_generator, get_batch
     total = 0
     for micro in range(2):
         x, y = get_batch(trainer.train_data, 8, cfg.model.sequence_len, batch_generator(cfg.train.seed, 0, micro))
@@ -131,18 +131,25 @@ def test_gradient_accumulation_matches_big_batch(tmp_path):
         assert_close64(grads[name], g)
 
 
-def test_trainer_works_on_a_settled_copy_of_the_config(tmp_path):
-    """The vocabulary is settled from the tokenizer (bytes: 256) into the Trainer's own copy; the
-    config given keeps its value, before and after training."""
-    from flt_diag.training.trainer import settle
+def test_settling_gives_a_copy_and_the_trainer_refuses_an_unsettled_config(tmp_path):
+    """settle() puts the tokenizer's vocabulary (bytes: 256) into a copy and leaves the config given
+    as it was. The Trainer settles nothing itself: a config that did not come through settle (a
+    vocabulary other than the tokenizer's, device auto) is refused before anything is written."""
+    from flt_diag.config import with_overrides
+    from flt_diag.settle import settle
     cfg = tiny_config(loops=1, steps=2, diagnostics=dict(enabled=False))
     cfg.model.vocab_size = 999  # not what the tokenizer gives
     before = cfg.to_dict()
-    assert settle(cfg).model.vocab_size == 256 and cfg.to_dict() == before
-    trainer = Trainer(cfg, tmp_path / "r")
-    assert trainer.cfg.model.vocab_size == 256 and trainer.model.head.weight.shape[0] == 256
+    settled = settle(cfg)
+    assert settled.model.vocab_size == 256 and cfg.to_dict() == before
+    for unsettled in (cfg, with_overrides(settled, train={"device": "auto"})):
+        with pytest.raises(ValueError, match="not settled"):
+            Trainer(unsettled, tmp_path / "r")
+    assert not (tmp_path / "r").exists()
+    trainer = Trainer(settled, tmp_path / "r")
+    assert trainer.model.head.weight.shape[0] == 256
     trainer.fit()
-    assert cfg.to_dict() == before
+    assert trainer.cfg is settled and cfg.to_dict() == before
 
 
 # ---------------------------------------------------------------- data parallel (gloo, two processes)
@@ -161,7 +168,7 @@ class ConcatenatedRanks(Trainer):
     """One process training on the concatenation of what ranks 0 and 1 draw at each step."""
 
     def batch(self, step, micro=0):
-        from flt_diag.data.corpus import batch_generator, get_batch
+        from flt_diag.data.batches import batch_generator, get_batch
         t = self.cfg.train
         xy = [get_batch(self.train_data, t.batch_size, self.cfg.model.sequence_len,
                         batch_generator(t.seed, step, micro, rank), self.device) for rank in range(2)]
@@ -251,7 +258,7 @@ def run_cli(args, capsys):
     (["train", "--variant", "nope"], "--variant must be one of lt, lt-ii, lt-ai, fla, flt, got 'nope'"),
     (["train", "--loops", "0"], "--loops must be in 1..1024, got 0"),
     (["train", "--loops", "-3"], "--loops must be in 1..1024, got -3"),
-    (["train", "--loops", "many"], "argument --loops: not an integer: 'many'"),
+    (["train", "--loops", "many"], "Invalid value for '--loops'"),
     (["train", "--data", "/no/such/file.txt"], "neither a known corpus"),
     (["train", "--preset", "huge"], "--preset must be one of tiny, small, paper-small, paper-base, auto, got 'huge'"),
     (["train", "--steps", "0"], "--steps"),

@@ -1,5 +1,6 @@
-"""The `flt-diag` command line (the top layer): `commands` holds the commands, `options` turns the typed
-config into their options, `console` prints."""
-from flt_diag.cli.commands import main
+"""The `flt-diag` command line (the top layer): `app` generates it with typer from the options that
+`options` assigns to each command, `commands` holds the commands, `specs` builds grid specs and reads
+study files, `console` and `output` print, `table` writes docs/cli.md."""
+from flt_diag.cli.app import main
 
 __all__ = ["main"]

@@ -14,7 +14,9 @@ Tokenizers (`--tokenizer`): "bytes" (vocab 256, offline default) or any Hugging 
 by hub name or by the path of a tokenizer.json (needs the `tokenizers` package).
 
 Tokens are cached as flat memory-mapped arrays under $FLT_DIAG_CACHE (default
-~/.cache/flt-diag) and reused by every later run.
+~/.cache/flt-diag) and reused by every later run. Batches of them are flt_diag.data.batches (torch);
+this module imports no torch, so that settling a config (flt_diag.settle) can read tokenizers and
+check corpora without it.
 """
 from __future__ import annotations
 
@@ -29,7 +31,6 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
-import torch
 
 VAL_EVERY = 20  # documents (or files) whose stable hash % VAL_EVERY == 0 form the validation split
 LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -324,43 +325,3 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
         counts += np.bincount(np.asarray(tokens[start:start + (1 << 24)]), minlength=vocab_size)[:vocab_size]
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
-
-
-# --------------------------------------------------------------------------- batches
-
-def batch_generator(seed: int, step: int, micro: int = 0, rank: int = 0) -> torch.Generator:
-    """Each (seed, step, micro-batch, rank) draws its own batch: resuming at any step is exact."""
-    key = hashlib.sha256(f"{seed}/{step}/{micro}/{rank}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(key[:8], "little") & ((1 << 63) - 1))
-
-
-def get_batch(data: TokenData, batch_size: int, seq_len: int, generator: torch.Generator,
-              device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Random windows: x (B, T) and its next-token targets y (B, T)."""
-    n = len(data.tokens) - seq_len - 1
-    if n <= 0:
-        raise DataError(f"corpus has {len(data.tokens)} tokens, fewer than a sequence of {seq_len + 1}")
-    starts = torch.randint(0, n, (batch_size,), generator=generator).tolist()
-    buf = np.stack([np.asarray(data.tokens[s:s + seq_len + 1], dtype=np.int64) for s in starts])
-    xy = _to_device(torch.from_numpy(buf), device)
-    return xy[:, :-1], xy[:, 1:]
-
-
-def stream_batch(data: TokenData, batch_size: int, seq_len: int, index: int,
-                 device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Micro-batch number `index` of the corpus read in order, as the reference's loader reads it:
-    B*T + 1 consecutive tokens from position index * B*T (wrapping round at the end), x the first
-    B*T as (B, T), y the same shifted by one. A function of the index alone, so resuming is exact."""
-    span = batch_size * seq_len
-    n = len(data.tokens) - span - 1
-    if n <= 0:
-        raise DataError(f"corpus has {len(data.tokens)} tokens, fewer than a micro-batch of {span + 1}")
-    start = (index * span) % n
-    buf = _to_device(torch.from_numpy(np.asarray(data.tokens[start:start + span + 1], dtype=np.int64)), device)
-    return buf[:-1].view(batch_size, seq_len), buf[1:].view(batch_size, seq_len)
-
-
-def _to_device(tokens: torch.Tensor, device) -> torch.Tensor:
-    if torch.device(device).type == "cuda":
-        tokens = tokens.pin_memory().to(device, non_blocking=True)
-    return tokens

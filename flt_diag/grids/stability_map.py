@@ -36,6 +36,7 @@ import pandas as pd
 from flt_diag.grids.cells import Cell
 from flt_diag.config import check, opt
 from flt_diag.model.variants import MAX_LOOPS, VARIANTS
+from flt_diag.settle import comparable
 from flt_diag.analysis.storage import CELLS, ERROR, SWEEP_SPEC, StorageError, atomic_path, folder_lock, load_summary, read_json
 
 AXES = {"lr": "lr scale", "depth": "depth L"}
@@ -76,16 +77,13 @@ class Line:
         return f"{self.variant}_K{self.loops:02d}_seed{self.seed}"
 
 
-MAP = {"map"}
-
-
 @dataclass
 class MapGrid:
     """The axis values a map searches: lo, lo*r, lo*r^2, ... <= hi (see geometric_grid)."""
 
-    lo: float = opt(0.5, "Lowest axis value of the grid.", above=0, commands=MAP)
-    hi: float = opt(16.0, "Highest axis value of the grid.", above=0, commands=MAP)
-    ratio: float = opt(1.41, "Grid ratio: the tolerance of every boundary.", above=1, commands=MAP)
+    lo: float = opt(0.5, "Lowest axis value of the grid.", above=0)
+    hi: float = opt(16.0, "Highest axis value of the grid.", above=0)
+    ratio: float = opt(1.41, "Grid ratio: the tolerance of every boundary.", above=1)
 
     def __post_init__(self):
         check(self)
@@ -100,14 +98,13 @@ class MapSpec:
     `base` is the RunConfig of line 0 (the axis field and each line's fields are replaced per probe)."""
 
     base: object
-    variants: list[str] = opt(list(VARIANTS), "Variants [default: all five].", choices=VARIANTS, commands=MAP)
-    loops: list[int] = opt([6, 12], "Loop counts K (the x axis of the map).", low=1, high=MAX_LOOPS, commands=MAP)
-    seeds: list[int] = opt([0], "Seeds: each boundary is reported with its spread.", low=0, commands=MAP)
-    axis: str = opt("lr", "lr (lr scale) or depth (L blocks, width fixed).", choices=AXES, commands=MAP)
+    variants: list[str] = opt(list(VARIANTS), "Variants [default: all five].", choices=VARIANTS)
+    loops: list[int] = opt([6, 12], "Loop counts K (the x axis of the map).", low=1, high=MAX_LOOPS)
+    seeds: list[int] = opt([0], "Seeds: each boundary is reported with its spread.", low=0)
+    axis: str = opt("lr", "lr (lr scale) or depth (L blocks, width fixed).", choices=AXES)
     grid: list[float] = field(default_factory=lambda: MapGrid().values("lr"))
     criteria: list[str] = opt(["training", "explosion"], "training (verdict not stable), collapse (collapsed or "
-                              "diverged), explosion (a residual norm of any loop exploded).", choices=CRITERIA,
-                              commands=MAP)
+                              "diverged), explosion (a residual norm of any loop exploded).", choices=CRITERIA)
 
     def __post_init__(self):
         check(self)  # every option field against its bounds and choices (flt_diag.config)
@@ -140,7 +137,6 @@ class MapSpec:
         return Cell(-1, line.variant, line.loops, line.seed, self.base_lr_scale, depth=int(value))
 
     def to_dict(self) -> dict:
-        from flt_diag.training.trainer import comparable
         return dict(kind="map", variants=self.variants, loops=self.loops, seeds=self.seeds, axis=self.axis,
                     grid=list(self.grid), criteria=self.criteria, base=comparable(self.base.to_dict()))
 

@@ -24,14 +24,13 @@ from pathlib import Path
 import pandas as pd
 
 from flt_diag.grids.cells import Cell
-from flt_diag.config import RunConfig, check, opt, with_overrides
+from flt_diag.config import RunConfig, check, opt, validate, with_overrides
 from flt_diag.analysis.results import SUMMARY_COLUMNS, sweep_summary  # noqa: F401  (the one summary table; re-exported)
 from flt_diag.analysis.storage import (CELLS, ERROR, SWEEP_SPEC, SWEEP_SUMMARY, StorageError, atomic_path, atomic_write_text, folder_lock,
                       has_content, load_progress, read_json, refuse_symlink, write_json)
 from flt_diag.model.variants import MAX_LOOPS, VARIANTS
+from flt_diag.settle import comparable
 
-
-SWEEP = {"run-ablation"}
 
 
 @dataclass
@@ -42,11 +41,10 @@ class SweepSpec:
     cell differs from it only in those four fields. Construction validates every cell."""
 
     base: RunConfig
-    variants: list[str] = opt(list(VARIANTS), "Variants [default: all five].", choices=VARIANTS, commands=SWEEP)
-    loops: list[int] = opt([3, 6, 9, 12], "Loop counts K.", low=1, high=MAX_LOOPS, commands=SWEEP)
-    seeds: list[int] = opt([0], "Seeds.", low=0, commands=SWEEP)
-    lr_scales: list[float] = opt([1.0], "Learning-rate multipliers (an lr x loops map).", flag="--lr-scale", above=0,
-                                 commands=SWEEP)
+    variants: list[str] = opt(list(VARIANTS), "Variants [default: all five].", choices=VARIANTS)
+    loops: list[int] = opt([3, 6, 9, 12], "Loop counts K.", low=1, high=MAX_LOOPS)
+    seeds: list[int] = opt([0], "Seeds.", low=0)
+    lr_scales: list[float] = opt([1.0], "Learning-rate multipliers (an lr x loops map).", flag="--lr-scale", above=0)
 
     def __post_init__(self):
         check(self)  # every option field against its bounds and choices (flt_diag.config)
@@ -65,7 +63,6 @@ class SweepSpec:
         return cell_config(self.base, cell)
 
     def to_dict(self) -> dict:
-        from flt_diag.training.trainer import comparable
         return dict(variants=self.variants, loops=self.loops, seeds=self.seeds, lr_scales=self.lr_scales,
                     base=comparable(self.base.to_dict()), cell_names=[c.name for c in self.cells()])
 
@@ -77,7 +74,6 @@ SWEEP_GRID_FIELDS = {"model": ("variant", "loops"), "train": ("seed", "lr_scale"
 
 def cell_config(base: RunConfig, cell: Cell, **train_overrides) -> RunConfig:
     """The base config with the cell's variant, loops, seed and lr scale (and any extra train fields)."""
-    from flt_diag.config import validate
     model = dict(variant=cell.variant, loops=cell.loops, **({} if cell.depth is None else {"n_layer": cell.depth}))
     cfg = with_overrides(base, model=model,
                          train=dict(seed=cell.seed, lr_scale=cell.lr_scale, **train_overrides))

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from flt_diag.analysis import metric_names as M
 from flt_diag.training.callbacks import Callback
-from flt_diag.data.corpus import TokenData, batch_generator, get_batch
+from flt_diag.data.batches import batch_generator, get_batch
+from flt_diag.data.corpus import TokenData
 
 VAL_SEED = 1234567  # validation batches are the same for every run and every evaluation
 

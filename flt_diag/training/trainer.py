@@ -11,14 +11,12 @@ The Trainer itself owns the run folder's config.json (written first) and summary
 Every scalar of a step goes into a StepLog as a device tensor; the StepLog moves them to the
 host in one transfer per step.
 
-The config is settled before training (`settle`: the vocabulary from the tokenizer); the Trainer
-works on its own settled copy and never changes the config it was given.
+The Trainer takes a settled config (flt_diag.settle: device, vocabulary, data and predictor decided and
+checked) as given: it settles and validates nothing again, and refuses a config that was not settled.
 """
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 import math
 import os
 import platform
@@ -33,18 +31,16 @@ import torch
 from flt_diag.analysis import metric_names as M
 from flt_diag.training.callbacks import Callback, MetricsTable, Progress
 from flt_diag.training.checkpoint import Checkpoints, restore
-from flt_diag.config import RunConfig, padded_vocab
-from flt_diag.data.corpus import DataError, TokenData, batch_generator, get_batch, load_tokens, stream_batch
+from flt_diag.config import RunConfig
+from flt_diag.data.batches import batch_generator, get_batch, stream_batch
+from flt_diag.data.corpus import DataError, TokenData, load_tokens
 from flt_diag.training.evaluation import Evaluation
 from flt_diag.training.external import ExternalSinks
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig
 from flt_diag.training.optim import build_optimizers, lr_multiplier, muon_momentum, set_lr, set_momentum
 from flt_diag.analysis.storage import (CONFIG, RESUME, SUMMARY, StorageError, folder_lock, has_content, load_config, load_metrics,
                       read_json, write_json)
-
-# Fields that may differ when a run folder is reused (they do not change what is computed).
-VOLATILE_TRAIN_FIELDS = ("device", "threads", "compile", "eval_every", "checkpoint_every")
-VOLATILE_DIAGNOSTICS_FIELDS = ("flush_every", "tensorboard", "wandb", "warn")
+from flt_diag.settle import check_settled, comparable, differences, predictor
 
 
 class RunConflict(StorageError):
@@ -80,22 +76,6 @@ class StepLog:
         return rows
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"unknown device {name!r}; use auto, cpu, cuda or cuda:N") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device {name!r} is not supported; use auto, cpu, cuda or cuda:N")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device cuda requested but CUDA is not available")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ValueError(f"device {name} requested but there are {torch.cuda.device_count()} GPUs")
-    return dev
-
-
 def environment(device: torch.device) -> dict:
     import numpy, pandas
     env = dict(python=sys.version.split()[0], torch=torch.__version__, numpy=numpy.__version__,
@@ -112,47 +92,11 @@ def environment(device: torch.device) -> dict:
     return env
 
 
-def comparable(cfg_dict: dict) -> dict:
-    """The parts of a config that decide what a run computes (verdict thresholds, logging
-    mirrors and intervals can change without invalidating a run folder)."""
-    d = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg_dict.items()
-         if k not in ("env", "corpus", "verdict", "imported_from", "note", "n_params")}
-    for k in VOLATILE_TRAIN_FIELDS:
-        d["train"].pop(k, None)
-    for k in VOLATILE_DIAGNOSTICS_FIELDS:
-        d.get("diagnostics", {}).pop(k, None)
-    return d
-
-
-def _differences(a: dict, b: dict) -> list[str]:
-    out = []
-    for section in sorted(set(a) | set(b)):
-        sa, sb = a.get(section), b.get(section)
-        if isinstance(sa, dict) and isinstance(sb, dict):
-            out += [f"{section}.{k}: {sa.get(k)!r} -> {sb.get(k)!r}" for k in sorted(set(sa) | set(sb))
-                    if sa.get(k) != sb.get(k)]
-        elif sa != sb:
-            out.append(f"{section}: {sa!r} -> {sb!r}")
-    return out
-
-
-def settle(cfg: RunConfig, tokenizer_vocab: int | None = None) -> RunConfig:
-    """A copy of `cfg` with what is decided before training filled in: model.vocab_size is the
-    tokenizer's vocabulary (`tokenizer_vocab`, else read from cfg.train.tokenizer) padded to a multiple
-    of 64. `cfg` itself is not changed. A tokenizer that cannot be loaded raises DataError."""
-    if tokenizer_vocab is None:
-        from flt_diag.data.corpus import get_tokenizer
-        tokenizer_vocab = get_tokenizer(cfg.train.tokenizer).vocab_size
-    settled = copy.deepcopy(cfg)
-    settled.model = dataclasses.replace(settled.model, vocab_size=padded_vocab(tokenizer_vocab))
-    return settled
-
-
 def _start_process(cfg: RunConfig) -> tuple[torch.device, int, int]:
     """(device, rank, world size) of this process; joins the process group when launched with
     torchrun (WORLD_SIZE > 1: nccl on CUDA, gloo on CPU) and sets the CPU thread settings."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = resolve_device(cfg.train.device)
+    device = torch.device(cfg.train.device)  # settled: cpu, cuda or cuda:N, checked against this machine
     if world > 1:
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
         if device.type == "cuda":
@@ -185,19 +129,19 @@ class Trainer:
 
     For benchmarks and tests, the pieces of `fit` are public: `start()` (run folder ready, callbacks
     started), `run_step(step)` (one optimizer step; returns its rows), `end()` (callbacks ended).
-    `model` builds the model from the (settled) ModelConfig instead of LoopedTransformer (e.g. the
-    benchmarks' unrolled reference); it is built under the run's seed and then placed, compiled and
-    given the optimizer recipe like the default one. The config given is not changed: `self.cfg` is
-    a settled copy."""
+    `cfg` is a settled config (flt_diag.settle.settle or run_config), taken as given and not changed.
+    `model` builds the model from its ModelConfig instead of LoopedTransformer (e.g. the benchmarks'
+    unrolled reference); it is built under the run's seed and then placed, compiled and given the
+    optimizer recipe like the default one."""
 
     def __init__(self, cfg: RunConfig, run_dir: str | Path, callbacks: list[Callback] | None = None,
                  progress: Callable[[dict], None] | None = None, diagnostics: bool | None = None,
                  model: Callable[[ModelConfig], torch.nn.Module] | None = None):
-        self.run_dir = Path(run_dir)
+        self.run_dir, self.cfg = Path(run_dir), cfg
+        self.train_data, self.val_data = _load_splits(cfg.train, cfg.model.sequence_len)
+        check_settled(cfg, self.train_data.vocab_size)  # a guard: the Trainer settles nothing itself
         self.device, self.rank, self.world = _start_process(cfg)
         self.is_main = self.rank == 0
-        self.train_data, self.val_data = _load_splits(cfg.train, cfg.model.sequence_len)
-        self.cfg = cfg = settle(cfg, self.train_data.vocab_size)
         self.model = self._build_model(model or LoopedTransformer)
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.ddp_model = self.model
@@ -211,8 +155,8 @@ class Trainer:
             from flt_diag.training.diagnostics import DiagnosticsCallback
             self.callbacks.insert(0, DiagnosticsCallback(cfg.diagnostics))
         if cfg.diagnostics.warn or cfg.diagnostics.stop_on_collapse:
-            from flt_diag.analysis.early_warning import CollapseWarning, load_predictor
-            self.callbacks.append(CollapseWarning(load_predictor(cfg.diagnostics.predictor),
+            from flt_diag.analysis.early_warning import CollapseWarning
+            self.callbacks.append(CollapseWarning(predictor(cfg.diagnostics.predictor),
                                                   stop=cfg.diagnostics.stop_on_collapse))
         # the side concerns of every run, last (their order is the order of their work in a moment)
         self.callbacks += [Evaluation(), MetricsTable(), ExternalSinks(), Checkpoints(), Progress(progress)]
@@ -282,7 +226,7 @@ class Trainer:
         d = self.run_dir
         cfg_dict = self.cfg.to_dict()
         if (d / CONFIG).exists():
-            diff = _differences(comparable(load_config(d)), comparable(cfg_dict))
+            diff = differences(comparable(load_config(d)), comparable(cfg_dict))
             if diff:
                 raise RunConflict(f"{d} holds a run with a different config ({'; '.join(diff[:3])}); "
                                   "use another --out or delete the folder")
@@ -425,5 +369,5 @@ class Trainer:
 
 
 def train(cfg: RunConfig, run_dir: str | Path, **kwargs) -> dict:
-    """Train one run into `run_dir` (resuming it if it was interrupted); returns the summary."""
+    """Train one run of a settled config into `run_dir` (resuming it if it was interrupted); returns the summary."""
     return Trainer(cfg, run_dir, **kwargs).fit()

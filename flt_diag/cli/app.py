@@ -1,0 +1,216 @@
+"""The `flt-diag` command line, generated with typer from the options of flt_diag.cli.options (which
+come from the typed config): one typer command per command, its options in help panels by config
+section with their defaults, choices completed by the shell (`flt-diag --install-completion`).
+
+List options take `--loops 3 6 9 12`, `--loops 3,6`, `--loops 3 --loops 6` and `--loops=3`: click
+reads one value per flag, so `ListCommand.parse_args` first spreads each list option's values into
+repeated flags (a negative number is a value; `--` ends the options). The parsed values are checked
+(`check_values`) and handed to the command's function (flt_diag.cli.commands) outside typer.
+
+Errors a user can cause print one line (`error: ...`) and exit with status 2; nothing already written
+is touched. Ctrl-C exits with 130. `main(argv) -> int` is the entry point (`flt-diag`, `python -m
+flt_diag`, `python -m flt_diag.cli`).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Annotated, Callable, List, Optional
+
+import typer
+import typer.rich_utils
+from rich.markup import escape
+from typer.core import TyperCommand
+
+from flt_diag.analysis.figures import FIGURES
+from flt_diag.analysis.storage import StorageError
+from flt_diag.cli.commands import COMMANDS, cmd_plot
+from flt_diag.cli.console import progress_bar
+from flt_diag.cli.options import (POSITIONALS, SECTION_TITLES, Positional, UserError, check_values, command_options,
+                                  default_text)
+from flt_diag.config import Option
+from flt_diag.data.corpus import DataError
+
+DESCRIPTION = "Train looped-transformer variants, record why they collapse, and plot it."
+METAVARS = {int: "N", float: "X", str: "TEXT", Path: "PATH"}
+
+
+def _is_value(arg: str) -> bool:
+    """Whether an argument after a list option is one of its values: anything but a flag (a
+    negative number is a value)."""
+    if not arg.startswith("-"):
+        return True
+    try:
+        float(arg)
+        return True
+    except ValueError:
+        return False
+
+
+def _items(flag: str, text: str) -> list[str]:
+    parts = [p.strip() for p in text.split(",")]
+    if any(not p for p in parts):
+        raise UserError(f"{flag}: empty value in {text!r}")
+    return parts
+
+
+def spread_lists(args: list[str], many: set[str]) -> list[str]:
+    """`--loops 3 6,9` -> `--loops 3 --loops 6 --loops 9` for the flags in `many` (also `--loops=3,6`);
+    everything after `--` is left as it is."""
+    out, i = [], 0
+    while i < len(args):
+        arg, i = args[i], i + 1
+        if arg == "--":
+            return out + args[i - 1:]
+        flag, eq, value = arg.partition("=")
+        if flag not in many or not arg.startswith("--"):
+            out.append(arg)
+            continue
+        values = [value] if eq else []
+        while not eq and i < len(args) and _is_value(args[i]):
+            values.append(args[i])
+            i += 1
+        if not values:  # click says that the flag needs a value
+            out.append(arg)
+        for text in values:
+            for item in _items(flag, text):
+                out += [flag, item]
+    return out
+
+
+class ListCommand(TyperCommand):
+    """A typer command whose list options take several values after one flag (`spread_lists`)."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        many = {name for p in self.params if getattr(p, "multiple", False) for name in p.opts}
+        return super().parse_args(ctx, spread_lists(list(args), many))
+
+
+# ------------------------------------------------------------------ typer parameters from options
+
+def _completer(choices: tuple) -> Callable:
+    def complete(incomplete: str) -> list[str]:
+        return [c for c in choices if c.startswith(incomplete)]
+    return complete
+
+
+def _metavar(o: Option) -> str | None:
+    if o.kind is bool:
+        return None
+    return ("NAME" if o.choices else METAVARS[o.kind]) + ("..." if o.many else "")
+
+
+def _help(o: Option) -> str:
+    """The option's help with its default, and its choices where the help does not name them all."""
+    named = o.choices is None or all(c in o.help for c in o.choices)
+    return escape(o.help + default_text(o) + ("" if named else f" Choices: {', '.join(map(str, o.choices))}."))
+
+
+def option_parameter(o: Option) -> inspect.Parameter:
+    """The typer option of one Option: `--x/--no-x` for a config switch, a plain flag for a command's
+    own switch, a list for a list option; None (not given) where the config or the command decides."""
+    switch = o.kind is bool and o.section == "cli"
+    flag = f"{o.flag}/--no-{o.flag[2:]}" if o.kind is bool and not switch else o.flag
+    kind = bool if switch else Optional[List[o.kind]] if o.many else Optional[o.kind]
+    info = typer.Option(flag, help=_help(o), rich_help_panel=SECTION_TITLES[o.section], metavar=_metavar(o),
+                        show_default=False, autocompletion=_completer(o.choices) if o.choices else None)
+    required = not o.optional and o.default is None
+    default = inspect.Parameter.empty if required else False if switch else None
+    return inspect.Parameter(o.dest, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[kind, info])
+
+
+def argument_parameter(p: Positional) -> inspect.Parameter:
+    info = typer.Argument(help=escape(p.help), metavar=p.name.upper() + ("..." if p.many else ""), show_default=False)
+    kind = List[p.kind] if p.many else p.kind
+    return inspect.Parameter(p.name, inspect.Parameter.KEYWORD_ONLY, annotation=Annotated[kind, info])
+
+
+def add_command(app: typer.Typer, name: str, func: Callable, options: list[Option], positionals: list[Positional],
+                help: str | None = None, **fixed) -> None:
+    """Register `name` on `app`: parsing it returns (func, option values with `fixed` added, options)."""
+    def collect(**values):
+        return func, {**values, **fixed}, options
+
+    collect.__signature__ = inspect.Signature([*map(argument_parameter, positionals), *map(option_parameter, options)])
+    help = help or inspect.getdoc(func).split("\n\n")[0].replace("\n", " ")
+    app.command(name, cls=ListCommand, help=escape(help))(collect)
+
+
+def _plot_app() -> typer.Typer:
+    """`flt-diag plot FIGURE PATH`: one command per figure, and `all`."""
+    plot = typer.Typer(help=inspect.getdoc(cmd_plot), rich_markup_mode="rich")
+
+    @plot.callback(invoke_without_command=True)
+    def needs_a_figure(ctx: typer.Context):
+        if ctx.invoked_subcommand is None:
+            raise UserError(f"plot needs a figure: {', '.join([*FIGURES, 'all'])} (flt-diag plot --help)")
+
+    for name, fig in [*FIGURES.items(), ("all", None)]:
+        add_command(plot, name, cmd_plot, command_options("plot"), POSITIONALS["plot"],
+                    help=fig.help if fig is not None else "Every figure that has data.", figure=name)
+    return plot
+
+
+def build_app() -> typer.Typer:
+    app = typer.Typer(name="flt-diag", help=DESCRIPTION, rich_markup_mode="rich", pretty_exceptions_enable=False)
+    for name, func in COMMANDS.items():
+        if name != "plot":
+            add_command(app, name, func, command_options(name), POSITIONALS.get(name, []))
+    app.add_typer(_plot_app(), name="plot")
+    return app
+
+
+@functools.lru_cache(maxsize=4)
+def _command(figures: tuple[str, ...]):
+    """The click command of the app, built once per process (per set of registered figures). Help is
+    drawn at least 100 columns wide (the terminal's width where wider; TERMINAL_WIDTH overrides): at
+    80, typer's tables cut long flags such as --no-checkpoint-loops short."""
+    if not os.environ.get("TERMINAL_WIDTH"):
+        typer.rich_utils.MAX_WIDTH = max(shutil.get_terminal_size((100, 24)).columns, 100)
+    return typer.main.get_command(build_app())
+
+
+# ------------------------------------------------------------------ entry point
+
+def parse(argv: list[str]):
+    """(command function, option values, options) of a command line, or an exit status where typer
+    answered it itself (--help, --install-completion); a usage error is one UserError line."""
+    try:
+        return _command(tuple(FIGURES)).main(list(argv), prog_name="flt-diag", standalone_mode=False)
+    except typer.TyperException as e:  # click's usage errors and bad values
+        message = e.format_message() if hasattr(e, "format_message") else str(e) or type(e).__name__
+        raise UserError("; ".join(line.strip() for line in message.splitlines() if line.strip())) from None
+
+
+def run(argv: list[str]) -> int:
+    parsed = parse(argv)
+    if isinstance(parsed, int) or parsed is None:
+        return parsed or 0
+    func, values, options = parsed
+    return func(check_values(values, options))
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as e:  # shell completion
+        return e.code if isinstance(e.code, int) else 0
+    except KeyboardInterrupt:
+        progress_bar.close()
+        print("interrupted; finished work is kept (re-run the same command to resume)", file=sys.stderr)
+        return 130
+    except (UserError, StorageError, DataError, ValueError, FileNotFoundError, PermissionError) as e:
+        if os.environ.get("FLT_DIAG_DEBUG"):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk, a path that is a file, ...: files in flight were removed (atomic_path)
+        if os.environ.get("FLT_DIAG_DEBUG"):
+            raise
+        where = f": {e.filename}" if e.filename else ""
+        print(f"error: {e.strerror or type(e).__name__}{where}", file=sys.stderr)
+        return 2

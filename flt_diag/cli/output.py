@@ -1,0 +1,101 @@
+"""What the commands print beyond the progress bar and the tables of flt_diag.cli.console: a map's
+boundaries, eval-loops' lines, the early-warning predictions and fits, and the command line a fitted
+predictor records."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from flt_diag.analysis.early_warning import CHECK_EVERY, DEFAULT_FEATURES, agreement
+
+
+def print_model_line(model, n_params: int) -> None:
+    print(f"model: L={model.n_layer} d={model.n_embd} heads={model.n_head}, {n_params:,} parameters "
+          f"({n_params / 1e6:.1f}M) per cell", flush=True)
+
+
+def print_failed_cells(out: Path, n_cells: int, failed: list[str], missing: list[str]) -> None:
+    names = failed + missing
+    what = " and ".join(x for x in (f"{len(failed)} failed" if failed else "",
+                                    f"{len(missing)} did not finish" if missing else "") if x)
+    print(f"error: {len(names)} of {n_cells} cells not done ({what}: {', '.join(names[:4])}"
+          f"{', ...' if len(names) > 4 else ''}); see {out}/cells/<cell>/error.txt where it exists", file=sys.stderr)
+
+
+def print_map_plan(spec, ratio: float) -> None:
+    print(f"map: {len(spec.lines())} lines x {len(spec.criteria)} criteria; {spec.axis} grid "
+          f"{', '.join(f'{x:g}' for x in spec.grid)} (each boundary within x{ratio:g})", flush=True)
+
+
+def print_critical_values(crit: pd.DataFrame) -> None:
+    for criterion, g in crit.groupby("criterion", sort=False):
+        print(f"{criterion}: " + "; ".join(f"{r.variant} K={r.loops}: {r.text}" for r in g.itertuples()))
+
+
+def print_eval_loops(run_dir: Path, df: pd.DataFrame) -> None:
+    """One line per run: the trained K, the best loop count and every count's validation loss."""
+    finite = df[df.val_loss.apply(lambda x: x == x and abs(x) != float("inf"))]
+    best = finite.loc[finite.val_loss.idxmin()] if len(finite) else None
+    print(f"{run_dir}: trained at K={int(df.trained_loops[0])}; "
+          + (f"best val loss {best.val_loss:.3f} at {int(best.loops)} loops; " if best is not None else
+             "no finite val loss; ")
+          + " ".join(f"{int(k)}:{x:.2f}" for k, x in zip(df.loops, df.val_loss)))
+
+
+def _verdict_word(r) -> str:
+    return "agree" if r.agree else "FALSE ALARM" if r.false_alarm else "MISS"
+
+
+def _agreement_text(a: dict, target: str) -> str:
+    return (f"agreement {a['accuracy']:.0%} over {a['cells']} cells ({a['positives']} with target {target}); "
+            f"{a['false_alarms']} false alarms, {a['misses']} misses")
+
+
+def print_predictions_at(table: pd.DataFrame, step: int, target: str) -> None:
+    """`predict --at`: each cell's prediction at `step` beside its final verdict, and the agreement."""
+    if table.empty:
+        print(f"step {step}: no finished cell has more than {step} steps")
+        return
+    for r in table.itertuples():
+        print(f"{r.cell:28s} step {step}: P({target}) {r.p_collapse:.2f} -> {'WARN' if r.predicted else 'ok':4s} | "
+              f"final: {r.verdict:9s} {_verdict_word(r)}  [{r.evidence}]")
+    print(f"step {step}: {_agreement_text(agreement(table), target)}")
+
+
+def print_online(table: pd.DataFrame, target: str) -> None:
+    """`predict --online`: where the --warn checks would have warned, beside the final verdict."""
+    for r in table.itertuples():
+        said = f"warned at step {int(r.warned_at)} (P={r.p_warn:.2f})" if pd.notna(r.warned_at) else "never warned"
+        lead = f" (loss minimum at step {r.onset:.0f})" if pd.notna(r.onset) else ""
+        print(f"{r.cell:28s} {said:30s} max P {r.p_max:.2f} | final: {r.verdict + lead:9s}  {_verdict_word(r)}"
+              + (f"  [{r.evidence}]" if r.evidence else ""))
+    if table.empty:
+        print("no finished cell")
+    else:
+        print(f"online (checks every {CHECK_EVERY} steps, whole run): {_agreement_text(agreement(table), target)}")
+
+
+def print_cross_validation(step: int, a: dict, wrong: dict, target: str) -> None:
+    print(f"step {step}: leave-one-cell-out agreement {a['accuracy']:.0%} over {a['cells']} runs "
+          f"({a['positives']} with target {target}); {a['false_alarms']} false alarms, {a['misses']} misses"
+          + "".join(f"\n  {kind.replace('_', ' ')}: {run}" for kind, runs in wrong.items() for run in runs))
+
+
+def print_fitted(model: dict, out: Path) -> None:
+    for s, m in model["models"].items():
+        print(f"step {s}: {m['runs']} runs ({m['positives']} with target {model['target']}), training accuracy "
+              f"{m['train_accuracy']:.0%}; " + ", ".join(f"{f} {c:+.2f}" for f, c in zip(model["features"], m["coef"])))
+    print(f"predictor: {out}")
+
+
+def fit_command(v: dict, features: list[str]) -> str:
+    """The `flt-diag fit-predictor` command line of these option values (stored in the predictor),
+    with the options left at their defaults left out."""
+    return "flt-diag fit-predictor " + " ".join(map(str, v["paths"])) + f" --out {v['out']} --at " \
+        + " ".join(map(str, v["at"])) + (f" --l2 {v['l2']:g}" if v["l2"] != 1.0 else "") \
+        + (f" --target {v['target']}" if v["target"] != "fails" else "") \
+        + (" --features " + " ".join(features) if features != DEFAULT_FEATURES else "") \
+        + (f" --class-weight {v['class_weight']}" if v["class_weight"] != "balanced" else "") \
+        + (" --cross-validate" if v["cross_validate"] else "")

@@ -1,0 +1,46 @@
+"""docs/cli.md: the table of every option of train, run-ablation and map (and summary's
+thresholds), generated from the options the command line is generated from; a test keeps the file
+equal to it. Regenerate: `python -m flt_diag.cli.table` (writes docs/cli.md)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from flt_diag.cli.options import command_options, config_options, default_text
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
+START, END = "<!-- options:start -->", "<!-- options:end -->"
+HEADER = """# Command-line options
+
+Every option of `flt-diag train`, `run-ablation` and `map` (and the verdict thresholds of `summary
+--recompute`), with its default and meaning. The options come from one typed config
+(`flt_diag/config.py`); which command takes which is `flt_diag/cli/options.py`. `flt-diag COMMAND
+--help` shows the same, grouped by config section.
+
+This file is generated: after changing an option, run `python -m flt_diag.cli.table` (a test fails
+while the table and the options differ).
+"""
+
+
+def options_markdown() -> str:
+    """The option table (one row per flag and meaning, with the commands that take it)."""
+    rows, seen = ["| option | commands | default | meaning |", "|---|---|---|---|"], {}
+    for command in ("run-ablation", "map", "train"):
+        for o in command_options(command):
+            seen.setdefault((o.flag, o.help), (o, []))[1].append(command)
+    for o in config_options("summary"):
+        seen[(o.flag, o.help)][1].append("summary --recompute")
+    for (flag, _), (o, commands) in seen.items():
+        name = f"`{flag}`" + (f" / `--no-{flag[2:]}`" if o.kind is bool and o.section != "cli" else "")
+        default = default_text(o).strip()[1:-1].replace("default: ", "").replace("default by preset: ", "")
+        rows.append(f"| {name} | {', '.join(commands)} | {default or '-'} | {o.help.replace('|', '/')} |")
+    return "\n".join(rows)
+
+
+def document() -> str:
+    return f"{HEADER}\n{START}\n{options_markdown()}\n{END}\n"
+
+
+if __name__ == "__main__":
+    DOC.write_text(document())
+    print(DOC, file=sys.stderr)
