@@ -127,8 +127,9 @@ def test_flops_mode_times_each_K_against_the_measured_peak(bench, one_thread, tm
     printed = capsys.readouterr().out
     assert "% of peak" in printed and "GFLOP/s" in printed
     res = json.loads(out.read_text())
-    assert [r["loops"] for r in res["rows"]] == [1, 2]
-    assert res["peak"]["peak"] >= res["peak"]["median"] > 0 and res["peak"]["dtype"] == "float32"
+    modes = ["eager", "compiled"] if bench.compile_modes("cpu") == [False, True] else ["eager"]
+    assert [(r["loops"], r["mode"]) for r in res["rows"]] == [(k, m) for k in (1, 2) for m in modes]
+    assert res["clock"] == "process CPU" and res["peak"]["peak"] >= res["peak"]["median"] > 0 and res["peak"]["dtype"] == "float32"
     cfg = ModelConfig(n_layer=1, n_embd=32, n_head=2, sequence_len=16, vocab_size=256)
     for r in res["rows"]:
         flops = bench.train_flops(cfg, batch_size=4, loops=r["loops"])["total"]

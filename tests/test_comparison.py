@@ -18,7 +18,7 @@ from flt_diag.analysis import metric_names as M
 from flt_diag.analysis.report import write_report
 from flt_diag.analysis.results import results_table, summary_table, sweep_summary
 from flt_diag.analysis.storage import CELLS, read_json, write_json
-from flt_diag.cli.commands import main
+from flt_diag.cli import main
 from flt_diag.grids.sweep import SweepSpec, write_summary
 
 SEEDS = (0, 1, 2)
