@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from flt_diag.config import options_for
-from flt_diag.cli.console import console_progress, print_run_summary, print_sweep_table, progress_bar
+from flt_diag.cli.console import console_progress, print_eval_loops, print_run_summary, print_sweep_table, progress_bar
 from flt_diag.cli.options import (FOLDER_OPTIONS, Parser, UserError, add_options, build_run_config, check_data, check_values,
                       cli_opt, command_options, load_study, map_spec, settled, sweep_spec)
 from flt_diag.model.variants import MAX_LOOPS, VARIANT_DESCRIPTIONS
@@ -152,7 +152,7 @@ def cmd_summary(v: dict) -> int:
 # ------------------------------------------------------------------ evaluation, import, early warning
 
 def cmd_eval_loops(v: dict) -> int:
-    """Held-out loss and perplexity of each trained checkpoint at every inference loop count."""
+    """Held-out loss and perplexity (and a task's accuracy) of each trained checkpoint at every inference loop count."""
     from flt_diag.training.trainer import resolve_device
     try:
         device = str(resolve_device(v["device"]))
@@ -173,12 +173,7 @@ def cmd_eval_loops(v: dict) -> int:
             print(f"{d}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
             failed += 1
             continue
-        finite = df[df.val_loss.apply(lambda x: x == x and abs(x) != float("inf"))]
-        best = finite.loc[finite.val_loss.idxmin()] if len(finite) else None
-        print(f"{d}: trained at K={int(df.trained_loops[0])}; "
-              + (f"best val loss {best.val_loss:.3f} at {int(best.loops)} loops; " if best is not None else
-                 "no finite val loss; ")
-              + " ".join(f"{int(k)}:{x:.2f}" for k, x in zip(df.loops, df.val_loss)))
+        print_eval_loops(d, df)
     return 1 if failed else 0
 
 
@@ -375,8 +370,8 @@ COMMANDS: dict[str, tuple] = {
         cli_opt("--recompute", bool, "Recompute every finished run's verdict and figures from its stored metrics "
                 "(e.g. with new verdict thresholds).", False), *options_for("summary")]),
     "eval-loops": (cmd_eval_loops, [_positional("path", Path, "A finished run folder or a sweep folder.")], lambda: [
-        cli_opt("--loops", int, "Inference loop counts.", list(range(1, 17)), many=True, low=1, high=MAX_LOOPS,
-                optional=False),
+        cli_opt("--loops", int, "Inference loop counts [default: 1 .. 2K, K the loops each run was trained with].",
+                many=True, low=1, high=MAX_LOOPS),
         cli_opt("--batches", int, "Validation batches per count [default: the run's eval batches].", low=1),
         cli_opt("--data", str, "Evaluate on another corpus (e.g. wikitext2) [default: the run's]."),
         cli_opt("--device", str, "cpu, cuda or cuda:N.", "cpu", optional=False)]),

@@ -177,7 +177,7 @@ def build_run_config(values: dict, **grid):
         resolve_device(cfg.train.device)
     except ValueError as e:
         raise UserError(str(e)) from None
-    check_data(cfg.train.data, cfg.train.tokenizer)
+    check_data(cfg.train.data, cfg.train.tokenizer, cfg)
     return cfg
 
 
@@ -194,10 +194,11 @@ def settled(cfg):
                         else str(e)) from None
 
 
-def check_data(data: str, tokenizer: str) -> None:
-    from flt_diag.data.corpus import DataError, resolve_corpus
+def check_data(data: str, tokenizer: str, cfg=None) -> None:
+    from flt_diag.data.corpus import DataError
+    from flt_diag.data.sources import check_source
     try:
-        resolve_corpus(data)
+        check_source(data, tokenizer, cfg)  # with the run's config, a task's dials against its --seq-len
     except DataError as e:
         raise UserError(str(e)) from None
     if tokenizer.endswith(".json") and not Path(tokenizer).exists():
