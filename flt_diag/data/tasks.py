@@ -36,7 +36,7 @@ from __future__ import annotations
 import hashlib
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -183,7 +183,8 @@ class TaskData:
     split: str  # "train" or "val"
     seq_len: int
     vocab_size: int = 256  # bytes
-    path: Path | None = None  # nothing is cached: rows are made when drawn
+    path: Path | None = None  # nothing is cached on disk: rows are made when drawn
+    kept: dict[int, Problem] = field(default_factory=dict, repr=False)  # held-out rows made so far
 
     @property
     def unigram_entropy(self) -> float:
@@ -203,10 +204,16 @@ class TaskData:
         raise DataError(f"{self.task.ident}: no {self.split} problem in {MAX_ATTEMPTS} draws")
 
     def row(self, row_id: int) -> Problem:
-        """Row `row_id`: its problems side by side, padded to seq_len."""
+        """Row `row_id`: its problems side by side, padded to seq_len. Held-out rows are kept once
+        made (every evaluation draws the same ones, and each costs ~HELD_OUT_EVERY draws)."""
+        if row_id in self.kept:
+            return self.kept[row_id]
         problems = [self.problem(row_id, j) for j in range(self.per_row)]
-        return Problem("".join(p.text for p in problems).ljust(self.seq_len, PAD),
-                       "".join(p.targets for p in problems).ljust(self.seq_len, NO_TARGET))
+        row = Problem("".join(p.text for p in problems).ljust(self.seq_len, PAD),
+                      "".join(p.targets for p in problems).ljust(self.seq_len, NO_TARGET))
+        if self.split == "val":
+            self.kept[row_id] = row
+        return row
 
     def arrays(self, row_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """x (B, T) and y (B, T) as int64 arrays: y is IGNORE_INDEX except at answer tokens."""
