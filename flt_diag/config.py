@@ -194,8 +194,8 @@ class TrainConfig:
     tokenizer: str | None = opt("bytes", "bytes, a Hugging Face tokenizer name, or a tokenizer.json path (unset "
                                 "only in imported runs whose tokenizer is unknown).")
     max_tokens: int | None = opt(None, "Cap on training tokens read from the corpus.", low=2)
-    hops: int = opt(4, "phop: pointers followed back through the context (its difficulty dial).", low=1, high=16)
-    alphabet: int = opt(8, "phop: symbols the context is drawn from.", low=3, high=26)
+    hops: int = opt(3, "phop: pointers followed back through the context (its difficulty dial).", low=1, high=16)
+    alphabet: int = opt(4, "phop: symbols the context is drawn from.", low=3, high=26)
     operands: int = opt(4, "addition: numbers added (its difficulty dial).", low=2, high=10)
     digits: int = opt(2, "addition: digits per number.", low=1, high=5)
 
