@@ -11,7 +11,6 @@ from matplotlib.lines import Line2D
 from flt_diag.analysis.results import Study, summary_table
 from flt_diag.analysis.figures import Figure, register
 from flt_diag.analysis.figures.style import finish, legend, new_figure, style, variant_color, variants
-from flt_diag.config import TASKS
 
 COLUMNS = ["lr_scale", "variant", "loops", "verdict", "finished", "val_accuracy"]
 FAILED = ("collapsed", "diverged")
@@ -24,7 +23,8 @@ def data(study: Study) -> pd.DataFrame:
 
 
 def on_a_task(study: Study) -> bool:
-    return any(run.config.get("train", {}).get("data") in TASKS for run in study.runs)
+    """Whether a run trains on a synthetic task (its config.json's "corpus" names the task)."""
+    return any(run.config.get("corpus", {}).get("task") for run in study.runs)
 
 
 def draw(df: pd.DataFrame):
