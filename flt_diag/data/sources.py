@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from flt_diag.config import TASKS
-from flt_diag.data.corpus import TokenData, load_tokens, resolve_corpus
+from flt_diag.data.corpus import DataError, TokenData, load_tokens, resolve_corpus
 from flt_diag.data.tasks import TaskData, load_task, make_task
 
 
@@ -27,7 +27,6 @@ def check_source(data: str, tokenizer: str, cfg=None) -> None:
         if train is not None:
             make_task(train, cfg.model.sequence_len)
         elif tokenizer != "bytes":
-            from flt_diag.data.corpus import DataError
             raise DataError(f"--data {data} is written in bytes; use --tokenizer bytes (got {tokenizer})")
         return
     resolve_corpus(data)
