@@ -20,6 +20,12 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from flt_diag.model.variants import MAX_LOOPS, VARIANTS
 
 
+# The synthetic tasks `--data` accepts beside corpora (flt_diag.data.tasks), each with the difficulty
+# dials (TrainConfig fields) it reads; a run of one task ignores the other task's dials.
+TASKS: dict[str, tuple[str, ...]] = {"phop": ("hops", "alphabet"), "addition": ("operands", "digits")}
+TASK_DIALS = tuple(dial for dials in TASKS.values() for dial in dials)
+
+
 def opt(default, help: str, *, flag: str | None = None, choices=None, low=None, high=None, above=None, below=None):
     """A config field that is also an option. `low`/`high` bound it inclusively, `above`/`below`
     exclusively; floats must be finite. Which commands take it is the CLI's business (flt_diag.cli.options)."""
@@ -179,14 +185,22 @@ class TrainConfig:
     eval_every: int = opt(250, "Steps between validation losses (and at the end); 0 = only at the end.", low=0)
     eval_batches: int = opt(8, "Validation micro-batches per evaluation.", low=1)
     checkpoint_every: int = opt(500, "Steps between resume checkpoints; 0 = none.", low=0)
-    data: str = opt("stdlib", "stdlib (offline default), fineweb-edu, fineweb-edu-100b, wikitext2, or a "
-                    ".txt/.jsonl/.parquet file or folder.")
+    data: str = opt("stdlib", "stdlib (offline default), fineweb-edu, fineweb-edu-100b, wikitext2, a "
+                    ".txt/.jsonl/.parquet file or folder, or a synthetic task with answers: phop or addition "
+                    "(docs/DESIGN.md, Synthetic tasks).")
     tokenizer: str | None = opt("bytes", "bytes, a Hugging Face tokenizer name, or a tokenizer.json path (unset "
                                 "only in imported runs whose tokenizer is unknown).")
     max_tokens: int | None = opt(None, "Cap on training tokens read from the corpus.", low=2)
+    hops: int = opt(3, "phop: pointers followed back through the context (its difficulty dial).", low=1, high=16)
+    alphabet: int = opt(4, "phop: symbols the context is drawn from.", low=3, high=26)
+    operands: int = opt(4, "addition: numbers added (its difficulty dial).", low=2, high=10)
+    digits: int = opt(2, "addition: digits per number.", low=1, high=5)
 
     def __post_init__(self) -> None:
         check(self)  # every section validates itself when built (also by `replace`)
+        if self.data in TASKS and self.sampling == "stream":
+            raise ValueError(f"--sampling stream reads a corpus in order; --data {self.data} draws its examples "
+                             "at random: use --sampling random")
 
 
 @dataclass

@@ -27,8 +27,9 @@ import re
 from pathlib import Path
 
 from flt_diag.analysis.early_warning import PACKAGED, load_predictor
-from flt_diag.config import RunConfig, build_config, padded_vocab, sections_from
-from flt_diag.data.corpus import DataError, get_tokenizer, resolve_corpus
+from flt_diag.config import TASK_DIALS, TASKS, RunConfig, build_config, padded_vocab, sections_from
+from flt_diag.data.corpus import DataError, get_tokenizer
+from flt_diag.data.sources import check_source
 
 # Fields that may differ when a run folder is reused (they do not change what is computed).
 VOLATILE_TRAIN_FIELDS = ("device", "threads", "compile", "eval_every", "checkpoint_every")
@@ -57,7 +58,7 @@ def settle(cfg: RunConfig) -> RunConfig:
     """A copy of `cfg` ready to run (device decided, vocabulary from the tokenizer, corpus, tokenizer
     and predictor checked); `cfg` itself is not changed. Settling a settled config changes nothing."""
     device = choose_device(cfg.train.device)
-    check_data(cfg.train.data, cfg.train.tokenizer)
+    check_data(cfg.train.data, cfg.train.tokenizer, cfg)
     d = cfg.diagnostics
     if d.warn or d.stop_on_collapse or d.predictor is not None:
         predictor(d.predictor)
@@ -96,9 +97,10 @@ def _cuda_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def check_data(data: str, tokenizer: str | None) -> None:
-    """The corpus is one flt-diag can read, and a tokenizer given as a file exists (DataError)."""
-    resolve_corpus(data)
+def check_data(data: str, tokenizer: str | None, cfg: RunConfig | None = None) -> None:
+    """The corpus or task is one flt-diag can read (with the run's config, a task's dials against its
+    sequence length), and a tokenizer given as a file exists (DataError)."""
+    check_source(data, tokenizer, cfg)
     if tokenizer is not None and tokenizer.endswith(".json") and not Path(tokenizer).exists():
         raise DataError(f"tokenizer file {tokenizer} does not exist")
 
@@ -134,13 +136,16 @@ def _load_predictor(path: str | None, version) -> dict:
 
 def comparable(cfg_dict: dict) -> dict:
     """The parts of a config that decide what a run computes (verdict thresholds, logging
-    mirrors and intervals can change without invalidating a run folder)."""
+    mirrors and intervals, and the dials of a task the run does not train on, can change without
+    invalidating a run folder; folders written before the task dials existed still resume)."""
     d = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg_dict.items()
          if k not in ("env", "corpus", "verdict", "imported_from", "note", "n_params")}
     for k in VOLATILE_TRAIN_FIELDS:
         d["train"].pop(k, None)
     for k in VOLATILE_DIAGNOSTICS_FIELDS:
         d.get("diagnostics", {}).pop(k, None)
+    for k in set(TASK_DIALS) - set(TASKS.get(d["train"].get("data"), ())):  # dials its data does not read
+        d["train"].pop(k, None)
     return d
 
 

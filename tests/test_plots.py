@@ -23,7 +23,8 @@ from flt_diag.analysis.storage import CELLS, StorageError, read_json, write_json
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CHROMIUM = Path("/usr/bin/chromium")
-RUN_FIGURES = [k for k in P.FIGURES if k != "map"]  # the figures of any run or sweep (map: map folders only)
+# the figures of any run or sweep (map: map folders only; accuracy: runs of a synthetic task only)
+RUN_FIGURES = [k for k in P.FIGURES if k not in ("map", "accuracy")]
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,8 @@ the suffixes below: "<metric>/embedding" and "<metric>/head" with layer NONE, an
 NONE = -1
 
 LOSS = "loss"  # training loss of the step (mean over micro-batches)
-VAL_LOSS = "val_loss"  # held-out loss at evaluation steps
+VAL_LOSS = "val_loss"  # held-out loss at evaluation steps (answer tokens only on a synthetic task)
+VAL_ACCURACY = "val_accuracy"  # share of held-out answers right, exact match (synthetic tasks only)
 LR = "lr"  # learning rate of the block matrices (Muon) or of everything (plain AdamW)
 MOMENTUM = "momentum"  # Muon momentum of the step (absent with plain AdamW)
 RESID_NORM = "resid_norm"  # mean per-token L2 norm of the stream after block `layer` of loop `loop`

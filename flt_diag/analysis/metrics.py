@@ -198,6 +198,7 @@ def summarize(df: pd.DataFrame, cfg, unigram_entropy: float | None = None, wall_
         name, evidence = "unstable", {**evidence, "reason": f"gradient-norm CV {osc['cv']:.2f} over the first "
                                       f"{min(dense, len(g))} steps exceeds {v.osc_cv_threshold:g} (gradient oscillation)"}
     val = series(df, M.VAL_LOSS).dropna()
+    accuracy = series(df, M.VAL_ACCURACY).dropna()
     finite_loss = loss[np.isfinite(loss.to_numpy())]
     milestones = milestone_stds(loss, g, cfg.train.steps, cfg.train.warmdown_frac)
     at = {m["step"]: m for m in milestones}
@@ -211,6 +212,7 @@ def summarize(df: pd.DataFrame, cfg, unigram_entropy: float | None = None, wall_
         best_loss=evidence.get("min_smoothed_loss", math.nan),
         val_loss=float(val.iloc[-1]) if len(val) else math.nan,
         val_ppl=float(math.exp(min(val.iloc[-1], 700))) if len(val) else math.nan,
+        val_accuracy=float(accuracy.iloc[-1]) if len(accuracy) else math.nan,
         **{f"osc_{k}": val_ for k, val_ in osc.items()},
         loss_std=mid.get(M.LOSS_STD, math.nan), grad_norm_std=mid.get(M.GRAD_NORM_STD, math.nan),
         loss_std_warmdown=last.get(M.LOSS_STD, math.nan), grad_norm_std_warmdown=last.get(M.GRAD_NORM_STD, math.nan),

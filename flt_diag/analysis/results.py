@@ -41,7 +41,7 @@ NO_METRICS = pd.DataFrame(columns=COLUMNS).astype({"step": "int64", "loop": "int
 
 # summary.json keys shown per run; SUMMARY_NUMBERS (final_loss .. grad_norm_std) are averaged per grid cell
 SUMMARY_COLUMNS = ["cell", "variant", "loops", "seed", "lr_scale", "verdict", "residual_explosion", "final_loss",
-                   "best_loss", "val_loss", "val_ppl", "peak_resid_norm", "osc_cv", "osc_mean_abs_dlog",
+                   "best_loss", "val_loss", "val_ppl", "val_accuracy", "peak_resid_norm", "osc_cv", "osc_mean_abs_dlog",
                    "osc_sign_alternation", "osc_neg_cosine_share", "loss_std", "grad_norm_std", "steps_done",
                    "wall_time"]
 SUMMARY_NUMBERS = SUMMARY_COLUMNS[SUMMARY_COLUMNS.index("final_loss"):SUMMARY_COLUMNS.index("steps_done")]

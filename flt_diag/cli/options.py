@@ -102,8 +102,8 @@ PREDICT = [
             False)]
 
 EVAL_LOOPS = [
-    cli_opt("--loops", int, "Inference loop counts.", list(range(1, 17)), many=True, low=1, high=MAX_LOOPS,
-            optional=False),
+    cli_opt("--loops", int, "Inference loop counts [default: 1 .. 2K, K the loops each run was trained with].",
+            many=True, low=1, high=MAX_LOOPS),
     cli_opt("--batches", int, "Validation batches per count [default: the run's eval batches].", low=1),
     cli_opt("--data", str, "Evaluate on another corpus (e.g. wikitext2) [default: the run's]."),
     cli_opt("--device", str, "cpu, cuda or cuda:N.", "cpu", optional=False)]

@@ -34,14 +34,19 @@ def print_critical_values(crit: pd.DataFrame) -> None:
         print(f"{criterion}: " + "; ".join(f"{r.variant} K={r.loops}: {r.text}" for r in g.itertuples()))
 
 
-def print_eval_loops(run_dir: Path, df: pd.DataFrame) -> None:
-    """One line per run: the trained K, the best loop count and every count's validation loss."""
+def print_eval_loops(run: Path, df: pd.DataFrame) -> None:
+    """One line per run of `flt-diag eval-loops`: the best loss, and the loss (and a task's accuracy) at every count."""
     finite = df[df.val_loss.apply(lambda x: x == x and abs(x) != float("inf"))]
     best = finite.loc[finite.val_loss.idxmin()] if len(finite) else None
-    print(f"{run_dir}: trained at K={int(df.trained_loops[0])}; "
-          + (f"best val loss {best.val_loss:.3f} at {int(best.loops)} loops; " if best is not None else
-             "no finite val loss; ")
-          + " ".join(f"{int(k)}:{x:.2f}" for k, x in zip(df.loops, df.val_loss)))
+    line = (f"{run}: trained at K={int(df.trained_loops[0])}; "
+            + (f"best val loss {best.val_loss:.3f} at {int(best.loops)} loops; " if best is not None else
+               "no finite val loss; ")
+            + " ".join(f"{int(k)}:{x:.2f}" for k, x in zip(df.loops, df.val_loss)))
+    if df.accuracy.notna().any():
+        top = df.loc[df.accuracy.idxmax()]
+        line += (f"; best accuracy {top.accuracy:.3f} at {int(top.loops)} loops; "
+                 + " ".join(f"{int(k)}:{a:.2f}" for k, a in zip(df.loops, df.accuracy)))
+    print(line)
 
 
 def _verdict_word(r) -> str:

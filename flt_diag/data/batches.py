@@ -18,7 +18,10 @@ def batch_generator(seed: int, step: int, micro: int = 0, rank: int = 0) -> torc
 
 def get_batch(data: TokenData, batch_size: int, seq_len: int, generator: torch.Generator,
               device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Random windows: x (B, T) and its next-token targets y (B, T)."""
+    """Random windows: x (B, T) and its next-token targets y (B, T). A synthetic task
+    (flt_diag.data.tasks.TaskData) draws its own rows instead, answer tokens as the only targets."""
+    if not isinstance(data, TokenData):
+        return data.batch(batch_size, seq_len, generator, device)
     n = len(data.tokens) - seq_len - 1
     if n <= 0:
         raise DataError(f"corpus has {len(data.tokens)} tokens, fewer than a sequence of {seq_len + 1}")

@@ -6,6 +6,7 @@ Corpora (`--data`):
   fineweb-edu   HuggingFaceFW/fineweb-edu "sample-10BT", streamed (what the paper trains on)
   wikitext2     wikitext-2-raw-v1 (its own train/validation splits; used for perplexity)
   PATH          a local .txt / .jsonl / .parquet file, or a folder of them
+  phop, addition  synthetic tasks with answers (flt_diag.data.tasks; loaded through flt_diag.data.sources)
 
 Every corpus except stdlib goes through one function, `iter_documents`, which calls
 `datasets.load_dataset`: hub names and local files take the same code path.

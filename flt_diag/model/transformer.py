@@ -193,7 +193,8 @@ class LoopedTransformer(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loops: int | None = None,
                 loss_on: str = "end"):
-        """Logits (B, T, V) of the final loop; with targets, (logits, loss).
+        """Logits (B, T, V) of the final loop; with targets, (logits, loss). Targets of -100
+        (F.cross_entropy's ignore_index; a synthetic task's non-answer positions) are left out of the mean.
 
         loss_on: "end" (final loop), "all" (mean over loops) or "last-third" (mean over the
         last ceil(K/3) loops)."""

@@ -1,8 +1,15 @@
-"""Held-out loss during training (`Evaluation`, a Trainer callback), and test-time loop
-evaluation of trained checkpoints."""
+"""Held-out loss (and, on a task with answers, exact-match accuracy) during training
+(`Evaluation`, a Trainer callback), and test-time loop evaluation of trained checkpoints.
+
+Accuracy (flt_diag.data.tasks): an answer is `answer_len` consecutive targets of a row (one letter
+of phop, the w digits of a sum); it is right when the model's most likely token is the target at
+every one of its positions, given the true tokens before it (teacher forcing; greedy decoding gets
+the same answers right, since a decoder that has been right so far sees exactly those tokens).
+`val_accuracy` is the share of held-out answers that are right."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -13,29 +20,52 @@ from flt_diag.analysis import metric_names as M
 from flt_diag.training.callbacks import Callback
 from flt_diag.data.batches import batch_generator, get_batch
 from flt_diag.data.corpus import TokenData
+from flt_diag.data.tasks import IGNORE_INDEX, TaskData
 
 VAL_SEED = 1234567  # validation batches are the same for every run and every evaluation
 
 
+@dataclass(frozen=True)
+class Scores:
+    loss: float  # mean cross-entropy (nats per target token: answer tokens only on a task)
+    accuracy: float | None  # share of answers right (exact match); None for text, which has no answers
+
+
+def exact_match(logits: torch.Tensor, targets: torch.Tensor, answer_len: int) -> tuple[int, int]:
+    """(answers right, answers) of a batch: logits (B, T, V), targets (B, T) with IGNORE_INDEX
+    outside the answers; an answer is `answer_len` consecutive targets of a row, in row order."""
+    is_answer = targets != IGNORE_INDEX
+    right = (logits.argmax(-1) == targets)[is_answer]  # (number of answer tokens,) row by row
+    if right.numel() % answer_len:
+        raise ValueError(f"{right.numel()} answer tokens are not answers of {answer_len}")
+    answers = right.view(-1, answer_len).all(dim=1)
+    return int(answers.sum()), answers.numel()
+
+
 @torch.no_grad()
-def evaluate(model, data: TokenData, batch_size: int, seq_len: int, batches: int,
-             device: str | torch.device = "cpu", loops: int | None = None) -> float:
-    """Mean cross-entropy (nats/token) of the final loop over `batches` fixed validation batches."""
+def evaluate(model, data: TokenData | TaskData, batch_size: int, seq_len: int, batches: int,
+             device: str | torch.device = "cpu", loops: int | None = None) -> Scores:
+    """Cross-entropy of the final loop over `batches` fixed validation batches (the mean of their
+    means), and on a task the exact-match accuracy of its answers."""
     was_training = model.training
     model.eval()
-    total = 0.0
+    total, right, answers = 0.0, 0, 0
     for i in range(batches):
         x, y = get_batch(data, batch_size, seq_len, batch_generator(VAL_SEED, i), device)
         logits = model(x, loops=loops)
-        total += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()).item()
+        total += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE_INDEX).item()
+        if isinstance(data, TaskData):
+            r, n = exact_match(logits, y, data.task.answer_len)
+            right, answers = right + r, answers + n
     model.train(was_training)
-    return total / batches
+    return Scores(total / batches, right / answers if answers else None)
 
 
 class Evaluation(Callback):
-    """val_loss every `eval_every` steps (not after the last) and once when training ends - unless it
-    ended on a non-finite loss - under the run's autocast. Every rank computes it (no collective
-    operations); the row goes to the callbacks' `on_rows` (the metrics table, the mirrors)."""
+    """val_loss (and val_accuracy on a task) every `eval_every` steps (not after the last) and once
+    when training ends - unless it ended on a non-finite loss - under the run's autocast. Every rank
+    computes it (no collective operations); the rows go to the callbacks' `on_rows` (the metrics
+    table, the mirrors)."""
 
     def on_step_end(self, trainer, step: int) -> None:
         t, done = trainer.cfg.train, step + 1
@@ -52,40 +82,54 @@ class Evaluation(Callback):
         with trainer.autocast():
             val = evaluate(trainer.model, trainer.val_data, t.batch_size, trainer.cfg.model.sequence_len,
                            t.eval_batches, trainer.device)
-        trainer.emit(step, [(step, M.VAL_LOSS, M.NONE, M.NONE, val)])
+        rows = [(step, M.VAL_LOSS, M.NONE, M.NONE, val.loss)]
+        if val.accuracy is not None:
+            rows.append((step, M.VAL_ACCURACY, M.NONE, M.NONE, val.accuracy))
+        trainer.emit(step, rows)
 
 
-def eval_loops(run_dir: Path, loops: list[int], batches: int | None = None, data: str | None = None,
+def eval_loops(run_dir: Path, loops: list[int] | None = None, batches: int | None = None, data: str | None = None,
                device: str = "cpu") -> pd.DataFrame:
-    """Validation loss and perplexity of a run's final checkpoint at each inference loop count.
+    """Validation loss, perplexity and (on a task) exact-match accuracy of a run's final checkpoint
+    at each inference loop count (default 1 .. 2K, K the loops it was trained with).
 
-    Writes <run>/eval_loops.csv (columns: loops, trained_loops, val_loss, perplexity, data, batches)."""
-    from flt_diag.analysis.storage import CHECKPOINT, EVAL_LOOPS, StorageError, atomic_path, load_config
-    from flt_diag.data.corpus import load_tokens
-    from flt_diag.model.transformer import LoopedTransformer, ModelConfig
+    Writes <run>/eval_loops.csv (columns: loops, trained_loops, val_loss, perplexity, accuracy, data,
+    batches; accuracy is empty for text)."""
+    from flt_diag.analysis.storage import EVAL_LOOPS, atomic_path, load_config
+    from flt_diag.config import RunConfig
+    from flt_diag.data.sources import load_split
 
     run_dir = Path(run_dir)
+    model = _final_model(run_dir, device)
+    t = RunConfig.from_dict(load_config(run_dir)).train
+    data = data or t.data
+    val = load_split(t, model.cfg.sequence_len, "val", data)
+    batches = batches or t.eval_batches
+    rows = []
+    for k in loops or range(1, 2 * model.cfg.loops + 1):
+        scores = evaluate(model, val, t.batch_size, model.cfg.sequence_len, batches, device, loops=k)
+        rows.append(dict(loops=k, trained_loops=model.cfg.loops, val_loss=scores.loss,
+                         perplexity=math.exp(min(scores.loss, 700)),
+                         accuracy=math.nan if scores.accuracy is None else scores.accuracy, data=data, batches=batches))
+    df = pd.DataFrame(rows)
+    with atomic_path(run_dir / EVAL_LOOPS) as tmp:
+        df.to_csv(tmp, index=False)
+    return df
+
+
+def _final_model(run_dir: Path, device: str):
+    """The model of a run's checkpoint.pt (StorageError, one line, when there is none or it does not fit)."""
+    from flt_diag.analysis.storage import CHECKPOINT, StorageError
+    from flt_diag.model.transformer import LoopedTransformer, ModelConfig
+    from flt_diag.training.checkpoint import load
+
     ckpt_path = run_dir / CHECKPOINT
     if not ckpt_path.exists():
         raise StorageError(f"{run_dir} has no {CHECKPOINT} (has the run finished?)")
-    cfg = load_config(run_dir)
-    from flt_diag.training.checkpoint import load
     ckpt = load(ckpt_path, map_location=device)
     try:
         model = LoopedTransformer(ModelConfig(**ckpt["model_config"])).to(device)
         model.load_state_dict(ckpt["model"])
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise StorageError(f"{ckpt_path} is not a checkpoint of this model: {str(e).splitlines()[0]}") from None
-    t = cfg["train"]
-    data = data or t["data"]
-    val = load_tokens(data, t["tokenizer"], "val", t.get("max_tokens"))
-    batches = batches or t["eval_batches"]
-    rows = []
-    for k in loops:
-        loss = evaluate(model, val, t["batch_size"], model.cfg.sequence_len, batches, device, loops=k)
-        rows.append(dict(loops=k, trained_loops=model.cfg.loops, val_loss=loss,
-                         perplexity=math.exp(min(loss, 700)), data=data, batches=batches))
-    df = pd.DataFrame(rows)
-    with atomic_path(run_dir / EVAL_LOOPS) as tmp:
-        df.to_csv(tmp, index=False)
-    return df
+    return model

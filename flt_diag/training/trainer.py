@@ -34,6 +34,8 @@ from flt_diag.training.checkpoint import Checkpoints, restore
 from flt_diag.config import RunConfig
 from flt_diag.data.batches import batch_generator, get_batch, stream_batch
 from flt_diag.data.corpus import DataError, TokenData, load_tokens
+from flt_diag.data.sources import describe, load_split
+from flt_diag.data.tasks import TaskData
 from flt_diag.training.evaluation import Evaluation
 from flt_diag.training.external import ExternalSinks
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig
@@ -115,10 +117,10 @@ def _start_process(cfg: RunConfig) -> tuple[torch.device, int, int]:
     return device, rank, world
 
 
-def _load_splits(t, seq_len: int) -> tuple[TokenData, TokenData]:
-    splits = [load_tokens(t.data, t.tokenizer, split, t.max_tokens) for split in ("train", "val")]
+def _load_splits(t, seq_len: int) -> tuple[TokenData | TaskData, TokenData | TaskData]:
+    splits = [load_split(t, seq_len, split) for split in ("train", "val")]
     for name, data in zip(("train", "validation"), splits):
-        if len(data) < seq_len + 2:  # found now, not after every step has been trained
+        if isinstance(data, TokenData) and len(data) < seq_len + 2:  # found now, not after every step has been trained
             raise DataError(f"the {name} split of {t.data} has {len(data)} tokens; a sequence of "
                             f"{seq_len} needs at least {seq_len + 2}")
     return splits[0], splits[1]
@@ -243,8 +245,7 @@ class Trainer:
         if not os.access(d, os.W_OK):
             raise StorageError(f"cannot write to {d}")
         write_json(d / CONFIG, {**cfg_dict, "n_params": self.n_params, "env": environment(self.device),
-                                "corpus": {"train_tokens": len(self.train_data), "val_tokens": len(self.val_data),
-                                           "unigram_entropy": self.train_data.unigram_entropy}})
+                                "corpus": describe(self.train_data, self.val_data)})
         return True
 
     def end(self) -> None:

@@ -1,0 +1,40 @@
+"""A run's data through one door: a text corpus (flt_diag.data.corpus) or a synthetic task with
+answers (flt_diag.data.tasks). The Trainer, the evaluation and the command line's checks load and
+check data here; batches of either kind come from flt_diag.data.batches.get_batch."""
+from __future__ import annotations
+
+import dataclasses
+
+from flt_diag.config import TASKS
+from flt_diag.data.corpus import DataError, TokenData, load_tokens, resolve_corpus
+from flt_diag.data.tasks import TaskData, load_task, make_task
+
+
+def load_split(train, seq_len: int, split: str, data: str | None = None) -> TokenData | TaskData:
+    """Split "train" or "val" of the data a TrainConfig names (or of `data`, e.g. another corpus
+    to evaluate on, read with the run's tokenizer and task dials)."""
+    data = data or train.data
+    if data in TASKS:
+        return load_task(dataclasses.replace(train, data=data, sampling="random"), seq_len, split)
+    return load_tokens(data, train.tokenizer, split, train.max_tokens)
+
+
+def check_source(data: str, tokenizer: str, cfg=None) -> None:
+    """DataError (one line) when `data` cannot be read as configured, found before anything runs;
+    with the run's config, a task's dials are checked against its sequence length too."""
+    if data in TASKS:
+        train = dataclasses.replace(cfg.train, data=data, sampling="random") if cfg is not None else None
+        if train is not None:
+            make_task(train, cfg.model.sequence_len)
+        elif tokenizer != "bytes":
+            raise DataError(f"--data {data} is written in bytes; use --tokenizer bytes (got {tokenizer})")
+        return
+    resolve_corpus(data)
+
+
+def describe(train_data: TokenData | TaskData, val_data: TokenData | TaskData) -> dict:
+    """config.json's "corpus": token counts of a corpus, or a task's layout and example."""
+    if isinstance(train_data, TaskData):
+        return train_data.facts()
+    return {"train_tokens": len(train_data), "val_tokens": len(val_data),
+            "unigram_entropy": train_data.unigram_entropy}
