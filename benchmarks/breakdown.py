@@ -25,19 +25,10 @@ from common import BenchSpec, FwdBwdJob, StepJob, _quiet_stderr, bench_config, t
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
 
 
-class ForwardJob:
+class ForwardJob(FwdBwdJob):
     """The model's forward with autograd recording (as in training), graph dropped: no backward."""
 
-    def __init__(self, job: StepJob):
-        self.trainer, self.step = job.trainer, 0
-
-    def __call__(self) -> None:
-        t = self.trainer
-        x, y = t.batch(self.step)
-        with t.autocast():
-            _, loss = t.ddp_model(x, y, loss_on=t.cfg.train.loss_on)
-        loss.item()
-        self.step += 1
+    backward = False
 
 
 def op_kinds(job: StepJob, steps: int = 3) -> dict:

@@ -180,7 +180,10 @@ class StepJob:
 
 class FwdBwdJob:
     """Forward + backward only (same batch draw and autocast as train_step), on the model of a
-    diagnostics-off StepJob; gradients are dropped. Isolates the model from the optimizer."""
+    diagnostics-off StepJob; gradients are dropped. Isolates the model from the optimizer.
+    `backward = False` (ForwardJob): the forward alone, with autograd recording as in training."""
+
+    backward = True
 
     def __init__(self, job: StepJob):
         self.trainer = job.trainer
@@ -191,9 +194,10 @@ class FwdBwdJob:
         x, y = t.batch(self.step)
         with t.autocast():
             _, loss = t.ddp_model(x, y, loss_on=t.cfg.train.loss_on)
-        loss.backward()
-        for p in t.model.parameters():
-            p.grad = None
+        if self.backward:
+            loss.backward()
+            for p in t.model.parameters():
+                p.grad = None
         loss.item()  # a sync, as collect() is in the full step
         self.step += 1
 
