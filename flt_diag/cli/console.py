@@ -100,7 +100,8 @@ def _print_table(df, columns: list[tuple], title: str, caption: str) -> None:
     from rich.table import Table
 
     constant = _constant_columns(df)
-    shown = [c for c in columns if c[1] in df and c[1] not in constant]
+    shown = [c for c in columns if c[1] in df and c[1] not in constant
+             and not (c[1] == "val_accuracy" and df[c[1]].isna().all())]  # accuracy: task runs only
     fixed = ", ".join(CONSTANT_TITLE[c].format(v) for c, v in constant.items())
     table = Table(title=title + (f" ({fixed})" if fixed else ""), caption=caption, caption_justify="left")
     for header, column, _ in shown:
