@@ -19,7 +19,6 @@ from flt_diag.analysis.results import SUMMARY_COLUMNS, collect
 from flt_diag.analysis.storage import CELLS, StorageError, read_json
 
 
-
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory) -> Path:
     return make_sweep(tmp_path_factory.mktemp("figures") / "sweep")

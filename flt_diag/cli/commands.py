@@ -14,6 +14,8 @@ from pathlib import Path
 import pandas as pd
 
 from flt_diag.analysis import early_warning as EW
+from flt_diag.analysis import predictor_fit as FIT
+from flt_diag.analysis.figures.agreement import draw_agreement
 from flt_diag.analysis.figures import plot, save as save_figure
 from flt_diag.analysis.metrics import resummarize
 from flt_diag.analysis.report import write_report
@@ -181,7 +183,7 @@ def cmd_predict(v: dict) -> int:
         curves = {(where if len(models) == 1 else Path(name).stem):
                   [dict(step=s, **EW.agreement(t[t.step == s])) for s in v["at"] if (t.step == s).any()]
                   for name, t in zip(models, tables)}
-        print(save_figure(EW.draw_agreement(curves, runs=None if len(models) == 1 else where), v["figure"]))
+        print(save_figure(draw_agreement(curves, runs=None if len(models) == 1 else where), v["figure"]))
     return 0
 
 
@@ -203,11 +205,11 @@ def _predict_online(paths, model: dict) -> pd.DataFrame:
 def cmd_fit_predictor(v: dict) -> int:
     """Fit the early-warning predictor (one logistic regression per step) on labelled runs."""
     paths, at, l2, target, weight = v["paths"], v["at"], v["l2"], v["target"], v["class_weight"]
-    features = v["features"] or EW.DEFAULT_FEATURES  # names and duplicates checked by the option, again by fit
+    features = v["features"] or FIT.DEFAULT_FEATURES  # names and duplicates checked by the option, again by fit
     for p in paths:
         run_dirs(p)
-    examples = EW.training_examples(paths, at, target)  # features computed once, for the fit and the CV
-    model = EW.fit(paths, at, l2, fit_command(v, features), target, examples, features, weight)
+    examples = FIT.training_examples(paths, at, target)  # features computed once, for the fit and the CV
+    model = FIT.fit(paths, at, l2, fit_command(v, features), target, examples, features, weight)
     if v["cross_validate"]:
         model["cross_validation"] = _cross_validate(paths, v, examples, features)
     write_json(v["out"], model)
@@ -216,7 +218,7 @@ def cmd_fit_predictor(v: dict) -> int:
 
 
 def _cross_validate(paths, v: dict, examples, features) -> dict:
-    table = EW.cross_validate(paths, v["at"], v["l2"], v["target"], examples, features, v["class_weight"])
+    table = FIT.cross_validate(paths, v["at"], v["l2"], v["target"], examples, features, v["class_weight"])
     if table.empty:
         print("cross-validation: nothing to leave out (it needs finished runs of at least two cells)")
     result = {}

@@ -157,7 +157,7 @@ class Trainer:
             from flt_diag.training.diagnostics import DiagnosticsCallback
             self.callbacks.insert(0, DiagnosticsCallback(cfg.diagnostics))
         if cfg.diagnostics.warn or cfg.diagnostics.stop_on_collapse:
-            from flt_diag.analysis.early_warning import CollapseWarning
+            from flt_diag.training.early_warning import CollapseWarning
             self.callbacks.append(CollapseWarning(predictor(cfg.diagnostics.predictor),
                                                   stop=cfg.diagnostics.stop_on_collapse))
         # the side concerns of every run, last (their order is the order of their work in a moment)
