@@ -26,7 +26,8 @@ from flt_diag.cli.output import (fit_command, print_critical_values, print_cross
 from flt_diag.cli.console import console_progress, print_run_summary, print_sweep_table, progress_bar
 from flt_diag.cli.options import FOLDER_OPTIONS, UserError, check_values, command_options, config_options
 from flt_diag.cli.specs import load_study, map_spec, sweep_spec
-from flt_diag.grids.stability_map import critical_values, run_map
+from flt_diag.analysis.map_results import critical_values
+from flt_diag.grids.stability_map import run_map
 from flt_diag.grids.sweep import auto_workers, cell_status, only, run_sweep, sweep_summary, write_summary
 from flt_diag.model.variants import VARIANT_DESCRIPTIONS
 from flt_diag.settle import check_data, choose_device, run_config

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from flt_diag.grids.cells import Cell
+from flt_diag.analysis.cells import Cell
 from flt_diag.config import RunConfig, check, opt, validate, with_overrides
 from flt_diag.analysis.results import SUMMARY_COLUMNS, sweep_summary  # noqa: F401  (the one summary table; re-exported)
 from flt_diag.analysis.storage import (CELLS, ERROR, SWEEP_SPEC, SWEEP_SUMMARY, StorageError, atomic_path, atomic_write_text, folder_lock,
