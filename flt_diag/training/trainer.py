@@ -19,9 +19,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import platform
-import socket
-import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -33,12 +30,13 @@ from flt_diag.training.callbacks import Callback, MetricsTable, Progress
 from flt_diag.training.checkpoint import Checkpoints, restore
 from flt_diag.config import RunConfig
 from flt_diag.data.batches import batch_generator, get_batch, stream_batch
-from flt_diag.data.corpus import DataError, TokenData, load_tokens
+from flt_diag.data.corpus import DataError, TokenData
 from flt_diag.data.sources import describe, load_split
 from flt_diag.data.tasks import TaskData
 from flt_diag.training.evaluation import Evaluation
 from flt_diag.training.external import ExternalSinks
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig
+from flt_diag.training.process import environment, start_process
 from flt_diag.training.optim import build_optimizers, lr_multiplier, muon_momentum, set_lr, set_momentum
 from flt_diag.analysis.storage import (CONFIG, RESUME, SUMMARY, StorageError, folder_lock, has_content, load_config, load_metrics,
                       read_json, write_json)
@@ -78,45 +76,6 @@ class StepLog:
         return rows
 
 
-def environment(device: torch.device) -> dict:
-    import numpy, pandas
-    env = dict(python=sys.version.split()[0], torch=torch.__version__, numpy=numpy.__version__,
-               pandas=pandas.__version__, platform=platform.platform(), host=socket.gethostname(),
-               device=str(device), threads=torch.get_num_threads(), world_size=int(os.environ.get("WORLD_SIZE", 1)),
-               started=time.strftime("%Y-%m-%dT%H:%M:%S"))
-    if device.type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(device)
-    try:
-        from importlib.metadata import version
-        env["flt_diag"] = version("flt-diag")
-    except Exception:
-        env["flt_diag"] = "unknown"
-    return env
-
-
-def _start_process(cfg: RunConfig) -> tuple[torch.device, int, int]:
-    """(device, rank, world size) of this process; joins the process group when launched with
-    torchrun (WORLD_SIZE > 1: nccl on CUDA, gloo on CPU) and sets the CPU thread settings."""
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = torch.device(cfg.train.device)  # settled: cpu, cuda or cuda:N, checked against this machine
-    if world > 1:
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-            torch.cuda.set_device(device)
-    if device.type == "cpu":
-        # One thread by default: tiny models are bound by per-op overhead, and OpenMP threads
-        # that wait for a core slow a step down 100x when other processes share the machine.
-        torch.set_num_threads(cfg.train.threads or 1)
-        # A collapsing LT drives activation gradients through the loops towards 1e-20 and
-        # below; subnormal arithmetic made such steps 3.5x slower (benchmarks/README.md).
-        # (The setting holds for the calling thread, so for all compute at one thread.)
-        torch.set_flush_denormal(cfg.train.flush_denormal)
-    elif cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    return device, rank, world
-
-
 def _load_splits(t, seq_len: int) -> tuple[TokenData | TaskData, TokenData | TaskData]:
     splits = [load_split(t, seq_len, split) for split in ("train", "val")]
     for name, data in zip(("train", "validation"), splits):
@@ -142,7 +101,7 @@ class Trainer:
         self.run_dir, self.cfg = Path(run_dir), cfg
         self.train_data, self.val_data = _load_splits(cfg.train, cfg.model.sequence_len)
         check_settled(cfg, self.train_data.vocab_size)  # a guard: the Trainer settles nothing itself
-        self.device, self.rank, self.world = _start_process(cfg)
+        self.device, self.rank, self.world = start_process(cfg)
         self.is_main = self.rank == 0
         self.model = self._build_model(model or LoopedTransformer)
         self.n_params = sum(p.numel() for p in self.model.parameters())
