@@ -35,7 +35,7 @@ from flt_diag.settle import check_data, choose_device, run_config
 
 def cmd_train(v: dict) -> int:
     """Train one variant into one run folder, with diagnostics, and print its verdict."""
-    from flt_diag.training.trainer import Trainer  # torch is imported by the commands that need it only
+    from flt_diag.training.trainer import Trainer  # torch: 2.2 s of the 3 s `flt-diag --help` would take (-X importtime); only the commands that train import it
     cfg = run_config(v)
     out = v["out"] or Path("runs") / f"{cfg.model.variant}-K{cfg.model.loops}"
     trainer = Trainer(cfg, out, progress=console_progress(cfg.train.steps, f"{cfg.model.variant} K={cfg.model.loops}"))
@@ -152,7 +152,7 @@ def cmd_eval_loops(v: dict) -> int:
 def cmd_import_reference(v: dict) -> int:
     """Import a reference-implementation checkpoint into a run folder."""
     from flt_diag.model.reference import import_reference  # torch: as in cmd_train
-    from flt_diag.training.reference import write_imported_run
+    from flt_diag.training.reference import write_imported_run  # torch: as in cmd_train
     if not v["checkpoint"].exists():
         raise UserError(f"no such checkpoint: {v['checkpoint']}")
     model = import_reference(v["checkpoint"], v["variant"], v["loops"], n_head=v["heads"], vocab_size=v["vocab_size"])

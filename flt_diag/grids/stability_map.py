@@ -25,7 +25,9 @@ which also holds the criteria and the lines; this module runs the search.
 from __future__ import annotations
 
 import math
+import multiprocessing as mp
 import os
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +38,8 @@ import pandas as pd
 from flt_diag.analysis.map_results import (AXES, CRITERIA, MAP_CSV, Line, MapLines, boundaries, bracket,
                                            probe_outcomes)
 from flt_diag.analysis.storage import CELLS, StorageError, atomic_path, folder_lock, load_summary
-from flt_diag.config import check, opt
+from flt_diag.config import RunConfig, check, opt
+from flt_diag.grids.sweep import die_with_parent, only, prepare_spec_folder, run_cell, write_summary
 from flt_diag.model.variants import MAX_LOOPS, VARIANTS
 from flt_diag.settle import comparable
 
@@ -152,15 +155,12 @@ def search_line(spec: MapSpec, out: Path, line: Line, runner: Callable, report: 
 
 def prepare_map_folder(spec: MapSpec, out: Path) -> None:
     """Create the map folder, or check that an existing one holds the same map."""
-    from flt_diag.grids.sweep import prepare_spec_folder
     grid_fields = {"model": ("variant", "loops") + (("n_layer",) if spec.axis == "depth" else ()),
                    "train": ("seed",) + (("lr_scale",) if spec.axis == "lr" else ())}
     prepare_spec_folder(Path(out), spec.to_dict(), "map", grid_fields)
 
 
 def _line_search_worker(spec_dict: dict, line: Line, out: str) -> str:
-    from flt_diag.config import RunConfig
-    from flt_diag.grids.sweep import run_cell
     spec = _spec_from_dict(spec_dict, RunConfig.from_dict(spec_dict["base_full"]))
     search_line(spec, Path(out), line, run_cell, report=lambda text: print(text, flush=True))
     return line.name
@@ -181,15 +181,12 @@ def run_map(spec: MapSpec, out: Path, workers: int = 1, only_line: int | None = 
 
 
 def _run_map(spec, out, workers, only_line, runner, report) -> pd.DataFrame:
-    from flt_diag.grids.sweep import die_with_parent, only, run_cell, write_summary
     prepare_map_folder(spec, out)
     lines = only(spec.lines(), only_line, " (one per line)")
     if runner is not None or workers <= 1 or len(lines) <= 1:
         for line in lines:
             search_line(spec, out, line, runner or run_cell, report)
     else:
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
         spec_dict = {**spec.to_dict(), "base_full": spec.base.to_dict()}
         with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=die_with_parent,
                                  initargs=(os.getpid(),)) as pool:

@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from flt_diag.analysis import metric_names as M
+from flt_diag.analysis.metrics import summarize, tokens_per_step
 from flt_diag.training.callbacks import Callback, MetricsTable, Progress
 from flt_diag.training.checkpoint import Checkpoints, restore
 from flt_diag.config import RunConfig
@@ -35,8 +36,11 @@ from flt_diag.data.sources import describe, load_split
 from flt_diag.data.tasks import TaskData
 from flt_diag.training.evaluation import Evaluation
 from flt_diag.training.external import ExternalSinks
-from flt_diag.model.transformer import LoopedTransformer, ModelConfig
+from flt_diag.model.transformer import LoopedTransformer, ModelConfig, count_parameters
 from flt_diag.training.process import environment, start_process
+from flt_diag.training.diagnostics import DiagnosticsCallback
+from flt_diag.training.early_warning import CollapseWarning
+from flt_diag.training.parallel import compile_blocks, compile_wanted, reference_precision
 from flt_diag.training.optim import build_optimizers, lr_multiplier, muon_momentum, set_lr, set_momentum
 from flt_diag.analysis.storage import (CONFIG, RESUME, SUMMARY, StorageError, folder_lock, has_content, load_config, load_metrics,
                       read_json, write_json)
@@ -113,10 +117,8 @@ class Trainer:
         self.log = StepLog()
         self.callbacks: list[Callback] = list(callbacks or [])
         if diagnostics if diagnostics is not None else cfg.diagnostics.enabled:
-            from flt_diag.training.diagnostics import DiagnosticsCallback
             self.callbacks.insert(0, DiagnosticsCallback(cfg.diagnostics))
         if cfg.diagnostics.warn or cfg.diagnostics.stop_on_collapse:
-            from flt_diag.training.early_warning import CollapseWarning
             self.callbacks.append(CollapseWarning(predictor(cfg.diagnostics.predictor),
                                                   stop=cfg.diagnostics.stop_on_collapse))
         # the side concerns of every run, last (their order is the order of their work in a moment)
@@ -134,15 +136,12 @@ class Trainer:
         try:
             model = factory(self.cfg.model).to(self.device)
         except (RuntimeError, MemoryError) as e:  # e.g. a width no memory can hold
-            from flt_diag.model.transformer import count_parameters
             raise ValueError(f"cannot allocate the model ({count_parameters(self.cfg.model):,} parameters) on "
                              f"{self.device}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
         t = self.cfg.train
         if t.precision == "reference":
-            from flt_diag.training.parallel import reference_precision
             reference_precision(model)
         model.checkpoint_loops = t.checkpoint_loops
-        from flt_diag.training.parallel import compile_blocks, compile_wanted
         if compile_wanted(t.compile, self.device.type, t.steps):
             compile_blocks(model)
         return model
@@ -316,7 +315,6 @@ class Trainer:
         if not self.is_main:
             torch.distributed.destroy_process_group()
             return {}
-        from flt_diag.analysis.metrics import summarize, tokens_per_step
         summary = summarize(load_metrics(self.run_dir), self.cfg, unigram_entropy=self.train_data.unigram_entropy,
                             wall_time=self.wall_time, stop_reason=self.stop_reason, prediction=self.prediction,
                             tokens_per_step=tokens_per_step(self.cfg, self.world))
