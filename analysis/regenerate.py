@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from flt_diag.analysis import figures, report  # noqa: E402
+from flt_diag.analysis.map_results import critical_table  # noqa: E402
 from flt_diag.analysis.results import collect, results_table, summary_table  # noqa: E402
 from flt_diag.analysis.storage import StorageError  # noqa: E402
 
@@ -32,7 +33,6 @@ def regenerate(sweep: Path, out: Path | None = None, formats=("png", "pdf")) -> 
     summary_table(study).to_csv(fig_dir / "table.csv", index=False)
     (fig_dir / "table.md").write_text(report.markdown(results_table(study)))
     if study.spec and study.spec.get("kind") == "map":  # a stability map: its critical values too
-        from flt_diag.grids.stability_map import critical_table
         table = critical_table(sweep)
         table.to_csv(fig_dir / "map_table.csv", index=False)
         (fig_dir / "map_table.md").write_text(report.markdown(table))

@@ -9,8 +9,10 @@ import pytest
 
 from conftest import tiny_config
 from flt_diag.analysis import early_warning as EW
+from flt_diag.analysis import predictor_fit as FIT
 from flt_diag.analysis import metric_names as M
 from flt_diag.analysis.storage import load_summary
+from flt_diag.training.early_warning import CollapseWarning
 
 
 def _rows(steps, loops=3, n_layer=2, resid=lambda s, k: 10.0, grad=lambda s: 1.0, loss=lambda s: 3.0,
@@ -56,7 +58,7 @@ def test_logistic_fit_matches_known_direction_and_probabilities():
     rng = np.random.default_rng(1)
     X = rng.normal(size=(400, 2))
     y = (X[:, 0] - 0.5 * X[:, 1] + 0.3 * rng.normal(size=400) > 0).astype(float)
-    w, b = EW.fit_logistic(X, y, l2=1e-3)
+    w, b = FIT.fit_logistic(X, y, l2=1e-3)
     assert w[0] > 0 > w[1] and abs(w[1] / w[0] + 0.5) < 0.15
     # the optimum: gradient of the penalised likelihood vanishes (checked independently of the optimiser)
     p = 1 / (1 + np.exp(-(X @ w + b)))
@@ -69,19 +71,19 @@ def test_weighted_fit_equals_the_fit_on_duplicated_rows():
     X = rng.normal(size=(60, 3))
     y = (X[:, 0] + rng.normal(size=60) > 0.8).astype(float)
     weights = np.where(y == 1, 3.0, 1.0)
-    w, b = EW.fit_logistic(X, y, l2=0.5, weights=weights)
+    w, b = FIT.fit_logistic(X, y, l2=0.5, weights=weights)
     reps = weights.astype(int)
-    w2, b2 = EW.fit_logistic(np.repeat(X, reps, axis=0), np.repeat(y, reps), l2=0.5)
+    w2, b2 = FIT.fit_logistic(np.repeat(X, reps, axis=0), np.repeat(y, reps), l2=0.5)
     assert np.allclose(w, w2, atol=1e-4) and b == pytest.approx(b2, abs=1e-4)
 
 
 def test_balanced_class_weights():
     y = np.array([1, 0, 0, 0, 0, 0, 0, 0.0])
-    c = EW.class_weights(y, "balanced")
+    c = FIT.class_weights(y, "balanced")
     assert c[y == 1].sum() == pytest.approx(4.0) and c[y == 0].sum() == pytest.approx(4.0)
-    assert (EW.class_weights(y, "none") == 1).all() and (EW.class_weights(np.zeros(3)) == 1).all()
+    assert (FIT.class_weights(y, "none") == 1).all() and (FIT.class_weights(np.zeros(3)) == 1).all()
     with pytest.raises(ValueError, match="class weight"):
-        EW.class_weights(y, "inverse")
+        FIT.class_weights(y, "inverse")
 
 
 def test_balanced_weights_move_the_boundary_toward_the_rare_class():
@@ -92,7 +94,7 @@ def test_balanced_weights_move_the_boundary_toward_the_rare_class():
     y = np.array([1.0] * 5 + [0.0] * 45)
     p = {}
     for kind in ("none", "balanced"):
-        w, b = EW.fit_logistic(X, y, 0.1, EW.class_weights(y, kind))
+        w, b = FIT.fit_logistic(X, y, 0.1, FIT.class_weights(y, kind))
         p[kind] = 1 / (1 + np.exp(-(X[:5, 0] * w[0] + b)))
         if kind == "balanced":
             assert 0.0 < -b / w[0] < 1.0
@@ -141,7 +143,7 @@ def test_malformed_predictors_are_refused(tmp_path, edit):
 def test_cli_feature_choices_are_the_computed_features():
     from flt_diag.cli.options import command_options
     opt = next(o for o in command_options("fit-predictor") if o.flag == "--features")
-    assert list(opt.choices) == EW.FEATURES and set(EW.DEFAULT_FEATURES) <= set(EW.FEATURES)
+    assert list(opt.choices) == EW.FEATURES and set(FIT.DEFAULT_FEATURES) <= set(EW.FEATURES)
 
 
 def test_packaged_predictor_loads():
@@ -242,11 +244,11 @@ def test_fit_predictor_features_and_class_weight_reach_the_model(labelled, tmp_p
     assert m["features"] == ["grad_cos", "loss_climb"] and m["class_weight"] == "none"
     assert len(m["models"]["20"]["coef"]) == 2
     assert "--features grad_cos loss_climb" in m["command"] and "--class-weight none" in m["command"]
-    runs = EW.training_runs([labelled / "sw"])
+    runs = FIT.training_runs([labelled / "sw"])
     X = np.array([[EW.run_features(d, 20)[f] for f in ("grad_cos", "loss_climb")] for d in runs])
     y = np.array([EW.label(load_summary(d)) for d in runs], dtype=float)
     std = np.where(X.std(axis=0) > 1e-12, X.std(axis=0), 1.0)
-    w, b = EW.fit_logistic((X - X.mean(axis=0)) / std, y, 1.0)
+    w, b = FIT.fit_logistic((X - X.mean(axis=0)) / std, y, 1.0)
     assert np.allclose(m["models"]["20"]["coef"], w, atol=1e-6) and m["models"]["20"]["intercept"] == pytest.approx(b, abs=1e-6)
 
 
@@ -256,13 +258,13 @@ def test_cross_validation_predicts_each_run_from_the_other_cells_only(labelled):
     from flt_diag.analysis.storage import run_dirs
     sweep_runs = run_dirs(labelled / "sw")
     short = labelled / "lt-short"
-    table = EW.cross_validate([labelled / "sw", short], steps=[10, 20])
+    table = FIT.cross_validate([labelled / "sw", short], steps=[10, 20])
     assert sorted(table.step.unique()) == [10, 20] and len(table) == 5 + 5
     for r in table.itertuples():
         run = next(d for d in sweep_runs + [short] if str(d) == r.run)
-        others = [d for d in sweep_runs + [short] if EW.cell_identity(d) != EW.cell_identity(run)]
+        others = [d for d in sweep_runs + [short] if FIT.cell_identity(d) != FIT.cell_identity(run)]
         assert len(others) == (3 if run.name.startswith("lt_K02_seed0") or run == short else 4)
-        alone = EW.fit(others, [r.step])
+        alone = FIT.fit(others, [r.step])
         p, _ = EW.probability(alone, EW.run_features(run, r.step), r.step)
         assert r.p_collapse == pytest.approx(p, rel=1e-9, abs=1e-12)
         assert r.agree == (r.predicted == r.actual) and r.actual == (load_summary(run)["verdict"] != "stable")
@@ -274,9 +276,9 @@ def test_runs_stopped_by_a_prediction_are_not_training_labels(labelled, tmp_path
     stopped = tmp_path / "stopped"
     shutil.copytree(labelled / "lt-short", stopped)
     write_json(stopped / SUMMARY, load_summary(stopped) | {"verdict": "collapsed", "prediction": {"step": 20}})
-    assert EW.labelled_runs([stopped]) == [stopped] and EW.training_runs([stopped]) == []
+    assert EW.labelled_runs([stopped]) == [stopped] and FIT.training_runs([stopped]) == []
     with pytest.raises(ValueError, match="no finished runs"):
-        EW.fit([stopped], [10])
+        FIT.fit([stopped], [10])
 
 
 def test_fit_predictor_cross_validate_reports_and_stores_agreement(labelled, tmp_path, capsys):
@@ -287,7 +289,7 @@ def test_fit_predictor_cross_validate_reports_and_stores_agreement(labelled, tmp
     assert code == 0
     m = EW.load_predictor(out)
     assert m["command"].endswith("--cross-validate") and set(m["cross_validation"]) == {"10", "20"}
-    table = EW.cross_validate([labelled / "sw"], steps=[10, 20])
+    table = FIT.cross_validate([labelled / "sw"], steps=[10, 20])
     for s, cv in m["cross_validation"].items():
         t = table[table.step == int(s)]
         assert cv["cells"] == 4 and cv["accuracy"] == pytest.approx(t.agree.mean())
@@ -309,7 +311,7 @@ def test_online_replay_warns_where_the_callback_warns():
     by_hand = next(s for s in range(25, 401, 25) if climb[s - 1] > 0.5)
     replay = EW.first_warning(df, pred, loops=3, n_layer=2, d_model=64, steps_done=400)
     said = []
-    cb = EW.CollapseWarning(pred, say=said.append)
+    cb = CollapseWarning(pred, say=said.append)
     cb.on_start(SimpleNamespace(cfg=SimpleNamespace(model=SimpleNamespace(loops=3, n_layer=2, n_embd=64, variant="lt"))))
     for step, rows in df.groupby("step"):
         cb.on_rows(None, int(step), list(rows.itertuples(index=False, name=None)))

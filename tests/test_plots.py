@@ -208,11 +208,9 @@ def test_report_renders_in_headless_chromium(regenerated, tmp_path):
     assert len(np.unique(image[..., :3].reshape(-1, 3), axis=0)) > 100  # text, table and figures, not a blank page
 
 
-def test_plotting_and_report_never_import_torch():
-    code = ("import runpy, sys; import flt_diag.analysis.results, flt_diag.analysis.figures, flt_diag.analysis.report, "
-            "flt_diag.analysis.storage, flt_diag.analysis.metrics; "
-            "runpy.run_path('analysis/regenerate.py', run_name='imported'); "
-            "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'flt_diag.training.trainer', "
-            "'flt_diag.model.transformer', 'flt_diag.config'))); assert not bad, bad")
+def test_the_regenerate_script_never_imports_torch():
+    """(Every module of flt_diag/analysis/ is checked in tests/test_layers.py; this is the script.)"""
+    code = ("import runpy, sys; runpy.run_path('analysis/regenerate.py', run_name='imported'); "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'torch'); assert not bad, bad")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_config
-from flt_diag.grids.stability_map import (MapSpec, bracket, critical_values, geometric_grid, run_map, search)
+from flt_diag.analysis.map_results import bracket, critical_values
+from flt_diag.grids.stability_map import MapSpec, geometric_grid, run_map, search
 from flt_diag.analysis.storage import CELLS, SUMMARY, write_json
 
 

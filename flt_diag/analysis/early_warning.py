@@ -19,6 +19,9 @@ The target (what "collapse" means for a predictor) is stored with it: "fails" (t
 unstable, collapsed or diverged; the packaged predictor's), "collapse" (collapsed or diverged) or
 "climbs" (fails, or the loss climbed above the verdict's rebound threshold and recovered).
 A predictor names the features it uses (a subset of FEATURES; `fit-predictor --features`).
+This module: the features, the target, reading a predictor and predicting with it (offline, over
+run folders). predictor_fit.py fits one; training/early_warning.py checks it online (`--warn`);
+figures/agreement.py draws the agreement.
 Features are standardised with the training set's mean and std (a missing feature, e.g. a run
 recorded without diagnostics, counts as the mean); the fit maximises the L2-penalised likelihood
 (scipy L-BFGS), by default with class-balanced weights (each class weighs half, whatever share of
@@ -26,7 +29,7 @@ the training runs fail: that share is an artefact of which sweeps were run, not 
 per fitted step s (100, 200, 300, 500 by default); at another step the model of the largest fitted
 s at or below it is used. The fitted model is plain JSON (features, means, stds, coefficients,
 intercept, class weights, what it was fitted on and the command that refits it):
-flt_diag/early_warning.json ships with the package.
+flt_diag/analysis/early_warning.json ships with the package.
 """
 from __future__ import annotations
 
@@ -38,15 +41,10 @@ import numpy as np
 import pandas as pd
 
 from flt_diag.analysis import metric_names as M
-from flt_diag.training.callbacks import Callback
 from flt_diag.analysis.storage import load_config, load_metrics, load_summary, run_dirs, series
 
 FEATURES = ["resid_level", "resid_growth", "loop_ratio", "grad_cv", "grad_dlog", "grad_cos", "act_grad_decay",
             "loss_slope", "loss_climb"]  # every feature `features` computes
-DEFAULT_FEATURES = ["resid_level", "resid_growth", "loop_ratio", "grad_cv", "grad_dlog", "act_grad_decay",
-                    "loss_slope", "loss_climb"]  # what `fit-predictor` uses unless told otherwise
-CLASS_WEIGHTS = ("balanced", "none")
-DEFAULT_STEPS = [100, 200, 300, 500]
 PACKAGED = Path(__file__).with_name("early_warning.json")
 COLLAPSE = ("collapsed", "diverged")
 SMOOTH = 50
@@ -124,40 +122,10 @@ def target_text(kind: str) -> str:
         ", or a loss climb that recovered (the verdict's transient_rebound)" if rebound else "")
 
 
-# --------------------------------------------------------------------------- the model
+# --------------------------------------------------------------------------- the predictor
 
-def _sigmoid(z):
+def sigmoid(z):
     return 1.0 / (1.0 + np.exp(-np.clip(z, -60, 60)))
-
-
-def fit_logistic(X: np.ndarray, y: np.ndarray, l2: float = 1.0,
-                 weights: np.ndarray | None = None) -> tuple[np.ndarray, float]:
-    """Coefficients and intercept maximising sum_i weight_i log-likelihood_i - l2/2 |w|^2 (intercept
-    unpenalised; weights 1 unless given)."""
-    from scipy.optimize import minimize
-    c = np.ones(len(y)) if weights is None else np.asarray(weights, dtype=float)
-
-    def loss(theta):
-        w, b = theta[:-1], theta[-1]
-        z = X @ w + b
-        nll = np.sum(c * (np.logaddexp(0, z) - y * z)) + 0.5 * l2 * w @ w
-        r = c * (_sigmoid(z) - y)
-        grad = np.concatenate([X.T @ r + l2 * w, [np.sum(r)]])
-        return nll, grad
-
-    res = minimize(loss, np.zeros(X.shape[1] + 1), jac=True, method="L-BFGS-B")
-    return res.x[:-1], float(res.x[-1])
-
-
-def class_weights(y: np.ndarray, kind: str = "balanced") -> np.ndarray:
-    """Per-run weights: "none" = 1 each; "balanced" = n / (2 n_class), so each class weighs n / 2."""
-    if kind not in CLASS_WEIGHTS:
-        raise ValueError(f"class weight must be one of {', '.join(CLASS_WEIGHTS)}, got {kind!r}")
-    y = np.asarray(y, dtype=float)
-    n, pos = len(y), float(y.sum())
-    if kind == "none" or pos in (0.0, float(n)):
-        return np.ones(n)
-    return np.where(y == 1, n / (2 * pos), n / (2 * (n - pos)))
 
 
 def design(rows: list[dict], features: list[str], mean=None,
@@ -179,92 +147,6 @@ def labelled_runs(sources) -> list[Path]:
     for src in sources:
         out += [d for d in run_dirs(Path(src)) if load_summary(d) is not None]
     return out
-
-
-def training_runs(sources) -> list[Path]:
-    """Finished runs whose verdict is an outcome: a run ended by --stop-on-collapse carries a prediction
-    as its verdict, and fitting on it would teach the predictor its own guesses."""
-    return [d for d in labelled_runs(sources) if not load_summary(d).get("prediction")]
-
-
-def cell_identity(run_dir: Path) -> tuple:
-    """What makes two runs the same experiment apart from their length: variant, K, depth, width, seed,
-    lr scale. (A cell trained for 800 and for 2,000 steps has the same first 800 steps.)"""
-    m, t = (cfg := load_config(run_dir))["model"], cfg["train"]
-    return m["variant"], m["loops"], m["n_layer"], m["n_embd"], t["seed"], t["lr_scale"]
-
-
-def training_examples(sources, steps, target: str = "fails") -> list[dict]:
-    """Per usable run (`training_runs`): its folder, summary, label, cell identity, and its features at
-    every step of `steps` it ran past: what `fit` and `cross_validate` share (computed once)."""
-    if target not in TARGETS:
-        raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
-    runs = training_runs(sources)
-    if not runs:
-        raise ValueError("no finished runs to fit on")
-    out = []
-    for d in runs:
-        s = load_summary(d)
-        out.append(dict(run=d, summary=s, y=label(s, target), identity=cell_identity(d),
-                        feats={at: run_features(d, at) for at in steps if s.get("steps_done", 0) > at}))
-    return out
-
-
-def _fit_step(examples: list[dict], at: int, l2: float, features: list[str], class_weight: str) -> dict | None:
-    usable = [e for e in examples if at in e["feats"]]
-    if not usable:
-        return None
-    y = np.array([e["y"] for e in usable], dtype=float)
-    Z, mean, std = design([e["feats"][at] for e in usable], features)
-    w, b = fit_logistic(Z, y, l2, class_weights(y, class_weight))
-    p = _sigmoid(Z @ w + b)
-    return dict(mean=mean.tolist(), std=std.tolist(), coef=w.tolist(), intercept=b, runs=len(usable),
-                positives=int(y.sum()), train_accuracy=float(((p >= 0.5) == (y == 1)).mean()))
-
-
-def check_features(features) -> list[str]:
-    features = list(features)
-    unknown = [f for f in features if f not in FEATURES]
-    if unknown or not features or len(set(features)) < len(features):
-        raise ValueError(f"features must be distinct names among {', '.join(FEATURES)}"
-                         + (f"; unknown: {', '.join(unknown)}" if unknown else ""))
-    return features
-
-
-def fit(sources, steps=DEFAULT_STEPS, l2: float = 1.0, command: str = "", target: str = "fails",
-        examples: list[dict] | None = None, features=DEFAULT_FEATURES, class_weight: str = "balanced") -> dict:
-    """Fit one model per step from the finished runs of `sources` (run or sweep folders), or from their
-    `training_examples` when given. target: a key of TARGETS ("fails", "collapse", "climbs");
-    features: a subset of FEATURES; class_weight: "balanced" or "none" (`class_weights`)."""
-    features = check_features(features)
-    class_weights([], class_weight)  # a wrong name fails before any run is read
-    examples = training_examples(sources, steps, target) if examples is None else examples
-    models = {str(s): m for s in steps if (m := _fit_step(examples, s, l2, features, class_weight)) is not None}
-    return dict(features=features, models=models, threshold=0.5, l2=l2, class_weight=class_weight,
-                window="min(100, s // 2) steps before s", target=target, label=target_text(target),
-                fitted_on=[str(s) for s in sources], runs=[str(e["run"]) for e in examples], command=command)
-
-
-def cross_validate(sources, steps=DEFAULT_STEPS, l2: float = 1.0, target: str = "fails",
-                   examples: list[dict] | None = None, features=DEFAULT_FEATURES,
-                   class_weight: str = "balanced") -> pd.DataFrame:
-    """Leave-one-cell-out agreement: every run is predicted at every step by a model fitted on the
-    other cells only (runs with the same cell identity, e.g. one cell trained for two lengths, are
-    left out together). Columns as `predict_sweep`'s, plus `step` and `run` (the folder)."""
-    features = check_features(features)
-    examples = training_examples(sources, steps, target) if examples is None else examples
-    rows = []
-    for at in steps:
-        for identity in dict.fromkeys(e["identity"] for e in examples):
-            held = [e for e in examples if e["identity"] == identity and at in e["feats"]]
-            m = _fit_step([e for e in examples if e["identity"] != identity], at, l2, features,
-                          class_weight) if held else None
-            if m is None:
-                continue
-            predictor = dict(features=features, threshold=0.5, target=target, models={str(at): m})
-            rows += [_prediction_row(e["run"], e["summary"], predictor, e["feats"][at], at)
-                     | dict(step=at, run=str(e["run"])) for e in held]
-    return pd.DataFrame(rows, columns=COLUMNS + ["step", "run"])
 
 
 def load_predictor(path=None) -> dict:
@@ -300,7 +182,7 @@ def probability(predictor: dict, feats: dict, step: int) -> tuple[float, list[tu
     names = predictor["features"]
     Z, _, _ = design([feats], names, np.array(m["mean"]), np.array(m["std"]))
     contrib = Z[0] * np.array(m["coef"])
-    p = float(_sigmoid(contrib.sum() + m["intercept"]))
+    p = float(sigmoid(contrib.sum() + m["intercept"]))
     return p, sorted(zip(names, contrib.tolist()), key=lambda t: -abs(t[1]))
 
 
@@ -323,7 +205,7 @@ def _scored(run_dir: Path, summary: dict, predictor: dict, predicted: bool) -> d
                 miss=actual and not predicted)
 
 
-def _prediction_row(run_dir: Path, summary: dict, predictor: dict, feats: dict, at: int) -> dict:
+def prediction_row(run_dir: Path, summary: dict, predictor: dict, feats: dict, at: int) -> dict:
     """One run's prediction at `at` beside its final verdict (a row of `predict` / `cross_validate`)."""
     p, contrib = probability(predictor, feats, at)
     predicted = bool(p >= predictor.get("threshold", 0.5))
@@ -333,7 +215,7 @@ def _prediction_row(run_dir: Path, summary: dict, predictor: dict, feats: dict, 
 
 def predict_sweep(path, at: int, predictor: dict) -> pd.DataFrame:
     """Per finished cell: P(collapse) at step `at`, the prediction, the final verdict, agreement."""
-    rows = [_prediction_row(d, s, predictor, run_features(d, at), at)
+    rows = [prediction_row(d, s, predictor, run_features(d, at), at)
             for d in labelled_runs([path]) if (s := load_summary(d)).get("steps_done", 0) > at]
     return pd.DataFrame(rows, columns=COLUMNS)
 
@@ -380,82 +262,3 @@ def agreement(table: pd.DataFrame) -> dict:
     return dict(cells=n, accuracy=float(table.agree.mean()) if n else math.nan,
                 false_alarms=int(table.false_alarm.sum()), misses=int(table.miss.sum()),
                 positives=int(table.actual.sum()) if n else 0)
-
-
-def draw_agreement(curves: dict[str, list[dict]], runs: str | None = None):
-    """Agreement of the prediction at step s with the final verdict, against s: one line per set of
-    runs (e.g. "fitted on", "held out") or per predictor on the same `runs`, from `agreement` dicts
-    that carry their "step"."""
-    from matplotlib.figure import Figure
-    fig = Figure(figsize=(5.6, 3.6 + 0.25 * len(curves)), layout="constrained")
-    ax = fig.subplots()
-    styles = ["-", "--", ":", "-."]
-    for (name, rows), ls in zip(curves.items(), styles):
-        rows = sorted(rows, key=lambda r: r["step"])
-        steps = [r["step"] for r in rows]
-        ax.plot(steps, [r["accuracy"] for r in rows], ls=ls, marker="o", color="#000000",
-                label=f"{name}: agreement ({rows[0]['cells'] if rows else 0} runs)")
-        ax.plot(steps, [r["false_alarms"] / max(r["cells"], 1) for r in rows], ls=ls, marker="^", color="#d55e00",
-                label=f"{name}: false alarms")
-        ax.plot(steps, [r["misses"] / max(r["cells"], 1) for r in rows], ls=ls, marker="v", color="#0072b2",
-                label=f"{name}: misses")
-    ax.set_xlabel("step s of the prediction")
-    ax.set_ylabel("share of runs")
-    ax.set_ylim(-0.03, 1.03)
-    ax.grid(alpha=0.3)
-    fig.legend(loc="outside lower center", ncols=3 if len(curves) == 1 else 1, fontsize=7, frameon=False)
-    fig.suptitle("early warning: prediction at step s vs the final verdict" + (f"\non {runs}" if runs else ""),
-                 fontsize=9, fontweight="bold")
-    return fig
-
-
-# --------------------------------------------------------------------------- online
-
-class CollapseWarning(Callback):
-    """Checks P(collapse) every `every` steps from the predictor's first fitted step on; the first
-    time it reaches the threshold, prints a warning with the evidence, and with `stop` ends the run
-    there (verdict collapsed, predicted at that step). Keeps the few series the features need: the
-    global ones (GLOBAL), the first and last loop's residual norm, the activation gradient at the first
-    and the last block."""
-
-    GLOBAL = (M.LOSS, M.GRAD_NORM, M.GRAD_COSINE)
-
-    def __init__(self, predictor: dict, stop: bool = False, threshold: float | None = None, every: int = CHECK_EVERY,
-                 say=None):
-        self.predictor, self.stop, self.every = predictor, stop, every
-        self.threshold = predictor.get("threshold", 0.5) if threshold is None else threshold
-        self.rows: list[tuple] = []
-        self.warned_at: int | None = None
-        self.say = say or (lambda text: print(text, file=__import__("sys").stderr, flush=True))
-        self.first = min(int(s) for s in predictor["models"])
-
-    def on_start(self, trainer) -> None:
-        m = trainer.cfg.model
-        self.loops, self.n_layer, self.d = m.loops, m.n_layer, m.n_embd
-        self.label = f"{m.variant} K={m.loops}"
-
-    def on_rows(self, trainer, step: int, rows: list[tuple]) -> None:
-        keep = {(M.RESID_NORM_LOOP_END, 1), (M.RESID_NORM_LOOP_END, self.loops)}
-        for r in rows:
-            if r[1] in self.GLOBAL or (r[1], r[2]) in keep or (
-                    r[1] == M.ACT_GRAD_NORM and (r[2], r[3]) in ((1, 1), (self.loops, self.n_layer))):
-                self.rows.append(tuple(r))
-        done = step + 1
-        if self.warned_at is not None or done < self.first or done % self.every:
-            return
-        df = pd.DataFrame(self.rows, columns=["step", "metric", "loop", "layer", "value"])
-        feats = features(df, done, self.loops, self.n_layer, self.d)
-        p, contrib = probability(self.predictor, feats, done)
-        if p >= self.threshold:
-            self.warned_at = done
-            text = evidence_text(feats, contrib)
-            self.say(f"warning: {self.label}: collapse predicted at step {done} (P={p:.2f}; {text})")
-            if self.stop:
-                trainer.request_stop(f"collapse predicted at step {done}",
-                                     prediction=dict(step=done, p_collapse=p, evidence=text, features=feats))
-
-    def state_dict(self) -> dict:
-        return {"rows": list(self.rows), "warned_at": self.warned_at}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.rows, self.warned_at = [tuple(r) for r in state["rows"]], state["warned_at"]

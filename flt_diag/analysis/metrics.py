@@ -39,12 +39,14 @@ last-step milestone never fires: its loop breaks before training when step == nu
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from flt_diag.analysis import metric_names as M
-from flt_diag.analysis.storage import series
+from flt_diag.analysis.storage import SUMMARY, load_config, load_metrics, load_summary, series, write_json
+from flt_diag.config import RunConfig, VerdictConfig
 
 OSC_INDICES = ("cv", "mean_abs_dlog", "sign_alternation", "neg_cosine_share")
 
@@ -235,10 +237,6 @@ def tokens_per_step(cfg, world_size: int = 1) -> int:
 def resummarize(run_dir, verdict_overrides: dict | None = None) -> dict:
     """Recompute a finished run's summary.json from its stored metrics (for example with other
     verdict thresholds); wall time and stop reason are kept from the old summary."""
-    from pathlib import Path
-    from flt_diag.config import RunConfig, VerdictConfig
-    from flt_diag.analysis.storage import SUMMARY, load_config, load_metrics, load_summary, write_json
-
     old = load_summary(run_dir)
     if old is None:
         raise ValueError(f"{run_dir} has not finished (no {SUMMARY})")

@@ -18,6 +18,7 @@ import pandas as pd
 
 from flt_diag.analysis.figures import FIGURES, render
 from flt_diag.analysis.figures.style import VERDICT_COLORS, style
+from flt_diag.analysis.map_results import critical_table
 from flt_diag.analysis.results import Study, collect, results_table  # noqa: F401  (results_table: re-exported)
 from flt_diag.analysis.storage import atomic_write_text
 
@@ -89,7 +90,6 @@ def render_html(study: Study, figures: dict, skipped: dict[str, str]) -> str:
              "their majority.</p>",
              "<h2>Results</h2>", f'<p class="note">{html.escape(COMPARISON_NOTE)}</p>', _html_table(results_table(study))]
     if study.spec and study.spec.get("kind") == "map":
-        from flt_diag.grids.stability_map import critical_table
         parts += ["<h2>Stability map: critical values</h2>",
                   '<p class="note">Boundary (geometric mean of the last value that held and the first that broke; '
                   "median [min-max] over seeds); &gt; x: held up to the grid's top; &lt; x: broke at its bottom.</p>",

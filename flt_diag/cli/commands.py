@@ -14,6 +14,8 @@ from pathlib import Path
 import pandas as pd
 
 from flt_diag.analysis import early_warning as EW
+from flt_diag.analysis import predictor_fit as FIT
+from flt_diag.analysis.figures.agreement import draw_agreement
 from flt_diag.analysis.figures import plot, save as save_figure
 from flt_diag.analysis.metrics import resummarize
 from flt_diag.analysis.report import write_report
@@ -24,7 +26,8 @@ from flt_diag.cli.output import (fit_command, print_critical_values, print_cross
 from flt_diag.cli.console import console_progress, print_run_summary, print_sweep_table, progress_bar
 from flt_diag.cli.options import FOLDER_OPTIONS, UserError, check_values, command_options, config_options
 from flt_diag.cli.specs import load_study, map_spec, sweep_spec
-from flt_diag.grids.stability_map import critical_values, run_map
+from flt_diag.analysis.map_results import critical_values
+from flt_diag.grids.stability_map import run_map
 from flt_diag.grids.sweep import auto_workers, cell_status, only, run_sweep, sweep_summary, write_summary
 from flt_diag.model.variants import VARIANT_DESCRIPTIONS
 from flt_diag.settle import check_data, choose_device, run_config
@@ -32,7 +35,7 @@ from flt_diag.settle import check_data, choose_device, run_config
 
 def cmd_train(v: dict) -> int:
     """Train one variant into one run folder, with diagnostics, and print its verdict."""
-    from flt_diag.training.trainer import Trainer  # torch is imported by the commands that need it only
+    from flt_diag.training.trainer import Trainer  # torch: 2.2 s of the 3 s `flt-diag --help` would take (-X importtime); only the commands that train import it
     cfg = run_config(v)
     out = v["out"] or Path("runs") / f"{cfg.model.variant}-K{cfg.model.loops}"
     trainer = Trainer(cfg, out, progress=console_progress(cfg.train.steps, f"{cfg.model.variant} K={cfg.model.loops}"))
@@ -148,7 +151,8 @@ def cmd_eval_loops(v: dict) -> int:
 
 def cmd_import_reference(v: dict) -> int:
     """Import a reference-implementation checkpoint into a run folder."""
-    from flt_diag.model.reference import import_reference, write_imported_run  # torch: as in cmd_train
+    from flt_diag.model.reference import import_reference  # torch: as in cmd_train
+    from flt_diag.training.reference import write_imported_run  # torch: as in cmd_train
     if not v["checkpoint"].exists():
         raise UserError(f"no such checkpoint: {v['checkpoint']}")
     model = import_reference(v["checkpoint"], v["variant"], v["loops"], n_head=v["heads"], vocab_size=v["vocab_size"])
@@ -181,7 +185,7 @@ def cmd_predict(v: dict) -> int:
         curves = {(where if len(models) == 1 else Path(name).stem):
                   [dict(step=s, **EW.agreement(t[t.step == s])) for s in v["at"] if (t.step == s).any()]
                   for name, t in zip(models, tables)}
-        print(save_figure(EW.draw_agreement(curves, runs=None if len(models) == 1 else where), v["figure"]))
+        print(save_figure(draw_agreement(curves, runs=None if len(models) == 1 else where), v["figure"]))
     return 0
 
 
@@ -203,11 +207,11 @@ def _predict_online(paths, model: dict) -> pd.DataFrame:
 def cmd_fit_predictor(v: dict) -> int:
     """Fit the early-warning predictor (one logistic regression per step) on labelled runs."""
     paths, at, l2, target, weight = v["paths"], v["at"], v["l2"], v["target"], v["class_weight"]
-    features = v["features"] or EW.DEFAULT_FEATURES  # names and duplicates checked by the option, again by fit
+    features = v["features"] or FIT.DEFAULT_FEATURES  # names and duplicates checked by the option, again by fit
     for p in paths:
         run_dirs(p)
-    examples = EW.training_examples(paths, at, target)  # features computed once, for the fit and the CV
-    model = EW.fit(paths, at, l2, fit_command(v, features), target, examples, features, weight)
+    examples = FIT.training_examples(paths, at, target)  # features computed once, for the fit and the CV
+    model = FIT.fit(paths, at, l2, fit_command(v, features), target, examples, features, weight)
     if v["cross_validate"]:
         model["cross_validation"] = _cross_validate(paths, v, examples, features)
     write_json(v["out"], model)
@@ -216,7 +220,7 @@ def cmd_fit_predictor(v: dict) -> int:
 
 
 def _cross_validate(paths, v: dict, examples, features) -> dict:
-    table = EW.cross_validate(paths, v["at"], v["l2"], v["target"], examples, features, v["class_weight"])
+    table = FIT.cross_validate(paths, v["at"], v["l2"], v["target"], examples, features, v["class_weight"])
     if table.empty:
         print("cross-validation: nothing to leave out (it needs finished runs of at least two cells)")
     result = {}

@@ -6,6 +6,14 @@ import math
 from pathlib import Path
 from types import SimpleNamespace
 
+from pandas import isna
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from flt_diag.analysis import comparison
+from flt_diag.analysis.results import seed_table
+
 
 class _ConsoleProgress:
     def __init__(self):
@@ -13,7 +21,6 @@ class _ConsoleProgress:
 
     def __call__(self, info: dict) -> None:
         if self.bar is None:
-            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
             self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                                 TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TextColumn("ETA"),
                                 TimeRemainingColumn(), redirect_stdout=False, redirect_stderr=False)
@@ -49,13 +56,7 @@ def _finite(x) -> bool:
 
 
 def _number(value, spec: str) -> str:
-    from pandas import isna  # (a missing depth is pandas' NA)
     return "–" if value is None or isna(value) or value in (math.inf, -math.inf) else spec.format(value)
-
-
-def _comparison():
-    from flt_diag.analysis import comparison  # numpy and pandas: only when a table is printed
-    return comparison
 
 
 def _peak(row) -> str:
@@ -71,17 +72,17 @@ IDENTITY = [("variant", "variant", lambda r: str(r["variant"])), ("K", "loops", 
             ("L", "depth", lambda r: _number(r["depth"], "{:.0f}")), ("seed", "seed", lambda r: str(r["seed"])),
             ("lr×", "lr_scale", lambda r: f"{r['lr_scale']:g}"), ("verdict", "verdict", lambda r: str(r["verdict"]))]
 COMPARED = [("val loss", "val_loss", lambda r: _number(r["val_loss"], "{:.3f}")),
-            ("gap to best", "val_gap", lambda r: _comparison().gap_text(r["val_gap"])),
+            ("gap to best", "val_gap", lambda r: comparison.gap_text(r["val_gap"])),
             ("val acc", "val_accuracy", lambda r: _number(r["val_accuracy"], "{:.3f}")),
             ("peak ‖h‖", "peak_resid_norm", _peak),
-            ("÷ FLT", "resid_vs_flt", lambda r: _comparison().ratio_text(r["resid_vs_flt"]))]
+            ("÷ FLT", "resid_vs_flt", lambda r: comparison.ratio_text(r["resid_vs_flt"]))]
 DETAILS = [("final loss", "final_loss", lambda r: _number(r["final_loss"], "{:.3f}")),
            ("best loss", "best_loss", lambda r: _number(r["best_loss"], "{:.3f}")),
            ("grad CV", "osc_cv", lambda r: _number(r["osc_cv"], "{:.2f}")),
            ("loss std", "loss_std", lambda r: _number(r["loss_std"], "{:.3f}")),
            ("grad std", "grad_norm_std", lambda r: _number(r["grad_norm_std"], "{:.3f}")),
            ("time", "wall_time", lambda r: _number(r["wall_time"], "{:.0f}s"))]
-FAILED = [("failed", "failed", lambda r: _comparison().failed_text(SimpleNamespace(**r)))]
+FAILED = [("failed", "failed", lambda r: comparison.failed_text(SimpleNamespace(**r)))]
 COMPARISON_NOTE = ("gap to best: val loss minus the lowest among the variants at the same K{peers} (nats); "
                    "÷ FLT: peak final-loop residual norm ‖h‖ over FLT's there (– without FLT); "
                    "* residual explosion")
@@ -96,9 +97,6 @@ def _constant_columns(df) -> dict[str, object]:
 
 
 def _print_table(df, columns: list[tuple], title: str, caption: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     constant = _constant_columns(df)
     shown = [c for c in columns if c[1] in df and c[1] not in constant
              and not (c[1] == "val_accuracy" and df[c[1]].isna().all())]  # accuracy: task runs only
@@ -120,7 +118,6 @@ def print_sweep_table(df) -> None:
     _print_table(df, IDENTITY + COMPARED + DETAILS, "sweep summary: one row per finished run",
                  COMPARISON_NOTE.format(peers=", seed, lr scale and depth"))
     if df.seed.nunique() > 1:
-        from flt_diag.analysis.results import seed_table
         cells = seed_table(df)
         _print_table(cells, [c for c in IDENTITY if c[1] != "seed"] + FAILED + COMPARED + DETAILS[:3],
                      "per cell: majority verdict over seeds, seeds failed, means over finished seeds",

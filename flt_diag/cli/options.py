@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from flt_diag.analysis import early_warning as EW
+from flt_diag.analysis import predictor_fit as FIT
 from flt_diag.config import OPTIONS, PRESETS, Option, options_of
 from flt_diag.grids.stability_map import MapGrid, MapSpec
 from flt_diag.grids.sweep import SweepSpec
@@ -77,17 +78,17 @@ QUIET = cli_opt("--quiet", bool, "No progress bar.", False)
 FOLDER_OPTIONS = [WORKERS, LIST, CELL, QUIET]
 
 FIT_PREDICTOR = [
-    cli_opt("--out", Path, "Predictor JSON to write (flt_diag/early_warning.json is the packaged one).",
+    cli_opt("--out", Path, "Predictor JSON to write (flt_diag/analysis/early_warning.json is the packaged one).",
             optional=False),
     cli_opt("--at", int, "Steps to fit a model at.", [100, 200, 300, 500], many=True, low=1, optional=False),
     cli_opt("--l2", float, "L2 penalty of the logistic regression.", 1.0, above=0, optional=False),
     cli_opt("--target", str, "fails (final verdict unstable, collapsed or diverged), collapse (collapsed or "
             "diverged) or climbs (fails, or the loss climbed and recovered: the verdict's transient_rebound).",
             "fails", choices=tuple(EW.TARGETS), optional=False),
-    cli_opt("--features", str, f"Features the model uses [default: {' '.join(EW.DEFAULT_FEATURES)}].",
+    cli_opt("--features", str, f"Features the model uses [default: {' '.join(FIT.DEFAULT_FEATURES)}].",
             many=True, choices=EW.FEATURES),
     cli_opt("--class-weight", str, "balanced (each class weighs half of the fit, whatever share of the runs "
-            "fails) or none (each run weighs 1).", "balanced", choices=EW.CLASS_WEIGHTS, optional=False),
+            "fails) or none (each run weighs 1).", "balanced", choices=FIT.CLASS_WEIGHTS, optional=False),
     cli_opt("--cross-validate", bool, "Also report leave-one-cell-out agreement at each step (every run "
             "predicted by a model fitted without its cell) and store it in the predictor JSON.", False)]
 

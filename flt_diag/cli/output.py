@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from flt_diag.analysis.early_warning import CHECK_EVERY, DEFAULT_FEATURES, agreement
+from flt_diag.analysis.early_warning import CHECK_EVERY, agreement
+from flt_diag.analysis.predictor_fit import DEFAULT_FEATURES
 
 
 def print_model_line(model, n_params: int) -> None:

@@ -228,8 +228,8 @@ class TaskData:
 
     def batch(self, batch_size: int, seq_len: int, generator, device="cpu"):
         """B rows named by `generator` (torch): x (B, T) and y (B, T) on `device`."""
-        import torch
-        from flt_diag.data.batches import _to_device
+        import torch  # settle.py (torch-free) imports this module; torch is 2.2 s of imports (-X importtime)
+        from flt_diag.data.batches import _to_device  # (batches.py imports torch)
         if seq_len != self.seq_len:
             raise DataError(f"{self.task.name} rows hold {self.seq_len} tokens, asked for {seq_len}")
         row_ids = torch.randint(0, 1 << 62, (batch_size,), generator=generator).tolist()

@@ -19,13 +19,15 @@ search state is never stored: it is replayed from the finished cells, so a kille
 it stopped and no probe runs twice. Lines are independent: `--workers` runs lines in parallel and a
 job array gives each task one line (`--cell I`).
 
-The boundary table and the figure are pure functions of the folder (`boundaries`, `critical_values`,
-`draw_map`); this module imports no torch.
+The boundary tables are pure functions of the folder: flt_diag/analysis/map_results.py (torch-free),
+which also holds the criteria and the lines; this module runs the search.
 """
 from __future__ import annotations
 
 import math
+import multiprocessing as mp
 import os
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,19 +35,13 @@ from typing import Callable
 
 import pandas as pd
 
-from flt_diag.grids.cells import Cell
-from flt_diag.config import check, opt
+from flt_diag.analysis.map_results import (AXES, CRITERIA, MAP_CSV, Line, MapLines, boundaries, bracket,
+                                           probe_outcomes)
+from flt_diag.analysis.storage import CELLS, StorageError, atomic_path, folder_lock, load_summary
+from flt_diag.config import RunConfig, check, opt
+from flt_diag.grids.sweep import die_with_parent, only, prepare_spec_folder, run_cell, write_summary
 from flt_diag.model.variants import MAX_LOOPS, VARIANTS
 from flt_diag.settle import comparable
-from flt_diag.analysis.storage import CELLS, ERROR, SWEEP_SPEC, StorageError, atomic_path, folder_lock, load_summary, read_json
-
-AXES = {"lr": "lr scale", "depth": "depth L"}
-CRITERIA: dict[str, Callable[[dict], bool]] = {
-    "training": lambda s: s.get("verdict") != "stable",
-    "collapse": lambda s: s.get("verdict") in ("collapsed", "diverged"),
-    "explosion": lambda s: bool(s.get("residual_explosion_any", s.get("residual_explosion"))) or s.get("verdict") == "diverged",
-}
-MAP_CSV = "map.csv"
 
 
 def geometric_grid(lo: float, hi: float, ratio: float, integer: bool = False) -> list[float]:
@@ -65,18 +61,6 @@ def geometric_grid(lo: float, hi: float, ratio: float, integer: bool = False) ->
     return values
 
 
-@dataclass(frozen=True)
-class Line:
-    index: int
-    variant: str
-    loops: int
-    seed: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.variant}_K{self.loops:02d}_seed{self.seed}"
-
-
 @dataclass
 class MapGrid:
     """The axis values a map searches: lo, lo*r, lo*r^2, ... <= hi (see geometric_grid)."""
@@ -93,7 +77,7 @@ class MapGrid:
 
 
 @dataclass
-class MapSpec:
+class MapSpec(MapLines):
     """What a map searches: lines (variants x loops x seeds), one axis and its grid, the criteria.
     `base` is the RunConfig of line 0 (the axis field and each line's fields are replaced per probe)."""
 
@@ -122,19 +106,9 @@ class MapSpec:
         if list(self.grid) != sorted(self.grid):
             raise ValueError("the grid must be ascending")
 
-    def lines(self) -> list[Line]:
-        grid = [(k, s, v) for s in self.seeds for k in self.loops for v in self.variants]
-        return [Line(i, v, k, s) for i, (k, s, v) in enumerate(grid)]
-
     @property
     def base_lr_scale(self) -> float:
         return float(self.base.train.lr_scale)
-
-    def cell(self, line: Line, value: float) -> Cell:
-        """The sweep cell of a probe at one axis value."""
-        if self.axis == "lr":
-            return Cell(-1, line.variant, line.loops, line.seed, float(value))
-        return Cell(-1, line.variant, line.loops, line.seed, self.base_lr_scale, depth=int(value))
 
     def to_dict(self) -> dict:
         return dict(kind="map", variants=self.variants, loops=self.loops, seeds=self.seeds, axis=self.axis,
@@ -142,16 +116,6 @@ class MapSpec:
 
 
 # --------------------------------------------------------------------------- the search
-
-def bracket(known: dict[int, bool], n: int) -> tuple[int, int, bool]:
-    """(a, b, monotone) from the known outcomes {grid index: broke}: a = the highest index that held
-    below the lowest that broke (b; n if none broke). monotone is False when some index above b held."""
-    broken = [i for i, bad in known.items() if bad]
-    b = min(broken) if broken else n
-    held = [i for i, bad in known.items() if not bad and i < b]
-    a = max(held) if held else -1
-    monotone = not any(not bad and i > b for i, bad in known.items())
-    return a, b, monotone
 
 
 def search(n: int, outcome: Callable[[int], bool | None], known: dict[int, bool] | None = None) -> dict:
@@ -167,16 +131,6 @@ def search(n: int, outcome: Callable[[int], bool | None], known: dict[int, bool]
         known[mid] = result
         a, b, monotone = bracket(known, n)
     return dict(a=a, b=b, monotone=monotone, failed=None)
-
-
-def probe_outcomes(spec: MapSpec, out: Path, line: Line, criterion: str) -> dict[int, bool]:
-    """Outcomes of the line's finished probes under one criterion, from their summary.json."""
-    known = {}
-    for i, value in enumerate(spec.grid):
-        s = load_summary(Path(out) / CELLS / spec.cell(line, value).name)
-        if s is not None:
-            known[i] = CRITERIA[criterion](s)
-    return known
 
 
 def search_line(spec: MapSpec, out: Path, line: Line, runner: Callable, report: Callable[[str], None] = print) -> None:
@@ -201,22 +155,12 @@ def search_line(spec: MapSpec, out: Path, line: Line, runner: Callable, report: 
 
 def prepare_map_folder(spec: MapSpec, out: Path) -> None:
     """Create the map folder, or check that an existing one holds the same map."""
-    from flt_diag.grids.sweep import prepare_spec_folder
     grid_fields = {"model": ("variant", "loops") + (("n_layer",) if spec.axis == "depth" else ()),
                    "train": ("seed",) + (("lr_scale",) if spec.axis == "lr" else ())}
     prepare_spec_folder(Path(out), spec.to_dict(), "map", grid_fields)
 
 
-def spec_from_folder(out: Path) -> dict:
-    spec = read_json(Path(out) / SWEEP_SPEC)
-    if spec.get("kind") != "map":
-        raise StorageError(f"{out} is a sweep folder, not a stability map (made by `flt-diag map`)")
-    return spec
-
-
 def _line_search_worker(spec_dict: dict, line: Line, out: str) -> str:
-    from flt_diag.config import RunConfig
-    from flt_diag.grids.sweep import run_cell
     spec = _spec_from_dict(spec_dict, RunConfig.from_dict(spec_dict["base_full"]))
     search_line(spec, Path(out), line, run_cell, report=lambda text: print(text, flush=True))
     return line.name
@@ -237,15 +181,12 @@ def run_map(spec: MapSpec, out: Path, workers: int = 1, only_line: int | None = 
 
 
 def _run_map(spec, out, workers, only_line, runner, report) -> pd.DataFrame:
-    from flt_diag.grids.sweep import die_with_parent, only, run_cell, write_summary
     prepare_map_folder(spec, out)
     lines = only(spec.lines(), only_line, " (one per line)")
     if runner is not None or workers <= 1 or len(lines) <= 1:
         for line in lines:
             search_line(spec, out, line, runner or run_cell, report)
     else:
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
         spec_dict = {**spec.to_dict(), "base_full": spec.base.to_dict()}
         with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=die_with_parent,
                                  initargs=(os.getpid(),)) as pool:
@@ -256,85 +197,3 @@ def _run_map(spec, out, workers, only_line, runner, report) -> pd.DataFrame:
     with atomic_path(out / MAP_CSV) as tmp:
         table.to_csv(tmp, index=False)
     return table
-
-
-# --------------------------------------------------------------------------- results (no torch)
-
-def boundaries(out: Path) -> pd.DataFrame:
-    """One row per (line, criterion): the bracket found so far, from the finished probes alone.
-
-    status: "found" (boundary in (last_ok, first_broken]), "below grid" (broke at the lowest value),
-    "above grid" (held at the highest), "open" (search unfinished), "non-monotone"."""
-    spec = spec_from_folder(out)
-    grid = spec["grid"]
-    rows = []
-    fake = _FolderSpec(spec)
-    for line in fake.lines():
-        for criterion in spec["criteria"]:
-            known = probe_outcomes(fake, out, line, criterion)
-            a, b, monotone = bracket(known, len(grid))
-            failed = any((Path(out) / CELLS / fake.cell(line, v).name / ERROR).exists() for v in grid)
-            if not monotone:
-                status = "non-monotone"
-            elif b - a > 1:
-                status = "failed" if failed else "open"
-            elif b == 0:
-                status = "below grid"
-            elif a == len(grid) - 1:
-                status = "above grid"
-            else:
-                status = "found"
-            last_ok = grid[a] if a >= 0 else math.nan
-            first_broken = grid[b] if b < len(grid) else math.nan
-            boundary = math.sqrt(last_ok * first_broken) if status == "found" else math.nan
-            rows.append(dict(variant=line.variant, loops=line.loops, seed=line.seed, criterion=criterion,
-                             axis=spec["axis"], last_ok=last_ok, first_broken=first_broken, boundary=boundary,
-                             status=status, probes=len(known)))
-    return pd.DataFrame(rows, columns=["variant", "loops", "seed", "criterion", "axis", "last_ok", "first_broken",
-                                       "boundary", "status", "probes"])
-
-
-class _FolderSpec(MapSpec):
-    """A MapSpec read back from sweep.json, without torch (its base stays the stored dict)."""
-
-    def __init__(self, d: dict):
-        super().__init__(d["base"], d["variants"], d["loops"], d["seeds"], d["axis"], d["grid"], d["criteria"])
-
-    @property
-    def base_lr_scale(self) -> float:
-        return float(self.base["train"]["lr_scale"])
-
-
-def critical_values(out: Path) -> pd.DataFrame:
-    """Per (criterion, variant, loops): the boundary over seeds (median, min, max) as a table row,
-    with a text cell such as "2.8 [2-4]" or "> 16" that the report and README print."""
-    b = boundaries(out)
-    rows = []
-    for (criterion, variant, loops), g in b.groupby(["criterion", "variant", "loops"], sort=False):
-        found = g[g.status == "found"].boundary
-        above, below = (g.status == "above grid").sum(), (g.status == "below grid").sum()
-        if len(found) == len(g):
-            text = f"{found.median():.3g}" + (f" [{found.min():.3g}-{found.max():.3g}]" if len(g) > 1 else "")
-        elif above == len(g):
-            text = f"> {g.last_ok.max():g}"
-        elif below == len(g):
-            text = f"< {g.first_broken.min():g}"
-        else:
-            text = ", ".join(f"{bd:.3g}" if st == "found" else st for st, bd in zip(g.status, g.boundary))
-        rows.append(dict(criterion=criterion, variant=variant, loops=loops, median=found.median() if len(found) else math.nan,
-                         low=found.min() if len(found) else math.nan, high=found.max() if len(found) else math.nan,
-                         seeds=len(g), text=text))
-    return pd.DataFrame(rows)
-
-
-def critical_table(out: Path) -> pd.DataFrame:
-    """The critical values as a text table: one row per variant, one column per (criterion, K)."""
-    crit = critical_values(out)
-    if crit.empty:
-        return pd.DataFrame()
-    axis = spec_from_folder(out)["axis"]
-    crit = crit.assign(column=[f"{c} at K={k} ({AXES[axis]})" for c, k in zip(crit.criterion, crit.loops)])
-    table = crit.pivot(index="variant", columns="column", values="text")
-    order = [v for v in ("lt", "lt-ii", "lt-ai", "fla", "flt") if v in table.index]
-    table = table.reindex(order + [v for v in table.index if v not in order])[list(dict.fromkeys(crit.column))]
-    return table.reset_index().rename(columns={"variant": "Variant"})

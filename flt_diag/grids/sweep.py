@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import ctypes
 import os
+import signal
+import sys
 import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -22,8 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from flt_diag.grids.cells import Cell
+from flt_diag.analysis.cells import Cell
 from flt_diag.config import RunConfig, check, opt, validate, with_overrides
 from flt_diag.analysis.results import SUMMARY_COLUMNS, sweep_summary  # noqa: F401  (the one summary table; re-exported)
 from flt_diag.analysis.storage import (CELLS, ERROR, SWEEP_SPEC, SWEEP_SUMMARY, StorageError, atomic_path, atomic_write_text, folder_lock,
@@ -133,7 +137,7 @@ def cell_status(out: Path, cell: Cell) -> str:
 def run_cell(base: dict, cell: Cell, out: str, threads: int | None = None,
              device: str | None = None, progress=None) -> str:
     """Train one cell (in this process). Exceptions are written to the cell's error.txt."""
-    import torch
+    import torch  # torch: 2.2 s of the CLI's 3 s start-up (-X importtime); the CLI imports this module for its options
     from flt_diag.training.trainer import train
 
     cfg = cell_config(RunConfig.from_dict(base), cell, **({"threads": threads} if threads else {}),
@@ -162,10 +166,7 @@ def die_with_parent(parent_pid: int) -> None:
     """In a worker process: be killed when the parent dies (even by kill -9), so that no orphan
     keeps training a cell that a re-run of the sweep will train again (Linux; elsewhere a no-op).
     A parent that died before this ran is noticed by its pid, and the worker leaves at once."""
-    import signal
-    import sys
     if sys.platform.startswith("linux"):
-        import ctypes
         try:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
         except OSError:  # pragma: no cover - no glibc
@@ -235,14 +236,14 @@ def longest_first(cells: list[Cell]) -> list[Cell]:
 
 def auto_workers(device: str) -> int:
     """One worker per GPU (CUDA) or per CPU core (each worker then runs one thread)."""
-    import torch
+    import torch  # (as in run_cell)
     if device in ("auto", "cuda") and torch.cuda.is_available():
         return torch.cuda.device_count()
     return os.cpu_count() or 1
 
 
 def _run_parallel(base, todo, out, workers, monitor):
-    import torch
+    import torch  # (as in run_cell)
     n_gpu = torch.cuda.device_count() if base["train"]["device"] in ("auto", "cuda") else 0
     ctx = mp.get_context("spawn")
     gpu_queue = None
@@ -296,7 +297,6 @@ class SweepMonitor:
         self.n_cells = len(cells)
         self.bar = None
         if enabled:
-            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
             self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[cells]}"),
                                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), transient=False,
                                 redirect_stdout=False, redirect_stderr=False)

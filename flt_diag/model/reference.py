@@ -1,4 +1,5 @@
-"""Import (and export) checkpoints of the reference implementation, built on karpathy/nanochat.
+"""Import (and export) checkpoints of the reference implementation, built on karpathy/nanochat
+(writing an imported model as a run folder: flt_diag/training/reference.py).
 
 Reference layout (DESIGN.md §2)               flt-diag
     transformer.wte.weight        (Vp, d)     embed.weight          (V, d)
@@ -32,7 +33,6 @@ from pathlib import Path
 import torch
 
 from flt_diag.model.transformer import VARIANTS, LoopedTransformer, ModelConfig
-from flt_diag.training.checkpoint import save_weights
 from flt_diag.analysis.storage import read_json
 
 REFERENCE_VARIANTS: dict[str, str] = {"LT": "lt", "LT_i": "lt-ii", "LT_ia": "lt-ai", "FLT_res": "fla", "FLT": "flt"}
@@ -84,14 +84,8 @@ def _few(keys, n: int = 3) -> str:
     return ", ".join(keys[:n]) + (f" (+{len(keys) - n} more)" if len(keys) > n else "")
 
 
-def convert_state_dict(sd: dict, vocab_size: int | None = None) -> tuple[dict[str, torch.Tensor], dict]:
-    """A reference state dict in flt-diag's layout, and the dims it implies.
-
-    Padded vocabulary rows of the embedding and head are dropped down to `vocab_size`; without it
-    they are kept (a state dict alone does not say how many rows are padding). Tensors come back as
-    float32 on the CPU. Returns (state_dict, dims) with dims = n_layer, n_embd, vocab_size (rows
-    kept), padded_vocab_size. Raises ReferenceImportError on missing, unexpected or misshapen keys,
-    and on grouped-query attention (n_kv_head != n_head), which flt-diag does not implement."""
+def _flatten(sd: dict) -> dict:
+    """The state dict with its keys' prefixes stripped; refuses an empty one and an flt-diag one."""
     if not isinstance(sd, dict) or not sd:
         raise ReferenceImportError("reference checkpoint: expected a non-empty state dict")
     flat: dict[str, torch.Tensor] = {}
@@ -103,7 +97,11 @@ def convert_state_dict(sd: dict, vocab_size: int | None = None) -> tuple[dict[st
     if "embed.weight" in flat or any(k.startswith("blocks.") for k in flat):
         raise ReferenceImportError("reference checkpoint: this looks like an flt-diag state dict "
                                    "(embed.weight, blocks.*), not a reference one")
+    return flat
 
+
+def _check_keys(flat: dict) -> int:
+    """The number of blocks, once the keys are exactly the reference's for it and every value a matrix."""
     layers = sorted({int(m.group(1)) for k in flat if (m := _BLOCK_KEY.match(k))})
     n_layer = layers[-1] + 1 if layers else 0
     expected = set(_TOP_NAMES) | {f"transformer.h.{i}.{s}.weight" for i in range(n_layer) for s in _BLOCK_NAMES}
@@ -116,7 +114,11 @@ def convert_state_dict(sd: dict, vocab_size: int | None = None) -> tuple[dict[st
     for k, v in flat.items():
         if not isinstance(v, torch.Tensor) or v.dim() != 2:
             raise ReferenceImportError(f"reference checkpoint: {k} is not a matrix")
+    return n_layer
 
+
+def _check_shapes(flat: dict, n_layer: int) -> tuple[int, int]:
+    """(padded vocabulary, n_embd) once every matrix has the shape they imply (no grouped-query attention)."""
     wte, head = flat["transformer.wte.weight"], flat["lm_head.weight"]
     padded, d = wte.shape
     if head.shape != wte.shape:
@@ -135,6 +137,20 @@ def convert_state_dict(sd: dict, vocab_size: int | None = None) -> tuple[dict[st
             if got != shp:
                 raise ReferenceImportError(f"reference checkpoint: transformer.h.{i}.{s}.weight is {got}, "
                                            f"expected {shp} for n_embd={d}")
+    return padded, d
+
+
+def convert_state_dict(sd: dict, vocab_size: int | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """A reference state dict in flt-diag's layout, and the dims it implies.
+
+    Padded vocabulary rows of the embedding and head are dropped down to `vocab_size`; without it
+    they are kept (a state dict alone does not say how many rows are padding). Tensors come back as
+    float32 on the CPU. Returns (state_dict, dims) with dims = n_layer, n_embd, vocab_size (rows
+    kept), padded_vocab_size. Raises ReferenceImportError on missing, unexpected or misshapen keys,
+    and on grouped-query attention (n_kv_head != n_head), which flt-diag does not implement."""
+    flat = _flatten(sd)
+    n_layer = _check_keys(flat)
+    padded, d = _check_shapes(flat, n_layer)
     if vocab_size is None:
         vocab_size = padded
     elif not 1 <= vocab_size <= padded:
@@ -270,38 +286,3 @@ def import_reference(checkpoint, variant: str | None = None, loops: int | None =
     model = LoopedTransformer(cfg)
     model.load_state_dict(state)
     return model
-
-
-def write_imported_run(model: LoopedTransformer, out_dir, source: str, step: int = 0,
-                       tokenizer: str | None = None, data: str = "stdlib") -> Path:
-    """A run folder (config.json + checkpoint.pt) for an imported model, usable by `flt-diag eval-loops`.
-
-    config.json is a full RunConfig dict plus "imported_from": source. The tokenizer is "bytes" for
-    a 256-token vocabulary; otherwise pass the one the reference used (a tokenizer.json path), or the
-    folder gets tokenizer null and a "note" saying to set it. No summary.json is written: an imported
-    model has no training history here."""
-    from flt_diag.config import RunConfig, TrainConfig
-    from flt_diag.analysis.storage import CHECKPOINT, CONFIG, StorageError, write_json
-
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise StorageError(f"{out} exists and is not empty; choose another folder")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise StorageError(f"cannot create run folder {out}: {e.strerror}") from None
-    V = model.cfg.vocab_size
-    note = None
-    if tokenizer is None:
-        if V == 256:
-            tokenizer = "bytes"
-        else:
-            note = (f"vocab_size {V}: set train.tokenizer to the tokenizer the reference was trained with "
-                    "(a tokenizer.json path or hub name) before running eval-loops")
-    cfg = RunConfig(model=model.cfg, train=TrainConfig(data=data, tokenizer=tokenizer), preset="custom")
-    doc = {**cfg.to_dict(), "imported_from": str(source)}
-    if note:
-        doc["note"] = note
-    write_json(out / CONFIG, doc)
-    save_weights(out / CHECKPOINT, model.cpu(), model.cfg.to_dict(), int(step))
-    return out

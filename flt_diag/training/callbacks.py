@@ -16,12 +16,11 @@ progress) are callbacks too; the Trainer appends them after the caller's (`Train
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
 from flt_diag.analysis.storage import PROGRESS, MetricsWriter, write_json
 
-if TYPE_CHECKING:
-    from flt_diag.training.trainer import Trainer
+Trainer = Any  # the running flt_diag.training.trainer.Trainer; not imported, since the Trainer imports its callbacks
 
 
 class Callback:

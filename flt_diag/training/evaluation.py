@@ -17,6 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from flt_diag.analysis import metric_names as M
+from flt_diag.analysis.storage import CHECKPOINT, EVAL_LOOPS, StorageError, atomic_path, load_config
+from flt_diag.config import RunConfig
+from flt_diag.data.sources import load_split
+from flt_diag.model.transformer import LoopedTransformer, ModelConfig
+from flt_diag.training.checkpoint import load
 from flt_diag.training.callbacks import Callback
 from flt_diag.data.batches import batch_generator, get_batch
 from flt_diag.data.corpus import TokenData
@@ -95,10 +100,6 @@ def eval_loops(run_dir: Path, loops: list[int] | None = None, batches: int | Non
 
     Writes <run>/eval_loops.csv (columns: loops, trained_loops, val_loss, perplexity, accuracy, data,
     batches; accuracy is empty for text)."""
-    from flt_diag.analysis.storage import EVAL_LOOPS, atomic_path, load_config
-    from flt_diag.config import RunConfig
-    from flt_diag.data.sources import load_split
-
     run_dir = Path(run_dir)
     model = _final_model(run_dir, device)
     t = RunConfig.from_dict(load_config(run_dir)).train
@@ -119,10 +120,6 @@ def eval_loops(run_dir: Path, loops: list[int] | None = None, batches: int | Non
 
 def _final_model(run_dir: Path, device: str):
     """The model of a run's checkpoint.pt (StorageError, one line, when there is none or it does not fit)."""
-    from flt_diag.analysis.storage import CHECKPOINT, StorageError
-    from flt_diag.model.transformer import LoopedTransformer, ModelConfig
-    from flt_diag.training.checkpoint import load
-
     ckpt_path = run_dir / CHECKPOINT
     if not ckpt_path.exists():
         raise StorageError(f"{run_dir} has no {CHECKPOINT} (has the run finished?)")

@@ -19,9 +19,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import platform
-import socket
-import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -29,16 +26,21 @@ from typing import Callable
 import torch
 
 from flt_diag.analysis import metric_names as M
+from flt_diag.analysis.metrics import summarize, tokens_per_step
 from flt_diag.training.callbacks import Callback, MetricsTable, Progress
 from flt_diag.training.checkpoint import Checkpoints, restore
 from flt_diag.config import RunConfig
 from flt_diag.data.batches import batch_generator, get_batch, stream_batch
-from flt_diag.data.corpus import DataError, TokenData, load_tokens
+from flt_diag.data.corpus import DataError, TokenData
 from flt_diag.data.sources import describe, load_split
 from flt_diag.data.tasks import TaskData
 from flt_diag.training.evaluation import Evaluation
 from flt_diag.training.external import ExternalSinks
-from flt_diag.model.transformer import LoopedTransformer, ModelConfig
+from flt_diag.model.transformer import LoopedTransformer, ModelConfig, count_parameters
+from flt_diag.training.process import environment, start_process
+from flt_diag.training.diagnostics import DiagnosticsCallback
+from flt_diag.training.early_warning import CollapseWarning
+from flt_diag.training.parallel import compile_blocks, compile_wanted, reference_precision
 from flt_diag.training.optim import build_optimizers, lr_multiplier, muon_momentum, set_lr, set_momentum
 from flt_diag.analysis.storage import (CONFIG, RESUME, SUMMARY, StorageError, folder_lock, has_content, load_config, load_metrics,
                       read_json, write_json)
@@ -78,45 +80,6 @@ class StepLog:
         return rows
 
 
-def environment(device: torch.device) -> dict:
-    import numpy, pandas
-    env = dict(python=sys.version.split()[0], torch=torch.__version__, numpy=numpy.__version__,
-               pandas=pandas.__version__, platform=platform.platform(), host=socket.gethostname(),
-               device=str(device), threads=torch.get_num_threads(), world_size=int(os.environ.get("WORLD_SIZE", 1)),
-               started=time.strftime("%Y-%m-%dT%H:%M:%S"))
-    if device.type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(device)
-    try:
-        from importlib.metadata import version
-        env["flt_diag"] = version("flt-diag")
-    except Exception:
-        env["flt_diag"] = "unknown"
-    return env
-
-
-def _start_process(cfg: RunConfig) -> tuple[torch.device, int, int]:
-    """(device, rank, world size) of this process; joins the process group when launched with
-    torchrun (WORLD_SIZE > 1: nccl on CUDA, gloo on CPU) and sets the CPU thread settings."""
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = torch.device(cfg.train.device)  # settled: cpu, cuda or cuda:N, checked against this machine
-    if world > 1:
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-            torch.cuda.set_device(device)
-    if device.type == "cpu":
-        # One thread by default: tiny models are bound by per-op overhead, and OpenMP threads
-        # that wait for a core slow a step down 100x when other processes share the machine.
-        torch.set_num_threads(cfg.train.threads or 1)
-        # A collapsing LT drives activation gradients through the loops towards 1e-20 and
-        # below; subnormal arithmetic made such steps 3.5x slower (benchmarks/README.md).
-        # (The setting holds for the calling thread, so for all compute at one thread.)
-        torch.set_flush_denormal(cfg.train.flush_denormal)
-    elif cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    return device, rank, world
-
-
 def _load_splits(t, seq_len: int) -> tuple[TokenData | TaskData, TokenData | TaskData]:
     splits = [load_split(t, seq_len, split) for split in ("train", "val")]
     for name, data in zip(("train", "validation"), splits):
@@ -142,7 +105,7 @@ class Trainer:
         self.run_dir, self.cfg = Path(run_dir), cfg
         self.train_data, self.val_data = _load_splits(cfg.train, cfg.model.sequence_len)
         check_settled(cfg, self.train_data.vocab_size)  # a guard: the Trainer settles nothing itself
-        self.device, self.rank, self.world = _start_process(cfg)
+        self.device, self.rank, self.world = start_process(cfg)
         self.is_main = self.rank == 0
         self.model = self._build_model(model or LoopedTransformer)
         self.n_params = sum(p.numel() for p in self.model.parameters())
@@ -154,10 +117,8 @@ class Trainer:
         self.log = StepLog()
         self.callbacks: list[Callback] = list(callbacks or [])
         if diagnostics if diagnostics is not None else cfg.diagnostics.enabled:
-            from flt_diag.training.diagnostics import DiagnosticsCallback
             self.callbacks.insert(0, DiagnosticsCallback(cfg.diagnostics))
         if cfg.diagnostics.warn or cfg.diagnostics.stop_on_collapse:
-            from flt_diag.analysis.early_warning import CollapseWarning
             self.callbacks.append(CollapseWarning(predictor(cfg.diagnostics.predictor),
                                                   stop=cfg.diagnostics.stop_on_collapse))
         # the side concerns of every run, last (their order is the order of their work in a moment)
@@ -175,15 +136,12 @@ class Trainer:
         try:
             model = factory(self.cfg.model).to(self.device)
         except (RuntimeError, MemoryError) as e:  # e.g. a width no memory can hold
-            from flt_diag.model.transformer import count_parameters
             raise ValueError(f"cannot allocate the model ({count_parameters(self.cfg.model):,} parameters) on "
                              f"{self.device}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
         t = self.cfg.train
         if t.precision == "reference":
-            from flt_diag.training.parallel import reference_precision
             reference_precision(model)
         model.checkpoint_loops = t.checkpoint_loops
-        from flt_diag.training.parallel import compile_blocks, compile_wanted
         if compile_wanted(t.compile, self.device.type, t.steps):
             compile_blocks(model)
         return model
@@ -357,7 +315,6 @@ class Trainer:
         if not self.is_main:
             torch.distributed.destroy_process_group()
             return {}
-        from flt_diag.analysis.metrics import summarize, tokens_per_step
         summary = summarize(load_metrics(self.run_dir), self.cfg, unigram_entropy=self.train_data.unigram_entropy,
                             wall_time=self.wall_time, stop_reason=self.stop_reason, prediction=self.prediction,
                             tokens_per_step=tokens_per_step(self.cfg, self.world))

@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.ticker import FuncFormatter
 
+from flt_diag.analysis.map_results import AXES, boundaries, spec_from_folder
 from flt_diag.analysis.results import Study
 from flt_diag.analysis.figures import Figure, register
 from flt_diag.analysis.figures.style import finish, legend, new_figure, style, variant_color, variants
@@ -41,7 +42,6 @@ def _boundary(criterion, variant, loops, g: pd.DataFrame) -> dict | None:
 def map_data(src) -> pd.DataFrame:
     """Per (criterion, variant, loops): median boundary over seeds, its low/high band, and where it lies
     beyond the grid ("above"/"below") when no seed found it inside. attrs: the map's axis, grid, loops."""
-    from flt_diag.grids.stability_map import boundaries, spec_from_folder  # (it imports the config: only when drawn)
     path = src.path if isinstance(src, Study) else Path(src)
     spec = spec_from_folder(path)
     rows = [_boundary(*key, g) for key, g in boundaries(path).groupby(["criterion", "variant", "loops"], sort=False)]
@@ -69,7 +69,6 @@ def _panel(ax, sub: pd.DataFrame, names: list[str], xs: dict, edges: tuple[float
 
 
 def draw(df: pd.DataFrame):
-    from flt_diag.grids.stability_map import AXES
     axis, grid, loops = df.attrs["axis"], df.attrs["grid"], df.attrs["loops"]
     criteria = list(dict.fromkeys(df.criterion)) or ["training"]
     names, xs = variants(df), {k: i for i, k in enumerate(loops)}

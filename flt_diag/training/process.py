@@ -1,0 +1,53 @@
+"""The process a run trains in: its device, rank and world size (joining the process group under
+torchrun), the CPU thread settings, and the description of the environment stored in summary.json."""
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import sys
+import time
+from importlib.metadata import version
+
+import numpy
+import pandas
+import torch
+
+from flt_diag.config import RunConfig
+
+
+def environment(device: torch.device) -> dict:
+    env = dict(python=sys.version.split()[0], torch=torch.__version__, numpy=numpy.__version__,
+               pandas=pandas.__version__, platform=platform.platform(), host=socket.gethostname(),
+               device=str(device), threads=torch.get_num_threads(), world_size=int(os.environ.get("WORLD_SIZE", 1)),
+               started=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    try:
+        env["flt_diag"] = version("flt-diag")
+    except Exception:
+        env["flt_diag"] = "unknown"
+    return env
+
+
+def start_process(cfg: RunConfig) -> tuple[torch.device, int, int]:
+    """(device, rank, world size) of this process; joins the process group when launched with
+    torchrun (WORLD_SIZE > 1: nccl on CUDA, gloo on CPU) and sets the CPU thread settings."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = torch.device(cfg.train.device)  # settled: cpu, cuda or cuda:N, checked against this machine
+    if world > 1:
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(device)
+    if device.type == "cpu":
+        # One thread by default: tiny models are bound by per-op overhead, and OpenMP threads
+        # that wait for a core slow a step down 100x when other processes share the machine.
+        torch.set_num_threads(cfg.train.threads or 1)
+        # A collapsing LT drives activation gradients through the loops towards 1e-20 and
+        # below; subnormal arithmetic made such steps 3.5x slower (benchmarks/README.md).
+        # (The setting holds for the calling thread, so for all compute at one thread.)
+        torch.set_flush_denormal(cfg.train.flush_denormal)
+    elif cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    return device, rank, world
