@@ -179,3 +179,19 @@ def test_gpu_preset_at_toy_size_on_cpu(tmp_path):
     flt = next(r for r in res["steps"] if r["variant"] == "flt")
     assert flt["compiled_vs_eager"]["median"] > 0 and flt["diag_overhead"]["median"] > 0
     assert "compiled vs eager" in proc.stdout and ("MET" in proc.stdout or "MISSED" in proc.stdout)
+
+
+def test_breakdown_mode_splits_each_step_and_measures_its_floor_against_the_peak(bench, one_thread, tmp_path,
+                                                                                   monkeypatch, capsys):
+    monkeypatch.setitem(bench.BENCH_PRESETS, "toy", toy_spec(bench))
+    out = tmp_path / "breakdown.json"
+    assert bench.main(["--breakdown", "--preset", "toy", "--loops", "1", "2", "--out", str(out)]) == 0
+    assert "step breakdown" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    modes = bench.compile_modes("cpu")
+    assert [(r["loops"], r["compiled"]) for r in res["rows"]] == [(k, m) for k in (1, 2) for m in modes]
+    cfg = ModelConfig(n_layer=1, n_embd=32, n_head=2, sequence_len=16, vocab_size=256)
+    for r in res["rows"]:
+        floor_ms = 1e3 * bench.train_flops(cfg, batch_size=4, loops=r["loops"])["total"] / res["peak"]["peak"]
+        assert r["floor_ms"] == pytest.approx(floor_ms) and r["pct_of_peak"] == pytest.approx(100 * floor_ms / r["step_ms"])
+        assert r["matmul_ms"] > 0 and r["forward_ms"] > 0 and r["step_ms"] > r["forward_ms"]
