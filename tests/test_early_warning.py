@@ -128,13 +128,14 @@ def test_a_predictor_uses_its_own_features(tmp_path):
     assert [name for name, _ in contrib] == ["loss_climb", "grad_cos"]
 
 
-@pytest.mark.parametrize("edit", [lambda m: m | {"features": ["loss_climb", "no_such_feature"]},
-                                  lambda m: m | {"models": {"20": m["models"]["20"] | {"coef": [1.0]}}},
-                                  lambda m: m | {"features": []}])
-def test_malformed_predictors_are_refused(tmp_path, edit):
+@pytest.mark.parametrize("edit, field", [(lambda m: m | {"features": ["loss_climb", "no_such_feature"]}, "features"),
+                                         (lambda m: m | {"models": {"20": m["models"]["20"] | {"coef": [1.0]}}},
+                                          "models.20.coef"),
+                                         (lambda m: m | {"features": []}, "features")])
+def test_malformed_predictors_are_refused(tmp_path, edit, field):
     path = _toy_predictor(tmp_path, features=["grad_cos", "loss_climb"])
     path.write_text(json.dumps(edit(json.loads(path.read_text()))))
-    with pytest.raises(ValueError, match="not an flt-diag predictor"):
+    with pytest.raises(ValueError, match=f"predictor.json: {field}"):
         EW.load_predictor(path)
 
 
@@ -156,7 +157,7 @@ def test_bad_predictor_file_is_one_line(tmp_path, capsys):
     code = main(["train", "--steps", "2", "--device", "cpu", "--warn", "--predictor", str(tmp_path / "p.json"),
                  "--out", str(tmp_path / "r")])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "not an flt-diag predictor" in err[0]
+    assert code == 2 and len(err) == 1 and "p.json: features is missing" in err[0]
     assert not (tmp_path / "r").exists()
 
 
@@ -211,13 +212,17 @@ def test_predict_command_on_a_sweep(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def labelled(tmp_path_factory):
     """A finished sweep (lt, flt x seeds 0, 1; 30 steps) and one more run of the sweep's lt seed-0 cell,
-    trained for 24 steps (the same cell at another length)."""
+    trained for 24 steps (the same cell at another length). 30 steps are too few for any run to fail, so
+    the lt runs are labelled collapsed (their summary's verdict): a predictor needs runs of both kinds."""
+    from flt_diag.analysis.storage import SUMMARY, write_json
     from flt_diag.grids.sweep import SweepSpec, run_sweep
     from flt_diag.training.trainer import train
     root = tmp_path_factory.mktemp("labelled")
     run_sweep(SweepSpec(tiny_config(steps=30), ["lt", "flt"], [2], [0, 1], [1.0]), root / "sw", workers=1,
               show_progress=False)
     train(tiny_config(variant="lt", loops=2, seed=0, steps=24), root / "lt-short")
+    for run in [*root.glob("sw/cells/lt_*"), root / "lt-short"]:
+        write_json(run / SUMMARY, load_summary(run) | {"verdict": "collapsed"})
     return root
 
 

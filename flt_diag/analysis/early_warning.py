@@ -30,7 +30,6 @@ flt_diag/early_warning.json ships with the package.
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -222,6 +221,26 @@ def _fit_step(examples: list[dict], at: int, l2: float, features: list[str], cla
                 positives=int(y.sum()), train_accuracy=float(((p >= 0.5) == (y == 1)).mean()))
 
 
+def _both_kinds(examples: list[dict], at: int) -> bool:
+    """Whether the runs that ran past step `at` include one with the target and one without."""
+    return len({e["y"] for e in examples if at in e["feats"]}) == 2
+
+
+def _nothing_to_fit(examples: list[dict], steps, target: str) -> str:
+    """Why no step of `steps` can be fitted (one line)."""
+    labels = {e["y"] for e in examples}
+    if len(labels) == 1:
+        kind = "has" if labels == {1} else "does not have"
+        return (f"every one of the {len(examples)} finished runs {kind} the target {target} "
+                f"({target_text(target)}); a predictor needs runs of both kinds")
+    longest = max((e["summary"].get("steps_done", 0) for e in examples), default=0)
+    if not any(e["feats"] for e in examples):
+        return (f"no finished run ran past any step of --at ({', '.join(map(str, steps))}); the longest ran "
+                f"{longest} steps")
+    return (f"at no step of --at ({', '.join(map(str, steps))}) do the runs that ran past it include runs with "
+            f"and without the target {target}")
+
+
 def check_features(features) -> list[str]:
     features = list(features)
     unknown = [f for f in features if f not in FEATURES]
@@ -239,7 +258,10 @@ def fit(sources, steps=DEFAULT_STEPS, l2: float = 1.0, command: str = "", target
     features = check_features(features)
     class_weights([], class_weight)  # a wrong name fails before any run is read
     examples = training_examples(sources, steps, target) if examples is None else examples
-    models = {str(s): m for s in steps if (m := _fit_step(examples, s, l2, features, class_weight)) is not None}
+    models = {str(s): m for s in steps
+              if _both_kinds(examples, s) and (m := _fit_step(examples, s, l2, features, class_weight)) is not None}
+    if not models:  # a predictor without a model (or one that can only say one thing) is refused here
+        raise ValueError(_nothing_to_fit(examples, steps, target))
     return dict(features=features, models=models, threshold=0.5, l2=l2, class_weight=class_weight,
                 window="min(100, s // 2) steps before s", target=target, label=target_text(target),
                 fitted_on=[str(s) for s in sources], runs=[str(e["run"]) for e in examples], command=command)
@@ -268,20 +290,11 @@ def cross_validate(sources, steps=DEFAULT_STEPS, l2: float = 1.0, target: str = 
 
 
 def load_predictor(path=None) -> dict:
-    p = Path(path) if path else PACKAGED
-    try:
-        model = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"no predictor file {p}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"unreadable predictor file {p}: {e}") from None
-    feats = model.get("features") if isinstance(model, dict) else None
-    if not isinstance(feats, list) or not feats or any(f not in FEATURES for f in feats) \
-            or not isinstance(model.get("models"), dict) or not model["models"] \
-            or any(len(m.get("coef", ())) != len(feats) for m in model["models"].values()):
-        raise ValueError(f"{p} is not an flt-diag predictor (features among {', '.join(FEATURES)}, "
-                         "one model per step)")
-    return model
+    """A predictor JSON (None: the packaged one), checked field by field (flt_diag.analysis.files): a
+    predictor without means, with a text coefficient or a threshold outside (0, 1) is one line. An
+    empty name is an error, not the packaged predictor."""
+    from flt_diag.analysis.files import load_predictor as load_checked
+    return load_checked(PACKAGED if path is None else path)
 
 
 def model_at(predictor: dict, step: int) -> tuple[int, dict] | None:
@@ -416,7 +429,8 @@ class CollapseWarning(Callback):
     time it reaches the threshold, prints a warning with the evidence, and with `stop` ends the run
     there (verdict collapsed, predicted at that step). Keeps the few series the features need: the
     global ones (GLOBAL), the first and last loop's residual norm, the activation gradient at the first
-    and the last block."""
+    and the last block. Added to a run that resumes without its state (`--warn` may change on reuse),
+    it reads the series of the steps already trained back from the run's metrics table."""
 
     GLOBAL = (M.LOSS, M.GRAD_NORM, M.GRAD_COSINE)
 
@@ -428,18 +442,27 @@ class CollapseWarning(Callback):
         self.warned_at: int | None = None
         self.say = say or (lambda text: print(text, file=__import__("sys").stderr, flush=True))
         self.first = min(int(s) for s in predictor["models"])
+        self.restored = False
 
     def on_start(self, trainer) -> None:
         m = trainer.cfg.model
         self.loops, self.n_layer, self.d = m.loops, m.n_layer, m.n_embd
         self.label = f"{m.variant} K={m.loops}"
+        if getattr(trainer, "start_step", 0) and not self.restored:
+            stored = load_metrics(trainer.run_dir, [*self.GLOBAL, M.RESID_NORM_LOOP_END, M.ACT_GRAD_NORM])
+            stored = stored[stored.step < trainer.start_step]
+            self._keep((int(step), str(metric), int(loop), int(layer), float(v)) for step, metric, loop, layer, v in
+                       stored.itertuples(index=False, name=None))
 
-    def on_rows(self, trainer, step: int, rows: list[tuple]) -> None:
+    def _keep(self, rows) -> None:
         keep = {(M.RESID_NORM_LOOP_END, 1), (M.RESID_NORM_LOOP_END, self.loops)}
         for r in rows:
             if r[1] in self.GLOBAL or (r[1], r[2]) in keep or (
                     r[1] == M.ACT_GRAD_NORM and (r[2], r[3]) in ((1, 1), (self.loops, self.n_layer))):
                 self.rows.append(tuple(r))
+
+    def on_rows(self, trainer, step: int, rows: list[tuple]) -> None:
+        self._keep(rows)
         done = step + 1
         if self.warned_at is not None or done < self.first or done % self.every:
             return
@@ -459,3 +482,4 @@ class CollapseWarning(Callback):
 
     def load_state_dict(self, state: dict) -> None:
         self.rows, self.warned_at = [tuple(r) for r in state["rows"]], state["warned_at"]
+        self.restored = True

@@ -37,7 +37,7 @@ from flt_diag.grids.cells import Cell
 from flt_diag.config import check, opt
 from flt_diag.model.variants import MAX_LOOPS, VARIANTS
 from flt_diag.settle import comparable
-from flt_diag.analysis.storage import CELLS, ERROR, SWEEP_SPEC, StorageError, atomic_path, folder_lock, load_summary, read_json
+from flt_diag.analysis.storage import CELLS, ERROR, StorageError, atomic_path, folder_lock, load_spec, load_summary
 
 AXES = {"lr": "lr scale", "depth": "depth L"}
 CRITERIA: dict[str, Callable[[dict], bool]] = {
@@ -46,6 +46,7 @@ CRITERIA: dict[str, Callable[[dict], bool]] = {
     "explosion": lambda s: bool(s.get("residual_explosion_any", s.get("residual_explosion"))) or s.get("verdict") == "diverged",
 }
 MAP_CSV = "map.csv"
+MAX_GRID = 66  # values of one grid (lo times up to 64 powers of the ratio, and hi): no study needs more
 
 
 def geometric_grid(lo: float, hi: float, ratio: float, integer: bool = False) -> list[float]:
@@ -53,8 +54,8 @@ def geometric_grid(lo: float, hi: float, ratio: float, integer: bool = False) ->
     if not (lo > 0 and hi >= lo and ratio > 1 and math.isfinite(hi) and math.isfinite(ratio)):
         raise ValueError(f"the grid needs 0 < lo <= hi and ratio > 1 (got lo={lo}, hi={hi}, ratio={ratio})")
     n = int(math.floor(math.log(hi / lo) / math.log(ratio) + 1e-9))
-    if n > 64:
-        raise ValueError(f"the grid from {lo} to {hi} by x{ratio} has {n + 1} values; at most 65")
+    if n + 2 > MAX_GRID:
+        raise ValueError(f"the grid from {lo} to {hi} by x{ratio} has {n + 1} values; at most {MAX_GRID - 1}")
     values = [lo * ratio ** i for i in range(n + 1)]
     if values[-1] < hi * (1 - 1e-9):
         values.append(hi)
@@ -208,7 +209,7 @@ def prepare_map_folder(spec: MapSpec, out: Path) -> None:
 
 
 def spec_from_folder(out: Path) -> dict:
-    spec = read_json(Path(out) / SWEEP_SPEC)
+    spec = load_spec(out)  # checked (flt_diag.analysis.files): a map folder without criteria is one line
     if spec.get("kind") != "map":
         raise StorageError(f"{out} is a sweep folder, not a stability map (made by `flt-diag map`)")
     return spec

@@ -126,7 +126,8 @@ def _final_model(run_dir: Path, device: str):
     ckpt_path = run_dir / CHECKPOINT
     if not ckpt_path.exists():
         raise StorageError(f"{run_dir} has no {CHECKPOINT} (has the run finished?)")
-    ckpt = load(ckpt_path, map_location=device)
+    from flt_diag.analysis.files import check_checkpoint
+    ckpt = check_checkpoint(load(ckpt_path, map_location=device), ckpt_path)  # sizes bounded before the model is built
     try:
         model = LoopedTransformer(ModelConfig(**ckpt["model_config"])).to(device)
         model.load_state_dict(ckpt["model"])
