@@ -15,65 +15,17 @@ A bad file is one `BadFile` line naming the file and the field; nothing is writt
     study              experiments/*.toml            load_study        (the `study` command)
     reference meta     meta_<step>.json              check_reference_meta (model.reference)
 
-`SCHEMAS` names the schema of each kind (the generated tests mutate every field of each). Torch-free.
+The generated tests (tests/test_file_loaders.py) mutate every field of each schema. Torch-free.
 """
 from __future__ import annotations
 
-import json
+import functools
 import re
 from dataclasses import replace
 from pathlib import Path
 
-from flt_diag.analysis.schema import Items, Problem, Record, Scalar, Shape, Table, check, scalar_of, value
-
-MAX_FILE_BYTES = 64 << 20  # flt-diag's JSON and TOML files are kilobytes; a bigger one is not one of them
-
-
-class StorageError(ValueError):
-    """A run or sweep folder that cannot be read or written as asked (one line in the CLI)."""
-
-
-class BadFile(StorageError):
-    """A file that does not hold what flt-diag writes there: one line naming the file and the field."""
-
-
-def _bad(path, problem: Problem | str) -> BadFile:
-    return BadFile(f"{path}: {problem}")
-
-
-def read_text(path: Path) -> str:
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-        if size > MAX_FILE_BYTES:
-            raise BadFile(f"{path}: {size:,} bytes; the files flt-diag writes there are far smaller")
-        return path.read_text()
-    except FileNotFoundError:
-        raise StorageError(f"missing {path}") from None
-    except IsADirectoryError:
-        raise BadFile(f"{path} is a folder, not a file") from None
-    except UnicodeDecodeError:
-        raise BadFile(f"{path}: not text (UTF-8)") from None
-
-
-def read_json(path: Path):
-    """A JSON file's content; a missing, unreadable or malformed file is one line."""
-    text = read_text(path)
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise BadFile(f"unreadable {path}: {e}") from None
-    except (ValueError, RecursionError) as e:  # an integer of 5,000 digits, nesting 100,000 deep
-        raise BadFile(f"unreadable {path}: {type(e).__name__}: {str(e)[:100]}") from None
-
-
-def checked(path, entry, obj, where: str = ""):
-    """`obj` (read from `path`) checked against `entry`; a misfit is one BadFile line."""
-    try:
-        return check(entry, obj, where)
-    except Problem as p:
-        raise _bad(path, p) from None
-
+from flt_diag.analysis.schema import (MAX_ITEMS, BadFile, Items, Record, Scalar, Shape, StorageError, Table, bad,  # noqa: F401
+                                      checked, read_json, read_text, scalar_of, value)  # (the errors: re-exported)
 
 # --------------------------------------------------------------------------- run config
 
@@ -83,12 +35,14 @@ REQUIRED = {"model": ("vocab_size", "n_layer", "n_embd", "n_head", "sequence_len
             "train": ("steps", "batch_size", "seed", "lr_scale", "data", "tokenizer", "eval_batches")}
 
 
+@functools.cache  # each schema is built once (from the option tables) and never changed
 def section_schema(name: str, required: bool = True) -> Record:
     from flt_diag.config import SECTIONS, options_of
     return Record({o.name: Scalar(o, o.name in REQUIRED.get(name, ())) for o in options_of(SECTIONS[name], name)},
                   required)
 
 
+@functools.cache
 def run_config_schema() -> Record:
     """config.json: the config sections (fields checked by their own Options), the preset, and what the
     Trainer adds (parameter count, corpus figures, environment; free-form except the corpus figures)."""
@@ -102,18 +56,15 @@ def run_config_schema() -> Record:
                    "note": Scalar(value(str), False)}, other_keys=True)
 
 
-def _typed(path, cfg: dict) -> None:
-    """The rules across fields (e.g. the width splits into heads): the typed config's own."""
+def load_run_config(path: Path) -> dict:
+    """config.json checked field by field, then by the typed config's rules across fields (the width
+    splits into heads)."""
     from flt_diag.config import RunConfig
+    cfg = checked(path, run_config_schema(), read_json(path))
     try:
         RunConfig.from_dict(cfg)
     except ValueError as e:
-        raise _bad(path, str(e).splitlines()[0]) from None
-
-
-def load_run_config(path: Path) -> dict:
-    cfg = checked(path, run_config_schema(), read_json(path))
-    _typed(path, cfg)
+        raise bad(path, str(e).splitlines()[0]) from None
     return cfg
 
 
@@ -124,12 +75,13 @@ def check_model_config(model: dict, path, where: str = "model_config") -> dict:
     try:
         ModelConfig(**model)
     except ValueError as e:
-        raise _bad(path, f"{where}: {e}") from None
+        raise bad(path, f"{where}: {e}") from None
     return model
 
 
 # --------------------------------------------------------------------------- summary
 
+@functools.cache
 def summary_schema() -> Record:
     """summary.json: the fields its readers use (verdict line, tables, criteria, early warning)."""
     from flt_diag.config import ModelConfig, TrainConfig, options_of
@@ -160,6 +112,7 @@ def load_summary(path: Path) -> dict:
 CELL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,199}")  # a folder under cells/, never a path
 
 
+@functools.cache
 def _grid_options() -> dict:
     # The grid fields are options of the grid classes (what the command line's --loops etc. are); those
     # modules are torch-free, and are read only here, when a spec is checked.
@@ -169,6 +122,7 @@ def _grid_options() -> dict:
     return {o.name: o for cls in (SweepSpec, MapSpec) for o in options_of(cls, "")}
 
 
+@functools.cache
 def sweep_spec_schema() -> Record:
     o = _grid_options()
     base = Record({name: section_schema(name) for name in ("model", "train")}
@@ -178,6 +132,7 @@ def sweep_spec_schema() -> Record:
                    "cell_names": Items(Scalar(value(str)), distinct=True)}, other_keys=True)
 
 
+@functools.cache
 def map_spec_schema(axis: str = "lr") -> Record:
     """A map's sweep.json; its grid holds lr scales or depths (`axis`), bounded like --lr-scale / --depth."""
     from flt_diag.config import ModelConfig, TrainConfig, options_of
@@ -188,25 +143,25 @@ def map_spec_schema(axis: str = "lr") -> Record:
     sweep = sweep_spec_schema().entries
     return Record({"kind": Scalar(value(str, choices=("map",))), "variants": sweep["variants"],
                    "loops": sweep["loops"], "seeds": sweep["seeds"], "axis": Scalar(o["axis"]),
-                   "grid": Items(Scalar(grid_value), distinct=True, max_items=MAX_GRID),
+                   "grid": Items(Scalar(grid_value), distinct=True, ascending=True, max_items=MAX_GRID),
                    "criteria": scalar_of(o["criteria"]), "base": sweep["base"]}, other_keys=True)
+
+
+MAP_KEYS = {"axis", "grid", "criteria"}  # what only a map's spec holds
 
 
 def load_spec(path: Path) -> dict:
     """sweep.json of a sweep, or of a map (`kind: map`): the grid, the cells, the shared base config."""
     spec = read_json(path)
-    if isinstance(spec, dict) and "kind" in spec:
-        spec = checked(path, map_spec_schema(spec.get("axis") if spec.get("axis") == "depth" else "lr"), spec)
-        if spec["grid"] != sorted(spec["grid"]):
-            raise _bad(path, "grid must be ascending")
-        return spec
+    if isinstance(spec, dict) and ("kind" in spec or MAP_KEYS & set(spec) and "cell_names" not in spec):
+        return checked(path, map_spec_schema(spec.get("axis") if spec.get("axis") == "depth" else "lr"), spec)
     spec = checked(path, sweep_spec_schema(), spec)
     n = len(spec["variants"]) * len(spec["loops"]) * len(spec["seeds"]) * len(spec["lr_scales"])
     if len(spec["cell_names"]) != n:
-        raise _bad(path, f"cell_names has {len(spec['cell_names'])} names for a grid of {n} cells")
-    bad = next((c for c in spec["cell_names"] if not CELL_NAME.fullmatch(c)), None)
-    if bad is not None:
-        raise _bad(path, f"cell_names: {bad[:60]!r} is not a cell name (a folder under cells/)")
+        raise bad(path, f"cell_names has {len(spec['cell_names'])} names for a grid of {n} cells")
+    wrong = next((c for c in spec["cell_names"] if not CELL_NAME.fullmatch(c)), None)
+    if wrong is not None:
+        raise bad(path, f"cell_names: {wrong[:60]!r} is not a cell name (a folder under cells/)")
     return spec
 
 
@@ -249,6 +204,7 @@ def check_metrics_part(path: Path) -> None:
 
 # --------------------------------------------------------------------------- predictor
 
+@functools.cache
 def predictor_schema() -> Record:
     """fit-predictor's JSON: features, one logistic model per step (a mean, std and coefficient per
     feature), the threshold in (0, 1), the target."""
@@ -274,8 +230,14 @@ def load_predictor(path: Path) -> dict:
 # --------------------------------------------------------------------------- study files
 
 def study_entry(o):
-    """A study file's value of option `o`: one value or, for a list option, a list (or one value)."""
-    return scalar_of(o, required=False)
+    """A study file's value of option `o` (a list for a list option; a path is text)."""
+    return scalar_of(replace(o, kind=str) if o.kind is Path else o, required=False)
+
+
+def study_schema(tables: dict[str, list], table: str) -> Record:
+    """A study file whose one table is `table` (of `tables`: the options of each by name; one value for a
+    list option is a list of one), with free keys (description, gpu) around it."""
+    return Record({table: Record({o.dest: study_entry(o) for o in tables[table]})}, other_keys=True)
 
 
 def load_study(path: Path, tables: dict[str, list]) -> tuple[str, dict]:
@@ -300,8 +262,7 @@ def load_study(path: Path, tables: dict[str, list]) -> tuple[str, dict]:
             raise BadFile(f"{path}: unknown option {key!r} in [{table}]")
         if o.many and not isinstance(x, list):
             x = [x]
-        x = checked(path, study_entry(replace(o, kind=str) if o.kind is Path else o), x, f"[{table}] {key}")
-        values[o.dest] = _as_kind(o, x)
+        values[o.dest] = _as_kind(o, checked(path, study_entry(o), x, f"[{table}] {key}"))  # (study_schema's entry)
     return table, values
 
 
@@ -313,6 +274,7 @@ def _as_kind(o, x):
 
 # --------------------------------------------------------------------------- reference meta json
 
+@functools.cache
 def reference_meta_schema() -> Record:
     """nanochat's meta_<step>.json: the model sizes (top level or under model_config), K and the variant
     under the names the reference uses; the sizes obey the command line's bounds."""
@@ -341,8 +303,9 @@ def resume_schema(model_shapes: dict, steps: int, optimizers: int, callbacks_as_
     """resume.pt of a run: its next step (at most the run's steps), wall time, weights of this model's
     shapes, one state per optimizer, the callbacks' states (by name; a list in older files)."""
     callback = Record(other_keys=True)
-    param_group = Record({"params": Items(Scalar(value(int, low=0)), min_items=0)}, other_keys=True)
-    optimizer = Record({"state": Record(other_keys=True), "param_groups": Items(param_group)}, other_keys=True)
+    param_group = Record({"params": Items(Scalar(value(int, low=0, high=MAX_ITEMS)))}, other_keys=True)
+    per_param = Table(value(int, low=0), Record(other_keys=True), min_items=0)  # parameter index -> its state
+    optimizer = Record({"state": per_param, "param_groups": Items(param_group)}, other_keys=True)
     return Record({"step": Scalar(value(int, low=0, high=steps)), "wall_time": Scalar(value(float, low=0)),
                    "model": Record({k: Shape(tuple(s)) for k, s in model_shapes.items()}),
                    "optimizers": Items(optimizer, min_items=optimizers, max_items=optimizers),
@@ -359,30 +322,32 @@ def check_resume_state(state, path, model_shapes: dict, steps: int, optimizer_sh
         where = f"optimizers[{i}]"
         params = [p for g in saved["param_groups"] for p in g["params"]]
         if len(params) != len(shapes):
-            raise _bad(path, f"{where} holds {len(params)} parameters; this run's has {len(shapes)}")
+            raise bad(path, f"{where} holds {len(params)} parameters; this run's has {len(shapes)}")
         for index, per_param in saved["state"].items():
             if not isinstance(per_param, dict) or index not in params:
-                raise _bad(path, f"{where}.state.{index} is not the state of one of its parameters")
+                raise bad(path, f"{where}.state.{index} is not the state of one of its parameters")
             shape = shapes[params.index(index)]
             for name, x in per_param.items():
                 got = tuple(getattr(x, "shape", ()))
                 if got and got != tuple(shape):
-                    raise _bad(path, f"{where}.state.{index}.{name} has shape {got}; its parameter's is {tuple(shape)}")
+                    raise bad(path, f"{where}.state.{index}.{name} has shape {got}; its parameter's is {tuple(shape)}")
     return state
 
 
-def checkpoint_schema() -> Record:
-    """checkpoint.pt: the final weights (their shapes follow from model_config), the model config, steps."""
-    return Record({"model": Record(other_keys=True), "model_config": section_schema("model"),
-                   "step": Scalar(value(int, low=0), False)})
+def checkpoint_schema(model_shapes: dict | None = None) -> Record:
+    """checkpoint.pt: the final weights (with `model_shapes`: exactly those, of those shapes: the model
+    its model_config builds), the model config, the steps trained."""
+    weights = Record({k: Shape(tuple(s)) for k, s in model_shapes.items()}) if model_shapes else Record(other_keys=True)
+    return Record({"model": weights, "model_config": section_schema("model"), "step": Scalar(value(int, low=0), False)})
 
 
-def check_checkpoint(obj, path) -> dict:
-    obj = checked(path, checkpoint_schema(), obj)
+def check_checkpoint(obj, path, model_shapes: dict | None = None) -> dict:
+    """checkpoint.pt checked: its model config first (it sizes the model), then, given the shapes of the
+    model built from it, its weights."""
+    obj = checked(path, checkpoint_schema(model_shapes), obj)
     check_model_config(obj["model_config"], path)
     return obj
 
 
-SCHEMAS = {"run config": run_config_schema, "sweep spec": sweep_spec_schema, "map spec": map_spec_schema,
-           "summary": summary_schema, "predictor": predictor_schema, "reference meta": reference_meta_schema,
-           "checkpoint": checkpoint_schema}
+FILE_KINDS = ("run config", "sweep spec", "map spec", "summary", "metrics part", "resume state", "checkpoint",
+              "predictor", "study", "reference meta")  # the table above (the generated tests cover each)

@@ -12,14 +12,24 @@ Entries:
 
 `check(entry, value)` returns the value with integral floats of integer fields made ints, or raises
 `Problem(where, text)`: `where` is the dotted path of the field ("model.loops", "models.100.coef[2]").
-`fields(entry)` lists every entry with its path (what the generated tests mutate).
+`fields(entry)` lists every entry with its path (what the generated tests mutate). Reading: `read_json`
+(a missing, malformed, huge or deeply nested file is one line) and `checked(path, entry, obj)`: the
+value, or one `BadFile` line "<file>: <field> <problem>". Torch-free, and no config at import.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flt_diag.config import Option
 
 MAX_ITEMS = 10_000  # entries of one list or table in any file flt-diag writes (a sweep's cells, a grid, ...)
+MAX_FILE_BYTES = 64 << 20  # flt-diag's JSON and TOML files are kilobytes; a bigger one is not one of them
+MAX_TEXT = 4096  # characters of one text value (a path, a name): more is not something flt-diag wrote
 
 
 class Problem(Exception):
@@ -52,6 +62,7 @@ class Items:
     min_items: int = 1
     max_items: int = MAX_ITEMS
     distinct: bool = False
+    ascending: bool = False
     length_of: str | None = None  # a list at the top of the file this one must match in length ("features")
 
 
@@ -68,6 +79,7 @@ class Table:
     key: Option  # what each key must be once read as its kind (keys of JSON tables are text)
     entry: object
     required: bool = True
+    min_items: int = 1
     max_items: int = MAX_ITEMS
 
 
@@ -94,8 +106,8 @@ def _check_scalar(entry: Scalar, x, where: str):
         return x
     if isinstance(x, (dict, list, tuple)):
         raise Problem(where, f"must be a single value, got {'a list' if isinstance(x, (list, tuple)) else 'a table'}")
-    if isinstance(x, str) and len(x) > 4096:
-        raise Problem(where, f"is {len(x):,} characters of text; at most 4096")
+    if isinstance(x, str) and len(x) > MAX_TEXT:
+        raise Problem(where, f"is {len(x):,} characters of text; at most {MAX_TEXT}")
     problem = replace(entry.option, flag="", many=False).check(x)
     if problem:
         raise Problem(where, problem.strip())
@@ -114,6 +126,8 @@ def _check_items(entry: Items, x, where: str, root):
     out = [_check(entry.item, item, f"{where}[{i}]", root) for i, item in enumerate(x)]
     if entry.distinct and len(set(map(repr, out))) != len(out):
         raise Problem(where, f"has duplicates: {_shown(out)}")
+    if entry.ascending and out != sorted(out):
+        raise Problem(where, "must be ascending")
     return out
 
 
@@ -135,10 +149,10 @@ def _check_record(entry: Record, x, where: str, root):
 
 
 def _check_table(entry: Table, x, where: str, root):
-    if not isinstance(x, dict) or not x:
-        raise Problem(where, f"must be a non-empty table, got {_shown(x)}")
-    if len(x) > entry.max_items:
-        raise Problem(where, f"has {len(x):,} entries; at most {entry.max_items:,}")
+    if not isinstance(x, dict):
+        raise Problem(where, f"must be a table, got {_shown(x)}")
+    if not entry.min_items <= len(x) <= entry.max_items:
+        raise Problem(where, f"has {len(x):,} entries; it needs {entry.min_items} to {entry.max_items:,}")
     out = {}
     for k, v in x.items():
         key = k
@@ -196,3 +210,51 @@ def fields(entry, where: tuple = ()) -> list[tuple[tuple, object]]:
     elif isinstance(entry, Table):
         out += [((*where, None), entry.entry), *fields(entry.entry, (*where, None))]
     return out
+
+
+# --------------------------------------------------------------------------- reading a file
+
+class StorageError(ValueError):
+    """A run or sweep folder that cannot be read or written as asked (one line in the CLI)."""
+
+
+class BadFile(StorageError):
+    """A file that does not hold what flt-diag writes there: one line naming the file and the field."""
+
+
+def bad(path, problem: Problem | str) -> BadFile:
+    return BadFile(f"{path}: {problem}")
+
+
+def read_text(path: Path) -> str:
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise BadFile(f"{path}: {size:,} bytes; the files flt-diag writes there are far smaller")
+        return path.read_text()
+    except FileNotFoundError:
+        raise StorageError(f"missing {path}") from None
+    except IsADirectoryError:
+        raise BadFile(f"{path} is a folder, not a file") from None
+    except UnicodeDecodeError:
+        raise BadFile(f"{path}: not text (UTF-8)") from None
+
+
+def read_json(path: Path):
+    """A JSON file's content; a missing, unreadable or malformed file is one line."""
+    text = read_text(path)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadFile(f"unreadable {path}: {e}") from None
+    except (ValueError, RecursionError) as e:  # an integer of 5,000 digits, nesting 100,000 deep
+        raise BadFile(f"unreadable {path}: {type(e).__name__}: {str(e)[:100]}") from None
+
+
+def checked(path, entry, obj, where: str = ""):
+    """`obj` (read from `path`) checked against `entry`; a misfit is one BadFile line."""
+    try:
+        return check(entry, obj, where)
+    except Problem as p:
+        raise bad(path, p) from None

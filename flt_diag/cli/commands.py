@@ -24,7 +24,7 @@ from flt_diag.cli.output import (fit_command, print_critical_values, print_cross
 from flt_diag.cli.console import console_progress, print_run_summary, print_sweep_table, progress_bar
 from flt_diag.cli.options import FOLDER_OPTIONS, UserError, check_values, command_options, config_options
 from flt_diag.cli.specs import load_study, map_spec, sweep_spec
-from flt_diag.grids.stability_map import critical_values, run_map
+from flt_diag.grids.stability_map import critical_values, run_map, unfinished
 from flt_diag.grids.sweep import auto_workers, cell_status, only, run_sweep, sweep_summary, write_summary
 from flt_diag.model.variants import VARIANT_DESCRIPTIONS
 from flt_diag.settle import check_data, choose_device, run_config
@@ -93,7 +93,10 @@ def cmd_map(v: dict) -> int:
             report=lambda text: print(text, flush=True))
     print_critical_values(critical_values(out))
     print(f"map folder: {out}  (figure: flt-diag plot map {out}; report: flt-diag report {out})")
-    return 0
+    problem = unfinished(out, spec.lines() if v["cell"] is None else [spec.lines()[v["cell"]]])
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+    return 1 if problem else 0
 
 
 def cmd_study(v: dict) -> int:

@@ -295,6 +295,22 @@ def boundaries(out: Path) -> pd.DataFrame:
                                        "boundary", "status", "probes"])
 
 
+def unfinished(out: Path, lines: list[Line] | None = None) -> str | None:
+    """Why the map's search is not complete (one line), or None: the lines (all, or `lines`) where a
+    probe failed (its error.txt says why) or the search stopped short without even that record (a
+    failure that could not be written, e.g. on a full disk). A map that is not complete exits non-zero."""
+    table = boundaries(out)
+    stuck = table[table.status.isin(["failed", "open"])]
+    names = sorted({Line(0, r.variant, r.loops, r.seed).name for r in stuck.itertuples()})
+    if lines is not None:
+        names = [n for n in names if n in {line.name for line in lines}]
+    if not names:
+        return None
+    total = len(lines) if lines is not None else len(_FolderSpec(spec_from_folder(out)).lines())
+    return (f"{len(names)} of {total} map lines did not finish their search ({', '.join(names[:4])}"
+            f"{', ...' if len(names) > 4 else ''}): a probe failed; see {out}/{CELLS}/<cell>/{ERROR} where it exists")
+
+
 class _FolderSpec(MapSpec):
     """A MapSpec read back from sweep.json, without torch (its base stays the stored dict)."""
 
