@@ -15,7 +15,7 @@ import torch
 from flt_diag.analysis import files
 from flt_diag.analysis.schema import Items, Record, Scalar, Shape, Table, fields
 from flt_diag.analysis.storage import StorageError
-from flt_diag.cli.commands import main
+from flt_diag.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = ["train", "--steps", "4", "--device", "cpu", "--preset", "tiny", "--variant", "lt", "--loops", "2",
@@ -42,7 +42,7 @@ def _interrupted_copy(run: Path, out: Path) -> None:
 
 def _every_option(table: str) -> dict:
     """A study table that sets every option it takes (its default, or a valid value where it has none)."""
-    from flt_diag.cli.options import study_tables
+    from flt_diag.cli.specs import study_tables
     out = {}
     for o in study_tables()[table]:
         x = o.default
@@ -108,7 +108,7 @@ def _model_shapes() -> dict:
 
 
 def _study_schema(table: str):
-    from flt_diag.cli.options import study_tables
+    from flt_diag.cli.specs import study_tables
     return files.study_schema(study_tables(), table)
 
 
@@ -148,7 +148,7 @@ def _read_predictor(s, p):
 
 
 def _read_study(s, p):
-    from flt_diag.cli.options import load_study
+    from flt_diag.cli.specs import load_study
     load_study(p)
 
 
