@@ -65,11 +65,13 @@ def atomic_path(path: Path):
         yield tmp
         refuse_symlink(path)  # made while we wrote?
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             tmp.unlink(missing_ok=True)
         except OSError:
             pass
+        if isinstance(e, OSError) and e.errno and not e.filename:  # (pyarrow's errors name no file)
+            raise OSError(e.errno, os.strerror(e.errno), str(path)) from None
         raise
 
 
