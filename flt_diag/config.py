@@ -13,6 +13,7 @@ overridden.
 """
 from __future__ import annotations
 
+import functools
 import math
 import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
@@ -63,9 +64,10 @@ class Option:
         if self.many:
             if not isinstance(value, (list, tuple)) or not value:
                 return f"{self.flag} needs at least one value, got {value!r}"
-            if len(set(value)) != len(value):
-                return f"{self.flag} has duplicates: {' '.join(map(str, value))}"
-            return next((p for p in map(self._check_one, value) if p), None)
+            problem = next((p for p in map(self._check_one, value) if p), None)
+            if problem is None and len(set(value)) != len(value):  # items checked first: a list is unhashable
+                problem = f"{self.flag} has duplicates: {' '.join(map(str, value))}"
+            return problem
         return self._check_one(value)
 
     def _check_one(self, value) -> str | None:
@@ -73,9 +75,9 @@ class Option:
             return None if isinstance(value, bool) else f"{self.flag} must be true or false, got {value!r}"
         if self.kind in (int, float):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                    (self.kind is int and not float(value).is_integer()):
+                    (self.kind is int and isinstance(value, float) and not value.is_integer()):
                 return f"{self.flag} must be {'an integer' if self.kind is int else 'a number'}, got {value!r}"
-            if not math.isfinite(value):
+            if isinstance(value, float) and not math.isfinite(value):  # (an int of any size is finite)
                 return f"{self.flag} must be finite, got {value}"
             if self.low is not None and self.high is not None and not self.low <= value <= self.high:
                 return f"{self.flag} must be in {self.low}..{self.high}, got {value}"
@@ -97,6 +99,11 @@ class Option:
 
 def options_of(cls, section: str) -> list[Option]:
     """The Options of a config dataclass (fields with `opt` metadata)."""
+    return list(_options_of(cls, section))
+
+
+@functools.cache  # every section checks its fields whenever it is built: read the type hints once
+def _options_of(cls, section: str) -> tuple[Option, ...]:
     hints = typing.get_type_hints(cls)
     out = []
     for f in fields(cls):
@@ -111,7 +118,7 @@ def options_of(cls, section: str) -> list[Option]:
         out.append(Option(section, f.name, m["flag"] or "--" + f.name.replace("_", "-"), kind,
                           type(None) in args, many, None if default is MISSING else default, m["help"], m["choices"],
                           m["low"], m["high"], m["above"], m["below"]))
-    return out
+    return tuple(out)
 
 
 def check(section) -> None:
@@ -122,14 +129,21 @@ def check(section) -> None:
             raise ValueError(problem)
 
 
+# Upper bounds of the sizes (far above any run this tool is for): a size read from a file (config.json,
+# checkpoint.pt, a reference meta json) obeys the same limits as the command line, so no file can ask for
+# a terabyte model or rotary table before anything checks it.
+MAX_DEPTH, MAX_WIDTH, MAX_SEQUENCE, MAX_VOCAB, MAX_BATCH = 1024, 32_768, 131_072, 2_097_152, 65_536
+
+
 @dataclass
 class ModelConfig:
-    vocab_size: int = opt(256, "Tokens (set from the tokenizer, padded to a multiple of 64).", low=1)
+    vocab_size: int = opt(256, "Tokens (set from the tokenizer, padded to a multiple of 64).", low=1, high=MAX_VOCAB)
     n_layer: int = opt(2, "Size dial: L distinct blocks reused every loop; width follows the preset's aspect ratio "
-                       "unless --width is given.", flag="--depth", low=1)
-    n_embd: int = opt(64, "Model width d (the residual stream).", flag="--width", low=2)
-    n_head: int = opt(2, "Attention heads (head dim = width / heads, even).", flag="--heads", low=1)
-    sequence_len: int = opt(64, "Tokens per training sequence.", flag="--seq-len", low=2)
+                       "unless --width is given.", flag="--depth", low=1, high=MAX_DEPTH)
+    n_embd: int = opt(64, "Model width d (the residual stream).", flag="--width", low=2, high=MAX_WIDTH)
+    n_head: int = opt(2, "Attention heads (head dim = width / heads, even).", flag="--heads", low=1,
+                      high=MAX_WIDTH // 2)
+    sequence_len: int = opt(64, "Tokens per training sequence.", flag="--seq-len", low=2, high=MAX_SEQUENCE)
     variant: str = opt("flt", "lt, lt-ii, lt-ai, fla or flt (DESIGN.md §2).", choices=VARIANTS)
     loops: int = opt(12, "Loops K: how often the L blocks are reused per forward.", low=1, high=MAX_LOOPS)
     rotary_base: float = opt(10000.0, "Rotary embedding base.", above=0)
@@ -153,7 +167,7 @@ class ModelConfig:
 @dataclass
 class TrainConfig:
     steps: int = opt(2000, "Optimizer steps.", low=1)
-    batch_size: int = opt(16, "Sequences per micro-batch (per process).", low=1)
+    batch_size: int = opt(16, "Sequences per micro-batch (per process).", low=1, high=MAX_BATCH)
     grad_accum: int = opt(1, "Micro-batches per optimizer step.", low=1)
     optimizer: str = opt("muon", "muon (the reference recipe: Muon on block matrices, AdamW on embedding and head) "
                          "or adamw (AdamW on everything).", choices=("muon", "adamw"))

@@ -26,7 +26,8 @@ import functools
 import re
 from pathlib import Path
 
-from flt_diag.analysis.early_warning import PACKAGED, load_predictor
+from flt_diag.analysis.early_warning import PACKAGED
+from flt_diag.analysis.files import load_predictor
 from flt_diag.config import TASK_DIALS, TASKS, RunConfig, build_config, padded_vocab, sections_from
 from flt_diag.data.corpus import DataError, get_tokenizer
 from flt_diag.data.sources import check_source

@@ -194,9 +194,9 @@ def test_a_sweep_without_flt_has_nan_ratios_not_an_error(tmp_path, capsys):
 
 def test_runs_of_other_depths_are_not_compared(tmp_path):
     """A depth-axis map folder: at L=1 FLT is best, at L=2 LT is; each is compared only at its depth."""
+    from flt_diag.grids.stability_map import MapSpec, prepare_map_folder
     out = tmp_path / "map"
-    (out / CELLS).mkdir(parents=True)
-    write_json(out / "sweep.json", {"kind": "map"})
+    prepare_map_folder(MapSpec(config("lt", 3), ["lt", "flt"], [3], [0], "depth", [1, 2], ["training"]), out)
     shifts = {("lt", 1): 0.3, ("flt", 1): 0.0, ("lt", 2): 0.0, ("flt", 2): 0.5}
     for (variant, depth), shift in shifts.items():
         make_run(out / CELLS / f"{variant}_K03_seed0_lr1_L{depth}", variant, 3, depth=depth, val_shift=shift,

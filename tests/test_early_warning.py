@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 
 from conftest import tiny_config
+from flt_diag.analysis.files import load_predictor
 from flt_diag.analysis import early_warning as EW
 from flt_diag.analysis import predictor_fit as FIT
 from flt_diag.analysis import metric_names as M
@@ -112,7 +113,7 @@ def _toy_predictor(tmp_path, coef_climb=6.0, intercept=-3.0, steps=(20,), featur
 
 
 def test_probability_is_the_logistic_of_the_written_out_logit(tmp_path):
-    pred = EW.load_predictor(_toy_predictor(tmp_path))
+    pred = load_predictor(_toy_predictor(tmp_path))
     feats = {f: 0.0 for f in EW.FEATURES} | {"loss_climb": 0.75}
     p, contrib = EW.probability(pred, feats, 40)
     assert p == pytest.approx(1 / (1 + math.exp(-(6.0 * 0.75 - 3.0))))
@@ -123,21 +124,22 @@ def test_probability_is_the_logistic_of_the_written_out_logit(tmp_path):
 
 def test_a_predictor_uses_its_own_features(tmp_path):
     """A predictor on two features ignores the others, whatever their values."""
-    pred = EW.load_predictor(_toy_predictor(tmp_path, features=["grad_cos", "loss_climb"]))
+    pred = load_predictor(_toy_predictor(tmp_path, features=["grad_cos", "loss_climb"]))
     feats = {f: 100.0 for f in EW.FEATURES} | {"grad_cos": -0.5, "loss_climb": 0.75}
     p, contrib = EW.probability(pred, feats, 40)
     assert p == pytest.approx(1 / (1 + math.exp(-(6.0 * 0.75 - 3.0))))
     assert [name for name, _ in contrib] == ["loss_climb", "grad_cos"]
 
 
-@pytest.mark.parametrize("edit", [lambda m: m | {"features": ["loss_climb", "no_such_feature"]},
-                                  lambda m: m | {"models": {"20": m["models"]["20"] | {"coef": [1.0]}}},
-                                  lambda m: m | {"features": []}])
-def test_malformed_predictors_are_refused(tmp_path, edit):
+@pytest.mark.parametrize("edit, field", [(lambda m: m | {"features": ["loss_climb", "no_such_feature"]}, "features"),
+                                         (lambda m: m | {"models": {"20": m["models"]["20"] | {"coef": [1.0]}}},
+                                          "models.20.coef"),
+                                         (lambda m: m | {"features": []}, "features")])
+def test_malformed_predictors_are_refused(tmp_path, edit, field):
     path = _toy_predictor(tmp_path, features=["grad_cos", "loss_climb"])
     path.write_text(json.dumps(edit(json.loads(path.read_text()))))
-    with pytest.raises(ValueError, match="not an flt-diag predictor"):
-        EW.load_predictor(path)
+    with pytest.raises(ValueError, match=f"predictor.json: {field}"):
+        load_predictor(path)
 
 
 def test_cli_feature_choices_are_the_computed_features():
@@ -147,7 +149,7 @@ def test_cli_feature_choices_are_the_computed_features():
 
 
 def test_packaged_predictor_loads():
-    pred = EW.load_predictor()
+    pred = load_predictor()
     assert set(pred["features"]) <= set(EW.FEATURES) and set(pred["models"]) >= {"100", "200", "300"}
     assert pred["target"] == "fails" and pred["command"].startswith("flt-diag fit-predictor")
 
@@ -158,7 +160,7 @@ def test_bad_predictor_file_is_one_line(tmp_path, capsys):
     code = main(["train", "--steps", "2", "--device", "cpu", "--warn", "--predictor", str(tmp_path / "p.json"),
                  "--out", str(tmp_path / "r")])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "not an flt-diag predictor" in err[0]
+    assert code == 2 and len(err) == 1 and "p.json: features is missing" in err[0]
     assert not (tmp_path / "r").exists()
 
 
@@ -213,13 +215,17 @@ def test_predict_command_on_a_sweep(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def labelled(tmp_path_factory):
     """A finished sweep (lt, flt x seeds 0, 1; 30 steps) and one more run of the sweep's lt seed-0 cell,
-    trained for 24 steps (the same cell at another length)."""
+    trained for 24 steps (the same cell at another length). 30 steps are too few for any run to fail, so
+    the lt runs are labelled collapsed (their summary's verdict): a predictor needs runs of both kinds."""
+    from flt_diag.analysis.storage import SUMMARY, write_json
     from flt_diag.grids.sweep import SweepSpec, run_sweep
     from flt_diag.training.trainer import train
     root = tmp_path_factory.mktemp("labelled")
     run_sweep(SweepSpec(tiny_config(steps=30), ["lt", "flt"], [2], [0, 1], [1.0]), root / "sw", workers=1,
               show_progress=False)
     train(tiny_config(variant="lt", loops=2, seed=0, steps=24), root / "lt-short")
+    for run in [*root.glob("sw/cells/lt_*"), root / "lt-short"]:
+        write_json(run / SUMMARY, load_summary(run) | {"verdict": "collapsed"})
     return root
 
 
@@ -227,7 +233,7 @@ def test_fit_predictor_command_writes_a_loadable_model(labelled, tmp_path, capsy
     from flt_diag.cli import main
     code = main(["fit-predictor", str(labelled / "sw"), "--at", "10", "20", "--out", str(tmp_path / "m.json")])
     assert code == 0, capsys.readouterr().err
-    m = EW.load_predictor(tmp_path / "m.json")
+    m = load_predictor(tmp_path / "m.json")
     assert set(m["models"]) == {"10", "20"} and m["models"]["20"]["runs"] == 4
     assert m["command"].startswith("flt-diag fit-predictor") and "cross_validation" not in m
 
@@ -240,7 +246,7 @@ def test_fit_predictor_features_and_class_weight_reach_the_model(labelled, tmp_p
     code = main(["fit-predictor", str(labelled / "sw"), "--at", "20", "--features", "grad_cos", "loss_climb",
                  "--class-weight", "none", "--out", str(out)])
     assert code == 0, capsys.readouterr().err
-    m = EW.load_predictor(out)
+    m = load_predictor(out)
     assert m["features"] == ["grad_cos", "loss_climb"] and m["class_weight"] == "none"
     assert len(m["models"]["20"]["coef"]) == 2
     assert "--features grad_cos loss_climb" in m["command"] and "--class-weight none" in m["command"]
@@ -287,7 +293,7 @@ def test_fit_predictor_cross_validate_reports_and_stores_agreement(labelled, tmp
     code = main(["fit-predictor", str(labelled / "sw"), "--at", "10", "20", "--cross-validate", "--out", str(out)])
     text = capsys.readouterr().out
     assert code == 0
-    m = EW.load_predictor(out)
+    m = load_predictor(out)
     assert m["command"].endswith("--cross-validate") and set(m["cross_validation"]) == {"10", "20"}
     table = FIT.cross_validate([labelled / "sw"], steps=[10, 20])
     for s, cv in m["cross_validation"].items():

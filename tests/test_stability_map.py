@@ -54,16 +54,16 @@ class Synthetic:
         d = Path(out) / CELLS / cell.name
         d.mkdir(parents=True)
         t = self.thresholds[cell.variant] * (1 + 0.1 * cell.seed)
-        cfg = tiny_config(variant=cell.variant, loops=cell.loops, seed=cell.seed, lr_scale=cell.lr_scale).to_dict()
-        write_json(d / "config.json", cfg)
-        from flt_diag.analysis.storage import MetricsWriter
+        cfg = tiny_config(variant=cell.variant, loops=cell.loops, seed=cell.seed, lr_scale=cell.lr_scale, steps=10)
+        write_json(d / "config.json", cfg.to_dict())
+        from flt_diag.analysis.metrics import summarize
+        from flt_diag.analysis.storage import MetricsWriter, load_metrics
         w = MetricsWriter(d)
         for step in range(10):
             w.add(step, "loss", -1, -1, 3.0 - 0.1 * step)
         w.flush()
-        write_json(d / SUMMARY, dict(verdict="collapsed" if cell.lr_scale > t else "stable",
-                                     residual_explosion_any=cell.lr_scale > 2 * t, variant=cell.variant,
-                                     loops=cell.loops, seed=cell.seed, lr_scale=cell.lr_scale))
+        write_json(d / SUMMARY, summarize(load_metrics(d), cfg) | dict(
+            verdict="collapsed" if cell.lr_scale > t else "stable", residual_explosion_any=cell.lr_scale > 2 * t))
         return "done"
 
 

@@ -187,10 +187,10 @@ def test_a_study_file_is_the_same_spec_as_its_command_line(tmp_path):
 
 @pytest.mark.parametrize("text, message", [
     ('[ablation]\nstep = 3\n', "unknown option 'step'"),
-    ('[ablation]\nsteps = 0\n', "--steps must be >= 1"),
+    ('[ablation]\nsteps = 0\n', "[ablation] steps must be >= 1"),
     ('[ablation]\nloops = [3, 3]\n', "duplicates"),
-    ('[ablation]\nsteps = "many"\n', "--steps must be an integer"),
-    ('[map]\nratio = 1\n', "--ratio must be > 1"),
+    ('[ablation]\nsteps = "many"\n', "[ablation] steps must be an integer"),
+    ('[map]\nratio = 1\n', "[map] ratio must be > 1"),
     ('[ablation]\n[map]\n', "exactly one"),
 ])
 def test_bad_study_files_are_one_line(tmp_path, capsys, text, message):

@@ -33,20 +33,16 @@ flt_diag/analysis/early_warning.json ships with the package.
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from flt_diag.analysis.predictor_names import COLLAPSE, FAILS, FEATURES, PACKAGED, TARGETS  # noqa: F401 (re-exported)
 from flt_diag.analysis import metric_names as M
 from flt_diag.analysis.storage import load_config, load_metrics, load_summary, run_dirs, series
 
-FEATURES = ["resid_level", "resid_growth", "loop_ratio", "grad_cv", "grad_dlog", "grad_cos", "act_grad_decay",
-            "loss_slope", "loss_climb"]  # every feature `features` computes
-PACKAGED = Path(__file__).with_name("early_warning.json")
-COLLAPSE = ("collapsed", "diverged")
 SMOOTH = 50
 
 
@@ -103,12 +99,6 @@ def run_features(run_dir: Path, at: int) -> dict:
     return features(load_metrics(run_dir), at, m["loops"], m["n_layer"], m["n_embd"])
 
 
-FAILS = ("unstable", "collapsed", "diverged")
-# target -> (the final verdicts it counts, whether a loss climb that recovered counts too)
-TARGETS = {"fails": (FAILS, False),      # the run ends not stable (default)
-           "collapse": (COLLAPSE, False),  # the run ends collapsed or diverged
-           "climbs": (FAILS, True)}        # ... or its loss climbed and recovered (transient_rebound)
-
 
 def label(summary: dict, kind: str = "fails") -> int:
     verdicts, rebound = TARGETS[kind]
@@ -147,23 +137,6 @@ def labelled_runs(sources) -> list[Path]:
     for src in sources:
         out += [d for d in run_dirs(Path(src)) if load_summary(d) is not None]
     return out
-
-
-def load_predictor(path=None) -> dict:
-    p = Path(path) if path else PACKAGED
-    try:
-        model = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"no predictor file {p}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"unreadable predictor file {p}: {e}") from None
-    feats = model.get("features") if isinstance(model, dict) else None
-    if not isinstance(feats, list) or not feats or any(f not in FEATURES for f in feats) \
-            or not isinstance(model.get("models"), dict) or not model["models"] \
-            or any(len(m.get("coef", ())) != len(feats) for m in model["models"].values()):
-        raise ValueError(f"{p} is not an flt-diag predictor (features among {', '.join(FEATURES)}, "
-                         "one model per step)")
-    return model
 
 
 def model_at(predictor: dict, step: int) -> tuple[int, dict] | None:

@@ -12,7 +12,7 @@ from typing import Callable
 import pandas as pd
 
 from flt_diag.analysis.cells import Cell
-from flt_diag.analysis.storage import CELLS, ERROR, SWEEP_SPEC, StorageError, load_summary, read_json
+from flt_diag.analysis.storage import CELLS, ERROR, StorageError, load_spec, load_summary
 
 
 AXES = {"lr": "lr scale", "depth": "depth L"}
@@ -77,7 +77,7 @@ def probe_outcomes(spec: MapLines, out: Path, line: Line, criterion: str) -> dic
 
 
 def spec_from_folder(out: Path) -> dict:
-    spec = read_json(Path(out) / SWEEP_SPEC)
+    spec = load_spec(out)  # checked (flt_diag.analysis.files): a map folder without criteria is one line
     if spec.get("kind") != "map":
         raise StorageError(f"{out} is a sweep folder, not a stability map (made by `flt-diag map`)")
     return spec
@@ -115,6 +115,22 @@ def boundaries(out: Path) -> pd.DataFrame:
                              status=status, probes=len(known)))
     return pd.DataFrame(rows, columns=["variant", "loops", "seed", "criterion", "axis", "last_ok", "first_broken",
                                        "boundary", "status", "probes"])
+
+
+def unfinished(out: Path, lines: list[Line] | None = None) -> str | None:
+    """Why the map's search is not complete (one line), or None: the lines (all, or `lines`) where a
+    probe failed (its error.txt says why) or the search stopped short without even that record (a
+    failure that could not be written, e.g. on a full disk). A map that is not complete exits non-zero."""
+    table = boundaries(out)
+    stuck = table[table.status.isin(["failed", "open"])]
+    names = sorted({Line(0, r.variant, r.loops, r.seed).name for r in stuck.itertuples()})
+    if lines is not None:
+        names = [n for n in names if n in {line.name for line in lines}]
+    if not names:
+        return None
+    total = len(lines) if lines is not None else len(_FolderSpec(spec_from_folder(out)).lines())
+    return (f"{len(names)} of {total} map lines did not finish their search ({', '.join(names[:4])}"
+            f"{', ...' if len(names) > 4 else ''}): a probe failed; see {out}/{CELLS}/<cell>/{ERROR} where it exists")
 
 
 class _FolderSpec(MapLines):

@@ -15,7 +15,7 @@ from flt_diag.analysis.storage import load_config, load_summary
 
 DEFAULT_FEATURES = ["resid_level", "resid_growth", "loop_ratio", "grad_cv", "grad_dlog", "act_grad_decay",
                     "loss_slope", "loss_climb"]  # what `fit-predictor` uses unless told otherwise
-CLASS_WEIGHTS = ("balanced", "none")
+from flt_diag.analysis.predictor_names import CLASS_WEIGHTS  # noqa: E402
 DEFAULT_STEPS = [100, 200, 300, 500]
 
 
@@ -89,6 +89,26 @@ def _fit_step(examples: list[dict], at: int, l2: float, features: list[str], cla
                 positives=int(y.sum()), train_accuracy=float(((p >= 0.5) == (y == 1)).mean()))
 
 
+def _both_kinds(examples: list[dict], at: int) -> bool:
+    """Whether the runs that ran past step `at` include one with the target and one without."""
+    return len({e["y"] for e in examples if at in e["feats"]}) == 2
+
+
+def _nothing_to_fit(examples: list[dict], steps, target: str) -> str:
+    """Why no step of `steps` can be fitted (one line)."""
+    labels = {e["y"] for e in examples}
+    if len(labels) == 1:
+        kind = "has" if labels == {1} else "does not have"
+        return (f"every one of the {len(examples)} finished runs {kind} the target {target} "
+                f"({target_text(target)}); a predictor needs runs of both kinds")
+    longest = max((e["summary"].get("steps_done", 0) for e in examples), default=0)
+    if not any(e["feats"] for e in examples):
+        return (f"no finished run ran past any step of --at ({', '.join(map(str, steps))}); the longest ran "
+                f"{longest} steps")
+    return (f"at no step of --at ({', '.join(map(str, steps))}) do the runs that ran past it include runs with "
+            f"and without the target {target}")
+
+
 def check_features(features) -> list[str]:
     features = list(features)
     unknown = [f for f in features if f not in FEATURES]
@@ -106,7 +126,10 @@ def fit(sources, steps=DEFAULT_STEPS, l2: float = 1.0, command: str = "", target
     features = check_features(features)
     class_weights([], class_weight)  # a wrong name fails before any run is read
     examples = training_examples(sources, steps, target) if examples is None else examples
-    models = {str(s): m for s in steps if (m := _fit_step(examples, s, l2, features, class_weight)) is not None}
+    models = {str(s): m for s in steps
+              if _both_kinds(examples, s) and (m := _fit_step(examples, s, l2, features, class_weight)) is not None}
+    if not models:  # a predictor without a model (or one that can only say one thing) is refused here
+        raise ValueError(_nothing_to_fit(examples, steps, target))
     return dict(features=features, models=models, threshold=0.5, l2=l2, class_weight=class_weight,
                 window="min(100, s // 2) steps before s", target=target, label=target_text(target),
                 fitted_on=[str(s) for s in sources], runs=[str(e["run"]) for e in examples], command=command)

@@ -30,8 +30,8 @@ import pandas as pd
 from flt_diag.analysis import metric_names as M
 from flt_diag.analysis.comparison import compare_cells, compare_runs, failed_text, gap_text, ratio_text
 from flt_diag.analysis.metrics import dense_oscillation, smoothed
-from flt_diag.analysis.storage import (COLUMNS, CELLS, ERROR, METRICS, SWEEP_SPEC, StorageError, cell_names, is_run, is_sweep, load_config,
-                      load_eval_loops, load_metrics, load_summary, read_json, run_dirs, run_label, series)
+from flt_diag.analysis.storage import (COLUMNS, CELLS, ERROR, METRICS, StorageError, cell_names, is_run, is_sweep, load_config,
+                      load_eval_loops, load_metrics, load_spec, load_summary, run_dirs, run_label, series)
 from flt_diag.model.variants import VARIANTS
 
 VARIANT_ORDER = list(VARIANTS)
@@ -154,7 +154,7 @@ def collect(path, metrics: list[str] | None = None) -> Study:
         table = load_metrics(d, metrics) if metrics is None or metrics else NO_METRICS.copy()
         runs.append(Run(d, label["variant"], int(label["loops"]), int(label["seed"]), float(label["lr_scale"]),
                         load_config(d), load_summary(d), table, load_eval_loops(d)))
-    spec = read_json(path / SWEEP_SPEC) if is_sweep(path) else None
+    spec = load_spec(path) if is_sweep(path) else None
     return Study(path, sorted(runs, key=Run.sort_key), spec)
 
 

@@ -28,16 +28,15 @@ from pathlib import Path
 
 import pandas as pd
 
+from flt_diag.analysis import files
+from flt_diag.analysis.files import BadFile, StorageError, read_json  # noqa: F401  (re-exported: one error type)
+
 CONFIG, SUMMARY, PROGRESS, METRICS = "config.json", "summary.json", "progress.json", "metrics"
 CHECKPOINT, RESUME, EVAL_LOOPS = "checkpoint.pt", "resume.pt", "eval_loops.csv"
 SWEEP_SPEC, SWEEP_SUMMARY, CELLS = "sweep.json", "summary.csv", "cells"
 ERROR = "error.txt"  # written into a sweep cell whose run raised
 LOCK = ".lock"  # held (flock) by the one process writing a run or sweep folder; holds its pid
 COLUMNS = ["step", "metric", "loop", "layer", "value"]
-
-
-class StorageError(ValueError):
-    """A run or sweep folder that cannot be read or written as asked (one line in the CLI)."""
 
 
 def refuse_symlink(path: Path, what: str = "write") -> None:
@@ -66,11 +65,13 @@ def atomic_path(path: Path):
         yield tmp
         refuse_symlink(path)  # made while we wrote?
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             tmp.unlink(missing_ok=True)
         except OSError:
             pass
+        if isinstance(e, OSError) and e.errno and not e.filename:  # (pyarrow's errors name no file)
+            raise OSError(e.errno, os.strerror(e.errno), str(path)) from None
         raise
 
 
@@ -153,15 +154,6 @@ def _json_default(o):
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
-def read_json(path: Path):
-    try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise StorageError(f"missing {path}") from None
-    except json.JSONDecodeError as e:
-        raise StorageError(f"unreadable {path}: {e}") from None
-
-
 # --------------------------------------------------------------------------- writing metrics
 
 class MetricsWriter:
@@ -193,11 +185,11 @@ class MetricsWriter:
         """Drop stored rows with step > `step` (used when resuming from a mid-run checkpoint)."""
         self.rows = [r for r in self.rows if r[0] <= step]
         for part in sorted(self.dir.glob("part-*.parquet")):
-            first, last = (int(x) for x in part.stem.split("-")[1:3])
+            first, last = files.part_steps(part)
             if first > step:
                 part.unlink()
             elif last > step:
-                df = pd.read_parquet(part)
+                df = read_part(part)
                 with atomic_path(part) as tmp:
                     df[df.step <= step].to_parquet(tmp, index=False)
 
@@ -218,17 +210,19 @@ def is_sweep(path: Path) -> bool:
 
 
 def load_config(run_dir: Path) -> dict:
-    """A run's config.json; one that lacks the model or train section is not a run's (StorageError)."""
-    cfg = read_json(Path(run_dir) / CONFIG)
-    if not (isinstance(cfg, dict) and isinstance(cfg.get("model"), dict) and isinstance(cfg.get("train"), dict)):
-        raise StorageError(f"{Path(run_dir) / CONFIG} is not an flt-diag run config (no model/train sections)")
-    return cfg
+    """A run's config.json, checked (flt_diag.analysis.files: a bad one is one BadFile line)."""
+    return files.load_run_config(Path(run_dir) / CONFIG)
 
 
 def load_summary(run_dir: Path) -> dict | None:
-    """The run's summary, or None while it has not finished."""
+    """The run's summary (checked), or None while it has not finished."""
     p = Path(run_dir) / SUMMARY
-    return read_json(p) if p.exists() else None
+    return files.load_summary(p) if p.exists() else None
+
+
+def load_spec(folder: Path) -> dict:
+    """The spec (sweep.json, checked) of a sweep or map folder."""
+    return files.load_spec(Path(folder) / SWEEP_SPEC)
 
 
 def load_progress(run_dir: Path) -> dict | None:
@@ -246,12 +240,22 @@ def load_metrics(run_dir: Path, metrics: list[str] | None = None) -> pd.DataFram
     keeps only those metric names."""
     parts = sorted((Path(run_dir) / METRICS).glob("part-*.parquet"))
     filters = [("metric", "in", list(metrics))] if metrics else None
-    frames = [pd.read_parquet(p, filters=filters) for p in parts]
+    frames = [read_part(p, filters) for p in parts]
     frames = [f for f in frames if len(f)]
     if not frames:
         return _frame([])
     df = pd.concat(frames, ignore_index=True)
     return df.sort_values(["step", "metric", "loop", "layer"], kind="stable").reset_index(drop=True)
+
+
+def read_part(path: Path, filters=None) -> pd.DataFrame:
+    """One metrics part, its name and columns checked first; a damaged one is one BadFile line."""
+    import pyarrow as pa
+    files.check_metrics_part(path)
+    try:
+        return pd.read_parquet(path, filters=filters)
+    except (OSError, ValueError, pa.ArrowException) as e:
+        raise BadFile(f"{path}: a damaged Parquet file ({' '.join(str(e).split())[:120] or type(e).__name__})") from None
 
 
 def series(df: pd.DataFrame, metric: str, loop: int = -1, layer: int = -1) -> pd.Series:
@@ -274,7 +278,7 @@ def load_eval_loops(run_dir: Path) -> pd.DataFrame | None:
 def cell_names(sweep: Path) -> list[str]:
     """The cells of a sweep folder in order: the grid's, listed in sweep.json; for a stability map
     (whose probes are chosen as it runs) the cell folders present, by name."""
-    spec = read_json(Path(sweep) / SWEEP_SPEC)
+    spec = load_spec(sweep)
     if spec.get("kind") == "map":
         folder = Path(sweep) / CELLS
         return sorted(p.name for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from flt_diag.analysis.files import load_predictor
 from flt_diag.analysis import early_warning as EW
 from flt_diag.analysis import predictor_fit as FIT
 from flt_diag.analysis.figures.agreement import draw_agreement
@@ -26,7 +27,7 @@ from flt_diag.cli.output import (fit_command, print_critical_values, print_cross
 from flt_diag.cli.console import console_progress, print_run_summary, print_sweep_table, progress_bar
 from flt_diag.cli.options import FOLDER_OPTIONS, UserError, check_values, command_options, config_options
 from flt_diag.cli.specs import load_study, map_spec, sweep_spec
-from flt_diag.analysis.map_results import critical_values
+from flt_diag.analysis.map_results import critical_values, unfinished
 from flt_diag.grids.stability_map import run_map
 from flt_diag.grids.sweep import auto_workers, cell_status, only, run_sweep, sweep_summary, write_summary
 from flt_diag.model.variants import VARIANT_DESCRIPTIONS
@@ -96,7 +97,10 @@ def cmd_map(v: dict) -> int:
             report=lambda text: print(text, flush=True))
     print_critical_values(critical_values(out))
     print(f"map folder: {out}  (figure: flt-diag plot map {out}; report: flt-diag report {out})")
-    return 0
+    problem = unfinished(out, spec.lines() if v["cell"] is None else [spec.lines()[v["cell"]]])
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+    return 1 if problem else 0
 
 
 def cmd_study(v: dict) -> int:
@@ -171,7 +175,7 @@ def cmd_predict(v: dict) -> int:
         raise UserError("--figure draws agreement against fixed steps (--at); it does not apply with --online")
     if v["figure"] is not None and v["figure"].suffix not in (".png", ".pdf", ".svg"):
         raise UserError(f"--figure must end in .png, .pdf or .svg, got {v['figure'].name}")
-    models = {("packaged" if p is None else str(p)): EW.load_predictor(p) for p in v["predictor"] or [None]}
+    models = {("packaged" if p is None else str(p)): load_predictor(p) for p in v["predictor"] or [None]}
     tables = []
     for name, model in models.items():
         if len(models) > 1:

@@ -8,17 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flt_diag.cli.options import FOLDER_OPTIONS, UserError, check_values, command_options
+from flt_diag.cli.options import FOLDER_OPTIONS, command_options
 from flt_diag.grids.stability_map import MapGrid, MapSpec
 from flt_diag.grids.sweep import SweepSpec, cell_config
 from flt_diag.model.variants import VARIANTS
 from flt_diag.settle import run_config, unsettled_config
-
-try:
-    import tomllib
-except ImportError:  # Python 3.10
-    import tomli as tomllib
-
 
 def sweep_spec(v: dict, settled: bool = True) -> SweepSpec:
     """The SweepSpec of run-ablation option values."""
@@ -49,44 +43,16 @@ def map_spec(v: dict, settled: bool = True) -> MapSpec:
 STUDY_TABLES = {"ablation": "run-ablation", "map": "map"}
 
 
-def _read_toml(path: Path) -> dict:
-    try:
-        return tomllib.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise UserError(f"no such study file: {path}") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: not a readable study file ({type(e).__name__})") from None
-    except tomllib.TOMLDecodeError as e:
-        raise UserError(f"{path}: not valid TOML ({e})") from None
-
-
-def _as_option_value(o, value):
-    """A TOML value as the command line would give it (lists for list options, floats for floats)."""
-    if o.kind is Path and isinstance(value, str):
-        value = Path(value)
-    if o.many and not isinstance(value, list):
-        value = [value]
-    if o.kind is float:
-        def number(x):
-            return float(x) if isinstance(x, int) and not isinstance(x, bool) else x
-        value = [number(x) for x in value] if isinstance(value, list) else number(value)
-    return value
+def study_tables() -> dict[str, list]:
+    """A study file's tables and the options each takes (its command's, but --workers, --list, ...)."""
+    return {table: [o for o in command_options(command) if o not in FOLDER_OPTIONS]
+            for table, command in STUDY_TABLES.items()}
 
 
 def load_study(path: Path) -> tuple[str, dict]:
     """A study file -> (command, option values): its one [ablation] or [map] table, whose keys are
-    the command's option names (`lr_scale`, `seq_len`, ...), checked like command-line options."""
-    spec = _read_toml(path)
-    tables = [t for t in STUDY_TABLES if t in spec]
-    if len(tables) != 1 or not isinstance(spec[tables[0]], dict):
-        raise UserError(f"{path}: needs exactly one [ablation] or [map] table")
-    command = STUDY_TABLES[tables[0]]
-    known = {o.dest: o for o in command_options(command) if o not in FOLDER_OPTIONS}
-    values = {}
-    for key, value in spec[tables[0]].items():
-        o = known.get(key.replace("-", "_"))
-        if o is None:
-            raise UserError(f"{path}: unknown option {key!r} in [{tables[0]}] (the options of `flt-diag {command}`)")
-        values[o.dest] = _as_option_value(o, value)
-    check_values(values, list(known.values()))
-    return command, values
+    the command's option names (`lr_scale`, `seq_len`, ...), checked like command-line options
+    (flt_diag.analysis.files.load_study: a bad value is one line naming the file and the key)."""
+    from flt_diag.analysis.files import load_study as load_checked
+    table, values = load_checked(path, study_tables())
+    return STUDY_TABLES[table], values

@@ -199,6 +199,14 @@ def _check_local_file(path: Path) -> None:
                 raise DataError(f"data file {path} is not UTF-8 text") from None
         if b"\x00" in head:
             raise DataError(f"data file {path} is binary, not text")
+    if path.suffix == ".parquet":  # checked here: the datasets library logs a line of its own before failing
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        try:
+            pq.read_schema(path)
+        except (OSError, pa.ArrowException) as e:
+            raise DataError(f"data file {path} is not a readable Parquet file ({' '.join(str(e).split())[:120]})") \
+                from None
 
 
 def iter_documents(spec: CorpusSpec, split: str) -> Iterator[str]:
@@ -206,7 +214,8 @@ def iter_documents(spec: CorpusSpec, split: str) -> Iterator[str]:
     import datasets  # 0.6 s of imports (-X importtime, after the CLI's): only when a corpus is tokenized
 
     datasets.disable_progress_bars()  # one error line, not progress bars and library log lines around it
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # (a failure is our one DataError line; its own
+    # error log lines, e.g. "Failed to read file", would come before it)
     for f in spec.data_files if isinstance(spec.data_files, list) else []:
         _check_local_file(Path(f))
     kwargs = dict(name=spec.name, streaming=spec.streaming)

@@ -44,13 +44,16 @@ from flt_diag.model.variants import MAX_LOOPS, VARIANTS
 from flt_diag.settle import comparable
 
 
+MAX_GRID = 66  # values of one grid (lo times up to 64 powers of the ratio, and hi): no study needs more
+
+
 def geometric_grid(lo: float, hi: float, ratio: float, integer: bool = False) -> list[float]:
     """lo, lo*r, lo*r^2, ... up to hi (hi itself is the last value); integers rounded and made unique."""
     if not (lo > 0 and hi >= lo and ratio > 1 and math.isfinite(hi) and math.isfinite(ratio)):
         raise ValueError(f"the grid needs 0 < lo <= hi and ratio > 1 (got lo={lo}, hi={hi}, ratio={ratio})")
     n = int(math.floor(math.log(hi / lo) / math.log(ratio) + 1e-9))
-    if n > 64:
-        raise ValueError(f"the grid from {lo} to {hi} by x{ratio} has {n + 1} values; at most 65")
+    if n + 2 > MAX_GRID:
+        raise ValueError(f"the grid from {lo} to {hi} by x{ratio} has {n + 1} values; at most {MAX_GRID - 1}")
     values = [lo * ratio ** i for i in range(n + 1)]
     if values[-1] < hi * (1 - 1e-9):
         values.append(hi)

@@ -31,7 +31,7 @@ from flt_diag.analysis.cells import Cell
 from flt_diag.config import RunConfig, check, opt, validate, with_overrides
 from flt_diag.analysis.results import SUMMARY_COLUMNS, sweep_summary  # noqa: F401  (the one summary table; re-exported)
 from flt_diag.analysis.storage import (CELLS, ERROR, SWEEP_SPEC, SWEEP_SUMMARY, StorageError, atomic_path, atomic_write_text, folder_lock,
-                      has_content, load_progress, read_json, refuse_symlink, write_json)
+                      has_content, load_progress, load_spec as load_folder_spec, refuse_symlink, write_json)
 from flt_diag.model.variants import MAX_LOOPS, VARIANTS
 from flt_diag.settle import comparable
 
@@ -102,7 +102,7 @@ def prepare_spec_folder(out: Path, new: dict, what: str, grid_fields: dict) -> N
     holds the same spec (`what` names it in the messages; the bases are compared without the
     `grid_fields` that every cell sets)."""
     if (out / SWEEP_SPEC).exists():
-        old = read_json(out / SWEEP_SPEC)
+        old = load_folder_spec(out)  # checked: a damaged spec is one line, never compared field by field
 
         def same(k):
             return _without(old.get(k), grid_fields) == _without(new[k], grid_fields) if k == "base" \
@@ -383,4 +383,4 @@ def write_summary(out: Path) -> pd.DataFrame:
 
 
 def load_spec(out: Path) -> dict:
-    return read_json(Path(out) / SWEEP_SPEC)
+    return load_folder_spec(out)

@@ -33,14 +33,13 @@ from pathlib import Path
 import torch
 
 from flt_diag.model.transformer import VARIANTS, LoopedTransformer, ModelConfig
+from flt_diag.analysis.files import META_LOOP_KEYS as LOOP_KEYS, META_VARIANT_KEYS as VARIANT_KEYS, check_reference_meta
 from flt_diag.analysis.storage import read_json
 
 REFERENCE_VARIANTS: dict[str, str] = {"LT": "lt", "LT_i": "lt-ii", "LT_ia": "lt-ai", "FLT_res": "fla", "FLT": "flt"}
 PREFIXES = ("_orig_mod.", "module.")
 VOCAB_MULTIPLE = 64
 DEFAULT_SEQUENCE_LEN = 1024  # nanochat's GPTConfig default, used when neither meta nor caller says
-LOOP_KEYS = ("K", "n_loops", "loops", "num_loops")  # "K": the reference's GPTConfig (scripts/base_train.py)
-VARIANT_KEYS = ("model_type", "variant", "loop_type")  # "model_type": the reference's GPTConfig
 
 # per-block names: reference suffix -> flt-diag suffix
 _BLOCK_NAMES = {"attn.c_q": "attn.q", "attn.c_k": "attn.k", "attn.c_v": "attn.v", "attn.c_proj": "attn.o",
@@ -188,8 +187,8 @@ def export_reference(model: LoopedTransformer) -> dict[str, torch.Tensor]:
 
 # --------------------------------------------------------------------------- files
 
-def _load_checkpoint(path: Path) -> tuple[dict, Path]:
-    """A state dict from a model_<step>.pt file, or from the newest one in a folder."""
+def _checkpoint_file(path: Path) -> Path:
+    """A model_<step>.pt file, or the newest one in a folder."""
     if path.is_dir():
         found = sorted(path.glob("model_*.pt"), key=lambda p: (len(p.stem), p.stem))
         if not found:
@@ -197,6 +196,11 @@ def _load_checkpoint(path: Path) -> tuple[dict, Path]:
         path = found[-1]
     if not path.exists():
         raise ReferenceImportError(f"no such checkpoint: {path}")
+    return path
+
+
+def _load_checkpoint(path: Path) -> dict:
+    """The state dict of a checkpoint file."""
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
@@ -205,22 +209,22 @@ def _load_checkpoint(path: Path) -> tuple[dict, Path]:
         if isinstance(obj, dict) and isinstance(obj.get(wrapper), dict):
             obj = obj[wrapper]
             break
-    return obj, path
+    return obj
 
 
-def _load_meta(meta, checkpoint_path: Path | None) -> dict:
-    """The meta dict: given, read from a path, or meta_<step>.json beside model_<step>.pt."""
-    if isinstance(meta, dict):
-        return meta
+def _load_meta(meta, checkpoint_path: Path | None) -> tuple[dict, str]:
+    """(the meta dict, what it is called in messages): given, read from a path, or meta_<step>.json beside
+    model_<step>.pt; checked (flt_diag.analysis.files: sizes within the command line's bounds) before
+    anything is allocated."""
     if meta is None and checkpoint_path is not None:
         m = re.fullmatch(r"model_(.+)\.pt", checkpoint_path.name)
         guess = checkpoint_path.with_name(f"meta_{m.group(1)}.json") if m else None
-        if guess is None or not guess.exists():
-            return {}
-        meta = guess
+        meta = guess if guess is not None and guess.exists() else None
     if meta is None:
-        return {}
-    return read_json(meta)  # a missing or unreadable file: one StorageError line
+        return {}, "meta"
+    if isinstance(meta, dict):
+        return check_reference_meta(meta, "the meta dict"), "the meta dict"
+    return check_reference_meta(read_json(meta), meta), str(meta)  # unreadable: one StorageError line
 
 
 def _pick(sources: list[dict], keys: tuple[str, ...]):
@@ -244,12 +248,9 @@ def import_reference(checkpoint, variant: str | None = None, loops: int | None =
     Without a vocab size the padded rows are kept. The model is built with rotary_dtype="bfloat16",
     as the reference's rotary tables are bfloat16 (the one deliberate difference from flt-diag's
     default float32 tables)."""
-    path = None
-    if isinstance(checkpoint, (str, Path)):
-        sd, path = _load_checkpoint(Path(checkpoint))
-    else:
-        sd = checkpoint
-    info = _load_meta(meta, path)
+    path = _checkpoint_file(Path(checkpoint)) if isinstance(checkpoint, (str, Path)) else None
+    info, meta_name = _load_meta(meta, path)  # checked before the weights are read
+    sd = _load_checkpoint(path) if path is not None else checkpoint
     mc = info.get("model_config") if isinstance(info.get("model_config"), dict) else {}
     sources = [mc, info]
 
@@ -258,7 +259,7 @@ def import_reference(checkpoint, variant: str | None = None, loops: int | None =
     for name in ("n_layer", "n_embd"):
         stated = _pick(sources, (name,))
         if stated is not None and int(stated) != dims[name]:
-            raise ReferenceImportError(f"meta says {name}={stated} but the weights have {name}={dims[name]}")
+            raise ReferenceImportError(f"{meta_name} says {name}={stated} but the weights have {name}={dims[name]}")
 
     n_head = n_head if n_head is not None else _pick(sources, ("n_head",))
     if n_head is None:
@@ -267,7 +268,8 @@ def import_reference(checkpoint, variant: str | None = None, loops: int | None =
     if n_kv_head is not None and int(n_kv_head) != int(n_head):
         raise ReferenceImportError(f"grouped-query attention (n_kv_head={n_kv_head}, n_head={n_head}) "
                                    "is not supported by flt-diag")
-    variant = variant if variant is not None else _pick(sources, VARIANT_KEYS)
+    given = variant is not None
+    variant = variant if given else _pick(sources, VARIANT_KEYS)
     if variant is None:
         raise ReferenceImportError("the variant is unknown: pass variant= (LT, LT_i, LT_ia, FLT_res, FLT) "
                                    "or a meta json with it")
@@ -276,13 +278,18 @@ def import_reference(checkpoint, variant: str | None = None, loops: int | None =
         raise ReferenceImportError("the loop count is unknown: pass loops= or a meta json with n_loops")
     sequence_len = sequence_len or _pick(sources, ("sequence_len",)) or DEFAULT_SEQUENCE_LEN
 
-    variant = variant_name(variant)
+    try:
+        variant = variant_name(variant)
+    except ReferenceImportError as e:
+        if given:
+            raise
+        raise ReferenceImportError(f"{meta_name}: {e}") from None
     try:
         cfg = ModelConfig(vocab_size=dims["vocab_size"], n_layer=dims["n_layer"], n_embd=dims["n_embd"],
                           n_head=int(n_head), sequence_len=int(sequence_len), variant=variant,
                           loops=int(loops), rotary_dtype="bfloat16")
-    except (ValueError, TypeError) as e:
-        raise ReferenceImportError(f"reference checkpoint: {e}") from None
-    model = LoopedTransformer(cfg)
+        model = LoopedTransformer(cfg)
+    except (ValueError, TypeError, RuntimeError, MemoryError) as e:  # (sizes are bounded; memory may still lack)
+        raise ReferenceImportError(f"reference checkpoint: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     model.load_state_dict(state)
     return model

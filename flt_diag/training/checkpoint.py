@@ -6,16 +6,22 @@ always `weights_only=True` - tensors, numbers, strings and containers, never cod
 (missing, truncated, corrupt, crafted) as one StorageError line.
 
 resume.pt: {step (the next step to train), wall_time, model, optimizers: [state_dict per optimizer],
-callbacks: [state_dict per Trainer callback, in order]}. Callbacks are matched by position, and a
-list shorter or longer than the run's is fine (the built-in side concerns come last and keep no state).
+callbacks: {name: state_dict} of the Trainer's callbacks}. It is checked against the run that resumes
+it (flt_diag.analysis.files.check_resume_state: keys, shapes, the step) before any of it is loaded.
+Callbacks are matched by name (`callback_names`): a callback the resumed run adds (`--warn`, which may
+change on reuse) starts without state, one it drops is ignored. (Older files hold a list, matched by
+position.)
 """
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 
 import torch
 
 from flt_diag.training.callbacks import Callback, checkpoint_due
+from flt_diag.analysis.files import check_resume_state
 from flt_diag.analysis.storage import CHECKPOINT, RESUME, StorageError, atomic_path
 
 
@@ -31,9 +37,17 @@ def load(path, map_location="cpu"):
 
 
 def save(path, obj) -> None:
-    """torch.save through a temporary name (readers see the old file or the new one)."""
+    """torch.save through a temporary name (readers see the old file or the new one). torch reports a
+    failed write (a full disk) as a RuntimeError; it becomes an OSError naming the file, the partial
+    file is removed and the previous one is kept."""
     with atomic_path(Path(path)) as tmp:
-        torch.save(obj, tmp)
+        try:
+            torch.save(obj, tmp)
+        except RuntimeError as e:
+            free = os.statvfs(tmp.parent)
+            if free.f_bavail * free.f_frsize < tmp.stat().st_size + (1 << 20):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from None
+            raise OSError(errno.EIO, f"torch could not write it ({str(e).splitlines()[0][:100]})", str(path)) from None
 
 
 def save_weights(path, model, model_config: dict, steps_done: int) -> None:
@@ -41,24 +55,46 @@ def save_weights(path, model, model_config: dict, steps_done: int) -> None:
     save(path, {"model": model.state_dict(), "model_config": model_config, "step": steps_done})
 
 
+def callback_names(callbacks: list) -> list[str]:
+    """The name each callback's state is saved under: its class name (`#2`, ... for a repeated class)."""
+    names, seen = [], {}
+    for cb in callbacks:
+        name = type(cb).__name__
+        seen[name] = seen.get(name, 0) + 1
+        names.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
+    return names
+
+
 def save_resume(trainer, next_step: int) -> None:
     save(trainer.run_dir / RESUME, dict(
         step=next_step, wall_time=trainer.elapsed(), model=trainer.model.state_dict(),
-        optimizers=[o.state_dict() for o in trainer.optimizers], callbacks=[c.state_dict() for c in trainer.callbacks]))
+        optimizers=[o.state_dict() for o in trainer.optimizers],
+        callbacks={name: c.state_dict() for name, c in zip(callback_names(trainer.callbacks), trainer.callbacks)}))
 
 
 def restore(trainer) -> None:
-    """Load <run>/resume.pt into the trainer: weights, optimizers, callbacks, step and wall time."""
+    """Load <run>/resume.pt into the trainer: weights, optimizers, callbacks, step and wall time, once
+    the whole file has been checked against this run."""
     path = trainer.run_dir / RESUME
     state = load(path, map_location=trainer.device)
+    shapes = {k: tuple(v.shape) for k, v in trainer.model.state_dict().items()}
+    params = [[tuple(p.shape) for g in o.param_groups for p in g["params"]] for o in trainer.optimizers]
+    try:
+        state = check_resume_state(state, path, shapes, trainer.cfg.train.steps, params)
+    except StorageError as e:
+        raise StorageError(f"{e}; delete it to restart the run from step 0") from None
+    saved = state["callbacks"]
+    if isinstance(saved, list):  # older files: by position
+        saved = dict(zip(callback_names(trainer.callbacks), saved))
     try:
         trainer.model.load_state_dict(state["model"])
         for opt, s in zip(trainer.optimizers, state["optimizers"], strict=True):
             opt.load_state_dict(s)
-        for cb, s in zip(trainer.callbacks, state["callbacks"]):  # callbacks of the caller may differ
-            cb.load_state_dict(s)
+        for name, cb in zip(callback_names(trainer.callbacks), trainer.callbacks):
+            if name in saved:
+                cb.load_state_dict(saved[name])
         trainer.start_step, trainer.wall_time = int(state["step"]), float(state["wall_time"])
-    except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as e:
         raise StorageError(f"{path} does not fit this run ({str(e).splitlines()[0][:200]}); "
                            "delete it to restart the run from step 0") from None
 

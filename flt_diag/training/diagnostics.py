@@ -200,7 +200,8 @@ class DiagnosticsCallback(Callback):
         if self.recording:
             log = trainer.log
             prev = self.prev
-            have_prev = self.prev_step == step - 1 and list(prev) == names
+            have_prev = self.prev_step == step - 1 and list(prev) == names and \
+                [prev[name].numel() for name in names] == sizes  # (a resumed state of another model: not used)
             if have_prev:
                 sums = pair_sums(flat, torch.cat([prev[name] for name in names]), sizes)  # (5, groups)
                 log.add_vector(self._keys(M.GRAD_NORM, names), sums[1].sqrt())
@@ -247,5 +248,9 @@ class DiagnosticsCallback(Callback):
         return {"prev": {k: v.cpu() for k, v in self.prev.items()}, "prev_step": self.prev_step}
 
     def load_state_dict(self, state: dict) -> None:
-        self.prev, self.prev_step = state["prev"], state["prev_step"]
+        prev, prev_step = state["prev"], state["prev_step"]
+        if not (isinstance(prev, dict) and all(torch.is_tensor(v) and v.dim() == 1 for v in prev.values())
+                and isinstance(prev_step, int)):
+            raise ValueError("the diagnostics state holds no flat gradient per group and step")
+        self.prev, self.prev_step = prev, prev_step
 

@@ -123,9 +123,14 @@ def _final_model(run_dir: Path, device: str):
     ckpt_path = run_dir / CHECKPOINT
     if not ckpt_path.exists():
         raise StorageError(f"{run_dir} has no {CHECKPOINT} (has the run finished?)")
-    ckpt = load(ckpt_path, map_location=device)
+    from flt_diag.analysis.files import check_checkpoint
+    ckpt = check_checkpoint(load(ckpt_path, map_location=device), ckpt_path)  # sizes bounded before the model is built
     try:
         model = LoopedTransformer(ModelConfig(**ckpt["model_config"])).to(device)
+    except (TypeError, ValueError, RuntimeError, MemoryError) as e:
+        raise StorageError(f"{ckpt_path}: cannot build its model: {str(e).splitlines()[0]}") from None
+    check_checkpoint(ckpt, ckpt_path, {k: tuple(v.shape) for k, v in model.state_dict().items()})  # every weight
+    try:
         model.load_state_dict(ckpt["model"])
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise StorageError(f"{ckpt_path} is not a checkpoint of this model: {str(e).splitlines()[0]}") from None

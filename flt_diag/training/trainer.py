@@ -43,7 +43,7 @@ from flt_diag.training.early_warning import CollapseWarning
 from flt_diag.training.parallel import compile_blocks, compile_wanted, reference_precision
 from flt_diag.training.optim import build_optimizers, lr_multiplier, muon_momentum, set_lr, set_momentum
 from flt_diag.analysis.storage import (CONFIG, RESUME, SUMMARY, StorageError, folder_lock, has_content, load_config, load_metrics,
-                      read_json, write_json)
+                      load_summary, write_json)
 from flt_diag.settle import check_settled, comparable, differences, predictor
 
 
@@ -291,7 +291,7 @@ class Trainer:
 
     def _fit(self) -> dict:
         if not self.start():
-            return read_json(self.run_dir / SUMMARY)
+            return load_summary(self.run_dir)  # (checked: a finished run folder from elsewhere)
         step = self.start_step
         try:
             for step in range(self.start_step, self.cfg.train.steps):

@@ -1,0 +1,447 @@
+"""Every kind of file flt-diag reads has one validating loader. The cases are generated from each
+loader's schema (flt_diag.analysis.files): every field of a real file is mutated (wrong type, missing,
+out of range, nested, huge) and the reader that uses the file must refuse exactly the mutations the
+schema forbids, with one line naming the file and the field, writing nothing; a mutation the schema
+allows (an optional field left out, free-form metadata) is read without a file error."""
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from flt_diag.analysis import files
+from flt_diag.analysis.schema import Items, Record, Scalar, Shape, Table, fields
+from flt_diag.analysis.storage import StorageError
+from flt_diag.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = ["train", "--steps", "4", "--device", "cpu", "--preset", "tiny", "--variant", "lt", "--loops", "2",
+         "--depth", "1", "--checkpoint-every", "2", "--eval-every", "0", "--eval-batches", "1"]
+DELETE = object()
+
+
+# ------------------------------------------------------------------ real files of every kind
+
+def _interrupted_copy(run: Path, out: Path) -> None:
+    """`out`: the run of `run`'s config stopped after step 3 (resume.pt at step 2), as a Ctrl-C leaves it."""
+    from flt_diag.config import RunConfig
+    from flt_diag.analysis.storage import load_config
+    from flt_diag.training.callbacks import Callback
+    from flt_diag.training.trainer import Trainer
+
+    class Interrupt(Callback):
+        def on_step_end(self, trainer, step):
+            if step == 2:
+                raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(RunConfig.from_dict(load_config(run)), out, callbacks=[Interrupt()]).fit()
+
+
+def _every_option(table: str) -> dict:
+    """A study table that sets every option it takes (its default, or a valid value where it has none)."""
+    from flt_diag.cli.specs import study_tables
+    out = {}
+    for o in study_tables()[table]:
+        x = o.default
+        if x is None or o.check(x):  # none, or one only a built config holds (preset "custom")
+            x = True if o.kind is bool else (o.low or 1) if o.kind in (int, float) else (o.choices or ["x"])[0]
+            x = [x] if o.many else x
+        out[o.dest] = str(x) if o.kind is Path else x
+    return out
+
+
+def _reference_export(run: Path, folder: Path) -> Path:
+    from flt_diag.model.reference import export_reference
+    from flt_diag.model.transformer import LoopedTransformer, ModelConfig
+    ckpt = torch.load(run / "checkpoint.pt", weights_only=True)
+    model = LoopedTransformer(ModelConfig(**ckpt["model_config"]))
+    model.load_state_dict(ckpt["model"])
+    folder.mkdir()
+    torch.save(export_reference(model), folder / "model_000004.pt")
+    m = ckpt["model_config"]
+    sizes = {"sequence_len": m["sequence_len"], "vocab_size": m["vocab_size"], "n_layer": m["n_layer"],
+             "n_head": m["n_head"], "n_kv_head": m["n_head"], "n_embd": m["n_embd"]}
+    said = {**sizes, **{k: m["loops"] for k in files.META_LOOP_KEYS}, **{k: "LT" for k in files.META_VARIANT_KEYS}}
+    (folder / "meta_000004.json").write_text(json.dumps({"step": 4, "model_config": said, **said}))  # every key it reads
+    return folder / "model_000004.pt"
+
+
+@pytest.fixture(scope="module")
+def samples(tmp_path_factory):
+    """One real file of each kind (and the folders around them), made by flt-diag itself."""
+    from flt_diag.config import RunConfig
+    from flt_diag.analysis.storage import load_config
+    from flt_diag.grids.stability_map import MapSpec, geometric_grid, prepare_map_folder
+    from flt_diag.grids.sweep import SweepSpec, prepare_folder
+    from flt_diag.training.trainer import Trainer
+    root = tmp_path_factory.mktemp("samples")
+    run = root / "run"
+    assert main([*TRAIN, "--out", str(run)]) == 0
+    _interrupted_copy(run, root / "interrupted")
+    cfg = RunConfig.from_dict(load_config(run))
+    prepare_folder(SweepSpec(cfg, ["lt", "flt"], [2, 3], [0], [1.0]), root / "sweep")
+    prepare_map_folder(MapSpec(cfg, ["lt"], [2], [0], "lr", geometric_grid(0.5, 4, 2), ["training"]), root / "map")
+    shutil.copy(REPO / "flt_diag" / "analysis" / "early_warning.json", root / "predictor.json")
+    (root / "predicted").mkdir()
+    shutil.copy(run / "config.json", root / "predicted")
+    for table in ("ablation", "map"):
+        _write(root / f"study-{table}.toml", {"description": "every option", table: _every_option(table)})
+    summary = json.loads((run / "summary.json").read_text())
+    prediction = {"step": 2, "p_collapse": 0.9, "evidence": "loss_climb 0.6 (+1.2)", "features": {}}
+    (root / "predicted" / "summary.json").write_text(json.dumps(summary | {"prediction": prediction}))
+    reference = _reference_export(run, root / "reference")
+    trainer = Trainer(cfg, root / "interrupted")  # resume.pt is restored into it
+    return dict(root=root, run=run, reference=reference, trainer=trainer)
+
+
+# ------------------------------------------------------------------ the kinds: schema, file, reader
+
+def _model_shapes() -> dict:
+    """The weight shapes of the samples' model (tiny preset, depth 1, lt, K=2)."""
+    from flt_diag.config import build_config
+    from flt_diag.model.transformer import LoopedTransformer
+    model = build_config("tiny", model=dict(n_layer=1, variant="lt", loops=2)).model
+    return {k: tuple(v.shape) for k, v in LoopedTransformer(model).state_dict().items()}
+
+
+def _study_schema(table: str):
+    from flt_diag.cli.specs import study_tables
+    return files.study_schema(study_tables(), table)
+
+
+def _read_config(s, p):
+    from flt_diag.analysis.storage import load_config
+    load_config(p.parent)
+
+
+def _read_summary(s, p):
+    from flt_diag.analysis.storage import load_summary
+    load_summary(p.parent)
+
+
+def _read_sweep(s, p):
+    from flt_diag.analysis.storage import cell_names
+    cell_names(p.parent)
+
+
+def _read_map(s, p):
+    from flt_diag.grids.stability_map import boundaries
+    boundaries(p.parent)
+
+
+def _read_resume(s, p):
+    from flt_diag.training.checkpoint import restore
+    restore(s["trainer"])
+
+
+def _read_checkpoint(s, p):
+    from flt_diag.training.evaluation import eval_loops
+    eval_loops(p.parent, [1], batches=1)
+
+
+def _read_predictor(s, p):
+    from flt_diag.analysis.early_warning import load_predictor
+    load_predictor(p)
+
+
+def _read_study(s, p):
+    from flt_diag.cli.specs import load_study
+    load_study(p)
+
+
+def _read_meta(s, p):
+    from flt_diag.model.reference import import_reference
+    import_reference(s["reference"])
+
+
+# kind -> (its schema, the sample file, the reader that uses it)
+KINDS = {
+    "run config": (files.run_config_schema, "run/config.json", _read_config),
+    "summary": (files.summary_schema, "predicted/summary.json", _read_summary),
+    "sweep spec": (files.sweep_spec_schema, "sweep/sweep.json", _read_sweep),
+    "map spec": (files.map_spec_schema, "map/sweep.json", _read_map),
+    "resume state": (lambda: files.resume_schema(_model_shapes(), 4, 2, callbacks_as_list=False),
+                     "interrupted/resume.pt", _read_resume),
+    "checkpoint": (lambda: files.checkpoint_schema(_model_shapes()), "run/checkpoint.pt", _read_checkpoint),
+    "predictor": (files.predictor_schema, "predictor.json", _read_predictor),
+    "study": (lambda: _study_schema("ablation"), "study-ablation.toml", _read_study),
+    "study (map)": (lambda: _study_schema("map"), "study-map.toml", _read_study),
+    "reference meta": (files.reference_meta_schema, "reference/meta_000004.json", _read_meta),
+}
+
+
+def _read(path: Path):
+    if path.suffix == ".pt":
+        return torch.load(path, weights_only=True)
+    if path.suffix == ".toml":
+        import tomllib
+        return tomllib.loads(path.read_text())
+    return json.loads(path.read_text())
+
+
+def _toml(x) -> str:
+    if isinstance(x, bool):
+        return "true" if x else "false"
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if x != x else ("inf" if x > 0 else "-inf")
+    if isinstance(x, (int, float)):
+        return repr(x)
+    if isinstance(x, str):
+        return json.dumps(x)
+    if isinstance(x, list):
+        return "[" + ", ".join(map(_toml, x)) + "]"
+    return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml(v)}" for k, v in x.items()) + "}"
+
+
+def _expressible_in_toml(obj, root: bool = True) -> bool:
+    """TOML has no null, and a TOML file is always a table."""
+    if obj is None or root and not isinstance(obj, dict):
+        return False
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list) else []
+    return all(_expressible_in_toml(x, False) for x in items)
+
+
+def _write(path: Path, obj) -> None:
+    if path.suffix == ".pt":
+        torch.save(obj, path)
+    elif path.suffix == ".toml":
+        tables = {k: v for k, v in obj.items() if isinstance(v, dict)}
+        lines = [f"{json.dumps(k)} = {_toml(v)}" for k, v in obj.items() if k not in tables]
+        for name, table in tables.items():
+            lines += [f"[{name}]"] + [f"{json.dumps(k)} = {_toml(v)}" for k, v in table.items()]
+        path.write_text("\n".join(lines) + "\n")
+    else:
+        path.write_text(json.dumps(obj, allow_nan=True))
+
+
+# ------------------------------------------------------------------ mutations, from the entry
+
+def _scalar_mutations(entry: Scalar, original) -> list[tuple[str, object, bool]]:
+    o = entry.option
+    out = [("wrong type", 12345 if o.kind is str else "text", True), ("nested", {"x": [original]}, True),
+           ("in a list", [original], True), ("null", None, not o.optional)]
+    if o.kind is int:
+        out.append(("a fraction", 2.5, True))
+    if o.choices:
+        out.append(("not a choice", "no-such-choice", True))
+    for bound, shift, label in ((o.low, -1, "below its low"), (o.high, 1, "above its high")):
+        if bound is not None:
+            out.append((label, bound + shift if o.kind is int else bound + shift * 0.5, True))
+    for bound, label in ((o.above, "at its exclusive low"), (o.below, "at its exclusive high")):
+        if bound is not None:
+            out.append((label, bound, True))
+    if o.kind in (int, float):
+        bounded = o.high is not None or o.below is not None or bool(o.choices)
+        out.append(("huge", 10 ** 13, bounded))
+        if o.kind is float:
+            out.append(("infinite", math.inf, not entry.nan))
+    if o.kind is str:
+        out.append(("huge", "x" * 5000, True))
+    return out
+
+
+def _mutations(entry, original, in_record: bool) -> list[tuple[str, object, bool]]:
+    """(label, mutated value, whether the schema forbids it) for one field of a sample file."""
+    out = [("missing", DELETE, entry.required)] if in_record else []
+    if isinstance(entry, Scalar):
+        return out + _scalar_mutations(entry, original)
+    if isinstance(entry, Shape):
+        return out + [("wrong type", "text", True), ("wrong shape", torch.zeros(3), True),
+                      ("nested", {"x": [original]}, True)]
+    if isinstance(entry, Items):
+        first = original[0] if original else None
+        out += [("wrong type", {"x": 1}, True), ("huge", [first] * (entry.max_items + 1), bool(original))]
+        out += [("nested", [[first]], True)] if original else []
+        out += [("empty", [], entry.min_items > 0)]
+        if original and (entry.distinct or entry.length_of):
+            out.append(("one item more (a duplicate)", list(original) + [first], True))
+        return out
+    if isinstance(entry, Table):
+        key = next(iter(original))
+        out += [("wrong type", ["text"], True), ("empty", {}, entry.min_items > 0),
+                ("a key that is not a number", {"abc": original[key]}, True)]
+        if entry.key.low is not None and entry.key.low > 0:
+            out.append(("a key below its low", {type(key)(entry.key.low - 1): original[key]}, True))
+        return out
+    # Record
+    out += [("wrong type", ["a", "list"], True), ("null", None, not entry.nullable)]
+    if original is not None:
+        out.append(("an unknown key", {**original, "no_such_field": {"x": [1]}}, not entry.other_keys))
+    return out
+
+
+def _at(obj, path: tuple):
+    for key in path:
+        if isinstance(obj, dict) and key is None:
+            key = next(iter(obj))
+        if isinstance(obj, dict) and key in obj or isinstance(obj, list) and isinstance(key, int) and key < len(obj):
+            obj = obj[key]
+        else:
+            raise LookupError(key)
+    return obj
+
+
+def _resolved(obj, path: tuple) -> tuple:
+    """The path with each table's first key filled in."""
+    out = []
+    for key in path:
+        if key is None:
+            key = next(iter(_at(obj, tuple(out))))
+        out.append(key)
+    return tuple(out)
+
+
+def _mutated(obj, path: tuple, new):
+    import copy
+    if not path:
+        return new
+    obj = copy.deepcopy(obj)
+    parent = _at(obj, path[:-1])
+    if new is DELETE:
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = new
+    return obj
+
+
+SCHEMAS = {kind: schema() for kind, (schema, _, _) in KINDS.items()}
+FIELDS = {kind: dict(fields(schema)) for kind, schema in SCHEMAS.items()}
+CASES = [(kind, path) for kind in KINDS for path in [(), *FIELDS[kind]]]
+
+
+def _snapshot(folder: Path) -> dict:
+    """Every file under `folder` with its size and modification time (a write changes one or the other)."""
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("kind, path", CASES, ids=[f"{k}:{'.'.join(map(str, p)) or '<file>'}" for k, p in CASES])
+def test_every_field_of_every_file_kind_is_checked_by_its_loader(samples, kind, path):
+    _, name, reader = KINDS[kind]
+    file = samples["root"] / name
+    original_bytes = file.read_bytes()
+    sample = _read(file)
+    entry = FIELDS[kind].get(path, SCHEMAS[kind])
+    parent = (FIELDS[kind].get(path[:-1]) if len(path) > 1 else SCHEMAS[kind]) if path else None
+    if isinstance(parent, Items) and parent.ascending:
+        path = (*path[:-1], -1)  # an ascending list: change its last item (a larger one keeps the order)
+    try:
+        path = _resolved(sample, path)
+        original = _at(sample, path)
+    except LookupError:
+        pytest.skip("the sample file has no such field (an optional one it leaves out)")
+    in_record = isinstance(parent, Record)  # a named field, which can be missing
+    named = next((str(k) for k in reversed(path) if isinstance(k, str)), None)
+    if path and path[0] in ("ablation", "map") and kind.startswith("study"):
+        named = str(path[1]) if len(path) > 1 else named
+    try:
+        for label, new, refused in _mutations(entry, original, in_record):
+            mutated = _mutated(sample, path, new)
+            if file.suffix == ".toml" and not _expressible_in_toml(mutated):
+                continue
+            _write(file, mutated)
+            before = _snapshot(samples["root"])
+            if refused:
+                with pytest.raises(StorageError) as e:
+                    reader(samples, file)
+                message = str(e.value)
+                assert "\n" not in message and str(file) in message, (label, message)
+                assert named is None or named in message, (label, message)
+                assert _snapshot(samples["root"]) == before, f"{label}: something was written"
+            else:
+                try:
+                    reader(samples, file)
+                except StorageError as e:
+                    pytest.fail(f"{label}: the schema allows it, but the reader refused the file: {e}")
+                except ValueError as e:  # e.g. a reference import that needs the field: still one line
+                    assert "\n" not in str(e), (label, str(e))
+    finally:
+        file.write_bytes(original_bytes)
+
+
+def test_the_generated_cases_cover_every_file_kind():
+    covered = {k.split(" (")[0] for k in KINDS} | {"metrics part"}  # metrics parts: the column test below
+    assert covered == set(files.FILE_KINDS)
+    assert len(CASES) > 300
+
+
+# ------------------------------------------------------------------ metrics parts: columns and dtypes
+
+def _part_mutations(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame, str]]:
+    out = []
+    for column, kind in files.METRICS_COLUMNS.items():
+        out.append((f"{column} missing", df.drop(columns=[column]), column))
+        wrong = df[column].astype(str) if kind != "string" else df[column].map(len)
+        out.append((f"{column} of the wrong type", df.assign(**{column: wrong}), column))
+        out.append((f"{column} nested", df.assign(**{column: [[x] for x in df[column]]}), column))
+    out.append(("an extra column", df.assign(extra=1.0), "extra"))
+    return out
+
+
+def test_every_column_of_a_metrics_part_is_checked(samples):
+    from flt_diag.analysis.storage import load_metrics
+    run = samples["run"]
+    part = sorted((run / "metrics").glob("part-*.parquet"))[0]
+    original = part.read_bytes()
+    df = pd.read_parquet(part)
+    cases = _part_mutations(df) + [("not Parquet", None, "Parquet"), ("half a file", original[: len(original) // 2],
+                                                                       "Parquet")]
+    try:
+        for label, mutated, named in cases:
+            if isinstance(mutated, pd.DataFrame):
+                mutated.to_parquet(part, index=False)
+            else:
+                part.write_bytes(mutated if mutated is not None else b"step,metric\n1,loss\n")
+            before = _snapshot(run)
+            with pytest.raises(StorageError) as e:
+                load_metrics(run)
+            assert str(part) in str(e.value) and named in str(e.value) and "\n" not in str(e.value), (label, e.value)
+            assert _snapshot(run) == before
+    finally:
+        part.write_bytes(original)
+    load_metrics(run)
+
+
+def test_a_metrics_part_with_a_name_that_is_not_a_part_name_is_one_line(samples, tmp_path):
+    from flt_diag.analysis.storage import MetricsWriter
+    run = tmp_path / "run"
+    shutil.copytree(samples["run"], run)
+    part = sorted((run / "metrics").glob("part-*.parquet"))[-1]
+    part.rename(part.with_name("part-abc.parquet"))
+    with pytest.raises(StorageError, match="part-abc.parquet: not a metrics part name"):
+        MetricsWriter(run).truncate_after(0)
+
+
+# ------------------------------------------------------------------ the same contract through the CLI
+
+def _cli(samples, kind: str, file: Path) -> list[str]:
+    run, root = samples["run"], samples["root"]
+    return {"run config": ["summary", str(run), "--recompute"], "summary": ["summary", str(file.parent)],
+            "sweep spec": ["summary", str(root / "sweep")], "map spec": ["summary", str(root / "map")],
+            "resume state": [*TRAIN, "--out", str(root / "interrupted")],
+            "predictor": ["predict", str(run), "--at", "2", "--predictor", str(file)],
+            "study": ["study", str(file), "--list"], "study (map)": ["study", str(file), "--list"],
+            "reference meta": ["import-reference", str(samples["reference"]), "--out", str(root / "imported")],
+            "checkpoint": ["eval-loops", str(run), "--loops", "1", "--batches", "1"]}[kind]
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_bad_file_of_every_kind_is_one_error_line_from_its_command(samples, capsys, kind):
+    """One refused mutation per kind (the first field's wrong type) through the command that reads it."""
+    file = samples["root"] / KINDS[kind][1]
+    original = file.read_bytes()
+    sample = _read(file)
+    path, entry = next((p, e) for p, e in FIELDS[kind].items() if isinstance(e, Scalar) and e.option.kind is not str
+                       and (lambda p: _at(sample, _resolved(sample, p)) is not None)(p))
+    try:
+        _write(file, _mutated(sample, _resolved(sample, path), "text"))
+        before = _snapshot(samples["root"])
+        code = main(_cli(samples, kind, file))
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert code == (1 if kind == "checkpoint" else 2), err  # eval-loops goes on to the next run: exit 1
+        assert len(err) == 1 and "error: " in err[0] and str(file) in err[0] and str(path[-1]) in err[0], err
+        assert _snapshot(samples["root"]) == before
+    finally:
+        file.write_bytes(original)
