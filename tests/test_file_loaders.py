@@ -143,7 +143,7 @@ def _read_checkpoint(s, p):
 
 
 def _read_predictor(s, p):
-    from flt_diag.analysis.early_warning import load_predictor
+    from flt_diag.analysis.files import load_predictor
     load_predictor(p)
 
 
