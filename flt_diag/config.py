@@ -1,6 +1,7 @@
 """Every option of flt-diag, once: typed config sections whose fields carry their help text,
 their command-line flag, their bounds and their choices.
 
+The grids' own options (what a sweep or map runs over) are beside it in flt_diag.grid_config.
 The command line (flt_diag.cli, which also decides which command takes which option), the sweep and
 map specs and the study files are generated from these fields (`OPTIONS`); validation is `check()` on
 the same metadata and runs whenever a section is constructed, so a bad value raises one ValueError

@@ -74,7 +74,8 @@ def samples(tmp_path_factory):
     """One real file of each kind (and the folders around them), made by flt-diag itself."""
     from flt_diag.config import RunConfig
     from flt_diag.analysis.storage import load_config
-    from flt_diag.grids.stability_map import MapSpec, geometric_grid, prepare_map_folder
+    from flt_diag.grid_config import geometric_grid
+    from flt_diag.grids.stability_map import MapSpec, prepare_map_folder
     from flt_diag.grids.sweep import SweepSpec, prepare_folder
     from flt_diag.training.trainer import Trainer
     root = tmp_path_factory.mktemp("samples")

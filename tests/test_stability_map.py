@@ -5,8 +5,9 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_config
-from flt_diag.analysis.map_results import bracket, critical_values
-from flt_diag.grids.stability_map import MapSpec, geometric_grid, run_map, search
+from flt_diag.analysis.map_results import AXES, CRITERIA, bracket, critical_values
+from flt_diag.grid_config import MAP_AXES, MAP_CRITERIA, geometric_grid
+from flt_diag.grids.stability_map import MapSpec, run_map, search
 from flt_diag.analysis.storage import CELLS, SUMMARY, write_json
 
 
@@ -19,6 +20,10 @@ def test_geometric_grid():
     for bad in [(0, 1, 2), (2, 1, 2), (1, 2, 1), (1, float("inf"), 2), (1e-9, 1e9, 1.01)]:
         with pytest.raises(ValueError):
             geometric_grid(*bad)
+
+
+def test_the_axes_and_criteria_the_options_offer_are_the_ones_the_map_implements():
+    assert set(MAP_AXES) == set(AXES) and set(MAP_CRITERIA) == set(CRITERIA)
 
 
 @pytest.mark.parametrize("threshold_index", [-1, 0, 3, 7, 15])

@@ -11,7 +11,7 @@ A bad file is one `BadFile` line naming the file and the field; nothing is writt
     metrics part       <run>/metrics/part-*.parquet  check_metrics_part (storage.load_metrics)
     resume state       <run>/resume.pt               check_resume_state (training.checkpoint.restore)
     final checkpoint   <run>/checkpoint.pt           check_checkpoint  (training.evaluation)
-    predictor          fit-predictor's JSON          load_predictor    (early_warning.load_predictor)
+    predictor          fit-predictor's JSON          load_predictor    (settle, the predict command)
     study              experiments/*.toml            load_study        (the `study` command)
     reference meta     meta_<step>.json              check_reference_meta (model.reference)
 
@@ -24,8 +24,12 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-from flt_diag.analysis.schema import (MAX_ITEMS, BadFile, Items, Record, Scalar, Shape, StorageError, Table, bad,  # noqa: F401
-                                      checked, read_json, read_text, scalar_of, value)  # (the errors: re-exported)
+from flt_diag.analysis.predictor_names import CLASS_WEIGHTS, FEATURES, PACKAGED, TARGETS
+from flt_diag.analysis.schema import (MAX_ITEMS, BadFile, Items, Record, Scalar, Shape, Table, bad, checked, read_json,
+                                      read_text, scalar_of, value)
+from flt_diag.config import SECTIONS, ModelConfig, RunConfig, TrainConfig, options_of
+from flt_diag.grid_config import MAX_GRID, MapLinesGrid, SweepGrid
+from flt_diag.model.variants import MAX_LOOPS
 
 # --------------------------------------------------------------------------- run config
 
@@ -37,7 +41,6 @@ REQUIRED = {"model": ("vocab_size", "n_layer", "n_embd", "n_head", "sequence_len
 
 @functools.cache  # each schema is built once (from the option tables) and never changed
 def section_schema(name: str, required: bool = True) -> Record:
-    from flt_diag.config import SECTIONS, options_of
     return Record({o.name: Scalar(o, o.name in REQUIRED.get(name, ())) for o in options_of(SECTIONS[name], name)},
                   required)
 
@@ -59,7 +62,6 @@ def run_config_schema() -> Record:
 def load_run_config(path: Path) -> dict:
     """config.json checked field by field, then by the typed config's rules across fields (the width
     splits into heads)."""
-    from flt_diag.config import RunConfig
     cfg = checked(path, run_config_schema(), read_json(path))
     try:
         RunConfig.from_dict(cfg)
@@ -70,7 +72,6 @@ def load_run_config(path: Path) -> dict:
 
 def check_model_config(model: dict, path, where: str = "model_config") -> dict:
     """A model section found in another file (checkpoint.pt's model_config)."""
-    from flt_diag.config import ModelConfig
     model = checked(path, section_schema("model"), model, where)
     try:
         ModelConfig(**model)
@@ -84,7 +85,6 @@ def check_model_config(model: dict, path, where: str = "model_config") -> dict:
 @functools.cache
 def summary_schema() -> Record:
     """summary.json: the fields its readers use (verdict line, tables, criteria, early warning)."""
-    from flt_diag.config import ModelConfig, TrainConfig, options_of
     model, train = {o.name: o for o in options_of(ModelConfig, "")}, {o.name: o for o in options_of(TrainConfig, "")}
     figure = Scalar(value(float, optional=True), nan=True)
     step = Scalar(value(int, low=0, optional=True), False)
@@ -114,12 +114,8 @@ CELL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,199}")  # a folder under c
 
 @functools.cache
 def _grid_options() -> dict:
-    # The grid fields are options of the grid classes (what the command line's --loops etc. are); those
-    # modules are torch-free, and are read only here, when a spec is checked.
-    from flt_diag.config import options_of
-    from flt_diag.grids.stability_map import MapSpec
-    from flt_diag.grids.sweep import SweepSpec
-    return {o.name: o for cls in (SweepSpec, MapSpec) for o in options_of(cls, "")}
+    """The grid fields of a sweep or map spec, bounded like the command line's --loops, --axis etc."""
+    return {o.name: o for cls in (SweepGrid, MapLinesGrid) for o in options_of(cls, "")}
 
 
 @functools.cache
@@ -135,8 +131,6 @@ def sweep_spec_schema() -> Record:
 @functools.cache
 def map_spec_schema(axis: str = "lr") -> Record:
     """A map's sweep.json; its grid holds lr scales or depths (`axis`), bounded like --lr-scale / --depth."""
-    from flt_diag.config import ModelConfig, TrainConfig, options_of
-    from flt_diag.grids.stability_map import MAX_GRID
     o = _grid_options()
     grid_value = {x.name: x for x in options_of(TrainConfig, "") + options_of(ModelConfig, "")}[
         "n_layer" if axis == "depth" else "lr_scale"]
@@ -208,7 +202,6 @@ def check_metrics_part(path: Path) -> None:
 def predictor_schema() -> Record:
     """fit-predictor's JSON: features, one logistic model per step (a mean, std and coefficient per
     feature), the threshold in (0, 1), the target."""
-    from flt_diag.analysis.predictor_names import CLASS_WEIGHTS, FEATURES, TARGETS
     numbers = Items(Scalar(value(float)), length_of="features")
     model = Record({"mean": numbers, "std": Items(Scalar(value(float, above=0)), length_of="features"),
                     "coef": numbers, "intercept": Scalar(value(float)), "runs": Scalar(value(int, low=0), False),
@@ -225,7 +218,6 @@ def load_predictor(path=None) -> dict:
     """A predictor JSON (None: the packaged one), checked field by field: a predictor without means,
     with a text coefficient or a threshold outside (0, 1) is one line. An empty name is an error, not
     the packaged predictor."""
-    from flt_diag.analysis.predictor_names import PACKAGED
     if path is None:
         path = PACKAGED
     if str(path) in ("", "."):
@@ -284,8 +276,6 @@ def _as_kind(o, x):
 def reference_meta_schema() -> Record:
     """nanochat's meta_<step>.json: the model sizes (top level or under model_config), K and the variant
     under the names the reference uses; the sizes obey the command line's bounds."""
-    from flt_diag.config import ModelConfig, options_of
-    from flt_diag.model.variants import MAX_LOOPS
     o = {x.name: replace(x, optional=True) for x in options_of(ModelConfig, "")}
     sizes = {name: Scalar(o[name], False) for name in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_embd")}
     sizes["n_kv_head"] = Scalar(o["n_head"], False)

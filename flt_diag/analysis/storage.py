@@ -29,7 +29,7 @@ from pathlib import Path
 import pandas as pd
 
 from flt_diag.analysis import files
-from flt_diag.analysis.files import BadFile, StorageError, read_json  # noqa: F401  (re-exported: one error type)
+from flt_diag.analysis.schema import BadFile, StorageError, read_json  # noqa: F401  (re-exported: one error type)
 
 CONFIG, SUMMARY, PROGRESS, METRICS = "config.json", "summary.json", "progress.json", "metrics"
 CHECKPOINT, RESUME, EVAL_LOOPS = "checkpoint.pt", "resume.pt", "eval_loops.csv"

@@ -1,7 +1,7 @@
 """Which command takes which option: the one place that knows the commands' names and arguments.
 
 Every training option is a field of a config section (flt_diag.config) and every grid option a field
-of SweepSpec, MapSpec or MapGrid, each with its help, flag, bounds and choices; the commands' own
+of SweepGrid, MapLinesGrid or MapGrid (flt_diag.grid_config), each with its help, flag, bounds and choices; the commands' own
 options (output folders, workers, ...) are made here with `cli_opt`. `command_options(command)` lists
 a command's options in help order: the typer command line (flt_diag.cli.app), the study files
 (flt_diag.cli.specs) and the option table (docs/cli.md, flt_diag.cli.table) are generated from it.
@@ -15,8 +15,7 @@ from typing import NamedTuple
 from flt_diag.analysis import early_warning as EW
 from flt_diag.analysis import predictor_fit as FIT
 from flt_diag.config import OPTIONS, PRESETS, Option, options_of
-from flt_diag.grids.stability_map import MapGrid, MapSpec
-from flt_diag.grids.sweep import SweepSpec
+from flt_diag.grid_config import MapGrid, MapLinesGrid, SweepGrid
 from flt_diag.model.variants import MAX_LOOPS
 
 SECTION_TITLES = {"run": "preset", "model": "model", "train": "training", "diagnostics": "diagnostics",
@@ -49,8 +48,8 @@ def cli_opt(flag: str, kind: type, help: str, default=None, *, many=False, low=N
 TRAINING_COMMANDS = ("train", "run-ablation", "map")
 SET_BY_SETTLING = {("model", "vocab_size")}  # the tokenizer's (flt_diag.settle), never given
 ONE_RUN = {("model", "variant"), ("model", "loops"), ("train", "seed")}  # the grids take lists instead
-GRID_OPTIONS = {"run-ablation": options_of(SweepSpec, "sweep"),
-                "map": options_of(MapSpec, "map") + options_of(MapGrid, "map")}
+GRID_OPTIONS = {"run-ablation": options_of(SweepGrid, "sweep"),
+                "map": options_of(MapLinesGrid, "map") + options_of(MapGrid, "map")}
 
 
 def config_options(command: str) -> list[Option]:

@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from flt_diag.cli.options import FOLDER_OPTIONS, command_options
-from flt_diag.grids.stability_map import MapGrid, MapSpec
+from flt_diag.grid_config import MapGrid
+from flt_diag.grids.stability_map import MapSpec
 from flt_diag.grids.sweep import SweepSpec, cell_config
 from flt_diag.model.variants import VARIANTS
 from flt_diag.settle import run_config, unsettled_config

@@ -24,12 +24,10 @@ which also holds the criteria and the lines; this module runs the search.
 """
 from __future__ import annotations
 
-import math
 import multiprocessing as mp
 import os
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -38,60 +36,16 @@ import pandas as pd
 from flt_diag.analysis.map_results import (AXES, CRITERIA, MAP_CSV, Line, MapLines, boundaries, bracket,
                                            probe_outcomes)
 from flt_diag.analysis.storage import CELLS, StorageError, atomic_path, folder_lock, load_summary
-from flt_diag.config import RunConfig, check, opt
+from flt_diag.config import RunConfig, check
+from flt_diag.grid_config import MapLinesGrid
 from flt_diag.grids.sweep import die_with_parent, only, prepare_spec_folder, run_cell, write_summary
-from flt_diag.model.variants import MAX_LOOPS, VARIANTS
 from flt_diag.settle import comparable
 
 
-MAX_GRID = 66  # values of one grid (lo times up to 64 powers of the ratio, and hi): no study needs more
-
-
-def geometric_grid(lo: float, hi: float, ratio: float, integer: bool = False) -> list[float]:
-    """lo, lo*r, lo*r^2, ... up to hi (hi itself is the last value); integers rounded and made unique."""
-    if not (lo > 0 and hi >= lo and ratio > 1 and math.isfinite(hi) and math.isfinite(ratio)):
-        raise ValueError(f"the grid needs 0 < lo <= hi and ratio > 1 (got lo={lo}, hi={hi}, ratio={ratio})")
-    n = int(math.floor(math.log(hi / lo) / math.log(ratio) + 1e-9))
-    if n + 2 > MAX_GRID:
-        raise ValueError(f"the grid from {lo} to {hi} by x{ratio} has {n + 1} values; at most {MAX_GRID - 1}")
-    values = [lo * ratio ** i for i in range(n + 1)]
-    if values[-1] < hi * (1 - 1e-9):
-        values.append(hi)
-    if integer:
-        values = sorted({int(round(v)) for v in values})
-    else:
-        values = [float(f"{v:.4g}") for v in values]
-    return values
-
-
-@dataclass
-class MapGrid:
-    """The axis values a map searches: lo, lo*r, lo*r^2, ... <= hi (see geometric_grid)."""
-
-    lo: float = opt(0.5, "Lowest axis value of the grid.", above=0)
-    hi: float = opt(16.0, "Highest axis value of the grid.", above=0)
-    ratio: float = opt(1.41, "Grid ratio: the tolerance of every boundary.", above=1)
-
-    def __post_init__(self):
-        check(self)
-
-    def values(self, axis: str) -> list[float]:
-        return geometric_grid(self.lo, self.hi, self.ratio, integer=axis == "depth")
-
-
-@dataclass
-class MapSpec(MapLines):
-    """What a map searches: lines (variants x loops x seeds), one axis and its grid, the criteria.
-    `base` is the RunConfig of line 0 (the axis field and each line's fields are replaced per probe)."""
-
-    base: object
-    variants: list[str] = opt(list(VARIANTS), "Variants [default: all five].", choices=VARIANTS)
-    loops: list[int] = opt([6, 12], "Loop counts K (the x axis of the map).", low=1, high=MAX_LOOPS)
-    seeds: list[int] = opt([0], "Seeds: each boundary is reported with its spread.", low=0)
-    axis: str = opt("lr", "lr (lr scale) or depth (L blocks, width fixed).", choices=AXES)
-    grid: list[float] = field(default_factory=lambda: MapGrid().values("lr"))
-    criteria: list[str] = opt(["training", "explosion"], "training (verdict not stable), collapse (collapsed or "
-                              "diverged), explosion (a residual norm of any loop exploded).", choices=CRITERIA)
+class MapSpec(MapLinesGrid, MapLines):
+    """What a map searches (its fields: flt_diag.grid_config.MapLinesGrid): lines (variants x loops x
+    seeds), one axis and its grid, the criteria. `base` is the RunConfig of line 0 (the axis field and
+    each line's fields are replaced per probe)."""
 
     def __post_init__(self):
         check(self)  # every option field against its bounds and choices (flt_diag.config)

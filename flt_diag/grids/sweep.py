@@ -21,34 +21,26 @@ import sys
 import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from flt_diag.analysis.cells import Cell
-from flt_diag.config import RunConfig, check, opt, validate, with_overrides
+from flt_diag.config import RunConfig, check, validate, with_overrides
+from flt_diag.grid_config import SweepGrid
 from flt_diag.analysis.results import SUMMARY_COLUMNS, sweep_summary  # noqa: F401  (the one summary table; re-exported)
 from flt_diag.analysis.storage import (CELLS, ERROR, SWEEP_SPEC, SWEEP_SUMMARY, StorageError, atomic_path, atomic_write_text, folder_lock,
                       has_content, load_progress, load_spec as load_folder_spec, refuse_symlink, write_json)
-from flt_diag.model.variants import MAX_LOOPS, VARIANTS
 from flt_diag.settle import comparable
 
 
 
-@dataclass
-class SweepSpec:
-    """The grid of a sweep and the config its cells share.
+class SweepSpec(SweepGrid):
+    """The grid of a sweep (its fields: flt_diag.grid_config.SweepGrid) and the config its cells share.
 
     `base` is the config of cell 0 (the first variant, loop count, seed and lr scale); every other
     cell differs from it only in those four fields. Construction validates every cell."""
-
-    base: RunConfig
-    variants: list[str] = opt(list(VARIANTS), "Variants [default: all five].", choices=VARIANTS)
-    loops: list[int] = opt([3, 6, 9, 12], "Loop counts K.", low=1, high=MAX_LOOPS)
-    seeds: list[int] = opt([0], "Seeds.", low=0)
-    lr_scales: list[float] = opt([1.0], "Learning-rate multipliers (an lr x loops map).", flag="--lr-scale", above=0)
 
     def __post_init__(self):
         check(self)  # every option field against its bounds and choices (flt_diag.config)
