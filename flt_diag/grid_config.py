@@ -15,6 +15,10 @@ from flt_diag.model.variants import MAX_LOOPS, VARIANTS
 
 MAP_AXES = ("lr", "depth")  # what a map varies: the lr scale, or the number L of distinct blocks
 MAP_CRITERIA = ("training", "collapse", "explosion")  # how a probe counts as broken (analysis.map_results)
+# The config fields a sweep's grid sets per cell: a folder's stored base is compared without them (its base
+# is cell 0's config; earlier versions stored seed 0 and lr scale 1 there), and sweeps pooled by `summary`
+# may differ in them.
+SWEEP_GRID_FIELDS = {"model": ("variant", "loops"), "train": ("seed", "lr_scale")}
 MAX_GRID = 66  # values of one map grid (lo times up to 64 powers of the ratio, and hi): no study needs more
 
 

@@ -16,8 +16,8 @@ from fake_runs import config, make_run
 from flt_diag.analysis import figures as P
 from flt_diag.analysis import metric_names as M
 from flt_diag.analysis.report import write_report
-from flt_diag.analysis.results import results_table, summary_table, sweep_summary
-from flt_diag.analysis.storage import CELLS, read_json, write_json
+from flt_diag.analysis.results import pooled_summary, results_table, summary_table, sweep_summary
+from flt_diag.analysis.storage import CELLS, StorageError, read_json, write_json
 from flt_diag.cli import main
 from flt_diag.grids.sweep import SweepSpec, write_summary
 
@@ -210,3 +210,35 @@ def test_runs_of_other_depths_are_not_compared(tmp_path):
                                                                 abs=1e-12)  # fake val losses: same curve + shift
         np.testing.assert_allclose([table.resid_vs_flt[("lt", 1)], table.resid_vs_flt[("lt", 2)]], 2.0, rtol=1e-6)
     assert "Depth" in results_table(out).columns
+
+
+def test_sweeps_of_one_setting_pool_their_seeds_and_a_seed_run_twice_counts_once(tmp_path, capsys):
+    first = write_sweep(tmp_path / "s0", seeds=(0,))
+    more = write_sweep(tmp_path / "s12", seeds=(1, 2))
+    again = write_sweep(tmp_path / "s0-again", seeds=(0,))  # seed 0 once more: counted once, from `first`
+    pooled = pooled_summary([first, more, again])
+    assert sorted(zip(pooled.variant, pooled.loops, pooled.seed)) == sorted(
+        (v, k, s) for (v, k, s), plan in PLAN.items() if plan.get("finished", True))
+    whole = write_sweep(tmp_path / "all")  # the same runs (deterministic) as one sweep, read by hand
+    expected = hand_gaps(stored_runs(whole).to_dict("records"), ("loops", "seed"))
+    for r in pooled.itertuples():
+        assert r.val_gap == pytest.approx(expected[(r.variant, r.loops, r.seed)][0], abs=1e-12)
+    assert main(["summary", str(first), str(more), str(again)]) == 0
+    per_cell = capsys.readouterr().out.split("per cell: majority verdict")[1]
+    lt6 = next(line for line in per_cell.splitlines() if re.match(r"\W*lt\W+6\W", line))
+    assert re.search(r"collapsed\s*│\s*2/3\s*│", lt6)
+
+
+def test_sweeps_of_different_settings_are_not_pooled(tmp_path, capsys):
+    first = write_sweep(tmp_path / "a", seeds=(0,))
+    other = write_sweep(tmp_path / "b", seeds=(1,))
+    spec = read_json(other / "sweep.json")
+    spec["base"]["train"]["steps"] += 1
+    write_json(other / "sweep.json", spec)
+    with pytest.raises(StorageError, match=r"train\.steps \(80 vs 81\)"):
+        pooled_summary([first, other])
+    assert main(["summary", str(first), str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be pooled" in err and "Traceback" not in err
+    assert main(["summary", str(first), str(first / CELLS / "lt_K03_seed0_lr1")]) == 2
+    assert "not a sweep folder" in capsys.readouterr().err

@@ -5,6 +5,7 @@ below are what the sweep's summary.csv, the CLI, the report, the figures and ana
 
     SUMMARY_COLUMNS   the one list of summary columns (summary.json keys, per run)
     sweep_summary     one row per finished cell (the sweep's summary.csv)
+    pooled_summary    sweep_summary of several sweeps of one setting (more seeds run later), as one table
     summary_table     one row per (lr scale, variant, loops, depth) cell of the grid, seeds aggregated
     seed_table        the same from sweep_summary's rows (finished runs only; what `summary` prints)
     results_table     summary_table as the report's text table (TABLE_COLUMNS: display name -> column)
@@ -32,6 +33,7 @@ from flt_diag.analysis.comparison import compare_cells, compare_runs, failed_tex
 from flt_diag.analysis.metrics import dense_oscillation, smoothed
 from flt_diag.analysis.storage import (COLUMNS, CELLS, ERROR, METRICS, StorageError, cell_names, is_run, is_sweep, load_config,
                       load_eval_loops, load_metrics, load_spec, load_summary, run_dirs, run_label, series)
+from flt_diag.grid_config import SWEEP_GRID_FIELDS
 from flt_diag.model.variants import VARIANTS
 
 VARIANT_ORDER = list(VARIANTS)
@@ -204,6 +206,51 @@ def sweep_summary(out: Path) -> pd.DataFrame:
             continue
         rows.append({"cell": name, **{k: s.get(k) for k in SUMMARY_COLUMNS if k != "cell"}, "depth": run_depth(d)})
     return compare_runs(pd.DataFrame(rows, columns=SUMMARY_COLUMNS + ["depth"]))
+
+
+CELL_KEY = ["variant", "loops", "depth", "seed", "lr_scale"]
+
+
+def _setting(spec: dict) -> dict:
+    """A sweep's shared config without the grid fields: what two sweeps must share to be pooled."""
+    base = spec.get("base", {})
+    return {k: ({f: x for f, x in v.items() if f not in SWEEP_GRID_FIELDS.get(k, ())} if isinstance(v, dict) else v)
+            for k, v in base.items()}
+
+
+def _differences(a: dict, b: dict, prefix: str = "") -> list[str]:
+    keys = sorted(set(a) | set(b))
+    out = []
+    for k in keys:
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += _differences(x, y, f"{prefix}{k}.")
+        elif x != y:
+            out.append(f"{prefix}{k} ({x!r} vs {y!r})")
+    return out
+
+
+def pooled_summary(paths: list[Path]) -> pd.DataFrame:
+    """sweep_summary of several sweeps of one setting as one table: e.g. more seeds of some cells, run
+    later into folders of their own. Every folder must be a sweep whose shared config equals the first's
+    (the grid fields aside; StorageError naming the fields that differ). A cell and seed finished in two
+    folders counts once (the first folder's). Rows are compared again over the pooled runs, so a run's
+    peers are the variants that any of the folders ran at its K, depth, seed and lr scale."""
+    frames, first = [], None
+    for path in map(Path, paths):
+        if not is_sweep(path):
+            raise StorageError(f"{path}: not a sweep folder (pooling takes sweep folders only)")
+        setting = _setting(load_spec(path))
+        if first is None:
+            first = (path, setting)
+        elif setting != first[1]:
+            diff = _differences(first[1], setting)
+            raise StorageError(f"{path} and {first[0]} ran different settings, so their runs cannot be pooled: "
+                               + ", ".join(diff[:5]) + (f" and {len(diff) - 5} more" if len(diff) > 5 else ""))
+        frames.append(sweep_summary(path))
+    df = pd.concat([f for f in frames if len(f)] or frames[:1], ignore_index=True)
+    df = df.drop_duplicates(subset=CELL_KEY, keep="first").reset_index(drop=True)
+    return compare_runs(df)
 
 
 def run_depth(run_dir: Path) -> int | None:

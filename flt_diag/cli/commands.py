@@ -19,6 +19,7 @@ from flt_diag.analysis import predictor_fit as FIT
 from flt_diag.analysis.figures.agreement import draw_agreement
 from flt_diag.analysis.figures import plot, save as save_figure
 from flt_diag.analysis.metrics import resummarize
+from flt_diag.analysis.results import pooled_summary
 from flt_diag.analysis.report import write_report
 from flt_diag.analysis.storage import CHECKPOINT, StorageError, atomic_write_text, is_sweep, load_summary, run_dirs, write_json
 from flt_diag.cli.output import (fit_command, print_critical_values, print_cross_validation, print_eval_loops,
@@ -111,17 +112,22 @@ def cmd_study(v: dict) -> int:
 
 
 def cmd_summary(v: dict) -> int:
-    """Print the summary table of a sweep (or the summary of one run)."""
+    """Print the summary table of a sweep (or the summary of one run; or of several sweeps pooled)."""
     overrides = {o.name: v[o.dest] for o in config_options("summary") if v.get(o.dest) is not None}
     if overrides and not v["recompute"]:
         raise UserError("verdict thresholds need --recompute")
-    path = v["path"]
+    paths = v["paths"]
     if v["recompute"]:
-        for d in run_dirs(path):
-            if load_summary(d) is not None:
-                resummarize(d, overrides)
-        if is_sweep(path):
-            write_summary(path)
+        for path in paths:
+            for d in run_dirs(path):
+                if load_summary(d) is not None:
+                    resummarize(d, overrides)
+            if is_sweep(path):
+                write_summary(path)
+    if len(paths) > 1:
+        print_sweep_table(pooled_summary(paths))
+        return 0
+    path = paths[0]
     if is_sweep(path):
         print_sweep_table(sweep_summary(path))
         return 0

@@ -138,7 +138,9 @@ OWN_OPTIONS: dict[str, list[Option]] = {
 RUN_OR_SWEEP = "A sweep folder or a run folder (also while it is running)."
 POSITIONALS: dict[str, list[Positional]] = {
     "study": [Positional("path", Path, "A study file from experiments/ (TOML).")],
-    "summary": [Positional("path", Path, "A sweep or run folder.")],
+    "summary": [Positional("paths", Path, "A sweep or run folder; or several sweep folders of one setting, "
+                                          "pooled (e.g. more seeds run later into folders of their own).",
+                           many=True)],
     "eval-loops": [Positional("path", Path, "A finished run folder or a sweep folder.")],
     "import-reference": [Positional("checkpoint", Path, "State dict (.pt) in the reference (nanochat) layout.")],
     "predict": [Positional("paths", Path, "Sweep or run folders of finished runs.", many=True)],

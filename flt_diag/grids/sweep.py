@@ -28,7 +28,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 
 from flt_diag.analysis.cells import Cell
 from flt_diag.config import RunConfig, check, validate, with_overrides
-from flt_diag.grid_config import SweepGrid
+from flt_diag.grid_config import SWEEP_GRID_FIELDS, SweepGrid
 from flt_diag.analysis.results import SUMMARY_COLUMNS, sweep_summary  # noqa: F401  (the one summary table; re-exported)
 from flt_diag.analysis.storage import (CELLS, ERROR, SWEEP_SPEC, SWEEP_SUMMARY, StorageError, atomic_path, atomic_write_text, folder_lock,
                       has_content, load_progress, load_spec as load_folder_spec, refuse_symlink, write_json)
@@ -63,9 +63,6 @@ class SweepSpec(SweepGrid):
                     base=comparable(self.base.to_dict()), cell_names=[c.name for c in self.cells()])
 
 
-# The config fields a sweep's grid sets per cell: a folder's stored base is compared without them (its
-# base is cell 0's config; earlier versions stored seed 0 and lr scale 1 there).
-SWEEP_GRID_FIELDS = {"model": ("variant", "loops"), "train": ("seed", "lr_scale")}
 
 
 def cell_config(base: RunConfig, cell: Cell, **train_overrides) -> RunConfig:
