@@ -20,10 +20,11 @@ from flt_diag.analysis.figures.agreement import draw_agreement
 from flt_diag.analysis.figures import plot, save as save_figure
 from flt_diag.analysis.metrics import resummarize
 from flt_diag.analysis.results import pooled_summary
+from flt_diag.analysis.spike_detectors import detector_sweep
 from flt_diag.analysis.report import write_report
 from flt_diag.analysis.storage import CHECKPOINT, StorageError, atomic_write_text, is_sweep, load_summary, run_dirs, write_json
 from flt_diag.cli.output import (fit_command, print_critical_values, print_cross_validation, print_eval_loops,
-                                  print_failed_cells, print_fitted, print_map_plan, print_model_line, print_online,
+                                  print_failed_cells, print_fitted, print_map_plan, print_model_line, print_online, print_detectors,
                                   print_predictions_at)
 from flt_diag.cli.console import console_progress, print_run_summary, print_sweep_table, progress_bar
 from flt_diag.cli.options import FOLDER_OPTIONS, UserError, check_values, command_options, config_options
@@ -188,6 +189,8 @@ def cmd_predict(v: dict) -> int:
             print(f"predictor {name}:")
         tables.append((_predict_online(paths, model) if v["online"] else _predict_at(paths, model, v["at"]))
                       .assign(predictor=name))
+    if v["online"]:
+        print_detectors(pd.concat([detector_sweep(path) for path in paths], ignore_index=True))
     if v["csv"] is not None:
         atomic_write_text(v["csv"], pd.concat(tables, ignore_index=True).to_csv(index=False))
     if v["figure"] is not None:

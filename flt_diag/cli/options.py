@@ -98,7 +98,9 @@ PREDICT = [
     cli_opt("--csv", Path, "Also write the per-cell table (all steps; a predictor column) here."),
     cli_opt("--figure", Path, "Also draw agreement, false alarms and misses against the step (.png/.pdf/.svg)."),
     cli_opt("--online", bool, "Instead of fixed steps, replay what --warn says over each whole run: the first "
-            "warning step (checks every 25 steps), its P and evidence, the largest P, beside the final verdict.",
+            "warning step (checks every 25 steps), its P and evidence, the largest P, beside the final verdict; "
+            "and, on the same runs, the first warnings of Lightning's SpikeDetection and llm-foundry's "
+            "KillLossSpike (their rules, default settings).",
             False)]
 
 EVAL_LOOPS = [

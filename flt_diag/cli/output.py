@@ -10,6 +10,7 @@ import pandas as pd
 
 from flt_diag.analysis.early_warning import CHECK_EVERY, agreement
 from flt_diag.analysis.predictor_fit import DEFAULT_FEATURES
+from flt_diag.analysis.spike_detectors import DETECTORS
 
 
 def print_model_line(model, n_params: int) -> None:
@@ -105,3 +106,24 @@ def fit_command(v: dict, features: list[str]) -> str:
         + (" --features " + " ".join(features) if features != DEFAULT_FEATURES else "") \
         + (f" --class-weight {v['class_weight']}" if v["class_weight"] != "balanced" else "") \
         + (" --cross-validate" if v["cross_validate"] else "")
+
+
+def print_detectors(table: pd.DataFrame) -> None:
+    """`predict --online`: the loss-spike detectors of other libraries (analysis.spike_detectors) on the
+    same runs: each one's first warning step, and how often it caught a failing run or warned on a stable one."""
+    if table.empty:
+        return
+    print("baselines on the same runs (documented rules, default settings): Lightning SpikeDetection, "
+          "llm-foundry KillLossSpike")
+
+    def said(step, kind=None) -> str:
+        return "never" if step is None or pd.isna(step) else f"step {int(step)}" + (f" ({kind})" if kind else "")
+    for r in table.itertuples():
+        print(f"{r.cell:28s} lightning {said(r.lightning):14s} kill_loss_spike "
+              f"{said(r.kill_loss_spike, r.kill_loss_spike_kind):26s} | final: {r.verdict}")
+    failing, stable = table[table.fails], table[~table.fails]
+    flt = stable[stable.variant == "flt"]
+    for k in DETECTORS:
+        print(f"{k}: warned on {int(failing[f'{k}_caught'].sum())} of {len(failing)} failing runs; false alarms on "
+              f"{int(stable[f'{k}_false_alarm'].sum())} of {len(stable)} stable runs "
+              f"({int(flt[f'{k}_false_alarm'].sum())} of {len(flt)} FLT)")
