@@ -12,6 +12,7 @@ A bad file is one `BadFile` line naming the file and the field; nothing is writt
     resume state       <run>/resume.pt               check_resume_state (training.checkpoint.restore)
     final checkpoint   <run>/checkpoint.pt           check_checkpoint  (training.evaluation)
     predictor          fit-predictor's JSON          load_predictor    (settle, the predict command)
+    fit examples       fit-predictor's --examples-out load_examples     (predictor_fit.training_examples)
     study              experiments/*.toml            load_study        (the `study` command)
     reference meta     meta_<step>.json              check_reference_meta (model.reference)
 
@@ -20,9 +21,12 @@ The generated tests (tests/test_file_loaders.py) mutate every field of each sche
 from __future__ import annotations
 
 import functools
+import io
 import re
 from dataclasses import replace
 from pathlib import Path
+
+import pandas as pd
 
 from flt_diag.analysis.predictor_names import CLASS_WEIGHTS, FEATURES, PACKAGED, TARGETS
 from flt_diag.analysis.schema import (MAX_ITEMS, BadFile, Items, Record, Scalar, Shape, Table, bad, checked, read_json,
@@ -212,6 +216,35 @@ def predictor_schema() -> Record:
                    "target": Scalar(value(str, choices=TARGETS), False),
                    "class_weight": Scalar(value(str, choices=CLASS_WEIGHTS), False),
                    "l2": Scalar(value(float, above=0), False)}, other_keys=True)
+
+
+EXAMPLE_IDENTITY = ("run", "variant", "loops", "n_layer", "n_embd", "seed", "lr_scale")
+
+
+@functools.cache
+def examples_schema() -> Items:
+    """A fit-examples table (fit-predictor --examples-out): one row per run and fitted step."""
+    model, train = {o.name: o for o in options_of(ModelConfig, "")}, {o.name: o for o in options_of(TrainConfig, "")}
+    number = Scalar(value(float, optional=True), nan=True)
+    return Items(Record({"run": Scalar(value(str)), "variant": Scalar(model["variant"]),
+                         "loops": Scalar(model["loops"]), "n_layer": Scalar(model["n_layer"]),
+                         "n_embd": Scalar(model["n_embd"]), "seed": Scalar(train["seed"]),
+                         "lr_scale": Scalar(train["lr_scale"]), "steps_done": Scalar(value(int, low=0)),
+                         "verdict": Scalar(value(str, choices=("stable", "unstable", "collapsed", "diverged"))),
+                         "climb": number, "rebound_threshold": number,
+                         "transient_rebound": Scalar(value(bool)), "step": Scalar(value(int, low=1)),
+                         **{f: number for f in FEATURES}}))
+
+
+def load_examples(path: Path) -> list[dict]:
+    """A fit-examples CSV, checked row by row (a run's identity, verdict evidence, step and features)."""
+    text = read_text(path)
+    try:
+        df = pd.read_csv(io.StringIO(text)).astype(object)
+        rows = df.where(df.notna(), None).to_dict("records")  # Python values; an empty cell is None
+    except (ValueError, pd.errors.ParserError) as e:
+        raise BadFile(f"unreadable {path}: {str(e)[:100]}") from None
+    return checked(path, examples_schema(), rows)
 
 
 def load_predictor(path=None) -> dict:

@@ -3,6 +3,7 @@ logistic regression of early_warning.py's features on the final verdicts of fini
 per step, and its leave-one-cell-out cross-validation (numpy/scipy/pandas only; no torch)."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ from scipy.optimize import minimize
 
 from flt_diag.analysis.early_warning import (COLUMNS, FEATURES, TARGETS, design, labelled_runs, label,
                                              prediction_row, run_features, sigmoid, target_text)
+from flt_diag.analysis.files import EXAMPLE_IDENTITY, load_examples
 from flt_diag.analysis.storage import load_config, load_summary
 
 DEFAULT_FEATURES = ["resid_level", "resid_growth", "loop_ratio", "grad_cv", "grad_dlog", "act_grad_decay",
@@ -63,17 +65,65 @@ def cell_identity(run_dir: Path) -> tuple:
 
 def training_examples(sources, steps, target: str = "fails") -> list[dict]:
     """Per usable run (`training_runs`): its folder, summary, label, cell identity, and its features at
-    every step of `steps` it ran past: what `fit` and `cross_validate` share (computed once)."""
+    every step of `steps` it ran past: what `fit` and `cross_validate` share (computed once). A source
+    ending in .csv is a fit-examples table (`examples_table`) instead of a folder."""
     if target not in TARGETS:
         raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
-    runs = training_runs(sources)
-    if not runs:
-        raise ValueError("no finished runs to fit on")
-    out = []
-    for d in runs:
+    tables = [Path(s) for s in sources if Path(s).suffix == ".csv"]
+    folders = [s for s in sources if Path(s).suffix != ".csv"]
+    out = [e for t in tables for e in examples_from_rows(load_examples(t), steps, target)]
+    for d in training_runs(folders):
         s = load_summary(d)
         out.append(dict(run=d, summary=s, y=label(s, target), identity=cell_identity(d),
                         feats={at: run_features(d, at) for at in steps if s.get("steps_done", 0) > at}))
+    if not out:
+        raise ValueError("no finished runs to fit on")
+    return out
+
+
+# --------------------------------------------------------------------------- fit-examples tables
+
+# A fit set as one small file: per run and fitted step, the run's identity, what labels it (its verdict and
+# the loss-climb evidence of that verdict) and the features. It refits and audits a predictor without the
+# run folders, and a run judged before a verdict change is relabelled from its evidence (relabelled()).
+EXAMPLE_COLUMNS = [*EXAMPLE_IDENTITY, "steps_done", "verdict", "climb", "rebound_threshold", "transient_rebound",
+                   "step", *FEATURES]
+
+
+def examples_table(examples: list[dict]) -> pd.DataFrame:
+    """`training_examples` as a table (EXAMPLE_COLUMNS): one row per run and step it has features at."""
+    rows = []
+    for e in examples:
+        s, evidence = e["summary"], e["summary"].get("evidence") or {}
+        run = dict(zip(EXAMPLE_IDENTITY, (str(e["run"]), *e["identity"])), steps_done=s.get("steps_done", 0),
+                   verdict=s.get("verdict"), climb=evidence.get("climb"),
+                   rebound_threshold=evidence.get("rebound_threshold"),
+                   transient_rebound=bool(evidence.get("transient_rebound")))
+        rows += [{**run, "step": at, **{f: feats.get(f) for f in FEATURES}} for at, feats in sorted(e["feats"].items())]
+    return pd.DataFrame(rows, columns=EXAMPLE_COLUMNS)
+
+
+def relabelled(row: dict) -> str:
+    """The run's verdict by the current rule: a loss climb that recovered (the evidence's transient_rebound),
+    `stable` before commit bcf10c4, is `unstable` now (docs/DESIGN.md §3)."""
+    return "unstable" if row["verdict"] == "stable" and row["transient_rebound"] else row["verdict"]
+
+
+def examples_from_rows(rows: list[dict], steps, target: str) -> list[dict]:
+    """The examples of a fit-examples table (rows as load_examples returns them), relabelled."""
+    runs: dict[str, list[dict]] = {}
+    for r in rows:
+        runs.setdefault(r["run"], []).append(r)
+    out = []
+    for run, group in runs.items():
+        r = group[0]
+        summary = dict(verdict=relabelled(r), steps_done=r["steps_done"], variant=r["variant"], loops=r["loops"],
+                       seed=r["seed"], lr_scale=r["lr_scale"],
+                       evidence=dict(climb=r["climb"], transient_rebound=r["transient_rebound"]))
+        feats = {x["step"]: {f: (math.nan if x[f] is None else x[f]) for f in FEATURES}
+                 for x in group if x["step"] in steps}
+        out.append(dict(run=Path(run), summary=summary, y=label(summary, target),
+                        identity=tuple(r[k] for k in EXAMPLE_IDENTITY[1:]), feats=feats))
     return out
 
 

@@ -222,8 +222,12 @@ def cmd_fit_predictor(v: dict) -> int:
     paths, at, l2, target, weight = v["paths"], v["at"], v["l2"], v["target"], v["class_weight"]
     features = v["features"] or FIT.DEFAULT_FEATURES  # names and duplicates checked by the option, again by fit
     for p in paths:
-        run_dirs(p)
+        if Path(p).suffix != ".csv":
+            run_dirs(p)
     examples = FIT.training_examples(paths, at, target)  # features computed once, for the fit and the CV
+    if v["examples_out"] is not None:
+        atomic_write_text(v["examples_out"], FIT.examples_table(examples).to_csv(index=False))
+        print(f"fit examples: {v['examples_out']}")
     model = FIT.fit(paths, at, l2, fit_command(v, features), target, examples, features, weight)
     if v["cross_validate"]:
         model["cross_validation"] = _cross_validate(paths, v, examples, features)

@@ -89,7 +89,10 @@ FIT_PREDICTOR = [
     cli_opt("--class-weight", str, "balanced (each class weighs half of the fit, whatever share of the runs "
             "fails) or none (each run weighs 1).", "balanced", choices=FIT.CLASS_WEIGHTS, optional=False),
     cli_opt("--cross-validate", bool, "Also report leave-one-cell-out agreement at each step (every run "
-            "predicted by a model fitted without its cell) and store it in the predictor JSON.", False)]
+            "predicted by a model fitted without its cell) and store it in the predictor JSON.", False),
+    cli_opt("--examples-out", Path, "Also write the fit set as one table (CSV: per run and step, its identity, "
+            "verdict, loss-climb evidence and features); a .csv among the paths is read back in place of "
+            "folders, its runs relabelled by the current verdict.")]
 
 PREDICT = [
     cli_opt("--at", int, "Step(s) at which to predict.", [300], many=True, low=1, optional=False),
@@ -146,8 +149,8 @@ POSITIONALS: dict[str, list[Positional]] = {
     "eval-loops": [Positional("path", Path, "A finished run folder or a sweep folder.")],
     "import-reference": [Positional("checkpoint", Path, "State dict (.pt) in the reference (nanochat) layout.")],
     "predict": [Positional("paths", Path, "Sweep or run folders of finished runs.", many=True)],
-    "fit-predictor": [Positional("paths", Path, "Sweep or run folders of finished runs (the training set).",
-                                 many=True)],
+    "fit-predictor": [Positional("paths", Path, "Sweep or run folders of finished runs, or fit-examples tables "
+                                 "(.csv, from --examples-out): the training set.", many=True)],
     "report": [Positional("path", Path, "A sweep or map folder.")],
     "plot": [Positional("path", Path, RUN_OR_SWEEP)],
 }
