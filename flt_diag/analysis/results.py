@@ -238,6 +238,8 @@ def pooled_summary(paths: list[Path]) -> pd.DataFrame:
     peers are the variants that any of the folders ran at its K, depth, seed and lr scale."""
     frames, first = [], None
     for path in map(Path, paths):
+        if not path.exists():
+            raise StorageError(f"no such folder: {path}")
         if not is_sweep(path):
             raise StorageError(f"{path}: not a sweep folder (pooling takes sweep folders only)")
         setting = _setting(load_spec(path))
