@@ -242,3 +242,23 @@ def test_sweeps_of_different_settings_are_not_pooled(tmp_path, capsys):
     assert "cannot be pooled" in err and "Traceback" not in err
     assert main(["summary", str(first), str(first / CELLS / "lt_K03_seed0_lr1")]) == 2
     assert "not a sweep folder" in capsys.readouterr().err
+
+
+def test_the_failure_rate_script_counts_failed_seeds_with_an_exact_interval(tmp_path, capsys):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("failure_rates", Path(__file__).parents[1] / "analysis" / "failure_rates.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    first, more = write_sweep(tmp_path / "s0", seeds=(0,)), write_sweep(tmp_path / "s12", seeds=(1, 2))
+    table = script.failure_rates(pooled_summary([first, more])).set_index(["variant", "K"])
+    for (variant, loops), (k, n) in FAILED.items():
+        row = table.loc[(variant, loops)]
+        assert row.failed == f"{k}/{n}"
+        # Clopper-Pearson by hand: the bounds solve P(X >= k | p_lo) = 0.025 and P(X <= k | p_hi) = 0.025
+        tail_hi = sum(math.comb(n, i) * row.ci_high ** i * (1 - row.ci_high) ** (n - i) for i in range(k + 1))
+        assert row.ci_high == 1.0 if k == n else tail_hi == pytest.approx(0.025, abs=1e-6)
+        tail_lo = sum(math.comb(n, i) * row.ci_low ** i * (1 - row.ci_low) ** (n - i) for i in range(k, n + 1))
+        assert row.ci_low == 0.0 if k == 0 else tail_lo == pytest.approx(0.025, abs=1e-6)
+    assert table.loc[("lt", 6)].verdicts == "0:C 1:C 2:s"
+    assert script.main([str(first), str(more)]) == 0
+    assert "| lt, K=6 | 0-2 | 2/3 |" in capsys.readouterr().out
