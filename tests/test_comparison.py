@@ -262,3 +262,16 @@ def test_the_failure_rate_script_counts_failed_seeds_with_an_exact_interval(tmp_
     assert table.loc[("lt", 6)].verdicts == "0:C 1:C 2:s"
     assert script.main([str(first), str(more)]) == 0
     assert "| lt, K=6 | 0-2 | 2/3 |" in capsys.readouterr().out
+
+
+def test_the_collapse_grid_and_report_of_pooled_sweeps_count_every_folders_seeds(tmp_path, capsys):
+    first, more = write_sweep(tmp_path / "s0", seeds=(0,)), write_sweep(tmp_path / "s12", seeds=(1, 2))
+    cells = P.figure_data("collapse", [first, more]).set_index(["variant", "loops"])
+    for (variant, loops), (k, n) in FAILED.items():
+        assert (cells.loc[(variant, loops)].failed, cells.loc[(variant, loops)].finished) == (k, n)
+    assert main(["plot", "collapse", str(first), str(more), "--out", str(tmp_path / "fig")]) == 0
+    assert (tmp_path / "fig" / "collapse.png").exists()
+    assert main(["report", str(first), str(more), "--out", str(tmp_path / "r.html")]) == 0
+    assert "2/3" in (tmp_path / "r.html").read_text()
+    assert main(["plot", "collapse", str(first), str(first / CELLS / "lt_K03_seed0_lr1")]) == 2
+    assert "not a sweep folder" in capsys.readouterr().err

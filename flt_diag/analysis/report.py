@@ -112,10 +112,11 @@ def render_html(study: Study, figures: dict, skipped: dict[str, str]) -> str:
 
 
 def write_report(sweep_path, out=None) -> Path:
-    """Write the HTML report of a sweep (or a run folder); default <sweep>/report.html."""
+    """Write the HTML report of a sweep (or a run folder, or several sweeps of one setting pooled: a list);
+    default <sweep>/report.html (of the first sweep)."""
     study = collect(sweep_path)
     figures, skipped = render(study)
-    return write_html(study, figures, skipped, Path(out) if out is not None else Path(sweep_path) / REPORT)
+    return write_html(study, figures, skipped, Path(out) if out is not None else study.path / REPORT)
 
 
 def write_html(study: Study, figures: dict, skipped: dict[str, str], out: Path) -> Path:

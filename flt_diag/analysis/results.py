@@ -141,9 +141,15 @@ def _has_metrics(run_dir: Path) -> bool:
 
 def collect(path, metrics: list[str] | None = None) -> Study:
     """Load every run of a sweep, or a single run folder. `metrics` keeps only those names (None: all;
-    an empty list reads no metrics at all, for tables of summaries).
+    an empty list reads no metrics at all, for tables of summaries). A list of several sweep folders of
+    one setting is pooled (`check_poolable`): a cell and seed run in two of them counts once, the first
+    folder's; the study's path and spec are the first folder's.
 
     Raises StorageError for a path that is neither, or one with no metrics recorded yet."""
+    if isinstance(path, (list, tuple)):
+        if len(path) > 1:
+            return _pooled_study([Path(p) for p in path], metrics)
+        path = path[0]
     path = Path(path)
     dirs = run_dirs(path)
     if not dirs:
@@ -158,6 +164,17 @@ def collect(path, metrics: list[str] | None = None) -> Study:
                         load_config(d), load_summary(d), table, load_eval_loops(d)))
     spec = load_spec(path) if is_sweep(path) else None
     return Study(path, sorted(runs, key=Run.sort_key), spec)
+
+
+def _pooled_study(paths: list[Path], metrics) -> Study:
+    check_poolable(paths)
+    seen, runs = set(), []
+    for path in paths:
+        for run in collect(path, metrics).runs:
+            if (key := (run.variant, run.loops, run.depth, run.seed, run.lr_scale)) not in seen:
+                seen.add(key)
+                runs.append(run)
+    return Study(paths[0], sorted(runs, key=Run.sort_key), load_spec(paths[0]))
 
 
 def concat(frames: list[pd.DataFrame], columns: list[str]) -> pd.DataFrame:
@@ -230,13 +247,10 @@ def _differences(a: dict, b: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def pooled_summary(paths: list[Path]) -> pd.DataFrame:
-    """sweep_summary of several sweeps of one setting as one table: e.g. more seeds of some cells, run
-    later into folders of their own. Every folder must be a sweep whose shared config equals the first's
-    (the grid fields aside; StorageError naming the fields that differ). A cell and seed finished in two
-    folders counts once (the first folder's). Rows are compared again over the pooled runs, so a run's
-    peers are the variants that any of the folders ran at its K, depth, seed and lr scale."""
-    frames, first = [], None
+def check_poolable(paths) -> None:
+    """Several folders can be pooled (as more seeds of one experiment) when every one is a sweep whose
+    shared config equals the first's, the grid fields aside; else StorageError naming what differs."""
+    first = None
     for path in map(Path, paths):
         if not path.exists():
             raise StorageError(f"no such folder: {path}")
@@ -249,7 +263,15 @@ def pooled_summary(paths: list[Path]) -> pd.DataFrame:
             diff = _differences(first[1], setting)
             raise StorageError(f"{path} and {first[0]} ran different settings, so their runs cannot be pooled: "
                                + ", ".join(diff[:5]) + (f" and {len(diff) - 5} more" if len(diff) > 5 else ""))
-        frames.append(sweep_summary(path))
+
+
+def pooled_summary(paths: list[Path]) -> pd.DataFrame:
+    """sweep_summary of several sweeps of one setting as one table: e.g. more seeds of some cells, run
+    later into folders of their own (`check_poolable`). A cell and seed finished in two folders counts
+    once (the first folder's). Rows are compared again over the pooled runs, so a run's peers are the
+    variants that any of the folders ran at its K, depth, seed and lr scale."""
+    check_poolable(paths)
+    frames = [sweep_summary(Path(path)) for path in paths]
     df = pd.concat([f for f in frames if len(f)] or frames[:1], ignore_index=True)
     df = df.drop_duplicates(subset=CELL_KEY, keep="first").reset_index(drop=True)
     return compare_runs(df)

@@ -258,14 +258,14 @@ def cmd_variants(v: dict) -> int:
 
 def cmd_plot(v: dict) -> int:
     """Figures from run, sweep or map folders (PNG and PDF)."""
-    for p in plot(v["figure"], v["path"], v["out"], tuple(v["format"])):
+    for p in plot(v["figure"], v["paths"], v["out"], tuple(v["format"])):
         print(p)
     return 0
 
 
 def cmd_report(v: dict) -> int:
     """One self-contained HTML report: table, every figure, spec and environment."""
-    print(write_report(v["path"], v["out"]))
+    print(write_report(v["paths"], v["out"]))
     return 0
 
 

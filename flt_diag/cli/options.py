@@ -121,7 +121,7 @@ IMPORT_REFERENCE = [
     cli_opt("--heads", int, "Attention heads (if no meta json).", low=1),
     cli_opt("--vocab-size", int, "True (unpadded) vocabulary size.", low=1)]
 
-PLOT = [cli_opt("--out", Path, "Folder for the figures [default: <path>/figures]."),
+PLOT = [cli_opt("--out", Path, "Folder for the figures [default: <path>/figures, of the first path]."),
         cli_opt("--format", str, "Formats.", ["png", "pdf"], many=True, choices=("png", "pdf", "svg"), optional=False)]
 
 OWN_OPTIONS: dict[str, list[Option]] = {
@@ -151,8 +151,10 @@ POSITIONALS: dict[str, list[Positional]] = {
     "predict": [Positional("paths", Path, "Sweep or run folders of finished runs.", many=True)],
     "fit-predictor": [Positional("paths", Path, "Sweep or run folders of finished runs, or fit-examples tables "
                                  "(.csv, from --examples-out): the training set.", many=True)],
-    "report": [Positional("path", Path, "A sweep or map folder.")],
-    "plot": [Positional("path", Path, RUN_OR_SWEEP)],
+    "report": [Positional("paths", Path, "A sweep or map folder; or several sweep folders of one setting, pooled.",
+                          many=True)],
+    "plot": [Positional("paths", Path, RUN_OR_SWEEP + " Several sweep folders of one setting are pooled (more "
+                        "seeds run later into folders of their own).", many=True)],
 }
 
 

@@ -134,7 +134,8 @@ def plot(name: str, path, out_dir=None, formats=("png", "pdf")) -> Written:
     figures, skipped = render(study, names)
     if names and skipped:
         raise StorageError(skipped[name])
-    out = Path(out_dir) if out_dir is not None else Path(path) / "figures"
+    first = path[0] if isinstance(path, (list, tuple)) else path  # several sweeps: pooled (results.collect)
+    out = Path(out_dir) if out_dir is not None else Path(first) / "figures"
     out.mkdir(parents=True, exist_ok=True)
     written = Written()
     written.skipped.update(skipped)
