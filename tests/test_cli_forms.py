@@ -74,7 +74,7 @@ def test_double_dash_ends_the_options():
     _, values, _ = parse(["predict", "--at", "100", "200", "--", "-odd", "runs"])
     assert values["at"] == [100, 200] and values["paths"] == [Path("-odd"), Path("runs")]
     _, values, _ = parse(["summary", "--", "--recompute"])
-    assert values["path"] == Path("--recompute") and values["recompute"] is False
+    assert values["paths"] == [Path("--recompute")] and values["recompute"] is False
 
 
 @pytest.mark.parametrize("args, words", [

@@ -156,3 +156,11 @@ def test_report_and_regenerate_show_the_map(tmp_path):
     assert "Stability map: critical values" in html and 'id="map"' in html
     table = (tmp_path / "out" / "map_table.md").read_text()
     assert "training at K=6 (lr scale)" in table and "| lt |" in table
+
+
+@pytest.mark.parametrize("bad", [dict(variants=["zz"]), dict(loops=[0]), dict(axis="width"), dict(grid=[2.0, 1.0]),
+                                 dict(criteria=["nonsense"]), dict(seeds=[]), dict(grid=[1.0, 1.0])])
+def test_a_bad_map_spec_is_refused_when_made(bad):
+    args = dict(variants=["lt"], loops=[2], seeds=[0], axis="lr", grid=[0.5, 1.0], criteria=["training"]) | bad
+    with pytest.raises(ValueError):
+        MapSpec(tiny_config(), **args)

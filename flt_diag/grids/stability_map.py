@@ -28,6 +28,7 @@ import multiprocessing as mp
 import os
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -42,6 +43,7 @@ from flt_diag.grids.sweep import die_with_parent, only, prepare_spec_folder, run
 from flt_diag.settle import comparable
 
 
+@dataclass
 class MapSpec(MapLinesGrid, MapLines):
     """What a map searches (its fields: flt_diag.grid_config.MapLinesGrid): lines (variants x loops x
     seeds), one axis and its grid, the criteria. `base` is the RunConfig of line 0 (the axis field and

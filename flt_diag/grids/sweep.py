@@ -21,6 +21,7 @@ import sys
 import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -36,6 +37,7 @@ from flt_diag.settle import comparable
 
 
 
+@dataclass
 class SweepSpec(SweepGrid):
     """The grid of a sweep (its fields: flt_diag.grid_config.SweepGrid) and the config its cells share.
 
