@@ -238,5 +238,10 @@ def test_the_estimate_extrapolates_the_work_done_weighted_by_loops_and_depth(mon
     m = SweepMonitor(Path("/nonexistent"), cells, 100, enabled=False)
     printed = []
     m.bar = type("Bar", (), {"console": type("C", (), {"print": lambda self, s, **k: printed.append(s)})()})()
-    m._estimate(work=200, elapsed=60.0)  # the first cell (200 units) in 60 s: 2,000 units take 600 s
-    assert printed == ["  estimate from the first 60 s: the whole sweep takes about 10 min, 9 min from now"]
+    m._estimate(work=20, elapsed=30.0)  # the first progress, after 30 s of start-up and compilation
+    m._estimate(work=200, elapsed=80.0)  # 180 units in 50 s: not yet estimate_after (60 s) of training
+    assert printed == []
+    m._estimate(work=620, elapsed=90.0)  # 600 units in 60 s: 10 units/s, 1,980 more units after the first 30 s
+    assert printed == ["  estimate from 60 s of training: the whole sweep takes about 4 min, 2 min from now"]
+    m._estimate(work=800, elapsed=120.0)
+    assert len(printed) == 1  # once
