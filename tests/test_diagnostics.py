@@ -339,17 +339,20 @@ def test_run_folder_contents(tmp_path):
 def test_tiny_preset_contrast(tmp_path, variant, expected):
     """The headline phenomenon (minutes): 12-loop LT collapses on tiny, FLT does not.
 
-    Seed 1: with the reference's momentum warm-up, seed 0's LT climbs 0.34 nats and recovers to 2.25
-    (verdict stable) under BatchedMuon, while seeds 1 and 2 collapse (README, 12-loop contrast)."""
-    cfg = tiny_config(variant=variant, loops=12, steps=800, eval_every=0, seed=1)
+    Seed 1, 2,000 steps (the default run length): 12-loop LT fails in 8 of 8 seeds there (docs/results.md).
+    At 800 steps seed 1 was borderline on one CPU: on an AVX-512 Xeon its LT climbed 0.27 nats (threshold
+    0.25) and recovered, residual peak 605 < 800, where an AVX2 EPYC saw a collapse; at 2,000 steps both
+    machines see it collapse with every margin below holding by 2x or more."""
+    cfg = tiny_config(variant=variant, loops=12, steps=2000, eval_every=0, seed=1)
     s = train(cfg, tmp_path / variant)
     assert s["verdict"] == expected
     assert s["residual_explosion"] == (variant == "lt")
-    # 800 fp32 steps amplify rounding differences between CPUs, so a verdict that only scraped past
+    # Long fp32 runs amplify rounding differences between CPUs, so a verdict that only scraped past
     # a threshold could flip on another machine: require each criterion it rests on to hold by a
-    # factor of 2 (by 0.5 nats below the unigram entropy). Measured on an AMD EPYC (seed 1): lt climb
-    # 0.83 vs 0.25, rebound 0.79 vs 0.12, peak residual 4,048 vs 800; flt climb 0.05, best smoothed
-    # loss 1.53 vs unigram entropy 3.25, peak residual 113, gradient-norm CV 0.34 vs 3 ("unstable").
+    # factor of 2 (by 0.5 nats below the unigram entropy). Measured on an AVX-512 Xeon (seed 1, 2,000
+    # steps, `flt-diag run-ablation --variants lt flt --loops 12 --seeds 1`): lt climb 0.94 vs 0.25,
+    # rebound 0.65 vs 0.12, peak residual 14,184 vs 800; flt climb 0.07, best smoothed loss 1.37 vs
+    # unigram entropy 3.25, peak residual 477, gradient-norm CV 0.31 vs 3 ("unstable").
     ev, peak, limit = s["evidence"], s["peak_resid_norm"], s["explosion_threshold"]
     if variant == "lt":
         assert ev["climb"] > 2 * ev["rebound_threshold"] and ev["rebound"] > 2 * ev["recovery_tolerance"], ev
@@ -358,7 +361,9 @@ def test_tiny_preset_contrast(tmp_path, variant, expected):
         assert ev["climb"] < ev["rebound_threshold"] / 2, ev
         assert ev["min_smoothed_loss"] < ev["unigram_entropy"] - 0.5, ev
         assert s["osc_cv"] < cfg.verdict.osc_cv_threshold / 2, s["osc_cv"]
-        assert peak < limit / 2, (peak, limit)
+        # FLT's stream grows to 369-496 over 2,000 steps at K=12 (8 seeds, and 416-437 at K=3..12, seed 0):
+        # bounded, but not within 2x of the 800 threshold; 1.5x keeps the margin such a run has on any CPU
+        assert peak < limit / 1.5, (peak, limit)
 
 
 def test_callback_with_a_parameter_without_gradient():
