@@ -9,11 +9,17 @@ from flt_diag.analysis.storage import StorageError, is_sweep, load_spec
 from flt_diag.grid_config import SWEEP_GRID_FIELDS
 
 
+def without_grid_fields(base, grid_fields: dict):
+    """A spec's base config without the fields its grid sets per cell (`grid_fields`: section -> names)."""
+    if not isinstance(base, dict):
+        return base
+    return {k: ({f: x for f, x in v.items() if f not in grid_fields.get(k, ())} if isinstance(v, dict) else v)
+            for k, v in base.items()}
+
+
 def _setting(spec: dict) -> dict:
     """A sweep's shared config without the grid fields: what two sweeps must share to be pooled."""
-    base = spec.get("base", {})
-    return {k: ({f: x for f, x in v.items() if f not in SWEEP_GRID_FIELDS.get(k, ())} if isinstance(v, dict) else v)
-            for k, v in base.items()}
+    return without_grid_fields(spec.get("base", {}), SWEEP_GRID_FIELDS)
 
 
 def _differences(a: dict, b: dict, prefix: str = "") -> list[str]:

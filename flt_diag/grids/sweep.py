@@ -28,6 +28,7 @@ import pandas as pd
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from flt_diag.analysis.cells import Cell
+from flt_diag.analysis.pooling import without_grid_fields
 from flt_diag.config import RunConfig, check, validate, with_overrides
 from flt_diag.grid_config import SWEEP_GRID_FIELDS, SweepGrid
 from flt_diag.analysis.results import SUMMARY_COLUMNS, sweep_summary  # noqa: F401  (the one summary table; re-exported)
@@ -81,13 +82,6 @@ def prepare_folder(spec: SweepSpec, out: Path) -> None:
     prepare_spec_folder(Path(out), spec.to_dict(), "sweep", SWEEP_GRID_FIELDS)
 
 
-def _without(base, grid_fields: dict):
-    if not isinstance(base, dict):
-        return base
-    return {k: ({f: x for f, x in v.items() if f not in grid_fields.get(k, ())} if isinstance(v, dict) else v)
-            for k, v in base.items()}
-
-
 def prepare_spec_folder(out: Path, new: dict, what: str, grid_fields: dict) -> None:
     """Create a sweep or map folder holding spec `new` (sweep.json), or check that an existing one
     holds the same spec (`what` names it in the messages; the bases are compared without the
@@ -96,7 +90,7 @@ def prepare_spec_folder(out: Path, new: dict, what: str, grid_fields: dict) -> N
         old = load_folder_spec(out)  # checked: a damaged spec is one line, never compared field by field
 
         def same(k):
-            return _without(old.get(k), grid_fields) == _without(new[k], grid_fields) if k == "base" \
+            return without_grid_fields(old.get(k), grid_fields) == without_grid_fields(new[k], grid_fields) if k == "base" \
                 else old.get(k) == new[k]
         if not all(same(k) for k in new):
             keys = [k for k in new if not same(k)]
