@@ -195,3 +195,19 @@ def test_breakdown_mode_splits_each_step_and_measures_its_floor_against_the_peak
         floor_ms = 1e3 * bench.train_flops(cfg, batch_size=4, loops=r["loops"])["total"] / res["peak"]["peak"]
         assert r["floor_ms"] == pytest.approx(floor_ms) and r["pct_of_peak"] == pytest.approx(100 * floor_ms / r["step_ms"])
         assert r["matmul_ms"] > 0 and r["forward_ms"] > 0 and r["step_ms"] > r["forward_ms"]
+        assert r["kernel_ceiling_pct"] == pytest.approx(100 * floor_ms / (r["matmul_ms"] + r["attention_ms"]))
+        assert r["kernel_ceiling_pct"] > r["pct_of_peak"]  # the kernels are part of the step
+
+
+def test_attention_micro_benchmark_times_each_form_against_the_peak(one_thread):
+    """benchmarks/attention_cpu.py at a toy shape: every form agrees with SDPA (checked inside) and
+    its share of the peak is its FLOPs (6 B T^2 d, the causal half) over its time."""
+    spec = importlib.util.spec_from_file_location("flt_attention_cpu", BENCH.parent / "attention_cpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = mod.measure(B=2, H=2, T=8, D=4, rounds=2, calls=2, compile=False)
+    assert [r["form"] for r in rows] == ["sdpa (the model's)", "sdpa, math backend", "explicit, eager"]
+    for r in rows:
+        flops = 6 * 2 * 8 * 8 * (2 * 4)
+        assert r["pct_of_peak"] == pytest.approx(100 * flops / (r["ms"] / 1e3) / (r["peak_gflops"] * 1e9))
+        assert r["ms"] > 0

@@ -109,7 +109,8 @@ def test_only_armed_forwards_record_and_hooks_are_removed():
         assert len(rec.rows) == n
     model(IDX)
     assert len(rec.rows) == n
-    modules = [model, model.loop_end, *model.blocks, *(b.attn for b in model.blocks)]
+    modules = [model, model.loop_end, *model.blocks, *(b.attn for b in model.blocks),
+               *(b.after_attn for b in model.blocks)]
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in modules)
 
 
@@ -142,6 +143,16 @@ def test_attention_statistics_against_manual_softmax():
     ent_atol = 2 * math.log(T) * score_atol + ((H_max + 1) * (2 * math.sqrt(D) + T + 3) + H_max * (T + B * H * T)) * U32
     assert mx[(1, 1)] == pytest.approx(s.max().item(), rel=0, abs=score_atol)
     assert ent[(1, 1)] == pytest.approx((-(p * p.clamp_min(1e-30).log()).sum(-1)).mean().item(), rel=0, abs=ent_atol)
+    # loop 2, block 1 of FLT: queries from norm(h(1)), keys from norm(E) (attention injection)
+    from equations import forward
+    stream = []
+    forward(model, IDX, "flt", 2, record=stream)
+    h1 = rms([x for t, layer, x in stream if t == 1 and layer is None][0])
+    q2 = rms(rotary((rms(h1) @ W.q.weight.T).view(B, T, H, D)))
+    s2 = torch.einsum("bthd,bshd->bhts", q2, k) / math.sqrt(D)
+    s2 = s2.masked_fill(~torch.tril(torch.ones(T, T, dtype=torch.bool)), float("-inf"))
+    assert mx[(2, 1)] == pytest.approx(s2.max().item(), rel=0, abs=score_atol)
+    assert abs(s2.max().item() - s.max().item()) > 10 * score_atol  # the query source matters here
 
 
 def test_cosine_and_sign_flips_on_hand_made_gradients():

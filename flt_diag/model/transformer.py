@@ -9,7 +9,8 @@ and which blocks take their attention query from h(t-1) ("attention injection").
 
 The model has no diagnostic code. It exposes hook points that diagnostics attach to
 from outside (flt_diag.training.diagnostics):
-  * every block's forward output is the residual stream after that block;
+  * every block's forward output is the residual stream after that block, and
+    `block.after_attn` (an identity) sees the stream after its attention add;
   * `model.loop_end` (an identity) sees the residual stream at the end of each loop;
   * `Attention.query_key(q_src, kv_src)` recomputes the (rotated, normed) q and k.
 A block reused K times fires K times per forward; listeners key by (loop, layer).
@@ -48,6 +49,8 @@ class _RMSNorm(torch.autograd.Function):
 
 def norm(x: torch.Tensor) -> torch.Tensor:
     """RMSNorm over the last dim, no learnable weight (eps = machine epsilon of x's dtype)."""
+    if torch.compiler.is_compiling():  # written out, so the compiler fuses it with its neighbours
+        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + torch.finfo(x.dtype).eps)
     if x.device.type == "cpu" and x.dtype == torch.float32:
         return _RMSNorm.apply(x)
     return F.rms_norm(x, (x.size(-1),))
@@ -101,17 +104,26 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm block. With `query` given, attention takes its Q from norm(query)."""
+    """Pre-norm block in two residual halves: x + attn(norm(x)), then x + mlp(norm(x)). With `query`
+    given, attention takes its Q from norm(query). Each half is one unit for torch.compile
+    (flt_diag.training.parallel.compile_blocks); `after_attn`, an identity between them, is the hook
+    point for the stream after the attention add (its gradient is the attention output's gradient)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.attn = Attention(cfg)
         self.mlp = MLP(cfg)
+        self.after_attn = nn.Identity()
+
+    def attend(self, x, cos, sin, query=None):
+        z = norm(x)
+        return x + self.attn(z if query is None else norm(query), z, cos, sin)
+
+    def feed(self, x):
+        return x + self.mlp(norm(x))
 
     def forward(self, x, cos, sin, query=None):
-        z = norm(x)
-        x = x + self.attn(z if query is None else norm(query), z, cos, sin)
-        return x + self.mlp(norm(x))
+        return self.feed(self.after_attn(self.attend(x, cos, sin, query)))
 
 
 class LoopedTransformer(nn.Module):

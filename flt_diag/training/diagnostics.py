@@ -20,7 +20,7 @@ import torch
 from flt_diag.analysis import metric_names as M
 from flt_diag.training.callbacks import Callback
 from flt_diag.config import DiagnosticsConfig
-from flt_diag.model.transformer import LoopedTransformer, parameter_groups
+from flt_diag.model.transformer import LoopedTransformer, norm, parameter_groups
 
 
 def should_record(step: int, cfg: DiagnosticsConfig) -> bool:
@@ -60,11 +60,11 @@ class LoopHooks:
         self.handles.append(m.loop_end.register_forward_hook(self._loop_end))
         for i, block in enumerate(m.blocks):
             self.handles.append(block.register_forward_hook(self._block_hook(i + 1)))
-            if self.act_grads:  # the reference's per-loop attention / MLP output gradients
-                self.handles.append(block.attn.register_forward_hook(self._output_grad_hook(M.ACT_GRAD_NORM_ATTN, i + 1)))
-                self.handles.append(block.mlp.register_forward_hook(self._output_grad_hook(M.ACT_GRAD_NORM_MLP, i + 1)))
+            if self.act_grads:  # the reference's per-loop attention output gradient, read where it is added
+                self.handles.append(block.after_attn.register_forward_hook(
+                    self._output_grad_hook((M.ACT_GRAD_NORM_ATTN,), i + 1)))
             if self.attention:
-                self.handles.append(block.attn.register_forward_hook(self._attn_hook(i + 1)))
+                self.handles.append(block.register_forward_hook(self._attn_hook(i + 1)))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -86,7 +86,9 @@ class LoopHooks:
             self.loop += 1
 
     def _block_hook(self, layer: int):
-        record_grad = self._output_grad_hook(M.ACT_GRAD_NORM, layer)
+        # The block's output is x + a + m (a, m: attention and MLP outputs), so d(loss)/d(output) is also
+        # d(loss)/d(m): one norm, recorded under both names.
+        record_grad = self._output_grad_hook((M.ACT_GRAD_NORM, M.ACT_GRAD_NORM_MLP), layer)
 
         def hook(module, args, output):
             if not self._active:
@@ -96,8 +98,13 @@ class LoopHooks:
                 record_grad(module, args, output)
         return hook
 
-    def _output_grad_hook(self, metric: str, layer: int):
-        """Forward hook that records ||d(loss)/d(output)|| under (loop, layer) during backward."""
+    def _output_grad_hook(self, metrics: tuple[str, ...], layer: int):
+        """Forward hook that records ||d(loss)/d(output)|| under (loop, layer) during backward, under each
+        name of `metrics`.
+
+        Read on the residual stream, outside the compiled halves of a block: the stream after the
+        attention add, h = x + a, has d(loss)/d(h) = d(loss)/d(a) exactly (an add passes its gradient
+        through unchanged), and likewise the block output for the MLP output."""
         def hook(module, args, output):
             if not self._active or not output.requires_grad:
                 return
@@ -105,17 +112,23 @@ class LoopHooks:
 
             def record(g):
                 norm = torch.linalg.vector_norm(g.detach())
-                self.log(metric, norm if scale == 1 else norm * scale, loop, layer)  # (x 1 would be a kernel launch)
+                norm = norm if scale == 1 else norm * scale  # (x 1 would be a kernel launch)
+                for metric in metrics:
+                    self.log(metric, norm, loop, layer)
             output.register_hook(record)
         return hook
 
     def _attn_hook(self, layer: int):
+        """Forward hook on a block: recomputes its attention scores from the block's inputs."""
         def hook(module, args, output):
             if not self._active:
                 return
-            q_src, kv_src, cos, sin = args
+            x, cos, sin, *rest = args
+            query = rest[0] if rest else None
             with torch.no_grad():
-                q, k = module.query_key(q_src, kv_src, cos, sin)  # (B, T, H, D)
+                kv_src = norm(x)
+                q_src = kv_src if query is None else norm(query)
+                q, k = module.attn.query_key(q_src, kv_src, cos, sin)  # (B, T, H, D)
                 scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) / math.sqrt(q.shape[-1])
                 T = scores.shape[-1]
                 causal = torch.ones(T, T, dtype=torch.bool, device=scores.device).tril()

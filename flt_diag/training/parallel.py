@@ -1,18 +1,18 @@
 """Cross-cutting concerns applied to a built model from outside: compilation, precision.
 
-`compile_blocks` compiles each block's attention and MLP forward, not the whole model: the loop
-over K stays in Python (cheap calls at GPU scale), and module hooks - which run around `forward`,
-outside the compiled region - keep firing once per (loop, layer) on the blocks, their attention and
-their MLP, so diagnostics work unchanged under torch.compile. (Compiling the whole block would
-put the attention/MLP output hooks inside the compiled region, where each one is a graph break.)
+`compile_blocks` compiles the two residual halves of each block (norms, attention or MLP, and the
+residual add: every elementwise op of a block fuses with its neighbours), not the whole model: the
+loop over K stays in Python (cheap calls at GPU scale), and every diagnostic hook - on the block, on
+`block.after_attn` between the halves, on `model.loop_end` - runs outside the compiled region and
+keeps firing once per (loop, layer), so diagnostics work unchanged under torch.compile.
 DDP is applied by the Trainer when launched with torchrun (WORLD_SIZE > 1).
 
 When to compile (`compile_wanted`, the `--compile` default): always on CUDA; on a CPU only for runs
 of at least COMPILE_MIN_STEPS_CPU steps, because compiling costs seconds before the first step and
 saves milliseconds on each (measured on the tiny preset, one thread, 2-core Intel Xeon with
-AVX-512, peak 163 GFLOP/s: 4-10 s of compilation - warm or cold inductor cache - against 15-20 % of
-a step: 85 -> 71 ms at K=3, 194 -> 161 ms at K=12; it pays after ~100-700 steps). A CPU without a
-C++ compiler (inductor's CPU backend needs one) trains eagerly.
+AVX-512, 2026-12-01: 4 s of compilation with a warm inductor cache, 30 s cold, against 7-30 % of a
+step: 68 -> 47 ms at K=3, 226 -> 203 ms at K=12; it pays after ~200-800 steps; benchmarks/README.md).
+A CPU without a C++ compiler (inductor's CPU backend needs one) trains eagerly.
 """
 from __future__ import annotations
 
@@ -40,17 +40,18 @@ def compile_wanted(option: bool | None, device_type: str, steps: int) -> bool:
 
 
 def compile_blocks(model: LoopedTransformer, **compile_kwargs) -> LoopedTransformer:
-    """Compile every block's attention and MLP forward. Each module instance (and grad mode: training
-    and evaluation) is one entry of its code object's cache, so a deep model needs more entries than
-    dynamo's default allows; the limits are raised so that no block silently falls back to eager."""
+    """Compile both residual halves of every block (`attend`: norms, attention, residual add; `feed`:
+    norm, MLP, residual add). Each block instance, query or none, and grad mode (training, evaluation)
+    is one entry of its code object's cache, so a deep model needs more entries than dynamo's default
+    allows; the limits are raised so that no block silently falls back to eager."""
     import torch._dynamo  # 2.2 s of imports (-X importtime) on top of torch's: only when compiling
-    need = 4 * len(model.blocks) + 8
+    need = 8 * len(model.blocks) + 8
     for name in ("cache_size_limit", "recompile_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), need))
     for block in model.blocks:
-        for part in (block.attn, block.mlp):
-            part.forward = torch.compile(part.forward, **compile_kwargs)
+        block.attend = torch.compile(block.attend, **compile_kwargs)
+        block.feed = torch.compile(block.feed, **compile_kwargs)
     return model
 
 
