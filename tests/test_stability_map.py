@@ -40,6 +40,32 @@ def test_bisection_finds_the_first_breaking_index_in_log_probes(threshold_index)
     assert len(calls) == len(set(calls)) <= math.ceil(math.log2(n + 1))  # no probe twice, ~log2 probes
 
 
+def test_probing_both_ends_finds_a_low_end_failure_that_bisection_misses():
+    """The 12-loop LT on the depth axis: breaks at the lowest value, holds in the middle, breaks again
+    higher up. Bisection starts in the middle and never looks below it; with probe_ends the line is
+    reported as non-monotone."""
+    n = 9
+    breaks = lambda i: i == 0 or i >= 6  # noqa: E731
+    plain, ends = [], []
+    r = search(n, lambda i: plain.append(i) or breaks(i))
+    assert 0 not in plain and r["monotone"] and (r["a"], r["b"]) == (5, 6)
+    r = search(n, lambda i: ends.append(i) or breaks(i), probe_ends=True)
+    assert ends[:2] == [0, n - 1] and len(ends) == len(set(ends))
+    assert not r["monotone"]
+
+
+@pytest.mark.parametrize("threshold_index", [-1, 0, 3, 7, 15])
+def test_probing_both_ends_keeps_a_monotone_boundary_and_never_probes_twice(threshold_index):
+    n, calls = 16, []
+    r = search(n, lambda i: calls.append(i) or i > threshold_index, probe_ends=True)
+    assert (r["a"], r["b"]) == (threshold_index, threshold_index + 1) and r["monotone"]
+    assert len(calls) == len(set(calls)) <= math.ceil(math.log2(n + 1)) + 2
+    known = {0: False, n - 1: True}  # ends already finished (a resumed map): not probed again
+    calls.clear()
+    search(n, lambda i: calls.append(i) or i > 7, known=known, probe_ends=True)
+    assert 0 not in calls and n - 1 not in calls
+
+
 def test_bracket_reports_non_monotone_outcomes():
     assert bracket({0: False, 3: True, 5: False}, 8) == (0, 3, False)
     assert bracket({}, 8) == (-1, 8, True)
@@ -117,6 +143,28 @@ def test_boundaries_beyond_the_grid(tmp_path):
     text = dict(zip(critical_values(tmp_path / "m").query("criterion == 'training'").variant,
                     critical_values(tmp_path / "m").query("criterion == 'training'").text))
     assert text == {"lt": "< 1", "flt": "> 8"}
+
+
+class LowEndBreaks(Synthetic):
+    """Also collapsed at the grid's lowest lr scale: a boundary that is not monotone."""
+
+    def __call__(self, base, cell, out):
+        result = super().__call__(base, cell, out)
+        if cell.lr_scale == 1:
+            from flt_diag.analysis.storage import read_json
+            d = Path(out) / CELLS / cell.name
+            write_json(d / SUMMARY, read_json(d / SUMMARY) | dict(verdict="collapsed"))
+        return result
+
+
+def test_map_with_probe_ends_reports_a_non_monotone_line_and_resumes_a_map_searched_without(tmp_path):
+    spec = _spec(variants=["lt"], loops=[6], seeds=[0], grid=[1, 2, 4, 8, 16, 32, 64], criteria=["training"])
+    table = run_map(spec, tmp_path / "m", runner=LowEndBreaks({"lt": 10}), report=lambda s: None)
+    assert table.status.tolist() == ["found"]  # bisection: 8 held, 16 broke; 1 never probed
+    runner = LowEndBreaks({"lt": 10})
+    table = run_map(spec, tmp_path / "m", runner=runner, report=lambda s: None, probe_ends=True)
+    assert sorted(runner.runs) == sorted(c.name for c in (spec.cell(spec.lines()[0], v) for v in (1, 64)))
+    assert table.status.tolist() == ["non-monotone"]
 
 
 def test_another_map_on_the_same_folder_is_refused(tmp_path):

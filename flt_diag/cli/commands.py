@@ -96,7 +96,7 @@ def cmd_map(v: dict) -> int:
         return 0
     print_map_plan(spec, v.get("ratio") or 1.41)
     run_map(spec, out, workers=v["workers"] or auto_workers(spec.base.train.device), only_line=v["cell"],
-            report=lambda text: print(text, flush=True))
+            report=lambda text: print(text, flush=True), probe_ends=v["probe_ends"])
     print_critical_values(critical_values(out))
     print(f"map folder: {out}  (figure: flt-diag plot map {out}; report: flt-diag report {out})")
     problem = unfinished(out, spec.lines() if v["cell"] is None else [spec.lines()[v["cell"]]])

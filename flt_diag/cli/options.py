@@ -74,6 +74,9 @@ WORKERS = cli_opt("--workers", int, "Cells (lines for maps) in parallel processe
 LIST = cli_opt("--list", bool, "Print the cells (index, name, status) and exit.", False)
 CELL = cli_opt("--cell", int, "Run only cell (map: line) I, for job arrays.", low=0)
 QUIET = cli_opt("--quiet", bool, "No progress bar.", False)
+PROBE_ENDS = cli_opt("--probe-ends", bool, "First probe both ends of the grid on every line, so that a boundary that "
+                     "is not monotone along the axis (training breaks at the low end, holds higher up) is reported "
+                     "as non-monotone instead of being missed (up to 2 more probes per line).", False)
 FOLDER_OPTIONS = [WORKERS, LIST, CELL, QUIET]
 
 FIT_PREDICTOR = [
@@ -127,7 +130,7 @@ PLOT = [cli_opt("--out", Path, "Folder for the figures [default: <path>/figures,
 OWN_OPTIONS: dict[str, list[Option]] = {
     "train": [OUT_RUN],
     "run-ablation": [OUT_SWEEP, *FOLDER_OPTIONS],
-    "map": [OUT_MAP, *FOLDER_OPTIONS],
+    "map": [OUT_MAP, PROBE_ENDS, *FOLDER_OPTIONS],
     "study": FOLDER_OPTIONS,
     "summary": [cli_opt("--recompute", bool, "Recompute every finished run's verdict and figures from its stored "
                         "metrics (e.g. with new verdict thresholds).", False)],

@@ -6,7 +6,9 @@ which a *criterion* breaks, by bisection: with a = the highest index known to ho
 known to break (initially -1 and n), it probes (a + b) // 2 until b - a = 1. A boundary therefore
 costs about log2(n + 1) runs and is known to within one grid ratio r: it lies in (grid[a], grid[b]]
 and is reported as their geometric mean. Outcomes are assumed monotone along the axis; a line whose
-finished probes contradict that is reported as "non-monotone" rather than hidden.
+finished probes contradict that is reported as "non-monotone" rather than hidden. Bisection alone
+can miss such a line (it starts in the middle and never looks below a value that held); with
+`--probe-ends` each line first probes both ends of the grid.
 
 Criteria (from each probe's summary.json):
     training   the verdict is not `stable` (unstable, collapsed or diverged)
@@ -77,22 +79,37 @@ class MapSpec(MapLinesGrid, MapLines):
 # --------------------------------------------------------------------------- the search
 
 
-def search(n: int, outcome: Callable[[int], bool | None], known: dict[int, bool] | None = None) -> dict:
+def search(n: int, outcome: Callable[[int], bool | None], known: dict[int, bool] | None = None,
+           probe_ends: bool = False) -> dict:
     """Bisection over grid indices 0..n-1. `outcome(i)` runs (or reads) probe i and says whether it
-    broke (None: the probe failed, and the search of this line stops). Returns the bracket."""
+    broke (None: the probe failed, and the search of this line stops). Returns the bracket.
+
+    probe_ends: first probe indices 0 and n-1 (where not known), so that a line that breaks at the low
+    end and holds at the high end shows up as non-monotone; plain bisection would start in the middle
+    and, finding it held, never look below it."""
     known = dict(known or {})
-    a, b, monotone = bracket(known, n)
+    for i in ((0, n - 1) if probe_ends else ()):
+        if i not in known:
+            result = outcome(i)
+            if result is None:
+                return dict(zip(("a", "b", "monotone"), bracket(known, n)), failed=i)
+            known[i] = result
+    # Where the low end broke, bisect the rest of the grid as if it had held: a value above it that
+    # holds then makes the line non-monotone (the bracket below), instead of ending the search at once.
+    searched = {**known, 0: False} if probe_ends and known.get(0) else dict(known)
+    a, b, _ = bracket(searched, n)
     while b - a > 1:
         mid = (a + b) // 2
         result = outcome(mid)
         if result is None:
-            return dict(a=a, b=b, monotone=monotone, failed=mid)
-        known[mid] = result
-        a, b, monotone = bracket(known, n)
-    return dict(a=a, b=b, monotone=monotone, failed=None)
+            return dict(zip(("a", "b", "monotone"), bracket(known, n)), failed=mid)
+        known[mid] = searched[mid] = result
+        a, b, _ = bracket(searched, n)
+    return dict(zip(("a", "b", "monotone"), bracket(known, n)), failed=None)
 
 
-def search_line(spec: MapSpec, out: Path, line: Line, runner: Callable, report: Callable[[str], None] = print) -> None:
+def search_line(spec: MapSpec, out: Path, line: Line, runner: Callable, report: Callable[[str], None] = print,
+                probe_ends: bool = False) -> None:
     """Search every criterion along one line, running the probes that are missing with
     `runner(base_dict, cell, out_str)` (flt_diag.grids.sweep.run_cell for real runs)."""
     out = Path(out)
@@ -107,7 +124,7 @@ def search_line(spec: MapSpec, out: Path, line: Line, runner: Callable, report: 
             s = load_summary(d)
             return None if s is None else CRITERIA[criterion](s)
 
-        search(len(spec.grid), outcome, probe_outcomes(spec, out, line, criterion))
+        search(len(spec.grid), outcome, probe_outcomes(spec, out, line, criterion), probe_ends)
 
 
 # --------------------------------------------------------------------------- the folder
@@ -119,9 +136,9 @@ def prepare_map_folder(spec: MapSpec, out: Path) -> None:
     prepare_spec_folder(Path(out), spec.to_dict(), "map", grid_fields)
 
 
-def _line_search_worker(spec_dict: dict, line: Line, out: str) -> str:
+def _line_search_worker(spec_dict: dict, line: Line, out: str, probe_ends: bool = False) -> str:
     spec = _spec_from_dict(spec_dict, RunConfig.from_dict(spec_dict["base_full"]))
-    search_line(spec, Path(out), line, run_cell, report=lambda text: print(text, flush=True))
+    search_line(spec, Path(out), line, run_cell, report=lambda text: print(text, flush=True), probe_ends=probe_ends)
     return line.name
 
 
@@ -130,26 +147,30 @@ def _spec_from_dict(d: dict, base) -> MapSpec:
 
 
 def run_map(spec: MapSpec, out: Path, workers: int = 1, only_line: int | None = None,
-            runner: Callable | None = None, report: Callable[[str], None] = print) -> pd.DataFrame:
-    """Search every line (or just `only_line`), then write map.csv and the sweep summary."""
+            runner: Callable | None = None, report: Callable[[str], None] = print,
+            probe_ends: bool = False) -> pd.DataFrame:
+    """Search every line (or just `only_line`), then write map.csv and the sweep summary.
+    probe_ends (see `search`) is how the search runs, not what the map is: a map folder searched
+    without it can be resumed with it, and its finished probes count."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise StorageError(f"{out} exists and is a file, not a map folder; use another --out")
     with (folder_lock(out, "map") if only_line is None else nullcontext()):
-        return _run_map(spec, out, workers, only_line, runner, report)
+        return _run_map(spec, out, workers, only_line, runner, report, probe_ends)
 
 
-def _run_map(spec, out, workers, only_line, runner, report) -> pd.DataFrame:
+def _run_map(spec, out, workers, only_line, runner, report, probe_ends=False) -> pd.DataFrame:
     prepare_map_folder(spec, out)
     lines = only(spec.lines(), only_line, " (one per line)")
     if runner is not None or workers <= 1 or len(lines) <= 1:
         for line in lines:
-            search_line(spec, out, line, runner or run_cell, report)
+            search_line(spec, out, line, runner or run_cell, report, probe_ends)
     else:
         spec_dict = {**spec.to_dict(), "base_full": spec.base.to_dict()}
         with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=die_with_parent,
                                  initargs=(os.getpid(),)) as pool:
-            for name in pool.map(_line_search_worker, [spec_dict] * len(lines), lines, [str(out)] * len(lines)):
+            for name in pool.map(_line_search_worker, [spec_dict] * len(lines), lines, [str(out)] * len(lines),
+                                 [probe_ends] * len(lines)):
                 report(f"{name}: searched")
     write_summary(out)
     table = boundaries(out)
