@@ -88,6 +88,9 @@ def draw(df: pd.DataFrame):
             ax.set_title(CRITERION_TITLES.get(criterion, criterion))
             if axis == "lr":
                 ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            else:  # depth: the grid's own values, as plain integers (not "2x10^0")
+                ax.set_yticks(grid, [f"{v:g}" for v in grid])
+                ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
         if len(df):
             legend(fig, df, title="shaded: where each variant trains; bar: spread over seeds (one seed: the "
                                   "bracket); arrow: beyond the grid; dotted: the grid's ends")
