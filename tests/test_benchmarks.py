@@ -211,3 +211,13 @@ def test_attention_micro_benchmark_times_each_form_against_the_peak(one_thread):
         flops = 6 * 2 * 8 * 8 * (2 * 4)
         assert r["pct_of_peak"] == pytest.approx(100 * flops / (r["ms"] / 1e3) / (r["peak_gflops"] * 1e9))
         assert r["ms"] > 0
+
+
+def test_compile_scope_benchmark_times_each_scope(bench, one_thread, monkeypatch):
+    """benchmarks/compile_scope.py at a toy size with dynamo's eager backend (graph capture without code
+    generation): every scope is timed."""
+    spec_ = importlib.util.spec_from_file_location("flt_compile_scope", BENCH.parent / "compile_scope.py")
+    mod = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(mod)
+    ms = mod.measure(toy_spec(bench), loops=2, rounds=1, backend="eager")
+    assert list(ms) == list(mod.SCOPES) and all(v > 0 for v in ms.values())
