@@ -76,12 +76,21 @@ def measure(B: int, H: int, T: int, D: int, rounds: int, calls: int, compile: bo
                  peak_gflops=peak / 1e9) for name, ts in times.items()]
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def main(argv=None) -> int:
+    from flt_diag.config import PRESETS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per call [default: 16, the benchmarks' tiny batch]")
-    p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--calls", type=int, default=50, help="calls per timed sample")
+    p.add_argument("--preset", default="tiny", choices=[n for n in PRESETS if n != "auto"])
+    p.add_argument("--batch-size", type=positive_int, default=16,
+                   help="sequences per call [default: 16, the benchmarks' tiny batch]")
+    p.add_argument("--rounds", type=positive_int, default=15)
+    p.add_argument("--calls", type=positive_int, default=50, help="calls per timed sample")
     p.add_argument("--no-compile", action="store_true", help="leave out the compiled explicit form")
     args = p.parse_args(argv)
     m = build_config(args.preset, model=dict(vocab_size=256)).model

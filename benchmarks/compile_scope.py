@@ -70,9 +70,13 @@ def measure(spec: BenchSpec, loops: int, rounds: int, backend: str = "inductor")
 def main(argv=None) -> int:
     from bench import BENCH_PRESETS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--loops", type=int, nargs="+", default=[3, 12])
-    p.add_argument("--rounds", type=int, default=8)
+    from attention_cpu import positive_int
+    p.add_argument("--loops", type=positive_int, nargs="+", default=[3, 12])
+    p.add_argument("--rounds", type=positive_int, default=8)
     args = p.parse_args(argv)
+    from flt_diag.model.variants import MAX_LOOPS
+    if max(args.loops) > MAX_LOOPS:
+        p.error(f"--loops must be <= {MAX_LOOPS}")
     print("tiny step, diagnostics off, one thread, process CPU ms (median); change against halves")
     for K in args.loops:
         ms = measure(BENCH_PRESETS["tiny"], K, args.rounds)
