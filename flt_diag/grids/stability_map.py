@@ -88,24 +88,28 @@ def search(n: int, outcome: Callable[[int], bool | None], known: dict[int, bool]
     end and holds at the high end shows up as non-monotone; plain bisection would start in the middle
     and, finding it held, never look below it."""
     known = dict(known or {})
+
+    def result(failed: int | None) -> dict:
+        return dict(zip(("a", "b", "monotone"), bracket(known, n)), failed=failed)
+
     for i in ((0, n - 1) if probe_ends else ()):
         if i not in known:
-            result = outcome(i)
-            if result is None:
-                return dict(zip(("a", "b", "monotone"), bracket(known, n)), failed=i)
-            known[i] = result
+            broke = outcome(i)
+            if broke is None:
+                return result(failed=i)
+            known[i] = broke
     # Where the low end broke, bisect the rest of the grid as if it had held: a value above it that
     # holds then makes the line non-monotone (the bracket below), instead of ending the search at once.
     searched = {**known, 0: False} if probe_ends and known.get(0) else dict(known)
     a, b, _ = bracket(searched, n)
     while b - a > 1:
         mid = (a + b) // 2
-        result = outcome(mid)
-        if result is None:
-            return dict(zip(("a", "b", "monotone"), bracket(known, n)), failed=mid)
-        known[mid] = searched[mid] = result
+        broke = outcome(mid)
+        if broke is None:
+            return result(failed=mid)
+        known[mid] = searched[mid] = broke
         a, b, _ = bracket(searched, n)
-    return dict(zip(("a", "b", "monotone"), bracket(known, n)), failed=None)
+    return result(failed=None)
 
 
 def search_line(spec: MapSpec, out: Path, line: Line, runner: Callable, report: Callable[[str], None] = print,

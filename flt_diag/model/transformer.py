@@ -30,13 +30,17 @@ from flt_diag.model.variants import MAX_LOOPS, VARIANT_DESCRIPTIONS, VARIANTS, V
 
 
 
+def _inv_rms(x: torch.Tensor) -> torch.Tensor:
+    return torch.rsqrt(x.square().mean(-1, keepdim=True) + torch.finfo(x.dtype).eps)
+
+
 class _RMSNorm(torch.autograd.Function):
     """y = x / sqrt(mean(x^2) + eps) with a hand-written backward: the same values as
     F.rms_norm, several times faster on CPU, where F.rms_norm is a chain of small ops."""
 
     @staticmethod
     def forward(ctx, x):
-        r = torch.rsqrt(x.square().mean(-1, keepdim=True) + torch.finfo(x.dtype).eps)
+        r = _inv_rms(x)
         y = x * r
         ctx.save_for_backward(y, r)
         return y
@@ -50,7 +54,7 @@ class _RMSNorm(torch.autograd.Function):
 def norm(x: torch.Tensor) -> torch.Tensor:
     """RMSNorm over the last dim, no learnable weight (eps = machine epsilon of x's dtype)."""
     if torch.compiler.is_compiling():  # written out, so the compiler fuses it with its neighbours
-        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + torch.finfo(x.dtype).eps)
+        return x * _inv_rms(x)
     if x.device.type == "cpu" and x.dtype == torch.float32:
         return _RMSNorm.apply(x)
     return F.rms_norm(x, (x.size(-1),))
@@ -115,9 +119,14 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.after_attn = nn.Identity()
 
-    def attend(self, x, cos, sin, query=None):
+    @staticmethod
+    def attention_sources(x, query=None):
+        """(q_src, kv_src): keys and values from norm(x); queries from norm(query) if given, else norm(x)."""
         z = norm(x)
-        return x + self.attn(z if query is None else norm(query), z, cos, sin)
+        return (z if query is None else norm(query)), z
+
+    def attend(self, x, cos, sin, query=None):
+        return x + self.attn(*self.attention_sources(x, query), cos, sin)
 
     def feed(self, x):
         return x + self.mlp(norm(x))

@@ -20,7 +20,7 @@ import torch
 from flt_diag.analysis import metric_names as M
 from flt_diag.training.callbacks import Callback
 from flt_diag.config import DiagnosticsConfig
-from flt_diag.model.transformer import LoopedTransformer, norm, parameter_groups
+from flt_diag.model.transformer import LoopedTransformer, parameter_groups
 
 
 def should_record(step: int, cfg: DiagnosticsConfig) -> bool:
@@ -126,9 +126,7 @@ class LoopHooks:
             x, cos, sin, *rest = args
             query = rest[0] if rest else None
             with torch.no_grad():
-                kv_src = norm(x)
-                q_src = kv_src if query is None else norm(query)
-                q, k = module.attn.query_key(q_src, kv_src, cos, sin)  # (B, T, H, D)
+                q, k = module.attn.query_key(*module.attention_sources(x, query), cos, sin)  # (B, T, H, D)
                 scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) / math.sqrt(q.shape[-1])
                 T = scores.shape[-1]
                 causal = torch.ones(T, T, dtype=torch.bool, device=scores.device).tril()
