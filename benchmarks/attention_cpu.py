@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from common import positive_int  # noqa: E402
 from flt_diag.config import build_config  # noqa: E402
 
 
@@ -74,13 +75,6 @@ def measure(B: int, H: int, T: int, D: int, rounds: int, calls: int, compile: bo
     flops = 6 * B * T * T * (H * D)
     return [dict(form=name, ms=1e3 * statistics.median(ts), pct_of_peak=100 * flops / statistics.median(ts) / peak,
                  peak_gflops=peak / 1e9) for name, ts in times.items()]
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def main(argv=None) -> int:

@@ -3,6 +3,7 @@ benchmarked configuration, the UNROLLED reference (L*K distinct blocks), analyti
 (a Trainer step, forward+backward only, a square matmul) and the interleaved round-robin timer."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime as _dt
 import os
@@ -25,6 +26,14 @@ from flt_diag.config import RunConfig, build_config  # noqa: E402
 from flt_diag.model.transformer import VARIANTS, Block, LoopedTransformer, ModelConfig, norm  # noqa: E402
 from flt_diag.settle import settle  # noqa: E402
 from flt_diag.training.trainer import Trainer  # noqa: E402
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (a bad value is one argparse line and exit 2)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
 
 # --------------------------------------------------------------------------- presets
 

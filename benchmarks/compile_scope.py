@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from common import BenchSpec, StepJob, bench_config  # noqa: E402
+from common import BenchSpec, StepJob, bench_config, positive_int  # noqa: E402
 
 SCOPES = ("halves", "whole loop", "whole forward")
 
@@ -70,7 +70,6 @@ def measure(spec: BenchSpec, loops: int, rounds: int, backend: str = "inductor")
 def main(argv=None) -> int:
     from bench import BENCH_PRESETS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    from attention_cpu import positive_int
     p.add_argument("--loops", type=positive_int, nargs="+", default=[3, 12])
     p.add_argument("--rounds", type=positive_int, default=8)
     args = p.parse_args(argv)

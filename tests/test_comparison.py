@@ -212,6 +212,34 @@ def test_runs_of_other_depths_are_not_compared(tmp_path):
     assert "Depth" in results_table(out).columns
 
 
+def test_a_depth_map_grid_has_depth_columns_and_one_panel_per_loop_count(tmp_path):
+    """The ablation along depth: columns L, one grid per K; each cell's gap is to the best at its K and L,
+    an unprobed (variant, K, L) is left blank."""
+    from flt_diag.grids.stability_map import MapSpec, prepare_map_folder
+    out = tmp_path / "map"
+    prepare_map_folder(MapSpec(config("lt", 3), ["lt", "flt"], [3, 6], [0], "depth", [1, 2, 3], ["training"]), out)
+    shifts = {("lt", 3, 1): 0.3, ("flt", 3, 1): 0.0, ("lt", 3, 3): 0.0, ("flt", 3, 3): 0.5,
+              ("lt", 6, 2): 0.2, ("flt", 6, 2): 0.0}  # no probe of L=2 at K=3, nor of L=1 and 3 at K=6
+    for (variant, loops, depth), shift in shifts.items():
+        make_run(out / CELLS / f"{variant}_K{loops:02d}_seed0_lr1_L{depth}", variant, loops, depth=depth,
+                 val_shift=shift)
+    fig = P.FIGURES["collapse"].figure(P.study_of(out, ["collapse"]))
+    panels = [ax for ax in fig.axes if ax.texts]
+    assert [ax.get_title() for ax in panels] == ["K=3", "K=6"]
+    for ax in panels:
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "3"]
+        assert ax.get_xlabel().startswith("depth L")
+    names = ["lt", "flt"]
+    for ax, loops in zip(panels, (3, 6)):
+        texts = {(round(t.get_position()[0]), round(t.get_position()[1])): t.get_text() for t in ax.texts}
+        want = {(depth - 1, names.index(v)): shift for (v, k, depth), shift in shifts.items() if k == loops}
+        assert set(texts) == set(want)  # exactly the probed cells, in their L column
+        for (x, y), shift in want.items():
+            peers = [s for (v, k, d), s in shifts.items() if k == loops and d == x + 1]
+            gap = shift - min(peers)
+            assert texts[(x, y)].split("\n")[0].rstrip("*") == ("best" if gap == 0 else f"+{gap:.2f}")
+
+
 def test_sweeps_of_one_setting_pool_their_seeds_and_a_seed_run_twice_counts_once(tmp_path, capsys):
     first = write_sweep(tmp_path / "s0", seeds=(0,))
     more = write_sweep(tmp_path / "s12", seeds=(1, 2))
