@@ -219,7 +219,8 @@ def test_a_depth_map_grid_has_depth_columns_and_one_panel_per_loop_count(tmp_pat
     out = tmp_path / "map"
     prepare_map_folder(MapSpec(config("lt", 3), ["lt", "flt"], [3, 6], [0], "depth", [1, 2, 3], ["training"]), out)
     shifts = {("lt", 3, 1): 0.3, ("flt", 3, 1): 0.0, ("lt", 3, 3): 0.0, ("flt", 3, 3): 0.5,
-              ("lt", 6, 2): 0.2, ("flt", 6, 2): 0.0}  # no probe of L=2 at K=3, nor of L=1 and 3 at K=6
+              ("lt", 6, 2): 0.2, ("flt", 6, 2): 0.0,
+              ("lt", 6, 3): 0.1}  # no probe of L=2 at K=3, nor of L=1 at K=6; LT alone at K=6, L=3
     for (variant, loops, depth), shift in shifts.items():
         make_run(out / CELLS / f"{variant}_K{loops:02d}_seed0_lr1_L{depth}", variant, loops, depth=depth,
                  val_shift=shift)
@@ -237,7 +238,13 @@ def test_a_depth_map_grid_has_depth_columns_and_one_panel_per_loop_count(tmp_pat
         for (x, y), shift in want.items():
             peers = [s for (v, k, d), s in shifts.items() if k == loops and d == x + 1]
             gap = shift - min(peers)
-            assert texts[(x, y)].split("\n")[0].rstrip("*") == ("best" if gap == 0 else f"+{gap:.2f}")
+            head = texts[(x, y)].split("\n")[0].rstrip("*")
+            if len(peers) == 1:  # a lone probe has no gap (nothing to be behind), never "best"
+                assert not head.startswith(("+", "best")), texts[(x, y)]
+            else:
+                assert head == ("best" if gap == 0 else f"+{gap:.2f}")
+    lone = sweep_summary(out).set_index(["variant", "loops", "depth"])
+    assert math.isnan(lone.val_gap[("lt", 6, 3)]) and lone.val_gap[("flt", 6, 2)] == 0
 
 
 def test_sweeps_of_one_setting_pool_their_seeds_and_a_seed_run_twice_counts_once(tmp_path, capsys):

@@ -5,7 +5,8 @@ so every row of the sweep tables (analysis/results.py) is compared with its *pee
 other variants that share its loops K, depth L and lr scale (and seed, for a run):
 
     val_gap       its final validation loss minus the lowest among its peers and itself, in nats:
-                  0 for the best, NaN for a row without a finite val loss
+                  0 for the best; NaN for a row without a finite val loss, and for a row with no
+                  peer that has one (a lone probe of a map, a one-variant sweep: nothing to be behind)
     resid_vs_flt  its peak final-loop residual norm over FLT's among its peers (1 for FLT itself;
                   NaN where the sweep has no finished FLT there)
 
@@ -36,7 +37,9 @@ def compare_variants(df: pd.DataFrame, peers: list[str]) -> pd.DataFrame:
     df = df.drop(columns=[c for c in COMPARISON_COLUMNS if c in df]).reset_index(drop=True)
     groups = [df[k] for k in peers]
     val = pd.to_numeric(df.val_loss, errors="coerce").astype(float)
-    best = val.where(np.isfinite(val)).groupby(groups, dropna=False).transform("min")
+    finite = val.where(np.isfinite(val))
+    best = finite.groupby(groups, dropna=False).transform("min")
+    best = best.where(finite.groupby(groups, dropna=False).transform("count") > 1)  # no peer: no gap
     peak = pd.to_numeric(df.peak_resid_norm, errors="coerce").astype(float)
     flt = peak.where(df.variant == BASELINE_VARIANT).groupby(groups, dropna=False).transform("first")
     _insert_after(df, "val_loss", "val_gap", val - best)
