@@ -2,6 +2,7 @@
 import math
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from conftest import tiny_config
@@ -165,6 +166,48 @@ def test_map_with_probe_ends_reports_a_non_monotone_line_and_resumes_a_map_searc
     table = run_map(spec, tmp_path / "m", runner=runner, report=lambda s: None, probe_ends=True)
     assert sorted(runner.runs) == sorted(c.name for c in (spec.cell(spec.lines()[0], v) for v in (1, 64)))
     assert table.status.tolist() == ["non-monotone"]
+
+
+class BreaksAt(Synthetic):
+    """Also collapsed at the given lr scales: non-monotone lines."""
+
+    def __init__(self, thresholds, extra):
+        super().__init__(thresholds)
+        self.extra = extra
+
+    def __call__(self, base, cell, out):
+        result = super().__call__(base, cell, out)
+        if cell.lr_scale in self.extra.get(cell.variant, ()):
+            from flt_diag.analysis.storage import read_json
+            d = Path(out) / CELLS / cell.name
+            write_json(d / SUMMARY, read_json(d / SUMMARY) | dict(verdict="collapsed"))
+        return result
+
+
+def test_the_map_figure_draws_a_non_monotone_line_where_it_first_breaks(tmp_path):
+    """LT breaks at 1 (the grid's lowest), holds at 2-8, breaks from 16: drawn below the grid. FLT holds at
+    1, breaks at 2, holds at 4-8, breaks from 16: drawn in (1, 2]. Both wear the ring; FLA (monotone) not."""
+    from flt_diag.analysis.figures.map import fig_map, map_data
+    spec = _spec(variants=["lt", "fla", "flt"], loops=[6], seeds=[0], grid=[1, 2, 4, 8, 16], criteria=["training"])
+    runner = BreaksAt({"lt": 10, "fla": 3, "flt": 10}, {"lt": (1,), "flt": (2,)})
+    table = run_map(spec, tmp_path / "m", runner=runner, report=lambda s: None, probe_ends=True)
+    for v in ("lt", "flt"):  # make sure every value of the two lines is known, as a finished map would have it
+        for value in spec.grid:
+            cell = spec.cell(next(line for line in spec.lines() if line.variant == v), value)
+            if not (tmp_path / "m" / CELLS / cell.name / SUMMARY).exists():
+                runner(spec.base.to_dict(), cell, str(tmp_path / "m"))
+    from flt_diag.analysis.map_results import boundaries
+    table = boundaries(tmp_path / "m").set_index("variant")
+    assert table.status.to_dict() == {"lt": "non-monotone", "fla": "found", "flt": "non-monotone"}
+    df = map_data(tmp_path / "m").set_index("variant")
+    assert df.beyond["lt"] == "below" and df.value["lt"] == 1 and df.non_monotone["lt"]
+    assert pd.isna(df.beyond["flt"]) and df.value["flt"] == pytest.approx(math.sqrt(1 * 2)) and df.non_monotone["flt"]
+    assert (df.low["flt"], df.high["flt"]) == (1, 2)
+    assert df.value["fla"] == pytest.approx(math.sqrt(2 * 4)) and not df.non_monotone["fla"]
+    fig = fig_map(tmp_path / "m")
+    rings = [ln for ln in fig.axes[0].lines if ln.get_marker() == "o" and ln.get_markerfacecolor() == "none"]
+    assert sorted(round(y, 6) for ln in rings for y in ln.get_ydata()) == sorted([1 / 1.25, round(math.sqrt(2), 6)])
+    assert "non-monotone" in fig.legends[0].get_title().get_text()
 
 
 def test_another_map_on_the_same_folder_is_refused(tmp_path):

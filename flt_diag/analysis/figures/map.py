@@ -4,7 +4,10 @@ For every variant, the boundary (median over seeds) is a line with markers; the 
 the spread over seeds (or, with one seed, the bracket (last value that held, first that broke]);
 the region below the line, where that variant trains, is shaded in its colour. A boundary beyond
 the grid is drawn as an arrow at the grid's edge (up: held at every value; down: broke at the
-lowest). Data: `flt_diag.grids.stability_map.boundaries` (a pure function of the map folder).
+lowest). A non-monotone line (it breaks, holds higher up, and breaks again: the 12-loop LT along depth)
+counts where it first breaks, its lowest broken value (below the grid where that is the grid's
+lowest), and its point wears a ring. Data: `flt_diag.grids.stability_map.boundaries` (a pure function
+of the map folder).
 """
 from __future__ import annotations
 
@@ -22,12 +25,28 @@ from flt_diag.analysis.figures.style import finish, legend, new_figure, style, v
 
 CRITERION_TITLES = {"training": "training breaks (verdict not stable)", "collapse": "loss collapses",
                     "explosion": "residual stream explodes (any loop)"}
-COLUMNS = ["criterion", "variant", "loops", "value", "low", "high", "beyond"]
+COLUMNS = ["criterion", "variant", "loops", "value", "low", "high", "beyond", "non_monotone"]
+
+
+def first_break(lines: pd.DataFrame) -> pd.DataFrame:
+    """`lines` (rows of `boundaries`) with each non-monotone line counted where it first breaks: "below
+    grid" where nothing below its lowest broken value held, else "found" in (last_ok, first_broken]."""
+    nm = lines.status == "non-monotone"
+    if not nm.any():
+        return lines
+    lines = lines.copy()
+    lines.loc[nm, "status"] = np.where(lines.loc[nm, "last_ok"].isna(), "below grid", "found")
+    found = nm & (lines.status == "found")
+    lines.loc[found, "boundary"] = np.sqrt(lines.loc[found, "last_ok"] * lines.loc[found, "first_broken"])
+    return lines
 
 
 def _boundary(criterion, variant, loops, g: pd.DataFrame) -> dict | None:
+    non_monotone = bool((g.status == "non-monotone").any())
+    g = first_break(g)
     found = g[g.status == "found"]
-    row = dict(criterion=criterion, variant=variant, loops=loops, low=math.nan, high=math.nan, beyond=None)
+    row = dict(criterion=criterion, variant=variant, loops=loops, low=math.nan, high=math.nan, beyond=None,
+               non_monotone=non_monotone)
     if len(found):
         lo, hi = ((found.boundary.min(), found.boundary.max()) if len(g) > 1
                   else (found.last_ok.iloc[0], found.first_broken.iloc[0]))
@@ -66,6 +85,8 @@ def _panel(ax, sub: pd.DataFrame, names: list[str], xs: dict, edges: tuple[float
         for _, r in g[g.beyond.notna()].iterrows():
             up = r.beyond == "above"
             ax.plot(r.x, hi_edge if up else lo_edge, marker="^" if up else "v", color=color, ms=8, zorder=4)
+        rings = g.non_monotone.astype(bool).to_numpy()
+        ax.plot(g.x[rings], y[rings], ls="none", marker="o", ms=13, mfc="none", mec=color, mew=1.4, zorder=5)
 
 
 def draw(df: pd.DataFrame):
@@ -93,7 +114,9 @@ def draw(df: pd.DataFrame):
                 ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
         if len(df):
             legend(fig, df, title="shaded: where each variant trains; bar: spread over seeds (one seed: the "
-                                  "bracket); arrow: beyond the grid; dotted: the grid's ends")
+                                  "bracket); arrow: beyond the grid; dotted: the grid's ends"
+                                  + ("\nring: a seed's line is non-monotone (breaks, holds higher, breaks "
+                                     "again), counted where it first breaks" if df.non_monotone.any() else ""))
     return finish(fig, "Stability map")
 
 
