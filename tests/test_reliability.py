@@ -209,6 +209,13 @@ def test_every_numeric_option_refuses_bad_values(tmp_path, monkeypatch, capsys, 
     assert (tmp_path / "keep.txt").read_text() == "data"
 
 
+def _default_sigint():
+    """The child starts with SIGINT's default disposition, as in a terminal. A test run started in the
+    background by a non-interactive shell (`pytest &`) inherits SIGINT ignored, and Python keeps an
+    inherited SIG_IGN: Ctrl-C would then (rightly) do nothing and this test would hang."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("command", [["train", "--variant", "lt", "--loops", "2"],
                                      ["run-ablation", "--variants", "lt", "flt", "--loops", "2", "--workers", "2",
                                       "--quiet"]])
@@ -216,7 +223,7 @@ def test_ctrl_c_exits_130_with_a_message(tmp_path, command):
     out = tmp_path / "out"
     p = subprocess.Popen([sys.executable, "-m", "flt_diag.cli", *command, "--steps", "5000", "--device", "cpu",
                           "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
+                         start_new_session=True, preexec_fn=_default_sigint)
     deadline = time.time() + 240  # a loaded machine (spawned workers, first compile) can take minutes
     while time.time() < deadline and not list(out.rglob("progress.json")):
         time.sleep(0.3)
