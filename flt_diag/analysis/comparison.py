@@ -37,9 +37,8 @@ def compare_variants(df: pd.DataFrame, peers: list[str]) -> pd.DataFrame:
     df = df.drop(columns=[c for c in COMPARISON_COLUMNS if c in df]).reset_index(drop=True)
     groups = [df[k] for k in peers]
     val = pd.to_numeric(df.val_loss, errors="coerce").astype(float)
-    finite = val.where(np.isfinite(val))
-    best = finite.groupby(groups, dropna=False).transform("min")
-    best = best.where(finite.groupby(groups, dropna=False).transform("count") > 1)  # no peer: no gap
+    by_peers = val.where(np.isfinite(val)).groupby(groups, dropna=False)
+    best = by_peers.transform("min").where(by_peers.transform("count") > 1)  # no peer: no gap
     peak = pd.to_numeric(df.peak_resid_norm, errors="coerce").astype(float)
     flt = peak.where(df.variant == BASELINE_VARIANT).groupby(groups, dropna=False).transform("first")
     _insert_after(df, "val_loss", "val_gap", val - best)
