@@ -19,9 +19,9 @@ from scipy.stats import binomtest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from flt_diag.analysis.report import markdown  # noqa: E402
-from flt_diag.analysis.results import pooled_summary, variant_rank  # noqa: E402
-from flt_diag.analysis.storage import StorageError  # noqa: E402
+from flt_diag.results.report import markdown  # noqa: E402
+from flt_diag.results.tables import pooled_summary, variant_rank  # noqa: E402
+from flt_diag.storage.folders import StorageError  # noqa: E402
 
 SHORT = {"stable": "s", "unstable": "U", "collapsed": "C", "diverged": "D"}  # a seed's verdict in one letter
 

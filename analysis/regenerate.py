@@ -5,7 +5,7 @@
 Writes <DIR>/<figure>.png|pdf, <DIR>/table.csv (one row per cell, full precision),
 <DIR>/table.md (the report's table) and the report (<DIR>/report.html with --out, else
 <SWEEP>/report.html). Default DIR: <SWEEP>/figures. Works on a run folder too, and on a sweep
-still in progress. Imports only flt_diag.analysis.results / figures / report / storage: never the training code.
+still in progress. Imports only flt_diag.results.tables / figures / report / storage: never the training code.
 """
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from flt_diag.analysis import figures, report  # noqa: E402
-from flt_diag.analysis.map_results import critical_table  # noqa: E402
-from flt_diag.analysis.results import collect, results_table, summary_table  # noqa: E402
-from flt_diag.analysis.storage import StorageError  # noqa: E402
+from flt_diag.results import figures, report  # noqa: E402
+from flt_diag.judge.map_boundaries import critical_table  # noqa: E402
+from flt_diag.results.tables import collect, results_table, summary_table  # noqa: E402
+from flt_diag.storage.folders import StorageError  # noqa: E402
 
 
 def regenerate(sweep: Path, out: Path | None = None, formats=("png", "pdf")) -> list[Path]:

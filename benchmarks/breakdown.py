@@ -92,7 +92,7 @@ def format_breakdown(rows: list[dict], peak: float) -> str:
 
 
 def compile_modes(device: str) -> list[bool]:
-    from flt_diag.training.parallel import cpu_compiler_available
+    from flt_diag.training.compile_precision import cpu_compiler_available
     return [False, True] if device == "cuda" or cpu_compiler_available() else [False]
 
 

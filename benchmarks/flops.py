@@ -16,7 +16,7 @@ import torch
 
 from common import BenchSpec, MatmulJob, StepJob, _log, _sync, bench_config, environment, time_interleaved, train_flops
 from breakdown import compile_modes
-from flt_diag.config import RunConfig
+from flt_diag.vocab.config import RunConfig
 
 def process_clock(device: str):
     """The clock of a CPU measurement at one thread: this process's CPU time (what another process
@@ -62,7 +62,7 @@ def flops_rows(runs: list[tuple[RunConfig, float]], peak: float) -> list[dict]:
 def sweep_step_times(sweep: Path) -> list[tuple[RunConfig, float]]:
     """(config, seconds per step) of every finished run of a sweep (or one run) folder: its training
     wall time over its steps - evaluation, diagnostics and checkpoints included, as the sweep ran."""
-    from flt_diag.analysis.storage import load_config, load_summary, run_dirs
+    from flt_diag.storage.folders import load_config, load_summary, run_dirs
     out = []
     for d in run_dirs(sweep):
         s = load_summary(d)

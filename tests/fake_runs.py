@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from flt_diag.analysis import metric_names as M
-from flt_diag.config import build_config
-from flt_diag.analysis.metrics import summarize
-from flt_diag.analysis.storage import CELLS, CONFIG, EVAL_LOOPS, SUMMARY, MetricsWriter, load_metrics, write_json
+from flt_diag.storage import metric_names as M
+from flt_diag.vocab.config import build_config
+from flt_diag.judge.verdict import summarize
+from flt_diag.storage.folders import CELLS, CONFIG, EVAL_LOOPS, SUMMARY, MetricsWriter, load_metrics, write_json
 from flt_diag.grids.sweep import SweepSpec, write_summary
 
 STEPS = 80

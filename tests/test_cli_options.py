@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flt_diag import config as C
+from flt_diag.vocab import config as C
 from flt_diag.cli import main
 from flt_diag.cli.app import build_app, parse
 from flt_diag.cli.commands import COMMANDS

@@ -13,11 +13,11 @@ import pytest
 from matplotlib.patches import Rectangle
 
 from fake_runs import config, make_run
-from flt_diag.analysis import figures as P
-from flt_diag.analysis import metric_names as M
-from flt_diag.analysis.report import write_report
-from flt_diag.analysis.results import pooled_summary, results_table, summary_table, sweep_summary
-from flt_diag.analysis.storage import CELLS, StorageError, read_json, write_json
+from flt_diag.results import figures as P
+from flt_diag.storage import metric_names as M
+from flt_diag.results.report import write_report
+from flt_diag.results.tables import pooled_summary, results_table, summary_table, sweep_summary
+from flt_diag.storage.folders import CELLS, StorageError, read_json, write_json
 from flt_diag.cli import main
 from flt_diag.grids.sweep import SweepSpec, write_summary
 

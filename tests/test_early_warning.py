@@ -8,12 +8,12 @@ import pandas as pd
 import pytest
 
 from conftest import tiny_config
-from flt_diag.analysis.files import load_predictor
-from flt_diag.analysis import early_warning as EW
-from flt_diag.analysis import predictor_fit as FIT
-from flt_diag.analysis import metric_names as M
-from flt_diag.analysis.storage import load_summary
-from flt_diag.training.early_warning import CollapseWarning
+from flt_diag.storage.files import load_predictor
+from flt_diag.judge import early_warning as EW
+from flt_diag.results import predictor_fit as FIT
+from flt_diag.storage import metric_names as M
+from flt_diag.storage.folders import load_summary
+from flt_diag.training.warning_callback import CollapseWarning
 
 
 def _rows(steps, loops=3, n_layer=2, resid=lambda s, k: 10.0, grad=lambda s: 1.0, loss=lambda s: 3.0,
@@ -181,9 +181,9 @@ def test_stop_on_collapse_ends_the_run_with_a_complete_folder(tmp_path, capsys):
     assert f"collapsed (predicted at step {s['prediction']['step']})" in captured.out
     assert "warning: lt K=3: collapse predicted" in captured.err
     assert (out / "checkpoint.pt").exists() and not (out / "resume.pt").exists()
-    from flt_diag.analysis.metrics import resummarize
+    from flt_diag.judge.verdict import resummarize
     assert resummarize(out)["verdict"] == "collapsed"  # a recomputed summary keeps the prediction
-    from flt_diag.analysis.figures import plot
+    from flt_diag.results.figures import plot
     assert plot("all", out, tmp_path / "figs", ("png",))
 
 
@@ -217,7 +217,7 @@ def labelled(tmp_path_factory):
     """A finished sweep (lt, flt x seeds 0, 1; 30 steps) and one more run of the sweep's lt seed-0 cell,
     trained for 24 steps (the same cell at another length). 30 steps are too few for any run to fail, so
     the lt runs are labelled collapsed (their summary's verdict): a predictor needs runs of both kinds."""
-    from flt_diag.analysis.storage import SUMMARY, write_json
+    from flt_diag.storage.folders import SUMMARY, write_json
     from flt_diag.grids.sweep import SweepSpec, run_sweep
     from flt_diag.training.trainer import train
     root = tmp_path_factory.mktemp("labelled")
@@ -261,7 +261,7 @@ def test_fit_predictor_features_and_class_weight_reach_the_model(labelled, tmp_p
 def test_cross_validation_predicts_each_run_from_the_other_cells_only(labelled):
     """Leave-one-cell-out: a run's prediction is the one of a model fitted on the runs of the other cells,
     and both lengths of the lt seed-0 cell are left out together."""
-    from flt_diag.analysis.storage import run_dirs
+    from flt_diag.storage.folders import run_dirs
     sweep_runs = run_dirs(labelled / "sw")
     short = labelled / "lt-short"
     table = FIT.cross_validate([labelled / "sw", short], steps=[10, 20])
@@ -278,7 +278,7 @@ def test_cross_validation_predicts_each_run_from_the_other_cells_only(labelled):
 
 def test_runs_stopped_by_a_prediction_are_not_training_labels(labelled, tmp_path):
     import shutil
-    from flt_diag.analysis.storage import SUMMARY, write_json
+    from flt_diag.storage.folders import SUMMARY, write_json
     stopped = tmp_path / "stopped"
     shutil.copytree(labelled / "lt-short", stopped)
     write_json(stopped / SUMMARY, load_summary(stopped) | {"verdict": "collapsed", "prediction": {"step": 20}})
@@ -357,7 +357,7 @@ def test_stop_on_collapse_on_12_loop_lt(tmp_path, capsys):
     assert f"predicted at step {lt['prediction']['step']}" in out
     assert flt["verdict"] == "stable" and flt["steps_done"] == 800 and not flt.get("prediction")
     # the stopped run's folder is complete: every figure draws from it
-    from flt_diag.analysis.figures import plot
+    from flt_diag.results.figures import plot
     assert plot("all", tmp_path / "lt", tmp_path / "fig", ("png",))
 
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from fake_runs import make_run
-from flt_diag.analysis.storage import load_summary
+from flt_diag.storage.folders import load_summary
 from flt_diag.cli import main
-from flt_diag.settle import VOLATILE_DIAGNOSTICS_FIELDS, VOLATILE_TRAIN_FIELDS
+from flt_diag.training.settle import VOLATILE_DIAGNOSTICS_FIELDS, VOLATILE_TRAIN_FIELDS
 
 BASE = {"--steps": "4", "--device": "cpu", "--preset": "tiny", "--variant": "lt", "--loops": "2", "--depth": "1",
         "--checkpoint-every": "2", "--eval-every": "0", "--eval-batches": "1"}
@@ -141,7 +141,7 @@ def test_fit_predictor_refuses_when_no_run_reaches_a_step(tmp_path, capsys):
 
 
 def _predictor(tmp_path: Path, **changes) -> Path:
-    from flt_diag.analysis.early_warning import PACKAGED
+    from flt_diag.judge.early_warning import PACKAGED
     path = tmp_path / "p.json"
     path.write_text(json.dumps(json.loads(PACKAGED.read_text()) | changes))
     return path
@@ -217,8 +217,8 @@ def test_a_field_changeable_on_reuse_is_changeable_on_resume(tmp_path, monkeypat
 
 def test_a_warning_added_on_resume_sees_the_steps_trained_before(tmp_path):
     """The collapse warning added when a run resumes holds the same series as one there from step 0."""
-    from flt_diag.training.early_warning import CollapseWarning
-    from flt_diag.settle import run_config
+    from flt_diag.training.warning_callback import CollapseWarning
+    from flt_diag.training.settle import run_config
     from flt_diag.training.callbacks import Callback
     from flt_diag.training.trainer import Trainer
 

@@ -11,12 +11,12 @@ from matplotlib.figure import Figure as MplFigure
 from matplotlib.table import Table
 
 from fake_runs import make_run, make_sweep
-from flt_diag.analysis import figures
-from flt_diag.analysis import metric_names as M
-from flt_diag.analysis.figures import FIGURES, Figure, plot, register, render, study_of, unregister
-from flt_diag.analysis.figures.style import style
-from flt_diag.analysis.results import SUMMARY_COLUMNS, collect
-from flt_diag.analysis.storage import CELLS, StorageError, read_json
+from flt_diag.results import figures
+from flt_diag.storage import metric_names as M
+from flt_diag.results.figures import FIGURES, Figure, plot, register, render, study_of, unregister
+from flt_diag.results.figures.style import style
+from flt_diag.results.tables import SUMMARY_COLUMNS, collect
+from flt_diag.storage.folders import CELLS, StorageError, read_json
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """Every kind of file flt-diag reads has one validating loader. The cases are generated from each
-loader's schema (flt_diag.analysis.files): every field of a real file is mutated (wrong type, missing,
+loader's schema (flt_diag.storage.files): every field of a real file is mutated (wrong type, missing,
 out of range, nested, huge) and the reader that uses the file must refuse exactly the mutations the
 schema forbids, with one line naming the file and the field, writing nothing; a mutation the schema
 allows (an optional field left out, free-form metadata) is read without a file error."""
@@ -12,9 +12,9 @@ import pandas as pd
 import pytest
 import torch
 
-from flt_diag.analysis import files
-from flt_diag.analysis.schema import Items, Record, Scalar, Shape, Table, fields
-from flt_diag.analysis.storage import StorageError
+from flt_diag.storage import files
+from flt_diag.storage.schema import Items, Record, Scalar, Shape, Table, fields
+from flt_diag.storage.folders import StorageError
 from flt_diag.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,8 +27,8 @@ DELETE = object()
 
 def _interrupted_copy(run: Path, out: Path) -> None:
     """`out`: the run of `run`'s config stopped after step 3 (resume.pt at step 2), as a Ctrl-C leaves it."""
-    from flt_diag.config import RunConfig
-    from flt_diag.analysis.storage import load_config
+    from flt_diag.vocab.config import RunConfig
+    from flt_diag.storage.folders import load_config
     from flt_diag.training.callbacks import Callback
     from flt_diag.training.trainer import Trainer
 
@@ -72,9 +72,9 @@ def _reference_export(run: Path, folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def samples(tmp_path_factory):
     """One real file of each kind (and the folders around them), made by flt-diag itself."""
-    from flt_diag.config import RunConfig
-    from flt_diag.analysis.storage import load_config
-    from flt_diag.grid_config import geometric_grid
+    from flt_diag.vocab.config import RunConfig
+    from flt_diag.storage.folders import load_config
+    from flt_diag.vocab.grid_options import geometric_grid
     from flt_diag.grids.stability_map import MapSpec, prepare_map_folder
     from flt_diag.grids.sweep import SweepSpec, prepare_folder
     from flt_diag.training.trainer import Trainer
@@ -102,7 +102,7 @@ def samples(tmp_path_factory):
 
 def _model_shapes() -> dict:
     """The weight shapes of the samples' model (tiny preset, depth 1, lt, K=2)."""
-    from flt_diag.config import build_config
+    from flt_diag.vocab.config import build_config
     from flt_diag.model.transformer import LoopedTransformer
     model = build_config("tiny", model=dict(n_layer=1, variant="lt", loops=2)).model
     return {k: tuple(v.shape) for k, v in LoopedTransformer(model).state_dict().items()}
@@ -114,17 +114,17 @@ def _study_schema(table: str):
 
 
 def _read_config(s, p):
-    from flt_diag.analysis.storage import load_config
+    from flt_diag.storage.folders import load_config
     load_config(p.parent)
 
 
 def _read_summary(s, p):
-    from flt_diag.analysis.storage import load_summary
+    from flt_diag.storage.folders import load_summary
     load_summary(p.parent)
 
 
 def _read_sweep(s, p):
-    from flt_diag.analysis.storage import cell_names
+    from flt_diag.storage.folders import cell_names
     cell_names(p.parent)
 
 
@@ -144,7 +144,7 @@ def _read_checkpoint(s, p):
 
 
 def _read_predictor(s, p):
-    from flt_diag.analysis.files import load_predictor
+    from flt_diag.storage.files import load_predictor
     load_predictor(p)
 
 
@@ -382,7 +382,7 @@ def _part_mutations(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame, str]]:
 
 
 def test_every_column_of_a_metrics_part_is_checked(samples):
-    from flt_diag.analysis.storage import load_metrics
+    from flt_diag.storage.folders import load_metrics
     run = samples["run"]
     part = sorted((run / "metrics").glob("part-*.parquet"))[0]
     original = part.read_bytes()
@@ -406,7 +406,7 @@ def test_every_column_of_a_metrics_part_is_checked(samples):
 
 
 def test_a_metrics_part_with_a_name_that_is_not_a_part_name_is_one_line(samples, tmp_path):
-    from flt_diag.analysis.storage import MetricsWriter
+    from flt_diag.storage.folders import MetricsWriter
     run = tmp_path / "run"
     shutil.copytree(samples["run"], run)
     part = sorted((run / "metrics").glob("part-*.parquet"))[-1]

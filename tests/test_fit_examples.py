@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 
 from fake_runs import make_sweep
-from flt_diag.analysis.files import BadFile, load_examples
-from flt_diag.analysis.predictor_fit import examples_from_rows
+from flt_diag.storage.files import BadFile, load_examples
+from flt_diag.results.predictor_fit import examples_from_rows
 from flt_diag.cli import main
 
 

@@ -8,7 +8,7 @@ import torch
 from conftest import tiny_config
 from flt_diag.training.diagnostics import LoopHooks
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig
-from flt_diag.training.parallel import compile_blocks
+from flt_diag.training.compile_precision import compile_blocks
 
 
 def _records(model, idx):
@@ -47,7 +47,7 @@ def test_compiled_blocks_keep_every_hook_record(checkpointing):
 
 def test_cpu_autocast_trains_with_every_diagnostic(tmp_path):
     """bf16 autocast, as on a GPU: the Trainer's autocast path with hooks recording every metric."""
-    from flt_diag.analysis.storage import load_metrics
+    from flt_diag.storage.folders import load_metrics
     from flt_diag.training.trainer import train
     s = train(tiny_config(variant="flt", loops=2, steps=4, precision="reference"), tmp_path / "run")
     df = load_metrics(tmp_path / "run")

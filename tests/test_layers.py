@@ -1,26 +1,26 @@
-"""The package's layers, read from its source: imports only go down, never round, and the analysis
-folder never imports torch.
+"""The package's layers, read from its source: imports only go down, never round, and the layers below
+training never import torch. Each layer is one folder of flt_diag/ (bottom to top; a module may import its
+own layer and any layer below, never one above):
 
-The layers, bottom to top (a module may import its own layer and any layer below, never one above):
-
-    0 config    flt_diag.config (the typed config: every option once), flt_diag.grid_config (the options
-                of sweeps and maps) and flt_diag.model.variants (the torch-free rule table of the five
-                variants); below everything that reads them
-    1 analysis  flt_diag.analysis.* - torch-free study of saved run folders: storage, metrics and the
-                verdict, results tables, figures, report, early-warning features and fit
-    2 data      flt_diag.data.* - corpora, tokenizers, token cache, synthetic tasks, batches
-    3 settle    flt_diag.settle - options -> one settled, validated RunConfig (torch-free; reads the
-                data and the predictor file to check them); the Trainer, grids and CLI take it as given
-    4 model     flt_diag.model.* (but variants) - the looped transformer and the reference checkpoints'
-                state-dict conversion
-    5 training  flt_diag.training.* - Trainer, callbacks, optimizer, checkpoints, diagnostics hooks,
-                evaluation, the online early warning
-    6 grids     flt_diag.grids.* - cells, sweeps, stability maps: many runs of the Trainer
-    7 cli       flt_diag.cli.*, flt_diag.__main__ - the `flt-diag` command line on top
+    0 vocab     flt_diag/vocab/ - the vocabulary: every option typed once (config.py), the variants as data
+                (variants.py), the options of sweeps and maps (grid_options.py)
+    1 storage   flt_diag/storage/ - I/O: run, sweep and map folders (folders.py), the file kinds and their
+                validating loaders (files.py, schema.py), metric names, cell names, what may be pooled
+    2 judge     flt_diag/judge/ - judgments on stored records, torch-free: the verdict, peer comparison,
+                the early warning's features and probability, the other detectors, map boundaries
+    3 model     flt_diag/model/ - the looped transformer, reference checkpoints <-> state dicts
+    4 data      flt_diag/data/ - corpora, tokenizers, token cache, synthetic tasks, batches
+    5 training  flt_diag/training/ - settle (options -> one run config), the Trainer, callbacks, hooks,
+                optimizer, checkpoints, evaluation, the online early warning, the public probe API
+    6 grids     flt_diag/grids/ - many runs of the Trainer: sweeps, the worker pool, stability maps
+    7 results   flt_diag/results/ - torch-free study of saved folders: tables, figures, report, the
+                predictor's fit and evaluation
+    8 cli       flt_diag/cli/, flt_diag/__main__ - the `flt-diag` command line on top
+    8 api       flt_diag/__init__ (the package itself): the public names, imported lazily
 
 The import graph is built from the AST: every `import` / `from ... import` of a flt_diag module, at
 module level, inside functions and under `if TYPE_CHECKING` alike (a type-only import is a dependency
-too). Package `__init__` files are empty or belong to their folder's layer.
+too). There is no catch-all: a module outside every folder above fails the first test.
 """
 from __future__ import annotations
 
@@ -33,16 +33,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "flt_diag"
-LAYERS = {  # module-name prefix -> layer (the longest matching prefix decides)
-    "flt_diag": 0, "flt_diag.config": 0, "flt_diag.grid_config": 0, "flt_diag.model.variants": 0,
-    "flt_diag.analysis": 1,
-    "flt_diag.data": 2,
-    "flt_diag.settle": 3,
-    "flt_diag.model": 4,
-    "flt_diag.training": 5,
-    "flt_diag.grids": 6,
-    "flt_diag.cli": 7, "flt_diag.__main__": 7,
+LAYERS = {  # folder (module-name prefix) -> layer; "flt_diag" itself matches only the package's __init__
+    "flt_diag.vocab": 0, "flt_diag.storage": 1, "flt_diag.judge": 2, "flt_diag.model": 3, "flt_diag.data": 4,
+    "flt_diag.training": 5, "flt_diag.grids": 6, "flt_diag.results": 7, "flt_diag.cli": 8, "flt_diag.__main__": 8,
 }
+ROOT, ROOT_LAYER = "flt_diag", 8
+TORCH_FREE = ("flt_diag.vocab", "flt_diag.storage", "flt_diag.judge", "flt_diag.results")
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 60
 
 
@@ -58,8 +54,8 @@ MODULES = modules()
 
 
 def resolve(name: str) -> str:
-    """The flt_diag module an imported name lives in (`flt_diag.analysis.storage.load_config` ->
-    `flt_diag.analysis.storage`; `from flt_diag.analysis import storage` -> the submodule)."""
+    """The flt_diag module an imported name lives in (`flt_diag.storage.folders.load_config` ->
+    `flt_diag.storage.folders`; `from flt_diag.storage import folders` -> the submodule)."""
     while name not in MODULES:
         name = name.rpartition(".")[0]
     return name
@@ -82,14 +78,23 @@ def imports(module: str) -> set[tuple[str, int]]:
 GRAPH = {m: imports(m) for m in MODULES}
 
 
-def layer(module: str) -> int:
-    return LAYERS[max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)]
+def layer(module: str) -> int | None:
+    """The layer of a module: its folder's (the package's own __init__ is the API layer); None if none."""
+    if module == ROOT:
+        return ROOT_LAYER
+    owners = [p for p in LAYERS if module == p or module.startswith(p + ".")]
+    return LAYERS[max(owners, key=len)] if owners else None
 
 
 def test_the_layer_table_knows_every_module():
-    assert all(layer(m) in range(8) for m in MODULES)
-    assert layer("flt_diag.model.variants") == 0 and layer("flt_diag.model.transformer") == 4
-    assert layer("flt_diag.analysis.figures.map") == 1 and layer("flt_diag.cli.app") == 7
+    unknown = [m for m in MODULES if layer(m) is None]
+    assert not unknown, f"modules in no layer (add their folder to LAYERS): {unknown}"
+
+
+def test_a_module_outside_every_layer_folder_is_in_no_layer():
+    assert layer("flt_diag.somewhere_new") is None and layer("flt_diag.settle") is None
+    assert layer("flt_diag.vocab.variants") == 0 and layer("flt_diag.model.transformer") == 3
+    assert layer("flt_diag.results.figures.map") == 7 and layer("flt_diag.cli.app") == 8 and layer("flt_diag") == 8
 
 
 def test_no_module_imports_a_layer_above_its_own():
@@ -123,18 +128,18 @@ def find_cycle() -> list[str] | None:
 
 
 def test_the_cycle_finder_finds_a_cycle_it_is_given(monkeypatch):
-    monkeypatch.setitem(GRAPH, "flt_diag.config", GRAPH["flt_diag.config"] | {("flt_diag.cli.app", 1)})
+    monkeypatch.setitem(GRAPH, "flt_diag.vocab.config", GRAPH["flt_diag.vocab.config"] | {("flt_diag.cli.app", 1)})
     cycle = find_cycle()
-    assert cycle and cycle[0] == cycle[-1] and "flt_diag.config" in cycle
+    assert cycle and cycle[0] == cycle[-1] and "flt_diag.vocab.config" in cycle
 
 
 def test_no_import_cycle_between_modules_type_only_imports_included():
     assert find_cycle() is None, " -> ".join(find_cycle())
 
 
-def test_every_analysis_module_imports_without_torch():
-    names = sorted(m for m in MODULES if layer(m) == 1 and m.startswith("flt_diag.analysis"))
-    assert len(names) > 10
+def test_every_torch_free_module_imports_without_torch():
+    names = sorted(m for m in MODULES if m.startswith(TORCH_FREE))
+    assert len(names) > 25
     code = (f"import importlib, sys\nfor name in {names!r}:\n    importlib.import_module(name)\n"
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.split('.')[0] == 'torch')")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -13,12 +13,12 @@ import pandas as pd
 import pytest
 
 from fake_runs import EXPECTED_VERDICTS, make_run, make_sweep
-from flt_diag.analysis import metric_names as M
-from flt_diag.analysis import figures as P
-from flt_diag.analysis.figures import depth
-from flt_diag.analysis.results import OSC_COLUMNS
-from flt_diag.analysis.report import write_report
-from flt_diag.analysis.storage import CELLS, StorageError, read_json, write_json
+from flt_diag.storage import metric_names as M
+from flt_diag.results import figures as P
+from flt_diag.results.figures import depth
+from flt_diag.results.tables import OSC_COLUMNS
+from flt_diag.results.report import write_report
+from flt_diag.storage.folders import CELLS, StorageError, read_json, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

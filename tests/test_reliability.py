@@ -13,7 +13,7 @@ import torch
 
 from conftest import tiny_config
 from flt_diag.cli import main
-from flt_diag.analysis.storage import StorageError, folder_lock
+from flt_diag.storage.folders import StorageError, folder_lock
 
 
 def _snapshot(folder: Path) -> dict:
@@ -44,7 +44,7 @@ def test_a_second_sweep_on_the_same_folder_is_refused(tmp_path, capsys):
 
 def test_the_lock_of_a_dead_process_is_free(tmp_path):
     folder = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "-c", "import sys, time; from flt_diag.analysis.storage import folder_lock\n"
+    p = subprocess.Popen([sys.executable, "-c", "import sys, time; from flt_diag.storage.folders import folder_lock\n"
                           f"with folder_lock({str(folder)!r}):\n    print('held', flush=True); time.sleep(60)"],
                          stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "held"
@@ -275,7 +275,7 @@ def test_report_into_a_folder_is_refused_without_leftovers(tmp_path, capsys):
 
 
 def test_a_failed_write_leaves_no_temporary_file(tmp_path):
-    from flt_diag.analysis.storage import atomic_path
+    from flt_diag.storage.folders import atomic_path
     with pytest.raises(OSError):
         with atomic_path(tmp_path / "x.csv") as tmp:
             tmp.write_text("half")
@@ -294,7 +294,7 @@ def test_kill_9_of_a_sweep_and_an_immediate_restart_give_the_uninterrupted_resul
     """The sweep's parent is killed with SIGKILL mid-way and the same command is run again at once:
     every cell ends with exactly the metrics of an uninterrupted sweep (no duplicated row, the same
     final loss) - the workers died with their parent and released their folders."""
-    from flt_diag.analysis.storage import load_metrics, load_summary
+    from flt_diag.storage.folders import load_metrics, load_summary
     args = ["run-ablation", "--variants", "lt", "flt", "--loops", "2", "--steps", "150", "--device", "cpu",
             "--workers", "2", "--quiet"]
     cmd = [sys.executable, "-m", "flt_diag.cli", *args]

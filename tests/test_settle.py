@@ -9,12 +9,12 @@ import sys
 import pytest
 
 from conftest import tiny_config
-from flt_diag import settle as S
-from flt_diag.analysis.early_warning import PACKAGED
+from flt_diag.training import settle as S
+from flt_diag.judge.early_warning import PACKAGED
 
 
 def test_settling_a_run_config_from_options_imports_no_torch():
-    code = ("import sys; from flt_diag.settle import run_config\n"
+    code = ("import sys; from flt_diag.training.settle import run_config\n"
             "cfg = run_config(dict(preset='tiny', loops=6, steps=7, device='cpu'))\n"
             "assert (cfg.model.loops, cfg.train.steps, cfg.model.vocab_size, cfg.train.device) == (6, 7, 256, 'cpu')\n"
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))")

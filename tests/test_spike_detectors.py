@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fake_runs import make_sweep
-from flt_diag.analysis.spike_detectors import detector_sweep, kill_loss_spike, lightning_spike
+from flt_diag.judge.spike_detectors import detector_sweep, kill_loss_spike, lightning_spike
 from flt_diag.cli import main
 
 

@@ -6,10 +6,10 @@ import pandas as pd
 import pytest
 
 from conftest import tiny_config
-from flt_diag.analysis.map_results import AXES, CRITERIA, bracket, critical_values
-from flt_diag.grid_config import MAP_AXES, MAP_CRITERIA, geometric_grid
+from flt_diag.judge.map_boundaries import AXES, CRITERIA, bracket, critical_values
+from flt_diag.vocab.grid_options import MAP_AXES, MAP_CRITERIA, geometric_grid
 from flt_diag.grids.stability_map import MapSpec, run_map, search
-from flt_diag.analysis.storage import CELLS, SUMMARY, write_json
+from flt_diag.storage.folders import CELLS, SUMMARY, write_json
 
 
 def test_geometric_grid():
@@ -88,8 +88,8 @@ class Synthetic:
         t = self.thresholds[cell.variant] * (1 + 0.1 * cell.seed)
         cfg = tiny_config(variant=cell.variant, loops=cell.loops, seed=cell.seed, lr_scale=cell.lr_scale, steps=10)
         write_json(d / "config.json", cfg.to_dict())
-        from flt_diag.analysis.metrics import summarize
-        from flt_diag.analysis.storage import MetricsWriter, load_metrics
+        from flt_diag.judge.verdict import summarize
+        from flt_diag.storage.folders import MetricsWriter, load_metrics
         w = MetricsWriter(d)
         for step in range(10):
             w.add(step, "loss", -1, -1, 3.0 - 0.1 * step)
@@ -152,7 +152,7 @@ class LowEndBreaks(Synthetic):
     def __call__(self, base, cell, out):
         result = super().__call__(base, cell, out)
         if cell.lr_scale == 1:
-            from flt_diag.analysis.storage import read_json
+            from flt_diag.storage.folders import read_json
             d = Path(out) / CELLS / cell.name
             write_json(d / SUMMARY, read_json(d / SUMMARY) | dict(verdict="collapsed"))
         return result
@@ -178,7 +178,7 @@ class BreaksAt(Synthetic):
     def __call__(self, base, cell, out):
         result = super().__call__(base, cell, out)
         if cell.lr_scale in self.extra.get(cell.variant, ()):
-            from flt_diag.analysis.storage import read_json
+            from flt_diag.storage.folders import read_json
             d = Path(out) / CELLS / cell.name
             write_json(d / SUMMARY, read_json(d / SUMMARY) | dict(verdict="collapsed"))
         return result
@@ -187,7 +187,7 @@ class BreaksAt(Synthetic):
 def test_the_map_figure_draws_a_non_monotone_line_where_it_first_breaks(tmp_path):
     """LT breaks at 1 (the grid's lowest), holds at 2-8, breaks from 16: drawn below the grid. FLT holds at
     1, breaks at 2, holds at 4-8, breaks from 16: drawn in (1, 2]. Both wear the ring; FLA (monotone) not."""
-    from flt_diag.analysis.figures.map import fig_map, map_data
+    from flt_diag.results.figures.map import fig_map, map_data
     spec = _spec(variants=["lt", "fla", "flt"], loops=[6], seeds=[0], grid=[1, 2, 4, 8, 16], criteria=["training"])
     runner = BreaksAt({"lt": 10, "fla": 3, "flt": 10}, {"lt": (1,), "flt": (2,)})
     table = run_map(spec, tmp_path / "m", runner=runner, report=lambda s: None, probe_ends=True)
@@ -196,7 +196,7 @@ def test_the_map_figure_draws_a_non_monotone_line_where_it_first_breaks(tmp_path
             cell = spec.cell(next(line for line in spec.lines() if line.variant == v), value)
             if not (tmp_path / "m" / CELLS / cell.name / SUMMARY).exists():
                 runner(spec.base.to_dict(), cell, str(tmp_path / "m"))
-    from flt_diag.analysis.map_results import boundaries
+    from flt_diag.judge.map_boundaries import boundaries
     table = boundaries(tmp_path / "m").set_index("variant")
     assert table.status.to_dict() == {"lt": "non-monotone", "fla": "found", "flt": "non-monotone"}
     df = map_data(tmp_path / "m").set_index("variant")
@@ -212,13 +212,13 @@ def test_the_map_figure_draws_a_non_monotone_line_where_it_first_breaks(tmp_path
 
 def test_another_map_on_the_same_folder_is_refused(tmp_path):
     run_map(_spec(loops=[6], seeds=[0]), tmp_path / "m", runner=Synthetic({"lt": 1, "flt": 2}), report=lambda s: None)
-    from flt_diag.analysis.storage import StorageError
+    from flt_diag.storage.folders import StorageError
     with pytest.raises(StorageError, match="differs in"):
         run_map(_spec(loops=[12], seeds=[0]), tmp_path / "m", runner=Synthetic({"lt": 1, "flt": 2}), report=lambda s: None)
 
 
 def test_map_figure_draws_from_the_folder(tmp_path):
-    from flt_diag.analysis.figures.map import fig_map, map_data
+    from flt_diag.results.figures.map import fig_map, map_data
     run_map(_spec(), tmp_path / "m", runner=Synthetic({"lt": 1.3, "flt": 9.0}), report=lambda s: None)
     df = map_data(tmp_path / "m")
     assert len(df) == 2 * 2 * 2  # criteria x variants x loops

@@ -6,7 +6,7 @@ import pytest
 from conftest import tiny_config
 from flt_diag.grids import sweep as S
 from flt_diag.cli import main
-from flt_diag.analysis.storage import StorageError, load_summary
+from flt_diag.storage.folders import StorageError, load_summary
 from flt_diag.training.trainer import Callback, Trainer
 
 
@@ -107,7 +107,7 @@ def test_killed_cell_is_resumed_and_others_skipped(tmp_path):
     assert len(df) == 2 and (df.steps_done == 4).all()
     # the resumed cell equals an uninterrupted run of the same config
     Trainer(sp.cell_config(first), tmp_path / "straight").fit()
-    from flt_diag.analysis.storage import load_metrics
+    from flt_diag.storage.folders import load_metrics
     assert load_metrics(tmp_path / "straight").equals(load_metrics(tmp_path / "sw" / "cells" / first.name))
 
 
@@ -211,7 +211,8 @@ def test_parallel_workers_take_the_longest_cells_first():
 def test_sweep_prints_status_lines_where_stdout_is_not_a_terminal(tmp_path, capsys, monkeypatch):
     """In a log file (no terminal for the bar) the sweep says how far it is, not only when a cell ends."""
     from conftest import tiny_config
-    from flt_diag.grids.sweep import SweepMonitor, SweepSpec, run_sweep
+    from flt_diag.grids.progress import SweepMonitor
+    from flt_diag.grids.sweep import SweepSpec, run_sweep
     monkeypatch.setattr(SweepMonitor, "heartbeat", 0.0)
     run_sweep(SweepSpec(tiny_config(steps=12), ["lt"], [2], [0], [1.0]), tmp_path / "sw", workers=1,
               show_progress=True)
@@ -223,7 +224,8 @@ def test_sweep_prints_status_lines_where_stdout_is_not_a_terminal(tmp_path, caps
 
 def test_the_sweep_prints_one_estimate_of_its_total_time_from_its_first_steps(tmp_path, capsys, monkeypatch):
     from conftest import tiny_config
-    from flt_diag.grids.sweep import SweepMonitor, SweepSpec, run_sweep
+    from flt_diag.grids.progress import SweepMonitor
+    from flt_diag.grids.sweep import SweepSpec, run_sweep
     monkeypatch.setattr(SweepMonitor, "estimate_after", 0.0)
     run_sweep(SweepSpec(tiny_config(steps=6), ["lt", "flt"], [2, 4], [0], [1.0]), tmp_path / "sw", workers=1,
               show_progress=True)
@@ -232,8 +234,8 @@ def test_the_sweep_prints_one_estimate_of_its_total_time_from_its_first_steps(tm
 
 
 def test_the_estimate_extrapolates_the_work_done_weighted_by_loops_and_depth(monkeypatch):
-    from flt_diag.analysis.cells import Cell
-    from flt_diag.grids.sweep import SweepMonitor
+    from flt_diag.storage.cells import Cell
+    from flt_diag.grids.progress import SweepMonitor
     cells = [Cell(0, "lt", 2, 0, 1.0), Cell(1, "lt", 6, 0, 1.0, depth=3)]  # 2x100 and 18x100 units of work
     m = SweepMonitor(Path("/nonexistent"), cells, 100, enabled=False)
     printed = []

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from flt_diag.cli import main
-from flt_diag.analysis.storage import LOCK, StorageError, atomic_write_text, folder_lock
+from flt_diag.storage.folders import LOCK, StorageError, atomic_write_text, folder_lock
 
 TRAIN = ["train", "--steps", "3", "--device", "cpu", "--preset", "tiny", "--loops", "2", "--depth", "1"]
 PRECIOUS = "a colleague's notes\n"

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from flt_diag.analysis import metric_names as M
+from flt_diag.storage import metric_names as M
 from flt_diag.cli import main
 from flt_diag.model.transformer import LoopedTransformer
 from flt_diag.training.optim import build_optimizers, lr_multiplier
-from flt_diag.analysis.storage import load_metrics, load_summary, series
+from flt_diag.storage.folders import load_metrics, load_summary, series
 from flt_diag.training.trainer import Callback, Trainer, train
 from numerics import assert_close64
 
@@ -135,8 +135,8 @@ def test_settling_gives_a_copy_and_the_trainer_refuses_an_unsettled_config(tmp_p
     """settle() puts the tokenizer's vocabulary (bytes: 256) into a copy and leaves the config given
     as it was. The Trainer settles nothing itself: a config that did not come through settle (a
     vocabulary other than the tokenizer's, device auto) is refused before anything is written."""
-    from flt_diag.config import with_overrides
-    from flt_diag.settle import settle
+    from flt_diag.vocab.config import with_overrides
+    from flt_diag.training.settle import settle
     cfg = tiny_config(loops=1, steps=2, diagnostics=dict(enabled=False))
     cfg.model.vocab_size = 999  # not what the tokenizer gives
     before = cfg.to_dict()
@@ -182,8 +182,8 @@ def test_ddp_two_gloo_processes_equal_one_process_on_the_concatenated_batch(tmp_
     training and when the summary is recomputed."""
     import multiprocessing
     import socket
-    from flt_diag.analysis.metrics import resummarize, tokens_per_step
-    from flt_diag.analysis.storage import load_config
+    from flt_diag.judge.verdict import resummarize, tokens_per_step
+    from flt_diag.storage.folders import load_config
     from numerics import U32, fp32_positive_sum_rtol
 
     cfg = tiny_config(variant="flt", loops=2, steps=3, batch_size=4, optimizer="adamw", seed=5)
@@ -319,7 +319,7 @@ def test_cli_half_written_run_folder(tmp_path, capsys):
 
 
 def test_compilation_is_wanted_on_cuda_and_on_a_cpu_only_for_long_runs(monkeypatch):
-    from flt_diag.training import parallel as P
+    from flt_diag.training import compile_precision as P
     monkeypatch.setattr(P, "cpu_compiler_available", lambda: True)
     assert P.compile_wanted(None, "cuda", 10) and not P.compile_wanted(None, "cpu", P.COMPILE_MIN_STEPS_CPU - 1)
     assert P.compile_wanted(None, "cpu", P.COMPILE_MIN_STEPS_CPU) and not P.compile_wanted(False, "cpu", 10**6)

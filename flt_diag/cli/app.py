@@ -26,13 +26,13 @@ import typer.rich_utils
 from rich.markup import escape
 from typer.core import TyperCommand
 
-from flt_diag.analysis.figures import FIGURES
-from flt_diag.analysis.storage import StorageError
+from flt_diag.results.figures import FIGURES
+from flt_diag.storage.folders import StorageError
 from flt_diag.cli.commands import COMMANDS, cmd_plot
 from flt_diag.cli.console import progress_bar
 from flt_diag.cli.options import (POSITIONALS, SECTION_TITLES, Positional, UserError, check_values, command_options,
                                   default_text)
-from flt_diag.config import Option
+from flt_diag.vocab.config import Option
 from flt_diag.data.corpus import DataError
 
 DESCRIPTION = "Train looped-transformer variants, record why they collapse, and plot it."

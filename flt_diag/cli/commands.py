@@ -1,7 +1,7 @@
 """The `flt-diag` commands: each a short function of its checked option values (`Option.dest` ->
 value) that calls into the layers below and prints through flt_diag.cli.console and .output.
 
-A training command settles its config once (flt_diag.settle, directly or through the grid specs of
+A training command settles its config once (flt_diag.training.settle, directly or through the grid specs of
 flt_diag.cli.specs) and hands it down; nothing below settles or validates it again. `COMMANDS` names
 each command's function; its arguments and options are flt_diag.cli.options', its parser
 flt_diag.cli.app's.
@@ -13,27 +13,30 @@ from pathlib import Path
 
 import pandas as pd
 
-from flt_diag.analysis.files import load_predictor
-from flt_diag.analysis import early_warning as EW
-from flt_diag.analysis import predictor_fit as FIT
-from flt_diag.analysis.figures.agreement import draw_agreement
-from flt_diag.analysis.figures import plot, save as save_figure
-from flt_diag.analysis.metrics import resummarize
-from flt_diag.analysis.results import pooled_summary
-from flt_diag.analysis.spike_detectors import detector_sweep
-from flt_diag.analysis.report import write_report
-from flt_diag.analysis.storage import CHECKPOINT, StorageError, atomic_write_text, is_sweep, load_summary, run_dirs, write_json
+from flt_diag.storage.files import load_predictor
+from flt_diag.judge import early_warning as EW
+from flt_diag.results import predictor_fit as FIT
+from flt_diag.results.figures.agreement import draw_agreement
+from flt_diag.results.figures import plot, save as save_figure
+from flt_diag.judge.verdict import resummarize
+from flt_diag.results.tables import pooled_summary
+from flt_diag.judge.spike_detectors import detector_sweep
+from flt_diag.results.report import write_report
+from flt_diag.storage.folders import CHECKPOINT, StorageError, atomic_write_text, is_sweep, load_summary, run_dirs, write_json
 from flt_diag.cli.output import (fit_command, print_critical_values, print_cross_validation, print_eval_loops,
                                   print_failed_cells, print_fitted, print_map_plan, print_model_line, print_online, print_detectors,
                                   print_predictions_at)
 from flt_diag.cli.console import console_progress, print_run_summary, print_sweep_table, progress_bar
 from flt_diag.cli.options import FOLDER_OPTIONS, UserError, check_values, command_options, config_options
 from flt_diag.cli.specs import load_study, map_spec, sweep_spec
-from flt_diag.analysis.map_results import critical_values, unfinished
+from flt_diag.judge.map_boundaries import critical_values, unfinished
 from flt_diag.grids.stability_map import run_map
-from flt_diag.grids.sweep import auto_workers, cell_status, only, run_sweep, sweep_summary, write_summary
-from flt_diag.model.variants import VARIANT_DESCRIPTIONS
-from flt_diag.settle import check_data, choose_device, run_config
+from flt_diag.grids.progress import cell_status
+from flt_diag.grids.sweep import only, run_sweep
+from flt_diag.judge.summary_table import sweep_summary, write_summary
+from flt_diag.grids.worker_pool import auto_workers
+from flt_diag.vocab.variants import VARIANT_DESCRIPTIONS
+from flt_diag.training.settle import check_data, choose_device, run_config
 
 
 def cmd_train(v: dict) -> int:

@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from flt_diag.analysis import comparison
-from flt_diag.analysis.results import seed_table
+from flt_diag.judge import peers as comparison
+from flt_diag.results.tables import seed_table
 
 
 class _ConsoleProgress:

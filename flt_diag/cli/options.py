@@ -1,7 +1,7 @@
 """Which command takes which option: the one place that knows the commands' names and arguments.
 
-Every training option is a field of a config section (flt_diag.config) and every grid option a field
-of SweepGrid, MapLinesGrid or MapGrid (flt_diag.grid_config), each with its help, flag, bounds and choices; the commands' own
+Every training option is a field of a config section (flt_diag.vocab.config) and every grid option a field
+of SweepGrid, MapLinesGrid or MapGrid (flt_diag.vocab.grid_options), each with its help, flag, bounds and choices; the commands' own
 options (output folders, workers, ...) are made here with `cli_opt`. `command_options(command)` lists
 a command's options in help order: the typer command line (flt_diag.cli.app), the study files
 (flt_diag.cli.specs) and the option table (docs/cli.md, flt_diag.cli.table) are generated from it.
@@ -12,11 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import NamedTuple
 
-from flt_diag.analysis import early_warning as EW
-from flt_diag.analysis import predictor_fit as FIT
-from flt_diag.config import OPTIONS, PRESETS, Option, options_of
-from flt_diag.grid_config import MapGrid, MapLinesGrid, SweepGrid
-from flt_diag.model.variants import MAX_LOOPS
+from flt_diag.judge import early_warning as EW
+from flt_diag.results import predictor_fit as FIT
+from flt_diag.vocab.config import OPTIONS, PRESETS, Option, options_of
+from flt_diag.vocab.grid_options import MapGrid, MapLinesGrid, SweepGrid
+from flt_diag.vocab.variants import MAX_LOOPS
 
 SECTION_TITLES = {"run": "preset", "model": "model", "train": "training", "diagnostics": "diagnostics",
                   "verdict": "verdict thresholds", "sweep": "sweep grid", "map": "map grid", "cli": "this command"}
@@ -46,7 +46,7 @@ def cli_opt(flag: str, kind: type, help: str, default=None, *, many=False, low=N
 # ------------------------------------------------------------------ config and grid options
 
 TRAINING_COMMANDS = ("train", "run-ablation", "map")
-SET_BY_SETTLING = {("model", "vocab_size")}  # the tokenizer's (flt_diag.settle), never given
+SET_BY_SETTLING = {("model", "vocab_size")}  # the tokenizer's (flt_diag.training.settle), never given
 ONE_RUN = {("model", "variant"), ("model", "loops"), ("train", "seed")}  # the grids take lists instead
 GRID_OPTIONS = {"run-ablation": options_of(SweepGrid, "sweep"),
                 "map": options_of(MapLinesGrid, "map") + options_of(MapGrid, "map")}
@@ -80,7 +80,7 @@ PROBE_ENDS = cli_opt("--probe-ends", bool, "First probe both ends of the grid on
 FOLDER_OPTIONS = [WORKERS, LIST, CELL, QUIET]
 
 FIT_PREDICTOR = [
-    cli_opt("--out", Path, "Predictor JSON to write (flt_diag/analysis/early_warning.json is the packaged one).",
+    cli_opt("--out", Path, "Predictor JSON to write (flt_diag/judge/early_warning.json is the packaged one).",
             optional=False),
     cli_opt("--at", int, "Steps to fit a model at.", [100, 200, 300, 500], many=True, low=1, optional=False),
     cli_opt("--l2", float, "L2 penalty of the logistic regression.", 1.0, above=0, optional=False),

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from flt_diag.analysis.early_warning import CHECK_EVERY, agreement
-from flt_diag.analysis.predictor_fit import DEFAULT_FEATURES
-from flt_diag.analysis.spike_detectors import DETECTORS
+from flt_diag.judge.early_warning import CHECK_EVERY, agreement
+from flt_diag.results.predictor_fit import DEFAULT_FEATURES
+from flt_diag.judge.spike_detectors import DETECTORS
 
 
 def print_model_line(model, n_params: int) -> None:

@@ -1,6 +1,6 @@
 """A sweep's or a map's spec from option values (from the command line or a study file).
 
-The base config of the grid is settled once (flt_diag.settle.run_config) with the grid's first cell;
+The base config of the grid is settled once (flt_diag.training.settle.run_config) with the grid's first cell;
 SweepSpec and MapSpec take it as given and check every cell before anything runs. `settled=False`
 (for `--list`, which runs nothing) checks every option but loads no tokenizer.
 """
@@ -9,11 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from flt_diag.cli.options import FOLDER_OPTIONS, command_options
-from flt_diag.grid_config import MapGrid
+from flt_diag.vocab.grid_options import MapGrid
 from flt_diag.grids.stability_map import MapSpec
 from flt_diag.grids.sweep import SweepSpec, cell_config
-from flt_diag.model.variants import VARIANTS
-from flt_diag.settle import run_config, unsettled_config
+from flt_diag.vocab.variants import VARIANTS
+from flt_diag.training.settle import run_config, unsettled_config
 
 def sweep_spec(v: dict, settled: bool = True) -> SweepSpec:
     """The SweepSpec of run-ablation option values."""
@@ -53,7 +53,7 @@ def study_tables() -> dict[str, list]:
 def load_study(path: Path) -> tuple[str, dict]:
     """A study file -> (command, option values): its one [ablation] or [map] table, whose keys are
     the command's option names (`lr_scale`, `seq_len`, ...), checked like command-line options
-    (flt_diag.analysis.files.load_study: a bad value is one line naming the file and the key)."""
-    from flt_diag.analysis.files import load_study as load_checked
+    (flt_diag.storage.files.load_study: a bad value is one line naming the file and the key)."""
+    from flt_diag.storage.files import load_study as load_checked
     table, values = load_checked(path, study_tables())
     return STUDY_TABLES[table], values

@@ -16,7 +16,7 @@ by hub name or by the path of a tokenizer.json (needs the `tokenizers` package).
 
 Tokens are cached as flat memory-mapped arrays under $FLT_DIAG_CACHE (default
 ~/.cache/flt-diag) and reused by every later run. Batches of them are flt_diag.data.batches (torch);
-this module imports no torch, so that settling a config (flt_diag.settle) can read tokenizers and
+this module imports no torch, so that settling a config (flt_diag.training.settle) can read tokenizers and
 check corpora without it.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ from urllib.parse import urlparse
 import numpy as np
 from huggingface_hub import hf_hub_download
 
-from flt_diag.analysis.storage import atomic_path, atomic_write_text
+from flt_diag.storage.folders import atomic_path, atomic_write_text
 
 VAL_EVERY = 20  # documents (or files) whose stable hash % VAL_EVERY == 0 form the validation split
 LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from flt_diag.config import TASKS
+from flt_diag.vocab.config import TASKS
 from flt_diag.data.corpus import DataError, TokenData, load_tokens, resolve_corpus
 from flt_diag.data.tasks import TaskData, load_task, make_task
 

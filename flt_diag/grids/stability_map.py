@@ -21,7 +21,7 @@ search state is never stored: it is replayed from the finished cells, so a kille
 it stopped and no probe runs twice. Lines are independent: `--workers` runs lines in parallel and a
 job array gives each task one line (`--cell I`).
 
-The boundary tables are pure functions of the folder: flt_diag/analysis/map_results.py (torch-free),
+The boundary tables are pure functions of the folder: flt_diag/judge/map_boundaries.py (torch-free),
 which also holds the criteria and the lines; this module runs the search.
 """
 from __future__ import annotations
@@ -36,23 +36,24 @@ from typing import Callable
 
 import pandas as pd
 
-from flt_diag.analysis.map_results import (AXES, CRITERIA, MAP_CSV, Line, MapLines, boundaries, bracket,
+from flt_diag.judge.map_boundaries import (AXES, CRITERIA, MAP_CSV, Line, MapLines, boundaries, bracket,
                                            probe_outcomes)
-from flt_diag.analysis.storage import CELLS, StorageError, atomic_path, folder_lock, load_summary
-from flt_diag.config import RunConfig, check
-from flt_diag.grid_config import MapLinesGrid
-from flt_diag.grids.sweep import die_with_parent, only, prepare_spec_folder, run_cell, write_summary
-from flt_diag.settle import comparable
+from flt_diag.storage.folders import CELLS, StorageError, atomic_path, folder_lock, load_summary
+from flt_diag.vocab.config import RunConfig, check
+from flt_diag.vocab.grid_options import MapLinesGrid
+from flt_diag.grids.sweep import only, prepare_spec_folder, run_cell, write_summary
+from flt_diag.grids.worker_pool import die_with_parent
+from flt_diag.training.settle import comparable
 
 
 @dataclass
 class MapSpec(MapLinesGrid, MapLines):
-    """What a map searches (its fields: flt_diag.grid_config.MapLinesGrid): lines (variants x loops x
+    """What a map searches (its fields: flt_diag.vocab.grid_options.MapLinesGrid): lines (variants x loops x
     seeds), one axis and its grid, the criteria. `base` is the RunConfig of line 0 (the axis field and
     each line's fields are replaced per probe)."""
 
     def __post_init__(self):
-        check(self)  # every option field against its bounds and choices (flt_diag.config)
+        check(self)  # every option field against its bounds and choices (flt_diag.vocab.config)
         if self.axis not in AXES:
             raise ValueError(f"axis must be one of {', '.join(AXES)}, got {self.axis!r}")
         for c in self.criteria:

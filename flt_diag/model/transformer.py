@@ -24,8 +24,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from flt_diag.config import ModelConfig  # noqa: F401 (re-exported)
-from flt_diag.model.variants import MAX_LOOPS, VARIANT_DESCRIPTIONS, VARIANTS, VariantRule  # noqa: F401 (re-exported)
+from flt_diag.vocab.config import ModelConfig  # noqa: F401 (re-exported)
+from flt_diag.vocab.variants import MAX_LOOPS, VARIANT_DESCRIPTIONS, VARIANTS, VariantRule  # noqa: F401 (re-exported)
 
 
 
@@ -110,7 +110,7 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm block in two residual halves: x + attn(norm(x)), then x + mlp(norm(x)). With `query`
     given, attention takes its Q from norm(query). Each half is one unit for torch.compile
-    (flt_diag.training.parallel.compile_blocks); `after_attn`, an identity between them, is the hook
+    (flt_diag.training.compile_precision.compile_blocks); `after_attn`, an identity between them, is the hook
     point for the stream after the attention add (its gradient is the attention output's gradient)."""
 
     def __init__(self, cfg: ModelConfig):

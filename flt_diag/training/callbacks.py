@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from flt_diag.analysis.storage import PROGRESS, MetricsWriter, write_json
+from flt_diag.storage.folders import PROGRESS, MetricsWriter, write_json
 
 Trainer = Any  # the running flt_diag.training.trainer.Trainer; not imported, since the Trainer imports its callbacks
 

@@ -7,7 +7,7 @@ always `weights_only=True` - tensors, numbers, strings and containers, never cod
 
 resume.pt: {step (the next step to train), wall_time, model, optimizers: [state_dict per optimizer],
 callbacks: {name: state_dict} of the Trainer's callbacks}. It is checked against the run that resumes
-it (flt_diag.analysis.files.check_resume_state: keys, shapes, the step) before any of it is loaded.
+it (flt_diag.storage.files.check_resume_state: keys, shapes, the step) before any of it is loaded.
 Callbacks are matched by name (`callback_names`): a callback the resumed run adds (`--warn`, which may
 change on reuse) starts without state, one it drops is ignored. (Older files hold a list, matched by
 position.)
@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from flt_diag.training.callbacks import Callback, checkpoint_due
-from flt_diag.analysis.files import check_resume_state
-from flt_diag.analysis.storage import CHECKPOINT, RESUME, StorageError, atomic_path
+from flt_diag.storage.files import check_resume_state
+from flt_diag.storage.folders import CHECKPOINT, RESUME, StorageError, atomic_path
 
 
 def load(path, map_location="cpu"):

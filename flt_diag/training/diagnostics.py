@@ -1,5 +1,5 @@
 """Diagnostics attached from outside the model: forward hooks, tensor (backward) hooks, and a
-training callback. Definitions: DESIGN.md §3 and flt_diag.analysis.metric_names.
+training callback. Definitions: DESIGN.md §3 and flt_diag.storage.metric_names.
 
 `LoopHooks` is a context manager that always removes its hooks. A forward of the model arms it
 once (`arm()`); during that forward every block output is recorded under (loop, layer), where
@@ -8,7 +8,7 @@ Forwards that were not armed - further micro-batches, evaluation, and the recomp
 activation checkpointing runs during backward - record nothing, so nothing is counted twice.
 
 Supported: eager CPU/GPU, activation checkpointing (non-reentrant), torch.compile of the blocks
-(flt_diag.training.parallel.compile_blocks keeps hooks outside compiled code), and DDP (hooks see the
+(flt_diag.training.compile_precision.compile_blocks keeps hooks outside compiled code), and DDP (hooks see the
 local micro-batch of each rank; parameter gradients are read after the all-reduce; rank 0 writes).
 """
 from __future__ import annotations
@@ -17,9 +17,9 @@ import math
 
 import torch
 
-from flt_diag.analysis import metric_names as M
+from flt_diag.storage import metric_names as M
 from flt_diag.training.callbacks import Callback
-from flt_diag.config import DiagnosticsConfig
+from flt_diag.vocab.config import DiagnosticsConfig
 from flt_diag.model.transformer import LoopedTransformer, parameter_groups
 
 

@@ -16,9 +16,9 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from flt_diag.analysis import metric_names as M
-from flt_diag.analysis.storage import CHECKPOINT, EVAL_LOOPS, StorageError, atomic_path, load_config
-from flt_diag.config import RunConfig
+from flt_diag.storage import metric_names as M
+from flt_diag.storage.folders import CHECKPOINT, EVAL_LOOPS, StorageError, atomic_path, load_config
+from flt_diag.vocab.config import RunConfig
 from flt_diag.data.sources import load_split
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig
 from flt_diag.training.checkpoint import load
@@ -123,7 +123,7 @@ def _final_model(run_dir: Path, device: str):
     ckpt_path = run_dir / CHECKPOINT
     if not ckpt_path.exists():
         raise StorageError(f"{run_dir} has no {CHECKPOINT} (has the run finished?)")
-    from flt_diag.analysis.files import check_checkpoint
+    from flt_diag.storage.files import check_checkpoint
     ckpt = check_checkpoint(load(ckpt_path, map_location=device), ckpt_path)  # sizes bounded before the model is built
     try:
         model = LoopedTransformer(ModelConfig(**ckpt["model_config"])).to(device)

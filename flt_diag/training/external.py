@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from flt_diag.training.callbacks import Callback
-from flt_diag.analysis.metric_names import NONE
+from flt_diag.storage.metric_names import NONE
 
 
 def tag(metric: str, loop: int, layer: int) -> str:

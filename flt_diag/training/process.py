@@ -13,7 +13,7 @@ import numpy
 import pandas
 import torch
 
-from flt_diag.config import RunConfig
+from flt_diag.vocab.config import RunConfig
 
 
 def environment(device: torch.device) -> dict:

@@ -1,14 +1,300 @@
-"""Writing an imported reference model as a run folder (`flt-diag import-reference`): the conversion
-itself is flt_diag/model/reference.py; this module adds the folder (config.json + checkpoint.pt) that
-`flt-diag eval-loops` reads, and so sits with the checkpoint code."""
+"""Import and export checkpoints of the reference implementation (built on karpathy/nanochat): the
+state-dict conversion both ways, the reading of a nanochat checkpoint folder, and the run folder an
+imported model is written to (`flt-diag import-reference`, read back by `flt-diag eval-loops`).
+
+Reference layout (DESIGN.md §2)               flt-diag
+    transformer.wte.weight        (Vp, d)     embed.weight          (V, d)
+    transformer.h.{i}.attn.c_q    (d, d)      blocks.{i}.attn.q
+    transformer.h.{i}.attn.c_k    (d, d)      blocks.{i}.attn.k
+    transformer.h.{i}.attn.c_v    (d, d)      blocks.{i}.attn.v
+    transformer.h.{i}.attn.c_proj (d, d)      blocks.{i}.attn.o
+    transformer.h.{i}.mlp.c_fc    (4d, d)     blocks.{i}.mlp.up
+    transformer.h.{i}.mlp.c_proj  (d, 4d)     blocks.{i}.mlp.down
+    lm_head.weight                (Vp, d)     head.weight           (V, d)
+
+The reference pads its vocabulary to a multiple of 64 (Vp >= V) and slices the logits back to V;
+here the padded rows are dropped instead, which gives the same logits. Keys may carry the prefixes
+`_orig_mod.` (torch.compile) or `module.` (DDP). Its variants are named LT, LT_i, LT_ia, FLT_res, FLT.
+
+The one deliberate difference from a model trained by flt-diag: an imported model is built with
+`rotary_dtype="bfloat16"`, because the reference keeps its rotary cos/sin tables in bfloat16
+(flt-diag's default tables are float32). Everything else is the same formulation.
+
+A nanochat checkpoint folder holds model_<step>.pt (a plain state dict) and meta_<step>.json, whose
+"model_config" has sequence_len, vocab_size, n_layer, n_head, n_kv_head, n_embd; the looped
+reference adds the loop count ("K"; also read: "n_loops", "loops", "num_loops") and the variant
+("model_type": LT, LT_i, ...; also read: "variant", "loop_type"). Explicit arguments of
+`import_reference` override the meta file.
+"""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
-from flt_diag.analysis.storage import CHECKPOINT, CONFIG, StorageError, write_json
-from flt_diag.config import RunConfig, TrainConfig
-from flt_diag.model.transformer import LoopedTransformer
+import torch
+
+from flt_diag.model.transformer import VARIANTS, LoopedTransformer, ModelConfig
 from flt_diag.training.checkpoint import save_weights
+from flt_diag.vocab.config import RunConfig, TrainConfig, padded_vocab
+from flt_diag.storage.files import META_LOOP_KEYS as LOOP_KEYS, META_VARIANT_KEYS as VARIANT_KEYS, check_reference_meta
+from flt_diag.storage.folders import CHECKPOINT, CONFIG, StorageError, read_json, write_json
+
+REFERENCE_VARIANTS: dict[str, str] = {"LT": "lt", "LT_i": "lt-ii", "LT_ia": "lt-ai", "FLT_res": "fla", "FLT": "flt"}
+PREFIXES = ("_orig_mod.", "module.")
+DEFAULT_SEQUENCE_LEN = 1024  # nanochat's GPTConfig default, used when neither meta nor caller says
+
+# per-block names: reference suffix -> flt-diag suffix
+_BLOCK_NAMES = {"attn.c_q": "attn.q", "attn.c_k": "attn.k", "attn.c_v": "attn.v", "attn.c_proj": "attn.o",
+                "mlp.c_fc": "mlp.up", "mlp.c_proj": "mlp.down"}
+_TOP_NAMES = {"transformer.wte.weight": "embed.weight", "lm_head.weight": "head.weight"}
+_BLOCK_KEY = re.compile(r"^transformer\.h\.(\d+)\.(attn\.c_q|attn\.c_k|attn\.c_v|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
+
+
+class ReferenceImportError(ValueError):
+    """A reference checkpoint that cannot be imported as asked (one line in the CLI)."""
+
+
+# --------------------------------------------------------------------------- names and shapes
+
+def variant_name(name: str) -> str:
+    """flt-diag's name for a variant given by its reference name (FLT) or flt-diag name (flt)."""
+    if name in REFERENCE_VARIANTS:
+        return REFERENCE_VARIANTS[name]
+    if name in VARIANTS:
+        return name
+    folded = {k.lower(): v for k, v in REFERENCE_VARIANTS.items()}
+    if str(name).lower() in folded:
+        return folded[str(name).lower()]
+    raise ReferenceImportError(f"unknown variant {name!r}; choose from {', '.join(REFERENCE_VARIANTS)} "
+                               f"(reference) or {', '.join(VARIANTS)}")
+
+
+def strip_prefixes(key: str) -> str:
+    """'_orig_mod.module.lm_head.weight' -> 'lm_head.weight' (prefixes may be stacked)."""
+    changed = True
+    while changed:
+        changed = False
+        for p in PREFIXES:
+            if key.startswith(p):
+                key, changed = key[len(p):], True
+    return key
+
+
+def _few(keys, n: int = 3) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:n]) + (f" (+{len(keys) - n} more)" if len(keys) > n else "")
+
+
+def _flatten(sd: dict) -> dict:
+    """The state dict with its keys' prefixes stripped; refuses an empty one and an flt-diag one."""
+    if not isinstance(sd, dict) or not sd:
+        raise ReferenceImportError("reference checkpoint: expected a non-empty state dict")
+    flat: dict[str, torch.Tensor] = {}
+    for key, value in sd.items():
+        k = strip_prefixes(str(key))
+        if k in flat:
+            raise ReferenceImportError(f"reference checkpoint: key {k!r} appears twice once prefixes are stripped")
+        flat[k] = value
+    if "embed.weight" in flat or any(k.startswith("blocks.") for k in flat):
+        raise ReferenceImportError("reference checkpoint: this looks like an flt-diag state dict "
+                                   "(embed.weight, blocks.*), not a reference one")
+    return flat
+
+
+def _check_keys(flat: dict) -> int:
+    """The number of blocks, once the keys are exactly the reference's for it and every value a matrix."""
+    layers = sorted({int(m.group(1)) for k in flat if (m := _BLOCK_KEY.match(k))})
+    n_layer = layers[-1] + 1 if layers else 0
+    expected = set(_TOP_NAMES) | {f"transformer.h.{i}.{s}.weight" for i in range(n_layer) for s in _BLOCK_NAMES}
+    missing, unexpected = expected - set(flat), set(flat) - expected
+    if missing or unexpected or n_layer == 0:
+        parts = ([f"missing {_few(missing)}"] if missing else []) + \
+                ([f"unexpected {_few(unexpected)}"] if unexpected else []) + \
+                (["no transformer.h.{i} blocks"] if n_layer == 0 else [])
+        raise ReferenceImportError("reference checkpoint: " + "; ".join(parts))
+    for k, v in flat.items():
+        if not isinstance(v, torch.Tensor) or v.dim() != 2:
+            raise ReferenceImportError(f"reference checkpoint: {k} is not a matrix")
+    return n_layer
+
+
+def _check_shapes(flat: dict, n_layer: int) -> tuple[int, int]:
+    """(padded vocabulary, n_embd) once every matrix has the shape they imply (no grouped-query attention)."""
+    wte, head = flat["transformer.wte.weight"], flat["lm_head.weight"]
+    padded, d = wte.shape
+    if head.shape != wte.shape:
+        raise ReferenceImportError(f"reference checkpoint: lm_head.weight is {tuple(head.shape)} but "
+                                   f"transformer.wte.weight is {tuple(wte.shape)}")
+    for i in range(n_layer):
+        c_q, c_k = flat[f"transformer.h.{i}.attn.c_q.weight"], flat[f"transformer.h.{i}.attn.c_k.weight"]
+        if c_k.shape[0] != c_q.shape[0] or flat[f"transformer.h.{i}.attn.c_v.weight"].shape[0] != c_q.shape[0]:
+            raise ReferenceImportError(
+                f"reference checkpoint: grouped-query attention (c_k/c_v have {c_k.shape[0]} rows, c_q "
+                f"{c_q.shape[0]}, i.e. n_kv_head != n_head) is not supported by flt-diag")
+        want = {"attn.c_q": (d, d), "attn.c_k": (d, d), "attn.c_v": (d, d), "attn.c_proj": (d, d),
+                "mlp.c_fc": (4 * d, d), "mlp.c_proj": (d, 4 * d)}
+        for s, shp in want.items():
+            got = tuple(flat[f"transformer.h.{i}.{s}.weight"].shape)
+            if got != shp:
+                raise ReferenceImportError(f"reference checkpoint: transformer.h.{i}.{s}.weight is {got}, "
+                                           f"expected {shp} for n_embd={d}")
+    return padded, d
+
+
+def convert_state_dict(sd: dict, vocab_size: int | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """A reference state dict in flt-diag's layout, and the dims it implies.
+
+    Padded vocabulary rows of the embedding and head are dropped down to `vocab_size`; without it
+    they are kept (a state dict alone does not say how many rows are padding). Tensors come back as
+    float32 on the CPU. Returns (state_dict, dims) with dims = n_layer, n_embd, vocab_size (rows
+    kept), padded_vocab_size. Raises ReferenceImportError on missing, unexpected or misshapen keys,
+    and on grouped-query attention (n_kv_head != n_head), which flt-diag does not implement."""
+    flat = _flatten(sd)
+    n_layer = _check_keys(flat)
+    padded, d = _check_shapes(flat, n_layer)
+    if vocab_size is None:
+        vocab_size = padded
+    elif not 1 <= vocab_size <= padded:
+        raise ReferenceImportError(f"reference checkpoint: vocab_size {vocab_size} does not fit the "
+                                   f"{padded} rows of the embedding")
+
+    out: dict[str, torch.Tensor] = {}
+    for k, v in flat.items():
+        v = v.detach().to("cpu", torch.float32)
+        if k in _TOP_NAMES:
+            out[_TOP_NAMES[k]] = v[:vocab_size].clone()
+        else:
+            m = _BLOCK_KEY.match(k)
+            out[f"blocks.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.weight"] = v.clone()
+    return out, dict(n_layer=n_layer, n_embd=d, vocab_size=vocab_size, padded_vocab_size=padded)
+
+
+def export_reference(model: LoopedTransformer) -> dict[str, torch.Tensor]:
+    """The model's weights in the reference layout (vocab padded with zero rows to a multiple of 64)."""
+    sd = model.state_dict()
+    V, d = sd["embed.weight"].shape
+    padded = padded_vocab(V)
+
+    def pad(w):
+        return torch.cat([w, w.new_zeros(padded - V, d)]) if padded > V else w
+
+    out = {"transformer.wte.weight": pad(sd["embed.weight"]).detach().cpu().clone()}
+    reverse = {v: k for k, v in _BLOCK_NAMES.items()}
+    for i in range(len(model.blocks)):
+        for ours, theirs in reverse.items():
+            out[f"transformer.h.{i}.{theirs}.weight"] = sd[f"blocks.{i}.{ours}.weight"].detach().cpu().clone()
+    out["lm_head.weight"] = pad(sd["head.weight"]).detach().cpu().clone()
+    return out
+
+
+# --------------------------------------------------------------------------- files
+
+def _checkpoint_file(path: Path) -> Path:
+    """A model_<step>.pt file, or the newest one in a folder."""
+    if path.is_dir():
+        found = sorted(path.glob("model_*.pt"), key=lambda p: (len(p.stem), p.stem))
+        if not found:
+            raise ReferenceImportError(f"{path} has no model_*.pt checkpoint")
+        path = found[-1]
+    if not path.exists():
+        raise ReferenceImportError(f"no such checkpoint: {path}")
+    return path
+
+
+def _load_checkpoint(path: Path) -> dict:
+    """The state dict of a checkpoint file."""
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ReferenceImportError(f"cannot read {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    for wrapper in ("model", "state_dict", "model_state_dict"):  # some scripts wrap the state dict
+        if isinstance(obj, dict) and isinstance(obj.get(wrapper), dict):
+            obj = obj[wrapper]
+            break
+    return obj
+
+
+def _load_meta(meta, checkpoint_path: Path | None) -> tuple[dict, str]:
+    """(the meta dict, what it is called in messages): given, read from a path, or meta_<step>.json beside
+    model_<step>.pt; checked (flt_diag.storage.files: sizes within the command line's bounds) before
+    anything is allocated."""
+    if meta is None and checkpoint_path is not None:
+        m = re.fullmatch(r"model_(.+)\.pt", checkpoint_path.name)
+        guess = checkpoint_path.with_name(f"meta_{m.group(1)}.json") if m else None
+        meta = guess if guess is not None and guess.exists() else None
+    if meta is None:
+        return {}, "meta"
+    if isinstance(meta, dict):
+        return check_reference_meta(meta, "the meta dict"), "the meta dict"
+    return check_reference_meta(read_json(meta), meta), str(meta)  # unreadable: one StorageError line
+
+
+def _pick(sources: list[dict], keys: tuple[str, ...]):
+    for src in sources:
+        for k in keys:
+            if src.get(k) is not None:
+                return src[k]
+    return None
+
+
+def import_reference(checkpoint, variant: str | None = None, loops: int | None = None,
+                     n_head: int | None = None, vocab_size: int | None = None, meta=None,
+                     sequence_len: int | None = None) -> LoopedTransformer:
+    """An flt-diag model with the weights of a reference checkpoint; it gives the reference's logits.
+
+    checkpoint: a model_<step>.pt path, a folder of them (the newest is used), or a state dict.
+    variant: reference (FLT, LT_i, ...) or flt-diag (flt, lt-ii, ...) name; loops: K the model runs by
+    default (forward(loops=k) still chooses any k). Each of variant, loops, n_head, vocab_size and
+    sequence_len falls back to the meta json (`meta`: dict or path; by default meta_<step>.json beside
+    the checkpoint). n_head is required one way or the other: the weights alone do not fix it.
+    Without a vocab size the padded rows are kept. The model is built with rotary_dtype="bfloat16",
+    as the reference's rotary tables are bfloat16 (the one deliberate difference from flt-diag's
+    default float32 tables)."""
+    path = _checkpoint_file(Path(checkpoint)) if isinstance(checkpoint, (str, Path)) else None
+    info, meta_name = _load_meta(meta, path)  # checked before the weights are read
+    sd = _load_checkpoint(path) if path is not None else checkpoint
+    mc = info.get("model_config") if isinstance(info.get("model_config"), dict) else {}
+    sources = [mc, info]
+
+    vocab_size = vocab_size if vocab_size is not None else _pick(sources, ("vocab_size",))
+    state, dims = convert_state_dict(sd, vocab_size=vocab_size)
+    for name in ("n_layer", "n_embd"):
+        stated = _pick(sources, (name,))
+        if stated is not None and int(stated) != dims[name]:
+            raise ReferenceImportError(f"{meta_name} says {name}={stated} but the weights have {name}={dims[name]}")
+
+    n_head = n_head if n_head is not None else _pick(sources, ("n_head",))
+    if n_head is None:
+        raise ReferenceImportError("the number of heads is unknown: pass n_head= or a meta json with model_config.n_head")
+    n_kv_head = _pick(sources, ("n_kv_head",))
+    if n_kv_head is not None and int(n_kv_head) != int(n_head):
+        raise ReferenceImportError(f"grouped-query attention (n_kv_head={n_kv_head}, n_head={n_head}) "
+                                   "is not supported by flt-diag")
+    given = variant is not None
+    variant = variant if given else _pick(sources, VARIANT_KEYS)
+    if variant is None:
+        raise ReferenceImportError("the variant is unknown: pass variant= (LT, LT_i, LT_ia, FLT_res, FLT) "
+                                   "or a meta json with it")
+    loops = loops if loops is not None else _pick(sources, LOOP_KEYS)
+    if loops is None:
+        raise ReferenceImportError("the loop count is unknown: pass loops= or a meta json with n_loops")
+    sequence_len = sequence_len or _pick(sources, ("sequence_len",)) or DEFAULT_SEQUENCE_LEN
+
+    try:
+        variant = variant_name(variant)
+    except ReferenceImportError as e:
+        if given:
+            raise
+        raise ReferenceImportError(f"{meta_name}: {e}") from None
+    try:
+        cfg = ModelConfig(vocab_size=dims["vocab_size"], n_layer=dims["n_layer"], n_embd=dims["n_embd"],
+                          n_head=int(n_head), sequence_len=int(sequence_len), variant=variant,
+                          loops=int(loops), rotary_dtype="bfloat16")
+        model = LoopedTransformer(cfg)
+    except (ValueError, TypeError, RuntimeError, MemoryError) as e:  # (sizes are bounded; memory may still lack)
+        raise ReferenceImportError(f"reference checkpoint: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    model.load_state_dict(state)
+    return model
 
 
 def write_imported_run(model: LoopedTransformer, out_dir, source: str, step: int = 0,

@@ -11,7 +11,7 @@ The Trainer itself owns the run folder's config.json (written first) and summary
 Every scalar of a step goes into a StepLog as a device tensor; the StepLog moves them to the
 host in one transfer per step.
 
-The Trainer takes a settled config (flt_diag.settle: device, vocabulary, data and predictor decided and
+The Trainer takes a settled config (flt_diag.training.settle: device, vocabulary, data and predictor decided and
 checked) as given: it settles and validates nothing again, and refuses a config that was not settled.
 """
 from __future__ import annotations
@@ -25,11 +25,11 @@ from typing import Callable
 
 import torch
 
-from flt_diag.analysis import metric_names as M
-from flt_diag.analysis.metrics import summarize, tokens_per_step
+from flt_diag.storage import metric_names as M
+from flt_diag.judge.verdict import summarize, tokens_per_step
 from flt_diag.training.callbacks import Callback, MetricsTable, Progress
 from flt_diag.training.checkpoint import Checkpoints, restore
-from flt_diag.config import RunConfig
+from flt_diag.vocab.config import RunConfig
 from flt_diag.data.batches import batch_generator, get_batch, stream_batch
 from flt_diag.data.corpus import DataError, TokenData
 from flt_diag.data.sources import describe, load_split
@@ -39,12 +39,12 @@ from flt_diag.training.external import ExternalSinks
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig, count_parameters
 from flt_diag.training.process import environment, start_process
 from flt_diag.training.diagnostics import DiagnosticsCallback
-from flt_diag.training.early_warning import CollapseWarning
-from flt_diag.training.parallel import compile_blocks, compile_wanted, reference_precision
+from flt_diag.training.warning_callback import CollapseWarning
+from flt_diag.training.compile_precision import compile_blocks, compile_wanted, reference_precision
 from flt_diag.training.optim import build_optimizers, lr_multiplier, muon_momentum, set_lr, set_momentum
-from flt_diag.analysis.storage import (CONFIG, RESUME, SUMMARY, StorageError, folder_lock, has_content, load_config, load_metrics,
+from flt_diag.storage.folders import (CONFIG, RESUME, SUMMARY, StorageError, folder_lock, has_content, load_config, load_metrics,
                       load_summary, write_json)
-from flt_diag.settle import check_settled, comparable, differences, predictor
+from flt_diag.training.settle import check_settled, comparable, differences, predictor
 
 
 class RunConflict(StorageError):
@@ -94,7 +94,7 @@ class Trainer:
 
     For benchmarks and tests, the pieces of `fit` are public: `start()` (run folder ready, callbacks
     started), `run_step(step)` (one optimizer step; returns its rows), `end()` (callbacks ended).
-    `cfg` is a settled config (flt_diag.settle.settle or run_config), taken as given and not changed.
+    `cfg` is a settled config (flt_diag.training.settle.settle or run_config), taken as given and not changed.
     `model` builds the model from its ModelConfig instead of LoopedTransformer (e.g. the benchmarks'
     unrolled reference); it is built under the run's seed and then placed, compiled and given the
     optimizer recipe like the default one."""

@@ -1,0 +1,237 @@
+"""Early warning: P(the run collapses by its end) from the signals recorded up to step s.
+
+A logistic regression on a few named features of the window of the last W = min(100, s // 2)
+recorded steps before s (numpy/scipy/pandas only; no torch):
+
+    resid_level     log10(final-loop residual norm / sqrt(d)), window mean   (residual explosion)
+    resid_growth    slope of log10(final-loop residual norm) per 100 steps    (still exploding?)
+    loop_ratio      log10(final-loop / first-loop residual norm)              (later vs earlier loops)
+    grad_cv         coefficient of variation of the global gradient norm      (oscillation)
+    grad_dlog       mean |delta log gradient norm|                            (oscillation)
+    grad_cos        mean cosine between successive gradients                  (oscillation: < 0 when
+                    each step undoes part of the last)
+    act_grad_decay  log10(||dL/d out(loop 1, block 1)|| / ||dL/d out(loop K, block L)||)
+                    (how the backward signal changes through the loops)
+    loss_slope      slope of the training loss per 100 steps
+    loss_climb      trailing-mean loss minus its running minimum so far
+
+The target (what "collapse" means for a predictor) is stored with it: "fails" (the final verdict is
+unstable, collapsed or diverged; the packaged predictor's), "collapse" (collapsed or diverged) or
+"climbs" (fails, or the loss climbed above the verdict's rebound threshold and recovered).
+A predictor names the features it uses (a subset of FEATURES; `fit-predictor --features`).
+This module: the features, the target, reading a predictor and predicting with it (offline, over
+run folders). predictor_fit.py fits one; training/early_warning.py checks it online (`--warn`);
+figures/agreement.py draws the agreement.
+Features are standardised with the training set's mean and std (a missing feature, e.g. a run
+recorded without diagnostics, counts as the mean); the fit maximises the L2-penalised likelihood
+(scipy L-BFGS), by default with class-balanced weights (each class weighs half, whatever share of
+the training runs fail: that share is an artefact of which sweeps were run, not a prior). One model
+per fitted step s (100, 200, 300, 500 by default); at another step the model of the largest fitted
+s at or below it is used. The fitted model is plain JSON (features, means, stds, coefficients,
+intercept, class weights, what it was fitted on and the command that refits it):
+flt_diag/judge/early_warning.json ships with the package.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from flt_diag.storage.predictor_names import COLLAPSE, FAILS, FEATURES, PACKAGED, TARGETS  # noqa: F401 (re-exported)
+from flt_diag.storage import metric_names as M
+from flt_diag.storage.folders import load_config, load_metrics, load_summary, run_dirs, series
+
+SMOOTH = 50
+
+
+def _slope_per_100(s: pd.Series) -> float:
+    s = s[np.isfinite(s.to_numpy())]
+    if len(s) < 3:
+        return math.nan
+    x = s.index.to_numpy(dtype=float)
+    return float(np.polyfit(x - x.mean(), s.to_numpy(dtype=float), 1)[0] * 100)
+
+
+def _window(s: pd.Series, lo: int, hi: int) -> pd.Series:
+    return s[(s.index >= lo) & (s.index < hi)]
+
+
+def features(df: pd.DataFrame, at: int, loops: int, n_layer: int, d_model: int) -> dict:
+    """The features at step `at` (from rows with step < at) of one run's metrics table."""
+    W = max(2, min(100, at // 2))
+    lo = at - W
+    final = _window(series(df, M.RESID_NORM_LOOP_END, loop=loops), lo, at)
+    first = _window(series(df, M.RESID_NORM_LOOP_END, loop=1), lo, at)
+    g = _window(series(df, M.GRAD_NORM), lo, at)
+    g = g[np.isfinite(g.to_numpy()) & (g.to_numpy() > 0)]
+    cos = _window(series(df, M.GRAD_COSINE), lo, at)
+    cos = cos[np.isfinite(cos.to_numpy())]
+    a_first = _window(series(df, M.ACT_GRAD_NORM, loop=1, layer=1), lo, at)
+    a_last = _window(series(df, M.ACT_GRAD_NORM, loop=loops, layer=n_layer), lo, at)
+    loss = series(df, M.LOSS)
+    loss = loss[loss.index < at]
+    smooth = loss.rolling(SMOOTH, min_periods=1).mean()
+
+    def log_mean(s):
+        v = s.to_numpy(dtype=float)
+        v = v[np.isfinite(v) & (v > 0)]
+        return float(np.log10(v.mean())) if len(v) else math.nan
+
+    out = dict(
+        resid_level=log_mean(final) - 0.5 * math.log10(d_model) if len(final) else math.nan,
+        resid_growth=_slope_per_100(np.log10(final.clip(lower=1e-30))) if len(final) else math.nan,
+        loop_ratio=log_mean(final) - log_mean(first) if len(final) and len(first) else math.nan,
+        grad_cv=float(g.std(ddof=0) / g.mean()) if len(g) > 1 else math.nan,  # population std, as osc cv
+        grad_dlog=float(np.abs(np.diff(np.log(g.to_numpy()))).mean()) if len(g) > 1 else math.nan,
+        grad_cos=float(cos.mean()) if len(cos) else math.nan,
+        act_grad_decay=log_mean(a_first) - log_mean(a_last) if len(a_first) and len(a_last) else math.nan,
+        loss_slope=_slope_per_100(_window(loss, lo, at)),
+        loss_climb=float(smooth.iloc[-1] - smooth.cummin().iloc[-1]) if len(smooth) else math.nan,
+    )
+    return {k: (v if v is None or math.isfinite(v) else math.nan) for k, v in out.items()}
+
+
+def run_features(run_dir: Path, at: int) -> dict:
+    cfg = load_config(run_dir)
+    m = cfg["model"]
+    return features(load_metrics(run_dir), at, m["loops"], m["n_layer"], m["n_embd"])
+
+
+
+def label(summary: dict, kind: str = "fails") -> int:
+    verdicts, rebound = TARGETS[kind]
+    return int(summary.get("verdict") in verdicts
+               or rebound and bool((summary.get("evidence") or {}).get("transient_rebound")))
+
+
+def target_text(kind: str) -> str:
+    verdicts, rebound = TARGETS[kind]
+    return f"final verdict in {', '.join(verdicts)}" + (
+        ", or a loss climb that recovered (the verdict's transient_rebound)" if rebound else "")
+
+
+# --------------------------------------------------------------------------- the predictor
+
+def sigmoid(z):
+    return 1.0 / (1.0 + np.exp(-np.clip(z, -60, 60)))
+
+
+def design(rows: list[dict], features: list[str], mean=None,
+           std=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    X = np.array([[r.get(f, math.nan) for f in features] for r in rows], dtype=float).reshape(len(rows), len(features))
+    if mean is None:
+        mean = np.nanmean(np.where(np.isfinite(X), X, np.nan), axis=0) if len(X) else np.zeros(len(features))
+        mean = np.where(np.isfinite(mean), mean, 0.0)
+        std = np.nanstd(X, axis=0) if len(X) else np.ones(len(features))
+        std = np.where(np.isfinite(std) & (std > 1e-12), std, 1.0)
+    Z = (X - mean) / std
+    Z = np.where(np.isfinite(Z), Z, 0.0)  # a missing feature counts as the training mean
+    return Z, np.asarray(mean, float), np.asarray(std, float)
+
+
+def labelled_runs(sources) -> list[Path]:
+    """Finished runs (summary.json) of the given run or sweep folders."""
+    out = []
+    for src in sources:
+        out += [d for d in run_dirs(Path(src)) if load_summary(d) is not None]
+    return out
+
+
+def model_at(predictor: dict, step: int) -> tuple[int, dict] | None:
+    fitted = sorted(int(s) for s in predictor["models"])
+    usable = [s for s in fitted if s <= step]
+    return (usable[-1], predictor["models"][str(usable[-1])]) if usable else None
+
+
+def probability(predictor: dict, feats: dict, step: int) -> tuple[float, list[tuple[str, float]]]:
+    """P(collapse) at `step` and each feature's contribution to the logit (largest first)."""
+    found = model_at(predictor, step)
+    if found is None:
+        raise ValueError(f"the predictor is fitted from step {min(map(int, predictor['models']))} on; "
+                         f"step {step} is too early")
+    _, m = found
+    names = predictor["features"]
+    Z, _, _ = design([feats], names, np.array(m["mean"]), np.array(m["std"]))
+    contrib = Z[0] * np.array(m["coef"])
+    p = float(sigmoid(contrib.sum() + m["intercept"]))
+    return p, sorted(zip(names, contrib.tolist()), key=lambda t: -abs(t[1]))
+
+
+def evidence_text(feats: dict, contributions: list[tuple[str, float]], n: int = 3) -> str:
+    return ", ".join(f"{name} {feats[name]:.3g} ({c:+.2f})" for name, c in contributions[:n]
+                     if feats.get(name) is not None and math.isfinite(feats[name]))
+
+
+COLUMNS = ["cell", "variant", "loops", "seed", "lr_scale", "p_collapse", "predicted", "verdict", "actual", "agree",
+           "false_alarm", "miss", "evidence"]
+
+
+def _scored(run_dir: Path, summary: dict, predictor: dict, predicted: bool) -> dict:
+    """The fields every row of a prediction table has: the cell, its final verdict, and how the
+    prediction fares against the predictor's target."""
+    actual = bool(label(summary, predictor.get("target", "collapse")))
+    return dict(cell=run_dir.name, variant=summary.get("variant"), loops=summary.get("loops"),
+                seed=summary.get("seed"), lr_scale=summary.get("lr_scale"), verdict=summary.get("verdict"),
+                actual=actual, agree=predicted == actual, false_alarm=predicted and not actual,
+                miss=actual and not predicted)
+
+
+def prediction_row(run_dir: Path, summary: dict, predictor: dict, feats: dict, at: int) -> dict:
+    """One run's prediction at `at` beside its final verdict (a row of `predict` / `cross_validate`)."""
+    p, contrib = probability(predictor, feats, at)
+    predicted = bool(p >= predictor.get("threshold", 0.5))
+    return _scored(run_dir, summary, predictor, predicted) | dict(
+        p_collapse=p, predicted=predicted, evidence=evidence_text(feats, contrib))
+
+
+def predict_sweep(path, at: int, predictor: dict) -> pd.DataFrame:
+    """Per finished cell: P(collapse) at step `at`, the prediction, the final verdict, agreement."""
+    rows = [prediction_row(d, s, predictor, run_features(d, at), at)
+            for d in labelled_runs([path]) if (s := load_summary(d)).get("steps_done", 0) > at]
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+CHECK_EVERY = 25  # steps between two online checks (CollapseWarning and its replay, `first_warning`)
+
+
+def first_warning(df: pd.DataFrame, predictor: dict, loops: int, n_layer: int, d_model: int, steps_done: int,
+                  every: int = CHECK_EVERY, threshold: float | None = None) -> dict:
+    """Replay of the online warning on a recorded run: the checks `--warn` makes (every `every` steps
+    from the predictor's first fitted step), the first step where P reaches the threshold (None if
+    never), that P and its evidence, and the largest P of all checks."""
+    threshold = predictor.get("threshold", 0.5) if threshold is None else threshold
+    first = min(int(s) for s in predictor["models"])
+    start = -(-first // every) * every  # the first multiple of `every` at or after the first fitted step
+    checks = range(start, steps_done + 1, every)
+    p_max, out = 0.0, dict(warned_at=None, p_warn=math.nan, evidence="")
+    for at in checks:
+        feats = features(df, at, loops, n_layer, d_model)
+        p, contrib = probability(predictor, feats, at)
+        p_max = max(p_max, p)
+        if p >= threshold and out["warned_at"] is None:
+            out = dict(warned_at=at, p_warn=p, evidence=evidence_text(feats, contrib))
+    return out | dict(p_max=p_max, checks=len(checks))
+
+
+def online_sweep(path, predictor: dict) -> pd.DataFrame:
+    """Per finished cell: what `--warn` would have said over the whole run (first warning step, its P and
+    evidence, the largest P), beside the final verdict; `onset` is the step of the smoothed loss's minimum
+    before a collapse (collapsed runs), so `onset - warned_at` is the warning's lead."""
+    rows = []
+    for d in labelled_runs([path]):
+        s, m = load_summary(d), load_config(d)["model"]
+        w = first_warning(load_metrics(d), predictor, m["loops"], m["n_layer"], m["n_embd"], s.get("steps_done", 0))
+        onset = (s.get("evidence") or {}).get("min_step") if s.get("verdict") == "collapsed" else None
+        rows.append(_scored(d, s, predictor, w["warned_at"] is not None) | dict(
+            warned_at=w["warned_at"], p_warn=w["p_warn"], p_max=w["p_max"], onset=onset, evidence=w["evidence"]))
+    return pd.DataFrame(rows, columns=["cell", "variant", "loops", "seed", "lr_scale", "warned_at", "p_warn", "p_max",
+                                       "verdict", "onset", "actual", "agree", "false_alarm", "miss", "evidence"])
+
+
+def agreement(table: pd.DataFrame) -> dict:
+    n = len(table)
+    return dict(cells=n, accuracy=float(table.agree.mean()) if n else math.nan,
+                false_alarms=int(table.false_alarm.sum()), misses=int(table.miss.sum()),
+                positives=int(table.actual.sum()) if n else 0)

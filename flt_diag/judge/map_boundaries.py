@@ -1,0 +1,180 @@
+"""Reading a stability-map folder (torch-free): the criteria, the lines, the bracket each line's
+finished probes give, and the boundary tables (`boundaries`, `critical_values`, `critical_table`) that
+the report, the figure and `flt-diag map` print. The search that runs the probes is
+flt_diag/grids/stability_map.py."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pandas as pd
+
+from flt_diag.storage.cells import Cell
+from flt_diag.storage.folders import CELLS, ERROR, StorageError, load_spec, load_summary
+
+
+AXES = {"lr": "lr scale", "depth": "depth L"}
+
+
+CRITERIA: dict[str, Callable[[dict], bool]] = {
+    "training": lambda s: s.get("verdict") != "stable",
+    "collapse": lambda s: s.get("verdict") in ("collapsed", "diverged"),
+    "explosion": lambda s: bool(s.get("residual_explosion_any", s.get("residual_explosion"))) or s.get("verdict") == "diverged",
+}
+
+
+MAP_CSV = "map.csv"
+
+
+@dataclass(frozen=True)
+class Line:
+    index: int
+    variant: str
+    loops: int
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.variant}_K{self.loops:02d}_seed{self.seed}"
+
+
+class MapLines:
+    """The lines and probe cells of a map (variants, loops, seeds, axis and grid given by the class
+    that uses it: grids.stability_map.MapSpec, or a spec read back from a folder)."""
+
+    def lines(self) -> list[Line]:
+        grid = [(k, s, v) for s in self.seeds for k in self.loops for v in self.variants]
+        return [Line(i, v, k, s) for i, (k, s, v) in enumerate(grid)]
+
+    def cell(self, line: Line, value: float) -> Cell:
+        """The sweep cell of a probe at one axis value."""
+        if self.axis == "lr":
+            return Cell(-1, line.variant, line.loops, line.seed, float(value))
+        return Cell(-1, line.variant, line.loops, line.seed, self.base_lr_scale, depth=int(value))
+
+
+def bracket(known: dict[int, bool], n: int) -> tuple[int, int, bool]:
+    """(a, b, monotone) from the known outcomes {grid index: broke}: a = the highest index that held
+    below the lowest that broke (b; n if none broke). monotone is False when some index above b held."""
+    broken = [i for i, bad in known.items() if bad]
+    b = min(broken) if broken else n
+    held = [i for i, bad in known.items() if not bad and i < b]
+    a = max(held) if held else -1
+    monotone = not any(not bad and i > b for i, bad in known.items())
+    return a, b, monotone
+
+
+def probe_outcomes(spec: MapLines, out: Path, line: Line, criterion: str) -> dict[int, bool]:
+    """Outcomes of the line's finished probes under one criterion, from their summary.json."""
+    known = {}
+    for i, value in enumerate(spec.grid):
+        s = load_summary(Path(out) / CELLS / spec.cell(line, value).name)
+        if s is not None:
+            known[i] = CRITERIA[criterion](s)
+    return known
+
+
+def spec_from_folder(out: Path) -> dict:
+    spec = load_spec(out)  # checked (flt_diag.storage.files): a map folder without criteria is one line
+    if spec.get("kind") != "map":
+        raise StorageError(f"{out} is a sweep folder, not a stability map (made by `flt-diag map`)")
+    return spec
+
+
+def boundaries(out: Path) -> pd.DataFrame:
+    """One row per (line, criterion): the bracket found so far, from the finished probes alone.
+
+    status: "found" (boundary in (last_ok, first_broken]), "below grid" (broke at the lowest value),
+    "above grid" (held at the highest), "open" (search unfinished), "non-monotone"."""
+    spec = spec_from_folder(out)
+    grid = spec["grid"]
+    rows = []
+    fake = _FolderSpec(spec)
+    for line in fake.lines():
+        for criterion in spec["criteria"]:
+            known = probe_outcomes(fake, out, line, criterion)
+            a, b, monotone = bracket(known, len(grid))
+            failed = any((Path(out) / CELLS / fake.cell(line, v).name / ERROR).exists() for v in grid)
+            if not monotone:
+                status = "non-monotone"
+            elif b - a > 1:
+                status = "failed" if failed else "open"
+            elif b == 0:
+                status = "below grid"
+            elif a == len(grid) - 1:
+                status = "above grid"
+            else:
+                status = "found"
+            last_ok = grid[a] if a >= 0 else math.nan
+            first_broken = grid[b] if b < len(grid) else math.nan
+            boundary = math.sqrt(last_ok * first_broken) if status == "found" else math.nan
+            rows.append(dict(variant=line.variant, loops=line.loops, seed=line.seed, criterion=criterion,
+                             axis=spec["axis"], last_ok=last_ok, first_broken=first_broken, boundary=boundary,
+                             status=status, probes=len(known)))
+    return pd.DataFrame(rows, columns=["variant", "loops", "seed", "criterion", "axis", "last_ok", "first_broken",
+                                       "boundary", "status", "probes"])
+
+
+def unfinished(out: Path, lines: list[Line] | None = None) -> str | None:
+    """Why the map's search is not complete (one line), or None: the lines (all, or `lines`) where a
+    probe failed (its error.txt says why) or the search stopped short without even that record (a
+    failure that could not be written, e.g. on a full disk). A map that is not complete exits non-zero."""
+    table = boundaries(out)
+    stuck = table[table.status.isin(["failed", "open"])]
+    names = sorted({Line(0, r.variant, r.loops, r.seed).name for r in stuck.itertuples()})
+    if lines is not None:
+        names = [n for n in names if n in {line.name for line in lines}]
+    if not names:
+        return None
+    total = len(lines) if lines is not None else len(_FolderSpec(spec_from_folder(out)).lines())
+    return (f"{len(names)} of {total} map lines did not finish their search ({', '.join(names[:4])}"
+            f"{', ...' if len(names) > 4 else ''}): a probe failed; see {out}/{CELLS}/<cell>/{ERROR} where it exists")
+
+
+class _FolderSpec(MapLines):
+    """A map's spec read back from sweep.json (its base stays the stored dict)."""
+
+    def __init__(self, d: dict):
+        self.base, self.variants, self.loops, self.seeds = d["base"], d["variants"], d["loops"], d["seeds"]
+        self.axis, self.grid, self.criteria = d["axis"], d["grid"], d["criteria"]
+
+    @property
+    def base_lr_scale(self) -> float:
+        return float(self.base["train"]["lr_scale"])
+
+
+def critical_values(out: Path) -> pd.DataFrame:
+    """Per (criterion, variant, loops): the boundary over seeds (median, min, max) as a table row,
+    with a text cell such as "2.8 [2-4]" or "> 16" that the report and README print."""
+    b = boundaries(out)
+    rows = []
+    for (criterion, variant, loops), g in b.groupby(["criterion", "variant", "loops"], sort=False):
+        found = g[g.status == "found"].boundary
+        above, below = (g.status == "above grid").sum(), (g.status == "below grid").sum()
+        if len(found) == len(g):
+            text = f"{found.median():.3g}" + (f" [{found.min():.3g}-{found.max():.3g}]" if len(g) > 1 else "")
+        elif above == len(g):
+            text = f"> {g.last_ok.max():g}"
+        elif below == len(g):
+            text = f"< {g.first_broken.min():g}"
+        else:
+            text = ", ".join(f"{bd:.3g}" if st == "found" else st for st, bd in zip(g.status, g.boundary))
+        rows.append(dict(criterion=criterion, variant=variant, loops=loops, median=found.median() if len(found) else math.nan,
+                         low=found.min() if len(found) else math.nan, high=found.max() if len(found) else math.nan,
+                         seeds=len(g), text=text))
+    return pd.DataFrame(rows)
+
+
+def critical_table(out: Path) -> pd.DataFrame:
+    """The critical values as a text table: one row per variant, one column per (criterion, K)."""
+    crit = critical_values(out)
+    if crit.empty:
+        return pd.DataFrame()
+    axis = spec_from_folder(out)["axis"]
+    crit = crit.assign(column=[f"{c} at K={k} ({AXES[axis]})" for c, k in zip(crit.criterion, crit.loops)])
+    table = crit.pivot(index="variant", columns="column", values="text")
+    order = [v for v in ("lt", "lt-ii", "lt-ai", "fla", "flt") if v in table.index]
+    table = table.reindex(order + [v for v in table.index if v not in order])[list(dict.fromkeys(crit.column))]
+    return table.reset_index().rename(columns={"variant": "Variant"})

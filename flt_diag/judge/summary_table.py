@@ -1,0 +1,46 @@
+"""The sweep's summary table: one row per finished run, read from the run folders and compared with its
+peers (flt_diag.judge.peers). It is what summary.csv holds, written by the grids after every cell and read
+by the results layer (flt_diag.results.tables), the CLI and analysis/. Torch-free.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from flt_diag.judge.peers import compare_runs
+from flt_diag.storage.folders import CELLS, SWEEP_SUMMARY, atomic_path, cell_names, is_run, load_config, load_summary
+
+# summary.json keys shown per run; SUMMARY_NUMBERS (final_loss .. grad_norm_std) are averaged per grid cell
+SUMMARY_COLUMNS = ["cell", "variant", "loops", "seed", "lr_scale", "verdict", "residual_explosion", "final_loss",
+                   "best_loss", "val_loss", "val_ppl", "val_accuracy", "peak_resid_norm", "osc_cv", "osc_mean_abs_dlog",
+                   "osc_sign_alternation", "osc_neg_cosine_share", "loss_std", "grad_norm_std", "steps_done",
+                   "wall_time"]
+
+
+def sweep_summary(out: Path) -> pd.DataFrame:
+    """One row per finished cell (SUMMARY_COLUMNS, `depth` after loops, and the comparison columns
+    val_gap and resid_vs_flt, per run), read from the run folders (a pure function of the folder)."""
+    out = Path(out)
+    rows = []
+    for name in cell_names(out):
+        d = out / CELLS / name
+        s = load_summary(d) if is_run(d) else None
+        if s is None:
+            continue
+        rows.append({"cell": name, **{k: s.get(k) for k in SUMMARY_COLUMNS if k != "cell"}, "depth": run_depth(d)})
+    return compare_runs(pd.DataFrame(rows, columns=SUMMARY_COLUMNS + ["depth"]))
+
+
+def run_depth(run_dir: Path) -> int | None:
+    """The run's number of blocks L (n_layer of its config.json)."""
+    return load_config(run_dir).get("model", {}).get("n_layer")
+
+
+def write_summary(out: Path) -> pd.DataFrame:
+    df = sweep_summary(out)
+    with atomic_path(out / SWEEP_SUMMARY) as tmp:
+        df.to_csv(tmp, index=False)
+    with atomic_path(out / "summary.parquet") as tmp:
+        df.to_parquet(tmp, index=False)
+    return df

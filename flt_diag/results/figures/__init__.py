@@ -1,0 +1,149 @@
+"""Figures of a run or a sweep, drawn from its folder alone (numpy/pandas/matplotlib; never torch).
+
+Every figure is one module of this package that ends with `register(Figure(...))`: its name, a
+one-line help, the metrics it reads, `data(study) -> DataFrame` (the exact table it draws, a pure
+function of the folder) and `draw(df) -> matplotlib Figure` (that table and nothing else). The
+package imports its modules itself, so adding a figure is adding one file; `FIGURES` (display
+order), `plot`, `render`, `figure_data` and `flt-diag plot <name>` all follow the registry.
+Figures work on a sweep still in progress: unfinished runs appear in the traces and as "running"
+in the collapse grid.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import pkgutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pandas as pd
+
+from flt_diag.results.tables import Study, collect
+from flt_diag.storage.folders import StorageError, atomic_path
+from flt_diag.results.figures.style import DPI, NoData, style
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One registered figure. `needs`: the metric names `data` reads (None: every metric; empty: none,
+    it reads summaries only); `order`: its place in FIGURES; `applies`: whether "all" includes it for a
+    study (asked for by name on a study it does not apply to, it raises StorageError `empty`)."""
+    name: str
+    help: str
+    needs: tuple[str, ...] | None
+    data: Callable[[Study], pd.DataFrame]
+    draw: Callable[[pd.DataFrame], object]
+    empty: str = "no data"  # why there is nothing to draw, when `data` returns an empty table
+    order: int = 100
+    applies: Callable[[Study], bool] = lambda study: True
+
+    def table(self, study: Study) -> pd.DataFrame:
+        if not self.applies(study):
+            raise NoData(f"{self.name}: {self.empty}")
+        df = self.data(study)
+        if df.empty:
+            raise NoData(f"{self.name}: nothing to draw ({self.empty})")
+        return df
+
+    def figure(self, study: Study):
+        return self.draw(self.table(study))
+
+
+FIGURES: dict[str, Figure] = {}  # name -> Figure, in display order
+
+
+def register(figure: Figure) -> Figure:
+    """Add (or replace) a figure; FIGURES stays in display order (by `order`, then name)."""
+    entries = {**FIGURES, figure.name: figure}
+    FIGURES.clear()
+    FIGURES.update(sorted(entries.items(), key=lambda item: (item[1].order, item[0])))
+    return figure
+
+
+def unregister(name: str) -> None:
+    FIGURES.pop(name, None)
+
+
+def get(name: str) -> Figure:
+    if name not in FIGURES:
+        raise ValueError(f"unknown figure {name!r}; choose from {', '.join(FIGURES)}, all")
+    return FIGURES[name]
+
+
+def _needs(names) -> list[str] | None:
+    """The metrics to read for figures `names` (None: all of them)."""
+    needs = [FIGURES[n].needs for n in names]
+    if any(n is None for n in needs):
+        return None
+    return sorted({m for n in needs for m in n})
+
+
+def study_of(src, names) -> Study:
+    return src if isinstance(src, Study) else collect(src, _needs(names))
+
+
+def figure_data(name: str, src) -> pd.DataFrame:
+    """The exact table figure `name` draws (a pure function of the folder); empty when it has no data."""
+    figure = get(name)
+    study = study_of(src, [name])
+    return figure.data(study) if figure.applies(study) else pd.DataFrame()
+
+
+def render(study: Study, names=None) -> tuple[dict, dict[str, str]]:
+    """Every figure of `names` (default: all that apply to the study) that has data, and the reason
+    for each one left out."""
+    names = list(names) if names is not None else [n for n, f in FIGURES.items() if f.applies(study)]
+    figures, skipped = {}, {}
+    for name in names:
+        try:
+            figures[name] = get(name).figure(study)
+        except NoData as e:
+            skipped[name] = str(e)
+            log.info("skipped %s", e)
+    return figures, skipped
+
+
+def save(fig, path, dpi: int = DPI) -> Path:
+    """Write a figure atomically (format from the suffix; PDFs without a creation date), inside
+    `style()` so that tick labels are laid out as intended."""
+    path = Path(path)
+    meta = {"CreationDate": None} if path.suffix == ".pdf" else None
+    with style(), atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=dpi, bbox_inches="tight", metadata=meta)
+    return path
+
+
+class Written(list):
+    """The files `plot` wrote; `skipped` maps each figure left out to the reason."""
+
+    def __init__(self):
+        super().__init__()
+        self.skipped: dict[str, str] = {}
+
+
+def plot(name: str, path, out_dir=None, formats=("png", "pdf")) -> Written:
+    """Write figure `name` (or, for "all", every figure with data) as <out_dir>/<name>.<format>.
+
+    Default out_dir: <path>/figures. For "all", figures without data are skipped and listed in the
+    result's `skipped`; a single figure without data raises StorageError (one line)."""
+    names = None if name == "all" else [get(name).name]
+    study = study_of(path, names or list(FIGURES))
+    figures, skipped = render(study, names)
+    if names and skipped:
+        raise StorageError(skipped[name])
+    first = path[0] if isinstance(path, (list, tuple)) else path  # several sweeps: pooled (results.collect)
+    out = Path(out_dir) if out_dir is not None else Path(first) / "figures"
+    out.mkdir(parents=True, exist_ok=True)
+    written = Written()
+    written.skipped.update(skipped)
+    for n, fig in figures.items():
+        written.extend(save(fig, out / f"{n}.{fmt}") for fmt in formats)
+    return written
+
+
+for _module in pkgutil.iter_modules(__path__):  # every figure module registers itself
+    if _module.name != "style" and not _module.name.startswith("_"):
+        importlib.import_module(f"{__name__}.{_module.name}")

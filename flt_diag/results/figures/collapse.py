@@ -1,0 +1,111 @@
+"""The variant x loops grid coloured by verdict (majority over finished seeds, "running" while none
+finished, "pending" before a cell starts). Each cell reads, top to bottom: its gap to the best
+variant's final validation loss at the same K, in nats ("best" for the lowest, which is also outlined
+in black; * marks a residual explosion), its val loss (its final training loss, marked "train", when it
+has none) and, with several seeds, k/n failed: k of its n finished seeds ended with a verdict other
+than stable (unfinished seeds are not in n). Numbers are means over finished seeds; one grid per lr
+scale. Where the folder holds several depths L (a depth-axis map, or sweeps of several depths pooled),
+the columns are L and there is one grid per loop count K (and lr scale): the ablation along depth."""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+from matplotlib.patches import Patch, Rectangle
+
+from flt_diag.judge.peers import gap_text
+from flt_diag.results.tables import GRID_COLUMNS, Study, summary_table
+from flt_diag.results.figures import Figure, register
+from flt_diag.results.figures.style import OTHER_COLOR, VERDICT_COLORS, finish, new_figure, style, text_color, variants
+
+NOT_DONE = ("running", "failed", "pending")
+NOTE = ("top: gap to the best variant's val loss at this K and L (nats; best outlined); * residual explosion\n"
+        "below: val loss (mean over finished seeds)")
+SEEDS_NOTE = "\nk/n failed: k of the n finished seeds not stable; (+u): u seeds unfinished, not counted"
+
+
+def data(study: Study) -> pd.DataFrame:
+    """lr_scale, variant, loops, depth, verdict, agree, runs, finished, failed, residual_explosion,
+    final_loss, val_loss, val_gap: the collapse grid's cells (see flt_diag.results.tables.summary_table)."""
+    return summary_table(study)[GRID_COLUMNS + ["final_loss", "val_loss", "val_gap"]]
+
+
+def _loss_text(row) -> str:
+    if math.isfinite(row.val_loss):
+        return f"{row.val_loss:.2f}"
+    return f"train {row.final_loss:.2f}"
+
+
+def cell_text(row, multi_seed: bool) -> str:
+    """The text of one grid cell (a row of `data`)."""
+    if row.verdict in NOT_DONE:
+        return row.verdict
+    lines = [_loss_text(row)]
+    if math.isfinite(row.val_gap):
+        lines.insert(0, gap_text(row.val_gap, 2))
+    lines[0] += "*" if row.residual_explosion else ""
+    if multi_seed:
+        lines.append(f"{row.failed}/{row.finished} failed" + (f" (+{row.runs - row.finished})"
+                                                             if row.runs > row.finished else ""))
+    return "\n".join(lines)
+
+
+def column_axis(df: pd.DataFrame) -> str:
+    """"depth" where the cells hold several depths L, else "loops": what the grid's columns are."""
+    return "depth" if df.depth.dropna().nunique() > 1 else "loops"
+
+
+def _panels(df: pd.DataFrame, column: str) -> list[tuple[pd.DataFrame, str]]:
+    """One (cells, title) per lr scale and the value of the axis that is not the columns (depth, or loops
+    where the columns are depth)."""
+    other = "loops" if column == "depth" else "depth"
+    keys = sorted({(r.lr_scale, getattr(r, other)) for r in df.itertuples()},
+                  key=lambda k: (k[0], -1 if pd.isna(k[1]) else k[1]))
+    multi_lr = len({k[0] for k in keys}) > 1
+    multi_other = len({k[1] for k in keys}) > 1 or other == "loops"  # K is shown nowhere else
+    label = "K" if other == "loops" else "L"
+    out = []
+    for lr, value in keys:
+        title = ", ".join(([f"lr×{lr:g}"] if multi_lr else []) + ([f"{label}={value}"] if multi_other else []))
+        same = df[other].isna() if pd.isna(value) else df[other] == value
+        out.append((df[(df.lr_scale == lr) & same], title))
+    return out
+
+
+def _draw_cells(ax, cells: pd.DataFrame, names: list[str], columns: list, column: str, multi_seed: bool) -> None:
+    for row in cells.itertuples():
+        x, y = columns.index(getattr(row, column)), names.index(row.variant)
+        fill = VERDICT_COLORS.get(row.verdict, OTHER_COLOR)
+        ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, facecolor=fill, edgecolor="white", lw=2))
+        ax.text(x, y, cell_text(row, multi_seed), ha="center", va="center", fontsize="small", color=text_color(fill))
+    for row in cells[cells.val_gap == 0].itertuples():  # over the white edges of the neighbours
+        x, y = columns.index(getattr(row, column)), names.index(row.variant)
+        ax.add_patch(Rectangle((x - 0.45, y - 0.45), 0.9, 0.9, fill=False, edgecolor="black", lw=1.5, zorder=3))
+
+
+def draw(df: pd.DataFrame):
+    column = column_axis(df)
+    panels = _panels(df, column)
+    names, columns = variants(df), sorted(int(v) for v in df[column].unique())
+    multi_seed = bool((df.runs > 1).any())
+    with style():
+        row_height = 0.8 if multi_seed else 0.6
+        fig, axes = new_figure(1, len(panels), panel=(1.0 * len(columns) + 1.4, row_height * len(names) + 1.2))
+        for ax, (cells, title) in zip(axes[0], panels):
+            _draw_cells(ax, cells, names, columns, column, multi_seed)
+            ax.set_xlim(-0.5, len(columns) - 0.5)
+            ax.set_ylim(len(names) - 0.5, -0.5)
+            ax.set_xticks(range(len(columns)), columns)
+            ax.set_yticks(range(len(names)), names)
+            ax.set_xlabel("loops K" if column == "loops" else "depth L (distinct blocks)")
+            ax.grid(False)
+            ax.set_title(title)
+        shown = [v for v in VERDICT_COLORS if v in set(df.verdict)]
+        fig.legend([Patch(color=VERDICT_COLORS[v]) for v in shown], shown, loc="outside lower center",
+                   ncols=len(shown), fontsize="small", handlelength=1.2,
+                   title=NOTE + (SEEDS_NOTE if multi_seed else ""), title_fontsize="small")
+    return finish(fig, "Verdict by variant and " + ("loops" if column == "loops" else "depth"))
+
+
+register(Figure("collapse", "variant x loops (x depth) grid coloured by verdict, annotated with the gap to the best val loss",
+                (), data, draw, empty="no runs", order=50))

@@ -1,0 +1,59 @@
+"""Test-time loops: validation loss against the number of inference loops (eval_loops.csv), one
+panel per trained loop count with a dashed line (and a star) at it, one line per variant; on a
+synthetic task, a second row of panels shows the held-out accuracy the same way."""
+from __future__ import annotations
+
+import pandas as pd
+from matplotlib import ticker
+from matplotlib.lines import Line2D
+
+from flt_diag.results.tables import Study, concat
+from flt_diag.results.figures import Figure, register
+from flt_diag.results.figures.style import auto_yscale, finish, legend, lines_by_run, new_figure, style, variant_color
+
+COLUMNS = ["inference_loops", "trained_loops", "val_loss", "perplexity", "accuracy"]
+
+
+def data(study: Study) -> pd.DataFrame:
+    """run, ..., inference_loops, trained_loops, val_loss, perplexity, accuracy: each run's eval_loops.csv
+    (accuracy NaN for text, and in files written before it was recorded)."""
+    frames = []
+    for run in study.runs:
+        ev = run.eval_loops
+        if ev is not None and not ev.empty:
+            ev = ev.rename(columns={"loops": "inference_loops"}).reindex(columns=COLUMNS)
+            frames.append(run.tag(ev.sort_values("inference_loops")))
+    return concat(frames, COLUMNS)
+
+
+def _panel(ax, cell: pd.DataFrame, k: int, y: str) -> None:
+    ax.axvline(k, color="0.3", ls="--", lw=1)
+    lines_by_run(ax, cell, "inference_loops", y, marker="o", ms=3.5)
+    for r in cell[cell.inference_loops == k].itertuples():
+        ax.plot(r.inference_loops, getattr(r, y), ls="none", marker="*", ms=11, color=variant_color(r.variant),
+                mec="black", mew=0.5)
+    ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+
+
+def draw(df: pd.DataFrame):
+    trained = sorted(df.trained_loops.unique())
+    rows = ["val_loss"] + (["accuracy"] if df.accuracy.notna().any() else [])
+    with style():
+        fig, axes = new_figure(len(rows), len(trained), sharey="row", sharex="col")
+        for j, k in enumerate(trained):
+            for i, y in enumerate(rows):
+                _panel(axes[i, j], df[df.trained_loops == k], k, y)
+            axes[0, j].set_title(f"trained with K={k}")
+            axes[-1, j].set_xlabel("inference loops")
+        axes[0, 0].set_ylabel("validation loss")
+        auto_yscale(axes[0, 0], df.val_loss)
+        if len(rows) > 1:
+            axes[1, 0].set_ylabel("held-out accuracy")
+            axes[1, 0].set_ylim(-0.03, 1.03)
+        legend(fig, df, [(Line2D([], [], color="0.3", ls="--", marker="*", mfc="0.6", mec="black", ms=9),
+                          "trained loop count")])
+    return finish(fig, "Test-time loops")
+
+
+register(Figure("loops", "validation loss (and task accuracy) against inference loops (after `flt-diag eval-loops`)",
+                (), data, draw, empty="no eval_loops.csv; run `flt-diag eval-loops` first", order=60))

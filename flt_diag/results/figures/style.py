@@ -1,0 +1,140 @@
+"""The look every figure shares: seaborn paper style, one colour per variant (VARIANT_COLORS,
+Okabe-Ito, colour-blind safe), one line style per seed, one shared legend below the panels (never
+over data or tables), and a grid of panels with one row per lr scale and one column per loops K.
+"""
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+
+import matplotlib
+
+if "matplotlib.pyplot" not in sys.modules:  # headless by default; leave an interactive session alone
+    matplotlib.use("Agg")
+import matplotlib.colors as mcolors  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+from matplotlib import ticker  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+
+from flt_diag.results.tables import variant_rank  # noqa: E402
+from flt_diag.storage.folders import StorageError  # noqa: E402
+from flt_diag.vocab.variants import VARIANT_COLORS  # noqa: E402
+
+OTHER_COLOR = "#7f7f7f"
+VERDICT_COLORS = {"stable": "#a6d96a", "unstable": "#fee08b", "collapsed": "#fdae61", "diverged": "#d7191c",
+                  "running": "#c6dbef", "failed": "#969696", "pending": "#f0f0f0"}
+LINESTYLES = ["-", "--", ":", "-."]
+DPI = 150
+
+
+class NoData(StorageError):
+    """The folder holds nothing this figure can draw (yet)."""
+
+
+@contextmanager
+def style():
+    """The look of every figure: seaborn paper context, white grid, readable at paper size."""
+    with sns.axes_style("whitegrid"), sns.plotting_context("paper", font_scale=1.25), \
+            matplotlib.rc_context({"legend.frameon": False, "axes.titleweight": "bold", "figure.dpi": 100}):
+        yield
+
+
+def variant_color(variant: str) -> str:
+    return VARIANT_COLORS.get(variant, OTHER_COLOR)
+
+
+def variants(df: pd.DataFrame) -> list[str]:
+    """The variants of a table in the project's order."""
+    return sorted(df.variant.unique(), key=lambda v: (variant_rank(v), v))
+
+
+def new_figure(nrows: int, ncols: int, panel=(3.6, 2.7), **kw) -> tuple[Figure, np.ndarray]:
+    fig = Figure(figsize=(panel[0] * ncols + 0.6, panel[1] * nrows + 1.0), layout="constrained")
+    return fig, fig.subplots(nrows, ncols, squeeze=False, **kw)
+
+
+def _title(k: int, lr: float, multi_lr: bool) -> str:
+    return f"K={k}" + (f", lr×{lr:g}" if multi_lr else "")
+
+
+def panels(df: pd.DataFrame, panel=(3.6, 2.7), **kw):
+    """A grid of panels, one row per lr scale and one column per loops K: (fig, axes, cells), cells a
+    list of (ax, rows of df in that panel, title)."""
+    lrs, ks = sorted(df.lr_scale.unique()), sorted(df.loops.unique())
+    fig, axes = new_figure(len(lrs), len(ks), panel, **kw)
+    cells = [(axes[i, j], df[(df.lr_scale == lr) & (df.loops == k)], _title(k, lr, len(lrs) > 1))
+             for i, lr in enumerate(lrs) for j, k in enumerate(ks)]
+    return fig, axes, cells
+
+
+def cell_rows(df: pd.DataFrame) -> list[tuple[pd.DataFrame, str]]:
+    """One (rows of df, title) per (lr scale, loops K) present, for figures with a row of panels each."""
+    keys = sorted({(r.lr_scale, r.loops) for r in df[["lr_scale", "loops"]].drop_duplicates().itertuples()})
+    multi_lr = len({lr for lr, _ in keys}) > 1
+    return [(df[(df.lr_scale == lr) & (df.loops == k)], _title(k, lr, multi_lr)) for lr, k in keys]
+
+
+def seed_styles(df: pd.DataFrame) -> dict[str, str]:
+    """Line style per run, by seed (solid when there is one)."""
+    seeds = sorted(df.seed.unique())
+    return {r.run: LINESTYLES[seeds.index(r.seed) % len(LINESTYLES)] for r in df.drop_duplicates("run").itertuples()}
+
+
+def lines_by_run(ax, df: pd.DataFrame, x: str, y: str = "value", **kw) -> None:
+    """One line per run of `df`, coloured by variant, styled by seed."""
+    styles = seed_styles(df)
+    for run, g in df.groupby("run", sort=False):
+        ax.plot(g[x], g[y], color=variant_color(g.variant.iloc[0]), ls=styles[run], **kw)
+
+
+def legend(fig: Figure, df: pd.DataFrame, extra: list[tuple] = (), title: str | None = None) -> None:
+    """The figure's one legend, below every panel: a line per variant (colour), per seed where there
+    are several (line style), then `extra` (handle, label) pairs."""
+    handles = [(Line2D([], [], color=variant_color(v), lw=2), v) for v in variants(df)]
+    seeds = sorted(df.seed.unique()) if "seed" in df else []
+    if len(seeds) > 1:
+        handles += [(Line2D([], [], color="0.3", ls=LINESTYLES[i % len(LINESTYLES)]), f"seed {s}")
+                    for i, s in enumerate(seeds)]
+    handles += list(extra)
+    fig.legend([h for h, _ in handles], [label for _, label in handles], loc="outside lower center",
+               ncols=min(len(handles), 8), fontsize="small", title=title, title_fontsize="small")
+
+
+class _PlainLogFormatter(ticker.LogFormatter):
+    """Log-axis tick labels as plain numbers (0.5, 20, 1e-05), labelling minor ticks on short ranges."""
+
+    def _num_to_string(self, x, vmin, vmax):
+        return f"{x:.3g}"
+
+
+def log_y(ax) -> None:
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(_PlainLogFormatter())
+    ax.yaxis.set_minor_formatter(_PlainLogFormatter(labelOnlyBase=False))
+
+
+def auto_yscale(ax, values) -> None:
+    """Log scale when the values span more than a factor of 5."""
+    v = np.asarray(values, dtype=float)
+    v = v[np.isfinite(v) & (v > 0)]
+    if len(v) and v.max() / v.min() > 5:
+        log_y(ax)
+
+
+def empty(ax, text="no data") -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.5")
+    ax.set_axis_off()  # (not set_*ticks([]), which would clear the ticks of every shared axis)
+
+
+def finish(fig: Figure, title: str) -> Figure:
+    fig.suptitle(title, fontweight="bold")
+    return fig
+
+
+def text_color(fill: str) -> str:
+    """Black or white, whichever reads better on `fill`."""
+    r, g, b = mcolors.to_rgb(fill)
+    return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "white"

@@ -1,0 +1,207 @@
+"""Fitting the early-warning predictor (`flt-diag fit-predictor`): the class-weighted, L2-penalised
+logistic regression of early_warning.py's features on the final verdicts of finished runs, one model
+per step, and its leave-one-cell-out cross-validation (numpy/scipy/pandas only; no torch)."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from scipy.optimize import minimize
+
+from flt_diag.judge.early_warning import (COLUMNS, FEATURES, TARGETS, design, labelled_runs, label,
+                                             prediction_row, run_features, sigmoid, target_text)
+from flt_diag.storage.files import EXAMPLE_IDENTITY, load_examples
+from flt_diag.storage.folders import load_config, load_summary
+
+DEFAULT_FEATURES = ["resid_level", "resid_growth", "loop_ratio", "grad_cv", "grad_dlog", "act_grad_decay",
+                    "loss_slope", "loss_climb"]  # what `fit-predictor` uses unless told otherwise
+from flt_diag.storage.predictor_names import CLASS_WEIGHTS  # noqa: E402
+DEFAULT_STEPS = [100, 200, 300, 500]
+
+
+def fit_logistic(X: np.ndarray, y: np.ndarray, l2: float = 1.0,
+                 weights: np.ndarray | None = None) -> tuple[np.ndarray, float]:
+    """Coefficients and intercept maximising sum_i weight_i log-likelihood_i - l2/2 |w|^2 (intercept
+    unpenalised; weights 1 unless given)."""
+    c = np.ones(len(y)) if weights is None else np.asarray(weights, dtype=float)
+
+    def loss(theta):
+        w, b = theta[:-1], theta[-1]
+        z = X @ w + b
+        nll = np.sum(c * (np.logaddexp(0, z) - y * z)) + 0.5 * l2 * w @ w
+        r = c * (sigmoid(z) - y)
+        grad = np.concatenate([X.T @ r + l2 * w, [np.sum(r)]])
+        return nll, grad
+
+    res = minimize(loss, np.zeros(X.shape[1] + 1), jac=True, method="L-BFGS-B")
+    return res.x[:-1], float(res.x[-1])
+
+
+def class_weights(y: np.ndarray, kind: str = "balanced") -> np.ndarray:
+    """Per-run weights: "none" = 1 each; "balanced" = n / (2 n_class), so each class weighs n / 2."""
+    if kind not in CLASS_WEIGHTS:
+        raise ValueError(f"class weight must be one of {', '.join(CLASS_WEIGHTS)}, got {kind!r}")
+    y = np.asarray(y, dtype=float)
+    n, pos = len(y), float(y.sum())
+    if kind == "none" or pos in (0.0, float(n)):
+        return np.ones(n)
+    return np.where(y == 1, n / (2 * pos), n / (2 * (n - pos)))
+
+
+def training_runs(sources) -> list[Path]:
+    """Finished runs whose verdict is an outcome: a run ended by --stop-on-collapse carries a prediction
+    as its verdict, and fitting on it would teach the predictor its own guesses."""
+    return [d for d in labelled_runs(sources) if not load_summary(d).get("prediction")]
+
+
+def cell_identity(run_dir: Path) -> tuple:
+    """What makes two runs the same experiment apart from their length: variant, K, depth, width, seed,
+    lr scale. (A cell trained for 800 and for 2,000 steps has the same first 800 steps.)"""
+    m, t = (cfg := load_config(run_dir))["model"], cfg["train"]
+    return m["variant"], m["loops"], m["n_layer"], m["n_embd"], t["seed"], t["lr_scale"]
+
+
+def training_examples(sources, steps, target: str = "fails") -> list[dict]:
+    """Per usable run (`training_runs`): its folder, summary, label, cell identity, and its features at
+    every step of `steps` it ran past: what `fit` and `cross_validate` share (computed once). A source
+    ending in .csv is a fit-examples table (`examples_table`) instead of a folder."""
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
+    tables = [Path(s) for s in sources if Path(s).suffix == ".csv"]
+    folders = [s for s in sources if Path(s).suffix != ".csv"]
+    out = [e for t in tables for e in examples_from_rows(load_examples(t), steps, target)]
+    for d in training_runs(folders):
+        s = load_summary(d)
+        out.append(dict(run=d, summary=s, y=label(s, target), identity=cell_identity(d),
+                        feats={at: run_features(d, at) for at in steps if s.get("steps_done", 0) > at}))
+    if not out:
+        raise ValueError("no finished runs to fit on")
+    return out
+
+
+# --------------------------------------------------------------------------- fit-examples tables
+
+# A fit set as one small file: per run and fitted step, the run's identity, what labels it (its verdict and
+# the loss-climb evidence of that verdict) and the features. It refits and audits a predictor without the
+# run folders, and a run judged before a verdict change is relabelled from its evidence (relabelled()).
+EXAMPLE_COLUMNS = [*EXAMPLE_IDENTITY, "steps_done", "verdict", "climb", "rebound_threshold", "transient_rebound",
+                   "step", *FEATURES]
+
+
+def examples_table(examples: list[dict]) -> pd.DataFrame:
+    """`training_examples` as a table (EXAMPLE_COLUMNS): one row per run and step it has features at."""
+    rows = []
+    for e in examples:
+        s, evidence = e["summary"], e["summary"].get("evidence") or {}
+        run = dict(zip(EXAMPLE_IDENTITY, (str(e["run"]), *e["identity"])), steps_done=s.get("steps_done", 0),
+                   verdict=s.get("verdict"), climb=evidence.get("climb"),
+                   rebound_threshold=evidence.get("rebound_threshold"),
+                   transient_rebound=bool(evidence.get("transient_rebound")))
+        rows += [{**run, "step": at, **{f: feats.get(f) for f in FEATURES}} for at, feats in sorted(e["feats"].items())]
+    return pd.DataFrame(rows, columns=EXAMPLE_COLUMNS)
+
+
+def relabelled(row: dict) -> str:
+    """The run's verdict by the current rule: a loss climb that recovered (the evidence's transient_rebound),
+    `stable` before commit bcf10c4, is `unstable` now (docs/DESIGN.md §3)."""
+    return "unstable" if row["verdict"] == "stable" and row["transient_rebound"] else row["verdict"]
+
+
+def examples_from_rows(rows: list[dict], steps, target: str) -> list[dict]:
+    """The examples of a fit-examples table (rows as load_examples returns them), relabelled."""
+    runs: dict[str, list[dict]] = {}
+    for r in rows:
+        runs.setdefault(r["run"], []).append(r)
+    out = []
+    for run, group in runs.items():
+        r = group[0]
+        summary = dict(verdict=relabelled(r), steps_done=r["steps_done"], variant=r["variant"], loops=r["loops"],
+                       seed=r["seed"], lr_scale=r["lr_scale"],
+                       evidence=dict(climb=r["climb"], transient_rebound=r["transient_rebound"]))
+        feats = {x["step"]: {f: (math.nan if x[f] is None else x[f]) for f in FEATURES}
+                 for x in group if x["step"] in steps}
+        out.append(dict(run=Path(run), summary=summary, y=label(summary, target),
+                        identity=tuple(r[k] for k in EXAMPLE_IDENTITY[1:]), feats=feats))
+    return out
+
+
+def _fit_step(examples: list[dict], at: int, l2: float, features: list[str], class_weight: str) -> dict | None:
+    usable = [e for e in examples if at in e["feats"]]
+    if not usable:
+        return None
+    y = np.array([e["y"] for e in usable], dtype=float)
+    Z, mean, std = design([e["feats"][at] for e in usable], features)
+    w, b = fit_logistic(Z, y, l2, class_weights(y, class_weight))
+    p = sigmoid(Z @ w + b)
+    return dict(mean=mean.tolist(), std=std.tolist(), coef=w.tolist(), intercept=b, runs=len(usable),
+                positives=int(y.sum()), train_accuracy=float(((p >= 0.5) == (y == 1)).mean()))
+
+
+def _both_kinds(examples: list[dict], at: int) -> bool:
+    """Whether the runs that ran past step `at` include one with the target and one without."""
+    return len({e["y"] for e in examples if at in e["feats"]}) == 2
+
+
+def _nothing_to_fit(examples: list[dict], steps, target: str) -> str:
+    """Why no step of `steps` can be fitted (one line)."""
+    labels = {e["y"] for e in examples}
+    if len(labels) == 1:
+        kind = "has" if labels == {1} else "does not have"
+        return (f"every one of the {len(examples)} finished runs {kind} the target {target} "
+                f"({target_text(target)}); a predictor needs runs of both kinds")
+    longest = max((e["summary"].get("steps_done", 0) for e in examples), default=0)
+    if not any(e["feats"] for e in examples):
+        return (f"no finished run ran past any step of --at ({', '.join(map(str, steps))}); the longest ran "
+                f"{longest} steps")
+    return (f"at no step of --at ({', '.join(map(str, steps))}) do the runs that ran past it include runs with "
+            f"and without the target {target}")
+
+
+def check_features(features) -> list[str]:
+    features = list(features)
+    unknown = [f for f in features if f not in FEATURES]
+    if unknown or not features or len(set(features)) < len(features):
+        raise ValueError(f"features must be distinct names among {', '.join(FEATURES)}"
+                         + (f"; unknown: {', '.join(unknown)}" if unknown else ""))
+    return features
+
+
+def fit(sources, steps=DEFAULT_STEPS, l2: float = 1.0, command: str = "", target: str = "fails",
+        examples: list[dict] | None = None, features=DEFAULT_FEATURES, class_weight: str = "balanced") -> dict:
+    """Fit one model per step from the finished runs of `sources` (run or sweep folders), or from their
+    `training_examples` when given. target: a key of TARGETS ("fails", "collapse", "climbs");
+    features: a subset of FEATURES; class_weight: "balanced" or "none" (`class_weights`)."""
+    features = check_features(features)
+    class_weights([], class_weight)  # a wrong name fails before any run is read
+    examples = training_examples(sources, steps, target) if examples is None else examples
+    models = {str(s): m for s in steps
+              if _both_kinds(examples, s) and (m := _fit_step(examples, s, l2, features, class_weight)) is not None}
+    if not models:  # a predictor without a model (or one that can only say one thing) is refused here
+        raise ValueError(_nothing_to_fit(examples, steps, target))
+    return dict(features=features, models=models, threshold=0.5, l2=l2, class_weight=class_weight,
+                window="min(100, s // 2) steps before s", target=target, label=target_text(target),
+                fitted_on=[str(s) for s in sources], runs=[str(e["run"]) for e in examples], command=command)
+
+
+def cross_validate(sources, steps=DEFAULT_STEPS, l2: float = 1.0, target: str = "fails",
+                   examples: list[dict] | None = None, features=DEFAULT_FEATURES,
+                   class_weight: str = "balanced") -> pd.DataFrame:
+    """Leave-one-cell-out agreement: every run is predicted at every step by a model fitted on the
+    other cells only (runs with the same cell identity, e.g. one cell trained for two lengths, are
+    left out together). Columns as `predict_sweep`'s, plus `step` and `run` (the folder)."""
+    features = check_features(features)
+    examples = training_examples(sources, steps, target) if examples is None else examples
+    rows = []
+    for at in steps:
+        for identity in dict.fromkeys(e["identity"] for e in examples):
+            held = [e for e in examples if e["identity"] == identity and at in e["feats"]]
+            m = _fit_step([e for e in examples if e["identity"] != identity], at, l2, features,
+                          class_weight) if held else None
+            if m is None:
+                continue
+            predictor = dict(features=features, threshold=0.5, target=target, models={str(at): m})
+            rows += [prediction_row(e["run"], e["summary"], predictor, e["feats"][at], at)
+                     | dict(step=at, run=str(e["run"])) for e in held]
+    return pd.DataFrame(rows, columns=COLUMNS + ["step", "run"])

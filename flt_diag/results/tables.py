@@ -1,0 +1,345 @@
+"""The study layer: run and sweep folders read back as tables (numpy/pandas only; never torch).
+
+`collect(path)` reads a sweep (or one run folder) into a `Study` of `Run`s; the summary tables
+below are what the sweep's summary.csv, the CLI, the report, the figures and analysis/ all show:
+
+    SUMMARY_COLUMNS   the one list of summary columns (summary.json keys, per run)
+    sweep_summary     one row per finished cell (the sweep's summary.csv)
+    pooled_summary    sweep_summary of several sweeps of one setting (more seeds run later), as one table
+    summary_table     one row per (lr scale, variant, loops, depth) cell of the grid, seeds aggregated
+    seed_table        the same from sweep_summary's rows (finished runs only; what `summary` prints)
+    results_table     summary_table as the report's text table (TABLE_COLUMNS: display name -> column)
+
+Per-run and per-cell tables both compare the variants (flt_diag.judge.peers): val_gap, the
+nats between a row's val loss and the lowest among the variants at the same loops, depth and lr scale
+(and seed, per run), and resid_vs_flt, its peak residual norm over FLT's there.
+
+Derived series come from flt_diag.judge.verdict, the module that owns the verdict: `smoothed_loss` is the
+verdict's smoothed loss and `oscillation` the summary's oscillation indices (dense steps only).
+Works on a sweep still in progress: unfinished runs have `summary` None and status "running".
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from flt_diag.storage import metric_names as M
+from flt_diag.judge.peers import compare_cells, compare_runs, failed_text, gap_text, ratio_text
+from flt_diag.judge.verdict import dense_oscillation, smoothed
+from flt_diag.storage.folders import (COLUMNS, CELLS, ERROR, METRICS, StorageError, cell_names, is_run, is_sweep, load_config,
+                      load_eval_loops, load_metrics, load_spec, load_summary, run_dirs, run_label, series)
+from flt_diag.storage.pooling import check_poolable
+from flt_diag.judge.summary_table import SUMMARY_COLUMNS, run_depth, sweep_summary, write_summary  # noqa: F401  (re-exported)
+from flt_diag.vocab.variants import VARIANTS
+
+VARIANT_ORDER = list(VARIANTS)
+VERDICT_ORDER = ["stable", "unstable", "collapsed", "diverged"]  # by severity (ties in a majority go to the worse)
+RUN_COLUMNS = ["run", "variant", "loops", "seed", "lr_scale"]
+NO_METRICS = pd.DataFrame(columns=COLUMNS).astype({"step": "int64", "loop": "int16", "layer": "int16", "value": "float64"})
+
+SUMMARY_NUMBERS = SUMMARY_COLUMNS[SUMMARY_COLUMNS.index("final_loss"):SUMMARY_COLUMNS.index("steps_done")]
+OSC_COLUMNS = [c for c in SUMMARY_COLUMNS if c.startswith("osc_")]
+GRID_COLUMNS = ["lr_scale", "variant", "loops", "depth", "verdict", "agree", "runs", "finished", "failed",
+                "residual_explosion"]
+
+# the report's table: display name -> (summary_table column, format)
+TABLE_COLUMNS = {
+    "Final loss": ("final_loss", "{:.3f}"),
+    "Val loss": ("val_loss", "{:.3f}"),
+    "Val ppl": ("val_ppl", "{:.2f}"),
+    "Peak ‖h‖ (last loop)": ("peak_resid_norm", "{:.1f}"),
+    "Osc |Δlog g|": ("osc_mean_abs_dlog", "{:.3f}"),
+    "Loss std": ("loss_std", "{:.3f}"),
+    "Grad-norm std": ("grad_norm_std", "{:.3f}"),
+}
+
+
+# --------------------------------------------------------------------------- runs and studies
+
+@dataclass(eq=False)
+class Run:
+    """One run folder: its labels, config, summary (None while running), metrics and eval_loops."""
+    path: Path
+    variant: str
+    loops: int
+    seed: int
+    lr_scale: float
+    config: dict
+    summary: dict | None
+    metrics: pd.DataFrame
+    eval_loops: pd.DataFrame | None
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def status(self) -> str:
+        """The verdict once finished, else "failed" (the sweep left an error.txt) or "running"."""
+        if self.summary:
+            return self.summary["verdict"]
+        return "failed" if (self.path / ERROR).exists() else "running"
+
+    def sort_key(self) -> tuple:
+        return self.lr_scale, self.seed, self.loops, variant_rank(self.variant), self.variant, self.name
+
+    @property
+    def depth(self) -> int | None:
+        return self.config.get("model", {}).get("n_layer")
+
+    @property
+    def smooth_window(self) -> int:
+        return int(self.config.get("verdict", {}).get("smooth_window", 50))
+
+    @property
+    def explosion_threshold(self) -> float:
+        """The verdict's residual-explosion threshold: explosion_ratio * sqrt(d)."""
+        ratio = self.config.get("verdict", {}).get("explosion_ratio", math.nan)
+        return float(ratio) * math.sqrt(self.config.get("model", {}).get("n_embd", math.nan))
+
+    def select(self, metric: str) -> pd.DataFrame:
+        """The finite rows of one metric (step, metric, loop, layer, value)."""
+        m = self.metrics
+        sel = m[(m.metric == metric) & np.isfinite(m.value)]
+        return sel.astype({"step": "int64", "loop": "int64", "layer": "int64", "value": "float64"})
+
+    def tag(self, df: pd.DataFrame) -> pd.DataFrame:
+        """Prefix a per-run table with the run's identifying columns (RUN_COLUMNS)."""
+        ids = dict(run=self.name, variant=self.variant, loops=self.loops, seed=self.seed, lr_scale=self.lr_scale)
+        return df.reset_index(drop=True).assign(**ids)[RUN_COLUMNS + list(df.columns)]
+
+
+@dataclass(eq=False)
+class Study:
+    """Every run of a sweep (or one run folder), sorted by lr scale, seed, loops and variant."""
+    path: Path
+    runs: list[Run]
+    spec: dict | None = None  # sweep.json; None for a single run folder
+
+    @property
+    def kind(self) -> str:
+        """"map" for a stability map (flt-diag map), "sweep", or "run"."""
+        return (self.spec or {}).get("kind", "sweep") if self.spec is not None else "run"
+
+
+def variant_rank(variant: str) -> int:
+    return VARIANT_ORDER.index(variant) if variant in VARIANT_ORDER else len(VARIANT_ORDER)
+
+
+def _has_metrics(run_dir: Path) -> bool:
+    return any((run_dir / METRICS).glob("part-*.parquet"))
+
+
+def collect(path, metrics: list[str] | None = None) -> Study:
+    """Load every run of a sweep, or a single run folder. `metrics` keeps only those names (None: all;
+    an empty list reads no metrics at all, for tables of summaries). A list of several sweep folders of
+    one setting is pooled (`check_poolable`): a cell and seed run in two of them counts once, the first
+    folder's; the study's path and spec are the first folder's.
+
+    Raises StorageError for a path that is neither, or one with no metrics recorded yet."""
+    if isinstance(path, (list, tuple)):
+        if len(path) > 1:
+            return _pooled_study([Path(p) for p in path], metrics)
+        path = path[0]
+    path = Path(path)
+    dirs = run_dirs(path)
+    if not dirs:
+        raise StorageError(f"{path}: no run folders yet")
+    if not any(_has_metrics(d) for d in dirs):
+        raise StorageError(f"{path}: no metrics recorded yet")
+    runs = []
+    for d in dirs:
+        label = run_label(d)
+        table = load_metrics(d, metrics) if metrics is None or metrics else NO_METRICS.copy()
+        runs.append(Run(d, label["variant"], int(label["loops"]), int(label["seed"]), float(label["lr_scale"]),
+                        load_config(d), load_summary(d), table, load_eval_loops(d)))
+    spec = load_spec(path) if is_sweep(path) else None
+    return Study(path, sorted(runs, key=Run.sort_key), spec)
+
+
+def _pooled_study(paths: list[Path], metrics) -> Study:
+    check_poolable(paths)
+    seen, runs = set(), []
+    for path in paths:
+        for run in collect(path, metrics).runs:
+            if (key := (run.variant, run.loops, run.depth, run.seed, run.lr_scale)) not in seen:
+                seen.add(key)
+                runs.append(run)
+    return Study(paths[0], sorted(runs, key=Run.sort_key), load_spec(paths[0]))
+
+
+def concat(frames: list[pd.DataFrame], columns: list[str]) -> pd.DataFrame:
+    """Per-run tables (from Run.tag) as one, with RUN_COLUMNS + columns even when there are none."""
+    frames = [f for f in frames if len(f)]
+    if not frames:
+        return pd.DataFrame(columns=RUN_COLUMNS + columns)
+    return pd.concat(frames, ignore_index=True)[RUN_COLUMNS + columns]
+
+
+def run_order(study: Study, column: str = "run"):
+    """A sort key (for DataFrame.sort_values) that orders `column` like the study's runs."""
+    order = {r.name: i for i, r in enumerate(study.runs)}
+    return lambda s: s.map(order) if s.name == column else s
+
+
+# --------------------------------------------------------------------------- derived series
+
+def smoothed_loss(run: Run) -> pd.Series:
+    """The verdict's smoothed training loss (flt_diag.judge.verdict.smoothed over the finite losses; steps
+    before the first full window have none), step-indexed."""
+    loss = series(run.metrics, M.LOSS)
+    return smoothed(loss[np.isfinite(loss.to_numpy())], run.smooth_window).dropna()
+
+
+def oscillation(run: Run) -> dict:
+    """The run's oscillation indices (osc_*): from summary.json, or computed like it while running."""
+    if run.summary and all(k in run.summary for k in OSC_COLUMNS):
+        return {k: run.summary[k] for k in OSC_COLUMNS}
+    dense = run.config.get("diagnostics", {}).get("dense_steps", math.inf)
+    osc = dense_oscillation(series(run.metrics, M.GRAD_NORM), series(run.metrics, M.GRAD_COSINE), dense)
+    return {f"osc_{k}": v for k, v in osc.items()}
+
+
+# --------------------------------------------------------------------------- summary tables
+
+CELL_KEY = ["variant", "loops", "depth", "seed", "lr_scale"]
+
+
+def pooled_summary(paths: list[Path]) -> pd.DataFrame:
+    """sweep_summary of several sweeps of one setting as one table: e.g. more seeds of some cells, run
+    later into folders of their own (`check_poolable`). A cell and seed finished in two folders counts
+    once (the first folder's). Rows are compared again over the pooled runs, so a run's peers are the
+    variants that any of the folders ran at its K, depth, seed and lr scale."""
+    check_poolable(paths)
+    frames = [sweep_summary(Path(path)) for path in paths]
+    df = pd.concat([f for f in frames if len(f)] or frames[:1], ignore_index=True)
+    df = df.drop_duplicates(subset=CELL_KEY, keep="first").reset_index(drop=True)
+    return compare_runs(df)
+
+
+def _majority(verdicts: list[str]) -> tuple[str, int]:
+    """The most common verdict (ties go to the more severe one) and how many runs have it."""
+    counts = Counter(verdicts)
+    best = max(counts, key=lambda v: (counts[v], VERDICT_ORDER.index(v) if v in VERDICT_ORDER else -1))
+    return best, counts[best]
+
+
+def _mean(values) -> float:
+    """Mean of the finite numbers among `values` (NaN when there are none)."""
+    v = np.array([x for x in values if isinstance(x, (int, float, np.number))], dtype=float)
+    v = v[np.isfinite(v)]
+    return float(v.mean()) if len(v) else math.nan
+
+
+def _grid(study: Study) -> list[tuple]:
+    """Every (lr_scale, variant, loops, depth) of the sweep's spec, depth its base config's (empty for a
+    single run folder)."""
+    spec = study.spec or {}
+    if not all(k in spec for k in ("variants", "loops", "lr_scales")):
+        return []
+    depth = spec.get("base", {}).get("model", {}).get("n_layer")
+    return [(float(lr), v, int(k), depth) for lr in spec["lr_scales"] for v in spec["variants"] for k in spec["loops"]]
+
+
+def _is_true(value) -> bool:
+    """A stored flag: True only for a true value (None and a CSV's NaN are not)."""
+    return value is not None and value == value and bool(value)
+
+
+def _aggregate(done: list[dict]) -> dict:
+    """What a cell's finished runs (summaries, or sweep_summary rows) say together: the majority verdict
+    and how many agree with it, how many finished and how many of those failed (verdict not `stable`),
+    any residual explosion, and the mean of each summary number (SUMMARY_NUMBERS)."""
+    verdicts = [s["verdict"] for s in done]
+    verdict, agree = _majority(verdicts)
+    return dict(verdict=verdict, agree=agree, finished=len(done), failed=sum(v != "stable" for v in verdicts),
+                residual_explosion=any(_is_true(s.get("residual_explosion")) for s in done),
+                **{k: _mean([s.get(k) for s in done]) for k in SUMMARY_NUMBERS})
+
+
+def _not_done(runs: list[Run]) -> dict:
+    """A cell none of whose runs finished: "running", "failed" (only an error.txt) or "pending" (no run)."""
+    statuses = {r.status for r in runs}
+    verdict = "running" if "running" in statuses else "failed" if runs else "pending"
+    return dict(verdict=verdict, agree=0, finished=0, failed=0, residual_explosion=False,
+                **{k: math.nan for k in SUMMARY_NUMBERS})
+
+
+def _cells(rows: list[dict]) -> pd.DataFrame:
+    """Cell rows as a table in display order (lr scale, depth, loops, variant), variants compared."""
+    df = pd.DataFrame(rows, columns=GRID_COLUMNS + SUMMARY_NUMBERS)
+    df["depth"] = df.depth.astype("Int64")
+    order = df.assign(_r=df.variant.map(variant_rank)).sort_values(["lr_scale", "depth", "loops", "_r", "variant"])
+    return compare_cells(df.loc[order.index].reset_index(drop=True))
+
+
+def summary_table(src) -> pd.DataFrame:
+    """One row per (lr_scale, variant, loops, depth) cell of the grid: majority verdict over its finished
+    seeds ("running" while none finished, "failed" when its runs only left an error.txt, "pending" with
+    no run folder yet), `agree` seeds agreeing with it, `runs`, `finished` and `failed` (finished with a
+    verdict other than stable) counts, any residual explosion, the mean over finished seeds of each
+    summary number (SUMMARY_NUMBERS), and the comparison between variants (compare_cells)."""
+    study = src if isinstance(src, Study) else collect(src, [])
+    cells: dict[tuple, list[Run]] = {}
+    for run in study.runs:
+        cells.setdefault((run.lr_scale, run.variant, run.loops, run.depth), []).append(run)
+    started = {key[:3] for key in cells}
+    cells.update({key: [] for key in _grid(study) if key[:3] not in started})
+    rows = []
+    for (lr, variant, loops, depth), runs in cells.items():
+        done = [r.summary for r in runs if r.summary]
+        rows.append(dict(lr_scale=lr, variant=variant, loops=loops, depth=depth, runs=len(runs),
+                         **(_aggregate(done) if done else _not_done(runs))))
+    return _cells(rows)
+
+
+def seed_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """summary_table's cells from sweep_summary's rows (finished runs only, so `runs` = `finished`)."""
+    rows = [dict(lr_scale=lr, variant=variant, loops=loops, depth=depth, runs=len(g),
+                 **_aggregate(g.to_dict("records")))
+            for (lr, variant, loops, depth), g in runs.groupby(["lr_scale", "variant", "loops", "depth"], dropna=False)]
+    return _cells(rows)
+
+
+def _fmt(value, spec: str) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "–"
+    return spec.format(value)
+
+
+# the report table's comparison columns: each follows the TABLE_COLUMNS entry it compares
+COMPARED_AFTER = {"Val loss": ("Gap to best", "val_gap", gap_text),
+                  "Peak ‖h‖ (last loop)": ("Peak ÷ FLT", "resid_vs_flt", ratio_text)}
+
+
+def results_table(src) -> pd.DataFrame:
+    """The report's table as text: one row per (lr scale, depth, variant, loops) cell, numbers formatted,
+    each compared number followed by its comparison (COMPARED_AFTER).
+
+    Numbers are means over a cell's finished seeds; the verdict is their majority; "Failed" (with
+    several seeds) is k/n: k of the n finished seeds ended with a verdict other than stable."""
+    df = summary_table(src)
+    multi_lr, multi_depth = df.lr_scale.nunique() > 1, df.depth.nunique() > 1
+    multi_seed = (df.runs > 1).any()
+    rows = []
+    for r in df.itertuples():
+        row = {"Variant": r.variant, "Loops": str(r.loops)}
+        if multi_depth:
+            row["Depth"] = "–" if pd.isna(r.depth) else str(r.depth)
+        if multi_lr:
+            row["LR scale"] = f"{r.lr_scale:g}"
+        row["Verdict"] = r.verdict + (" (residual explosion)" if r.residual_explosion else "")
+        if multi_seed:
+            row["Failed"] = failed_text(r)
+        for name, (col, spec) in TABLE_COLUMNS.items():
+            row[name] = _fmt(getattr(r, col), spec)
+            if name in COMPARED_AFTER:
+                label, compared, text = COMPARED_AFTER[name]
+                row[label] = text(getattr(r, compared))
+        rows.append(row)
+    return pd.DataFrame(rows)

@@ -1,0 +1,305 @@
+"""Run and sweep folders: the only thing plots, reports and analysis scripts read.
+
+A run folder:
+    config.json        resolved configuration, versions, device, seed (written first)
+    metrics/part-*.parquet
+                       long table (step, metric, loop, layer, value), appended in parts while
+                       training; each part is written to a temporary name and renamed, so a crash
+                       or kill -9 leaves only complete parts
+    progress.json      step, loss, steps/s of a run in progress (for progress bars)
+    summary.json       verdict, evidence and key figures; present only once the run finished
+    checkpoint.pt      final weights (+ model config)
+    resume.pt          mid-run state (weights, optimizers, diagnostics), for exact resumption
+    eval_loops.csv     held-out loss per inference loop count (`flt-diag eval-loops`)
+
+A sweep folder holds sweep.json (its spec), one run folder per cell under cells/, and
+summary.csv / summary.parquet.
+
+This module imports no torch: analysis scripts use it without the training code.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+
+from flt_diag.storage import files
+from flt_diag.storage.schema import BadFile, StorageError, read_json  # noqa: F401  (re-exported: one error type)
+
+CONFIG, SUMMARY, PROGRESS, METRICS = "config.json", "summary.json", "progress.json", "metrics"
+CHECKPOINT, RESUME, EVAL_LOOPS = "checkpoint.pt", "resume.pt", "eval_loops.csv"
+SWEEP_SPEC, SWEEP_SUMMARY, CELLS = "sweep.json", "summary.csv", "cells"
+ERROR = "error.txt"  # written into a sweep cell whose run raised
+LOCK = ".lock"  # held (flock) by the one process writing a run or sweep folder; holds its pid
+COLUMNS = ["step", "metric", "loop", "layer", "value"]
+
+
+def refuse_symlink(path: Path, what: str = "write") -> None:
+    """A symlink inside a run, sweep or map folder was not made by flt-diag (which never makes one):
+    writing through it would change a file elsewhere, so every write refuses it (one line)."""
+    if Path(path).is_symlink():
+        raise StorageError(f"{path} is a symbolic link; flt-diag does not {what} through links "
+                           f"(a folder from elsewhere may point anywhere): remove the link or use the real path")
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path):
+    """The one way flt-diag writes a file: yields a temporary name beside `path` to write to; on
+    success it is renamed over `path` (readers see the old file or the new one, never half of one),
+    on any failure (an exception, a full disk, Ctrl-C) it is removed. The temporary file is created
+    exclusively (never an existing file or link), and a `path` that is a symbolic link is refused, so
+    no write follows a link to a file outside the folder."""
+    path = Path(path)
+    refuse_symlink(path)
+    if path.is_dir():
+        raise StorageError(f"{path} is a folder; give a file name")
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".tmp{path.suffix}", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        refuse_symlink(path)  # made while we wrote?
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        if isinstance(e, OSError) and e.errno and not e.filename:  # (pyarrow's errors name no file)
+            raise OSError(e.errno, os.strerror(e.errno), str(path)) from None
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+@contextlib.contextmanager
+def folder_lock(folder: Path, kind: str = "run"):
+    """Own a run or sweep folder while writing it: a second writer gets one StorageError line. The
+    lock is an flock on <folder>/.lock, so the kernel drops it when its process dies (kill -9
+    included) and a dead process never holds a folder. Creates the folder. The lock file is opened
+    without following links (a `.lock` that is a link is refused: nothing outside the folder is
+    touched) and removed on the way out, with the folder itself if this call created it and left it
+    empty: a refused command leaves nothing behind. (No-op without fcntl.)"""
+    folder = Path(folder)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    refuse_symlink(folder)
+    refuse_symlink(folder / LOCK, "lock")
+    created = not folder.exists()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            refuse_symlink(folder / LOCK, "lock")
+        raise StorageError(f"cannot create {kind} folder {folder}: {e.strerror or e}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # the holder before us may have removed the file we opened: then the lock is on a dead name
+        if not _same_file(fd, folder / LOCK):
+            raise BlockingIOError
+    except OSError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise StorageError(f"{folder} is being written by another flt-diag process"
+                           f"{f' (pid {holder})' if holder.isdigit() else ''}; wait for it to finish or stop it") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            if _same_file(fd, folder / LOCK):
+                os.unlink(folder / LOCK)  # while still held: a waiting opener sees the name gone
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+        if created:
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only if empty: a refused command leaves no folder either
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        a, b = os.fstat(fd), os.lstat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def has_content(folder: Path) -> bool:
+    """Whether a folder holds anything besides its lock file."""
+    return Path(folder).is_dir() and any(p.name != LOCK for p in Path(folder).iterdir())
+
+
+def write_json(path: Path, obj) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=1, default=_json_default, allow_nan=True))
+
+
+def _json_default(o):
+    if hasattr(o, "item"):
+        return o.item()
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+# --------------------------------------------------------------------------- writing metrics
+
+class MetricsWriter:
+    """Buffers rows and writes them as numbered Parquet parts (each part complete or absent)."""
+
+    def __init__(self, run_dir: Path):
+        self.dir = Path(run_dir) / METRICS
+        refuse_symlink(self.dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.rows: list[tuple] = []
+
+    def add(self, step: int, metric: str, loop: int, layer: int, value: float) -> None:
+        self.rows.append((step, metric, loop, layer, value))
+
+    def extend(self, rows) -> None:
+        self.rows.extend(rows)
+
+    def flush(self) -> None:
+        if not self.rows:
+            return
+        df = _frame(self.rows)
+        first, last = int(df.step.min()), int(df.step.max())
+        name = f"part-{first:09d}-{last:09d}-{len(list(self.dir.glob('part-*.parquet'))):05d}.parquet"
+        with atomic_path(self.dir / name) as tmp:
+            df.to_parquet(tmp, index=False)
+        self.rows = []
+
+    def truncate_after(self, step: int) -> None:
+        """Drop stored rows with step > `step` (used when resuming from a mid-run checkpoint)."""
+        self.rows = [r for r in self.rows if r[0] <= step]
+        for part in sorted(self.dir.glob("part-*.parquet")):
+            first, last = files.part_steps(part)
+            if first > step:
+                part.unlink()
+            elif last > step:
+                df = read_part(part)
+                with atomic_path(part) as tmp:
+                    df[df.step <= step].to_parquet(tmp, index=False)
+
+
+def _frame(rows) -> pd.DataFrame:
+    df = pd.DataFrame(rows, columns=COLUMNS)
+    return df.astype({"step": "int64", "metric": "string", "loop": "int16", "layer": "int16", "value": "float64"})
+
+
+# --------------------------------------------------------------------------- reading
+
+def is_run(path: Path) -> bool:
+    return (Path(path) / CONFIG).exists()
+
+
+def is_sweep(path: Path) -> bool:
+    return (Path(path) / SWEEP_SPEC).exists()
+
+
+def load_config(run_dir: Path) -> dict:
+    """A run's config.json, checked (flt_diag.storage.files: a bad one is one BadFile line)."""
+    return files.load_run_config(Path(run_dir) / CONFIG)
+
+
+def load_summary(run_dir: Path) -> dict | None:
+    """The run's summary (checked), or None while it has not finished."""
+    p = Path(run_dir) / SUMMARY
+    return files.load_summary(p) if p.exists() else None
+
+
+def load_spec(folder: Path) -> dict:
+    """The spec (sweep.json, checked) of a sweep or map folder."""
+    return files.load_spec(Path(folder) / SWEEP_SPEC)
+
+
+def load_progress(run_dir: Path) -> dict | None:
+    p = Path(run_dir) / PROGRESS
+    try:
+        return json.loads(p.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def load_metrics(run_dir: Path, metrics: list[str] | None = None) -> pd.DataFrame:
+    """The long metrics table of a run: columns step, metric, loop, layer, value.
+
+    Works on a run still in progress (it reads the parts written so far). `metrics`
+    keeps only those metric names."""
+    parts = sorted((Path(run_dir) / METRICS).glob("part-*.parquet"))
+    filters = [("metric", "in", list(metrics))] if metrics else None
+    frames = [read_part(p, filters) for p in parts]
+    frames = [f for f in frames if len(f)]
+    if not frames:
+        return _frame([])
+    df = pd.concat(frames, ignore_index=True)
+    return df.sort_values(["step", "metric", "loop", "layer"], kind="stable").reset_index(drop=True)
+
+
+def read_part(path: Path, filters=None) -> pd.DataFrame:
+    """One metrics part, its name and columns checked first; a damaged one is one BadFile line."""
+    import pyarrow as pa
+    files.check_metrics_part(path)
+    try:
+        return pd.read_parquet(path, filters=filters)
+    except (OSError, ValueError, pa.ArrowException) as e:
+        raise BadFile(f"{path}: a damaged Parquet file ({' '.join(str(e).split())[:120] or type(e).__name__})") from None
+
+
+def series(df: pd.DataFrame, metric: str, loop: int = -1, layer: int = -1) -> pd.Series:
+    """One metric as a step-indexed series."""
+    sel = df[(df.metric == metric) & (df.loop == loop) & (df.layer == layer)]
+    return pd.Series(sel.value.to_numpy(), index=sel.step.to_numpy(), name=metric)
+
+
+def wide(df: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """One metric as a table: rows = step, columns = (loop, layer)."""
+    sel = df[df.metric == metric]
+    return sel.pivot_table(index="step", columns=["loop", "layer"], values="value", aggfunc="last")
+
+
+def load_eval_loops(run_dir: Path) -> pd.DataFrame | None:
+    p = Path(run_dir) / EVAL_LOOPS
+    return pd.read_csv(p) if p.exists() else None
+
+
+def cell_names(sweep: Path) -> list[str]:
+    """The cells of a sweep folder in order: the grid's, listed in sweep.json; for a stability map
+    (whose probes are chosen as it runs) the cell folders present, by name."""
+    spec = load_spec(sweep)
+    if spec.get("kind") == "map":
+        folder = Path(sweep) / CELLS
+        return sorted(p.name for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
+    return list(spec.get("cell_names", []))
+
+
+def run_dirs(path: Path) -> list[Path]:
+    """The run folders of a sweep (in cell order), or [path] for a single run folder."""
+    path = Path(path)
+    if not path.exists():
+        raise StorageError(f"no such folder: {path}")
+    if is_sweep(path):
+        return [path / CELLS / name for name in cell_names(path) if is_run(path / CELLS / name)]
+    if is_run(path):
+        return [path]
+    raise StorageError(f"{path} is neither a run folder (no {CONFIG}) nor a sweep folder (no {SWEEP_SPEC})")
+
+
+def run_label(run_dir: Path) -> dict:
+    """Variant, loops, seed and lr scale of a run, read from its config (never from its name)."""
+    cfg = load_config(run_dir)
+    return {"variant": cfg["model"]["variant"], "loops": cfg["model"]["loops"],
+            "seed": cfg["train"]["seed"], "lr_scale": cfg["train"]["lr_scale"], "depth": cfg["model"]["n_layer"],
+            "run": str(run_dir)}

@@ -1,0 +1,41 @@
+"""Every metric name flt-diag stores, defined once (used by training, diagnostics, plots).
+
+Rows of a run's metrics table are (step, metric, loop, layer, value). `loop` counts 1..K and
+`layer` counts blocks 1..L; NONE (-1) marks "not applicable". Per-parameter-group metrics use
+the suffixes below: "<metric>/embedding" and "<metric>/head" with layer NONE, and
+"<metric>/attn", "<metric>/mlp" with the block in `layer`.
+"""
+NONE = -1
+
+LOSS = "loss"  # training loss of the step (mean over micro-batches)
+VAL_LOSS = "val_loss"  # held-out loss at evaluation steps (answer tokens only on a synthetic task)
+VAL_ACCURACY = "val_accuracy"  # share of held-out answers right, exact match (synthetic tasks only)
+LR = "lr"  # learning rate of the block matrices (Muon) or of everything (plain AdamW)
+MOMENTUM = "momentum"  # Muon momentum of the step (absent with plain AdamW)
+RESID_NORM = "resid_norm"  # mean per-token L2 norm of the stream after block `layer` of loop `loop`
+RESID_NORM_LOOP_END = "resid_norm_loop_end"  # same, at the end of loop `loop` (before the final norm)
+GRAD_NORM = "grad_norm"  # global L2 gradient norm before clipping (and per group with a suffix)
+ACT_GRAD_NORM = "act_grad_norm"  # L2 norm of d(loss)/d(output of block `layer` at loop `loop`)
+ACT_GRAD_NORM_ATTN = "act_grad_norm/attn"  # same, w.r.t. the attention output (after W_O, before the residual add)
+ACT_GRAD_NORM_MLP = "act_grad_norm/mlp"  # same, w.r.t. the MLP output (before the residual add)
+GRAD_NORM_CLIPPED = "grad_norm_clipped"  # per-group gradient norm after clipping (the reference's grad_norm/...)
+GRAD_COSINE = "grad_cosine"  # cosine between this step's and the previous step's gradient
+SIGN_FLIP = "sign_flip"  # share of coordinates whose gradient sign flipped since the previous step
+UPDATE_RATIO = "update_ratio"  # ||W_after - W_before|| / ||W_before||, per group
+ATTN_MAX_LOGIT = "attn_max_logit"  # largest pre-softmax attention logit at (loop, layer)
+ATTN_ENTROPY = "attn_entropy"  # mean attention entropy (nats) at (loop, layer)
+
+GROUPED = (GRAD_NORM, GRAD_NORM_CLIPPED, GRAD_COSINE, SIGN_FLIP, UPDATE_RATIO)
+
+# Derived (summary.json and the sweep table, not rows of the metrics table): the reference's
+# milestone statistics, population std of the loss and of the pre-clipping global gradient norm
+# over the steps since the previous milestone (flt_diag.judge.verdict.milestone_stds).
+LOSS_STD, GRAD_NORM_STD = "loss_std", "grad_norm_std"
+
+
+def group_key(metric: str, group: str) -> tuple[str, int]:
+    """("grad_norm", "block0.attn") -> ("grad_norm/attn", 1); ("grad_norm", "head") -> ("grad_norm/head", -1)."""
+    if group.startswith("block"):
+        block, kind = group[len("block"):].split(".")
+        return f"{metric}/{kind}", int(block) + 1
+    return f"{metric}/{group}", NONE

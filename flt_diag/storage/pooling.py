@@ -1,0 +1,52 @@
+"""Pooling sweeps: several sweep folders of one setting read as one experiment (more seeds of some cells,
+run later into folders of their own). `summary`, `plot` and `report` pool the folders they are given
+(flt_diag.results.tables.pooled_summary and collect) after `check_poolable` (torch-free)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from flt_diag.storage.folders import StorageError, is_sweep, load_spec
+from flt_diag.vocab.grid_options import SWEEP_GRID_FIELDS
+
+
+def without_grid_fields(base, grid_fields: dict):
+    """A spec's base config without the fields its grid sets per cell (`grid_fields`: section -> names)."""
+    if not isinstance(base, dict):
+        return base
+    return {k: ({f: x for f, x in v.items() if f not in grid_fields.get(k, ())} if isinstance(v, dict) else v)
+            for k, v in base.items()}
+
+
+def _setting(spec: dict) -> dict:
+    """A sweep's shared config without the grid fields: what two sweeps must share to be pooled."""
+    return without_grid_fields(spec.get("base", {}), SWEEP_GRID_FIELDS)
+
+
+def _differences(a: dict, b: dict, prefix: str = "") -> list[str]:
+    keys = sorted(set(a) | set(b))
+    out = []
+    for k in keys:
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += _differences(x, y, f"{prefix}{k}.")
+        elif x != y:
+            out.append(f"{prefix}{k} ({x!r} vs {y!r})")
+    return out
+
+
+def check_poolable(paths) -> None:
+    """Several folders can be pooled (as more seeds of one experiment) when every one is a sweep whose
+    shared config equals the first's, the grid fields aside; else StorageError naming what differs."""
+    first = None
+    for path in map(Path, paths):
+        if not path.exists():
+            raise StorageError(f"no such folder: {path}")
+        if not is_sweep(path):
+            raise StorageError(f"{path}: not a sweep folder (pooling takes sweep folders only)")
+        setting = _setting(load_spec(path))
+        if first is None:
+            first = (path, setting)
+        elif setting != first[1]:
+            diff = _differences(first[1], setting)
+            raise StorageError(f"{path} and {first[0]} ran different settings, so their runs cannot be pooled: "
+                               + ", ".join(diff[:5]) + (f" and {len(diff) - 5} more" if len(diff) > 5 else ""))

@@ -1,0 +1,163 @@
+"""Settling a run's config, once, before anything runs.
+
+Options (from the command line, a study file or a Python call) become one RunConfig that is ready to
+run: the preset and the device are decided (auto: cuda where this machine has CUDA, else cpu), the
+vocabulary is the tokenizer's (padded to a multiple of 64), the corpus and the tokenizer file exist,
+and the early-warning predictor loads when the run will use it. Every problem is one ValueError line
+(DataError for data). The Trainer, the sweeps and the maps take a settled config as given: they
+neither settle nor validate it again (the Trainer only refuses a config that did not come through
+here, `check_settled`).
+
+`comparable` and `differences` say which fields of a config decide what a run computes, so that a
+run, sweep or map folder can be checked against the config of a new command.
+
+This module imports no torch: the data layer it reads tokenizers and corpora from is torch-free, and
+torch is imported only to ask whether CUDA is there (`_cuda_devices`), when a device other than cpu
+is asked for.
+
+    from flt_diag.training.settle import run_config
+    cfg = run_config(dict(preset="tiny", loops=6, steps=200, device="cpu"))  # then Trainer(cfg, "runs/x")
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import re
+from pathlib import Path
+
+from flt_diag.judge.early_warning import PACKAGED
+from flt_diag.storage.files import load_predictor
+from flt_diag.vocab.config import TASK_DIALS, TASKS, RunConfig, build_config, padded_vocab, sections_from
+from flt_diag.data.corpus import DataError, get_tokenizer
+from flt_diag.data.sources import check_source
+
+# Fields that may differ when a run folder is reused (they do not change what is computed).
+VOLATILE_TRAIN_FIELDS = ("device", "threads", "compile", "eval_every", "checkpoint_every")
+VOLATILE_DIAGNOSTICS_FIELDS = ("flush_every", "tensorboard", "wandb", "warn")
+DEVICE = re.compile(r"auto|cpu(?::\d+)?|cuda(?::(\d+))?")
+
+
+def run_config(values: dict, **grid) -> RunConfig:
+    """The settled RunConfig of flat option values (`Option.dest` -> value, None = not given), with
+    the fields a grid sets per cell (variant, loops, seed, lr_scale) where given."""
+    return settle(unsettled_config(values, **grid))
+
+
+def unsettled_config(values: dict, **grid) -> RunConfig:
+    """The same config, checked field by field but not settled (a grid's `--list` runs nothing, so it
+    needs no tokenizer): the preset is decided, the device and the vocabulary are not."""
+    values = {**values, **{k: v for k, v in grid.items() if v is not None}}
+    if values.get("stop_on_collapse"):
+        values["warn"] = True
+    sections = sections_from(values)
+    cuda = choose_device(values.get("device") or "auto").startswith("cuda")
+    return build_config(sections.pop("preset", "auto"), cuda, **sections)
+
+
+def settle(cfg: RunConfig) -> RunConfig:
+    """A copy of `cfg` ready to run (device decided, vocabulary from the tokenizer, corpus, tokenizer
+    and predictor checked); `cfg` itself is not changed. Settling a settled config changes nothing."""
+    device = choose_device(cfg.train.device)
+    check_data(cfg.train.data, cfg.train.tokenizer, cfg)
+    d = cfg.diagnostics
+    if d.warn or d.stop_on_collapse or d.predictor is not None:
+        predictor(d.predictor)
+    settled = copy.deepcopy(cfg)
+    settled.train = dataclasses.replace(settled.train, device=device)
+    settled.model = dataclasses.replace(settled.model, vocab_size=padded_vocab(tokenizer_vocab(cfg.train.tokenizer)))
+    return settled
+
+
+def check_settled(cfg: RunConfig, tokenizer_vocab: int) -> None:
+    """The Trainer's guard: a config that did not come through `settle` is refused (one line)."""
+    if cfg.train.device == "auto" or cfg.model.vocab_size != padded_vocab(tokenizer_vocab):
+        raise ValueError(f"the config is not settled (device {cfg.train.device}, vocabulary {cfg.model.vocab_size} "
+                         f"for a tokenizer of {tokenizer_vocab}); pass it through flt_diag.training.settle.settle first")
+
+
+def choose_device(name: str) -> str:
+    """auto -> cuda or cpu; cpu, cuda and cuda:N are checked against this machine."""
+    match = DEVICE.fullmatch(name)
+    if match is None:
+        raise ValueError(f"unknown device {name!r}; use auto, cpu, cuda or cuda:N")
+    if name.startswith("cpu"):
+        return "cpu"
+    gpus = _cuda_devices()
+    if name == "auto":
+        return "cuda" if gpus else "cpu"
+    if not gpus:
+        raise ValueError("device cuda requested but CUDA is not available")
+    if match.group(1) is not None and int(match.group(1)) >= gpus:
+        raise ValueError(f"device {name} requested but there are {gpus} GPUs")
+    return name
+
+
+def _cuda_devices() -> int:
+    import torch  # only here, and only for a device other than cpu: torch is what knows whether there is CUDA
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_data(data: str, tokenizer: str | None, cfg: RunConfig | None = None) -> None:
+    """The corpus or task is one flt-diag can read (with the run's config, a task's dials against its
+    sequence length), and a tokenizer given as a file exists (DataError)."""
+    check_source(data, tokenizer, cfg)
+    if tokenizer is not None and tokenizer.endswith(".json") and not Path(tokenizer).exists():
+        raise DataError(f"tokenizer file {tokenizer} does not exist")
+
+
+def tokenizer_vocab(name: str | None) -> int:
+    """The tokenizer's vocabulary size; one DataError line if it cannot be loaded."""
+    if name is None:
+        raise DataError("a run needs a tokenizer (--tokenizer)")
+    try:
+        return get_tokenizer(name).vocab_size
+    except DataError as e:
+        if "Qwen" not in name:
+            raise
+        raise DataError(f"{e} (paper presets use the reference's Qwen3 tokenizer: fetch it once with network "
+                        "access, or pass --tokenizer path/to/tokenizer.json)") from None
+
+
+def predictor(path: str | None) -> dict:
+    """The early-warning predictor at `path` (None: the packaged one), checked. Read once per
+    process and version of the file: settling checks it, the run's warning uses the same copy."""
+    try:
+        stat = Path(path or PACKAGED).stat()
+        version = (stat.st_mtime_ns, stat.st_size)
+    except OSError:
+        version = None  # load_predictor says what is wrong with it
+    return copy.deepcopy(_load_predictor(path, version))
+
+
+@functools.lru_cache(maxsize=8)
+def _load_predictor(path: str | None, version) -> dict:
+    return load_predictor(path)
+
+
+def comparable(cfg_dict: dict) -> dict:
+    """The parts of a config that decide what a run computes (verdict thresholds, logging
+    mirrors and intervals, and the dials of a task the run does not train on, can change without
+    invalidating a run folder; folders written before the task dials existed still resume)."""
+    d = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg_dict.items()
+         if k not in ("env", "corpus", "verdict", "imported_from", "note", "n_params")}
+    for k in VOLATILE_TRAIN_FIELDS:
+        d["train"].pop(k, None)
+    for k in VOLATILE_DIAGNOSTICS_FIELDS:
+        d.get("diagnostics", {}).pop(k, None)
+    for k in set(TASK_DIALS) - set(TASKS.get(d["train"].get("data"), ())):  # dials its data does not read
+        d["train"].pop(k, None)
+    return d
+
+
+def differences(a: dict, b: dict) -> list[str]:
+    """`section.field: old -> new` for every field in which two (comparable) configs differ."""
+    out = []
+    for section in sorted(set(a) | set(b)):
+        sa, sb = a.get(section), b.get(section)
+        if isinstance(sa, dict) and isinstance(sb, dict):
+            out += [f"{section}.{k}: {sa.get(k)!r} -> {sb.get(k)!r}" for k in sorted(set(sa) | set(sb))
+                    if sa.get(k) != sb.get(k)]
+        elif sa != sb:
+            out.append(f"{section}: {sa!r} -> {sb!r}")
+    return out

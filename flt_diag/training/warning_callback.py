@@ -1,0 +1,73 @@
+"""The online early warning (`--warn`, `--stop-on-collapse`): a training callback that computes the
+features of analysis/early_warning.py from the rows of the running training and checks P(collapse)."""
+from __future__ import annotations
+
+import sys
+
+import pandas as pd
+
+from flt_diag.storage import metric_names as M
+from flt_diag.storage.folders import load_metrics
+from flt_diag.judge.early_warning import CHECK_EVERY, evidence_text, features, probability
+from flt_diag.training.callbacks import Callback
+
+
+class CollapseWarning(Callback):
+    """Checks P(collapse) every `every` steps from the predictor's first fitted step on; the first
+    time it reaches the threshold, prints a warning with the evidence, and with `stop` ends the run
+    there (verdict collapsed, predicted at that step). Keeps the few series the features need: the
+    global ones (GLOBAL), the first and last loop's residual norm, the activation gradient at the first
+    and the last block. Added to a run that resumes without its state (`--warn` may change on reuse),
+    it reads the series of the steps already trained back from the run's metrics table."""
+
+    GLOBAL = (M.LOSS, M.GRAD_NORM, M.GRAD_COSINE)
+
+    def __init__(self, predictor: dict, stop: bool = False, threshold: float | None = None, every: int = CHECK_EVERY,
+                 say=None):
+        self.predictor, self.stop, self.every = predictor, stop, every
+        self.threshold = predictor.get("threshold", 0.5) if threshold is None else threshold
+        self.rows: list[tuple] = []
+        self.warned_at: int | None = None
+        self.say = say or (lambda text: print(text, file=sys.stderr, flush=True))
+        self.first = min(int(s) for s in predictor["models"])
+        self.restored = False
+
+    def on_start(self, trainer) -> None:
+        m = trainer.cfg.model
+        self.loops, self.n_layer, self.d = m.loops, m.n_layer, m.n_embd
+        self.label = f"{m.variant} K={m.loops}"
+        if getattr(trainer, "start_step", 0) and not self.restored:
+            stored = load_metrics(trainer.run_dir, [*self.GLOBAL, M.RESID_NORM_LOOP_END, M.ACT_GRAD_NORM])
+            stored = stored[stored.step < trainer.start_step]
+            self._keep((int(step), str(metric), int(loop), int(layer), float(v)) for step, metric, loop, layer, v in
+                       stored.itertuples(index=False, name=None))
+
+    def _keep(self, rows) -> None:
+        keep = {(M.RESID_NORM_LOOP_END, 1), (M.RESID_NORM_LOOP_END, self.loops)}
+        for r in rows:
+            if r[1] in self.GLOBAL or (r[1], r[2]) in keep or (
+                    r[1] == M.ACT_GRAD_NORM and (r[2], r[3]) in ((1, 1), (self.loops, self.n_layer))):
+                self.rows.append(tuple(r))
+
+    def on_rows(self, trainer, step: int, rows: list[tuple]) -> None:
+        self._keep(rows)
+        done = step + 1
+        if self.warned_at is not None or done < self.first or done % self.every:
+            return
+        df = pd.DataFrame(self.rows, columns=["step", "metric", "loop", "layer", "value"])
+        feats = features(df, done, self.loops, self.n_layer, self.d)
+        p, contrib = probability(self.predictor, feats, done)
+        if p >= self.threshold:
+            self.warned_at = done
+            text = evidence_text(feats, contrib)
+            self.say(f"warning: {self.label}: collapse predicted at step {done} (P={p:.2f}; {text})")
+            if self.stop:
+                trainer.request_stop(f"collapse predicted at step {done}",
+                                     prediction=dict(step=done, p_collapse=p, evidence=text, features=feats))
+
+    def state_dict(self) -> dict:
+        return {"rows": list(self.rows), "warned_at": self.warned_at}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rows, self.warned_at = [tuple(r) for r in state["rows"]], state["warned_at"]
+        self.restored = True

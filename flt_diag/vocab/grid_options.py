@@ -1,0 +1,82 @@
+"""The options of the grids, beside flt_diag.vocab.config: what a sweep (`run-ablation`) and a stability map
+(`map`) run over, with their help, bounds and choices, declared once.
+
+The command line, the study files and the loaders of a grid folder's sweep.json (flt_diag.storage.files)
+read these classes; flt_diag.grids.sweep.SweepSpec and flt_diag.grids.stability_map.MapSpec add the
+behaviour (cells, probes, validation of every cell) without adding fields. Torch-free, like config.py.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from flt_diag.vocab.config import check, opt
+from flt_diag.vocab.variants import MAX_LOOPS, VARIANTS
+
+MAP_AXES = ("lr", "depth")  # what a map varies: the lr scale, or the number L of distinct blocks
+MAP_CRITERIA = ("training", "collapse", "explosion")  # how a probe counts as broken (analysis.map_results)
+# The config fields a sweep's grid sets per cell: a folder's stored base is compared without them (its base
+# is cell 0's config; earlier versions stored seed 0 and lr scale 1 there), and sweeps pooled by `summary`
+# may differ in them.
+SWEEP_GRID_FIELDS = {"model": ("variant", "loops"), "train": ("seed", "lr_scale")}
+MAX_GRID = 66  # values of one map grid (lo times up to 64 powers of the ratio, and hi): no study needs more
+
+
+def geometric_grid(lo: float, hi: float, ratio: float, integer: bool = False) -> list[float]:
+    """lo, lo*r, lo*r^2, ... up to hi (hi itself is the last value); integers rounded and made unique."""
+    if not (lo > 0 and hi >= lo and ratio > 1 and math.isfinite(hi) and math.isfinite(ratio)):
+        raise ValueError(f"the grid needs 0 < lo <= hi and ratio > 1 (got lo={lo}, hi={hi}, ratio={ratio})")
+    n = int(math.floor(math.log(hi / lo) / math.log(ratio) + 1e-9))
+    if n + 2 > MAX_GRID:
+        raise ValueError(f"the grid from {lo} to {hi} by x{ratio} has {n + 1} values; at most {MAX_GRID - 1}")
+    values = [lo * ratio ** i for i in range(n + 1)]
+    if values[-1] < hi * (1 - 1e-9):
+        values.append(hi)
+    if integer:
+        values = sorted({int(round(v)) for v in values})
+    else:
+        values = [float(f"{v:.4g}") for v in values]
+    return values
+
+
+@dataclass
+class SweepGrid:
+    """The grid of a sweep: every variant x loop count x seed x lr scale is one cell. `base` is the
+    RunConfig the cells share (flt_diag.grids.sweep.SweepSpec makes it cell 0's)."""
+
+    base: object
+    variants: list[str] = opt(list(VARIANTS), "Variants [default: all five].", choices=VARIANTS)
+    loops: list[int] = opt([3, 6, 9, 12], "Loop counts K.", low=1, high=MAX_LOOPS)
+    seeds: list[int] = opt([0], "Seeds.", low=0)
+    lr_scales: list[float] = opt([1.0], "Learning-rate multipliers (an lr x loops map).", flag="--lr-scale", above=0)
+
+
+@dataclass
+class MapGrid:
+    """The axis values a map searches: lo, lo*r, lo*r^2, ... <= hi (see geometric_grid)."""
+
+    lo: float = opt(0.5, "Lowest axis value of the grid.", above=0)
+    hi: float = opt(16.0, "Highest axis value of the grid.", above=0)
+    ratio: float = opt(1.41, "Grid ratio: the tolerance of every boundary.", above=1)
+
+    def __post_init__(self):
+        check(self)
+
+    def values(self, axis: str) -> list[float]:
+        return geometric_grid(self.lo, self.hi, self.ratio, integer=axis == "depth")
+
+
+@dataclass
+class MapLinesGrid:
+    """What a map searches: lines (variants x loops x seeds), one axis and its grid, the criteria.
+    `base` is the RunConfig of line 0 (flt_diag.grids.stability_map.MapSpec replaces the axis field and
+    each line's fields per probe)."""
+
+    base: object
+    variants: list[str] = opt(list(VARIANTS), "Variants [default: all five].", choices=VARIANTS)
+    loops: list[int] = opt([6, 12], "Loop counts K (the x axis of the map).", low=1, high=MAX_LOOPS)
+    seeds: list[int] = opt([0], "Seeds: each boundary is reported with its spread.", low=0)
+    axis: str = opt("lr", "lr (lr scale) or depth (L blocks, width fixed).", choices=MAP_AXES)
+    grid: list[float] = field(default_factory=lambda: MapGrid().values("lr"))
+    criteria: list[str] = opt(["training", "explosion"], "training (verdict not stable), collapse (collapsed or "
+                              "diverged), explosion (a residual norm of any loop exploded).", choices=MAP_CRITERIA)
