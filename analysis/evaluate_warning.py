@@ -1,0 +1,80 @@
+"""Evaluate the early warning against its baselines on finished run folders (issue 34's plan:
+docs/plans/2026-12-01-verdict-v3-and-warning-evaluation.md). Writes CSV tables and prints them as Markdown.
+
+    python analysis/evaluate_warning.py runs/default runs/w1-lt9 runs/w2-lr --out docs/data/warning-eval \
+        --set "LT K=9 seeds" variant=lt loops=9 --set "lr x4 vs x8 at L=6" depth=6
+
+Labels are the runs' summary.json verdicts (run `flt-diag summary --recompute` first to judge them with
+the current verdict). No torch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from flt_diag.results import warning_evaluation as W  # noqa: E402
+from flt_diag.results.predictor_fit import DEFAULT_FEATURES  # noqa: E402
+from flt_diag.storage.files import load_predictor  # noqa: E402
+from flt_diag.storage.predictor_names import PACKAGED  # noqa: E402
+
+
+def selector(conditions: list[str]):
+    pairs = [c.split("=", 1) for c in conditions]
+
+    def select(table):
+        mask = np.ones(len(table), bool)
+        for key, value in pairs:
+            column = table[key]
+            mask &= (column.astype(str) == value) | (column.astype(float, errors="ignore") == _num(value))
+        return mask
+    return select
+
+
+def _num(value: str):
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("folders", nargs="+", type=Path)
+    ap.add_argument("--at", nargs="+", type=int, default=[100, 200, 300, 500])
+    ap.add_argument("--out", type=Path, required=True, help="folder for the CSV tables")
+    ap.add_argument("--set", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"),
+                    help="a within-variant set: its name, then conditions on the runs' columns")
+    args = ap.parse_args(argv)
+    packaged = load_predictor(PACKAGED)
+    table = W.evaluation_table(args.folders, args.at, packaged)
+    if table.empty:
+        print("error: no finished run in the given folders", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    table.to_csv(args.out / "rows.csv", index=False)
+    sets = {s[0]: selector(s[1:]) for s in args.set}
+    comparison = W.comparison(table, DEFAULT_FEATURES, sets)
+    comparison.to_csv(args.out / "comparison.csv", index=False)
+    ablation = W.ablation(table, DEFAULT_FEATURES)
+    ablation.to_csv(args.out / "ablation.csv", index=False)
+    runs = table.drop_duplicates("run")
+    (args.out / "runs.json").write_text(json.dumps(
+        {"runs": len(runs), "failing": int(runs.failed.sum()),
+         "verdicts": runs.verdict.value_counts().to_dict()}, indent=1))
+    fmt = {c: "{:.2f}".format for c in ("auroc", "auroc_lo", "auroc_hi", "agreement", "agreement_lo", "agreement_hi")}
+    print(f"{len(runs)} runs, {int(runs.failed.sum())} failing: {runs.verdict.value_counts().to_dict()}\n")
+    print(comparison.to_markdown(index=False, floatfmt=".2f") if hasattr(comparison, "to_markdown")
+          else comparison.to_string(formatters=fmt))
+    print()
+    print(ablation.to_string(formatters=fmt))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""The early warning evaluated as a reviewer asks (docs/plans/2026-12-01-verdict-v3-and-warning-evaluation.md):
+against baselines that read no training signal, under cross-validation that never lets a sibling seed of
+a held-out configuration into the training set, with AUROC and intervals. Torch-free.
+
+A run's label is its verdict at full length (failed = not `stable`). At each step s a run has the early
+warning's features (flt_diag.judge.early_warning.features, from rows before s) and each score:
+
+    packaged     the packaged predictor as shipped (no refit)
+    refit        the same logistic model refitted on the other runs (grouped cross-validation)
+    prior        a logistic model on the configuration alone: one-hot variant, K, depth, log2 lr scale
+    olmo         OLMo-core's SpikeScore (total): the share of steps so far whose loss or gradient norm
+                 exceeded the mean + 6 std of the previous 128 values (its defaults)
+    lightning / kill_loss_spike (and *_scaled)
+                 the replayed detectors (flt_diag.judge.spike_detectors) as "fired before step s":
+                 at their defaults and at the plan's windows scaled to a 2,000-step run
+
+Cross-validation groups: `config` leaves out every seed of one (variant, K, depth, width, lr scale)
+together; `variant` leaves out every run of one variant.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from flt_diag.judge.early_warning import design, features, probability, sigmoid
+from flt_diag.judge.spike_detectors import kill_loss_spike, lightning_spike
+from flt_diag.results.predictor_fit import class_weights, fit_logistic
+from flt_diag.storage import metric_names as M
+from flt_diag.storage.folders import load_config, load_metrics, load_summary, run_dirs, series
+
+CONFIG = ["variant", "loops", "depth", "width", "lr_scale"]
+SCALED = {"lightning": dict(window=50), "kill_loss_spike": dict(window=200)}  # the plan's scaled windows
+OLMO_WINDOW, OLMO_THRESHOLD = 128, 6.0  # OLMo-core StabilityMonitorCallback defaults
+FEATURE_GROUPS = {"residual": ["resid_level", "resid_growth", "loop_ratio"],
+                  "gradient": ["grad_cv", "grad_dlog"], "backward": ["act_grad_decay"],
+                  "loss": ["loss_slope", "loss_climb"]}
+DETECTOR_SCORES = ["olmo", "lightning", "lightning_scaled", "kill_loss_spike", "kill_loss_spike_scaled"]
+
+
+# --------------------------------------------------------------------------- scores of one run
+
+def olmo_spike_score(loss: np.ndarray, grad: np.ndarray, at: int, window: int = OLMO_WINDOW,
+                     threshold: float = OLMO_THRESHOLD) -> float:
+    """OLMo-core's cumulative SpikeScore after the steps before `at` (0 until `window` steps are seen):
+    a step spikes when its loss or its gradient norm exceeds mean + threshold * std (population) of the
+    previous `window` values of that series (a std below 1e-10 never spikes)."""
+    n = min(at, len(loss))
+    if n < window:
+        return 0.0
+
+    def spikes(x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x[:n], dtype=float)
+        out = np.zeros(n, dtype=bool)
+        if len(x) <= window:
+            return out
+        view = np.lib.stride_tricks.sliding_window_view(x[:-1], window)  # view[i] = x[i : i + window]
+        mean, std = view.mean(axis=1), view.std(axis=1)
+        out[window:] = (std >= 1e-10) & (x[window:] > mean + threshold * std)
+        return out
+
+    any_spike = spikes(loss) | (spikes(grad) if len(grad) >= n else False)
+    return float(any_spike.sum() / n)
+
+
+def _dense(df: pd.DataFrame, metric: str) -> np.ndarray:
+    s = series(df, metric).sort_index()
+    steps = s.index.to_numpy()
+    gaps = np.flatnonzero(np.diff(steps) != 1)
+    end = gaps[0] + 1 if len(gaps) else len(steps)
+    return s.to_numpy(dtype=float)[:end] if len(steps) and steps[0] == 0 else np.array([])
+
+
+def run_rows(run_dir: Path, steps: list[int], packaged: dict) -> list[dict]:
+    """One row per step s < the run's length: identity, label, features, detector scores, P(packaged)."""
+    cfg, summary = load_config(run_dir), load_summary(run_dir)
+    m, t = cfg["model"], cfg["train"]
+    df = load_metrics(run_dir)
+    loss, grad = _dense(df, M.LOSS), _dense(df, M.GRAD_NORM)
+    total = t.get("steps")
+    fired = {"lightning": lightning_spike(loss), "kill_loss_spike": kill_loss_spike(loss, total_steps=total)[0],
+             "lightning_scaled": lightning_spike(loss, **SCALED["lightning"]),
+             "kill_loss_spike_scaled": kill_loss_spike(loss, total_steps=total, **SCALED["kill_loss_spike"])[0]}
+    identity = dict(run=str(run_dir), variant=m["variant"], loops=m["loops"], depth=m["n_layer"], width=m["n_embd"],
+                    lr_scale=t["lr_scale"], seed=t["seed"], verdict=summary["verdict"],
+                    failed=int(summary["verdict"] != "stable"))
+    rows = []
+    for at in steps:
+        if at >= summary.get("steps_done", 0):
+            continue
+        feats = features(df, at, m["loops"], m["n_layer"], m["n_embd"])
+        rows.append(identity | feats | dict(
+            step=at, packaged=probability(packaged, feats, at)[0], olmo=olmo_spike_score(loss, grad, at),
+            **{k: float(v is not None and v < at) for k, v in fired.items()}))
+    return rows
+
+
+def evaluation_table(sources, steps: list[int], packaged: dict) -> pd.DataFrame:
+    """Every finished run of the given run or sweep folders, one row per (run, step)."""
+    rows = []
+    for src in sources:
+        for d in run_dirs(Path(src)):
+            if load_summary(d) is not None:
+                rows += run_rows(d, steps, packaged)
+    return pd.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------- models under grouped CV
+
+def prior_matrix(table: pd.DataFrame, variants: list[str]) -> np.ndarray:
+    """The config-only design: one-hot variant (every variant seen), K, depth, log2 lr scale."""
+    onehot = np.stack([(table.variant == v).to_numpy(float) for v in variants], axis=1)
+    numeric = np.stack([table.loops.to_numpy(float), table.depth.to_numpy(float),
+                        np.log2(table.lr_scale.to_numpy(float))], axis=1)
+    return np.concatenate([onehot, numeric], axis=1)
+
+
+def group_keys(table: pd.DataFrame, by: str) -> pd.Series:
+    if by == "config":
+        return table[CONFIG].astype(str).agg("|".join, axis=1)
+    if by == "variant":
+        return table.variant.astype(str)
+    raise ValueError(f"cross-validation groups are config or variant, got {by!r}")
+
+
+def _fit_predict(X_train, y_train, X_test, l2: float = 1.0) -> np.ndarray:
+    """Class-balanced, L2-penalised logistic regression on standardised columns (as fit-predictor)."""
+    mean, std = X_train.mean(axis=0), X_train.std(axis=0)
+    std = np.where(std > 1e-12, std, 1.0)
+    if y_train.min() == y_train.max():  # one class only: its frequency is all a fit can say
+        return np.full(len(X_test), float(y_train[0]))
+    w, b = fit_logistic((X_train - mean) / std, y_train, l2, class_weights(y_train))
+    return sigmoid(((X_test - mean) / std) @ w + b)
+
+
+def cross_validated(table: pd.DataFrame, model: str, by: str, feature_names: list[str] | None = None) -> np.ndarray:
+    """Out-of-fold P(fail) of every row (one step's rows), each group's from a fit on the other groups:
+    `model` "refit" (the early-warning features) or "prior" (the configuration)."""
+    if model == "refit":
+        X, _, _ = design(table.to_dict("records"), feature_names)
+    else:
+        X = prior_matrix(table, sorted(table.variant.unique()))
+    y = table.failed.to_numpy(float)
+    keys = group_keys(table, by).to_numpy()
+    out = np.full(len(table), math.nan)
+    for key in np.unique(keys):
+        test = keys == key
+        if (~test).sum() == 0:
+            continue
+        out[test] = _fit_predict(X[~test], y[~test], X[test])
+    return out
+
+
+# --------------------------------------------------------------------------- statistics
+
+def auroc(y, score) -> float:
+    """Area under the ROC curve: P(score of a failing run > a stable run's), ties counting half
+    (the Mann-Whitney statistic); NaN without both outcomes."""
+    y, score = np.asarray(y, bool), np.asarray(score, float)
+    pos, neg = score[y], score[~y]
+    if not len(pos) or not len(neg):
+        return math.nan
+    greater = (pos[:, None] > neg[None, :]).sum()
+    ties = (pos[:, None] == neg[None, :]).sum()
+    return float((greater + 0.5 * ties) / (len(pos) * len(neg)))
+
+
+def bootstrap_interval(y, score, n: int = 2000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """Percentile interval of the AUROC over `n` resamples of runs with replacement (resamples with one
+    outcome only are skipped)."""
+    y, score = np.asarray(y, bool), np.asarray(score, float)
+    rng = np.random.default_rng(seed)
+    values = []
+    for _ in range(n):
+        i = rng.integers(0, len(y), len(y))
+        if y[i].any() and not y[i].all():
+            values.append(auroc(y[i], score[i]))
+    if not values:
+        return math.nan, math.nan
+    a = (1 - level) / 2
+    return float(np.quantile(values, a)), float(np.quantile(values, 1 - a))
+
+
+def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """Wilson score interval of a proportion k / n."""
+    if n == 0:
+        return math.nan, math.nan
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return centre - half, centre + half
+
+
+def score_row(name: str, y, score, threshold: float = 0.5) -> dict:
+    y, score = np.asarray(y, bool), np.asarray(score, float)
+    ok = np.isfinite(score)
+    y, score = y[ok], score[ok]
+    lo, hi = bootstrap_interval(y, score)
+    agree = int(((score >= threshold) == y).sum())
+    alo, ahi = wilson(agree, len(y))
+    return dict(score=name, runs=len(y), failing=int(y.sum()), auroc=auroc(y, score), auroc_lo=lo, auroc_hi=hi,
+                agreement=agree / len(y) if len(y) else math.nan, agreement_lo=alo, agreement_hi=ahi)
+
+
+def scores_at(table: pd.DataFrame, feature_names: list[str]) -> dict[str, np.ndarray]:
+    """Every score of one step's rows: packaged, refit and prior under both groupings, the detectors."""
+    out = {"packaged": table.packaged.to_numpy(float)}
+    for by in ("config", "variant"):
+        out[f"refit ({by} CV)"] = cross_validated(table, "refit", by, feature_names)
+        out[f"prior ({by} CV)"] = cross_validated(table, "prior", by)
+    for name in DETECTOR_SCORES:
+        out[name] = table[name].to_numpy(float)
+    return out
+
+
+def comparison(table: pd.DataFrame, feature_names: list[str], sets: dict | None = None) -> pd.DataFrame:
+    """AUROC (bootstrap interval) and agreement (Wilson interval) of every score at every step, over all
+    runs and over each of `sets` (name -> a function of the table giving a row mask: e.g. the LT seeds at
+    K = 9). The cross-validated scores are fitted on all runs; a set only selects where they are judged."""
+    rows = []
+    sets = {"all": lambda t: np.ones(len(t), bool), **(sets or {})}
+    for step, at in table.groupby("step"):
+        at = at.reset_index(drop=True)
+        scores = scores_at(at, feature_names)
+        for set_name, select in sets.items():
+            mask = np.asarray(select(at), bool)
+            for name, score in scores.items():
+                rows.append(dict(step=step, set=set_name) | score_row(name, at.failed[mask], score[mask]))
+    return pd.DataFrame(rows)
+
+
+def ablation(table: pd.DataFrame, feature_names: list[str], by: str = "config") -> pd.DataFrame:
+    """AUROC of the refit under `by` cross-validation with all features and with each group dropped."""
+    rows = []
+    for step, at in table.groupby("step"):
+        at = at.reset_index(drop=True)
+        for group, names in {"(none)": [], **FEATURE_GROUPS}.items():
+            kept = [f for f in feature_names if f not in names]
+            if not kept:
+                continue
+            p = cross_validated(at, "refit", by, kept)
+            rows.append(dict(step=step, dropped=group, features=len(kept)) | score_row("refit", at.failed, p))
+    return pd.DataFrame(rows)

@@ -1,0 +1,124 @@
+"""The early warning's evaluation (flt_diag.results.warning_evaluation) against independent computations:
+AUROC by counting pairs by hand, the Wilson interval from scipy, OLMo-core's spike score by its loop, and
+grouped cross-validation that never sees the held-out group's labels."""
+import itertools
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy.stats import binomtest
+
+from flt_diag.results import warning_evaluation as W
+
+
+def test_auroc_counts_pairs_with_ties_as_half():
+    y = [1, 1, 0, 0, 0]
+    score = [0.9, 0.4, 0.4, 0.1, 0.8]
+    pairs = [(p, n) for p, n in itertools.product([0.9, 0.4], [0.4, 0.1, 0.8])]
+    by_hand = sum(1.0 if p > n else 0.5 if p == n else 0.0 for p, n in pairs) / len(pairs)
+    assert W.auroc(y, score) == pytest.approx(by_hand) and by_hand == pytest.approx(4.5 / 6)
+
+
+def test_auroc_of_a_perfect_and_a_reversed_score_and_of_one_outcome():
+    assert W.auroc([0, 0, 1], [0.1, 0.2, 0.3]) == 1.0
+    assert W.auroc([0, 0, 1], [0.3, 0.2, 0.1]) == 0.0
+    assert math.isnan(W.auroc([1, 1], [0.1, 0.2]))
+
+
+@pytest.mark.parametrize("k, n", [(0, 10), (7, 22), (22, 22), (3, 5)])
+def test_wilson_interval_matches_scipy(k, n):
+    ci = binomtest(k, n).proportion_ci(confidence_level=0.95, method="wilson")
+    assert W.wilson(k, n) == pytest.approx((ci.low, ci.high), abs=1e-6)
+
+
+def test_bootstrap_interval_brackets_the_auroc_and_is_degenerate_for_a_perfect_score():
+    rng = np.random.default_rng(1)
+    y = rng.integers(0, 2, 40)
+    score = y + rng.normal(0, 0.8, 40)
+    lo, hi = W.bootstrap_interval(y, score, n=500)
+    assert lo < W.auroc(y, score) < hi
+    assert W.bootstrap_interval([0, 1, 0, 1], [0, 1, 0, 1], n=200) == (1.0, 1.0)
+
+
+def olmo_by_loop(loss, grad, at, window=128, threshold=6.0):
+    """OLMo-core's StabilityMonitorCallback as a plain loop (its documented rule, step by step)."""
+    hist_l, hist_g, spikes, steps = [], [], 0, 0
+    for x, g in zip(loss[:at], grad[:at]):
+        def spike(v, h):
+            if len(h) < window:
+                return False
+            m = sum(h) / len(h)
+            s = math.sqrt(sum((u - m) ** 2 for u in h) / len(h))
+            return s >= 1e-10 and v > m + threshold * s
+        hit = spike(x, hist_l) or spike(g, hist_g)
+        hist_l = (hist_l + [x])[-window:]
+        hist_g = (hist_g + [g])[-window:]
+        steps += 1
+        spikes += hit
+    return spikes / steps if steps >= window else 0.0
+
+
+@pytest.mark.parametrize("window", [8, 32])
+def test_olmo_spike_score_equals_the_callbacks_loop(window):
+    rng = np.random.default_rng(0)
+    loss = 3 - np.linspace(0, 1, 300) + rng.normal(0, 0.02, 300)
+    grad = 1 + rng.normal(0, 0.05, 300)
+    loss[[100, 180]] += 2.0  # two loss spikes
+    grad[250] = 40.0  # one gradient spike
+    for at in (50, 150, 260, 300):
+        assert W.olmo_spike_score(loss, grad, at, window=window) == pytest.approx(olmo_by_loop(loss, grad, at, window))
+    assert W.olmo_spike_score(loss, grad, 300, window=window) > 0
+
+
+def toy_table(n_configs=6, seeds=3, seed=0):
+    """One step's rows: configurations of two variants, a feature that tracks the label with noise."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for c in range(n_configs):
+        variant = "lt" if c % 2 else "flt"
+        for s in range(seeds):
+            failed = int(variant == "lt" and rng.random() < 0.7)
+            rows.append(dict(variant=variant, loops=3 * (c + 1), depth=2, width=64, lr_scale=1.0, seed=s,
+                             failed=failed, resid_level=failed + rng.normal(0, 0.5), grad_cv=rng.normal(), step=100))
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize("model", ["refit", "prior"])
+@pytest.mark.parametrize("by", ["config", "variant"])
+def test_grouped_cross_validation_never_sees_the_held_out_groups_labels(model, by):
+    table = toy_table()
+    p = W.cross_validated(table, model, by, ["resid_level", "grad_cv"])
+    keys = W.group_keys(table, by)
+    for key in keys.unique():
+        flipped = table.copy()
+        held = (keys == key).to_numpy()
+        flipped.loc[held, "failed"] = 1 - flipped.loc[held, "failed"]
+        again = W.cross_validated(flipped, model, by, ["resid_level", "grad_cv"])
+        assert np.allclose(p[held], again[held]), key  # its own labels changed nothing about its scores
+
+
+def test_config_groups_hold_every_seed_of_a_configuration_together():
+    table = toy_table()
+    keys = W.group_keys(table, "config")
+    assert keys.nunique() == 6 and all(keys.value_counts() == 3)
+    assert W.group_keys(table, "variant").nunique() == 2
+
+
+def test_prior_reads_the_configuration_only():
+    table = toy_table()
+    shuffled = table.copy()
+    shuffled["resid_level"] = np.random.default_rng(5).permutation(shuffled.resid_level.to_numpy())
+    assert np.allclose(W.cross_validated(table, "prior", "config"), W.cross_validated(shuffled, "prior", "config"))
+
+
+def test_comparison_reports_each_set_and_score():
+    table = toy_table()
+    for name in W.DETECTOR_SCORES:
+        table[name] = 0.0
+    table["packaged"] = table.resid_level
+    out = W.comparison(table, ["resid_level", "grad_cv"], sets={"lt": lambda t: (t.variant == "lt").to_numpy()})
+    assert set(out.set) == {"all", "lt"}
+    packaged = out[(out.set == "all") & (out.score == "packaged")].iloc[0]
+    assert packaged.auroc == pytest.approx(W.auroc(table.failed, table.resid_level))
+    assert packaged.runs == 18 and packaged.failing == table.failed.sum()
