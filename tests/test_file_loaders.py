@@ -54,7 +54,7 @@ def _every_option(table: str) -> dict:
 
 
 def _reference_export(run: Path, folder: Path) -> Path:
-    from flt_diag.model.reference import export_reference
+    from flt_diag.training.reference import export_reference
     from flt_diag.model.transformer import LoopedTransformer, ModelConfig
     ckpt = torch.load(run / "checkpoint.pt", weights_only=True)
     model = LoopedTransformer(ModelConfig(**ckpt["model_config"]))
@@ -85,7 +85,7 @@ def samples(tmp_path_factory):
     cfg = RunConfig.from_dict(load_config(run))
     prepare_folder(SweepSpec(cfg, ["lt", "flt"], [2, 3], [0], [1.0]), root / "sweep")
     prepare_map_folder(MapSpec(cfg, ["lt"], [2], [0], "lr", geometric_grid(0.5, 4, 2), ["training"]), root / "map")
-    shutil.copy(REPO / "flt_diag" / "analysis" / "early_warning.json", root / "predictor.json")
+    shutil.copy(REPO / "flt_diag" / "judge" / "early_warning.json", root / "predictor.json")
     (root / "predicted").mkdir()
     shutil.copy(run / "config.json", root / "predicted")
     for table in ("ablation", "map"):
@@ -154,7 +154,7 @@ def _read_study(s, p):
 
 
 def _read_meta(s, p):
-    from flt_diag.model.reference import import_reference
+    from flt_diag.training.reference import import_reference
     import_reference(s["reference"])
 
 
