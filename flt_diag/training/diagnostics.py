@@ -164,16 +164,18 @@ class LoopHooks:
         def hook(module, args):
             if not self._active:
                 return
-            self.calls[i] += 1
             if self.boundary is None:
-                expected = self.calls[i - 1] if i else self.calls[-1] + 1
+                expected = self.calls[i - 1] if i else self.calls[-1] + 1  # (before this call is counted)
+                self.calls[i] += 1
                 if self.calls[i] != expected:
                     raise BlockCalledTwice(
                         f"{self.names[i]} ran {self.calls[i]} times while {self.names[i - 1]} ran {self.calls[i - 1]} "
                         "times: counted from calls, the blocks must run in their list's order, once per loop (a "
                         "block called from two places? give loop_boundary=)")
                 self.loop = self.calls[i]
-            elif (self.loop, i) in self.seen:
+                return
+            self.calls[i] += 1
+            if (self.loop, i) in self.seen:
                 raise BlockCalledTwice(f"{self.names[i]} was called twice in loop {self.loop} (from two places?); "
                                        "each block may run once per loop")
             self.seen.add((self.loop, i))
