@@ -71,14 +71,15 @@ class LoopProbe:
                  diagnostics: DiagnosticsConfig | None = None, steps: int | None = None, variant: str = "lt",
                  seed: int = 0, vocab_size: int | None = None, grad_scale: float = 1.0, warn: bool = False,
                  stop_on_collapse: bool = False, predictor_path: str | None = None,
-                 callbacks: list[Callback] | None = None, note: str | None = None):
+                 callbacks: list[Callback] | None = None, note: str | None = None,
+                 unigram_entropy: float | None = None):
         if variant not in VARIANTS:
             raise ProbeError(f"variant={variant!r}: the label stored for the run is one of {', '.join(VARIANTS)}")
         self.model, self.folder = model, Path(folder)
         self.blocks, self.names = resolve_blocks(model, blocks)
         self.head = head if head is not None else default_head(model)
         self.loss_fn, self.optimizer, self.steps, self.variant, self.seed = loss, optimizer, steps, variant, seed
-        self.vocab_size, self.note = vocab_size, note
+        self.vocab_size, self.note, self.unigram_entropy = vocab_size, note, unigram_entropy
         self.boundary = "manual" if loop_boundary == "manual" else loop_boundary
         warn = warn or stop_on_collapse
         self.dcfg = diagnostics or DiagnosticsConfig()
@@ -257,6 +258,7 @@ class LoopProbe:
             **cfg.to_dict(), "n_params": sum(p.numel() for p in self.model.parameters()), "env": environment(device),
             "note": self.note or f"{type(self.model).__name__} diagnosed by flt_diag.watch; the train section's "
                                  "recipe fields are flt-diag's defaults, not this model's",
+            **({"corpus": {"unigram_entropy": self.unigram_entropy}} if self.unigram_entropy is not None else {}),
             "probe": {"model": type(self.model).__name__, "blocks": self.names,
                       "loops_counted": "from the blocks' calls" if self.boundary is None else "at a loop boundary",
                       "loops_seen": {str(k): n for k, n in sorted(self.loops_seen.items())},
@@ -270,7 +272,7 @@ class LoopProbe:
 
     def _summarize(self) -> dict:
         cfg = self._run_config(self.steps or self.step_index)
-        return summarize(load_metrics(self.folder), cfg, stop_reason=self.host.stop_requested,
+        return summarize(load_metrics(self.folder), cfg, unigram_entropy=self.unigram_entropy, stop_reason=self.host.stop_requested,
                          prediction=self.host.prediction, tokens_per_step=tokens_per_step(cfg))
 
     def verdict(self) -> dict:
@@ -310,6 +312,7 @@ def watch(model: torch.nn.Module, blocks="auto", folder: str | Path = "runs/prob
     loop k), or at `loop_boundary=` (a module whose forward ends each loop, or "manual": the model calls
     `probe.end_loop(stream)`). Options: head, loss (output -> loss tensor), optimizer (records its lr),
     diagnostics (a DiagnosticsConfig: dense_steps, every, flush_every), steps, variant (the stored label,
-    default "lt"), seed, vocab_size, grad_scale, warn, stop_on_collapse, predictor_path, callbacks, note.
+    default "lt"), seed, vocab_size, unigram_entropy (of the training data: the verdict's collapse floor),
+    grad_scale, warn, stop_on_collapse, predictor_path, callbacks, note.
     Wrong use is one ProbeError line (a ValueError): BlocksNotFound, NotLooped, BlockCalledTwice."""
     return LoopProbe(model, blocks, folder, **options)
