@@ -18,9 +18,10 @@ from flt_diag.training.integrations import needs_extra, output_loss
 from flt_diag.training.probe import LoopProbe, watch
 
 try:
+    import accelerate  # noqa: F401  (the Trainer needs it)
     from transformers import TrainerCallback
 except ImportError:
-    raise needs_extra("hf", "hf-trainer", "transformers>=4.40") from None
+    raise needs_extra("hf", "hf-trainer", "transformers>=4.40 and accelerate") from None
 
 
 class FltDiagCallback(TrainerCallback):
