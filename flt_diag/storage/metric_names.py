@@ -24,6 +24,7 @@ SIGN_FLIP = "sign_flip"  # share of coordinates whose gradient sign flipped sinc
 UPDATE_RATIO = "update_ratio"  # ||W_after - W_before|| / ||W_before||, per group
 ATTN_MAX_LOGIT = "attn_max_logit"  # largest pre-softmax attention logit at (loop, layer)
 ATTN_ENTROPY = "attn_entropy"  # mean attention entropy (nats) at (loop, layer)
+LOOPS_RUN = "loops_run"  # loops the recorded forward ran (runs of flt_diag.watch: a model may sample its count)
 
 GROUPED = (GRAD_NORM, GRAD_NORM_CLIPPED, GRAD_COSINE, SIGN_FLIP, UPDATE_RATIO)
 

@@ -33,21 +33,76 @@ def token_norm(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x.detach(), dim=-1).mean()
 
 
+class ProbeError(ValueError):
+    """A model the loop hooks cannot diagnose as given (one line, naming what to change)."""
+
+
+class BlocksNotFound(ProbeError):
+    """The block list is empty, or names modules that are not in the model."""
+
+
+class NotLooped(ProbeError):
+    """No block was called more than once in a forward: nothing is looped."""
+
+
+class BlockCalledTwice(ProbeError):
+    """A block ran twice within one loop (called from two places), or out of the blocks' order."""
+
+
+BUILTIN = "loop_end"  # the boundary of flt-diag's own model: `model.loop_end`
+MANUAL = "manual"  # the loop ends where the user calls `LoopHooks.end_loop(stream)`
+
+
+def first_tensor(output):
+    """The residual stream in a block's output: the tensor itself, or the first tensor of a tuple
+    (a Hugging Face layer may return (hidden_states, attention weights, ...))."""
+    if torch.is_tensor(output):
+        return output
+    if isinstance(output, (tuple, list)) and output and torch.is_tensor(output[0]):
+        return output[0]
+    raise ProbeError(f"a block returned {type(output).__name__}; a block must return the residual stream "
+                     "(a tensor, or a tuple whose first item is one)")
+
+
 class LoopHooks:
     """Per-(loop, layer) residual norms, gradients w.r.t. block outputs, attention statistics.
 
+    `root` is the module whose forward is one pass of the model; `blocks` (default `root.blocks`)
+    are the blocks it reuses, layer i + 1 being blocks[i]. The loop counter is one of three
+    strategies (`boundary`):
+      * BUILTIN (default): `root.loop_end` ends each loop (flt-diag's own model);
+      * a module: its forward ends each loop, its output is the loop-end stream;
+      * MANUAL: the loop ends where `end_loop(stream)` is called;
+      * None: counted from the blocks' own calls: the k-th call of block i in one forward is loop k
+        (the blocks must run in their list's order, once per loop); the loop-end stream is the output
+        of the last block.
+    A block called twice within one loop raises BlockCalledTwice; with `require_repeat`, a first
+    recorded forward in which no block ran twice raises NotLooped.
+
     `log(metric, value_tensor, loop, layer)` receives every record (values stay on the device).
     `grad_scale` multiplies the recorded activation gradients (the trainer passes grad_accum so
-    that they are gradients of the micro-batch's mean loss)."""
+    that they are gradients of the micro-batch's mean loss). `listeners` are called as
+    fn(loop, layer, stream) for every recorded block output, and `on_forward_end` as fn(loops) at the
+    end of each recorded forward (hook points for further records, e.g. the loop dynamics)."""
 
-    def __init__(self, model: LoopedTransformer, log, act_grads: bool = True, attention: bool = False):
+    def __init__(self, model, log, act_grads: bool = True, attention: bool = False, *, blocks=None,
+                 boundary=BUILTIN, names: list[str] | None = None, require_repeat: bool = False):
         self.model, self.log = model, log
-        self.act_grads, self.attention = act_grads, attention
+        self.blocks = list(model.blocks if blocks is None else blocks)
+        if not self.blocks:
+            raise BlocksNotFound("the block list is empty; give the blocks the model's forward reuses")
+        self.boundary = model.loop_end if isinstance(boundary, str) and boundary == BUILTIN else boundary
+        self.names = names or [f"block {i + 1}" for i in range(len(self.blocks))]
+        self.act_grads, self.attention, self.require_repeat = act_grads, attention, require_repeat
         self.grad_scale = 1.0
+        self.listeners: list = []
+        self.on_forward_end: list = []
         self.handles: list = []
         self._armed = False
         self._active = False
+        self._checked = False
         self.loop = 0
+        self.calls = [0] * len(self.blocks)
 
     def arm(self, on: bool = True) -> None:
         """Record during the next forward of the model only."""
@@ -57,10 +112,13 @@ class LoopHooks:
         m = self.model
         self.handles.append(m.register_forward_pre_hook(self._start))
         self.handles.append(m.register_forward_hook(self._stop))
-        self.handles.append(m.loop_end.register_forward_hook(self._loop_end))
-        for i, block in enumerate(m.blocks):
+        if isinstance(self.boundary, torch.nn.Module):
+            self.handles.append(self.boundary.register_forward_hook(self._loop_end))
+        for i, block in enumerate(self.blocks):
+            self.handles.append(block.register_forward_pre_hook(self._count_hook(i)))
             self.handles.append(block.register_forward_hook(self._block_hook(i + 1)))
-            if self.act_grads:  # the reference's per-loop attention output gradient, read where it is added
+            if self.act_grads and isinstance(getattr(block, "after_attn", None), torch.nn.Module):
+                # the reference's per-loop attention output gradient, read where it is added
                 self.handles.append(block.after_attn.register_forward_hook(
                     self._output_grad_hook((M.ACT_GRAD_NORM_ATTN,), i + 1)))
             if self.attention:
@@ -76,26 +134,72 @@ class LoopHooks:
     def _start(self, module, args):
         self._active, self._armed = self._armed, False
         self.loop = 1
+        self.calls = [0] * len(self.blocks)
+        self.seen: set[tuple[int, int]] = set()
 
     def _stop(self, module, args, output):
+        if not self._active:
+            return
         self._active = False
+        loops = self.calls[-1] if self.boundary is None else self.loop - 1
+        if self.require_repeat and not self._checked and max(self.calls) < 2:
+            raise NotLooped(f"no block of {type(module).__name__} was called more than once in a forward "
+                            f"({', '.join(self.names[:3])}{', ...' if len(self.names) > 3 else ''}): a looped "
+                            "model calls the same blocks several times; check blocks=, or give loop_boundary=")
+        self._checked = True
+        for fn in self.on_forward_end:
+            fn(loops)
+
+    def end_loop(self, stream: torch.Tensor) -> None:
+        """The end of a loop (MANUAL boundary): records the loop-end stream, then counts the next loop."""
+        if self._active:
+            self.log(M.RESID_NORM_LOOP_END, token_norm(first_tensor(stream)), self.loop, M.NONE)
+            self.loop += 1
 
     def _loop_end(self, module, args, output):
-        if self._active:
-            self.log(M.RESID_NORM_LOOP_END, token_norm(output), self.loop, M.NONE)
-            self.loop += 1
+        self.end_loop(output)
+
+    def _count_hook(self, i: int):
+        """Forward pre-hook of block i: its loop (counted from calls, or the boundary's), checked."""
+        def hook(module, args):
+            if not self._active:
+                return
+            if self.boundary is None:
+                expected = self.calls[i - 1] if i else self.calls[-1] + 1  # (before this call is counted)
+                self.calls[i] += 1
+                if self.calls[i] != expected:
+                    raise BlockCalledTwice(
+                        f"{self.names[i]} ran {self.calls[i]} times while {self.names[i - 1]} ran {self.calls[i - 1]} "
+                        "times: counted from calls, the blocks must run in their list's order, once per loop (a "
+                        "block called from two places? give loop_boundary=)")
+                self.loop = self.calls[i]
+                return
+            self.calls[i] += 1
+            if (self.loop, i) in self.seen:
+                raise BlockCalledTwice(f"{self.names[i]} was called twice in loop {self.loop} (from two places?); "
+                                       "each block may run once per loop")
+            self.seen.add((self.loop, i))
+        return hook
 
     def _block_hook(self, layer: int):
         # The block's output is x + a + m (a, m: attention and MLP outputs), so d(loss)/d(output) is also
         # d(loss)/d(m): one norm, recorded under both names.
         record_grad = self._output_grad_hook((M.ACT_GRAD_NORM, M.ACT_GRAD_NORM_MLP), layer)
 
+        last = layer == len(self.blocks)
+
         def hook(module, args, output):
             if not self._active:
                 return
-            self.log(M.RESID_NORM, token_norm(output), self.loop, layer)
+            stream = first_tensor(output)
+            norm = token_norm(stream)
+            self.log(M.RESID_NORM, norm, self.loop, layer)
+            if last and self.boundary is None:  # counted from calls: the last block's output ends the loop
+                self.log(M.RESID_NORM_LOOP_END, norm, self.loop, M.NONE)
+            for fn in self.listeners:
+                fn(self.loop, layer, stream)
             if self.act_grads:
-                record_grad(module, args, output)
+                record_grad(module, args, stream)
         return hook
 
     def _output_grad_hook(self, metrics: tuple[str, ...], layer: int):
@@ -168,20 +272,25 @@ class DiagnosticsCallback(Callback):
     vector operations, not a loop of small operations per group: a recorded step costs the same
     handful of kernel launches whatever the number of groups."""
 
-    def __init__(self, cfg: DiagnosticsConfig):
+    def __init__(self, cfg: DiagnosticsConfig, groups: dict[str, list] | None = None, hooks: dict | None = None,
+                 grad_scale: float | None = None):
+        """`groups` (default: flt-diag's own model's parameter_groups), `hooks` (LoopHooks keyword
+        arguments: blocks, boundary, names, ...) and `grad_scale` (default the run's grad_accum) let the
+        same records be taken on any looped model (flt_diag.training.probe)."""
         self.cfg = cfg
+        self.given_groups, self.hook_options, self.grad_scale = groups, dict(hooks or {}), grad_scale
         self.prev: dict[str, torch.Tensor] = {}  # previous step's flat gradient per group
         self.prev_step = -2
         self.before: list[torch.Tensor] = []  # the parameters before the optimizer step
         self.recording = False
 
     def on_start(self, trainer) -> None:
-        self.groups = parameter_groups(trainer.model)
+        self.groups = self.given_groups if self.given_groups is not None else parameter_groups(trainer.model)
         self.params = [p for ps in self.groups.values() for p in ps]
         # position of every parameter's group, to sum per-parameter norms into group norms
         self.group_of = torch.tensor([i for i, ps in enumerate(self.groups.values()) for _ in ps])
-        self.hooks = LoopHooks(trainer.model, trainer.log.add, attention=self.cfg.attention)
-        self.hooks.grad_scale = trainer.cfg.train.grad_accum
+        self.hooks = LoopHooks(trainer.model, trainer.log.add, attention=self.cfg.attention, **self.hook_options)
+        self.hooks.grad_scale = trainer.cfg.train.grad_accum if self.grad_scale is None else self.grad_scale
         self.hooks.__enter__()
 
     def before_step(self, trainer, step: int) -> None:

@@ -28,6 +28,7 @@ class CollapseWarning(Callback):
         self.threshold = predictor.get("threshold", 0.5) if threshold is None else threshold
         self.rows: list[tuple] = []
         self.warned_at: int | None = None
+        self.last: dict | None = None  # the latest check: step, p_collapse, threshold, evidence
         self.say = say or (lambda text: print(text, file=sys.stderr, flush=True))
         self.first = min(int(s) for s in predictor["models"])
         self.restored = False
@@ -57,6 +58,7 @@ class CollapseWarning(Callback):
         df = pd.DataFrame(self.rows, columns=["step", "metric", "loop", "layer", "value"])
         feats = features(df, done, self.loops, self.n_layer, self.d)
         p, contrib = probability(self.predictor, feats, done)
+        self.last = dict(step=done, p_collapse=p, threshold=self.threshold, evidence=evidence_text(feats, contrib))
         if p >= self.threshold:
             self.warned_at = done
             text = evidence_text(feats, contrib)

@@ -1,0 +1,115 @@
+"""What the probe (flt_diag.training.probe) reads off a model it did not build: the blocks it reuses
+(given as modules, as a module-path pattern, or found), the parameter groups of the diagnostics, and the
+shape figures stored in the run folder's config.json.
+
+Parameter groups, in the order of flt-diag's own model (flt_diag.model.transformer.parameter_groups):
+  embedding      the parameters of every nn.Embedding outside the blocks
+  head           the parameters of `head` (default: the model's `lm_head` or `head` attribute)
+  block<i>.attn  block i's parameters whose path names attention (`attn` or `attention` in it)
+  block<i>.mlp   the rest of block i (its MLP, and its norms)
+  other          every other trainable parameter
+A parameter shared by two places (tied embedding and head) counts once, in the first group. Empty
+groups are left out.
+"""
+from __future__ import annotations
+
+import fnmatch
+
+import torch.nn as nn
+
+from flt_diag.training.diagnostics import BlocksNotFound, ProbeError
+
+HEAD_COUNTS = ("num_heads", "n_head", "num_attention_heads", "nhead", "n_heads")
+
+
+def _matches(pattern: str, name: str) -> bool:
+    """A module path against a pattern, segment by segment ("transformer.h.*" matches transformer.h.0,
+    not transformer.h.0.attn)."""
+    parts, want = name.split("."), pattern.split(".")
+    return len(parts) == len(want) and all(fnmatch.fnmatchcase(p, w) for p, w in zip(parts, want))
+
+
+def _auto_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The largest ModuleList whose modules are all of one class (a stack of blocks)."""
+    best: list[tuple[str, nn.Module]] = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and len(m) > len(best) and len({type(c) for c in m}) == 1:
+            best = [(f"{name}.{i}" if name else str(i), c) for i, c in enumerate(m)]
+    if not best:
+        raise BlocksNotFound(f"blocks='auto' found no list of blocks (an nn.ModuleList of one module class) in "
+                             f"{type(model).__name__}; give blocks= (modules or a module-path pattern)")
+    return best
+
+
+def resolve_blocks(model: nn.Module, blocks) -> tuple[list[nn.Module], list[str]]:
+    """(blocks, their module paths) from "auto", a module-path pattern, a module list or one module."""
+    named = list(model.named_modules())
+    if isinstance(blocks, str):
+        found = _auto_blocks(model) if blocks == "auto" else [(n, m) for n, m in named if n and _matches(blocks, n)]
+        if not found:
+            raise BlocksNotFound(f"no module of {type(model).__name__} matches blocks={blocks!r} (module paths look "
+                                 f"like {', '.join(n for n, _ in named[1:4]) or 'none: the model has no submodule'})")
+    else:
+        given = list(blocks) if isinstance(blocks, (list, tuple, nn.ModuleList, nn.Sequential)) else [blocks]
+        if not given:
+            raise BlocksNotFound("the block list is empty; give the blocks the model's forward reuses")
+        path = {id(m): n for n, m in named}
+        for i, b in enumerate(given):
+            if not isinstance(b, nn.Module) or id(b) not in path:
+                raise BlocksNotFound(f"block {i + 1} of blocks= ({type(b).__name__}) is not a submodule of "
+                                     f"{type(model).__name__}")
+        found = [(path[id(b)] or type(b).__name__, b) for b in given]
+    if len({id(m) for _, m in found}) < len(found):
+        raise ProbeError("blocks= names the same module twice; give each block once")
+    return [m for _, m in found], [n for n, _ in found]
+
+
+def default_head(model: nn.Module) -> nn.Module | None:
+    for name in ("lm_head", "head"):
+        m = getattr(model, name, None)
+        if isinstance(m, nn.Module):
+            return m
+    return None
+
+
+def parameter_groups_of(model: nn.Module, blocks: list[nn.Module], head: nn.Module | None) -> dict[str, list]:
+    """The diagnostics' parameter groups of any looped model (module docstring)."""
+    seen: set[int] = set()
+
+    def take(params) -> list:
+        out = []
+        for p in params:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        return out
+
+    inside = {id(p) for b in blocks for p in b.parameters()}
+    groups = {"embedding": take(p for m in model.modules() if isinstance(m, nn.Embedding)
+                                for p in m.parameters(recurse=False) if id(p) not in inside),
+              "head": take(head.parameters()) if head is not None else []}
+    for i, block in enumerate(blocks):
+        named = list(block.named_parameters())
+        is_attn = [any(w in n.lower() for w in ("attn", "attention")) for n, _ in named]
+        groups[f"block{i}.attn"] = take(p for (_, p), a in zip(named, is_attn) if a)
+        groups[f"block{i}.mlp"] = take(p for (_, p), a in zip(named, is_attn) if not a)
+    groups["other"] = take(model.parameters())
+    return {name: ps for name, ps in groups.items() if ps}
+
+
+def vocab_size_of(model: nn.Module, head: nn.Module | None) -> int | None:
+    if isinstance(head, nn.Linear):
+        return head.out_features
+    emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    return emb.num_embeddings if emb is not None else None
+
+
+def head_count_of(blocks: list[nn.Module], width: int) -> int:
+    """The blocks' attention head count (read off the usual attributes; 1 where none is found), if the
+    width splits into heads of even size; else 1."""
+    for m in blocks[0].modules():
+        for owner in (m, getattr(m, "config", None)):
+            n = next((getattr(owner, a) for a in HEAD_COUNTS if isinstance(getattr(owner, a, None), int)), None)
+            if n and width % n == 0 and (width // n) % 2 == 0:
+                return n
+    return 1

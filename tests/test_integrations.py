@@ -1,0 +1,85 @@
+"""The probe's callbacks: transformers' Trainer on looped GPT-2 blocks, Lightning on a Universal
+Transformer; each run folder read by the CLI; an integration without its extra is one ImportError line."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from probe_models import UniversalTransformer, batches, check_folder, lm_loss, looped_gpt2
+from flt_diag.storage import metric_names as M
+from flt_diag.storage.folders import load_config, load_metrics, load_summary
+
+
+def test_hugging_face_trainer(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # (the Trainer needs it; the hf-trainer extra installs it)
+    from flt_diag.training.integrations.hf import FltDiagCallback
+    torch.manual_seed(0)
+    model = looped_gpt2(loops=2)
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 64, (20, 16), generator=g)]
+    callback = FltDiagCallback(blocks="gpt.transformer.h.*", folder=tmp_path / "hf", head=model.gpt.lm_head)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=5, per_device_train_batch_size=4,
+                                          learning_rate=1e-3, report_to=[], save_strategy="no", use_cpu=True,
+                                          disable_tqdm=True, logging_strategy="no", dataloader_num_workers=0)
+    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
+    df = load_metrics(tmp_path / "hf")
+    assert sorted(set(df[df.metric == M.LOSS].step)) == [0, 1, 2, 3, 4]
+    assert set(df[df.metric == M.RESID_NORM].loop) == {1, 2} and set(df[df.metric == M.RESID_NORM].layer) == {1, 2}
+    assert (df[df.metric == M.LOOPS_RUN].value == 2).all()
+    assert len(df[df.metric == "grad_norm_clipped/attn"]) == 5 * 2  # read before the Trainer zeroes them
+    assert load_summary(tmp_path / "hf")["verdict"] == callback.summary["verdict"]
+    assert load_config(tmp_path / "hf")["train"]["steps"] == 5
+    assert not model._forward_pre_hooks  # the hooks are gone after training
+    check_folder(tmp_path / "hf")
+
+
+def test_lightning(tmp_path):
+    L = pytest.importorskip("lightning")
+    from flt_diag.training.integrations.lightning import FltDiagCallback
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = UniversalTransformer(loops=3)
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, x, batch_idx):
+            return lm_loss(self(x), x)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), 1e-3)
+
+    torch.manual_seed(0)
+    module = Module()
+    callback = FltDiagCallback(blocks="net.layer", folder=tmp_path / "pl")
+    trainer = L.Trainer(max_steps=5, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+                        gradient_clip_val=0.05)
+    trainer.fit(module, torch.utils.data.DataLoader(batches(5), batch_size=None))
+    df = load_metrics(tmp_path / "pl")
+    assert sorted(set(df[df.metric == M.LOSS].step)) == [0, 1, 2, 3, 4]
+    assert set(df[df.metric == M.RESID_NORM].loop) == {1, 2, 3}
+    # gradients read before Lightning clips them (the global norm), and after (per group, 0.05 in all)
+    for step in range(5):
+        clipped = df[(df.step == step) & df.metric.str.startswith("grad_norm_clipped/")].value
+        before = float(df[(df.step == step) & (df.metric == M.GRAD_NORM)].value.iloc[0])
+        assert float((clipped ** 2).sum()) ** 0.5 == pytest.approx(0.05, rel=1e-4) and before > 0.06
+    assert load_summary(tmp_path / "pl")["verdict"] == callback.summary["verdict"]
+    check_folder(tmp_path / "pl")
+
+
+@pytest.mark.parametrize("module,blocked,extra", [("hf", "transformers", "hf-trainer"),
+                                                   ("lightning", "lightning", "lightning")])
+def test_an_integration_without_its_extra_is_one_line(module, blocked, extra):
+    code = (f"import sys; sys.modules[{blocked!r}] = None\n"
+            f"import flt_diag.training.integrations.{module}")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    last = run.stderr.strip().splitlines()[-1]
+    assert run.returncode != 0
+    assert last == (f"ImportError: flt_diag.training.integrations.{module} needs "
+                    f"{'transformers>=4.40 and accelerate' if extra == 'hf-trainer' else 'lightning>=2.2'}: "
+                    f"pip install 'flt-diag[{extra}]'")
