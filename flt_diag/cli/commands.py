@@ -165,7 +165,7 @@ def cmd_eval_loops(v: dict) -> int:
 
 def cmd_import_reference(v: dict) -> int:
     """Import a reference-implementation checkpoint into a run folder."""
-    from flt_diag.model.reference import import_reference  # torch: as in cmd_train
+    from flt_diag.training.reference import import_reference  # torch: as in cmd_train
     from flt_diag.training.reference import write_imported_run  # torch: as in cmd_train
     if not v["checkpoint"].exists():
         raise UserError(f"no such checkpoint: {v['checkpoint']}")

@@ -25,8 +25,6 @@ UPDATE_RATIO = "update_ratio"  # ||W_after - W_before|| / ||W_before||, per grou
 ATTN_MAX_LOGIT = "attn_max_logit"  # largest pre-softmax attention logit at (loop, layer)
 ATTN_ENTROPY = "attn_entropy"  # mean attention entropy (nats) at (loop, layer)
 
-GROUPED = (GRAD_NORM, GRAD_NORM_CLIPPED, GRAD_COSINE, SIGN_FLIP, UPDATE_RATIO)
-
 # Derived (summary.json and the sweep table, not rows of the metrics table): the reference's
 # milestone statistics, population std of the loss and of the pre-clipping global gradient norm
 # over the steps since the previous milestone (flt_diag.judge.verdict.milestone_stds).
