@@ -22,7 +22,7 @@ import pandas as pd
 
 from flt_diag.grids.progress import SweepMonitor, cell_status
 from flt_diag.grids.worker_pool import auto_workers, run_parallel
-from flt_diag.judge.summary_table import SUMMARY_COLUMNS, write_summary  # noqa: F401  (re-exported)
+from flt_diag.judge.summary_table import write_summary
 from flt_diag.storage.cells import Cell
 from flt_diag.storage.folders import (CELLS, ERROR, SWEEP_SPEC, StorageError, atomic_write_text, folder_lock, has_content,
                                       load_spec as load_folder_spec, refuse_symlink, write_json)
