@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -110,11 +111,21 @@ def test_bad_paths_raise_storage_error(tmp_path, make_bad, message):
 
 # --------------------------------------------------------------------------- figure data
 
-def test_figure_data_is_pure(sweep):
+def _files(folder: Path) -> dict:
+    return {p.relative_to(folder): (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
+
+
+def test_figure_data_is_a_function_of_the_folders_files(sweep, tmp_path):
+    """Every run figure of the sweep has rows; a copy of the folder elsewhere (other paths, other
+    modification times) gives the same tables; and reading them writes nothing into the folder."""
+    before = _files(sweep)
+    copy = tmp_path / "elsewhere" / sweep.name
+    shutil.copytree(sweep, copy, copy_function=shutil.copy)  # contents only: new mtimes
     for kind in RUN_FIGURES:
-        a, b = P.figure_data(kind, sweep), P.figure_data(kind, sweep)
-        assert len(a), kind
-        pd.testing.assert_frame_equal(a, b)
+        here = P.figure_data(kind, sweep)
+        assert len(here), kind
+        pd.testing.assert_frame_equal(here, P.figure_data(kind, copy), obj=kind)
+    assert _files(sweep) == before
 
 
 def test_figure_data_matches_stored_rows(sweep):
