@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+import processes
 from fake_runs import EXPECTED_VERDICTS, make_run, make_sweep
 from flt_diag.storage import metric_names as M
 from flt_diag.results import figures as P
@@ -209,10 +210,10 @@ def test_write_report_default_location_on_a_run(tmp_path):
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs /usr/bin/chromium")
 def test_report_renders_in_headless_chromium(regenerated, tmp_path):
     shot = tmp_path / "shot.png"
-    subprocess.run([str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                    "--disable-component-update", "--disable-sync", "--no-first-run",
-                    f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}", "--window-size=1200,2000",
-                    (regenerated / "report.html").as_uri()], capture_output=True, timeout=120)
+    processes.run([str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                   "--disable-component-update", "--disable-sync", "--no-first-run",
+                   f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}", "--window-size=1200,2000",
+                   (regenerated / "report.html").as_uri()], capture_output=True, timeout=120)  # and its helpers
     assert shot.exists() and shot.stat().st_size > 20_000
     image = mpimg.imread(shot)
     assert image.shape[:2] == (2000, 1200)
