@@ -41,7 +41,7 @@ from flt_diag.training.settle import check_data, choose_device, run_config
 
 def cmd_train(v: dict) -> int:
     """Train one variant into one run folder, with diagnostics, and print its verdict."""
-    from flt_diag.training.trainer import Trainer  # torch: 2.2 s of the 3 s `flt-diag --help` would take (-X importtime); only the commands that train import it
+    from flt_diag.training.trainer import Trainer  # torch, most of `flt-diag --help`'s time if imported at the top
     cfg = run_config(v)
     out = v["out"] or Path("runs") / f"{cfg.model.variant}-K{cfg.model.loops}"
     trainer = Trainer(cfg, out, progress=console_progress(cfg.train.steps, f"{cfg.model.variant} K={cfg.model.loops}"))

@@ -104,7 +104,7 @@ def prepare_spec_folder(out: Path, new: dict, what: str, grid_fields: dict) -> N
 def run_cell(base: dict, cell: Cell, out: str, threads: int | None = None,
              device: str | None = None, progress=None) -> str:
     """Train one cell (in this process). Exceptions are written to the cell's error.txt."""
-    import torch  # torch: 2.2 s of the CLI's 3 s start-up (-X importtime); the CLI imports this module for its options
+    import torch  # most of the CLI's start-up (benchmarks/README.md); the CLI imports this module for its options
     from flt_diag.training.trainer import train
 
     cfg = cell_config(RunConfig.from_dict(base), cell, **({"threads": threads} if threads else {}),

@@ -14,7 +14,7 @@ A bad file is one `BadFile` line naming the file and the field; nothing is writt
     predictor          fit-predictor's JSON          load_predictor    (settle, the predict command)
     fit examples       fit-predictor's --examples-out load_examples     (predictor_fit.training_examples)
     study              experiments/*.toml            load_study        (the `study` command)
-    reference meta     meta_<step>.json              check_reference_meta (model.reference)
+    reference meta     meta_<step>.json              check_reference_meta (training.reference)
 
 The generated tests (tests/test_file_loaders.py) mutate every field of each schema. Torch-free.
 """
