@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from flt_diag.storage.predictor_names import COLLAPSE, FAILS, FEATURES, PACKAGED, TARGETS  # noqa: F401 (re-exported)
+from flt_diag.storage.predictor_names import FEATURES, PACKAGED, TARGETS  # noqa: F401 (re-exported)
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import load_config, load_metrics, load_summary, run_dirs, series
 
