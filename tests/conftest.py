@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -7,6 +8,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # tests/equations.py, tests/fake_runs.py, tests/processes.py
 
 import processes  # noqa: E402  (found through the path above)
+
+
+def _terminated(signum, frame):
+    raise KeyboardInterrupt  # so that pytest still tears the fixtures down (`spawn` kills its children)
+
+
+if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # a killed test run leaves no child behind either
+    signal.signal(signal.SIGTERM, _terminated)
 
 
 @pytest.fixture
