@@ -6,7 +6,7 @@ Sweeps of one setting are pooled (`flt-diag summary A B`: a cell and seed finish
 once). Per (lr scale, depth, variant, K) cell: the seeds finished, how many failed (verdict not `stable`)
 with the exact (Clopper-Pearson) 95 % interval of the failure rate, each seed's verdict, and the means over
 seeds of the gap to the best variant's val loss and of the peak residual norm over FLT's. Printed as a
-Markdown table. Imports only flt_diag.analysis (numpy, pandas, scipy): never the training code.
+Markdown table. Imports only the torch-free layers of flt_diag (results, storage): never the training code.
 """
 from __future__ import annotations
 

@@ -1,10 +1,35 @@
 import os
+import signal
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/equations.py, tests/fake_runs.py
+sys.path.insert(0, str(Path(__file__).parent))  # tests/equations.py, tests/fake_runs.py, tests/processes.py
+
+import processes  # noqa: E402  (found through the path above)
+
+
+def _terminated(signum, frame):
+    raise KeyboardInterrupt  # so that pytest still tears the fixtures down (`spawn` kills its children)
+
+
+if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # a killed test run leaves no child behind either
+    signal.signal(signal.SIGTERM, _terminated)
+
+
+@pytest.fixture
+def spawn():
+    """spawn(args, **popen_kwargs) -> Popen in a process group of its own; when the test ends (passed
+    or failed) the whole group is killed and the child reaped."""
+    started = []
+
+    def _start(args, **kwargs):
+        started.append(processes.start(args, **kwargs))
+        return started[-1]
+    yield _start
+    for p in started:
+        processes.kill_group(p)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -119,12 +119,23 @@ def test_every_flag_the_readme_and_docs_cli_md_name_exists():
     assert named - known - foreign == set()
 
 
-def test_defaults_in_help_are_the_dataclass_defaults():
-    """`--help` shows the config's own default (or each preset's), never a second copy."""
-    o = next(o for o in C.OPTIONS if o.flag == "--momentum-warmup")
-    assert o.default == C.TrainConfig().momentum_warmup
-    row = next(line for line in options_markdown().splitlines() if line.startswith(f"| `{o.flag}`"))
-    assert f"| {C.TrainConfig().momentum_warmup} |" in row
+def _help_of(command: str, flag: str, capsys) -> str:
+    """The help text `command --help` prints for `flag` (its lines joined, the panel's borders removed)."""
+    assert main([command, "--help"]) == 0
+    lines = [line.strip("│ ") for line in capsys.readouterr().out.splitlines()]
+    start = next(i for i, line in enumerate(lines) if line.startswith(flag + " "))
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith(("--", "╰"))), len(lines))
+    return re.sub(r"\s+", " ", " ".join(lines[start:end]))
+
+
+def test_defaults_in_help_are_the_dataclass_defaults(capsys):
+    """`--help` and docs/cli.md show the config's own default (or each preset's), never a second copy."""
+    warmup = C.TrainConfig().momentum_warmup  # the dataclass, built as the trainer builds it
+    assert f"[default: {warmup}]" in _help_of("train", "--momentum-warmup", capsys)
+    row = next(line for line in options_markdown().splitlines() if line.startswith("| `--momentum-warmup`"))
+    assert f"| {warmup} |" in row
+    assert all(f"{name} {p['train']['batch_size']}" in _help_of("train", "--batch-size", capsys)
+               for name, p in C.PRESETS.items())
     bs = next(o for o in C.OPTIONS if o.flag == "--batch-size")
     row = next(line for line in options_markdown().splitlines() if line.startswith(f"| `{bs.flag}`"))
     for name, preset in C.PRESETS.items():

@@ -137,7 +137,7 @@ def test_summary_and_sweep_table_carry_loss_and_grad_norm_std(tmp_path):
     assert s["loss_std"] == pytest.approx(float(np.std(loss[1:25])), rel=1e-9)  # steps 1..24: 30 - 6 = 24
     assert s["grad_norm_std"] == pytest.approx(float(np.std(g[1:25])), rel=1e-9)
     assert s["loss_std_warmdown"] == pytest.approx(float(np.std(loss[25:30])), rel=1e-9)
-    from flt_diag.grids.sweep import SUMMARY_COLUMNS
+    from flt_diag.judge.summary_table import SUMMARY_COLUMNS
     assert {"loss_std", "grad_norm_std"} <= set(SUMMARY_COLUMNS)
 
 

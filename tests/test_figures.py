@@ -1,6 +1,7 @@
 """The figure registry and what figures show (tests/fake_runs.py folders)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -10,11 +11,12 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure as MplFigure
 from matplotlib.table import Table
 
-from fake_runs import make_run, make_sweep
+from fake_runs import UNIGRAM_ENTROPY, make_run, make_sweep
 from flt_diag.results import figures
 from flt_diag.storage import metric_names as M
 from flt_diag.results.figures import FIGURES, Figure, plot, register, render, study_of, unregister
 from flt_diag.results.figures.style import style
+from flt_diag.judge.verdict import resummarize
 from flt_diag.results.tables import SUMMARY_COLUMNS, collect
 from flt_diag.storage.folders import CELLS, StorageError, read_json
 
@@ -24,9 +26,30 @@ def sweep(tmp_path_factory) -> Path:
     return make_sweep(tmp_path_factory.mktemp("figures") / "sweep")
 
 
-def test_one_list_of_summary_columns():
-    from flt_diag.grids import sweep
-    assert sweep.SUMMARY_COLUMNS is SUMMARY_COLUMNS
+def test_summary_csv_holds_each_finished_runs_summary_json(sweep):
+    """summary.csv has one row per finished run, and every figure it shares with that run's
+    summary.json is the file's (read here with json, not flt_diag); depth is config.json's n_layer."""
+    table = pd.read_csv(sweep / "summary.csv")
+    finished = sorted(p.name for p in (sweep / CELLS).iterdir() if (p / "summary.json").exists())
+    assert sorted(table.cell) == finished and set(SUMMARY_COLUMNS) <= set(table.columns)
+    for row in table.to_dict("records"):
+        run = sweep / CELLS / row["cell"]
+        summary, config = (json.loads((run / name).read_text()) for name in ("summary.json", "config.json"))
+        assert row["depth"] == config["model"]["n_layer"]
+        shared = set(row) & set(summary)
+        assert {"verdict", "variant", "loops", "seed", "lr_scale", "final_loss", "best_loss", "val_loss",
+                "peak_resid_norm", "osc_cv", "steps_done"} <= shared
+        for key in shared:
+            want = summary[key]
+            assert row[key] == (want if isinstance(want, str) else pytest.approx(want, rel=1e-12, nan_ok=True)), key
+
+
+def test_a_fake_run_is_rejudged_against_its_corpus_entropy(tmp_path):
+    """config.json's corpus holds the unigram entropy the verdict compares with, as a trained run's
+    does, so re-judging a fake run from its folder uses it."""
+    run = make_run(tmp_path / "run", "flt", 3)
+    assert json.loads((run / "config.json").read_text())["corpus"]["unigram_entropy"] == UNIGRAM_ENTROPY
+    assert resummarize(run)["evidence"]["unigram_entropy"] == UNIGRAM_ENTROPY
 
 
 def test_registry_in_display_order_with_help():

@@ -109,8 +109,10 @@ def _model_shapes() -> dict:
 
 
 def _study_schema(table: str):
+    """A study file as load_study reads it: its one table `table` of the options' entries (one value for a
+    list option is a list of one), with free keys (description, gpu) around it."""
     from flt_diag.cli.specs import study_tables
-    return files.study_schema(study_tables(), table)
+    return Record({table: Record({o.dest: files.study_entry(o) for o in study_tables()[table]})}, other_keys=True)
 
 
 def _read_config(s, p):
@@ -366,6 +368,32 @@ def test_the_generated_cases_cover_every_file_kind():
     covered = {k.split(" (")[0] for k in KINDS} | {"metrics part"}  # metrics parts: the column test below
     assert covered == set(files.FILE_KINDS)
     assert len(CASES) > 300
+
+
+# Every top-level key a config.json has held, written out here from its writers: the config sections
+# and preset (RunConfig.to_dict), n_params, env and corpus (Trainer.start), imported_from and note
+# (training.reference.write_imported_run).
+CONFIG_KEYS = {"model", "train", "diagnostics", "verdict", "preset", "n_params", "env", "corpus", "imported_from", "note"}
+
+
+def test_a_run_config_holds_what_its_writers_write_and_nothing_else(samples, tmp_path):
+    """A trainer's config.json and an imported run's are read; a key no writer writes (e.g. "data"
+    where the Trainer writes "corpus", which would judge the run without the corpus's entropy) is
+    one line naming the file and the key."""
+    from flt_diag.storage.folders import load_config
+    run = tmp_path / "run"
+    shutil.copytree(samples["run"], run)
+    written = json.loads((run / "config.json").read_text())
+    assert set(written) == CONFIG_KEYS - {"imported_from", "note"}
+    assert load_config(run) == written
+    for extra in ({"imported_from": "meta_000004.json", "note": "set the tokenizer"}, {}):
+        _write(run / "config.json", {**written, **extra})
+        assert set(load_config(run)) == set(written) | set(extra)
+    written["data"] = written.pop("corpus")
+    _write(run / "config.json", written)
+    with pytest.raises(StorageError) as e:
+        load_config(run)
+    assert str(run / "config.json") in str(e.value) and "data" in str(e.value) and "\n" not in str(e.value)
 
 
 # ------------------------------------------------------------------ metrics parts: columns and dtypes

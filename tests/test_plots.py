@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+import processes
 from fake_runs import EXPECTED_VERDICTS, make_run, make_sweep
 from flt_diag.storage import metric_names as M
 from flt_diag.results import figures as P
@@ -110,11 +112,21 @@ def test_bad_paths_raise_storage_error(tmp_path, make_bad, message):
 
 # --------------------------------------------------------------------------- figure data
 
-def test_figure_data_is_pure(sweep):
+def _files(folder: Path) -> dict:
+    return {p.relative_to(folder): (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
+
+
+def test_figure_data_is_a_function_of_the_folders_files(sweep, tmp_path):
+    """Every run figure of the sweep has rows; a copy of the folder elsewhere (other paths, other
+    modification times) gives the same tables; and reading them writes nothing into the folder."""
+    before = _files(sweep)
+    copy = tmp_path / "elsewhere" / sweep.name
+    shutil.copytree(sweep, copy, copy_function=shutil.copy)  # contents only: new mtimes
     for kind in RUN_FIGURES:
-        a, b = P.figure_data(kind, sweep), P.figure_data(kind, sweep)
-        assert len(a), kind
-        pd.testing.assert_frame_equal(a, b)
+        here = P.figure_data(kind, sweep)
+        assert len(here), kind
+        pd.testing.assert_frame_equal(here, P.figure_data(kind, copy), obj=kind)
+    assert _files(sweep) == before
 
 
 def test_figure_data_matches_stored_rows(sweep):
@@ -198,10 +210,10 @@ def test_write_report_default_location_on_a_run(tmp_path):
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs /usr/bin/chromium")
 def test_report_renders_in_headless_chromium(regenerated, tmp_path):
     shot = tmp_path / "shot.png"
-    subprocess.run([str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                    "--disable-component-update", "--disable-sync", "--no-first-run",
-                    f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}", "--window-size=1200,2000",
-                    (regenerated / "report.html").as_uri()], capture_output=True, timeout=120)
+    processes.run([str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                   "--disable-component-update", "--disable-sync", "--no-first-run",
+                   f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}", "--window-size=1200,2000",
+                   (regenerated / "report.html").as_uri()], capture_output=True, timeout=120)  # and its helpers
     assert shot.exists() and shot.stat().st_size > 20_000
     image = mpimg.imread(shot)
     assert image.shape[:2] == (2000, 1200)

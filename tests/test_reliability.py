@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import processes
 from conftest import tiny_config
 from flt_diag.cli import main
 from flt_diag.storage.folders import StorageError, folder_lock
@@ -42,11 +43,11 @@ def test_a_second_sweep_on_the_same_folder_is_refused(tmp_path, capsys):
     assert code == 2 and "being written by another" in _one_error_line(capsys)
 
 
-def test_the_lock_of_a_dead_process_is_free(tmp_path):
+def test_the_lock_of_a_dead_process_is_free(tmp_path, spawn):
     folder = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "-c", "import sys, time; from flt_diag.storage.folders import folder_lock\n"
-                          f"with folder_lock({str(folder)!r}):\n    print('held', flush=True); time.sleep(60)"],
-                         stdout=subprocess.PIPE, text=True)
+    p = spawn([sys.executable, "-c", "import sys, time; from flt_diag.storage.folders import folder_lock\n"
+               f"with folder_lock({str(folder)!r}):\n    print('held', flush=True); time.sleep(60)"],
+              stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "held"
     with pytest.raises(StorageError, match=f"pid {p.pid}"):
         with folder_lock(folder):
@@ -142,12 +143,34 @@ def test_bad_devices_and_paths_are_one_line(tmp_path, capsys, args):
     assert f.read_text() == "x"
 
 
-def test_sweep_workers_die_with_their_parent(tmp_path):
-    """kill -9 of a sweep's parent leaves no worker training as an orphan."""
+def _alive(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+def test_a_tests_child_is_killed_with_its_own_children():
+    """The tests' process guard (tests/processes.py) kills a child's whole group, a grandchild too."""
+    grandchild = "import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; " \
+                 "time.sleep(60)']); print(c.pid, flush=True); time.sleep(60)"
+    p = processes.start([sys.executable, "-c", grandchild], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(p.stdout.readline())
+        assert _alive(pid)
+    finally:
+        processes.kill_group(p)
+    deadline = time.time() + 10
+    while time.time() < deadline and _alive(pid):
+        time.sleep(0.1)
+    assert p.returncode == -signal.SIGKILL and not _alive(pid)
+
+
+def test_sweep_workers_die_with_their_parent(tmp_path, spawn):
+    """kill -9 of a sweep's parent leaves no worker training as an orphan (the parent alone is
+    killed; `spawn` kills the whole group at the end, whatever the test found)."""
     out = tmp_path / "sw"
-    parent = subprocess.Popen([sys.executable, "-m", "flt_diag.cli", "run-ablation", "--loops", "2", "--variants",
-                               "lt", "flt", "--steps", "5000", "--device", "cpu", "--workers", "2", "--quiet",
-                               "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    parent = spawn([sys.executable, "-m", "flt_diag.cli", "run-ablation", "--loops", "2", "--variants", "lt", "flt",
+                    "--steps", "5000", "--device", "cpu", "--workers", "2", "--quiet", "--out", str(out)],
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
     kids = []
     while time.time() < deadline and len(kids) < 2:
@@ -219,11 +242,11 @@ def _default_sigint():
 @pytest.mark.parametrize("command", [["train", "--variant", "lt", "--loops", "2"],
                                      ["run-ablation", "--variants", "lt", "flt", "--loops", "2", "--workers", "2",
                                       "--quiet"]])
-def test_ctrl_c_exits_130_with_a_message(tmp_path, command):
+def test_ctrl_c_exits_130_with_a_message(tmp_path, command, spawn):
     out = tmp_path / "out"
-    p = subprocess.Popen([sys.executable, "-m", "flt_diag.cli", *command, "--steps", "5000", "--device", "cpu",
-                          "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True, preexec_fn=_default_sigint)
+    p = spawn([sys.executable, "-m", "flt_diag.cli", *command, "--steps", "5000", "--device", "cpu",
+               "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+              preexec_fn=_default_sigint)  # its own process group, as a terminal's foreground job
     deadline = time.time() + 240  # a loaded machine (spawned workers, first compile) can take minutes
     while time.time() < deadline and not list(out.rglob("progress.json")):
         time.sleep(0.3)
@@ -290,7 +313,7 @@ def test_os_errors_are_one_line(tmp_path, capsys):
 
 
 @pytest.mark.slow  # ~1-2.5 min: three sweeps of two cells
-def test_kill_9_of_a_sweep_and_an_immediate_restart_give_the_uninterrupted_result(tmp_path):
+def test_kill_9_of_a_sweep_and_an_immediate_restart_give_the_uninterrupted_result(tmp_path, spawn):
     """The sweep's parent is killed with SIGKILL mid-way and the same command is run again at once:
     every cell ends with exactly the metrics of an uninterrupted sweep (no duplicated row, the same
     final loss) - the workers died with their parent and released their folders."""
@@ -298,9 +321,8 @@ def test_kill_9_of_a_sweep_and_an_immediate_restart_give_the_uninterrupted_resul
     args = ["run-ablation", "--variants", "lt", "flt", "--loops", "2", "--steps", "150", "--device", "cpu",
             "--workers", "2", "--quiet"]
     cmd = [sys.executable, "-m", "flt_diag.cli", *args]
-    subprocess.run(cmd + ["--out", str(tmp_path / "a")], check=True, capture_output=True)
-    parent = subprocess.Popen(cmd + ["--out", str(tmp_path / "b")], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    processes.run(cmd + ["--out", str(tmp_path / "a")], timeout=600, check=True, capture_output=True)
+    parent = spawn(cmd + ["--out", str(tmp_path / "b")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while time.time() < deadline:
         steps = [json_step(p) for p in (tmp_path / "b").glob("cells/*/progress.json")]
@@ -309,7 +331,7 @@ def test_kill_9_of_a_sweep_and_an_immediate_restart_give_the_uninterrupted_resul
         time.sleep(0.2)
     parent.kill()
     parent.wait()
-    subprocess.run(cmd + ["--out", str(tmp_path / "b")], check=True, capture_output=True)
+    processes.run(cmd + ["--out", str(tmp_path / "b")], timeout=600, check=True, capture_output=True)
     for cell in ("lt_K02_seed0_lr1", "flt_K02_seed0_lr1"):
         a, b = load_metrics(tmp_path / "a" / "cells" / cell), load_metrics(tmp_path / "b" / "cells" / cell)
         key = ["step", "metric", "loop", "layer"]

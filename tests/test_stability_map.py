@@ -187,7 +187,7 @@ class BreaksAt(Synthetic):
 def test_the_map_figure_draws_a_non_monotone_line_where_it_first_breaks(tmp_path):
     """LT breaks at 1 (the grid's lowest), holds at 2-8, breaks from 16: drawn below the grid. FLT holds at
     1, breaks at 2, holds at 4-8, breaks from 16: drawn in (1, 2]. Both wear the ring; FLA (monotone) not."""
-    from flt_diag.results.figures.map import fig_map, map_data
+    from flt_diag.results.figures.map import draw, map_data
     spec = _spec(variants=["lt", "fla", "flt"], loops=[6], seeds=[0], grid=[1, 2, 4, 8, 16], criteria=["training"])
     runner = BreaksAt({"lt": 10, "fla": 3, "flt": 10}, {"lt": (1,), "flt": (2,)})
     table = run_map(spec, tmp_path / "m", runner=runner, report=lambda s: None, probe_ends=True)
@@ -204,7 +204,7 @@ def test_the_map_figure_draws_a_non_monotone_line_where_it_first_breaks(tmp_path
     assert pd.isna(df.beyond["flt"]) and df.value["flt"] == pytest.approx(math.sqrt(1 * 2)) and df.non_monotone["flt"]
     assert (df.low["flt"], df.high["flt"]) == (1, 2)
     assert df.value["fla"] == pytest.approx(math.sqrt(2 * 4)) and not df.non_monotone["fla"]
-    fig = fig_map(tmp_path / "m")
+    fig = draw(map_data(tmp_path / "m"))
     rings = [ln for ln in fig.axes[0].lines if ln.get_marker() == "o" and ln.get_markerfacecolor() == "none"]
     assert sorted(round(y, 6) for ln in rings for y in ln.get_ydata()) == sorted([1 / 1.25, round(math.sqrt(2), 6)])
     assert "non-monotone" in fig.legends[0].get_title().get_text()
@@ -218,11 +218,11 @@ def test_another_map_on_the_same_folder_is_refused(tmp_path):
 
 
 def test_map_figure_draws_from_the_folder(tmp_path):
-    from flt_diag.results.figures.map import fig_map, map_data
+    from flt_diag.results.figures.map import draw, map_data
     run_map(_spec(), tmp_path / "m", runner=Synthetic({"lt": 1.3, "flt": 9.0}), report=lambda s: None)
     df = map_data(tmp_path / "m")
     assert len(df) == 2 * 2 * 2  # criteria x variants x loops
-    fig = fig_map(tmp_path / "m")
+    fig = draw(map_data(tmp_path / "m"))
     fig.savefig(tmp_path / "map.png")
     assert (tmp_path / "map.png").stat().st_size > 10_000
 

@@ -109,7 +109,7 @@ def fit_command(v: dict, features: list[str]) -> str:
 
 
 def print_detectors(table: pd.DataFrame) -> None:
-    """`predict --online`: the loss-spike detectors of other libraries (analysis.spike_detectors) on the
+    """`predict --online`: the loss-spike detectors of other libraries (judge.spike_detectors) on the
     same runs: each one's first warning step, and how often it caught a failing run or warned on a stable one."""
     if table.empty:
         return

@@ -211,7 +211,7 @@ def _check_local_file(path: Path) -> None:
 
 def iter_documents(spec: CorpusSpec, split: str) -> Iterator[str]:
     """Documents of one split, through `datasets.load_dataset` (hub or local alike)."""
-    import datasets  # 0.6 s of imports (-X importtime, after the CLI's): only when a corpus is tokenized
+    import datasets  # a slow import (benchmarks/README.md): only when a corpus is tokenized
 
     datasets.disable_progress_bars()  # one error line, not progress bars and library log lines around it
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # (a failure is our one DataError line; its own

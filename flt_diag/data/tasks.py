@@ -29,7 +29,7 @@ The held-out split shares no problem with training by construction: a problem wh
 each split keeps only its own draws. Every random number comes from SHAKE-256 of a key naming the
 task, its dials, the split, the row, the problem in the row and the attempt, so a row is the same on
 every machine and Python; a batch is the rows its torch generator names
-(flt_diag.data.corpus.batch_generator), hence resuming at any step is exact.
+(flt_diag.data.batches.batch_generator), hence resuming at any step is exact.
 """
 from __future__ import annotations
 
@@ -177,7 +177,7 @@ def make_task(train, seq_len: int) -> PHop | Addition:
 @dataclass
 class TaskData:
     """One split of a task, in the place of a corpus's TokenData: rows drawn by id, batches drawn
-    by a torch generator (`flt_diag.data.corpus.get_batch` hands them here)."""
+    by a torch generator (`flt_diag.data.batches.get_batch` hands them here)."""
 
     task: PHop | Addition
     split: str  # "train" or "val"
@@ -228,7 +228,7 @@ class TaskData:
 
     def batch(self, batch_size: int, seq_len: int, generator, device="cpu"):
         """B rows named by `generator` (torch): x (B, T) and y (B, T) on `device`."""
-        import torch  # settle.py (torch-free) imports this module; torch is 2.2 s of imports (-X importtime)
+        import torch  # training/settle.py imports this module without needing torch (a slow import)
         from flt_diag.data.batches import _to_device  # (batches.py imports torch)
         if seq_len != self.seq_len:
             raise DataError(f"{self.task.name} rows hold {self.seq_len} tokens, asked for {seq_len}")

@@ -103,8 +103,8 @@ class SweepMonitor:
 
     def _estimate(self, work: float, elapsed: float) -> None:
         """Once: the rate is measured from the first progress a cell reports (start-up, data loading and
-        compilation are behind it) over `estimate_after` seconds; the time before that is added as it was.
-        (Measured from the start instead, the default sweep's estimate said 78 min for a 49-min sweep.)"""
+        compilation are behind it) over `estimate_after` seconds; the time before that is added as it was
+        (a rate measured from the start overestimates the sweep: benchmarks/README.md)."""
         if self.estimated or work <= self.work0:
             return
         if self.first is None:

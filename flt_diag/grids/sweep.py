@@ -22,7 +22,7 @@ import pandas as pd
 
 from flt_diag.grids.progress import SweepMonitor, cell_status
 from flt_diag.grids.worker_pool import auto_workers, run_parallel
-from flt_diag.judge.summary_table import SUMMARY_COLUMNS, write_summary  # noqa: F401  (re-exported)
+from flt_diag.judge.summary_table import write_summary
 from flt_diag.storage.cells import Cell
 from flt_diag.storage.folders import (CELLS, ERROR, SWEEP_SPEC, StorageError, atomic_write_text, folder_lock, has_content,
                                       load_spec as load_folder_spec, refuse_symlink, write_json)
@@ -104,7 +104,7 @@ def prepare_spec_folder(out: Path, new: dict, what: str, grid_fields: dict) -> N
 def run_cell(base: dict, cell: Cell, out: str, threads: int | None = None,
              device: str | None = None, progress=None) -> str:
     """Train one cell (in this process). Exceptions are written to the cell's error.txt."""
-    import torch  # torch: 2.2 s of the CLI's 3 s start-up (-X importtime); the CLI imports this module for its options
+    import torch  # most of the CLI's start-up (benchmarks/README.md); the CLI imports this module for its options
     from flt_diag.training.trainer import train
 
     cfg = cell_config(RunConfig.from_dict(base), cell, **({"threads": threads} if threads else {}),

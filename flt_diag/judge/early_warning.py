@@ -20,7 +20,7 @@ unstable, collapsed or diverged; the packaged predictor's), "collapse" (collapse
 "climbs" (fails, or the loss climbed above the verdict's rebound threshold and recovered).
 A predictor names the features it uses (a subset of FEATURES; `fit-predictor --features`).
 This module: the features, the target, reading a predictor and predicting with it (offline, over
-run folders). predictor_fit.py fits one; training/early_warning.py checks it online (`--warn`);
+run folders). flt_diag/results/predictor_fit.py fits one; training/warning_callback.py checks it online (`--warn`);
 figures/agreement.py draws the agreement.
 Features are standardised with the training set's mean and std (a missing feature, e.g. a run
 recorded without diagnostics, counts as the mean); the fit maximises the L2-penalised likelihood
@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from flt_diag.storage.predictor_names import COLLAPSE, FAILS, FEATURES, PACKAGED, TARGETS  # noqa: F401 (re-exported)
+from flt_diag.storage.predictor_names import FEATURES, PACKAGED, TARGETS  # noqa: F401 (re-exported)
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import load_config, load_metrics, load_summary, run_dirs, series
 

@@ -1,7 +1,7 @@
 """How a sweep's variants compare with each other (numpy/pandas only; never torch).
 
 A single run's verdict cannot say that a variant trains worse than the others at the same loop count,
-so every row of the sweep tables (analysis/results.py) is compared with its *peers*, the rows of the
+so every row of the sweep tables (flt_diag/results/tables.py) is compared with its *peers*, the rows of the
 other variants that share its loops K, depth L and lr scale (and seed, for a run):
 
     val_gap       its final validation loss minus the lowest among its peers and itself, in nats:

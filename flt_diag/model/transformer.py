@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from flt_diag.vocab.config import ModelConfig  # noqa: F401 (re-exported)
-from flt_diag.vocab.variants import MAX_LOOPS, VARIANT_DESCRIPTIONS, VARIANTS, VariantRule  # noqa: F401 (re-exported)
+from flt_diag.vocab.variants import VARIANTS  # noqa: F401 (re-exported)
 
 
 

@@ -19,7 +19,7 @@ import pandas as pd
 from flt_diag.results.figures import FIGURES, render
 from flt_diag.results.figures.style import VERDICT_COLORS, style
 from flt_diag.judge.map_boundaries import critical_table
-from flt_diag.results.tables import Study, collect, results_table  # noqa: F401  (results_table: re-exported)
+from flt_diag.results.tables import Study, collect, results_table
 from flt_diag.storage.folders import atomic_write_text
 
 REPORT = "report.html"

@@ -34,7 +34,7 @@ from flt_diag.judge.verdict import dense_oscillation, smoothed
 from flt_diag.storage.folders import (COLUMNS, CELLS, ERROR, METRICS, StorageError, cell_names, is_run, is_sweep, load_config,
                       load_eval_loops, load_metrics, load_spec, load_summary, run_dirs, run_label, series)
 from flt_diag.storage.pooling import check_poolable
-from flt_diag.judge.summary_table import SUMMARY_COLUMNS, run_depth, sweep_summary, write_summary  # noqa: F401  (re-exported)
+from flt_diag.judge.summary_table import SUMMARY_COLUMNS, sweep_summary
 from flt_diag.vocab.variants import VARIANTS
 
 VARIANT_ORDER = list(VARIANTS)

@@ -14,7 +14,7 @@ A bad file is one `BadFile` line naming the file and the field; nothing is writt
     predictor          fit-predictor's JSON          load_predictor    (settle, the predict command)
     fit examples       fit-predictor's --examples-out load_examples     (predictor_fit.training_examples)
     study              experiments/*.toml            load_study        (the `study` command)
-    reference meta     meta_<step>.json              check_reference_meta (model.reference)
+    reference meta     meta_<step>.json              check_reference_meta (training.reference)
 
 The generated tests (tests/test_file_loaders.py) mutate every field of each schema. Torch-free.
 """
@@ -51,8 +51,10 @@ def section_schema(name: str, required: bool = True) -> Record:
 
 @functools.cache
 def run_config_schema() -> Record:
-    """config.json: the config sections (fields checked by their own Options), the preset, and what the
-    Trainer adds (parameter count, corpus figures, environment; free-form except the corpus figures)."""
+    """config.json: the config sections (fields checked by their own Options), the preset, what the
+    Trainer adds (parameter count, corpus figures, environment; free-form except the corpus figures)
+    and what an imported reference run adds (imported_from, note). These are every top-level key any
+    version has written; another one is refused (a misspelt "corpus" would judge runs without H1)."""
     count, number = Scalar(value(int, low=0), False), Scalar(value(float, low=0, optional=True), False)
     return Record({"model": section_schema("model"), "train": section_schema("train"),
                    "diagnostics": section_schema("diagnostics"), "verdict": section_schema("verdict", False),
@@ -60,7 +62,7 @@ def run_config_schema() -> Record:
                    "corpus": Record({"train_tokens": count, "val_tokens": count, "unigram_entropy": number},
                                     required=False, other_keys=True),
                    "env": Record(required=False, other_keys=True), "imported_from": Scalar(value(str), False),
-                   "note": Scalar(value(str), False)}, other_keys=True)
+                   "note": Scalar(value(str), False)})
 
 
 def load_run_config(path: Path) -> dict:
@@ -265,12 +267,6 @@ def study_entry(o):
     return scalar_of(replace(o, kind=str) if o.kind is Path else o, required=False)
 
 
-def study_schema(tables: dict[str, list], table: str) -> Record:
-    """A study file whose one table is `table` (of `tables`: the options of each by name; one value for a
-    list option is a list of one), with free keys (description, gpu) around it."""
-    return Record({table: Record({o.dest: study_entry(o) for o in tables[table]})}, other_keys=True)
-
-
 def load_study(path: Path, tables: dict[str, list]) -> tuple[str, dict]:
     """A study file -> (its table's name, option values keyed by Option.dest): exactly one of `tables`
     ({"ablation": [Option, ...], ...}), whose keys are those options' names, checked like the command line."""
@@ -293,7 +289,7 @@ def load_study(path: Path, tables: dict[str, list]) -> tuple[str, dict]:
             raise BadFile(f"{path}: unknown option {key!r} in [{table}]")
         if o.many and not isinstance(x, list):
             x = [x]
-        values[o.dest] = _as_kind(o, checked(path, study_entry(o), x, f"[{table}] {key}"))  # (study_schema's entry)
+        values[o.dest] = _as_kind(o, checked(path, study_entry(o), x, f"[{table}] {key}"))
     return table, values
 
 

@@ -26,8 +26,6 @@ ATTN_MAX_LOGIT = "attn_max_logit"  # largest pre-softmax attention logit at (loo
 ATTN_ENTROPY = "attn_entropy"  # mean attention entropy (nats) at (loop, layer)
 LOOPS_RUN = "loops_run"  # loops the recorded forward ran (runs of flt_diag.watch: a model may sample its count)
 
-GROUPED = (GRAD_NORM, GRAD_NORM_CLIPPED, GRAD_COSINE, SIGN_FLIP, UPDATE_RATIO)
-
 # Derived (summary.json and the sweep table, not rows of the metrics table): the reference's
 # milestone statistics, population std of the loss and of the pre-clipping global gradient norm
 # over the steps since the previous milestone (flt_diag.judge.verdict.milestone_stds).

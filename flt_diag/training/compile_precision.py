@@ -9,9 +9,8 @@ DDP is applied by the Trainer when launched with torchrun (WORLD_SIZE > 1).
 
 When to compile (`compile_wanted`, the `--compile` default): always on CUDA; on a CPU only for runs
 of at least COMPILE_MIN_STEPS_CPU steps, because compiling costs seconds before the first step and
-saves milliseconds on each (measured on the tiny preset, one thread, 2-core Intel Xeon with
-AVX-512, 2026-12-01: 4 s of compilation with a warm inductor cache, 30 s cold, against 7-30 % of a
-step: 68 -> 47 ms at K=3, 226 -> 203 ms at K=12; it pays after ~200-800 steps; benchmarks/README.md).
+saves milliseconds on each (the timings and the steps after which it pays: benchmarks/README.md,
+"Compilation cost").
 A CPU without a C++ compiler (inductor's CPU backend needs one) trains eagerly.
 """
 from __future__ import annotations
@@ -44,7 +43,7 @@ def compile_blocks(model: LoopedTransformer, **compile_kwargs) -> LoopedTransfor
     norm, MLP, residual add). Each block instance, query or none, and grad mode (training, evaluation)
     is one entry of its code object's cache, so a deep model needs more entries than dynamo's default
     allows; the limits are raised so that no block silently falls back to eager."""
-    import torch._dynamo  # 2.2 s of imports (-X importtime) on top of torch's: only when compiling
+    import torch._dynamo  # seconds of imports on top of torch's (benchmarks/README.md): only when compiling
     need = 8 * len(model.blocks) + 8
     for name in ("cache_size_limit", "recompile_limit"):
         if hasattr(torch._dynamo.config, name):

@@ -12,7 +12,8 @@ On CPU the Muon step is `BatchedMuon`: torch.optim.Muon's update (same momentum,
 Newton-Schulz in bf16, lr adjustment, state), with two changes of *how* it is computed. (1) Every
 bf16 matmul of the Newton-Schulz iteration is done as an fp32 matmul of the bf16 values, rounded to
 bf16 (bf16 with fp32 accumulation, which is what a bf16 GEMM computes): CPUs without bf16 hardware
-(AMD EPYC/Zen 3, most laptops) run torch's bf16 matmuls 20-30x slower than fp32 ones; the emulation
+(AMD EPYC/Zen 3, most laptops) run torch's bf16 matmuls an order of magnitude slower than fp32 ones
+(benchmarks/README.md, the AMD EPYC table); the emulation
 gives the same values up to the accumulation order, i.e. a bf16 rounding may differ in rare
 elements. (2) Matrices of the same (transposed) shape are orthogonalised together, as one batch.
 Runs stay deterministic. On GPUs torch.optim.Muon itself is used.

@@ -42,10 +42,11 @@ def start_process(cfg: RunConfig) -> tuple[torch.device, int, int]:
             torch.cuda.set_device(device)
     if device.type == "cpu":
         # One thread by default: tiny models are bound by per-op overhead, and OpenMP threads
-        # that wait for a core slow a step down 100x when other processes share the machine.
+        # that wait for a core slow a step down many times when other processes share the machine
+        # (benchmarks/README.md, "Threads").
         torch.set_num_threads(cfg.train.threads or 1)
         # A collapsing LT drives activation gradients through the loops towards 1e-20 and
-        # below; subnormal arithmetic made such steps 3.5x slower (benchmarks/README.md).
+        # below; subnormal arithmetic makes such steps several times slower (benchmarks/README.md).
         # (The setting holds for the calling thread, so for all compute at one thread.)
         torch.set_flush_denormal(cfg.train.flush_denormal)
     elif cfg.train.threads:

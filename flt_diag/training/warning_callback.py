@@ -1,5 +1,5 @@
 """The online early warning (`--warn`, `--stop-on-collapse`): a training callback that computes the
-features of analysis/early_warning.py from the rows of the running training and checks P(collapse)."""
+features of flt_diag/judge/early_warning.py from the rows of the running training and checks P(collapse)."""
 from __future__ import annotations
 
 import sys

@@ -14,7 +14,7 @@ from flt_diag.vocab.config import check, opt
 from flt_diag.vocab.variants import MAX_LOOPS, VARIANTS
 
 MAP_AXES = ("lr", "depth")  # what a map varies: the lr scale, or the number L of distinct blocks
-MAP_CRITERIA = ("training", "collapse", "explosion")  # how a probe counts as broken (analysis.map_results)
+MAP_CRITERIA = ("training", "collapse", "explosion")  # how a probe counts as broken (judge.map_boundaries)
 # The config fields a sweep's grid sets per cell: a folder's stored base is compared without them (its base
 # is cell 0's config; earlier versions stored seed 0 and lr scale 1 there), and sweeps pooled by `summary`
 # may differ in them.

@@ -120,11 +120,6 @@ def draw(df: pd.DataFrame):
     return finish(fig, "Stability map")
 
 
-def fig_map(path):
-    """The map figure of a map folder (no Study needed)."""
-    return draw(map_data(path))
-
-
 def _is_map(study: Study) -> bool:
     return study.kind == "map"
 
