@@ -24,8 +24,16 @@ SIGN_FLIP = "sign_flip"  # share of coordinates whose gradient sign flipped sinc
 UPDATE_RATIO = "update_ratio"  # ||W_after - W_before|| / ||W_before||, per group
 ATTN_MAX_LOGIT = "attn_max_logit"  # largest pre-softmax attention logit at (loop, layer)
 ATTN_ENTROPY = "attn_entropy"  # mean attention entropy (nats) at (loop, layer)
+PARAM_NORM = "param_norm"  # ||W|| per group, before the optimizer step (the weights the step's gradient was taken at)
+# Loop dynamics (flt_diag.training.loop_dynamics; DESIGN.md §3, "Loop dynamics"), h(t) = norm(stream at loop t's end):
+FIXED_POINT_RESIDUAL = "fixed_point_residual"  # mean over tokens of ||h(t) - h(t-1)|| / ||h(t-1)||, loop t >= 2
+EXIT_LOSS = "exit_loss"  # cross-entropy of the (soft-capped) head applied to h(t), loop t, no gradient
+LOOP_GAIN = "loop_gain"  # largest singular value of the Jacobian of h(t-1) -> h(t), loop t >= 2 (every N steps)
+LOOP_SPECTRAL_RADIUS = "loop_spectral_radius"  # spectral radius of the same Jacobian (power iteration; every N steps)
+LOOP_GRAD_COSINE = "loop_grad_cosine"  # cos(loop t's gradient of block `layer`'s weights, their total gradient)
+SHARPNESS = "sharpness"  # top Hessian eigenvalue of the training loss w.r.t. all parameters (every N steps)
 
-GROUPED = (GRAD_NORM, GRAD_NORM_CLIPPED, GRAD_COSINE, SIGN_FLIP, UPDATE_RATIO)
+GROUPED = (GRAD_NORM, GRAD_NORM_CLIPPED, GRAD_COSINE, SIGN_FLIP, UPDATE_RATIO, PARAM_NORM)
 
 # Derived (summary.json and the sweep table, not rows of the metrics table): the reference's
 # milestone statistics, population std of the loss and of the pre-clipping global gradient norm
