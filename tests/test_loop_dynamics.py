@@ -200,3 +200,16 @@ def test_a_short_run_records_every_key_and_keeps_its_trajectory(tmp_path):
     for metric in (M.EXIT_LOSS, M.FIXED_POINT_RESIDUAL, M.LOOP_GAIN, M.SHARPNESS):
         assert with_dynamics[with_dynamics.metric == metric].value.notna().all()
     assert not set(without.metric) & {M.EXIT_LOSS, M.FIXED_POINT_RESIDUAL, M.LOOP_GAIN, M.SHARPNESS}
+
+
+def test_figures_of_the_new_records_draw_and_skip_runs_without_them(tmp_path):
+    from flt_diag.results.figures import plot
+    on = dict(dynamics_every=1, dynamics_batch=1, dynamics_iters=2, attention=True)
+    train(tiny_config(variant="flt", loops=2, steps=2, diagnostics=on), tmp_path / "on")
+    train(tiny_config(variant="flt", loops=2, steps=2, diagnostics=dict(loop_dynamics=False, dynamics_every=0)),
+          tmp_path / "off")
+    new = {"exit-loss", "loop-dynamics", "weights", "attention"}
+    written = plot("all", tmp_path / "on", out_dir=tmp_path / "figs-on", formats=("png",))
+    assert new <= {p.stem for p in written}
+    written = plot("all", tmp_path / "off", out_dir=tmp_path / "figs-off", formats=("png",))
+    assert {"exit-loss", "loop-dynamics", "attention"} <= set(written.skipped)  # skipped with a reason, no crash

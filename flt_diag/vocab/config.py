@@ -228,7 +228,7 @@ class DiagnosticsConfig:
                           flag="--attention-stats")
     loop_dynamics: bool = opt(True, "On recorded steps, also the fixed-point residual and the exit loss of every "
                               "loop (DESIGN.md §3, Loop dynamics).")
-    dynamics_every: int = opt(100, "Every N steps, the loop-map gain and spectral radius and the per-loop gradient "
+    dynamics_every: int = opt(500, "Every N steps, the loop-map gain and spectral radius and the per-loop gradient "
                               "agreement; 0 = never.", low=0)
     sharpness_every: int = opt(0, "Every N steps, the sharpness (top Hessian eigenvalue of the loss); 0 = never.",
                                low=0)
