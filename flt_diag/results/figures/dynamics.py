@@ -112,7 +112,7 @@ def draw_dynamics(df: pd.DataFrame):
 
 
 register(Figure("exit-loss", "loss of the head at every loop's exit, at a few steps, a panel per loops K",
-                (M.EXIT_LOSS,), exit_data, draw_exit, empty="no exit_loss recorded (--loop-dynamics)", order=70))
+                (M.EXIT_LOSS,), exit_data, draw_exit, empty="no exit_loss recorded (--loop-dynamics)", order=80))
 register(Figure("loop-dynamics", "fixed-point residual and loop-map gain by step and by loop",
                 (M.FIXED_POINT_RESIDUAL, M.LOOP_GAIN, M.LOOP_SPECTRAL_RADIUS), dynamics_data, draw_dynamics,
-                empty="no fixed_point_residual or loop_gain recorded (--loop-dynamics, --dynamics-every)", order=71))
+                empty="no fixed_point_residual or loop_gain recorded (--loop-dynamics, --dynamics-every)", order=81))

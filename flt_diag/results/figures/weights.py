@@ -93,12 +93,13 @@ def draw_attention(df: pd.DataFrame):
         for ax in list(axes.flat)[len(runs):]:
             ax.set_axis_off()
         fig.colorbar(image, ax=axes, label="attention entropy (nats)", shrink=0.8)
+        legend(fig, df)
     return finish(fig, "Attention entropy by loop and layer")
 
 
 register(Figure("weights", "parameter norms and update ratios per group kind against step",
                 tuple(f"{m}/{k}" for m, _ in QUANTITIES for k in KINDS), weights_data, draw_weights,
-                empty="no param_norm or update_ratio recorded", order=72))
+                empty="no param_norm or update_ratio recorded", order=82))
 register(Figure("attention", "attention entropy by (loop, layer) at the last recorded step, per run",
                 (M.ATTN_ENTROPY,), attention_data, draw_attention,
-                empty="no attn_entropy recorded (train with --attention-stats)", order=73))
+                empty="no attn_entropy recorded (train with --attention-stats)", order=83))
