@@ -64,6 +64,19 @@ def _rows(cfg, collapsed: bool, steps: int, rng: np.random.Generator, val_shift:
                 rows.append((t, f"{M.GRAD_NORM}/{kind}", M.NONE, layer, 0.2 * wobble))
         if t > 0:
             rows.append((t, M.GRAD_COSINE, M.NONE, M.NONE, (-0.4 if collapsed and t % 2 else 0.6)))
+        for group, layer in [("embedding", M.NONE), ("head", M.NONE)] + [(kind, ly) for ly in range(1, L + 1)
+                                                                           for kind in ("attn", "mlp")]:
+            rows.append((t, f"{M.PARAM_NORM}/{group}", M.NONE, layer, 10 * grow * (1 + 0.01 * t)))
+            rows.append((t, f"{M.UPDATE_RATIO}/{group}", M.NONE, layer, 0.01 * wobble))
+        for k in range(1, K + 1):  # loop dynamics (DESIGN.md §3), every step here
+            rows.append((t, M.EXIT_LOSS, k, M.NONE, loss + 0.5 / k))
+            for layer in range(1, L + 1):
+                rows.append((t, M.ATTN_ENTROPY, k, layer, 1.0 + 0.1 * k - 0.05 * layer))
+            if k > 1:
+                rows.append((t, M.FIXED_POINT_RESIDUAL, k, M.NONE, 0.1 * grow / k))
+                if t % 10 == 0:
+                    rows.append((t, M.LOOP_GAIN, k, M.NONE, (1.2 if collapsed else 0.8) * (1 + 0.01 * t)))
+                    rows.append((t, M.LOOP_SPECTRAL_RADIUS, k, M.NONE, (1.1 if collapsed else 0.7)))
     return rows
 
 

@@ -223,6 +223,8 @@ def test_callback_update_ratios_and_clipped_norms_per_group():
         after = torch.cat([p.detach().flatten() for p in ps]).double()
         ratio_key = M.group_key(M.UPDATE_RATIO, name)
         assert rows[ratio_key] == pytest.approx(((after - before[name]).norm() / before[name].norm()).item(), rel=8 * U32)
+        norm = math.sqrt(sum(float(x) ** 2 for x in before[name]))  # the weights the step's gradient was taken at
+        assert rows[M.group_key(M.PARAM_NORM, name)] == pytest.approx(norm, rel=8 * U32)
         assert rows[M.group_key(M.GRAD_NORM_CLIPPED, name)] == pytest.approx(grads[name].norm().item(), rel=8 * U32)
         assert rows[M.group_key(M.GRAD_NORM, name)] == pytest.approx(grads[name].norm().item(), rel=8 * U32)
 

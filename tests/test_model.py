@@ -190,3 +190,24 @@ def test_bad_config():
         ModelConfig(variant="nope")
     with pytest.raises(ValueError, match="loops"):
         ModelConfig(loops=0)
+
+
+@pytest.mark.parametrize("variant,reaches", [("flt", False), ("lt-ai", False), ("lt", True), ("lt-ii", True),
+                                             ("fla", True)])
+def test_position_zero_is_out_of_the_loops_reach_where_h_enters_only_through_queries(variant, reaches):
+    """DESIGN.md §2, position 0: in flt and lt-ai, h(t-1) enters only through attention queries, and a
+    query with one key (position 0) gets that key's value whatever it is: position 0's logits are the
+    same at every loop. Random weights (the real init zeroes W_O and W_down), K=12."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, n_layer=2, n_embd=32, n_head=2, sequence_len=16, variant=variant, loops=12)
+    model = randomize(LoopedTransformer(cfg))
+    idx = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = torch.stack(model.forward_loops(idx, keep="all"))  # (K, B, T, V)
+    change = (logits[1:] - logits[:-1]).abs()
+    first, rest = change[:, :, 0].max().item(), change[:, :, 1:].max().item()
+    assert rest > 0.1  # the loop moves every later position in every variant
+    if reaches:
+        assert first > 0.1
+    else:
+        assert first < 1e-4

@@ -17,6 +17,7 @@ A block reused K times fires K times per forward; listeners key by (loop, layer)
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -51,9 +52,25 @@ class _RMSNorm(torch.autograd.Function):
         return r * (g - y * (g * y).mean(-1, keepdim=True))
 
 
+_WRITTEN_OUT = [False]  # set by `written_out_norm`
+
+
+@contextlib.contextmanager
+def written_out_norm():
+    """Within: `norm` is the written-out x * rsqrt(mean(x^2) + eps) on every device, the same values
+    by ops that torch.func transforms (jvp, vjp) and double backward differentiate, which the fast CPU
+    form's hand-written backward does not (flt_diag.training.loop_dynamics uses it)."""
+    before = _WRITTEN_OUT[0]
+    _WRITTEN_OUT[0] = True
+    try:
+        yield
+    finally:
+        _WRITTEN_OUT[0] = before
+
+
 def norm(x: torch.Tensor) -> torch.Tensor:
     """RMSNorm over the last dim, no learnable weight (eps = machine epsilon of x's dtype)."""
-    if torch.compiler.is_compiling():  # written out, so the compiler fuses it with its neighbours
+    if _WRITTEN_OUT[0] or torch.compiler.is_compiling():  # written out: the compiler fuses it with its neighbours
         return x * _inv_rms(x)
     if x.device.type == "cpu" and x.dtype == torch.float32:
         return _RMSNorm.apply(x)

@@ -25,6 +25,15 @@ UPDATE_RATIO = "update_ratio"  # ||W_after - W_before|| / ||W_before||, per grou
 ATTN_MAX_LOGIT = "attn_max_logit"  # largest pre-softmax attention logit at (loop, layer)
 ATTN_ENTROPY = "attn_entropy"  # mean attention entropy (nats) at (loop, layer)
 LOOPS_RUN = "loops_run"  # loops the recorded forward ran (runs of flt_diag.watch: a model may sample its count)
+PARAM_NORM = "param_norm"  # ||W|| per group, before the optimizer step (the weights the step's gradient was taken at)
+# Loop dynamics (flt_diag.training.loop_dynamics; DESIGN.md §3, "Loop dynamics"), h(t) = norm(stream at loop t's end):
+FIXED_POINT_RESIDUAL = "fixed_point_residual"  # mean over tokens of ||h(t) - h(t-1)|| / ||h(t-1)||, loop t >= 2
+EXIT_LOSS = "exit_loss"  # cross-entropy of the (soft-capped) head applied to h(t), loop t, no gradient
+LOOP_GAIN = "loop_gain"  # largest singular value of the Jacobian of h(t-1) -> h(t), loop t >= 2 (every N steps)
+LOOP_SPECTRAL_RADIUS = "loop_spectral_radius"  # spectral radius of the same Jacobian (power iteration; every N steps)
+LOOP_GRAD_COSINE = "loop_grad_cosine"  # cos(loop t's gradient of block `layer`'s weights, their total gradient)
+SHARPNESS = "sharpness"  # top Hessian eigenvalue of the training loss w.r.t. all parameters (every N steps)
+
 
 # Derived (summary.json and the sweep table, not rows of the metrics table): the reference's
 # milestone statistics, population std of the loss and of the pre-clipping global gradient norm

@@ -359,6 +359,7 @@ class DiagnosticsCallback(Callback):
         delta = self._group_norms(torch._foreach_sub(self.params, self.before))
         weight = self._group_norms(self.before)
         trainer.log.add_vector(self._keys(M.UPDATE_RATIO, self.groups), delta / weight.clamp_min(1e-30))
+        trainer.log.add_vector(self._keys(M.PARAM_NORM, self.groups), weight)
         self.before = []
 
     def on_end(self, trainer) -> None:

@@ -39,6 +39,7 @@ from flt_diag.training.external import ExternalSinks
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig, count_parameters
 from flt_diag.training.process import environment, start_process
 from flt_diag.training.diagnostics import DiagnosticsCallback
+from flt_diag.training.dynamics_callback import LoopDynamicsCallback
 from flt_diag.training.warning_callback import CollapseWarning
 from flt_diag.training.compile_precision import compile_blocks, compile_wanted, reference_precision
 from flt_diag.training.optim import build_optimizers, lr_multiplier, muon_momentum, set_lr, set_momentum
@@ -117,7 +118,7 @@ class Trainer:
         self.log = StepLog()
         self.callbacks: list[Callback] = list(callbacks or [])
         if diagnostics if diagnostics is not None else cfg.diagnostics.enabled:
-            self.callbacks.insert(0, DiagnosticsCallback(cfg.diagnostics))
+            self.callbacks[:0] = [DiagnosticsCallback(cfg.diagnostics), LoopDynamicsCallback(cfg.diagnostics)]
         if cfg.diagnostics.warn or cfg.diagnostics.stop_on_collapse:
             self.callbacks.append(CollapseWarning(predictor(cfg.diagnostics.predictor),
                                                   stop=cfg.diagnostics.stop_on_collapse))

@@ -226,6 +226,12 @@ class DiagnosticsConfig:
     every: int = opt(10, "... then every N steps.", flag="--record-every", low=1)
     attention: bool = opt(False, "Also record max attention logit and entropy per (loop, layer).",
                           flag="--attention-stats")
+    loop_dynamics: bool = opt(True, "Also the fixed-point residual and exit loss per loop (DESIGN.md §3).")
+    dynamics_every: int = opt(500, "Every N steps, the loop-map gain and spectral radius and the per-loop gradient "
+                              "agreement; 0 = never.", low=0)
+    sharpness_every: int = opt(0, "Every N steps, the sharpness (top Hessian eigenvalue); 0 = never.", low=0)
+    dynamics_batch: int = opt(4, "Sequences of the micro-batch the every-N records are computed on.", low=1)
+    dynamics_iters: int = opt(8, "Power iterations of the loop-map gain and the sharpness.", low=1)
     flush_every: int = opt(100, "Steps between metric parts written to disk.", low=1)
     tensorboard: bool = opt(False, "Also log scalars to <run>/tensorboard.")
     wandb: str | None = opt(None, "Also log to this Weights & Biases project.")

@@ -1,0 +1,118 @@
+"""Loop dynamics (DESIGN.md §3, Loop dynamics). exit-loss: the loss of the head applied at every loop's
+exit, against the loop, at a few recorded steps (fainter = earlier), a panel per loops K, a line per run.
+loop-dynamics: per loops K, the fixed-point residual ||h(t) - h(t-1)|| / ||h(t-1)|| of the final loop
+against step and by loop at the last recorded step, and the loop-map gain (largest singular value of
+the Jacobian of h(t-1) -> h(t); dashed: its spectral radius) the same way, 1 marked."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+from matplotlib import ticker
+from matplotlib.lines import Line2D
+
+from flt_diag.storage import metric_names as M
+from flt_diag.results.tables import Study, concat
+from flt_diag.results.figures import Figure, register
+from flt_diag.results.figures.style import (auto_yscale, cell_rows, empty, finish, legend, lines_by_run, log_y,
+                                            new_figure, panels, style, variant_color)
+
+SNAPSHOTS = 4  # recorded steps drawn in exit-loss: the first, the last and evenly between
+
+
+def _metric_rows(study: Study, metrics) -> pd.DataFrame:
+    frames = [run.tag(pd.concat([run.select(m) for m in metrics])[["metric", "step", "loop", "value"]])
+              for run in study.runs]
+    return concat(frames, ["metric", "step", "loop", "value"])
+
+
+def exit_data(study: Study) -> pd.DataFrame:
+    """run, ..., step, loop, value: exit_loss of every loop at up to SNAPSHOTS recorded steps per run
+    (evenly spaced by position among its recorded steps), with `snapshot` 0 (first) .. 1 (last)."""
+    frames = []
+    for run in study.runs:
+        sel = run.select(M.EXIT_LOSS)[["step", "loop", "value"]]
+        steps = np.sort(sel.step.unique())
+        if len(steps):
+            pick = steps[np.unique(np.linspace(0, len(steps) - 1, min(SNAPSHOTS, len(steps))).round().astype(int))]
+            rank = {s: (i / (len(pick) - 1) if len(pick) > 1 else 1.0) for i, s in enumerate(pick)}
+            sel = sel[sel.step.isin(pick)].assign(snapshot=lambda d: d.step.map(rank))
+            frames.append(run.tag(sel.sort_values(["step", "loop"])))
+    return concat(frames, ["step", "loop", "value", "snapshot"])
+
+
+def draw_exit(df: pd.DataFrame):
+    with style():
+        fig, axes, cells = panels(df, sharey=True)
+        for ax, cell, title in cells:
+            ax.set_title(title)
+            if cell.empty:
+                empty(ax)
+                continue
+            for (run, step), g in cell.groupby(["run", "step"], sort=False):
+                ax.plot(g.loop, g.value, color=variant_color(g.variant.iloc[0]), marker="o", ms=2.5,
+                        alpha=0.25 + 0.75 * g.snapshot.iloc[0], lw=1.2)
+            ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+        for ax in axes[-1]:
+            ax.set_xlabel("loop t (head applied to h(t))")
+        for ax in axes[:, 0]:
+            ax.set_ylabel("exit loss (nats)")
+        auto_yscale(axes[0, 0], df.value)
+        steps = sorted(df.step.unique())
+        legend(fig, df, [(Line2D([], [], color="0.3", alpha=0.3), f"early step (from {steps[0]})"),
+                         (Line2D([], [], color="0.3"), f"last recorded step (to {steps[-1]})")])
+    return finish(fig, "Exit loss by loop")
+
+
+def dynamics_data(study: Study) -> pd.DataFrame:
+    """run, ..., metric, step, loop, value: fixed_point_residual, loop_gain and loop_spectral_radius rows."""
+    return _metric_rows(study, (M.FIXED_POINT_RESIDUAL, M.LOOP_GAIN, M.LOOP_SPECTRAL_RADIUS))
+
+
+COLUMNS = [(M.FIXED_POINT_RESIDUAL, "step", "fixed-point residual, final loop"),
+           (M.FIXED_POINT_RESIDUAL, "loop", "fixed-point residual by loop, last step"),
+           (M.LOOP_GAIN, "step", "loop-map gain, final loop"),
+           (M.LOOP_GAIN, "loop", "loop-map gain by loop, last step")]
+
+
+def _series(sel: pd.DataFrame, by: str) -> pd.DataFrame:
+    """The final loop's rows against step, or the last recorded step's rows against loop, per run."""
+    if by == "step":
+        return sel[sel.loop == sel.loops]
+    last = sel.groupby("run").step.transform("max")
+    return sel[sel.step == last]
+
+
+def draw_dynamics(df: pd.DataFrame):
+    rows = cell_rows(df)
+    with style():
+        fig, axes = new_figure(len(rows), len(COLUMNS), panel=(3.4, 2.6))
+        for i, (row, title) in enumerate(rows):
+            for j, (metric, by, heading) in enumerate(COLUMNS):
+                ax = axes[i, j]
+                if i == 0:
+                    ax.set_title(heading)
+                sel = _series(row[row.metric == metric], by)
+                if sel.empty:
+                    empty(ax)
+                    continue
+                lines_by_run(ax, sel, by, lw=1.2, marker="o" if by == "loop" else None, ms=3)
+                if metric == M.LOOP_GAIN:
+                    radius = _series(row[row.metric == M.LOOP_SPECTRAL_RADIUS], by)
+                    for run, g in radius.groupby("run", sort=False):
+                        ax.plot(g[by], g.value, color=variant_color(g.variant.iloc[0]), ls="--", lw=0.9)
+                    ax.axhline(1, color="0.3", lw=0.8)
+                log_y(ax)
+                if by == "loop":
+                    ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+            axes[i, 0].set_ylabel(title, fontweight="bold")
+        for ax, (_, by, _) in zip(axes[-1], COLUMNS):
+            ax.set_xlabel(by)
+        legend(fig, df, [(Line2D([], [], color="0.3", ls="--", lw=0.9), "spectral radius")])
+    return finish(fig, "Loop dynamics: fixed-point residual and loop-map gain")
+
+
+register(Figure("exit-loss", "loss of the head at every loop's exit, at a few steps, a panel per loops K",
+                (M.EXIT_LOSS,), exit_data, draw_exit, empty="no exit_loss recorded (--loop-dynamics)", order=80))
+register(Figure("loop-dynamics", "fixed-point residual and loop-map gain by step and by loop",
+                (M.FIXED_POINT_RESIDUAL, M.LOOP_GAIN, M.LOOP_SPECTRAL_RADIUS), dynamics_data, draw_dynamics,
+                empty="no fixed_point_residual or loop_gain recorded (--loop-dynamics, --dynamics-every)", order=81))

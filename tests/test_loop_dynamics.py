@@ -1,0 +1,215 @@
+"""Loop dynamics (flt_diag.training.loop_dynamics, dynamics_callback) against independent computations:
+exact Jacobians and Hessians (torch.autograd.functional, torch.linalg), the head applied by hand, the
+residual written out, and the gradient of each loop from a hand-unrolled forward with one copy of
+the blocks per loop."""
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from conftest import tiny_config
+from equations import randomize
+from flt_diag.model.transformer import LoopedTransformer, ModelConfig, norm
+from flt_diag.storage import metric_names as M
+from flt_diag.storage.folders import load_metrics
+from flt_diag.training import loop_dynamics as D
+from flt_diag.training.dynamics_callback import LoopDynamicsCallback
+from flt_diag.training.trainer import StepLog, train
+from flt_diag.vocab.config import DiagnosticsConfig
+
+V = 16
+
+
+def tiny(variant="lt", K=3, d=8, heads=2, layers=2, seed=0):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=V, n_layer=layers, n_embd=d, n_head=heads, sequence_len=4, variant=variant, loops=K)
+    return randomize(LoopedTransformer(cfg), seed=seed)
+
+
+def batch(B=1, T=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+
+
+@pytest.mark.parametrize("variant", ["lt", "flt"])
+def test_loop_map_gain_against_the_exact_jacobian(variant):
+    model = tiny(variant)
+    idx, _ = batch()
+    states = D.loop_states(model, idx)
+    emb, cos, sin = D.loop_inputs(model, idx)
+    step = D.loop_step(model, emb, cos, sin)
+    sigma, rho = D.loop_gains(model, idx, iters=30, generator=torch.Generator().manual_seed(1))
+    assert sigma.shape == rho.shape == (2,)
+    for t, h in enumerate(states[:-1]):  # the Jacobian at h(t-1), by reverse mode (the model's own ops)
+        n = h.numel()
+        J = torch.autograd.functional.jacobian(lambda z: step(z).flatten(), h).reshape(n, n).double()
+        top_sv, radius = torch.linalg.svdvals(J)[0].item(), torch.linalg.eigvals(J).abs().max().item()
+        assert abs(top_sv - radius) > 0.2 * top_sv  # a non-normal map: the two figures are told apart
+        assert sigma[t].item() == pytest.approx(top_sv, rel=1e-3)
+        assert rho[t].item() == pytest.approx(radius, rel=0.1)  # (a slower estimate: see loop_map_gain)
+
+
+def test_loop_step_and_states_are_the_models_loops():
+    model = tiny("lt-ii")
+    idx, _ = batch(B=2)
+    states = D.loop_states(model, idx)
+    logits = model.forward_loops(idx, keep="all")
+    head = D.model_head(model)
+    emb, cos, sin = D.loop_inputs(model, idx)
+    step = D.loop_step(model, emb, cos, sin)
+    for t in range(3):
+        assert torch.allclose(head(states[t]), logits[t], atol=1e-5)
+        if t:
+            assert torch.allclose(step(states[t - 1]), states[t], atol=1e-5)
+
+
+def hand_cross_entropy(h, model, targets):
+    """15 tanh(h W^T / 15), log-softmax and the target's negative log-likelihood, written out in float64."""
+    c = model.cfg.softcap
+    logits = c * torch.tanh(h.double() @ model.head.weight.double().T / c)
+    logp = logits - torch.logsumexp(logits, -1, keepdim=True)
+    return -logp.gather(-1, targets[..., None]).mean().item()
+
+
+def hand_residual(h, h_prev):
+    ratios = [(h[b, i] - h_prev[b, i]).double().norm() / h_prev[b, i].double().norm()
+              for b in range(h.shape[0]) for i in range(h.shape[1])]
+    return (sum(ratios) / len(ratios)).item()
+
+
+def hooked_forward(model, idx, targets, cfg=DiagnosticsConfig()):
+    """The callback's hooks during one armed model forward, with a stand-in trainer."""
+    log = StepLog()
+    trainer = type("T", (), {"model": model, "log": log, "cfg": tiny_config(), "is_main": True})()
+    cb = LoopDynamicsCallback(cfg)
+    cb.on_start(trainer)
+    cb.before_step(trainer, 0)
+    model(idx, targets)
+    model(idx, targets)  # a second forward (a further micro-batch): not armed, records nothing
+    cb.on_end(trainer)
+    rows = log.collect(0)
+    return {(m, lp): v for _, m, lp, ly, v in rows}, len(rows)
+
+
+@pytest.mark.parametrize("variant", ["lt", "fla"])
+def test_exit_loss_and_fixed_point_residual_recorded_by_the_hooks(variant):
+    model = tiny(variant)
+    idx, targets = batch(B=2)
+    rows, n = hooked_forward(model, idx, targets)
+    states = D.loop_states(model, idx)
+    assert n == 3 + 2  # exit loss of loops 1..3, residual of loops 2..3
+    for t in range(1, 4):
+        assert rows[(M.EXIT_LOSS, t)] == pytest.approx(hand_cross_entropy(states[t - 1], model, targets), rel=1e-5)
+    for t in range(2, 4):
+        assert rows[(M.FIXED_POINT_RESIDUAL, t)] == pytest.approx(hand_residual(states[t - 1], states[t - 2]), rel=1e-5)
+    assert rows[(M.FIXED_POINT_RESIDUAL, 3)] > 1e-3  # a random-weight loop is not at a fixed point
+
+
+def unrolled_loop_gradients(model, idx, targets):
+    """Per-loop block gradients from a hand-unrolled forward where loop t runs its own deep copy."""
+    copies = [copy.deepcopy(model) for _ in range(model.cfg.loops)]
+    emb = model.embed(idx).detach()
+    T = idx.shape[1]
+    cos, sin = model.cos[:, :T], model.sin[:, :T]
+    x, h = norm(emb), None
+    for c in copies:
+        x = c._loop(x, h, emb, cos, sin)
+        h = norm(x)
+    c = model.cfg.softcap
+    logits = c * torch.tanh(model.head(h) / c)
+    F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    return [[torch.cat([p.grad.flatten() for p in c.blocks[i].parameters()]) for i in range(model.cfg.n_layer)]
+            for c in copies]
+
+
+@pytest.mark.parametrize("variant", ["lt", "flt"])
+def test_per_loop_gradient_agreement_against_separate_copies(variant):
+    model = tiny(variant)
+    idx, targets = batch(B=2)
+    cos = D.loop_gradient_agreement(model, idx, targets)
+    assert all(p.grad is None for p in model.parameters())  # nothing left on the weights
+    per_loop = unrolled_loop_gradients(model, idx, targets)
+    model.zero_grad(set_to_none=True)
+    _, loss = model(idx, targets)  # the total gradient, through the shared weights
+    loss.backward()
+    for layer in range(model.cfg.n_layer):
+        total = torch.cat([p.grad.flatten() for p in model.blocks[layer].parameters()])
+        mine = sum(per_loop[t][layer] for t in range(3))
+        assert torch.allclose(mine, total, atol=1e-5, rtol=1e-4)  # the loops' gradients sum to the total
+        for t in range(3):
+            want = F.cosine_similarity(per_loop[t][layer], total, dim=0).item()
+            assert cos[t, layer].item() == pytest.approx(want, abs=1e-4)
+    assert cos.min() < 0.99  # the loops do not all agree: the test tells them apart
+
+
+def test_sharpness_against_the_exact_hessian():
+    model = tiny("flt", K=2, d=4, heads=1, layers=1).double()
+    idx, targets = batch(B=1, T=3)
+    names = [n for n, _ in model.named_parameters()]
+    shapes = [p.shape for _, p in model.named_parameters()]
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    def loss_of(vec):
+        parts = vec.split([math.prod(s) for s in shapes])
+        params = {n: part.view(s) for n, part, s in zip(names, parts, shapes)}
+        return torch.func.functional_call(model, params, (idx, targets))[1]
+
+    with sdpa_kernel(SDPBackend.MATH):  # float64: norm is F.rms_norm, not the code's written-out form
+        H = torch.autograd.functional.hessian(loss_of, flat, vectorize=True)
+    eig = torch.linalg.eigvalsh((H + H.T) / 2)
+    top = eig.max().item()
+    assert eig.min().item() < -top  # a saddle whose largest-magnitude eigenvalue is negative
+    got = D.sharpness(model, idx, targets, iters=100, generator=torch.Generator().manual_seed(0))
+    assert got.item() == pytest.approx(top, rel=2e-3)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_looped_loss_with_the_weights_themselves_is_the_training_loss():
+    model = tiny("lt-ai", K=4)
+    idx, targets = batch(B=2)
+    shared, _ = D.block_weights(model)
+    for loss_on in ("end", "all", "last-third"):
+        mine = D.looped_loss(model, idx, targets, loss_on)([shared] * 4)
+        assert mine.item() == pytest.approx(model(idx, targets, loss_on=loss_on)[1].item(), rel=1e-5)
+
+
+def run_rows(tmp_path, name, diagnostics, **train_options):
+    train(tiny_config(variant="lt", loops=3, steps=3, **train_options, diagnostics=diagnostics), tmp_path / name)
+    return load_metrics(tmp_path / name)
+
+
+def test_a_short_run_records_every_key_and_keeps_its_trajectory(tmp_path):
+    on = dict(dynamics_every=2, sharpness_every=2, dynamics_batch=2, dynamics_iters=3)
+    off = dict(loop_dynamics=False, dynamics_every=0, sharpness_every=0)
+    with_dynamics = run_rows(tmp_path, "on", on, checkpoint_loops=True)
+    without = run_rows(tmp_path, "off", off, checkpoint_loops=True)
+    loss = lambda df: df[df.metric == M.LOSS].sort_values("step").value.tolist()
+    assert loss(with_dynamics) == loss(without)  # the same trajectory, bit for bit
+    keys = lambda metric: sorted(set(with_dynamics[with_dynamics.metric == metric][["step", "loop", "layer"]]
+                                     .itertuples(index=False, name=None)))
+    assert keys(M.EXIT_LOSS) == [(s, t, -1) for s in range(3) for t in (1, 2, 3)]
+    assert keys(M.FIXED_POINT_RESIDUAL) == [(s, t, -1) for s in range(3) for t in (2, 3)]
+    assert keys(M.LOOP_GAIN) == keys(M.LOOP_SPECTRAL_RADIUS) == [(s, t, -1) for s in (0, 2) for t in (2, 3)]
+    assert keys(M.LOOP_GRAD_COSINE) == [(s, t, ly) for s in (0, 2) for t in (1, 2, 3) for ly in (1, 2)]
+    assert keys(M.SHARPNESS) == [(0, -1, -1), (2, -1, -1)]
+    assert keys("param_norm/attn") == [(s, -1, ly) for s in range(3) for ly in (1, 2)]
+    assert keys("param_norm/head") == [(s, -1, -1) for s in range(3)]
+    for metric in (M.EXIT_LOSS, M.FIXED_POINT_RESIDUAL, M.LOOP_GAIN, M.SHARPNESS):
+        assert with_dynamics[with_dynamics.metric == metric].value.notna().all()
+    assert not set(without.metric) & {M.EXIT_LOSS, M.FIXED_POINT_RESIDUAL, M.LOOP_GAIN, M.SHARPNESS}
+
+
+def test_figures_of_the_new_records_draw_and_skip_runs_without_them(tmp_path):
+    from flt_diag.results.figures import plot
+    on = dict(dynamics_every=1, dynamics_batch=1, dynamics_iters=2, attention=True)
+    train(tiny_config(variant="flt", loops=2, steps=2, diagnostics=on), tmp_path / "on")
+    train(tiny_config(variant="flt", loops=2, steps=2, diagnostics=dict(loop_dynamics=False, dynamics_every=0)),
+          tmp_path / "off")
+    new = {"exit-loss", "loop-dynamics", "weights", "attention"}
+    written = plot("all", tmp_path / "on", out_dir=tmp_path / "figs-on", formats=("png",))
+    assert new <= {p.stem for p in written}
+    written = plot("all", tmp_path / "off", out_dir=tmp_path / "figs-off", formats=("png",))
+    assert {"exit-loss", "loop-dynamics", "attention"} <= set(written.skipped)  # skipped with a reason, no crash
