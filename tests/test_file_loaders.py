@@ -373,7 +373,8 @@ def test_the_generated_cases_cover_every_file_kind():
 # Every top-level key a config.json has held, written out here from its writers: the config sections
 # and preset (RunConfig.to_dict), n_params, env and corpus (Trainer.start), imported_from and note
 # (training.reference.write_imported_run).
-CONFIG_KEYS = {"model", "train", "diagnostics", "verdict", "preset", "n_params", "env", "corpus", "imported_from", "note"}
+CONFIG_KEYS = {"model", "train", "diagnostics", "verdict", "preset", "n_params", "env", "corpus", "imported_from", "note",
+               "probe"}
 
 
 def test_a_run_config_holds_what_its_writers_write_and_nothing_else(samples, tmp_path):
@@ -384,7 +385,7 @@ def test_a_run_config_holds_what_its_writers_write_and_nothing_else(samples, tmp
     run = tmp_path / "run"
     shutil.copytree(samples["run"], run)
     written = json.loads((run / "config.json").read_text())
-    assert set(written) == CONFIG_KEYS - {"imported_from", "note"}
+    assert set(written) == CONFIG_KEYS - {"imported_from", "note", "probe"}
     assert load_config(run) == written
     for extra in ({"imported_from": "meta_000004.json", "note": "set the tokenizer"}, {}):
         _write(run / "config.json", {**written, **extra})

@@ -53,7 +53,8 @@ def section_schema(name: str, required: bool = True) -> Record:
 def run_config_schema() -> Record:
     """config.json: the config sections (fields checked by their own Options), the preset, what the
     Trainer adds (parameter count, corpus figures, environment; free-form except the corpus figures)
-    and what an imported reference run adds (imported_from, note). These are every top-level key any
+    what an imported reference run adds (imported_from, note) and a run of flt_diag.watch (probe: the
+    watched model and its blocks). These are every top-level key any
     version has written; another one is refused (a misspelt "corpus" would judge runs without H1)."""
     count, number = Scalar(value(int, low=0), False), Scalar(value(float, low=0, optional=True), False)
     return Record({"model": section_schema("model"), "train": section_schema("train"),
@@ -62,7 +63,8 @@ def run_config_schema() -> Record:
                    "corpus": Record({"train_tokens": count, "val_tokens": count, "unigram_entropy": number},
                                     required=False, other_keys=True),
                    "env": Record(required=False, other_keys=True), "imported_from": Scalar(value(str), False),
-                   "note": Scalar(value(str), False)})
+                   "note": Scalar(value(str), False),
+                   "probe": Record(required=False, other_keys=True)})
 
 
 def load_run_config(path: Path) -> dict:
