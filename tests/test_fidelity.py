@@ -265,7 +265,7 @@ def test_bf16_rotary_tables_train_on_cpu(tmp_path):
 
 def test_import_reads_model_type_and_K_from_meta(tmp_path, capsys):
     from flt_diag.cli import main
-    from flt_diag.model.reference import export_reference
+    from flt_diag.training.reference import export_reference
     torch.manual_seed(0)
     model = LoopedTransformer(ModelConfig(vocab_size=256, n_layer=2, n_embd=64, n_head=2, variant="fla", loops=4))
     folder = tmp_path / "ckpt"

@@ -169,8 +169,9 @@ class RunConfig(Options):
         the Trainer's corpus figures, are left out); a dict that is not one raises ConfigError (one line)."""
         from flt_diag.vocab.option_fields import dotted, one_line
         from pydantic import ValidationError
-        if not isinstance(d, dict) or not isinstance(d.get("train"), dict):
-            raise ConfigError("not an flt-diag config (no train section)")
+        missing = [k for k in ("model", "train", "diagnostics") if not isinstance(d, dict) or not isinstance(d.get(k), dict)]
+        if missing:
+            raise ConfigError(f"not an flt-diag config (no {missing[0]} section)")
         d = {k: v for k, v in d.items() if k in cls.model_fields} | {"train": {**LEGACY_TRAIN_DEFAULTS, **d["train"]}}
         try:
             return cls.model_validate(d)
