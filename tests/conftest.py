@@ -52,7 +52,7 @@ def tiny_config(**model_and_train):
     """The tiny preset with small overrides: tiny_config(variant="lt", loops=2, steps=5)."""
     from flt_diag.vocab.config import build_config
     from flt_diag.model.transformer import ModelConfig
-    model_fields = set(ModelConfig.__dataclass_fields__)
+    model_fields = set(ModelConfig.model_fields)
     model = {k: v for k, v in model_and_train.items() if k in model_fields}
     train = {k: v for k, v in model_and_train.items() if k not in model_fields and k != "diagnostics"}
     train.setdefault("eval_every", 0)

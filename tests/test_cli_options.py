@@ -5,7 +5,6 @@ Every field of every config section is walked: each command that should accept i
 parses a value into the field), each that should not refuses it, and docs/cli.md lists it."""
 from __future__ import annotations
 
-import dataclasses
 import re
 from pathlib import Path
 
@@ -61,7 +60,7 @@ def test_every_config_field_is_an_option():
     """No config field escapes the option table (a new field must say which commands take it)."""
     for section, cls in C.SECTIONS.items():
         names = {o.name for o in C.OPTIONS if o.section == section}
-        assert names == {f.name for f in dataclasses.fields(cls)}, section
+        assert names == set(cls.model_fields), section
 
 
 @pytest.mark.parametrize("o", [o for o in C.OPTIONS if _should_accept(o)], ids=lambda o: o.flag)

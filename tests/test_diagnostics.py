@@ -9,7 +9,7 @@ from conftest import tiny_config
 from equations import forward as eq_forward, randomize
 from flt_diag.storage import metric_names as M
 from flt_diag.judge import verdict as X
-from flt_diag.vocab.config import DiagnosticsConfig
+from flt_diag.vocab.config import DiagnosticsConfig, VerdictConfig
 from flt_diag.training.diagnostics import DiagnosticsCallback, LoopHooks, consecutive_stats, pair_sums, should_record
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig, parameter_groups
 from flt_diag.storage.folders import load_metrics, load_summary, series
@@ -275,7 +275,7 @@ def test_verdicts_on_synthetic_curves():
     v, ev = X.verdict(nan, 3.2)
     assert v == "diverged" and ev["nonfinite_step"] == 300
     # thresholds are options
-    assert X.verdict(rebound, 3.2, rebound_abs=1.0, rebound_rel=0.5)[0] == "stable"
+    assert X.verdict(rebound, 3.2, VerdictConfig(rebound_abs=1.0, rebound_rel=0.5))[0] == "stable"
 
 
 def test_a_loss_spike_that_recovers_is_unstable_and_says_how_far_it_climbed_and_recovered():

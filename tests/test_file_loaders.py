@@ -1,20 +1,26 @@
 """Every kind of file flt-diag reads has one validating loader. The cases are generated from each
-loader's schema (flt_diag.storage.files): every field of a real file is mutated (wrong type, missing,
-out of range, nested, huge) and the reader that uses the file must refuse exactly the mutations the
-schema forbids, with one line naming the file and the field, writing nothing; a mutation the schema
-allows (an optional field left out, free-form metadata) is read without a file error."""
+loader's pydantic model (flt_diag.storage.file_models, flt_diag.storage.files), walked field by field
+here (`describe`): every field of a real file is mutated (wrong type, missing, out of range, nested,
+huge) and the reader that uses the file must refuse exactly the mutations the model forbids, with one
+line naming the file and the field, writing nothing; a mutation the model allows (an optional field
+left out, free-form metadata) is read without a file error."""
 import json
 import math
 import shutil
+import types
+import typing
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 
-from flt_diag.storage import files
-from flt_diag.storage.schema import Items, Record, Scalar, Shape, Table, fields
+from pydantic import BaseModel
+
+from flt_diag.storage import file_models as F, files
 from flt_diag.storage.folders import StorageError
+from flt_diag.vocab.option_fields import MAX_ITEMS, option_of
 from flt_diag.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,11 +48,11 @@ def _interrupted_copy(run: Path, out: Path) -> None:
 
 def _every_option(table: str) -> dict:
     """A study table that sets every option it takes (its default, or a valid value where it has none)."""
-    from flt_diag.cli.specs import study_tables
+    from flt_diag.cli.specs import STUDY_TABLES, study_options
     out = {}
-    for o in study_tables()[table]:
+    for o in study_options(STUDY_TABLES[table]):
         x = o.default
-        if x is None or o.check(x):  # none, or one only a built config holds (preset "custom")
+        if x is None:
             x = True if o.kind is bool else (o.low or 1) if o.kind in (int, float) else (o.choices or ["x"])[0]
             x = [x] if o.many else x
         out[o.dest] = str(x) if o.kind is Path else x
@@ -108,13 +114,6 @@ def _model_shapes() -> dict:
     return {k: tuple(v.shape) for k, v in LoopedTransformer(model).state_dict().items()}
 
 
-def _study_schema(table: str):
-    """A study file as load_study reads it: its one table `table` of the options' entries (one value for a
-    list option is a list of one), with free keys (description, gpu) around it."""
-    from flt_diag.cli.specs import study_tables
-    return Record({table: Record({o.dest: files.study_entry(o) for o in study_tables()[table]})}, other_keys=True)
-
-
 def _read_config(s, p):
     from flt_diag.storage.folders import load_config
     load_config(p.parent)
@@ -160,19 +159,150 @@ def _read_meta(s, p):
     import_reference(s["reference"])
 
 
-# kind -> (its schema, the sample file, the reader that uses it)
+# ------------------------------------------------------------------ the models, walked into entries
+
+@dataclass(frozen=True)
+class Scalar:
+    option: object  # an Option (flt_diag.vocab.option_fields): kind, optional, choices and bounds
+    required: bool = True
+    nan: bool = False  # NaN and infinities are values too (figures a run computed)
+
+
+@dataclass(frozen=True)
+class Items:
+    item: object
+    required: bool = True
+    min_items: int = 0
+    max_items: int = MAX_ITEMS
+    distinct: bool = False
+    ascending: bool = False
+    length_of: str | None = None
+
+
+@dataclass(frozen=True)
+class Record:
+    entries: dict = field(default_factory=dict)
+    required: bool = True
+    other_keys: bool = False
+    nullable: bool = False
+
+
+@dataclass(frozen=True)
+class Table:
+    key: object  # an Option
+    entry: object
+    required: bool = True
+    min_items: int = 0
+    max_items: int = MAX_ITEMS
+
+
+@dataclass(frozen=True)
+class Shape:
+    shape: tuple
+    required: bool = True
+
+
+def _lengths(info) -> tuple[int, int]:
+    got = {type(m).__name__: m for m in (info.metadata if info is not None else [])}
+    return (got["MinLen"].min_length if "MinLen" in got else 0,
+            got["MaxLen"].max_length if "MaxLen" in got else MAX_ITEMS)
+
+
+def _extra(info) -> dict:
+    return info.json_schema_extra if info is not None and isinstance(info.json_schema_extra, dict) else {}
+
+
+def _annotated(hint):
+    """(type, FieldInfo or None) of `Annotated[type, Field(...)]` or a plain type."""
+    if typing.get_origin(hint) is typing.Annotated:
+        args = typing.get_args(hint)
+        return args[0], next((a for a in args[1:] if hasattr(a, "metadata")), None)
+    return hint, None
+
+
+def describe(hint, info=None, required: bool = True, context: dict | None = None):
+    """The entry of a field of type `hint` (pydantic field `info`), read from the model alone."""
+    from pydantic.fields import FieldInfo
+    context = context or {}
+    hint, inner = _annotated(hint)
+    info = info or inner
+    args = typing.get_args(hint)
+    nullable = type(None) in args and typing.get_origin(hint) is not list
+    bare = next((a for a in args if a is not type(None)), hint) if nullable else hint
+    origin, extra = typing.get_origin(bare), _extra(info)
+    if isinstance(bare, type) and issubclass(bare, BaseModel):
+        if bare is files.Tensors:
+            shapes = context.get("shapes")
+            return Record({k: Shape(tuple(v)) for k, v in shapes.items()}, required) if shapes else \
+                Record(required=required, other_keys=True)
+        entries = {f.alias or name: describe(f.annotation, f, f.is_required(), context)
+                   for name, f in bare.model_fields.items()}
+        return Record(entries, required, bare.model_config.get("extra") == "allow", nullable)
+    if bare is dict or origin in (typing.Union, types.UnionType):  # free-form (dict | list: the samples hold a dict)
+        return Record(required=required, other_keys=True, nullable=nullable)
+    if origin is dict:
+        key, value = typing.get_args(bare)
+        key, key_info = _annotated(key)
+        least, most = _lengths(info)
+        return Table(option_of("", "key", key_info or FieldInfo(), key), describe(value, None, True, context),
+                     required, least, most)
+    if origin is list:
+        least, most = _lengths(info)
+        if extra.get("count"):
+            least = most = context[extra["count"]]
+        item_hint, item_info = _annotated(typing.get_args(bare)[0])
+        item = describe(typing.get_args(bare)[0], None, True, context) if item_info is not None or \
+            not isinstance(item_hint, type) or issubclass(item_hint, BaseModel) or item_hint is dict else \
+            Scalar(option_of("", "item", FieldInfo(json_schema_extra=dict(choices=extra.get("choices")),
+                                                   **extra.get("items", {})), item_hint))
+        return Items(item, required, least, most, bool(extra.get("distinct")), bool(extra.get("ascending")),
+                     extra.get("length_of"))
+    o = option_of("", "", info or FieldInfo(), hint)
+    if extra.get("at_most"):
+        o = replace(o, high=context[extra["at_most"]])
+    nan = any(getattr(m, "allow_inf_nan", False) for m in (info.metadata if info is not None else []))
+    return Scalar(o, required, nan)
+
+
+def walk(entry, where: tuple = ()) -> list[tuple[tuple, object]]:
+    """Every entry below `entry` with its path: keys of records, 0 for a list's first item, None for
+    a table's first key (a sample file decides which)."""
+    out = []
+    if isinstance(entry, Record):
+        for name, sub in entry.entries.items():
+            out += [((*where, name), sub), *walk(sub, (*where, name))]
+    elif isinstance(entry, Items):
+        out += [((*where, 0), entry.item), *walk(entry.item, (*where, 0))]
+    elif isinstance(entry, Table):
+        out += [((*where, None), entry.entry), *walk(entry.entry, (*where, None))]
+    return out
+
+
+def _model(model, **context):
+    return describe(model, context=context)
+
+
+def _study_entry(table: str):
+    from flt_diag.cli.specs import study_tables
+    return Record({table: _model(study_tables()[table])}, other_keys=True)
+
+
+def _resume_entry():
+    return _model(files.ResumeState, shapes=_model_shapes(), steps=4, optimizers=2)
+
+
+# kind -> (its entry, the sample file, the reader that uses it)
 KINDS = {
-    "run config": (files.run_config_schema, "run/config.json", _read_config),
-    "summary": (files.summary_schema, "predicted/summary.json", _read_summary),
-    "sweep spec": (files.sweep_spec_schema, "sweep/sweep.json", _read_sweep),
-    "map spec": (files.map_spec_schema, "map/sweep.json", _read_map),
-    "resume state": (lambda: files.resume_schema(_model_shapes(), 4, 2, callbacks_as_list=False),
-                     "interrupted/resume.pt", _read_resume),
-    "checkpoint": (lambda: files.checkpoint_schema(_model_shapes()), "run/checkpoint.pt", _read_checkpoint),
-    "predictor": (files.predictor_schema, "predictor.json", _read_predictor),
-    "study": (lambda: _study_schema("ablation"), "study-ablation.toml", _read_study),
-    "study (map)": (lambda: _study_schema("map"), "study-map.toml", _read_study),
-    "reference meta": (files.reference_meta_schema, "reference/meta_000004.json", _read_meta),
+    "run config": (lambda: _model(F.RunConfigFile), "run/config.json", _read_config),
+    "summary": (lambda: _model(F.SummaryFile), "predicted/summary.json", _read_summary),
+    "sweep spec": (lambda: _model(F.SweepSpecFile), "sweep/sweep.json", _read_sweep),
+    "map spec": (lambda: _model(F.map_spec_model("lr")), "map/sweep.json", _read_map),
+    "resume state": (_resume_entry, "interrupted/resume.pt", _read_resume),
+    "checkpoint": (lambda: _model(files.Checkpoint, shapes=_model_shapes()), "run/checkpoint.pt", _read_checkpoint),
+    "predictor": (lambda: _model(F.PredictorFile), "predictor.json", _read_predictor),
+    "study": (lambda: _study_entry("ablation"), "study-ablation.toml", _read_study),
+    "study (map)": (lambda: _study_entry("map"), "study-map.toml", _read_study),
+    "reference meta": (lambda: _model(F.ReferenceMeta), "reference/meta_000004.json", _read_meta),
 }
 
 
@@ -311,7 +441,7 @@ def _mutated(obj, path: tuple, new):
 
 
 SCHEMAS = {kind: schema() for kind, (schema, _, _) in KINDS.items()}
-FIELDS = {kind: dict(fields(schema)) for kind, schema in SCHEMAS.items()}
+FIELDS = {kind: dict(walk(schema)) for kind, schema in SCHEMAS.items()}
 CASES = [(kind, path) for kind in KINDS for path in [(), *FIELDS[kind]]]
 
 

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig
 from flt_diag.training.reference import (REFERENCE_VARIANTS, ReferenceImportError, convert_state_dict, export_reference,
-                                         import_reference, write_imported_run)
+                                import_reference)
+from flt_diag.training.reference import write_imported_run
 from numerics import assert_close64, record, softcap_fp32_atol
 
 VOCAB, PADDED, N_LAYER, N_EMBD, N_HEAD = 200, 256, 2, 64, 2

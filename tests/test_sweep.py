@@ -162,23 +162,23 @@ def test_every_study_file_lists_its_cells(capsys):
     studies = sorted((Path(__file__).parent.parent / "experiments").glob("*.toml"))
     assert len(studies) >= 6
     for path in studies:
-        command, values = load_study(path)
-        assert command in ("run-ablation", "map") and values["out"]
+        command, args = load_study(path)
+        assert command in ("run-ablation", "map") and args.out
         assert main(["study", str(path), "--list"]) == 0, path
         assert capsys.readouterr().out.strip()
 
 
 def test_a_study_file_is_the_same_spec_as_its_command_line(tmp_path):
     """A study TOML loads straight into the sweep spec: the same cells and configs as the options."""
-    from flt_diag.cli.options import check_values, command_options
+    from flt_diag.cli.options import command_args
     from flt_diag.cli.specs import load_study, sweep_spec
     (tmp_path / "s.toml").write_text('[ablation]\npreset = "tiny"\nvariants = ["lt", "flt"]\nloops = [2, 3]\n'
                                      'seeds = [1]\nlr_scale = [0.5, 2]\nsteps = 7\nseq_len = 32\nout = "o"\n')
-    command, values = load_study(tmp_path / "s.toml")
-    from_file = sweep_spec(check_values(values, command_options(command)))
-    from_cli = sweep_spec(check_values(_parsed(["run-ablation", "--preset", "tiny", "--variants", "lt", "flt",
-                                                "--loops", "2", "3", "--seeds", "1", "--lr-scale", "0.5", "2",
-                                                "--steps", "7", "--seq-len", "32"]), command_options(command)))
+    command, args = load_study(tmp_path / "s.toml")
+    from_file = sweep_spec(args)
+    from_cli = sweep_spec(command_args(command, _parsed(["run-ablation", "--preset", "tiny", "--variants", "lt", "flt",
+                                                         "--loops", "2", "3", "--seeds", "1", "--lr-scale", "0.5",
+                                                         "2", "--steps", "7", "--seq-len", "32"])))
     assert from_file.to_dict() == from_cli.to_dict()
     cfg = from_file.cell_config(from_file.cells()[-1])
     assert (cfg.model.variant, cfg.model.loops, cfg.train.seed, cfg.train.lr_scale, cfg.train.steps,

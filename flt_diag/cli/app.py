@@ -4,8 +4,9 @@ section with their defaults, choices completed by the shell (`flt-diag --install
 
 List options take `--loops 3 6 9 12`, `--loops 3,6`, `--loops 3 --loops 6` and `--loops=3`: click
 reads one value per flag, so `ListCommand.parse_args` first spreads each list option's values into
-repeated flags (a negative number is a value; `--` ends the options). The parsed values are checked
-(`check_values`) and handed to the command's function (flt_diag.cli.commands) outside typer.
+repeated flags (a negative number is a value; `--` ends the options). The parsed values become the
+command's typed options (`command_args`: a pydantic model per command, flt_diag.cli.options) and are
+handed to the command's function (flt_diag.cli.commands) outside typer.
 
 Errors a user can cause print one line (`error: ...`) and exit with status 2; nothing already written
 is touched. Ctrl-C exits with 130. `main(argv) -> int` is the entry point (`flt-diag`, `python -m
@@ -30,7 +31,7 @@ from flt_diag.results.figures import FIGURES
 from flt_diag.storage.folders import StorageError
 from flt_diag.cli.commands import COMMANDS, cmd_plot
 from flt_diag.cli.console import progress_bar
-from flt_diag.cli.options import (POSITIONALS, SECTION_TITLES, Positional, UserError, check_values, command_options,
+from flt_diag.cli.options import (POSITIONALS, SECTION_TITLES, Positional, UserError, command_args, command_options,
                                   default_text)
 from flt_diag.vocab.config import Option
 from flt_diag.data.corpus import DataError
@@ -130,10 +131,11 @@ def argument_parameter(p: Positional) -> inspect.Parameter:
 
 
 def add_command(app: typer.Typer, name: str, func: Callable, options: list[Option], positionals: list[Positional],
-                help: str | None = None, **fixed) -> None:
-    """Register `name` on `app`: parsing it returns (func, option values with `fixed` added, options)."""
+                help: str | None = None, command: str | None = None, **fixed) -> None:
+    """Register `name` on `app`: parsing it returns (func, option values with `fixed` added (fields of its
+    options model that are no option, such as plot's figure), the command's name)."""
     def collect(**values):
-        return func, {**values, **fixed}, options
+        return func, {**values, **fixed}, command or name
 
     collect.__signature__ = inspect.Signature([*map(argument_parameter, positionals), *map(option_parameter, options)])
     help = help or inspect.getdoc(func).split("\n\n")[0].replace("\n", " ")
@@ -151,7 +153,7 @@ def _plot_app() -> typer.Typer:
 
     for name, fig in [*FIGURES.items(), ("all", None)]:
         add_command(plot, name, cmd_plot, command_options("plot"), POSITIONALS["plot"],
-                    help=fig.help if fig is not None else "Every figure that has data.", figure=name)
+                    help=fig.help if fig is not None else "Every figure that has data.", command="plot", figure=name)
     return plot
 
 
@@ -177,7 +179,7 @@ def _command(figures: tuple[str, ...]):
 # ------------------------------------------------------------------ entry point
 
 def parse(argv: list[str]):
-    """(command function, option values, options) of a command line, or an exit status where typer
+    """(command function, option values, command name) of a command line, or an exit status where typer
     answered it itself (--help, --install-completion); a usage error is one UserError line."""
     try:
         return _command(tuple(FIGURES)).main(list(argv), prog_name="flt-diag", standalone_mode=False)
@@ -190,8 +192,8 @@ def run(argv: list[str]) -> int:
     parsed = parse(argv)
     if isinstance(parsed, int) or parsed is None:
         return parsed or 0
-    func, values, options = parsed
-    return func(check_values(values, options))
+    func, values, command = parsed
+    return func(command_args(command, values))
 
 
 def main(argv: list[str] | None = None) -> int:

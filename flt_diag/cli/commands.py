@@ -1,5 +1,6 @@
-"""The `flt-diag` commands: each a short function of its checked option values (`Option.dest` ->
-value) that calls into the layers below and prints through flt_diag.cli.console and .output.
+"""The `flt-diag` commands: each a short function of its typed options (a pydantic model per command,
+flt_diag.cli.options: `TrainOptions`, `MapOptions`, ...) that calls into the layers below and prints
+through flt_diag.cli.console and .output.
 
 A training command settles its config once (flt_diag.training.settle, directly or through the grid specs of
 flt_diag.cli.specs) and hands it down; nothing below settles or validates it again. `COMMANDS` names
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pandas as pd
 
@@ -27,7 +29,10 @@ from flt_diag.cli.output import (fit_command, print_critical_values, print_cross
                                   print_failed_cells, print_fitted, print_map_plan, print_model_line, print_online, print_detectors,
                                   print_predictions_at)
 from flt_diag.cli.console import console_progress, print_run_summary, print_sweep_table, progress_bar
-from flt_diag.cli.options import FOLDER_OPTIONS, UserError, check_values, command_options, config_options
+from flt_diag.cli.options import (FOLDER_OPTIONS, EvalLoopsOptions, FitPredictorOptions, ImportReferenceOptions,
+                                  MapOptions, Options, PlotOptions, PredictOptions, ReportOptions, RunAblationOptions,
+                                  StudyOptions, SummaryOptions, TrainOptions, UserError, VariantsOptions,
+                                  config_options)
 from flt_diag.cli.specs import load_study, map_spec, sweep_spec
 from flt_diag.judge.map_boundaries import critical_values, unfinished
 from flt_diag.grids.stability_map import run_map
@@ -39,11 +44,11 @@ from flt_diag.vocab.variants import VARIANT_DESCRIPTIONS
 from flt_diag.training.settle import check_data, choose_device, run_config
 
 
-def cmd_train(v: dict) -> int:
+def cmd_train(o: TrainOptions) -> int:
     """Train one variant into one run folder, with diagnostics, and print its verdict."""
     from flt_diag.training.trainer import Trainer  # torch: 2.2 s of the 3 s `flt-diag --help` would take (-X importtime); only the commands that train import it
-    cfg = run_config(v)
-    out = v["out"] or Path("runs") / f"{cfg.model.variant}-K{cfg.model.loops}"
+    cfg = run_config(o.config)
+    out = o.out or Path("runs") / f"{cfg.model.variant}-K{cfg.model.loops}"
     trainer = Trainer(cfg, out, progress=console_progress(cfg.train.steps, f"{cfg.model.variant} K={cfg.model.loops}"))
     if trainer.is_main:
         print(trainer.describe(), flush=True)
@@ -54,28 +59,28 @@ def cmd_train(v: dict) -> int:
     return 0
 
 
-def cmd_run_ablation(v: dict) -> int:
+def cmd_run_ablation(o: RunAblationOptions) -> int:
     """Train every variant at every loop count (x seeds x lr scales) and summarise how they collapse."""
     from flt_diag.model.transformer import count_parameters  # torch: as in cmd_train
-    spec = sweep_spec(v, settled=not v["list"])  # --list runs nothing: no tokenizer needed
-    out = v["out"] or Path("runs") / f"ablation-{spec.base.preset}"
-    cells, cell = spec.cells(), v["cell"]
-    if _listed_or_picked(cells, v, lambda c: f"{c.index:4d}  {c.name:32s} {cell_status(out, c)}"):
+    spec = sweep_spec(o, settled=not o.list_cells)  # --list runs nothing: no tokenizer needed
+    out = o.out or Path("runs") / f"ablation-{spec.base.preset}"
+    cells, cell = spec.cells(), o.cell
+    if _listed_or_picked(cells, o, lambda c: f"{c.index:4d}  {c.name:32s} {cell_status(out, c)}"):
         return 0
     print_model_line(spec.base.model, count_parameters(spec.base.model))
-    df = run_sweep(spec, out, workers=v["workers"], only_cell=cell, show_progress=not v["quiet"])
+    df = run_sweep(spec, out, workers=o.workers, only_cell=cell, show_progress=not o.quiet)
     print_sweep_table(df)
     print(f"sweep folder: {out}  (plots: flt-diag plot all {out}; report: flt-diag report {out})")
     return _failed_cells(out, cells if cell is None else [cells[cell]])
 
 
-def _listed_or_picked(items: list, v: dict, line) -> bool:
+def _listed_or_picked(items: list, o: RunAblationOptions | MapOptions, line) -> bool:
     """`--list`: print one line per cell (or map line) and say so; `--cell I` must name one of them."""
-    if v["list"]:
+    if o.list_cells:
         for item in items:
             print(line(item))
         return True
-    only(items, v["cell"])  # a bad --cell: the one check the sweep and the map also use
+    only(items, o.cell)  # a bad --cell: the one check the sweep and the map also use
     return False
 
 
@@ -91,37 +96,36 @@ def _failed_cells(out: Path, cells) -> int:
     return 0
 
 
-def cmd_map(v: dict) -> int:
+def cmd_map(o: MapOptions) -> int:
     """Where each variant's training breaks: bisection along lr scale or depth, per variant and K."""
-    spec = map_spec(v, settled=not v["list"])
-    out = v["out"] or Path("runs") / f"map-{spec.axis}-{spec.base.preset}"
-    if _listed_or_picked(spec.lines(), v, lambda line: f"{line.index:4d}  {line.name}"):
+    spec = map_spec(o, settled=not o.list_cells)
+    out = o.out or Path("runs") / f"map-{spec.axis}-{spec.base.preset}"
+    if _listed_or_picked(spec.lines(), o, lambda line: f"{line.index:4d}  {line.name}"):
         return 0
-    print_map_plan(spec, v.get("ratio") or 1.41)
-    run_map(spec, out, workers=v["workers"] or auto_workers(spec.base.train.device), only_line=v["cell"],
-            report=lambda text: print(text, flush=True), probe_ends=v["probe_ends"])
+    print_map_plan(spec, o.ratio)
+    run_map(spec, out, workers=o.workers or auto_workers(spec.base.train.device), only_line=o.cell,
+            report=lambda text: print(text, flush=True), probe_ends=o.probe_ends)
     print_critical_values(critical_values(out))
     print(f"map folder: {out}  (figure: flt-diag plot map {out}; report: flt-diag report {out})")
-    problem = unfinished(out, spec.lines() if v["cell"] is None else [spec.lines()[v["cell"]]])
+    problem = unfinished(out, spec.lines() if o.cell is None else [spec.lines()[o.cell]])
     if problem:
         print(f"error: {problem}", file=sys.stderr)
     return 1 if problem else 0
 
 
-def cmd_study(v: dict) -> int:
+def cmd_study(o: StudyOptions) -> int:
     """Run a named study: the [ablation] (run-ablation options) or [map] (map options) table of a TOML file."""
-    command, values = load_study(v["path"])
-    values = check_values({**values, **{o.dest: v[o.dest] for o in FOLDER_OPTIONS}}, command_options(command))
-    return (cmd_run_ablation if command == "run-ablation" else cmd_map)(values)
+    command, args = load_study(o.path, **{f.dest: getattr(o, f.name) for f in FOLDER_OPTIONS})
+    return cmd_run_ablation(args) if command == "run-ablation" else cmd_map(args)
 
 
-def cmd_summary(v: dict) -> int:
+def cmd_summary(o: SummaryOptions) -> int:
     """Print the summary table of a sweep (or the summary of one run; or of several sweeps pooled)."""
-    overrides = {o.name: v[o.dest] for o in config_options("summary") if v.get(o.dest) is not None}
-    if overrides and not v["recompute"]:
+    overrides = {x.name: o.config[x.dest] for x in config_options("summary") if x.dest in o.config}
+    if overrides and not o.recompute:
         raise UserError("verdict thresholds need --recompute")
-    paths = v["paths"]
-    if v["recompute"]:
+    paths = o.paths
+    if o.recompute:
         for path in paths:
             for d in run_dirs(path):
                 if load_summary(d) is not None:
@@ -144,63 +148,64 @@ def cmd_summary(v: dict) -> int:
     return 0
 
 
-def cmd_eval_loops(v: dict) -> int:
+def cmd_eval_loops(o: EvalLoopsOptions) -> int:
     """Held-out loss and perplexity of each trained checkpoint at every inference loop count."""
     from flt_diag.training.evaluation import eval_loops  # torch: as in cmd_train
-    device = choose_device(v["device"])
-    if v["data"] is not None:
-        check_data(v["data"], "bytes")
+    device = choose_device(o.device)
+    if o.data is not None:
+        check_data(o.data, "bytes")
     failed = 0
-    for d in run_dirs(v["path"]):
+    for d in run_dirs(o.path):
         if not (d / CHECKPOINT).exists():
             print(f"{d}: no final checkpoint yet, skipped")
             continue
         try:
-            print_eval_loops(d, eval_loops(d, v["loops"], batches=v["batches"], data=v["data"], device=device))
+            print_eval_loops(d, eval_loops(d, o.loops, batches=o.batches, data=o.data, device=device))
         except (StorageError, ValueError, RuntimeError) as e:  # one bad cell does not stop the others
             print(f"{d}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
             failed += 1
     return 1 if failed else 0
 
 
-def cmd_import_reference(v: dict) -> int:
+def cmd_import_reference(o: ImportReferenceOptions) -> int:
     """Import a reference-implementation checkpoint into a run folder."""
-    from flt_diag.training.reference import import_reference, write_imported_run  # torch: as in cmd_train
-    if not v["checkpoint"].exists():
-        raise UserError(f"no such checkpoint: {v['checkpoint']}")
-    model = import_reference(v["checkpoint"], v["variant"], v["loops"], n_head=v["heads"], vocab_size=v["vocab_size"])
-    write_imported_run(model, v["out"], str(v["checkpoint"]))
-    print(f"imported {v['checkpoint']} as {model.cfg.variant} (K={model.cfg.loops}) into {v['out']}")
+    from flt_diag.training.reference import import_reference  # torch: as in cmd_train
+    from flt_diag.training.reference import write_imported_run  # torch: as in cmd_train
+    if not o.checkpoint.exists():
+        raise UserError(f"no such checkpoint: {o.checkpoint}")
+    model = import_reference(o.checkpoint, o.variant, o.loops, n_head=o.heads, vocab_size=o.vocab_size)
+    write_imported_run(model, o.out, str(o.checkpoint))
+    print(f"imported {o.checkpoint} as {model.cfg.variant} (K={model.cfg.loops}) into {o.out}")
     return 0
 
 
-def cmd_predict(v: dict) -> int:
+def cmd_predict(o: PredictOptions) -> int:
     """Early warning: P(collapse) of every cell at step s beside its final verdict, and the agreement
     (for each --predictor given: several compare on the same runs)."""
-    paths = v["paths"]
+    paths = o.paths
     for path in paths:
         run_dirs(path)  # a clear error for a path that is neither a run nor a sweep
-    if v["online"] and v["figure"] is not None:
+    if o.online and o.figure is not None:
         raise UserError("--figure draws agreement against fixed steps (--at); it does not apply with --online")
-    if v["figure"] is not None and v["figure"].suffix not in (".png", ".pdf", ".svg"):
-        raise UserError(f"--figure must end in .png, .pdf or .svg, got {v['figure'].name}")
-    models = {("packaged" if p is None else str(p)): load_predictor(p) for p in v["predictor"] or [None]}
+    if o.figure is not None and o.figure.suffix not in (".png", ".pdf", ".svg"):
+        raise UserError(f"--figure must end in .png, .pdf or .svg, got {o.figure.name}")
+    models = {("packaged" if p is None else str(p)): load_predictor(p) for p in o.predictor or [None]}
     tables = []
     for name, model in models.items():
         if len(models) > 1:
             print(f"predictor {name}:")
-        tables.append((_predict_online(paths, model) if v["online"] else _predict_at(paths, model, v["at"]))
+        tables.append((_predict_online(paths, model) if o.online else _predict_at(paths, model, o.at))
                       .assign(predictor=name))
-    if v["online"]:
+    if o.online:
         print_detectors(pd.concat([detector_sweep(path) for path in paths], ignore_index=True))
-    if v["csv"] is not None:
-        atomic_write_text(v["csv"], pd.concat(tables, ignore_index=True).to_csv(index=False))
-    if v["figure"] is not None:
+    if o.csv is not None:
+        atomic_write_text(o.csv, pd.concat(tables, ignore_index=True).to_csv(index=False))
+    if o.figure is not None:
         where = " + ".join(p.name for p in paths) if len(paths) <= 3 else f"{len(paths)} folders"
         curves = {(where if len(models) == 1 else Path(name).stem):
-                  [dict(step=s, **EW.agreement(t[t.step == s])) for s in v["at"] if (t.step == s).any()]
+                  [dict(step=s, **EW.agreement(t[t.step == s])) for s in o.at if (t.step == s).any()]
                   for name, t in zip(models, tables)}
-        print(save_figure(draw_agreement(curves, runs=None if len(models) == 1 else where), v["figure"]))
+        print(save_figure(draw_agreement(curves, runs=None if len(models) == 1 else where), o.figure))
     return 0
 
 
@@ -219,27 +224,27 @@ def _predict_online(paths, model: dict) -> pd.DataFrame:
     return table
 
 
-def cmd_fit_predictor(v: dict) -> int:
+def cmd_fit_predictor(o: FitPredictorOptions) -> int:
     """Fit the early-warning predictor (one logistic regression per step) on labelled runs."""
-    paths, at, l2, target, weight = v["paths"], v["at"], v["l2"], v["target"], v["class_weight"]
-    features = v["features"] or FIT.DEFAULT_FEATURES  # names and duplicates checked by the option, again by fit
+    paths, at, l2, target, weight = o.paths, o.at, o.l2, o.target, o.class_weight
+    features = o.features or FIT.DEFAULT_FEATURES  # names and duplicates checked by the option, again by fit
     for p in paths:
         if Path(p).suffix != ".csv":
             run_dirs(p)
     examples = FIT.training_examples(paths, at, target)  # features computed once, for the fit and the CV
-    if v["examples_out"] is not None:
-        atomic_write_text(v["examples_out"], FIT.examples_table(examples).to_csv(index=False))
-        print(f"fit examples: {v['examples_out']}")
-    model = FIT.fit(paths, at, l2, fit_command(v, features), target, examples, features, weight)
-    if v["cross_validate"]:
-        model["cross_validation"] = _cross_validate(paths, v, examples, features)
-    write_json(v["out"], model)
-    print_fitted(model, v["out"])
+    if o.examples_out is not None:
+        atomic_write_text(o.examples_out, FIT.examples_table(examples).to_csv(index=False))
+        print(f"fit examples: {o.examples_out}")
+    model = FIT.fit(paths, at, l2, fit_command(o, features), target, examples, features, weight)
+    if o.cross_validate:
+        model["cross_validation"] = _cross_validate(paths, o, examples, features)
+    write_json(o.out, model)
+    print_fitted(model, o.out)
     return 0
 
 
-def _cross_validate(paths, v: dict, examples, features) -> dict:
-    table = FIT.cross_validate(paths, v["at"], v["l2"], v["target"], examples, features, v["class_weight"])
+def _cross_validate(paths, o: FitPredictorOptions, examples, features) -> dict:
+    table = FIT.cross_validate(paths, o.at, o.l2, o.target, examples, features, o.class_weight)
     if table.empty:
         print("cross-validation: nothing to leave out (it needs finished runs of at least two cells)")
     result = {}
@@ -247,31 +252,31 @@ def _cross_validate(paths, v: dict, examples, features) -> dict:
         a = EW.agreement(t)
         wrong = {"false_alarm": sorted(t.run[t.false_alarm]), "miss": sorted(t.run[t.miss])}
         result[str(s)] = a | wrong
-        print_cross_validation(s, a, wrong, v["target"])
+        print_cross_validation(s, a, wrong, o.target)
     return result
 
 
-def cmd_variants(v: dict) -> int:
+def cmd_variants(o: VariantsOptions) -> int:
     """List the five variants and what each does in loops t >= 2."""
     for name, text in VARIANT_DESCRIPTIONS.items():
         print(f"{name:6s} {text}")
     return 0
 
 
-def cmd_plot(v: dict) -> int:
+def cmd_plot(o: PlotOptions) -> int:
     """Figures from run, sweep or map folders (PNG and PDF)."""
-    for p in plot(v["figure"], v["paths"], v["out"], tuple(v["format"])):
+    for p in plot(o.figure, o.paths, o.out, tuple(o.format)):
         print(p)
     return 0
 
 
-def cmd_report(v: dict) -> int:
+def cmd_report(o: ReportOptions) -> int:
     """One self-contained HTML report: table, every figure, spec and environment."""
-    print(write_report(v["paths"], v["out"]))
+    print(write_report(o.paths, o.out))
     return 0
 
 
-COMMANDS = {"train": cmd_train, "run-ablation": cmd_run_ablation, "map": cmd_map, "study": cmd_study,
+COMMANDS: dict[str, Callable[[Options], int]] = {"train": cmd_train, "run-ablation": cmd_run_ablation, "map": cmd_map, "study": cmd_study,
             "summary": cmd_summary, "eval-loops": cmd_eval_loops, "import-reference": cmd_import_reference,
             "predict": cmd_predict, "fit-predictor": cmd_fit_predictor, "variants": cmd_variants,
             "report": cmd_report, "plot": cmd_plot}

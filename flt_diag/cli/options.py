@@ -1,21 +1,27 @@
 """Which command takes which option: the one place that knows the commands' names and arguments.
 
 Every training option is a field of a config section (flt_diag.vocab.config) and every grid option a field
-of SweepGrid, MapLinesGrid or MapGrid (flt_diag.vocab.grid_options), each with its help, flag, bounds and choices; the commands' own
-options (output folders, workers, ...) are made here with `cli_opt`. `command_options(command)` lists
-a command's options in help order: the typer command line (flt_diag.cli.app), the study files
-(flt_diag.cli.specs) and the option table (docs/cli.md, flt_diag.cli.table) are generated from it.
-`check_values` checks given values with `Option.check`, the check the config sections run when built.
+of SweepAxes, MapAxes or MapGrid (flt_diag.vocab.grid_options), each with its help, flag, bounds and
+choices. Each command's typed options are a pydantic model here (`TrainOptions`, `MapOptions`, ...): its
+own options (output folders, workers, ...) declared with `opt`, its positional arguments with `arg`, a
+grid command's grid inherited from the grid's model, and `config`, the config options given (flag dest ->
+value), which the config sections validate when the command builds its config. `command_options(command)`
+lists a command's options in help order: the typer command line (flt_diag.cli.app), the study files
+(flt_diag.cli.specs) and the option table (docs/cli.md, flt_diag.cli.table) are generated from it;
+`command_args` validates parsed values into the command's options model (one line naming the flag).
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Optional
+
+from pydantic import Field, create_model
 
 from flt_diag.judge import early_warning as EW
 from flt_diag.results import predictor_fit as FIT
 from flt_diag.vocab.config import OPTIONS, PRESETS, Option, options_of
-from flt_diag.vocab.grid_options import MapGrid, MapLinesGrid, SweepGrid
+from flt_diag.vocab.grid_options import MapAxes, MapGrid, SweepAxes
+from flt_diag.vocab.option_fields import Options, arg, field_like, opt
 from flt_diag.vocab.variants import MAX_LOOPS
 
 SECTION_TITLES = {"run": "preset", "model": "model", "train": "training", "diagnostics": "diagnostics",
@@ -35,21 +41,13 @@ class Positional(NamedTuple):
     many: bool = False
 
 
-def cli_opt(flag: str, kind: type, help: str, default=None, *, many=False, low=None, high=None, above=None,
-            choices=None, optional=True) -> Option:
-    """An option of one command that is not a config field (output folder, workers, ...).
-    `optional=False` with no default: the command needs it."""
-    return Option("cli", flag[2:].replace("-", "_"), flag, kind, optional, many, default, help,
-                  tuple(choices) if choices else None, low, high, above, None)
-
-
 # ------------------------------------------------------------------ config and grid options
 
 TRAINING_COMMANDS = ("train", "run-ablation", "map")
 SET_BY_SETTLING = {("model", "vocab_size")}  # the tokenizer's (flt_diag.training.settle), never given
 ONE_RUN = {("model", "variant"), ("model", "loops"), ("train", "seed")}  # the grids take lists instead
-GRID_OPTIONS = {"run-ablation": options_of(SweepGrid, "sweep"),
-                "map": options_of(MapLinesGrid, "map") + options_of(MapGrid, "map")}
+GRID_OPTIONS = {"run-ablation": options_of(SweepAxes, "sweep"),
+                "map": options_of(MapAxes, "map") + options_of(MapGrid, "map")}
 
 
 def config_options(command: str) -> list[Option]:
@@ -64,122 +62,177 @@ def config_options(command: str) -> list[Option]:
     return [o for o in OPTIONS if (o.section, o.name) not in skip]
 
 
-# ------------------------------------------------------------------ the commands' own options
-
-OUT_RUN = cli_opt("--out", Path, "Run folder [default: runs/<variant>-K<loops>]. An unfinished run in it is resumed.")
-OUT_SWEEP = cli_opt("--out", Path, "Sweep folder [default: runs/ablation-<preset>]. Re-running resumes it.")
-OUT_MAP = cli_opt("--out", Path, "Map folder [default: runs/map-<axis>-<preset>]. Re-running resumes it.")
-WORKERS = cli_opt("--workers", int, "Cells (lines for maps) in parallel processes; 0 = auto (one per CPU core, each "
-                  "with one thread; one per GPU on a multi-GPU machine).", 0, low=0, optional=False)
-LIST = cli_opt("--list", bool, "Print the cells (index, name, status) and exit.", False)
-CELL = cli_opt("--cell", int, "Run only cell (map: line) I, for job arrays.", low=0)
-QUIET = cli_opt("--quiet", bool, "No progress bar.", False)
-PROBE_ENDS = cli_opt("--probe-ends", bool, "First probe both ends of the grid on every line, so that a boundary that "
-                     "is not monotone along the axis (training breaks at the low end, holds higher up) is reported "
-                     "as non-monotone instead of being missed (up to 2 more probes per line).", False)
-FOLDER_OPTIONS = [WORKERS, LIST, CELL, QUIET]
-
-FIT_PREDICTOR = [
-    cli_opt("--out", Path, "Predictor JSON to write (flt_diag/judge/early_warning.json is the packaged one).",
-            optional=False),
-    cli_opt("--at", int, "Steps to fit a model at.", [100, 200, 300, 500], many=True, low=1, optional=False),
-    cli_opt("--l2", float, "L2 penalty of the logistic regression.", 1.0, above=0, optional=False),
-    cli_opt("--target", str, "fails (final verdict unstable, collapsed or diverged), collapse (collapsed or "
-            "diverged) or climbs (fails, or the loss climbed and recovered: the verdict's transient_rebound).",
-            "fails", choices=tuple(EW.TARGETS), optional=False),
-    cli_opt("--features", str, f"Features the model uses [default: {' '.join(FIT.DEFAULT_FEATURES)}].",
-            many=True, choices=EW.FEATURES),
-    cli_opt("--class-weight", str, "balanced (each class weighs half of the fit, whatever share of the runs "
-            "fails) or none (each run weighs 1).", "balanced", choices=FIT.CLASS_WEIGHTS, optional=False),
-    cli_opt("--cross-validate", bool, "Also report leave-one-cell-out agreement at each step (every run "
-            "predicted by a model fitted without its cell) and store it in the predictor JSON.", False),
-    cli_opt("--examples-out", Path, "Also write the fit set as one table (CSV: per run and step, its identity, "
-            "verdict, loss-climb evidence and features); a .csv among the paths is read back in place of "
-            "folders, its runs relabelled by the current verdict.")]
-
-PREDICT = [
-    cli_opt("--at", int, "Step(s) at which to predict.", [300], many=True, low=1, optional=False),
-    cli_opt("--predictor", Path, "Predictor JSON(s) from `flt-diag fit-predictor`; several are compared on the "
-            "same runs [default: the packaged one].", many=True),
-    cli_opt("--csv", Path, "Also write the per-cell table (all steps; a predictor column) here."),
-    cli_opt("--figure", Path, "Also draw agreement, false alarms and misses against the step (.png/.pdf/.svg)."),
-    cli_opt("--online", bool, "Instead of fixed steps, replay what --warn says over each whole run: the first "
-            "warning step (checks every 25 steps), its P and evidence, the largest P, beside the final verdict; "
-            "and, on the same runs, the first warnings of Lightning's SpikeDetection and llm-foundry's "
-            "KillLossSpike (their rules, default settings).",
-            False)]
-
-EVAL_LOOPS = [
-    cli_opt("--loops", int, "Inference loop counts [default: 1 .. 2K, K the loops each run was trained with].",
-            many=True, low=1, high=MAX_LOOPS),
-    cli_opt("--batches", int, "Validation batches per count [default: the run's eval batches].", low=1),
-    cli_opt("--data", str, "Evaluate on another corpus (e.g. wikitext2) [default: the run's]."),
-    cli_opt("--device", str, "cpu, cuda or cuda:N.", "cpu", optional=False)]
-
-IMPORT_REFERENCE = [
-    cli_opt("--out", Path, "Run folder to create (usable by eval-loops).", optional=False),
-    cli_opt("--variant", str, "LT, LT_i, LT_ia, FLT_res, FLT (or lt, ..., flt) [default: model_type of the "
-            "meta_*.json beside the checkpoint]."),
-    cli_opt("--loops", int, "Loop count the checkpoint was trained with [default: K of the meta_*.json].", low=1),
-    cli_opt("--heads", int, "Attention heads (if no meta json).", low=1),
-    cli_opt("--vocab-size", int, "True (unpadded) vocabulary size.", low=1)]
-
-PLOT = [cli_opt("--out", Path, "Folder for the figures [default: <path>/figures, of the first path]."),
-        cli_opt("--format", str, "Formats.", ["png", "pdf"], many=True, choices=("png", "pdf", "svg"), optional=False)]
-
-OWN_OPTIONS: dict[str, list[Option]] = {
-    "train": [OUT_RUN],
-    "run-ablation": [OUT_SWEEP, *FOLDER_OPTIONS],
-    "map": [OUT_MAP, PROBE_ENDS, *FOLDER_OPTIONS],
-    "study": FOLDER_OPTIONS,
-    "summary": [cli_opt("--recompute", bool, "Recompute every finished run's verdict and figures from its stored "
-                        "metrics (e.g. with new verdict thresholds).", False)],
-    "eval-loops": EVAL_LOOPS,
-    "import-reference": IMPORT_REFERENCE,
-    "predict": PREDICT,
-    "fit-predictor": FIT_PREDICTOR,
-    "variants": [],
-    "report": [cli_opt("--out", Path, "HTML file [default: <sweep>/report.html].")],
-    "plot": PLOT,  # every figure's
-}
+# ------------------------------------------------------------------ each command's typed options
 
 RUN_OR_SWEEP = "A sweep folder or a run folder (also while it is running)."
-POSITIONALS: dict[str, list[Positional]] = {
-    "study": [Positional("path", Path, "A study file from experiments/ (TOML).")],
-    "summary": [Positional("paths", Path, "A sweep or run folder; or several sweep folders of one setting, "
-                                          "pooled (e.g. more seeds run later into folders of their own).",
-                           many=True)],
-    "eval-loops": [Positional("path", Path, "A finished run folder or a sweep folder.")],
-    "import-reference": [Positional("checkpoint", Path, "State dict (.pt) in the reference (nanochat) layout.")],
-    "predict": [Positional("paths", Path, "Sweep or run folders of finished runs.", many=True)],
-    "fit-predictor": [Positional("paths", Path, "Sweep or run folders of finished runs, or fit-examples tables "
-                                 "(.csv, from --examples-out): the training set.", many=True)],
-    "report": [Positional("paths", Path, "A sweep or map folder; or several sweep folders of one setting, pooled.",
-                          many=True)],
-    "plot": [Positional("paths", Path, RUN_OR_SWEEP + " Several sweep folders of one setting are pooled (more "
-                        "seeds run later into folders of their own).", many=True)],
-}
+RUNS = "Sweep or run folders of finished runs."
+
+
+class Given(Options):
+    """Options of a command that may hold config options too: `config`, those given (dest -> value)."""
+
+    config: dict = Field(default_factory=dict)
+
+
+class FolderOptions(Options):
+    workers: int = opt(0, "Cells (lines for maps) in parallel processes; 0 = auto (one per CPU core, each with one "
+                       "thread; one per GPU on a multi-GPU machine).", low=0)
+    list_cells: bool = opt(False, "Print the cells (index, name, status) and exit.", flag="--list")
+    cell: Optional[int] = opt(None, "Run only cell (map: line) I, for job arrays.", low=0)
+    quiet: bool = opt(False, "No progress bar.")
+
+
+class TrainOptions(Given):
+    out: Optional[Path] = opt(None, "Run folder [default: runs/<variant>-K<loops>]. An unfinished run in it is resumed.")
+
+
+class RunAblationOptions(SweepAxes, FolderOptions, Given):
+    out: Optional[Path] = opt(None, "Sweep folder [default: runs/ablation-<preset>]. Re-running resumes it.")
+
+
+class MapOptions(MapAxes, MapGrid, FolderOptions, Given):
+    out: Optional[Path] = opt(None, "Map folder [default: runs/map-<axis>-<preset>]. Re-running resumes it.")
+    probe_ends: bool = opt(False, "First probe both ends of the grid on every line, so that a boundary that is not "
+                           "monotone along the axis (training breaks at the low end, holds higher up) is reported as "
+                           "non-monotone instead of being missed (up to 2 more probes per line).")
+
+
+class StudyOptions(FolderOptions):
+    path: Path = arg("A study file from experiments/ (TOML).")
+
+
+class SummaryOptions(Given):
+    paths: list[Path] = arg("A sweep or run folder; or several sweep folders of one setting, pooled (e.g. more "
+                            "seeds run later into folders of their own).", many=True)
+    recompute: bool = opt(False, "Recompute every finished run's verdict and figures from its stored metrics (e.g. "
+                          "with new verdict thresholds).")
+
+
+class EvalLoopsOptions(Options):
+    path: Path = arg("A finished run folder or a sweep folder.")
+    loops: Optional[list[int]] = opt(None, "Inference loop counts [default: 1 .. 2K, K the loops each run was "
+                                     "trained with].", low=1, high=MAX_LOOPS, many=True)
+    batches: Optional[int] = opt(None, "Validation batches per count [default: the run's eval batches].", low=1)
+    data: Optional[str] = opt(None, "Evaluate on another corpus (e.g. wikitext2) [default: the run's].")
+    device: str = opt("cpu", "cpu, cuda or cuda:N.")
+
+
+class ImportReferenceOptions(Options):
+    checkpoint: Path = arg("State dict (.pt) in the reference (nanochat) layout.")
+    out: Path = opt(..., "Run folder to create (usable by eval-loops).")
+    variant: Optional[str] = opt(None, "LT, LT_i, LT_ia, FLT_res, FLT (or lt, ..., flt) [default: model_type of the "
+                                 "meta_*.json beside the checkpoint].")
+    loops: Optional[int] = opt(None, "Loop count the checkpoint was trained with [default: K of the meta_*.json].",
+                               low=1)
+    heads: Optional[int] = opt(None, "Attention heads (if no meta json).", low=1)
+    vocab_size: Optional[int] = opt(None, "True (unpadded) vocabulary size.", low=1)
+
+
+class PredictOptions(Options):
+    paths: list[Path] = arg(RUNS, many=True)
+    at: list[int] = opt([300], "Step(s) at which to predict.", low=1)
+    predictor: Optional[list[Path]] = opt(None, "Predictor JSON(s) from `flt-diag fit-predictor`; several are compared "
+                                          "on the same runs [default: the packaged one].", many=True)
+    csv: Optional[Path] = opt(None, "Also write the per-cell table (all steps; a predictor column) here.")
+    figure: Optional[Path] = opt(None, "Also draw agreement, false alarms and misses against the step "
+                                 "(.png/.pdf/.svg).")
+    online: bool = opt(False, "Instead of fixed steps, replay what --warn says over each whole run: the first warning "
+                       "step (checks every 25 steps), its P and evidence, the largest P, beside the final verdict; "
+                       "and, on the same runs, the first warnings of Lightning's SpikeDetection and llm-foundry's "
+                       "KillLossSpike (their rules, default settings).")
+
+
+class FitPredictorOptions(Options):
+    paths: list[Path] = arg("Sweep or run folders of finished runs, or fit-examples tables (.csv, from "
+                            "--examples-out): the training set.", many=True)
+    out: Path = opt(..., "Predictor JSON to write (flt_diag/judge/early_warning.json is the packaged one).")
+    at: list[int] = opt([100, 200, 300, 500], "Steps to fit a model at.", low=1)
+    l2: float = opt(1.0, "L2 penalty of the logistic regression.", above=0)
+    target: str = opt("fails", "fails (final verdict unstable, collapsed or diverged), collapse (collapsed or "
+                      "diverged) or climbs (fails, or the loss climbed and recovered: the verdict's "
+                      "transient_rebound).", choices=tuple(EW.TARGETS))
+    features: Optional[list[str]] = opt(None, f"Features the model uses [default: {' '.join(FIT.DEFAULT_FEATURES)}].",
+                                        choices=EW.FEATURES, many=True)
+    class_weight: str = opt("balanced", "balanced (each class weighs half of the fit, whatever share of the runs "
+                            "fails) or none (each run weighs 1).", choices=FIT.CLASS_WEIGHTS)
+    cross_validate: bool = opt(False, "Also report leave-one-cell-out agreement at each step (every run predicted by "
+                               "a model fitted without its cell) and store it in the predictor JSON.")
+    examples_out: Optional[Path] = opt(None, "Also write the fit set as one table (CSV: per run and step, its "
+                                       "identity, verdict, loss-climb evidence and features); a .csv among the "
+                                       "paths is read back in place of folders, its runs relabelled by the "
+                                       "current verdict.")
+
+
+class VariantsOptions(Options):
+    pass
+
+
+class ReportOptions(Options):
+    paths: list[Path] = arg("A sweep or map folder; or several sweep folders of one setting, pooled.", many=True)
+    out: Optional[Path] = opt(None, "HTML file [default: <sweep>/report.html].")
+
+
+class PlotOptions(Options):
+    paths: list[Path] = arg(RUN_OR_SWEEP + " Several sweep folders of one setting are pooled (more seeds run later "
+                            "into folders of their own).", many=True)
+    out: Optional[Path] = opt(None, "Folder for the figures [default: <path>/figures, of the first path].")
+    format: list[str] = opt(["png", "pdf"], "Formats.", choices=("png", "pdf", "svg"))
+    figure: str = "all"  # (not an option: the `plot` subcommand's name)
+
+
+ARGS: dict[str, type[Options]] = {
+    "train": TrainOptions, "run-ablation": RunAblationOptions, "map": MapOptions, "study": StudyOptions,
+    "summary": SummaryOptions, "eval-loops": EvalLoopsOptions, "import-reference": ImportReferenceOptions,
+    "predict": PredictOptions, "fit-predictor": FitPredictorOptions, "variants": VariantsOptions,
+    "report": ReportOptions, "plot": PlotOptions}
+GRIDS = {"run-ablation": (SweepAxes,), "map": (MapAxes, MapGrid)}
+FOLDER_OPTIONS = options_of(FolderOptions, "cli")
+
+
+def own_options(command: str) -> list[Option]:
+    """The options a command declares itself (its grid's and its positionals left out)."""
+    grid = {name for cls in GRIDS.get(command, ()) for name in cls.model_fields}
+    own = [o for o in options_of(ARGS[command], "cli") if not o.positional and o.name not in grid]
+    return sorted(own, key=lambda o: o.name in FolderOptions.model_fields)  # --out first, --workers ... last
+
+
+def positionals(command: str) -> list[Positional]:
+    return [Positional(o.name, o.kind, o.help, o.many) for o in options_of(ARGS[command], "cli") if o.positional]
+
+
+POSITIONALS: dict[str, list[Positional]] = {c: positionals(c) for c in ARGS if positionals(c)}
 
 
 def command_options(command: str) -> list[Option]:
     """Every option of a command in help order: its grid's, the config's, then its own."""
-    return GRID_OPTIONS.get(command, []) + config_options(command) + OWN_OPTIONS[command]
+    return GRID_OPTIONS.get(command, []) + config_options(command) + own_options(command)
 
 
-def check_values(values: dict, options: list[Option]) -> dict:
-    """Validate the given values of `options` (one UserError line on the first bad one); the
-    command's own options that were not given get their defaults."""
-    out = dict(values)
-    for o in options:
-        v = values.get(o.dest)
-        if v is None:
-            if o.section == "cli":
-                out[o.dest] = o.default
-            continue
-        problem = o.check(v)
-        if problem:
-            raise UserError(problem)
-    return out
+def given_model(options: tuple[Option, ...], text_paths: bool = False) -> type[Options]:
+    """A pydantic model of `options`, each optional (None: not given), with its field's bounds and choices;
+    `text_paths`: a path is text (as a study file holds it). Made once per set of options."""
+    key = (tuple((o.section, o.name, o.dest) for o in options), text_paths)
+    if key not in _GIVEN:
+        def hint(o: Option):
+            return (list[str] if o.many else str) if text_paths and o.kind is Path else o.hint
+        _GIVEN[key] = create_model("Given", __base__=Options, **{o.dest: (Optional[hint(o)], field_like(o.info, False))
+                                                                for o in options})
+    return _GIVEN[key]
+
+
+_GIVEN: dict = {}
+
+
+def command_args(command: str, values: dict) -> Options:
+    """The typed options of `command` from parsed values (dest -> value; None: not given; and fields of
+    the model that are no option, such as plot's figure): the config options checked by their fields, then
+    the command's model built (a bad value: one ConfigError line naming the flag)."""
+    cls, config = ARGS[command], config_options(command)
+    given = {o.dest: values[o.dest] for o in config if values.get(o.dest) is not None}
+    given_model(tuple(config))(**given)
+    own = {o.name: values[o.dest] for o in options_of(cls, "cli") if values.get(o.dest) is not None}
+    fixed = {k: values[k] for k in cls.model_fields if values.get(k) is not None and k not in own and k != "config"}
+    return cls(**own, **fixed, **({"config": given} if config else {}))
 
 
 def default_text(o: Option) -> str:

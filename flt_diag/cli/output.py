@@ -97,15 +97,19 @@ def print_fitted(model: dict, out: Path) -> None:
     print(f"predictor: {out}")
 
 
-def fit_command(v: dict, features: list[str]) -> str:
-    """The `flt-diag fit-predictor` command line of these option values (stored in the predictor),
-    with the options left at their defaults left out."""
-    return "flt-diag fit-predictor " + " ".join(map(str, v["paths"])) + f" --out {v['out']} --at " \
-        + " ".join(map(str, v["at"])) + (f" --l2 {v['l2']:g}" if v["l2"] != 1.0 else "") \
-        + (f" --target {v['target']}" if v["target"] != "fails" else "") \
+def fit_command(o, features: list[str]) -> str:
+    """The `flt-diag fit-predictor` command line of these options (FitPredictorOptions; stored in the
+    predictor), with the options left at their defaults (the fields') left out."""
+    fields = type(o).model_fields
+
+    def changed(name: str) -> bool:
+        return getattr(o, name) != fields[name].get_default(call_default_factory=True)
+    return "flt-diag fit-predictor " + " ".join(map(str, o.paths)) + f" --out {o.out} --at " \
+        + " ".join(map(str, o.at)) + (f" --l2 {o.l2:g}" if changed("l2") else "") \
+        + (f" --target {o.target}" if changed("target") else "") \
         + (" --features " + " ".join(features) if features != DEFAULT_FEATURES else "") \
-        + (f" --class-weight {v['class_weight']}" if v["class_weight"] != "balanced" else "") \
-        + (" --cross-validate" if v["cross_validate"] else "")
+        + (f" --class-weight {o.class_weight}" if changed("class_weight") else "") \
+        + (" --cross-validate" if o.cross_validate else "")
 
 
 def print_detectors(table: pd.DataFrame) -> None:

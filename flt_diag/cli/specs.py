@@ -1,40 +1,36 @@
-"""A sweep's or a map's spec from option values (from the command line or a study file).
+"""A sweep's or a map's spec from the typed options of run-ablation or map (from the command line or a
+study file).
 
 The base config of the grid is settled once (flt_diag.training.settle.run_config) with the grid's first cell;
 SweepSpec and MapSpec take it as given and check every cell before anything runs. `settled=False`
-(for `--list`, which runs nothing) checks every option but loads no tokenizer.
+(for `--list`, which runs nothing) checks every option but loads no tokenizer. The grid's defaults are
+its fields' (flt_diag.vocab.grid_options), never repeated here.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from flt_diag.cli.options import FOLDER_OPTIONS, command_options
-from flt_diag.vocab.grid_options import MapGrid
+from flt_diag.cli.options import (FOLDER_OPTIONS, MapOptions, RunAblationOptions, command_args, command_options,
+                                  given_model)
 from flt_diag.grids.stability_map import MapSpec
 from flt_diag.grids.sweep import SweepSpec, cell_config
-from flt_diag.vocab.variants import VARIANTS
 from flt_diag.training.settle import run_config, unsettled_config
 
-def sweep_spec(v: dict, settled: bool = True) -> SweepSpec:
-    """The SweepSpec of run-ablation option values."""
-    grid = dict(variants=v.get("variants") or list(VARIANTS), loops=v.get("loops") or [3, 6, 9, 12],
-                seeds=v.get("seeds") or [0], lr_scales=v.get("lr_scale") or [1.0])
+
+def sweep_spec(o: RunAblationOptions, settled: bool = True) -> SweepSpec:
+    """The SweepSpec of run-ablation's options."""
     config = run_config if settled else unsettled_config
-    base = config({k: x for k, x in v.items() if k not in ("loops", "lr_scale")}, variant=grid["variants"][0],
-                  loops=grid["loops"][0], seed=grid["seeds"][0], lr_scale=grid["lr_scales"][0])
-    return SweepSpec(base, **grid)
+    base = config(o.config, variant=o.variants[0], loops=o.loops[0], seed=o.seeds[0], lr_scale=o.lr_scales[0])
+    return SweepSpec(base, o.variants, o.loops, o.seeds, o.lr_scales)
 
 
-def map_spec(v: dict, settled: bool = True) -> MapSpec:
-    """The MapSpec of map option values; every probe's config is checked."""
-    axis = v.get("axis") or "lr"
-    grid = MapGrid(**{k: v[k] for k in ("lo", "hi", "ratio") if v.get(k) is not None}).values(axis)
-    lines = dict(variants=v.get("variants") or list(VARIANTS), loops=v.get("loops") or [6, 12],
-                 seeds=v.get("seeds") or [0])
+def map_spec(o: MapOptions, settled: bool = True) -> MapSpec:
+    """The MapSpec of map's options; every probe's config is checked."""
+    grid = o.values(o.axis)
     config = run_config if settled else unsettled_config
-    base = config({k: x for k, x in v.items() if k != "loops"}, variant=lines["variants"][0], loops=lines["loops"][0],
-                  seed=lines["seeds"][0], lr_scale=grid[0] if axis == "lr" else None)
-    spec = MapSpec(base, **lines, axis=axis, grid=grid, criteria=v.get("criteria") or ["training", "explosion"])
+    base = config(o.config, variant=o.variants[0], loops=o.loops[0], seed=o.seeds[0],
+                  lr_scale=grid[0] if o.axis == "lr" else None)
+    spec = MapSpec(base, o.variants, o.loops, o.seeds, o.axis, grid, o.criteria)
     for line in spec.lines():
         for value in grid:
             cell_config(base, spec.cell(line, value))
@@ -44,16 +40,34 @@ def map_spec(v: dict, settled: bool = True) -> MapSpec:
 STUDY_TABLES = {"ablation": "run-ablation", "map": "map"}
 
 
-def study_tables() -> dict[str, list]:
-    """A study file's tables and the options each takes (its command's, but --workers, --list, ...)."""
-    return {table: [o for o in command_options(command) if o not in FOLDER_OPTIONS]
-            for table, command in STUDY_TABLES.items()}
+def study_options(command: str) -> list:
+    """The options a study table of `command` takes (its command's, but --workers, --list, ...)."""
+    return [o for o in command_options(command) if o not in FOLDER_OPTIONS]
 
 
-def load_study(path: Path) -> tuple[str, dict]:
-    """A study file -> (command, option values): its one [ablation] or [map] table, whose keys are
-    the command's option names (`lr_scale`, `seq_len`, ...), checked like command-line options
-    (flt_diag.storage.files.load_study: a bad value is one line naming the file and the key)."""
+def study_tables() -> dict[str, type]:
+    """A study file's tables and the model of the options each takes (a path is text in a TOML file)."""
+    return {table: given_model(tuple(study_options(command)), text_paths=True) for table, command in STUDY_TABLES.items()}
+
+
+def load_study(path: Path, **folder) -> tuple[str, RunAblationOptions | MapOptions]:
+    """A study file -> (command, its typed options, with the `folder` options given beside the file): its
+    one [ablation] or [map] table, whose keys are the command's option names (`lr_scale`, `seq_len`, ...),
+    checked like command-line options (flt_diag.storage.files.load_study: a bad value is one line naming
+    the file and the key)."""
     from flt_diag.storage.files import load_study as load_checked
     table, values = load_checked(path, study_tables())
-    return STUDY_TABLES[table], values
+    command = STUDY_TABLES[table]
+    kinds = {o.dest: o for o in study_options(command)}
+    values = {k: _as_kind(kinds[k], x) for k, x in values.items()}
+    return command, command_args(command, {**values, **folder})
+
+
+def _as_kind(o, x):
+    """A study value as the command line parses it: a path as a Path, a number of a float option as a float,
+    one value of a list option as a list of one."""
+    def one(v):
+        return Path(v) if o.kind is Path else float(v) if o.kind is float else v
+    if x is None:
+        return x
+    return [one(v) for v in (x if isinstance(x, list) else [x])] if o.many else one(x)

@@ -3,9 +3,7 @@ answers (flt_diag.data.tasks). The Trainer, the evaluation and the command line'
 check data here; batches of either kind come from flt_diag.data.batches.get_batch."""
 from __future__ import annotations
 
-import dataclasses
-
-from flt_diag.vocab.config import TASKS
+from flt_diag.vocab.config import TASKS, replaced
 from flt_diag.data.corpus import DataError, TokenData, load_tokens, resolve_corpus
 from flt_diag.data.tasks import TaskData, load_task, make_task
 
@@ -15,7 +13,7 @@ def load_split(train, seq_len: int, split: str, data: str | None = None) -> Toke
     to evaluate on, read with the run's tokenizer and task dials)."""
     data = data or train.data
     if data in TASKS:
-        return load_task(dataclasses.replace(train, data=data, sampling="random"), seq_len, split)
+        return load_task(replaced(train, data=data, sampling="random"), seq_len, split)
     return load_tokens(data, train.tokenizer, split, train.max_tokens)
 
 
@@ -23,7 +21,7 @@ def check_source(data: str, tokenizer: str, cfg=None) -> None:
     """DataError (one line) when `data` cannot be read as configured, found before anything runs;
     with the run's config, a task's dials are checked against its sequence length too."""
     if data in TASKS:
-        train = dataclasses.replace(cfg.train, data=data, sampling="random") if cfg is not None else None
+        train = replaced(cfg.train, data=data, sampling="random") if cfg is not None else None
         if train is not None:
             make_task(train, cfg.model.sequence_len)
         elif tokenizer != "bytes":

@@ -30,43 +30,36 @@ import multiprocessing as mp
 import os
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import pandas as pd
+from pydantic import model_validator
 
 from flt_diag.judge.map_boundaries import (AXES, CRITERIA, MAP_CSV, Line, MapLines, boundaries, bracket,
                                            probe_outcomes)
 from flt_diag.storage.folders import CELLS, StorageError, atomic_path, folder_lock, load_summary
-from flt_diag.vocab.config import RunConfig, check
+from flt_diag.vocab.config import RunConfig
 from flt_diag.vocab.grid_options import MapLinesGrid
 from flt_diag.grids.sweep import only, prepare_spec_folder, run_cell, write_summary
 from flt_diag.grids.worker_pool import die_with_parent
 from flt_diag.training.settle import comparable
 
 
-@dataclass
 class MapSpec(MapLinesGrid, MapLines):
     """What a map searches (its fields: flt_diag.vocab.grid_options.MapLinesGrid): lines (variants x loops x
     seeds), one axis and its grid, the criteria. `base` is the RunConfig of line 0 (the axis field and
-    each line's fields are replaced per probe)."""
+    each line's fields are replaced per probe). Every field is validated (pydantic) when it is made."""
 
-    def __post_init__(self):
-        check(self)  # every option field against its bounds and choices (flt_diag.vocab.config)
-        if self.axis not in AXES:
-            raise ValueError(f"axis must be one of {', '.join(AXES)}, got {self.axis!r}")
-        for c in self.criteria:
-            if c not in CRITERIA:
-                raise ValueError(f"unknown criterion {c!r}; choose from {', '.join(CRITERIA)}")
-        for name, values in (("variants", self.variants), ("loops", self.loops), ("seeds", self.seeds),
-                             ("criteria", self.criteria), ("grid values", self.grid)):
-            if not values:
-                raise ValueError(f"the list of {name} is empty")
-            if len(set(values)) != len(values):
-                raise ValueError(f"the list of {name} has duplicates: {values}")
-        if list(self.grid) != sorted(self.grid):
-            raise ValueError("the grid must be ascending")
+    def __init__(self, base: RunConfig, *given, **named):
+        names = ("variants", "loops", "seeds", "axis", "grid", "criteria")
+        super().__init__(base=base, **dict(zip(names, given)), **named)
+
+    @model_validator(mode="after")
+    def _an_implemented_axis(self):
+        if self.axis not in AXES or not set(self.criteria) <= set(CRITERIA):  # (the options offer these)
+            raise ValueError(f"the map implements the axes {', '.join(AXES)} and criteria {', '.join(CRITERIA)}")
+        return self
 
     @property
     def base_lr_scale(self) -> float:

@@ -15,10 +15,10 @@ from __future__ import annotations
 import contextlib
 import os
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+from pydantic import model_validator
 
 from flt_diag.grids.progress import SweepMonitor, cell_status
 from flt_diag.grids.worker_pool import auto_workers, run_parallel
@@ -28,25 +28,27 @@ from flt_diag.storage.folders import (CELLS, ERROR, SWEEP_SPEC, StorageError, at
                                       load_spec as load_folder_spec, refuse_symlink, write_json)
 from flt_diag.storage.pooling import without_grid_fields
 from flt_diag.training.settle import comparable
-from flt_diag.vocab.config import RunConfig, check, validate, with_overrides
+from flt_diag.vocab.config import RunConfig, validate, with_overrides
 from flt_diag.vocab.grid_options import SWEEP_GRID_FIELDS, SweepGrid
 
 
-@dataclass
 class SweepSpec(SweepGrid):
     """The grid of a sweep (its fields: flt_diag.vocab.grid_options.SweepGrid) and the config its cells share.
 
     `base` is the config of cell 0 (the first variant, loop count, seed and lr scale); every other
-    cell differs from it only in those four fields. Construction validates every cell."""
+    cell differs from it only in those four fields. Construction validates every field (pydantic)
+    and every cell."""
 
-    def __post_init__(self):
-        check(self)  # every option field against its bounds and choices (flt_diag.vocab.config)
-        self.variants, self.loops = list(self.variants), list(self.loops)
-        self.seeds, self.lr_scales = list(self.seeds), list(self.lr_scales)
+    def __init__(self, base: RunConfig, *grid, **named):
+        super().__init__(base=base, **dict(zip(("variants", "loops", "seeds", "lr_scales"), grid)), **named)
+
+    @model_validator(mode="after")
+    def _every_cell(self):
         cells = self.cells()
         self.base = cell_config(self.base, cells[0])
         for cell in cells:  # validates every cell before anything runs
             self.cell_config(cell)
+        return self
 
     def cells(self) -> list[Cell]:
         grid = [(lr, s, k, v) for lr in self.lr_scales for s in self.seeds for k in self.loops for v in self.variants]

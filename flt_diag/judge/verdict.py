@@ -46,7 +46,7 @@ import pandas as pd
 
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import SUMMARY, load_config, load_metrics, load_summary, series, write_json
-from flt_diag.vocab.config import RunConfig, VerdictConfig
+from flt_diag.vocab.config import RunConfig, VerdictConfig, with_overrides
 
 OSC_INDICES = ("cv", "mean_abs_dlog", "sign_alternation", "neg_cosine_share")
 
@@ -102,11 +102,12 @@ def smoothed(loss: pd.Series, window: int) -> pd.Series:
     return loss.rolling(window, min_periods=min(window, len(loss))).mean()
 
 
-def verdict(loss: pd.Series, unigram_entropy: float | None, smooth_window: int = 50,
-            rebound_abs: float = 0.25, rebound_rel: float = 0.1, recovery_abs: float = 0.1,
-            recovery_rel: float = 0.05) -> tuple[str, dict]:
+def verdict(loss: pd.Series, unigram_entropy: float | None, v: VerdictConfig | None = None) -> tuple[str, dict]:
     """("diverged" | "collapsed" | "unstable" | "stable", evidence) for a step-indexed loss series
-    (the loss-only part of the verdict; `summarize` adds the gradient-oscillation test)."""
+    (the loss-only part of the verdict; `summarize` adds the gradient-oscillation test), under the
+    thresholds `v` (None: VerdictConfig's defaults)."""
+    v = v or VerdictConfig()
+    smooth_window = v.smooth_window
     values = loss.to_numpy(dtype=float)
     bad = np.flatnonzero(~np.isfinite(values))
     if len(bad):
@@ -117,8 +118,8 @@ def verdict(loss: pd.Series, unigram_entropy: float | None, smooth_window: int =
     lo, final = float(s.min()), float(s.iloc[-1])
     rise = s - s.cummin()
     climb, gap = float(rise.max()), final - lo
-    threshold = max(rebound_abs, rebound_rel * lo)
-    tolerance = max(recovery_abs, recovery_rel * lo)
+    threshold = max(v.rebound_abs, v.rebound_rel * lo)
+    tolerance = max(v.recovery_abs, v.recovery_rel * lo)
     peak_at = rise.idxmax()
     ev = dict(min_smoothed_loss=lo, min_step=int(s.idxmin()), final_smoothed_loss=final, climb=climb,
               climb_step=int(peak_at), climb_start_step=int(s.loc[:peak_at].idxmin()),
@@ -186,8 +187,7 @@ def summarize(df: pd.DataFrame, cfg, unigram_entropy: float | None = None, wall_
     """The run's summary.json: verdict, evidence and key figures, from its metrics table."""
     v = cfg.verdict
     loss = series(df, M.LOSS)
-    name, evidence = verdict(loss, unigram_entropy, v.smooth_window, v.rebound_abs, v.rebound_rel,
-                             v.recovery_abs, v.recovery_rel)
+    name, evidence = verdict(loss, unigram_entropy, v)
     resid = residual_explosion(df, cfg.model.loops, cfg.model.n_embd, v.explosion_ratio)
     g, cos = series(df, M.GRAD_NORM), series(df, M.GRAD_COSINE)
     dense = cfg.diagnostics.dense_steps
@@ -243,7 +243,7 @@ def resummarize(run_dir, verdict_overrides: dict | None = None) -> dict:
     cfg_dict = load_config(run_dir)
     cfg = RunConfig.from_dict(cfg_dict)
     if verdict_overrides:
-        cfg.verdict = VerdictConfig(**{**cfg.verdict.__dict__, **verdict_overrides})
+        cfg = with_overrides(cfg, verdict=verdict_overrides)
     new = summarize(load_metrics(run_dir), cfg, unigram_entropy=cfg_dict.get("corpus", {}).get("unigram_entropy"),
                     wall_time=old.get("wall_time"), stop_reason=old.get("stop_reason"), prediction=old.get("prediction"),
                     tokens_per_step=tokens_per_step(cfg, cfg_dict.get("env", {}).get("world_size", 1)))

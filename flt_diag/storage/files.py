@@ -1,7 +1,7 @@
 """Every kind of file flt-diag reads, and its one validating loader. A file may come from anywhere (a
 colleague's run folder, a downloaded checkpoint), so each is checked before anything is allocated or
-trained from it: its types, ranges and required fields, against a schema (flt_diag.storage.schema)
-whose fields that are options of the typed config (flt_diag.vocab.config) carry the config's own bounds.
+trained from it: its types, ranges and required fields, by its pydantic model (flt_diag.storage.file_models)
+whose fields that are options of the typed config (flt_diag.vocab.config) are the config's own fields.
 A bad file is one `BadFile` line naming the file and the field; nothing is written.
 
     kind               file                          loader (its readers call it)
@@ -14,63 +14,35 @@ A bad file is one `BadFile` line naming the file and the field; nothing is writt
     predictor          fit-predictor's JSON          load_predictor    (settle, the predict command)
     fit examples       fit-predictor's --examples-out load_examples     (predictor_fit.training_examples)
     study              experiments/*.toml            load_study        (the `study` command)
-    reference meta     meta_<step>.json              check_reference_meta (training.reference)
+    reference meta     meta_<step>.json              check_reference_meta (model.reference)
 
-The generated tests (tests/test_file_loaders.py) mutate every field of each schema. Torch-free.
+The generated tests (tests/test_file_loaders.py) mutate every field of each model. Torch-free.
 """
 from __future__ import annotations
 
-import functools
 import io
 import re
-from dataclasses import replace
+import typing
 from pathlib import Path
+from typing import Annotated, Any
 
 import pandas as pd
+from pydantic import Field, ValidationError, field_validator, model_validator
 
-from flt_diag.storage.predictor_names import CLASS_WEIGHTS, FEATURES, PACKAGED, TARGETS
-from flt_diag.storage.schema import (MAX_ITEMS, BadFile, Items, Record, Scalar, Shape, Table, bad, checked, read_json,
-                                      read_text, scalar_of, value)
-from flt_diag.vocab.config import SECTIONS, ModelConfig, RunConfig, TrainConfig, options_of
-from flt_diag.vocab.grid_options import MAX_GRID, MapLinesGrid, SweepGrid
-from flt_diag.vocab.variants import MAX_LOOPS
+from flt_diag.storage import file_models as F
+from flt_diag.storage.file_models import EXAMPLE_IDENTITY, META_LOOP_KEYS, META_VARIANT_KEYS  # noqa: F401 (re-exported)
+from flt_diag.storage.predictor_names import PACKAGED
+from flt_diag.storage.schema import MAX_ITEMS, BadFile, bad, checked, dotted, one_line, read_json, read_text
+from flt_diag.vocab.config import ModelConfig, RunConfig
 
 # --------------------------------------------------------------------------- run config
 
-# Fields every config.json has held since the first version (the readers index them); every other field
-# may be missing in an older file and takes its default.
-REQUIRED = {"model": ("vocab_size", "n_layer", "n_embd", "n_head", "sequence_len", "variant", "loops"),
-            "train": ("steps", "batch_size", "seed", "lr_scale", "data", "tokenizer", "eval_batches")}
-
-
-@functools.cache  # each schema is built once (from the option tables) and never changed
-def section_schema(name: str, required: bool = True) -> Record:
-    return Record({o.name: Scalar(o, o.name in REQUIRED.get(name, ())) for o in options_of(SECTIONS[name], name)},
-                  required)
-
-
-@functools.cache
-def run_config_schema() -> Record:
-    """config.json: the config sections (fields checked by their own Options), the preset, what the
-    Trainer adds (parameter count, corpus figures, environment; free-form except the corpus figures)
-    what an imported reference run adds (imported_from, note) and a run of flt_diag.watch (probe: the
-    watched model and its blocks). These are every top-level key any
-    version has written; another one is refused (a misspelt "corpus" would judge runs without H1)."""
-    count, number = Scalar(value(int, low=0), False), Scalar(value(float, low=0, optional=True), False)
-    return Record({"model": section_schema("model"), "train": section_schema("train"),
-                   "diagnostics": section_schema("diagnostics"), "verdict": section_schema("verdict", False),
-                   "preset": Scalar(value(str), False), "n_params": count,
-                   "corpus": Record({"train_tokens": count, "val_tokens": count, "unigram_entropy": number},
-                                    required=False, other_keys=True),
-                   "env": Record(required=False, other_keys=True), "imported_from": Scalar(value(str), False),
-                   "note": Scalar(value(str), False),
-                   "probe": Record(required=False, other_keys=True)})
-
 
 def load_run_config(path: Path) -> dict:
-    """config.json checked field by field, then by the typed config's rules across fields (the width
+    """config.json checked field by field, and by the typed config's rules across fields (the width
     splits into heads)."""
-    cfg = checked(path, run_config_schema(), read_json(path))
+    cfg = read_json(path)
+    checked(path, F.RunConfigFile, cfg)
     try:
         RunConfig.from_dict(cfg)
     except ValueError as e:
@@ -80,75 +52,21 @@ def load_run_config(path: Path) -> dict:
 
 def check_model_config(model: dict, path, where: str = "model_config") -> dict:
     """A model section found in another file (checkpoint.pt's model_config)."""
-    model = checked(path, section_schema("model"), model, where)
-    try:
-        ModelConfig(**model)
-    except ValueError as e:
-        raise bad(path, f"{where}: {e}") from None
+    checked(path, F.ModelInFile, model, where)
     return model
 
 
 # --------------------------------------------------------------------------- summary
 
-@functools.cache
-def summary_schema() -> Record:
-    """summary.json: the fields its readers use (verdict line, tables, criteria, early warning)."""
-    model, train = {o.name: o for o in options_of(ModelConfig, "")}, {o.name: o for o in options_of(TrainConfig, "")}
-    figure = Scalar(value(float, optional=True), nan=True)
-    step = Scalar(value(int, low=0, optional=True), False)
-    evidence = Record({"reason": Scalar(value(str), False), "min_step": step, "transient_rebound":
-                       Scalar(value(bool), False)}, other_keys=True)
-    prediction = Record({"step": Scalar(value(int, low=0)), "p_collapse": Scalar(value(float, low=0, high=1), False)},
-                        required=False, other_keys=True, nullable=True)
-    return Record({"verdict": Scalar(value(str, choices=("stable", "unstable", "collapsed", "diverged"))),
-                   "evidence": evidence, "residual_explosion": Scalar(value(bool)),
-                   "residual_explosion_any": Scalar(value(bool), False), "peak_resid_norm": figure,
-                   "variant": Scalar(model["variant"]), "loops": Scalar(model["loops"]), "seed": Scalar(train["seed"]),
-                   "lr_scale": Scalar(train["lr_scale"]), "final_loss": figure, "best_loss": figure,
-                   "val_loss": figure, "osc_cv": figure, "steps_done": Scalar(value(int, low=0)),
-                   "steps": Scalar(train["steps"]), "prediction": prediction,
-                   "oscillation_windows": Items(Record(other_keys=True), False, min_items=0),
-                   "milestones": Items(Record(other_keys=True), False, min_items=0)}, other_keys=True)
-
-
 def load_summary(path: Path) -> dict:
-    return checked(path, summary_schema(), read_json(path))
+    summary = read_json(path)
+    checked(path, F.SummaryFile, summary)
+    return summary
 
 
 # --------------------------------------------------------------------------- sweep and map specs
 
 CELL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,199}")  # a folder under cells/, never a path
-
-
-@functools.cache
-def _grid_options() -> dict:
-    """The grid fields of a sweep or map spec, bounded like the command line's --loops, --axis etc."""
-    return {o.name: o for cls in (SweepGrid, MapLinesGrid) for o in options_of(cls, "")}
-
-
-@functools.cache
-def sweep_spec_schema() -> Record:
-    o = _grid_options()
-    base = Record({name: section_schema(name) for name in ("model", "train")}
-                  | {"diagnostics": section_schema("diagnostics", False)}, other_keys=True)
-    return Record({"variants": scalar_of(o["variants"]), "loops": scalar_of(o["loops"]),
-                   "seeds": scalar_of(o["seeds"]), "lr_scales": scalar_of(o["lr_scales"]), "base": base,
-                   "cell_names": Items(Scalar(value(str)), distinct=True)}, other_keys=True)
-
-
-@functools.cache
-def map_spec_schema(axis: str = "lr") -> Record:
-    """A map's sweep.json; its grid holds lr scales or depths (`axis`), bounded like --lr-scale / --depth."""
-    o = _grid_options()
-    grid_value = {x.name: x for x in options_of(TrainConfig, "") + options_of(ModelConfig, "")}[
-        "n_layer" if axis == "depth" else "lr_scale"]
-    sweep = sweep_spec_schema().entries
-    return Record({"kind": Scalar(value(str, choices=("map",))), "variants": sweep["variants"],
-                   "loops": sweep["loops"], "seeds": sweep["seeds"], "axis": Scalar(o["axis"]),
-                   "grid": Items(Scalar(grid_value), distinct=True, ascending=True, max_items=MAX_GRID),
-                   "criteria": scalar_of(o["criteria"]), "base": sweep["base"]}, other_keys=True)
-
-
 MAP_KEYS = {"axis", "grid", "criteria"}  # what only a map's spec holds
 
 
@@ -156,8 +74,9 @@ def load_spec(path: Path) -> dict:
     """sweep.json of a sweep, or of a map (`kind: map`): the grid, the cells, the shared base config."""
     spec = read_json(path)
     if isinstance(spec, dict) and ("kind" in spec or MAP_KEYS & set(spec) and "cell_names" not in spec):
-        return checked(path, map_spec_schema(spec.get("axis") if spec.get("axis") == "depth" else "lr"), spec)
-    spec = checked(path, sweep_spec_schema(), spec)
+        checked(path, F.map_spec_model(spec.get("axis") if spec.get("axis") == "depth" else "lr"), spec)
+        return spec
+    checked(path, F.SweepSpecFile, spec)
     n = len(spec["variants"]) * len(spec["loops"]) * len(spec["seeds"]) * len(spec["lr_scales"])
     if len(spec["cell_names"]) != n:
         raise bad(path, f"cell_names has {len(spec['cell_names'])} names for a grid of {n} cells")
@@ -204,41 +123,7 @@ def check_metrics_part(path: Path) -> None:
         raise BadFile(f"{path}: column {extra[0]} is not a metrics column")
 
 
-# --------------------------------------------------------------------------- predictor
-
-@functools.cache
-def predictor_schema() -> Record:
-    """fit-predictor's JSON: features, one logistic model per step (a mean, std and coefficient per
-    feature), the threshold in (0, 1), the target."""
-    numbers = Items(Scalar(value(float)), length_of="features")
-    model = Record({"mean": numbers, "std": Items(Scalar(value(float, above=0)), length_of="features"),
-                    "coef": numbers, "intercept": Scalar(value(float)), "runs": Scalar(value(int, low=0), False),
-                    "positives": Scalar(value(int, low=0), False),
-                    "train_accuracy": Scalar(value(float, low=0, high=1), False)}, other_keys=True)
-    return Record({"features": Items(Scalar(value(str, choices=FEATURES)), distinct=True),
-                   "models": Table(value(int, low=1), model), "threshold": Scalar(value(float, above=0, below=1), False),
-                   "target": Scalar(value(str, choices=TARGETS), False),
-                   "class_weight": Scalar(value(str, choices=CLASS_WEIGHTS), False),
-                   "l2": Scalar(value(float, above=0), False)}, other_keys=True)
-
-
-EXAMPLE_IDENTITY = ("run", "variant", "loops", "n_layer", "n_embd", "seed", "lr_scale")
-
-
-@functools.cache
-def examples_schema() -> Items:
-    """A fit-examples table (fit-predictor --examples-out): one row per run and fitted step."""
-    model, train = {o.name: o for o in options_of(ModelConfig, "")}, {o.name: o for o in options_of(TrainConfig, "")}
-    number = Scalar(value(float, optional=True), nan=True)
-    return Items(Record({"run": Scalar(value(str)), "variant": Scalar(model["variant"]),
-                         "loops": Scalar(model["loops"]), "n_layer": Scalar(model["n_layer"]),
-                         "n_embd": Scalar(model["n_embd"]), "seed": Scalar(train["seed"]),
-                         "lr_scale": Scalar(train["lr_scale"]), "steps_done": Scalar(value(int, low=0)),
-                         "verdict": Scalar(value(str, choices=("stable", "unstable", "collapsed", "diverged"))),
-                         "climb": number, "rebound_threshold": number,
-                         "transient_rebound": Scalar(value(bool)), "step": Scalar(value(int, low=1)),
-                         **{f: number for f in FEATURES}}))
-
+# --------------------------------------------------------------------------- predictor and fit examples
 
 def load_examples(path: Path) -> list[dict]:
     """A fit-examples CSV, checked row by row (a run's identity, verdict evidence, step and features)."""
@@ -248,7 +133,8 @@ def load_examples(path: Path) -> list[dict]:
         rows = df.where(df.notna(), None).to_dict("records")  # Python values; an empty cell is None
     except (ValueError, pd.errors.ParserError) as e:
         raise BadFile(f"unreadable {path}: {str(e)[:100]}") from None
-    return checked(path, examples_schema(), rows)
+    checked(path, F.ExamplesTable, rows)
+    return rows
 
 
 def load_predictor(path=None) -> dict:
@@ -259,19 +145,17 @@ def load_predictor(path=None) -> dict:
         path = PACKAGED
     if str(path) in ("", "."):
         raise BadFile("the predictor file name is empty (leave --predictor out for the packaged predictor)")
-    return checked(path, predictor_schema(), read_json(path))
+    model = read_json(path)
+    checked(path, F.PredictorFile, model)
+    return model
 
 
 # --------------------------------------------------------------------------- study files
 
-def study_entry(o):
-    """A study file's value of option `o` (a list for a list option; a path is text)."""
-    return scalar_of(replace(o, kind=str) if o.kind is Path else o, required=False)
-
-
-def load_study(path: Path, tables: dict[str, list]) -> tuple[str, dict]:
+def load_study(path: Path, tables: dict[str, Any]) -> tuple[str, dict]:
     """A study file -> (its table's name, option values keyed by Option.dest): exactly one of `tables`
-    ({"ablation": [Option, ...], ...}), whose keys are those options' names, checked like the command line."""
+    ({"ablation": model, ...}: the pydantic model of the options each takes, flt_diag.cli.options.given_model),
+    whose keys are those options' names, checked like the command line; other keys (description, gpu) are free."""
     try:
         import tomllib
     except ImportError:  # Python 3.10
@@ -283,68 +167,100 @@ def load_study(path: Path, tables: dict[str, list]) -> tuple[str, dict]:
     found = [t for t in tables if t in spec]
     if len(found) != 1 or not isinstance(spec[found[0]], dict):
         raise BadFile(f"{path}: needs exactly one {' or '.join(f'[{t}]' for t in tables)} table")
-    table, known = found[0], {o.dest: o for o in tables[found[0]]}
-    values = {}
-    for key, x in spec[table].items():
-        o = known.get(key.replace("-", "_"))
-        if o is None:
-            raise BadFile(f"{path}: unknown option {key!r} in [{table}]")
-        if o.many and not isinstance(x, list):
-            x = [x]
-        values[o.dest] = _as_kind(o, checked(path, study_entry(o), x, f"[{table}] {key}"))
-    return table, values
+    table, model = found[0], tables[found[0]]
+    unknown = next((key for key in spec[table] if key.replace("-", "_") not in model.model_fields), None)
+    if unknown is not None:
+        raise BadFile(f"{path}: unknown option {unknown!r} in [{table}]")
+    values = {key.replace("-", "_"): x for key, x in spec[table].items()}
+    values = {k: [x] if _is_list(model.model_fields[k].annotation) and not isinstance(x, list) else x
+              for k, x in values.items()}  # one value of a list option is a list of one
+    try:
+        given = model.model_validate(values)
+    except ValidationError as e:
+        raise bad(path, one_line(e, lambda loc: f"[{table}] {dotted(loc)}", model)) from None
+    return table, {k: getattr(given, k) for k in values}
 
 
-def _as_kind(o, x):
-    def one(v):
-        return Path(v) if o.kind is Path else float(v) if o.kind is float else v
-    return [one(v) for v in x] if o.many else one(x)
+def _is_list(hint) -> bool:
+    return list in {typing.get_origin(h) for h in (hint, *typing.get_args(hint))}
 
 
 # --------------------------------------------------------------------------- reference meta json
 
-@functools.cache
-def reference_meta_schema() -> Record:
+def check_reference_meta(meta, path) -> dict:
     """nanochat's meta_<step>.json: the model sizes (top level or under model_config), K and the variant
     under the names the reference uses; the sizes obey the command line's bounds."""
-    o = {x.name: replace(x, optional=True) for x in options_of(ModelConfig, "")}
-    sizes = {name: Scalar(o[name], False) for name in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_embd")}
-    sizes["n_kv_head"] = Scalar(o["n_head"], False)
-    loops = {k: Scalar(value(int, optional=True, low=1, high=MAX_LOOPS), False) for k in META_LOOP_KEYS}
-    variant = {k: Scalar(value(str, optional=True), False) for k in META_VARIANT_KEYS}
-    return Record({"model_config": Record(sizes | loops | variant, required=False, other_keys=True, nullable=True),
-                   **sizes, **loops, **variant}, other_keys=True)
-
-
-META_LOOP_KEYS = ("K", "n_loops", "loops", "num_loops")  # "K": the reference's GPTConfig
-META_VARIANT_KEYS = ("model_type", "variant", "loop_type")  # "model_type": the reference's GPTConfig
-
-
-def check_reference_meta(meta, path) -> dict:
-    return checked(path, reference_meta_schema(), meta)
+    checked(path, F.ReferenceMeta, meta)
+    return meta
 
 
 # --------------------------------------------------------------------------- torch files
 
-def resume_schema(model_shapes: dict, steps: int, optimizers: int, callbacks_as_list: bool) -> Record:
-    """resume.pt of a run: its next step (at most the run's steps), wall time, weights of this model's
-    shapes, one state per optimizer, the callbacks' states (by name; a list in older files)."""
-    callback = Record(other_keys=True)
-    param_group = Record({"params": Items(Scalar(value(int, low=0, high=MAX_ITEMS)))}, other_keys=True)
-    per_param = Table(value(int, low=0), Record(other_keys=True), min_items=0)  # parameter index -> its state
-    optimizer = Record({"state": per_param, "param_groups": Items(param_group)}, other_keys=True)
-    return Record({"step": Scalar(value(int, low=0, high=steps)), "wall_time": Scalar(value(float, low=0)),
-                   "model": Record({k: Shape(tuple(s)) for k, s in model_shapes.items()}),
-                   "optimizers": Items(optimizer, min_items=optimizers, max_items=optimizers),
-                   "callbacks": Items(callback, min_items=0) if callbacks_as_list else Record(other_keys=True)})
+class Tensors(F.FileModel, extra="allow"):
+    """Weights by name: with `shapes` in the context, exactly those names, each a tensor of that shape."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shapes(cls, x, info):
+        shapes = (info.context or {}).get("shapes")
+        if not isinstance(x, dict) or shapes is None:
+            return x
+        for name, shape in shapes.items():
+            if name not in x:
+                raise ValueError(f"{name} is missing")
+            got = getattr(x[name], "shape", None)
+            if got is None or not hasattr(x[name], "dtype"):
+                raise ValueError(f"{name} must be a tensor, got {type(x[name]).__name__}")
+            if tuple(got) != tuple(shape):
+                raise ValueError(f"{name} has shape {tuple(got)}; this run's is {tuple(shape)}")
+        unknown = next((k for k in x if k not in shapes), None)
+        if unknown is not None:
+            raise ValueError(f"{unknown} is not a weight of this run's model")
+        return x
+
+
+class ParamGroup(F.FreeFileModel):
+    params: list[int] = Field(min_length=1, max_length=MAX_ITEMS, json_schema_extra=dict(items=dict(ge=0,
+                                                                                                     le=MAX_ITEMS)))
+
+
+class OptimizerState(F.FreeFileModel):
+    state: dict[Annotated[int, Field(ge=0)], dict] = Field(max_length=MAX_ITEMS)  # parameter index -> its state
+    param_groups: list[ParamGroup] = Field(min_length=1, max_length=MAX_ITEMS)
+
+
+class ResumeState(F.FileModel):
+    """resume.pt of a run (context: `shapes` of its weights, its `steps`, its number of `optimizers`): its
+    next step (at most the run's steps), wall time, weights, one state per optimizer, the callbacks' states
+    (by name; a list in older files)."""
+
+    step: int = Field(ge=0, json_schema_extra=dict(at_most="steps"))
+    wall_time: float = Field(ge=0)
+    model: Tensors
+    optimizers: list[OptimizerState] = Field(max_length=MAX_ITEMS, json_schema_extra=dict(count="optimizers"))
+    callbacks: dict | list[dict]
+
+    @field_validator("step")
+    @classmethod
+    def _at_most_the_steps(cls, x, info):
+        steps = (info.context or {}).get("steps")
+        if steps is not None and x > steps:
+            raise ValueError(f"must be <= {steps} (the run's steps), got {x}")
+        return x
+
+    @field_validator("optimizers")
+    @classmethod
+    def _one_per_optimizer(cls, x, info):
+        n = (info.context or {}).get("optimizers")
+        if n is not None and len(x) != n:
+            raise ValueError(f"has {len(x)} items; this run has {n} optimizers")
+        return x
 
 
 def check_resume_state(state, path, model_shapes: dict, steps: int, optimizer_shapes: list[list[tuple]]) -> dict:
     """resume.pt checked against the run that resumes it (shapes of its weights and of its optimizers'
     parameters) before any of it is loaded."""
-    schema = resume_schema(model_shapes, steps, len(optimizer_shapes),
-                           isinstance(state, dict) and isinstance(state.get("callbacks"), list))
-    state = checked(path, schema, state)
+    checked(path, ResumeState, state, context=dict(shapes=model_shapes, steps=steps, optimizers=len(optimizer_shapes)))
     for i, (saved, shapes) in enumerate(zip(state["optimizers"], optimizer_shapes)):
         where = f"optimizers[{i}]"
         params = [p for g in saved["param_groups"] for p in g["params"]]
@@ -361,18 +277,19 @@ def check_resume_state(state, path, model_shapes: dict, steps: int, optimizer_sh
     return state
 
 
-def checkpoint_schema(model_shapes: dict | None = None) -> Record:
-    """checkpoint.pt: the final weights (with `model_shapes`: exactly those, of those shapes: the model
-    its model_config builds), the model config, the steps trained."""
-    weights = Record({k: Shape(tuple(s)) for k, s in model_shapes.items()}) if model_shapes else Record(other_keys=True)
-    return Record({"model": weights, "model_config": section_schema("model"), "step": Scalar(value(int, low=0), False)})
+class Checkpoint(F.FileModel):
+    """checkpoint.pt: the final weights (context `shapes`: exactly those, of those shapes: the model its
+    model_config builds), the model config, the steps trained."""
+
+    model_config_: F.ModelInFile = Field(alias="model_config")  # (first: it sizes the model)
+    model: Tensors
+    step: int = Field(None, ge=0)
 
 
 def check_checkpoint(obj, path, model_shapes: dict | None = None) -> dict:
     """checkpoint.pt checked: its model config first (it sizes the model), then, given the shapes of the
     model built from it, its weights."""
-    obj = checked(path, checkpoint_schema(model_shapes), obj)
-    check_model_config(obj["model_config"], path)
+    checked(path, Checkpoint, obj, context=dict(shapes=model_shapes))
     return obj
 
 

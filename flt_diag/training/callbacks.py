@@ -16,11 +16,41 @@ progress) are callbacks too; the Trainer appends them after the caller's (`Train
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, ContextManager, Protocol
 
 from flt_diag.storage.folders import PROGRESS, MetricsWriter, write_json
+from flt_diag.vocab.config import RunConfig
 
-Trainer = Any  # the running flt_diag.training.trainer.Trainer; not imported, since the Trainer imports its callbacks
+if TYPE_CHECKING:  # (types only: this base imports no torch)
+    import torch
+
+
+class Trainer(Protocol):
+    """What a callback may use of the running flt_diag.training.trainer.Trainer, which has all of it. A
+    Protocol: the Trainer imports its callbacks, so importing it here, even for types only, would close
+    an import circle (tests/test_layers.py)."""
+
+    cfg: RunConfig
+    run_dir: Path
+    model: "torch.nn.Module"
+    optimizers: "list[torch.optim.Optimizer]"
+    device: "torch.device"
+    log: object  # the step's metric log (flt_diag.training.trainer.StepLog: add, add_vector)
+    val_data: object
+    callbacks: list["Callback"]
+    is_main: bool
+    start_step: int
+    steps_done: int
+    wall_time: float
+    last_loss: float
+    stop_reason: str | None
+    prediction: dict | None
+
+    def request_stop(self, reason: str, prediction: dict | None = None) -> None: ...
+    def elapsed(self) -> float: ...
+    def emit(self, step: int, rows: list[tuple]) -> None: ...
+    def autocast(self) -> ContextManager: ...
 
 
 class Callback:

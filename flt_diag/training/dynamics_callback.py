@@ -92,7 +92,8 @@ class LoopDynamicsCallback(Callback):
             return
         b = self.cfg.dynamics_batch
         idx, targets = self.batch[0][:b], self.batch[1][:b]
-        model, loss_on, log = trainer.model, trainer.cfg.train.loss_on, trainer.log
+        model, log = trainer.model, trainer.log
+        loss_on = trainer.cfg.train.loss_on if getattr(trainer, "cfg", None) is not None else "end"  # (a probe: the end loop)
         gen = torch.Generator(device=idx.device).manual_seed(step)
         with torch.autocast(idx.device.type, enabled=False):
             if due(step, self.cfg.dynamics_every) and model.cfg.loops > 1:

@@ -37,7 +37,9 @@ import torch
 from flt_diag.judge.verdict import summarize, tokens_per_step
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import CONFIG, SUMMARY, MetricsWriter, folder_lock, has_content, load_metrics, write_json
+from flt_diag.model.transformer import LoopedTransformer
 from flt_diag.training.callbacks import Callback
+from flt_diag.training.dynamics_callback import LoopDynamicsCallback
 from flt_diag.training.diagnostics import DiagnosticsCallback, ProbeError, should_record
 from flt_diag.training.probe_model import (default_head, head_count_of, parameter_groups_of, resolve_blocks,
                                            vocab_size_of)
@@ -93,6 +95,9 @@ class LoopProbe:
         self.warning_cb = CollapseWarning(predictor(predictor_path), stop=stop_on_collapse,
                                           say=None if warn else (lambda text: None))  # prints only with warn
         self.callbacks = list(callbacks or [])
+        self.dynamics = isinstance(model, LoopedTransformer) and self.dcfg.loop_dynamics  # its loop map is known:
+        if self.dynamics:  # the same loop-dynamics records as a run of flt-diag's own (first of the callbacks)
+            self.callbacks.insert(0, LoopDynamicsCallback(self.dcfg))
         self.step_index, self.shape, self.loops_seen = 0, None, Counter()
         self.summary: dict | None = None
         self._reset_step()
@@ -109,6 +114,8 @@ class LoopProbe:
             self._handles = [self.model.register_forward_pre_hook(self._begin_forward),
                              self.model.register_forward_hook(self._end_forward)]
             self.diag.on_start(self.host)  # its LoopHooks, registered after the probe's own pre-hook
+            for cb in self.callbacks[:1] if self.dynamics else ():  # hooks needed from the first forward on
+                cb.on_start(self.host)
             self.hooks = self.diag.hooks
             self.hooks.listeners.append(self._first_shape)
             self.hooks.on_forward_end.append(self._count_loops)
@@ -267,7 +274,7 @@ class LoopProbe:
     def _start_run(self, s: int) -> None:
         self.host.cfg = self._run_config(self.steps or s + 1)
         self._write_config(self.host.cfg)
-        for cb in (self.warning_cb, *self.callbacks):
+        for cb in (self.warning_cb, *self.callbacks[1 if self.dynamics else 0:]):
             cb.on_start(self.host)
 
     def _summarize(self) -> dict:

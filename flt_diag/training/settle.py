@@ -21,14 +21,14 @@ is asked for.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import re
 from pathlib import Path
 
 from flt_diag.judge.early_warning import PACKAGED
 from flt_diag.storage.files import load_predictor
-from flt_diag.vocab.config import TASK_DIALS, TASKS, RunConfig, build_config, padded_vocab, sections_from
+from flt_diag.vocab.config import (TASK_DIALS, TASKS, RunConfig, build_config, padded_vocab, sections_from,
+                                   with_overrides)
 from flt_diag.data.corpus import DataError, get_tokenizer
 from flt_diag.data.sources import check_source
 
@@ -65,10 +65,8 @@ def settle(cfg: RunConfig) -> RunConfig:
     d = cfg.diagnostics
     if d.warn or d.stop_on_collapse or d.predictor is not None:
         predictor(d.predictor)
-    settled = copy.deepcopy(cfg)
-    settled.train = dataclasses.replace(settled.train, device=device)
-    settled.model = dataclasses.replace(settled.model, vocab_size=padded_vocab(tokenizer_vocab(cfg.train.tokenizer)))
-    return settled
+    return with_overrides(cfg, train=dict(device=device),
+                          model=dict(vocab_size=padded_vocab(tokenizer_vocab(cfg.train.tokenizer))))
 
 
 def check_settled(cfg: RunConfig, tokenizer_vocab: int) -> None:

@@ -1,11 +1,13 @@
-"""Every option of flt-diag, once: typed config sections whose fields carry their help text,
-their command-line flag, their bounds and their choices.
+"""Every option of flt-diag, once: typed config sections (pydantic models) whose fields carry their
+help text, their command-line flag, their bounds and their choices (declared with `opt`,
+flt_diag.vocab.option_fields).
 
 The grids' own options (what a sweep or map runs over) are beside it in flt_diag.vocab.grid_options.
 The command line (flt_diag.cli, which also decides which command takes which option), the sweep and
-map specs and the study files are generated from these fields (`OPTIONS`); validation is `check()` on
-the same metadata and runs whenever a section is constructed, so a bad value raises one ValueError
-naming the flag, wherever it came from. flt_diag.training.settle turns options into the one settled config a
+map specs and the study files are generated from these fields (`OPTIONS`); pydantic validates a
+section whenever it is built, so a bad value raises one ConfigError (a ValueError) line naming the
+flag, wherever it came from; a file's sections are validated by the same models
+(flt_diag.storage.files), their errors naming the file and the field. flt_diag.training.settle turns options into the one settled config a
 run takes.
 
 Size dial: `depth` (= L). Width is d = aspect * depth and heads are ceil(d / head_dim), as in the
@@ -14,11 +16,9 @@ overridden.
 """
 from __future__ import annotations
 
-import functools
-import math
-import typing
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from pydantic import Field, model_validator
 
+from flt_diag.vocab.option_fields import ConfigError, Option, Options, opt, options_of  # noqa: F401 (re-exported)
 from flt_diag.vocab.variants import MAX_LOOPS, VARIANTS
 
 
@@ -28,116 +28,13 @@ TASKS: dict[str, tuple[str, ...]] = {"phop": ("hops", "alphabet"), "addition": (
 TASK_DIALS = tuple(dial for dials in TASKS.values() for dial in dials)
 
 
-def opt(default, help: str, *, flag: str | None = None, choices=None, low=None, high=None, above=None, below=None):
-    """A config field that is also an option. `low`/`high` bound it inclusively, `above`/`below`
-    exclusively; floats must be finite. Which commands take it is the CLI's business (flt_diag.cli.options)."""
-    kind = dict(default_factory=lambda: list(default)) if isinstance(default, list) else dict(default=default)
-    return field(**kind, metadata=dict(help=help, flag=flag, choices=tuple(choices) if choices else None,
-                                       low=low, high=high, above=above, below=below))
-
-
-@dataclass(frozen=True)
-class Option:
-    """One config field as the command line sees it."""
-
-    section: str  # "model", "train", "diagnostics", "verdict" or "run"
-    name: str  # the field name
-    flag: str  # "--batch-size"
-    kind: type  # int, float, str or bool
-    optional: bool  # None is a value (= "decided elsewhere", e.g. by the device)
-    many: bool  # a list of values (`--loops 3 6 9`)
-    default: object
-    help: str
-    choices: tuple | None
-    low: float | None
-    high: float | None
-    above: float | None
-    below: float | None
-
-    @property
-    def dest(self) -> str:
-        return self.flag[2:].replace("-", "_")
-
-    def check(self, value) -> str | None:
-        """Why `value` is not acceptable (one line), or None."""
-        if value is None:
-            return None if self.optional else f"{self.flag} needs a value"
-        if self.many:
-            if not isinstance(value, (list, tuple)) or not value:
-                return f"{self.flag} needs at least one value, got {value!r}"
-            problem = next((p for p in map(self._check_one, value) if p), None)
-            if problem is None and len(set(value)) != len(value):  # items checked first: a list is unhashable
-                problem = f"{self.flag} has duplicates: {' '.join(map(str, value))}"
-            return problem
-        return self._check_one(value)
-
-    def _check_one(self, value) -> str | None:
-        if self.kind is bool:
-            return None if isinstance(value, bool) else f"{self.flag} must be true or false, got {value!r}"
-        if self.kind in (int, float):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                    (self.kind is int and isinstance(value, float) and not value.is_integer()):
-                return f"{self.flag} must be {'an integer' if self.kind is int else 'a number'}, got {value!r}"
-            if isinstance(value, float) and not math.isfinite(value):  # (an int of any size is finite)
-                return f"{self.flag} must be finite, got {value}"
-            if self.low is not None and self.high is not None and not self.low <= value <= self.high:
-                return f"{self.flag} must be in {self.low}..{self.high}, got {value}"
-            if self.low is not None and value < self.low:
-                return f"{self.flag} must be >= {self.low}, got {value}"
-            if self.high is not None and value > self.high:
-                return f"{self.flag} must be <= {self.high}, got {value}"
-            if self.above is not None and not value > self.above:
-                return f"{self.flag} must be > {self.above}, got {value}"
-            if self.below is not None and not value < self.below:
-                return f"{self.flag} must be < {self.below}, got {value}"
-            return None
-        if not isinstance(value, str) and not (self.kind is not str and isinstance(value, self.kind)):
-            return f"{self.flag} must be text, got {value!r}"
-        if self.choices and value not in self.choices:
-            return f"{self.flag} must be one of {', '.join(self.choices)}, got {value!r}"
-        return None
-
-
-def options_of(cls, section: str) -> list[Option]:
-    """The Options of a config dataclass (fields with `opt` metadata)."""
-    return list(_options_of(cls, section))
-
-
-@functools.cache  # every section checks its fields whenever it is built: read the type hints once
-def _options_of(cls, section: str) -> tuple[Option, ...]:
-    hints = typing.get_type_hints(cls)
-    out = []
-    for f in fields(cls):
-        if "help" not in f.metadata:
-            continue
-        hint = hints[f.name]
-        many = typing.get_origin(hint) is list
-        args = typing.get_args(hint)
-        kind = next((a for a in args if a is not type(None)), None) if args else hint
-        m = f.metadata
-        default = f.default_factory() if f.default is MISSING and f.default_factory is not MISSING else f.default
-        out.append(Option(section, f.name, m["flag"] or "--" + f.name.replace("_", "-"), kind,
-                          type(None) in args, many, None if default is MISSING else default, m["help"], m["choices"],
-                          m["low"], m["high"], m["above"], m["below"]))
-    return tuple(out)
-
-
-def check(section) -> None:
-    """Validate a config section against its options; raises ValueError with one line."""
-    for o in options_of(type(section), ""):
-        problem = o.check(getattr(section, o.name))
-        if problem:
-            raise ValueError(problem)
-
-
 # Upper bounds of the sizes (far above any run this tool is for): a size read from a file (config.json,
 # checkpoint.pt, a reference meta json) obeys the same limits as the command line, so no file can ask for
 # a terabyte model or rotary table before anything checks it.
 MAX_DEPTH, MAX_WIDTH, MAX_SEQUENCE, MAX_VOCAB, MAX_BATCH = 1024, 32_768, 131_072, 2_097_152, 65_536
 
 
-@dataclass
-class ModelConfig:
+class ModelConfig(Options):
     vocab_size: int = opt(256, "Tokens (set from the tokenizer, padded to a multiple of 64).", low=1, high=MAX_VOCAB)
     n_layer: int = opt(2, "Size dial: L distinct blocks reused every loop; width follows the preset's aspect ratio "
                        "unless --width is given.", flag="--depth", low=1, high=MAX_DEPTH)
@@ -152,21 +49,18 @@ class ModelConfig:
                             choices=("float32", "bfloat16"))
     softcap: float = opt(15.0, "Logit soft cap: logits = c * tanh(head(h) / c).", above=0)
 
-    def __post_init__(self) -> None:
-        check(self)
+    @model_validator(mode="after")
+    def _heads_split_the_width(self):
         if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
             raise ValueError(f"width {self.n_embd} must split into {self.n_head} heads of even size")
+        return self
 
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
-    def to_dict(self) -> dict:
-        return asdict(self)
 
-
-@dataclass
-class TrainConfig:
+class TrainConfig(Options):
     steps: int = opt(2000, "Optimizer steps.", low=1)
     batch_size: int = opt(16, "Sequences per micro-batch (per process).", low=1, high=MAX_BATCH)
     grad_accum: int = opt(1, "Micro-batches per optimizer step.", low=1)
@@ -211,15 +105,15 @@ class TrainConfig:
     operands: int = opt(4, "addition: numbers added (its difficulty dial).", low=2, high=10)
     digits: int = opt(2, "addition: digits per number.", low=1, high=5)
 
-    def __post_init__(self) -> None:
-        check(self)  # every section validates itself when built (also by `replace`)
+    @model_validator(mode="after")
+    def _tasks_are_sampled_at_random(self):
         if self.data in TASKS and self.sampling == "stream":
             raise ValueError(f"--sampling stream reads a corpus in order; --data {self.data} draws its examples "
                              "at random: use --sampling random")
+        return self
 
 
-@dataclass
-class DiagnosticsConfig:
+class DiagnosticsConfig(Options):
     enabled: bool = opt(True, "Record the diagnostics (--no-diagnostics: only loss, lr, grad norm).",
                         flag="--diagnostics")
     dense_steps: int = opt(2000, "Record every step up to here ...", low=0)
@@ -241,12 +135,8 @@ class DiagnosticsConfig:
                                  "folder stays complete. Implies --warn.")
     predictor: str | None = opt(None, "Predictor JSON from `flt-diag fit-predictor` [default: the packaged one].")
 
-    def __post_init__(self) -> None:
-        check(self)  # every section validates itself when built (also by `replace`)
 
-
-@dataclass
-class VerdictConfig:
+class VerdictConfig(Options):
     smooth_window: int = opt(50, "Verdict: steps in the trailing mean that smooths the loss.", low=1)
     rebound_abs: float = opt(0.25, "Verdict: collapsed if the smoothed loss climbs more than max(this, "
                              "rebound-rel * min) nats above its running minimum ...", low=0)
@@ -260,39 +150,45 @@ class VerdictConfig:
     osc_cv_threshold: float = opt(3.0, "Verdict: unstable if the grad-norm CV over the dense steps exceeds this "
                                   "(calibration: docs/DESIGN.md §3; stable runs measured 0.3-1.6).", low=0)
 
-    def __post_init__(self) -> None:
-        check(self)  # every section validates itself when built (also by `replace`)
+
+class PresetOption(Options):
+    """The --preset option: the preset a run starts from (auto: decided by the device)."""
+
+    preset: str = opt("auto", "tiny (CPU, minutes), small (one GPU), paper-small, paper-base, or auto (tiny on CPU, "
+                      "small on GPU).", choices=("tiny", "small", "paper-small", "paper-base", "auto"))
 
 
-@dataclass
-class RunConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
-    verdict: VerdictConfig = field(default_factory=VerdictConfig)
-    preset: str = opt("custom", "tiny (CPU, minutes), small (one GPU), paper-small, paper-base, or auto (tiny on "
-                      "CPU, small on GPU) [default: auto].", choices=("tiny", "small", "paper-small", "paper-base",
-                                                                       "auto"))
+class RunConfig(Options):
+    """A run's config. `preset` records where its sizes came from: a preset that build_config resolved
+    (never auto), or custom (sizes of its own: an imported checkpoint's, or a config built by hand)."""
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    diagnostics: DiagnosticsConfig = Field(default_factory=DiagnosticsConfig)
+    verdict: VerdictConfig = Field(default_factory=VerdictConfig)
+    preset: str = Field("custom", json_schema_extra=dict(choices=("tiny", "small", "paper-small", "paper-base",
+                                                                  "custom")))
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunConfig":
-        """A config read back from config.json; a file that is not one raises ValueError (one line)."""
+        """A config read back from config.json (as load_run_config checked it: its extra keys, such as
+        the Trainer's corpus figures, are left out); a dict that is not one raises ConfigError (one line)."""
+        from flt_diag.vocab.option_fields import dotted, one_line
+        from pydantic import ValidationError
+        missing = [k for k in ("model", "train", "diagnostics") if not isinstance(d, dict) or not isinstance(d.get(k), dict)]
+        if missing:
+            raise ConfigError(f"not an flt-diag config (no {missing[0]} section)")
+        d = {k: v for k, v in d.items() if k in cls.model_fields} | {"train": {**LEGACY_TRAIN_DEFAULTS, **d["train"]}}
         try:
-            train = {**LEGACY_TRAIN_DEFAULTS, **d["train"]}
-            return cls(model=ModelConfig(**d["model"]), train=TrainConfig(**train),
-                       diagnostics=DiagnosticsConfig(**d["diagnostics"]),
-                       verdict=VerdictConfig(**d.get("verdict", {})), preset=d.get("preset", "custom"))
-        except (KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"not an flt-diag config (missing or unknown field: {e})") from None
+            return cls.model_validate(d)
+        except ValidationError as e:
+            raise ConfigError(f"not an flt-diag config: {one_line(e, dotted)}") from None
 
 
 SECTIONS = {"model": ModelConfig, "train": TrainConfig, "diagnostics": DiagnosticsConfig, "verdict": VerdictConfig}
 
 # Every config option, in help order; the CLI and the study files are generated from this list.
-OPTIONS: list[Option] = options_of(RunConfig, "run") + \
+OPTIONS: list[Option] = options_of(PresetOption, "run") + \
     [o for section, cls in SECTIONS.items() for o in options_of(cls, section)]
 
 
@@ -378,23 +274,22 @@ def build_config(preset: str = "auto", cuda_available: bool = False, model: dict
         aspect = p["model"]["n_embd"] // p["model"]["n_layer"]
         head_dim = p["model"]["n_embd"] // p["model"]["n_head"]
         m = {**shape(m["n_layer"], aspect, head_dim), **m}
-    try:
-        return RunConfig(model=ModelConfig(**{**p["model"], **m}), train=TrainConfig(**{**p["train"], **given(train)}),
-                         diagnostics=DiagnosticsConfig(**given(diagnostics)), verdict=VerdictConfig(**given(verdict)),
-                         preset=name)
-    except TypeError as e:  # an unknown field name
-        raise ValueError(f"unknown option: {e}") from None
+    return RunConfig(model=ModelConfig(**{**p["model"], **m}), train=TrainConfig(**{**p["train"], **given(train)}),
+                     diagnostics=DiagnosticsConfig(**given(diagnostics)), verdict=VerdictConfig(**given(verdict)),
+                     preset=name)
+
+
+def replaced(section: Options, **changes) -> Options:
+    """A copy of a section (or config) with some fields changed, validated like a new one."""
+    return type(section)(**{**{name: getattr(section, name) for name in type(section).model_fields}, **changes})
 
 
 def validate(cfg: RunConfig) -> None:
     """Check a config whose sections were changed in place (construction already checks)."""
-    for section in (cfg.model, cfg.train, cfg.diagnostics, cfg.verdict):
-        type(section).__post_init__(section)
+    for section in (cfg.model, cfg.train, cfg.diagnostics, cfg.verdict, cfg):
+        replaced(section)
 
 
 def with_overrides(cfg: RunConfig, **sections) -> RunConfig:
     """A copy with some fields of some sections replaced: with_overrides(cfg, model={"loops": 6})."""
-    out = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
-    for section, changes in sections.items():
-        out[section] = replace(out[section], **changes)
-    return RunConfig(**out)
+    return replaced(cfg, **{name: replaced(getattr(cfg, name), **changes) for name, changes in sections.items()})

@@ -8,9 +8,10 @@ behaviour (cells, probes, validation of every cell) without adding fields. Torch
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
-from flt_diag.vocab.config import check, opt
+from pydantic import Field
+
+from flt_diag.vocab.option_fields import Options, opt
 from flt_diag.vocab.variants import MAX_LOOPS, VARIANTS
 
 MAP_AXES = ("lr", "depth")  # what a map varies: the lr scale, or the number L of distinct blocks
@@ -39,44 +40,48 @@ def geometric_grid(lo: float, hi: float, ratio: float, integer: bool = False) ->
     return values
 
 
-@dataclass
-class SweepGrid:
-    """The grid of a sweep: every variant x loop count x seed x lr scale is one cell. `base` is the
-    RunConfig the cells share (flt_diag.grids.sweep.SweepSpec makes it cell 0's)."""
+class SweepAxes(Options):
+    """The grid of a sweep: every variant x loop count x seed x lr scale is one cell."""
 
-    base: object
     variants: list[str] = opt(list(VARIANTS), "Variants [default: all five].", choices=VARIANTS)
     loops: list[int] = opt([3, 6, 9, 12], "Loop counts K.", low=1, high=MAX_LOOPS)
     seeds: list[int] = opt([0], "Seeds.", low=0)
     lr_scales: list[float] = opt([1.0], "Learning-rate multipliers (an lr x loops map).", flag="--lr-scale", above=0)
 
 
-@dataclass
-class MapGrid:
+class SweepGrid(SweepAxes):
+    """A sweep's grid and `base`, the RunConfig the cells share (flt_diag.grids.sweep.SweepSpec makes it
+    cell 0's)."""
+
+    base: object
+
+
+class MapGrid(Options):
     """The axis values a map searches: lo, lo*r, lo*r^2, ... <= hi (see geometric_grid)."""
 
     lo: float = opt(0.5, "Lowest axis value of the grid.", above=0)
     hi: float = opt(16.0, "Highest axis value of the grid.", above=0)
     ratio: float = opt(1.41, "Grid ratio: the tolerance of every boundary.", above=1)
 
-    def __post_init__(self):
-        check(self)
-
     def values(self, axis: str) -> list[float]:
         return geometric_grid(self.lo, self.hi, self.ratio, integer=axis == "depth")
 
 
-@dataclass
-class MapLinesGrid:
-    """What a map searches: lines (variants x loops x seeds), one axis and its grid, the criteria.
-    `base` is the RunConfig of line 0 (flt_diag.grids.stability_map.MapSpec replaces the axis field and
-    each line's fields per probe)."""
+class MapAxes(Options):
+    """What a map searches: lines (variants x loops x seeds), one axis, the criteria."""
 
-    base: object
     variants: list[str] = opt(list(VARIANTS), "Variants [default: all five].", choices=VARIANTS)
     loops: list[int] = opt([6, 12], "Loop counts K (the x axis of the map).", low=1, high=MAX_LOOPS)
     seeds: list[int] = opt([0], "Seeds: each boundary is reported with its spread.", low=0)
     axis: str = opt("lr", "lr (lr scale) or depth (L blocks, width fixed).", choices=MAP_AXES)
-    grid: list[float] = field(default_factory=lambda: MapGrid().values("lr"))
     criteria: list[str] = opt(["training", "explosion"], "training (verdict not stable), collapse (collapsed or "
                               "diverged), explosion (a residual norm of any loop exploded).", choices=MAP_CRITERIA)
+
+
+class MapLinesGrid(MapAxes):
+    """A map's lines and axis, the grid of axis values (ascending, distinct) and `base`, the RunConfig of
+    line 0 (flt_diag.grids.stability_map.MapSpec replaces the axis field and each line's fields per probe)."""
+
+    base: object
+    grid: list[int | float] = Field(default_factory=lambda: MapGrid().values("lr"), min_length=1, max_length=MAX_GRID,
+                                    json_schema_extra=dict(distinct=True, ascending=True))
