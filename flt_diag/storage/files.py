@@ -31,7 +31,7 @@ import pandas as pd
 from flt_diag.storage.predictor_names import CLASS_WEIGHTS, FEATURES, PACKAGED, TARGETS
 from flt_diag.storage.schema import (MAX_ITEMS, BadFile, Items, Record, Scalar, Shape, Table, bad, checked, read_json,
                                       read_text, scalar_of, value)
-from flt_diag.vocab.config import SECTIONS, ModelConfig, RunConfig, TrainConfig, options_of
+from flt_diag.vocab.config import LEGACY_VERDICT_FIELDS, SECTIONS, ModelConfig, RunConfig, TrainConfig, options_of
 from flt_diag.vocab.grid_options import MAX_GRID, MapLinesGrid, SweepGrid
 from flt_diag.vocab.variants import MAX_LOOPS
 
@@ -39,6 +39,7 @@ from flt_diag.vocab.variants import MAX_LOOPS
 
 # Fields every config.json has held since the first version (the readers index them); every other field
 # may be missing in an older file and takes its default.
+VERDICTS = ("stable", "unstable", "stalled", "collapsed", "diverged")  # verdict v3 (flt_diag.judge.verdict)
 REQUIRED = {"model": ("vocab_size", "n_layer", "n_embd", "n_head", "sequence_len", "variant", "loops"),
             "train": ("steps", "batch_size", "seed", "lr_scale", "data", "tokenizer", "eval_batches")}
 
@@ -50,12 +51,19 @@ def section_schema(name: str, required: bool = True) -> Record:
 
 
 @functools.cache
+def verdict_schema() -> Record:
+    """config.json's verdict section: its options, and the legacy fields older files hold (dropped on reading)."""
+    legacy = {name: Scalar(value(float, low=0), False) for name in LEGACY_VERDICT_FIELDS}
+    return Record({**section_schema("verdict", False).entries, **legacy}, required=False)
+
+
+@functools.cache
 def run_config_schema() -> Record:
     """config.json: the config sections (fields checked by their own Options), the preset, and what the
     Trainer adds (parameter count, corpus figures, environment; free-form except the corpus figures)."""
     count, number = Scalar(value(int, low=0), False), Scalar(value(float, low=0, optional=True), False)
     return Record({"model": section_schema("model"), "train": section_schema("train"),
-                   "diagnostics": section_schema("diagnostics"), "verdict": section_schema("verdict", False),
+                   "diagnostics": section_schema("diagnostics"), "verdict": verdict_schema(),
                    "preset": Scalar(value(str), False), "n_params": count,
                    "corpus": Record({"train_tokens": count, "val_tokens": count, "unigram_entropy": number},
                                     required=False, other_keys=True),
@@ -96,7 +104,7 @@ def summary_schema() -> Record:
                        Scalar(value(bool), False)}, other_keys=True)
     prediction = Record({"step": Scalar(value(int, low=0)), "p_collapse": Scalar(value(float, low=0, high=1), False)},
                         required=False, other_keys=True, nullable=True)
-    return Record({"verdict": Scalar(value(str, choices=("stable", "unstable", "collapsed", "diverged"))),
+    return Record({"verdict": Scalar(value(str, choices=VERDICTS)),
                    "evidence": evidence, "residual_explosion": Scalar(value(bool)),
                    "residual_explosion_any": Scalar(value(bool), False), "peak_resid_norm": figure,
                    "variant": Scalar(model["variant"]), "loops": Scalar(model["loops"]), "seed": Scalar(train["seed"]),
@@ -230,7 +238,7 @@ def examples_schema() -> Items:
                          "loops": Scalar(model["loops"]), "n_layer": Scalar(model["n_layer"]),
                          "n_embd": Scalar(model["n_embd"]), "seed": Scalar(train["seed"]),
                          "lr_scale": Scalar(train["lr_scale"]), "steps_done": Scalar(value(int, low=0)),
-                         "verdict": Scalar(value(str, choices=("stable", "unstable", "collapsed", "diverged"))),
+                         "verdict": Scalar(value(str, choices=VERDICTS)),
                          "climb": number, "rebound_threshold": number,
                          "transient_rebound": Scalar(value(bool)), "step": Scalar(value(int, low=1)),
                          **{f: number for f in FEATURES}}))

@@ -251,8 +251,9 @@ class VerdictConfig:
     explosion_ratio: float = opt(100.0, "Residual explosion if a peak residual norm exceeds ratio * sqrt(d).",
                                  above=0)
     osc_window: int = opt(200, "Steps per window of the oscillation indices.", low=2)
-    osc_cv_threshold: float = opt(3.0, "Verdict: unstable if the grad-norm CV over the dense steps exceeds this "
-                                  "(calibration: docs/DESIGN.md §3; stable runs measured 0.3-1.6).", low=0)
+    osc_dlog_threshold: float = opt(math.log(1.5), "Verdict: unstable if, in any window before the warm-down, "
+                                    "the median |log g(t+1) - log g(t)| exceeds this (log 1.5; docs/DESIGN.md §3).",
+                                    above=0)
 
     def __post_init__(self) -> None:
         check(self)  # every section validates itself when built (also by `replace`)
@@ -278,7 +279,8 @@ class RunConfig:
             train = {**LEGACY_TRAIN_DEFAULTS, **d["train"]}
             return cls(model=ModelConfig(**d["model"]), train=TrainConfig(**train),
                        diagnostics=DiagnosticsConfig(**d["diagnostics"]),
-                       verdict=VerdictConfig(**d.get("verdict", {})), preset=d.get("preset", "custom"))
+                       verdict=VerdictConfig(**{k: v for k, v in d.get("verdict", {}).items()
+                                                if k not in LEGACY_VERDICT_FIELDS}), preset=d.get("preset", "custom"))
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"not an flt-diag config (missing or unknown field: {e})") from None
 
@@ -308,6 +310,9 @@ def sections_from(values: dict) -> dict[str, dict]:
 # Train fields that run folders written before the field existed were trained without: an old
 # config.json read back must describe what was run (Muon momentum was constant before the warm-up).
 LEGACY_TRAIN_DEFAULTS = {"momentum_warmup": 0}
+# Verdict fields of older config.json files that the verdict no longer reads (v2's grad-norm CV threshold,
+# replaced by osc_dlog_threshold in verdict v3): accepted and dropped on reading.
+LEGACY_VERDICT_FIELDS = ("osc_cv_threshold",)
 
 QWEN3_TOKENIZER = "Qwen/Qwen3-4B"  # the reference's tokenizer (nanochat/tokenizer.py: get_tokenizer)
 QWEN3_VOCAB = 151_680  # its 151,669 tokens padded to a multiple of 64, as the reference pads
