@@ -74,7 +74,7 @@ def make_run(run_dir: Path, variant: str, loops: int, seed: int = 0, lr_scale: f
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = config(variant, loops, seed, lr_scale, depth)
-    write_json(run_dir / CONFIG, {**cfg.to_dict(), "env": ENV, "data": {"unigram_entropy": UNIGRAM_ENTROPY}})
+    write_json(run_dir / CONFIG, {**cfg.to_dict(), "env": ENV, "corpus": {"unigram_entropy": UNIGRAM_ENTROPY}})
     rng = np.random.default_rng(zlib.crc32(f"{variant}-{loops}-{seed}-{lr_scale}".encode()))
     rows = _rows(cfg, collapsed, STEPS if finished else STEPS // 2, rng, val_shift, resid_scale)
     writer = MetricsWriter(run_dir)

@@ -22,11 +22,12 @@ from flt_diag.judge.verdict import resummarize
 from flt_diag.results.tables import pooled_summary
 from flt_diag.judge.spike_detectors import detector_sweep
 from flt_diag.results.report import write_report
+from flt_diag.results.sensitivity import sensitivity
 from flt_diag.storage.folders import CHECKPOINT, StorageError, atomic_write_text, is_sweep, load_summary, run_dirs, write_json
 from flt_diag.cli.output import (fit_command, print_critical_values, print_cross_validation, print_eval_loops,
                                   print_failed_cells, print_fitted, print_map_plan, print_model_line, print_online, print_detectors,
                                   print_predictions_at)
-from flt_diag.cli.console import console_progress, print_run_summary, print_sweep_table, progress_bar
+from flt_diag.cli.console import console_progress, print_run_summary, print_sensitivity, print_sweep_table, progress_bar
 from flt_diag.cli.options import FOLDER_OPTIONS, UserError, check_values, command_options, config_options
 from flt_diag.cli.specs import load_study, map_spec, sweep_spec
 from flt_diag.judge.map_boundaries import critical_values, unfinished
@@ -118,9 +119,13 @@ def cmd_study(v: dict) -> int:
 def cmd_summary(v: dict) -> int:
     """Print the summary table of a sweep (or the summary of one run; or of several sweeps pooled)."""
     overrides = {o.name: v[o.dest] for o in config_options("summary") if v.get(o.dest) is not None}
-    if overrides and not v["recompute"]:
-        raise UserError("verdict thresholds need --recompute")
+    if overrides and not (v["recompute"] or v["sensitivity"]):
+        raise UserError("verdict thresholds need --recompute or --sensitivity")
+    if v["sensitivity_csv"] is not None and not v["sensitivity"]:
+        raise UserError("--sensitivity-csv needs --sensitivity")
     paths = v["paths"]
+    if v["sensitivity"]:
+        return _sensitivity(paths, overrides, v["sensitivity_csv"])
     if v["recompute"]:
         for path in paths:
             for d in run_dirs(path):
@@ -141,6 +146,19 @@ def cmd_summary(v: dict) -> int:
             print(f"{d}: not finished")
         else:
             print_run_summary(d, s)
+    return 0
+
+
+def _sensitivity(paths: list[Path], overrides: dict, csv: Path | None) -> int:
+    """`summary --sensitivity`: the table of verdicts and flags that change when each threshold moves."""
+    table = sensitivity(paths, overrides)
+    if not table.runs.any():
+        raise UserError("no finished runs to judge")
+    print_sensitivity(table)
+    if csv is not None:
+        csv.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(csv, table.to_csv(index=False))
+        print(f"sensitivity table: {csv}")
     return 0
 
 

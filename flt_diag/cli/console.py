@@ -107,7 +107,7 @@ def _print_table(df, columns: list[tuple], title: str, caption: str) -> None:
     fixed = ", ".join(CONSTANT_TITLE[c].format(v) for c, v in constant.items())
     table = Table(title=title + (f" ({fixed})" if fixed else ""), caption=caption, caption_justify="left")
     for header, column, _ in shown:
-        table.add_column(header, justify="left" if column in ("variant", "verdict") else "right")
+        table.add_column(header, justify="left" if column in ("variant", "verdict", "behind") else "right")
     for row in df.to_dict("records"):
         table.add_row(*[text(row) for _, _, text in shown])
     Console(width=200).print(table)
@@ -120,9 +120,27 @@ def print_sweep_table(df) -> None:
         print("no finished runs yet")
         return
     _print_table(df, IDENTITY + COMPARED + DETAILS, "sweep summary: one row per finished run",
-                 COMPARISON_NOTE.format(peers=", seed, lr scale and depth"))
+                 COMPARISON_NOTE.format(peers=", seed, lr scale, depth and width"))
     if df.seed.nunique() > 1:
         cells = seed_table(df)
         _print_table(cells, [c for c in IDENTITY if c[1] != "seed"] + FAILED + COMPARED + DETAILS[:4],
                      "per cell: majority verdict over seeds, seeds failed, means over finished seeds",
-                     COMPARISON_NOTE.format(peers=", lr scale and depth") + "\n" + SEEDS_NOTE)
+                     COMPARISON_NOTE.format(peers=", lr scale, depth and width") + "\n" + SEEDS_NOTE)
+
+
+SENSITIVITY_NOTE = ("each threshold multiplied by the factor alone, every stored run judged again from its metrics: "
+                    "verdicts changed (from→to), residual-explosion flags changed, and of the cells, behind and "
+                    "no_loop_gain flags changed; stall_margin = tol(H1), behind_margin = the peer flags' margin")
+
+
+def print_sensitivity(df) -> None:
+    """`summary --sensitivity`: one row per (threshold, factor)."""
+    table = Table(title=f"verdict sensitivity ({int(df.runs.iloc[0])} runs, {int(df.cells.iloc[0])} cells)",
+                  caption=SENSITIVITY_NOTE, caption_justify="left")
+    headers = ["threshold", "×", "verdicts changed", "changes", "explosions", "behind", "no loop gain"]
+    for h in headers:
+        table.add_column(h, justify="left" if h in ("threshold", "changes") else "right")
+    for r in df.itertuples():
+        table.add_row(r.threshold, f"{r.factor:g}", str(r.verdicts_changed), r.changes or "–",
+                      str(r.explosions_changed), str(r.behind_changed), str(r.no_loop_gain_changed))
+    Console(width=200).print(table)

@@ -133,7 +133,11 @@ OWN_OPTIONS: dict[str, list[Option]] = {
     "map": [OUT_MAP, PROBE_ENDS, *FOLDER_OPTIONS],
     "study": FOLDER_OPTIONS,
     "summary": [cli_opt("--recompute", bool, "Recompute every finished run's verdict and figures from its stored "
-                        "metrics (e.g. with new verdict thresholds).", False)],
+                        "metrics (e.g. with new verdict thresholds).", False),
+                cli_opt("--sensitivity", bool, "Print the verdict's sensitivity table: on the stored runs, each "
+                        "threshold x0.5 and x1.5 one at a time, the verdicts and flags that change (writes nothing "
+                        "to the folders).", False),
+                cli_opt("--sensitivity-csv", Path, "Also write the sensitivity table to this CSV file.")],
     "eval-loops": EVAL_LOOPS,
     "import-reference": IMPORT_REFERENCE,
     "predict": PREDICT,

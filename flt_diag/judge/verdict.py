@@ -319,6 +319,19 @@ def tokens_per_step(cfg, world_size: int = 1) -> int:
     return t.batch_size * t.grad_accum * cfg.model.sequence_len * int(world_size)
 
 
+def stored_config(cfg_dict: dict, verdict_overrides: dict | None = None) -> RunConfig:
+    """A run's config read back from its config.json, with other verdict thresholds where given."""
+    cfg = RunConfig.from_dict(cfg_dict)
+    if verdict_overrides:
+        cfg.verdict = VerdictConfig(**{**cfg.verdict.__dict__, **verdict_overrides})
+    return cfg
+
+
+def stored_unigram_entropy(cfg_dict: dict) -> float | None:
+    """H1 of a run's training tokens as its config.json records it (None for an imported run)."""
+    return (cfg_dict.get("corpus") or {}).get("unigram_entropy")
+
+
 def resummarize(run_dir, verdict_overrides: dict | None = None) -> dict:
     """Recompute a finished run's summary.json from its stored metrics (for example with other
     verdict thresholds); wall time and stop reason are kept from the old summary."""
@@ -326,10 +339,8 @@ def resummarize(run_dir, verdict_overrides: dict | None = None) -> dict:
     if old is None:
         raise ValueError(f"{run_dir} has not finished (no {SUMMARY})")
     cfg_dict = load_config(run_dir)
-    cfg = RunConfig.from_dict(cfg_dict)
-    if verdict_overrides:
-        cfg.verdict = VerdictConfig(**{**cfg.verdict.__dict__, **verdict_overrides})
-    new = summarize(load_metrics(run_dir), cfg, unigram_entropy=cfg_dict.get("corpus", {}).get("unigram_entropy"),
+    cfg = stored_config(cfg_dict, verdict_overrides)
+    new = summarize(load_metrics(run_dir), cfg, unigram_entropy=stored_unigram_entropy(cfg_dict),
                     wall_time=old.get("wall_time"), stop_reason=old.get("stop_reason"), prediction=old.get("prediction"),
                     tokens_per_step=tokens_per_step(cfg, cfg_dict.get("env", {}).get("world_size", 1)))
     write_json(Path(run_dir) / SUMMARY, new)
