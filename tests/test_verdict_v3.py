@@ -132,7 +132,8 @@ def test_oscillation_only_inside_the_warm_down_is_not_unstable():
 def test_windows_with_fewer_than_twenty_consecutive_differences_are_not_judged():
     n = 2000
     wild = np.exp(0.5 * (-1.0) ** np.arange(0, n, 1))
-    sparse_steps = np.arange(0, n, 10)  # recorded every 10 steps: no consecutive pairs at all
+    # recorded every 10 steps but for one burst of 20 consecutive steps (19 differences): nothing judged
+    sparse_steps = np.r_[np.arange(0, 500, 10), np.arange(500, 520), np.arange(530, n, 10)]
     s = judge(descent_to(1.5, n), wild[sparse_steps], steps=sparse_steps)
     assert s["verdict"] == "stable" and s["evidence"]["osc_windows_judged"] == 0
     # 25 consecutive steps (24 differences) recorded in a window: judged
