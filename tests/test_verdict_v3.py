@@ -202,6 +202,27 @@ def test_no_loop_gain_compares_a_cell_with_the_same_setting_at_one_loop(tmp_path
     assert not cells.loc[("lt", 1), "no_loop_gain"] and math.isnan(cells.loc[("lt", 1), "loop_gain"])
 
 
+def test_a_behind_cell_is_not_green_in_the_grid_and_the_report(tmp_path):
+    import re
+    from matplotlib.colors import to_hex
+    from matplotlib.patches import Rectangle
+    from flt_diag.results import figures as P
+    from flt_diag.results.report import write_report
+    from flt_diag.results.figures.style import VERDICT_COLORS
+    sweep = peer_sweep(tmp_path / "s", {("lt", 3): [0.5], ("flt", 3): [0.0]})
+    ax = (fig := P.FIGURES["collapse"].figure(P.study_of(sweep, ["collapse"]))).axes[0]
+    filled = {round(p.get_y() + 0.5): p for p in ax.patches if isinstance(p, Rectangle) and p.get_fill()}
+    lt, flt = filled[0], filled[1]  # rows in the project's order: lt, then flt
+    green = VERDICT_COLORS["stable"]
+    assert to_hex(flt.get_facecolor()) == green and not flt.get_hatch()
+    assert to_hex(lt.get_facecolor()) != green and lt.get_hatch()
+    assert "behind" in [t.get_text() for t in fig.legends[0].get_texts()]
+    html = write_report(sweep, tmp_path / "report.html").read_text()
+    lt_row = re.search(r"<tr><td[^>]*>lt</td>(.*?)</tr>", html).group(1)
+    assert "stable" in lt_row and f"background:{green}" not in lt_row and "behind (+0.500 &gt; 0.100)" in lt_row
+    assert f"background:{VERDICT_COLORS['stalled']}" not in html  # stalled has its own colour, unused here
+
+
 # ---------------------------------------------------------------- sensitivity
 
 def test_the_sensitivity_table_counts_the_verdicts_each_threshold_moves(tmp_path):
