@@ -84,7 +84,7 @@ FIT_PREDICTOR = [
             optional=False),
     cli_opt("--at", int, "Steps to fit a model at.", [100, 200, 300, 500], many=True, low=1, optional=False),
     cli_opt("--l2", float, "L2 penalty of the logistic regression.", 1.0, above=0, optional=False),
-    cli_opt("--target", str, "fails (final verdict unstable, collapsed or diverged), collapse (collapsed or "
+    cli_opt("--target", str, "fails (final verdict not stable: unstable, stalled, collapsed or diverged), collapse (collapsed or "
             "diverged) or climbs (fails, or the loss climbed and recovered: the verdict's transient_rebound).",
             "fails", choices=tuple(EW.TARGETS), optional=False),
     cli_opt("--features", str, f"Features the model uses [default: {' '.join(FIT.DEFAULT_FEATURES)}].",
