@@ -244,3 +244,17 @@ def test_the_sensitivity_table_counts_the_verdicts_each_threshold_moves(tmp_path
     assert set(table.index.get_level_values("threshold")) == {
         "rebound_abs", "rebound_rel", "recovery_abs", "recovery_rel", "stall_margin", "osc_dlog_threshold",
         "explosion_ratio", "behind_margin"}
+
+
+def test_summary_recompute_applies_v3_to_a_v2_folder(tmp_path):
+    """A folder judged by v2 (config.json with osc_cv_threshold, a plateau above H1 called collapsed)."""
+    from flt_diag.cli import main
+    from flt_diag.storage.folders import read_json
+    run = make_series_run(tmp_path / "r", descent_to(H1 + 0.05), clean_gradients(800), unigram_entropy=H1)
+    cfg, old = read_json(run / "config.json"), read_json(run / "summary.json")
+    write_json(run / "config.json", {**cfg, "verdict": {**cfg["verdict"], "osc_cv_threshold": 3.0}})
+    old.pop("verdict_version")
+    write_json(run / "summary.json", {**old, "verdict": "collapsed"})
+    assert main(["summary", str(run), "--recompute"]) == 0
+    new = load_summary(run)
+    assert new["verdict"] == "stalled" and new["verdict_version"] == 3

@@ -245,7 +245,8 @@ class VerdictConfig:
     rebound_abs: float = opt(0.25, "Verdict: collapsed if the smoothed loss climbs more than max(this, "
                              "rebound-rel * min) nats above its running minimum ...", low=0)
     rebound_rel: float = opt(0.1, "Verdict: ... (relative part of the climb threshold) ...", low=0)
-    recovery_abs: float = opt(0.1, "Verdict: ... and ends more than max(this, recovery-rel * min) above its best.",
+    recovery_abs: float = opt(0.1, "Verdict: ... and ends more than max(this, recovery-rel * min) above its best; "
+                              "stalled if it ends above H1 - max(this, recovery-rel * H1), H1 the unigram entropy.",
                               low=0)
     recovery_rel: float = opt(0.05, "Verdict: relative part of the recovery tolerance.", low=0)
     explosion_ratio: float = opt(100.0, "Residual explosion if a peak residual norm exceeds ratio * sqrt(d).",
