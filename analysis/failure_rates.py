@@ -23,7 +23,7 @@ from flt_diag.results.report import markdown  # noqa: E402
 from flt_diag.results.tables import pooled_summary, variant_rank  # noqa: E402
 from flt_diag.storage.folders import StorageError  # noqa: E402
 
-SHORT = {"stable": "s", "unstable": "U", "collapsed": "C", "diverged": "D"}  # a seed's verdict in one letter
+SHORT = {"stable": "s", "unstable": "U", "stalled": "T", "collapsed": "C", "diverged": "D"}  # a seed's verdict in one letter (T: stalled)
 
 
 def failure_rates(runs: pd.DataFrame) -> pd.DataFrame:

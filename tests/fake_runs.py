@@ -130,3 +130,37 @@ def make_sweep(out: Path, seeds=(0,), lr_scales=(1.0,)) -> Path:
             make_run(out / CELLS / cell.name, cell.variant, cell.loops, cell.seed, lr_scale=cell.lr_scale, **plan)
     write_summary(out)
     return out
+
+
+def series_config(steps: int, variant: str = "flt", loops: int = 3, seed: int = 0, warmdown_frac: float = 0.2):
+    """The tiny preset at `steps` steps with the verdict's default thresholds (smoothing 50, windows 200)."""
+    return build_config("tiny", model=dict(variant=variant, loops=loops),
+                        train=dict(steps=steps, seed=seed, warmdown_frac=warmdown_frac))
+
+
+def series_metrics(loss, grad_norm, val_loss: float | None = None, steps=None) -> pd.DataFrame:
+    """A metrics table of a training loss and a global gradient norm (at `steps`, default 0, 1, ...; the
+    loss at every step) and one final validation loss."""
+    loss, grad_norm = np.asarray(loss, dtype=float), np.asarray(grad_norm, dtype=float)
+    g_steps = np.arange(len(grad_norm)) if steps is None else np.asarray(steps)
+    rows = [(t, M.LOSS, M.NONE, M.NONE, v) for t, v in enumerate(loss)]
+    rows += [(int(t), M.GRAD_NORM, M.NONE, M.NONE, v) for t, v in zip(g_steps, grad_norm)]
+    if val_loss is not None:
+        rows.append((len(loss) - 1, M.VAL_LOSS, M.NONE, M.NONE, float(val_loss)))
+    return pd.DataFrame(rows, columns=["step", "metric", "loop", "layer", "value"]).astype(
+        {"step": "int64", "loop": "int16", "layer": "int16", "value": "float64"})
+
+
+def make_series_run(run_dir: Path, loss, grad_norm, variant: str = "flt", loops: int = 3, seed: int = 0,
+                    unigram_entropy: float | None = UNIGRAM_ENTROPY, val_loss: float | None = None) -> Path:
+    """A finished run folder whose training loss and gradient norm are the given series (one per step)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = series_config(len(loss), variant, loops, seed)
+    corpus = {} if unigram_entropy is None else {"corpus": {"unigram_entropy": unigram_entropy}}
+    write_json(run_dir / CONFIG, {**cfg.to_dict(), "env": ENV, **corpus})
+    writer = MetricsWriter(run_dir)
+    writer.extend(series_metrics(loss, grad_norm, val_loss).itertuples(index=False, name=None))
+    writer.flush()
+    write_json(run_dir / SUMMARY, summarize(load_metrics(run_dir), cfg, unigram_entropy, wall_time=1.0))
+    return run_dir

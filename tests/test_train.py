@@ -28,11 +28,11 @@ def test_loss_falls_on_tiny(tmp_path):
     assert summary["verdict"] == "stable"
     # ... and by a margin, so that another CPU's fp32 rounding of the run cannot flip it: no climb
     # near the rebound threshold, the smoothed loss well below the unigram entropy, the gradient-norm
-    # oscillation well below the "unstable" threshold (measured: climb 0, 2.40 vs 3.25, CV 0.58 vs 3)
+    # oscillation index (verdict v3: median |dlog g| before the warm-down) well below the "unstable" threshold
     ev = summary["evidence"]
     assert ev["climb"] < 0.5 * ev["rebound_threshold"]
     assert ev["min_smoothed_loss"] < ev["unigram_entropy"] - 0.3
-    assert summary["osc_cv"] < 0.5 * cfg.verdict.osc_cv_threshold
+    assert summary["osc_dlog_median"] < cfg.verdict.osc_dlog_threshold / 1.5  # a 60-step run: its fast first steps
     assert math.isfinite(summary["val_loss"])
 
 

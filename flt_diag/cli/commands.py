@@ -24,11 +24,12 @@ from flt_diag.judge.verdict import resummarize
 from flt_diag.results.tables import pooled_summary
 from flt_diag.judge.spike_detectors import detector_sweep
 from flt_diag.results.report import write_report
+from flt_diag.results.sensitivity import sensitivity
 from flt_diag.storage.folders import CHECKPOINT, StorageError, atomic_write_text, is_sweep, load_summary, run_dirs, write_json
 from flt_diag.cli.output import (fit_command, print_critical_values, print_cross_validation, print_eval_loops,
                                   print_failed_cells, print_fitted, print_map_plan, print_model_line, print_online, print_detectors,
                                   print_predictions_at)
-from flt_diag.cli.console import console_progress, print_run_summary, print_sweep_table, progress_bar
+from flt_diag.cli.console import console_progress, print_run_summary, print_sensitivity, print_sweep_table, progress_bar
 from flt_diag.cli.options import (FOLDER_OPTIONS, EvalLoopsOptions, FitPredictorOptions, ImportReferenceOptions,
                                   MapOptions, Options, PlotOptions, PredictOptions, ReportOptions, RunAblationOptions,
                                   StudyOptions, SummaryOptions, TrainOptions, UserError, VariantsOptions,
@@ -122,9 +123,13 @@ def cmd_study(o: StudyOptions) -> int:
 def cmd_summary(o: SummaryOptions) -> int:
     """Print the summary table of a sweep (or the summary of one run; or of several sweeps pooled)."""
     overrides = {x.name: o.config[x.dest] for x in config_options("summary") if x.dest in o.config}
-    if overrides and not o.recompute:
-        raise UserError("verdict thresholds need --recompute")
+    if overrides and not (o.recompute or o.sensitivity):
+        raise UserError("verdict thresholds need --recompute or --sensitivity")
+    if o.sensitivity_csv is not None and not o.sensitivity:
+        raise UserError("--sensitivity-csv needs --sensitivity")
     paths = o.paths
+    if o.sensitivity:
+        return _sensitivity(paths, overrides, o.sensitivity_csv)
     if o.recompute:
         for path in paths:
             for d in run_dirs(path):
@@ -145,6 +150,19 @@ def cmd_summary(o: SummaryOptions) -> int:
             print(f"{d}: not finished")
         else:
             print_run_summary(d, s)
+    return 0
+
+
+def _sensitivity(paths: list[Path], overrides: dict, csv: Path | None) -> int:
+    """`summary --sensitivity`: the table of verdicts and flags that change when each threshold moves."""
+    table = sensitivity(paths, overrides)
+    if not table.runs.any():
+        raise UserError("no finished runs to judge")
+    print_sensitivity(table)
+    if csv is not None:
+        csv.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(csv, table.to_csv(index=False))
+        print(f"sensitivity table: {csv}")
     return 0
 
 

@@ -106,6 +106,9 @@ class SummaryOptions(Given):
                             "seeds run later into folders of their own).", many=True)
     recompute: bool = opt(False, "Recompute every finished run's verdict and figures from its stored metrics (e.g. "
                           "with new verdict thresholds).")
+    sensitivity: bool = opt(False, "Print the verdict's sensitivity table: on the stored runs, each threshold x0.5 "
+                            "and x1.5 one at a time, the verdicts and flags that change (writes nothing to the folders).")
+    sensitivity_csv: Optional[Path] = opt(None, "Also write the sensitivity table to this CSV file.")
 
 
 class EvalLoopsOptions(Options):
@@ -148,7 +151,7 @@ class FitPredictorOptions(Options):
     out: Path = opt(..., "Predictor JSON to write (flt_diag/judge/early_warning.json is the packaged one).")
     at: list[int] = opt([100, 200, 300, 500], "Steps to fit a model at.", low=1)
     l2: float = opt(1.0, "L2 penalty of the logistic regression.", above=0)
-    target: str = opt("fails", "fails (final verdict unstable, collapsed or diverged), collapse (collapsed or "
+    target: str = opt("fails", "fails (final verdict unstable, stalled, collapsed or diverged), collapse (collapsed or "
                       "diverged) or climbs (fails, or the loss climbed and recovered: the verdict's "
                       "transient_rebound).", choices=tuple(EW.TARGETS))
     features: Optional[list[str]] = opt(None, f"Features the model uses [default: {' '.join(FIT.DEFAULT_FEATURES)}].",

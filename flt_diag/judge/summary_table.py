@@ -14,13 +14,14 @@ from flt_diag.storage.folders import CELLS, SWEEP_SUMMARY, atomic_path, cell_nam
 # summary.json keys shown per run; SUMMARY_NUMBERS (final_loss .. grad_norm_std) are averaged per grid cell
 SUMMARY_COLUMNS = ["cell", "variant", "loops", "seed", "lr_scale", "verdict", "residual_explosion", "final_loss",
                    "best_loss", "val_loss", "val_ppl", "val_accuracy", "peak_resid_norm", "osc_cv", "osc_mean_abs_dlog",
-                   "osc_sign_alternation", "osc_neg_cosine_share", "loss_std", "grad_norm_std", "steps_done",
-                   "wall_time"]
+                   "osc_sign_alternation", "osc_neg_cosine_share", "osc_dlog_median", "osc_alternation", "loss_std",
+                   "grad_norm_std", "steps_done", "wall_time", "verdict_version"]
 
 
 def sweep_summary(out: Path) -> pd.DataFrame:
-    """One row per finished cell (SUMMARY_COLUMNS, `depth` after loops, and the comparison columns
-    val_gap and resid_vs_flt, per run), read from the run folders (a pure function of the folder)."""
+    """One row per finished cell (SUMMARY_COLUMNS, `depth` and `width` after loops, and the comparison
+    columns val_gap, resid_vs_flt and the flags behind / no_loop_gain with their margins, per run), read from
+    the run folders (a pure function of the folder)."""
     out = Path(out)
     rows = []
     for name in cell_names(out):
@@ -28,13 +29,19 @@ def sweep_summary(out: Path) -> pd.DataFrame:
         s = load_summary(d) if is_run(d) else None
         if s is None:
             continue
-        rows.append({"cell": name, **{k: s.get(k) for k in SUMMARY_COLUMNS if k != "cell"}, "depth": run_depth(d)})
-    return compare_runs(pd.DataFrame(rows, columns=SUMMARY_COLUMNS + ["depth"]))
+        rows.append({"cell": name, **{k: s.get(k) for k in SUMMARY_COLUMNS if k != "cell"}, "depth": run_depth(d),
+                     "width": run_width(d)})
+    return compare_runs(pd.DataFrame(rows, columns=SUMMARY_COLUMNS + ["depth", "width"]))
 
 
 def run_depth(run_dir: Path) -> int | None:
     """The run's number of blocks L (n_layer of its config.json)."""
     return load_config(run_dir).get("model", {}).get("n_layer")
+
+
+def run_width(run_dir: Path) -> int | None:
+    """The run's width d (n_embd of its config.json)."""
+    return load_config(run_dir).get("model", {}).get("n_embd")
 
 
 def write_summary(out: Path) -> pd.DataFrame:

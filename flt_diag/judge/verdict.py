@@ -8,20 +8,22 @@ Oscillation indices of a gradient-norm series g_1..g_n (one definition each, use
 Each is computed per window of `osc_window` recorded steps and over the whole run. A series
 recorded every N steps gives indices over N-step differences.
 
-Verdict (thresholds in VerdictConfig). s = the loss smoothed by a trailing mean over
-`smooth_window` steps; climb = max over t of (s_t - min_{u<=t} s_u), the largest rise above the
-running minimum; gap = s_final - min(s).
+Verdict v3 (thresholds in VerdictConfig; the rules were fixed before the runs they judge:
+docs/plans/2026-12-01-verdict-v3-and-warning-evaluation.md, rationale in docs/DESIGN.md §3). s = the loss
+smoothed by a trailing mean over `smooth_window` steps; climb = max over t of (s_t - min_{u<=t} s_u),
+the largest rise above the running minimum; gap = s_final - min(s); tol(x) = max(recovery_abs,
+recovery_rel * x); H1 = the unigram entropy of the training tokens. In this order:
   diverged   a non-finite training loss
-  collapsed  climb > max(rebound_abs, rebound_rel * min(s)) and the loss did not recover:
-             gap > max(recovery_abs, recovery_rel * min(s)); or min(s) never gets below the
-             unigram entropy of the training data
-  unstable   not collapsed, but a loss spike: the smoothed loss climbed more than the same threshold
-             above its running minimum and then recovered (`transient_rebound`; the evidence says how
-             far it climbed, at which step, and how much of the climb it recovered); or the gradient
-             norm oscillates beyond anything stable runs show: its coefficient of variation over the
-             dense steps exceeds osc_cv_threshold (the paper's "gradient oscillation" failure, e.g.
-             FLA stalling on a plateau at L=6, K=12)
+  collapsed  climb > max(rebound_abs, rebound_rel * min(s)) and gap > tol(min s): it did not recover
+  stalled    s_final > H1 - tol(H1): the run ends where a model of token frequencies alone would be
+             (not judged without a recorded H1: the evidence says so)
+  unstable   a loss spike (the same climb, recovered: `transient_rebound`), or gradient oscillation:
+             in a window of `osc_window` steps before the warm-down start (steps - round(warmdown_frac
+             * steps)), the median of |log g(t+1) - log g(t)| over recorded consecutive steps exceeds
+             osc_dlog_threshold (log 1.5); windows with fewer than 20 differences are not judged
+             (`oscillation_index`; `osc_alternation` is that window's share of sign changes)
   stable     otherwise: the loss fell and stayed down
+The v2 indices above (cv etc., dense steps) are still reported; no rule reads them.
 Residual explosion (reported beside the verdict): the peak over steps of the final loop's
 loop-end residual norm exceeds explosion_ratio * sqrt(d) (a normalised stream has norm sqrt(d)).
 `residual_explosion_any` applies the same test to every (loop, layer) and loop end: FLA can
@@ -102,12 +104,16 @@ def smoothed(loss: pd.Series, window: int) -> pd.Series:
     return loss.rolling(window, min_periods=min(window, len(loss))).mean()
 
 
-def verdict(loss: pd.Series, unigram_entropy: float | None, v: VerdictConfig | None = None) -> tuple[str, dict]:
-    """("diverged" | "collapsed" | "unstable" | "stable", evidence) for a step-indexed loss series
-    (the loss-only part of the verdict; `summarize` adds the gradient-oscillation test), under the
-    thresholds `v` (None: VerdictConfig's defaults)."""
-    v = v or VerdictConfig()
-    smooth_window = v.smooth_window
+_DEFAULTS = VerdictConfig()  # the thresholds' defaults, written once (on VerdictConfig's fields)
+
+
+def verdict(loss: pd.Series, unigram_entropy: float | None, smooth_window: int = _DEFAULTS.smooth_window,
+            rebound_abs: float = _DEFAULTS.rebound_abs, rebound_rel: float = _DEFAULTS.rebound_rel,
+            recovery_abs: float = _DEFAULTS.recovery_abs, recovery_rel: float = _DEFAULTS.recovery_rel,
+            stall_scale: float = 1.0) -> tuple[str, dict]:
+    """("diverged" | "collapsed" | "stalled" | "unstable" | "stable", evidence) for a step-indexed loss
+    series: rules 1-3 of verdict v3 and 4a (the loss spike); `summarize` adds 4b, the gradient
+    oscillation. `stall_scale` multiplies the stall margin tol(H1) (the sensitivity table moves it)."""
     values = loss.to_numpy(dtype=float)
     bad = np.flatnonzero(~np.isfinite(values))
     if len(bad):
@@ -118,25 +124,86 @@ def verdict(loss: pd.Series, unigram_entropy: float | None, v: VerdictConfig | N
     lo, final = float(s.min()), float(s.iloc[-1])
     rise = s - s.cummin()
     climb, gap = float(rise.max()), final - lo
-    threshold = max(v.rebound_abs, v.rebound_rel * lo)
-    tolerance = max(v.recovery_abs, v.recovery_rel * lo)
+    threshold = max(rebound_abs, rebound_rel * lo)
+    tolerance = max(recovery_abs, recovery_rel * lo)
     peak_at = rise.idxmax()
     ev = dict(min_smoothed_loss=lo, min_step=int(s.idxmin()), final_smoothed_loss=final, climb=climb,
               climb_step=int(peak_at), climb_start_step=int(s.loc[:peak_at].idxmin()),
               recovered=float(s.loc[peak_at] - final), rebound=gap, rebound_threshold=threshold,
               recovery_tolerance=tolerance,
               transient_rebound=bool(climb > threshold and gap <= tolerance),
-              unigram_entropy=unigram_entropy, smooth_window=smooth_window)
+              unigram_entropy=unigram_entropy, smooth_window=smooth_window,
+              **stall_evidence(final, unigram_entropy, recovery_abs, recovery_rel, stall_scale))
     if climb > threshold and gap > tolerance:
         return "collapsed", {**ev, "reason": f"smoothed loss climbed {climb:.3f} above its running minimum "
                                              f"and ended {gap:.3f} above its best"}
-    if unigram_entropy is not None and lo >= unigram_entropy:
-        return "collapsed", {**ev, "reason": "loss never got below the unigram entropy of the data"}
+    if ev["stalled"]:
+        return "stalled", {**ev, "reason": f"final smoothed loss {final:.3f} is not below the unigram entropy "
+                                           f"{unigram_entropy:.3f} by more than {ev['stall_margin']:.3f} nats "
+                                           "(no better than token frequencies alone)"}
     if ev["transient_rebound"]:
         return "unstable", {**ev, "reason": f"loss spike: smoothed loss climbed {climb:.3f} above its running minimum "
                                             f"(steps {ev['climb_start_step']}-{ev['climb_step']}), then recovered "
                                             f"{ev['recovered']:.3f} (ends {gap:.3f} above its best)"}
     return "stable", {**ev, "reason": "loss fell and stayed down"}
+
+
+def stall_evidence(final: float, unigram_entropy: float | None, recovery_abs: float, recovery_rel: float,
+                   stall_scale: float = 1.0) -> dict:
+    """Rule 3: stalled if the final smoothed loss is above H1 - tol(H1), tol(x) = max(recovery_abs,
+    recovery_rel * x) (the recovery tolerance of rule 2), H1 the training tokens' unigram entropy."""
+    if unigram_entropy is None or not math.isfinite(unigram_entropy):
+        return dict(stall_reference=None, stall_margin=None, stalled=False,
+                    stall_judged="no: no unigram entropy recorded (an imported run)")
+    margin = stall_scale * max(recovery_abs, recovery_rel * unigram_entropy)
+    return dict(stall_reference=float(unigram_entropy), stall_margin=margin,
+                stalled=bool(final > unigram_entropy - margin), stall_judged="yes: against the unigram entropy")
+
+
+MIN_DIFFERENCES = 20  # a window with fewer recorded consecutive-step differences is not judged
+
+
+def oscillation_span_end(steps: int, warmdown_frac: float) -> int:
+    """The first step the oscillation index leaves out: the warm-down start, steps - round(frac * steps)."""
+    return steps - round(warmdown_frac * steps)
+
+
+def log_differences(grad_norm: pd.Series, end: int) -> pd.Series:
+    """log g(t+1) - log g(t), indexed by t, for each pair of recorded consecutive steps t, t+1 < end with a
+    finite positive gradient norm at both."""
+    g = grad_norm[grad_norm.index < end]
+    g = g[np.isfinite(g.to_numpy(dtype=float)) & (g.to_numpy(dtype=float) > 0)]
+    steps, logs = g.index.to_numpy(), np.log(g.to_numpy(dtype=float))
+    consecutive = np.diff(steps) == 1
+    return pd.Series(np.diff(logs)[consecutive], index=steps[:-1][consecutive], dtype=float)
+
+
+def _dlog_window(d: pd.Series, start: int, end: int) -> dict:
+    """One window's index: the median |dlog g| and the share of sign changes between successive differences."""
+    steps, v = d.index.to_numpy(), d.to_numpy()
+    successive = np.diff(steps) == 1
+    changes = (v[1:] * v[:-1] < 0)[successive]
+    return dict(start=start, end=end, differences=len(v), median_abs_dlog=float(np.median(np.abs(v))),
+                alternation=float(changes.mean()) if len(changes) else math.nan)
+
+
+def oscillation_index(grad_norm: pd.Series, span_end: int, window: int, threshold: float) -> dict:
+    """Rule 4b of verdict v3: over the recorded consecutive steps before `span_end` (the warm-down start), in
+    windows [start, start + window) of the first step of each difference, the median |log g(t+1) - log g(t)|;
+    oscillating if any judged window's (>= MIN_DIFFERENCES differences) exceeds `threshold`. The evidence
+    names the window with the largest median and its alternation share (osc_alternation)."""
+    d = log_differences(grad_norm, span_end)
+    windows = []
+    for start in range(0, max(span_end, 0), window):
+        w = d[(d.index >= start) & (d.index < start + window)]
+        if len(w) >= MIN_DIFFERENCES:
+            windows.append(_dlog_window(w, start, min(start + window, span_end) - 1))
+    worst = max(windows, key=lambda w: w["median_abs_dlog"]) if windows else None
+    return dict(osc_dlog_median=worst["median_abs_dlog"] if worst else math.nan,
+                osc_alternation=worst["alternation"] if worst else math.nan,
+                osc_dlog_window=[worst["start"], worst["end"]] if worst else None,
+                osc_dlog_threshold=threshold, osc_windows_judged=len(windows), osc_span_end=int(span_end),
+                oscillating=bool(worst and worst["median_abs_dlog"] > threshold), osc_dlog_windows=windows)
 
 
 def warmdown_start(steps: int, warmdown_frac: float) -> int:
@@ -181,24 +248,42 @@ def residual_explosion(df: pd.DataFrame, loops: int, d_model: int, ratio: float)
                 explosion_threshold=ratio * math.sqrt(d_model))
 
 
-def summarize(df: pd.DataFrame, cfg, unigram_entropy: float | None = None, wall_time: float | None = None,
-              stop_reason: str | None = None, tokens_per_step: int | None = None,
-              prediction: dict | None = None) -> dict:
-    """The run's summary.json: verdict, evidence and key figures, from its metrics table."""
+VERDICT_VERSION = 3  # recorded in summary.json (`summary --recompute` rewrites older summaries)
+
+
+def judged(df: pd.DataFrame, cfg, unigram_entropy: float | None, prediction: dict | None = None,
+           stall_scale: float = 1.0) -> tuple[str, dict, dict]:
+    """(verdict, evidence, oscillation index) of a run's metrics table under cfg.verdict: `verdict`'s loss
+    rules, then rule 4b (gradient oscillation before the warm-down) for a run they call stable."""
     v = cfg.verdict
-    loss = series(df, M.LOSS)
-    name, evidence = verdict(loss, unigram_entropy, v)
-    resid = residual_explosion(df, cfg.model.loops, cfg.model.n_embd, v.explosion_ratio)
-    g, cos = series(df, M.GRAD_NORM), series(df, M.GRAD_COSINE)
-    dense = cfg.diagnostics.dense_steps
-    osc = dense_oscillation(g, cos, dense)
+    name, evidence = verdict(series(df, M.LOSS), unigram_entropy, v.smooth_window, v.rebound_abs, v.rebound_rel,
+                             v.recovery_abs, v.recovery_rel, stall_scale)
+    index = oscillation_index(series(df, M.GRAD_NORM), oscillation_span_end(cfg.train.steps, cfg.train.warmdown_frac),
+                              v.osc_window, v.osc_dlog_threshold)
+    windows = index.pop("osc_dlog_windows")
+    evidence = {**evidence, **{k: x for k, x in index.items() if k != "oscillating"}}
     if prediction is not None:  # the run was ended early by the collapse predictor (--stop-on-collapse)
         name, evidence = "collapsed", {**evidence, "predicted_at": prediction["step"],
                                        "reason": f"collapse predicted at step {prediction['step']} "
                                                  f"(P={prediction['p_collapse']:.2f}; {prediction['evidence']})"}
-    elif name == "stable" and osc["cv"] > v.osc_cv_threshold:
-        name, evidence = "unstable", {**evidence, "reason": f"gradient-norm CV {osc['cv']:.2f} over the first "
-                                      f"{min(dense, len(g))} steps exceeds {v.osc_cv_threshold:g} (gradient oscillation)"}
+    elif name == "stable" and index["oscillating"]:
+        a, b = index["osc_dlog_window"]
+        name, evidence = "unstable", {**evidence, "reason": f"gradient oscillation: median |dlog g| "
+                                      f"{index['osc_dlog_median']:.3f} over steps {a}-{b} exceeds "
+                                      f"{v.osc_dlog_threshold:.3f} (alternation {index['osc_alternation']:.2f})"}
+    return name, evidence, {**index, "osc_dlog_windows": windows}
+
+
+def summarize(df: pd.DataFrame, cfg, unigram_entropy: float | None = None, wall_time: float | None = None,
+              stop_reason: str | None = None, tokens_per_step: int | None = None,
+              prediction: dict | None = None) -> dict:
+    """The run's summary.json: verdict (v3), evidence and key figures, from its metrics table."""
+    v = cfg.verdict
+    loss = series(df, M.LOSS)
+    name, evidence, index = judged(df, cfg, unigram_entropy, prediction)
+    resid = residual_explosion(df, cfg.model.loops, cfg.model.n_embd, v.explosion_ratio)
+    g, cos = series(df, M.GRAD_NORM), series(df, M.GRAD_COSINE)
+    osc = dense_oscillation(g, cos, cfg.diagnostics.dense_steps)
     val = series(df, M.VAL_LOSS).dropna()
     accuracy = series(df, M.VAL_ACCURACY).dropna()
     finite_loss = loss[np.isfinite(loss.to_numpy())]
@@ -208,7 +293,8 @@ def summarize(df: pd.DataFrame, cfg, unigram_entropy: float | None = None, wall_
     mid, last = at.get(wd, {}), at.get(cfg.train.steps - 1, {}) if wd < cfg.train.steps - 1 else {}
     steps_done = int(loss.index.max()) + 1 if len(loss) else 0
     out = dict(
-        verdict=name, evidence=evidence, residual_explosion=resid.pop("residual_explosion"), **resid,
+        verdict=name, verdict_version=VERDICT_VERSION, evidence=evidence,
+        residual_explosion=resid.pop("residual_explosion"), **resid,
         variant=cfg.model.variant, loops=cfg.model.loops, seed=cfg.train.seed, lr_scale=cfg.train.lr_scale,
         final_loss=float(smoothed(finite_loss, v.smooth_window).iloc[-1]) if len(finite_loss) else math.nan,
         best_loss=evidence.get("min_smoothed_loss", math.nan),
@@ -216,10 +302,13 @@ def summarize(df: pd.DataFrame, cfg, unigram_entropy: float | None = None, wall_
         val_ppl=float(math.exp(min(val.iloc[-1], 700))) if len(val) else math.nan,
         val_accuracy=float(accuracy.iloc[-1]) if len(accuracy) else math.nan,
         **{f"osc_{k}": val_ for k, val_ in osc.items()},
+        osc_dlog_median=index["osc_dlog_median"], osc_alternation=index["osc_alternation"],
+        stall_reference=evidence.get("stall_reference"), stall_margin=evidence.get("stall_margin"),
         loss_std=mid.get(M.LOSS_STD, math.nan), grad_norm_std=mid.get(M.GRAD_NORM_STD, math.nan),
         loss_std_warmdown=last.get(M.LOSS_STD, math.nan), grad_norm_std_warmdown=last.get(M.GRAD_NORM_STD, math.nan),
         milestones=milestones,
         oscillation_windows=windowed_oscillation(g, cos, v.osc_window).to_dict("records"),
+        osc_dlog_windows=index["osc_dlog_windows"],
         steps_done=steps_done, steps=cfg.train.steps, wall_time=wall_time, stop_reason=stop_reason,
         prediction=prediction,
         tokens_per_s=(tokens_per_step * steps_done / wall_time) if wall_time and tokens_per_step else None,
@@ -234,6 +323,19 @@ def tokens_per_step(cfg, world_size: int = 1) -> int:
     return t.batch_size * t.grad_accum * cfg.model.sequence_len * int(world_size)
 
 
+def stored_config(cfg_dict: dict, verdict_overrides: dict | None = None) -> RunConfig:
+    """A run's config read back from its config.json, with other verdict thresholds where given."""
+    cfg = RunConfig.from_dict(cfg_dict)
+    if verdict_overrides:
+        cfg.verdict = VerdictConfig(**{**cfg.verdict.__dict__, **verdict_overrides})
+    return cfg
+
+
+def stored_unigram_entropy(cfg_dict: dict) -> float | None:
+    """H1 of a run's training tokens as its config.json records it (None for an imported run)."""
+    return (cfg_dict.get("corpus") or {}).get("unigram_entropy")
+
+
 def resummarize(run_dir, verdict_overrides: dict | None = None) -> dict:
     """Recompute a finished run's summary.json from its stored metrics (for example with other
     verdict thresholds); wall time and stop reason are kept from the old summary."""
@@ -241,10 +343,8 @@ def resummarize(run_dir, verdict_overrides: dict | None = None) -> dict:
     if old is None:
         raise ValueError(f"{run_dir} has not finished (no {SUMMARY})")
     cfg_dict = load_config(run_dir)
-    cfg = RunConfig.from_dict(cfg_dict)
-    if verdict_overrides:
-        cfg = with_overrides(cfg, verdict=verdict_overrides)
-    new = summarize(load_metrics(run_dir), cfg, unigram_entropy=cfg_dict.get("corpus", {}).get("unigram_entropy"),
+    cfg = stored_config(cfg_dict, verdict_overrides)
+    new = summarize(load_metrics(run_dir), cfg, unigram_entropy=stored_unigram_entropy(cfg_dict),
                     wall_time=old.get("wall_time"), stop_reason=old.get("stop_reason"), prediction=old.get("prediction"),
                     tokens_per_step=tokens_per_step(cfg, cfg_dict.get("env", {}).get("world_size", 1)))
     write_json(Path(run_dir) / SUMMARY, new)

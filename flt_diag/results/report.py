@@ -1,6 +1,7 @@
 """A self-contained HTML report of a sweep (or a run folder), from its folder alone (no torch).
 
-One file, no external resources: the results table (variant x loops: verdict, seeds failed, final
+One file, no external resources: the results table (variant x loops: verdict, the peer flags behind
+and no loop gain (a stable cell that is behind is amber, not green), seeds failed, final
 and validation loss with the gap to the best variant, validation perplexity, peak residual norm and
 its ratio to FLT's, an oscillation index), every figure with data as an
 embedded base64 PNG, the sweep's spec (sweep.json) and the environment of its first run.
@@ -17,14 +18,18 @@ from pathlib import Path
 import pandas as pd
 
 from flt_diag.results.figures import FIGURES, render
-from flt_diag.results.figures.style import VERDICT_COLORS, style
+from flt_diag.results.figures.style import BEHIND_COLOR, VERDICT_COLORS, style
 from flt_diag.judge.map_boundaries import critical_table
 from flt_diag.results.tables import Study, collect, results_table
 from flt_diag.storage.folders import atomic_write_text
 
 REPORT = "report.html"
-COMPARISON_NOTE = ("Gap to best: the cell's val loss minus the lowest among the variants at the same loops K, lr scale "
-                   "and depth, in nats (best: that lowest). Peak ÷ FLT: its peak final-loop residual norm over FLT's "
+COMPARISON_NOTE = ("Gap to best: the cell's val loss minus the lowest among the variants at the same loops K, lr scale, "
+                   "depth and width, in nats (best: that lowest). Flags: behind = the gap exceeds the margin "
+                   "max(0.02, 2 s_p sqrt(1/n + 1/n_best)), s_p the pooled seed spread of the other cells with 2 or "
+                   "more seeds (0.10 nats without any), a stable cell so flagged is shown amber, not green; "
+                   "no loop gain = not better than the same setting at K = 1 by that margin. "
+                   "Peak ÷ FLT: its peak final-loop residual norm over FLT's "
                    "there (– where the sweep has no FLT). Failed (with several seeds): k/n, k of the cell's n finished "
                    "seeds ended with a verdict other than stable; unfinished seeds are not in n.")
 REPORT_DPI = 110
@@ -57,10 +62,12 @@ def _html_table(df: pd.DataFrame, verdict_column: str | None = "Verdict") -> str
     body = []
     for row in df.itertuples(index=False):
         cells = []
+        behind = "behind" in str(dict(zip(df.columns, row)).get("Flags", ""))
         for col, value in zip(df.columns, row):
             style = ""
             if col == verdict_column:
-                color = VERDICT_COLORS.get(str(value).split(" ")[0], "#ffffff")
+                verdict = str(value).split(" ")[0]
+                color = BEHIND_COLOR if behind and verdict == "stable" else VERDICT_COLORS.get(verdict, "#ffffff")
                 style = f' style="background:{color}"'
             cells.append(f'<td class="{"l" if col in left else ""}"{style}>{html.escape(str(value))}</td>')
         body.append("<tr>" + "".join(cells) + "</tr>")

@@ -29,8 +29,8 @@ import numpy as np
 import pandas as pd
 
 from flt_diag.storage import metric_names as M
-from flt_diag.judge.peers import compare_cells, compare_runs, failed_text, gap_text, ratio_text
-from flt_diag.judge.verdict import dense_oscillation, smoothed
+from flt_diag.judge.peers import compare_cells, compare_runs, failed_text, flags_text, gap_text, ratio_text
+from flt_diag.judge.verdict import OSC_INDICES, dense_oscillation, smoothed
 from flt_diag.storage.folders import (COLUMNS, CELLS, ERROR, METRICS, StorageError, cell_names, is_run, is_sweep, load_config,
                       load_eval_loops, load_metrics, load_spec, load_summary, run_dirs, run_label, series)
 from flt_diag.storage.pooling import check_poolable
@@ -38,14 +38,14 @@ from flt_diag.judge.summary_table import SUMMARY_COLUMNS, sweep_summary
 from flt_diag.vocab.variants import VARIANTS
 
 VARIANT_ORDER = list(VARIANTS)
-VERDICT_ORDER = ["stable", "unstable", "collapsed", "diverged"]  # by severity (ties in a majority go to the worse)
+VERDICT_ORDER = ["stable", "unstable", "stalled", "collapsed", "diverged"]  # by severity (ties in a majority go to the worse)
 RUN_COLUMNS = ["run", "variant", "loops", "seed", "lr_scale"]
 NO_METRICS = pd.DataFrame(columns=COLUMNS).astype({"step": "int64", "loop": "int16", "layer": "int16", "value": "float64"})
 
 SUMMARY_NUMBERS = SUMMARY_COLUMNS[SUMMARY_COLUMNS.index("final_loss"):SUMMARY_COLUMNS.index("steps_done")]
-OSC_COLUMNS = [c for c in SUMMARY_COLUMNS if c.startswith("osc_")]
-GRID_COLUMNS = ["lr_scale", "variant", "loops", "depth", "verdict", "agree", "runs", "finished", "failed",
-                "residual_explosion"]
+OSC_COLUMNS = [f"osc_{k}" for k in OSC_INDICES]  # v2's indices over the dense steps (the gradients figure)
+GRID_COLUMNS = ["lr_scale", "variant", "loops", "depth", "width", "verdict", "agree", "runs", "finished", "failed",
+                "residual_explosion", "val_sd", "val_n"]
 
 # the report's table: display name -> (summary_table column, format)
 TABLE_COLUMNS = {
@@ -91,6 +91,10 @@ class Run:
     @property
     def depth(self) -> int | None:
         return self.config.get("model", {}).get("n_layer")
+
+    @property
+    def width(self) -> int | None:
+        return self.config.get("model", {}).get("n_embd")
 
     @property
     def smooth_window(self) -> int:
@@ -167,7 +171,7 @@ def _pooled_study(paths: list[Path], metrics) -> Study:
     seen, runs = set(), []
     for path in paths:
         for run in collect(path, metrics).runs:
-            if (key := (run.variant, run.loops, run.depth, run.seed, run.lr_scale)) not in seen:
+            if (key := (run.variant, run.loops, run.depth, run.width, run.seed, run.lr_scale)) not in seen:
                 seen.add(key)
                 runs.append(run)
     return Study(paths[0], sorted(runs, key=Run.sort_key), load_spec(paths[0]))
@@ -207,7 +211,7 @@ def oscillation(run: Run) -> dict:
 
 # --------------------------------------------------------------------------- summary tables
 
-CELL_KEY = ["variant", "loops", "depth", "seed", "lr_scale"]
+CELL_KEY = ["variant", "loops", "depth", "width", "seed", "lr_scale"]
 
 
 def pooled_summary(paths: list[Path]) -> pd.DataFrame:
@@ -237,13 +241,15 @@ def _mean(values) -> float:
 
 
 def _grid(study: Study) -> list[tuple]:
-    """Every (lr_scale, variant, loops, depth) of the sweep's spec, depth its base config's (empty for a
-    single run folder)."""
+    """Every (lr_scale, variant, loops, depth, width) of the sweep's spec, depth and width its base config's
+    (empty for a single run folder)."""
     spec = study.spec or {}
     if not all(k in spec for k in ("variants", "loops", "lr_scales")):
         return []
-    depth = spec.get("base", {}).get("model", {}).get("n_layer")
-    return [(float(lr), v, int(k), depth) for lr in spec["lr_scales"] for v in spec["variants"] for k in spec["loops"]]
+    model = spec.get("base", {}).get("model", {})
+    depth, width = model.get("n_layer"), model.get("n_embd")
+    return [(float(lr), v, int(k), depth, width) for lr in spec["lr_scales"] for v in spec["variants"]
+            for k in spec["loops"]]
 
 
 def _is_true(value) -> bool:
@@ -257,8 +263,11 @@ def _aggregate(done: list[dict]) -> dict:
     any residual explosion, and the mean of each summary number (SUMMARY_NUMBERS)."""
     verdicts = [s["verdict"] for s in done]
     verdict, agree = _majority(verdicts)
+    val = np.array([_mean([s.get("val_loss")]) for s in done], dtype=float)
+    val = val[np.isfinite(val)]
     return dict(verdict=verdict, agree=agree, finished=len(done), failed=sum(v != "stable" for v in verdicts),
                 residual_explosion=any(_is_true(s.get("residual_explosion")) for s in done),
+                val_sd=float(val.std(ddof=1)) if len(val) > 1 else math.nan, val_n=len(val),
                 **{k: _mean([s.get(k) for s in done]) for k in SUMMARY_NUMBERS})
 
 
@@ -266,16 +275,17 @@ def _not_done(runs: list[Run]) -> dict:
     """A cell none of whose runs finished: "running", "failed" (only an error.txt) or "pending" (no run)."""
     statuses = {r.status for r in runs}
     verdict = "running" if "running" in statuses else "failed" if runs else "pending"
-    return dict(verdict=verdict, agree=0, finished=0, failed=0, residual_explosion=False,
+    return dict(verdict=verdict, agree=0, finished=0, failed=0, residual_explosion=False, val_sd=math.nan, val_n=0,
                 **{k: math.nan for k in SUMMARY_NUMBERS})
 
 
-def _cells(rows: list[dict]) -> pd.DataFrame:
-    """Cell rows as a table in display order (lr scale, depth, loops, variant), variants compared."""
+def _cells(rows: list[dict], margin_scale: float = 1.0) -> pd.DataFrame:
+    """Cell rows as a table in display order (lr scale, depth, loops, variant), variants compared (the flags'
+    margins times `margin_scale`)."""
     df = pd.DataFrame(rows, columns=GRID_COLUMNS + SUMMARY_NUMBERS)
-    df["depth"] = df.depth.astype("Int64")
+    df["depth"], df["width"] = df.depth.astype("Int64"), df.width.astype("Int64")
     order = df.assign(_r=df.variant.map(variant_rank)).sort_values(["lr_scale", "depth", "loops", "_r", "variant"])
-    return compare_cells(df.loc[order.index].reset_index(drop=True))
+    return compare_cells(df.loc[order.index].reset_index(drop=True), margin_scale)
 
 
 def summary_table(src) -> pd.DataFrame:
@@ -287,23 +297,24 @@ def summary_table(src) -> pd.DataFrame:
     study = src if isinstance(src, Study) else collect(src, [])
     cells: dict[tuple, list[Run]] = {}
     for run in study.runs:
-        cells.setdefault((run.lr_scale, run.variant, run.loops, run.depth), []).append(run)
+        cells.setdefault((run.lr_scale, run.variant, run.loops, run.depth, run.width), []).append(run)
     started = {key[:3] for key in cells}
     cells.update({key: [] for key in _grid(study) if key[:3] not in started})
     rows = []
-    for (lr, variant, loops, depth), runs in cells.items():
+    for (lr, variant, loops, depth, width), runs in cells.items():
         done = [r.summary for r in runs if r.summary]
-        rows.append(dict(lr_scale=lr, variant=variant, loops=loops, depth=depth, runs=len(runs),
+        rows.append(dict(lr_scale=lr, variant=variant, loops=loops, depth=depth, width=width, runs=len(runs),
                          **(_aggregate(done) if done else _not_done(runs))))
     return _cells(rows)
 
 
-def seed_table(runs: pd.DataFrame) -> pd.DataFrame:
-    """summary_table's cells from sweep_summary's rows (finished runs only, so `runs` = `finished`)."""
-    rows = [dict(lr_scale=lr, variant=variant, loops=loops, depth=depth, runs=len(g),
-                 **_aggregate(g.to_dict("records")))
-            for (lr, variant, loops, depth), g in runs.groupby(["lr_scale", "variant", "loops", "depth"], dropna=False)]
-    return _cells(rows)
+def seed_table(runs: pd.DataFrame, margin_scale: float = 1.0) -> pd.DataFrame:
+    """summary_table's cells from sweep_summary's rows (finished runs only, so `runs` = `finished`); the
+    flags' margins times `margin_scale` (the sensitivity table moves them)."""
+    keys = ["lr_scale", "variant", "loops", "depth", "width"]
+    rows = [dict(zip(keys, key), runs=len(g), **_aggregate(g.to_dict("records")))
+            for key, g in runs.groupby(keys, dropna=False)]
+    return _cells(rows, margin_scale)
 
 
 def _fmt(value, spec: str) -> str:
@@ -341,5 +352,6 @@ def results_table(src) -> pd.DataFrame:
             if name in COMPARED_AFTER:
                 label, compared, text = COMPARED_AFTER[name]
                 row[label] = text(getattr(r, compared))
+        row["Flags"] = flags_text(r)
         rows.append(row)
     return pd.DataFrame(rows)

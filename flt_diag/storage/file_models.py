@@ -22,7 +22,7 @@ from flt_diag.vocab.grid_options import MAX_GRID, MapAxes, SweepAxes
 from flt_diag.vocab.option_fields import MAX_ITEMS, Options, field_like
 from flt_diag.vocab.variants import MAX_LOOPS
 
-VERDICTS = ("stable", "unstable", "collapsed", "diverged")
+VERDICTS = ("stable", "unstable", "stalled", "collapsed", "diverged")  # verdict v3 (flt_diag.judge.verdict)
 FREE = ConfigDict(extra="allow")
 
 
@@ -72,6 +72,13 @@ def _in_file(cls, section: str):
 ModelInFile, TrainInFile = _in_file(ModelConfig, "model"), _in_file(TrainConfig, "train")
 
 
+class VerdictInFile(VerdictConfig):
+    """config.json's verdict section: its options, and the fields of earlier verdicts older files hold
+    (v2's osc_cv_threshold; dropped when the config is read: RunConfig.from_dict)."""
+
+    osc_cv_threshold: Optional[float] = Field(None, ge=0)
+
+
 class Corpus(FileModel, **FREE):
     train_tokens: int = Field(None, ge=0)
     val_tokens: int = Field(None, ge=0)
@@ -88,7 +95,7 @@ class RunConfigFile(FileModel):
     model: ModelInFile
     train: TrainInFile
     diagnostics: DiagnosticsConfig
-    verdict: VerdictConfig = None
+    verdict: VerdictInFile = None
     preset: str = one_of(("tiny", "small", "paper-small", "paper-base", "custom"), required=False)
     n_params: int = Field(None, ge=0)
     corpus: Corpus = None

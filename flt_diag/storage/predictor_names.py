@@ -9,7 +9,7 @@ FEATURES = ["resid_level", "resid_growth", "loop_ratio", "grad_cv", "grad_dlog",
             "loss_slope", "loss_climb"]  # every feature `features` computes
 PACKAGED = Path(__file__).parent.parent / "judge" / "early_warning.json"  # the packaged predictor (flt-diag fit-predictor)
 COLLAPSE = ("collapsed", "diverged")
-FAILS = ("unstable", "collapsed", "diverged")
+FAILS = ("unstable", "stalled", "collapsed", "diverged")  # every verdict but stable (v3 added stalled)
 # target -> (the final verdicts it counts, whether a loss climb that recovered counts too)
 TARGETS = {"fails": (FAILS, False),      # the run ends not stable (default)
            "collapse": (COLLAPSE, False),  # the run ends collapsed or diverged

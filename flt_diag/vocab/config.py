@@ -16,6 +16,8 @@ overridden.
 """
 from __future__ import annotations
 
+import math
+
 from pydantic import Field, model_validator
 
 from flt_diag.vocab.option_fields import ConfigError, Option, Options, opt, options_of  # noqa: F401 (re-exported)
@@ -141,14 +143,16 @@ class VerdictConfig(Options):
     rebound_abs: float = opt(0.25, "Verdict: collapsed if the smoothed loss climbs more than max(this, "
                              "rebound-rel * min) nats above its running minimum ...", low=0)
     rebound_rel: float = opt(0.1, "Verdict: ... (relative part of the climb threshold) ...", low=0)
-    recovery_abs: float = opt(0.1, "Verdict: ... and ends more than max(this, recovery-rel * min) above its best.",
+    recovery_abs: float = opt(0.1, "Verdict: ... and ends more than max(this, recovery-rel * min) above its best; "
+                              "stalled if it ends above H1 - max(this, recovery-rel * H1), H1 the unigram entropy.",
                               low=0)
     recovery_rel: float = opt(0.05, "Verdict: relative part of the recovery tolerance.", low=0)
     explosion_ratio: float = opt(100.0, "Residual explosion if a peak residual norm exceeds ratio * sqrt(d).",
                                  above=0)
     osc_window: int = opt(200, "Steps per window of the oscillation indices.", low=2)
-    osc_cv_threshold: float = opt(3.0, "Verdict: unstable if the grad-norm CV over the dense steps exceeds this "
-                                  "(calibration: docs/DESIGN.md §3; stable runs measured 0.3-1.6).", low=0)
+    osc_dlog_threshold: float = opt(math.log(1.5), "Verdict: unstable if, in any window before the warm-down, "
+                                    "the median |log g(t+1) - log g(t)| exceeds this (log 1.5; docs/DESIGN.md §3).",
+                                    above=0)
 
 
 class PresetOption(Options):
@@ -180,6 +184,8 @@ class RunConfig(Options):
             raise ConfigError(f"not an flt-diag config (no {missing[0]} section)")
         d = {k: v for k, v in d.items() if k in cls.model_fields} | {"train": {**LEGACY_TRAIN_DEFAULTS, **d["train"]}}
         try:
+            if isinstance(d.get("verdict"), dict):  # fields of earlier verdicts (v2's osc_cv_threshold) are dropped
+                d["verdict"] = {k: v for k, v in d["verdict"].items() if k not in LEGACY_VERDICT_FIELDS}
             return cls.model_validate(d)
         except ValidationError as e:
             raise ConfigError(f"not an flt-diag config: {one_line(e, dotted)}") from None
@@ -210,6 +216,9 @@ def sections_from(values: dict) -> dict[str, dict]:
 # Train fields that run folders written before the field existed were trained without: an old
 # config.json read back must describe what was run (Muon momentum was constant before the warm-up).
 LEGACY_TRAIN_DEFAULTS = {"momentum_warmup": 0}
+# Verdict fields of older config.json files that the verdict no longer reads (v2's grad-norm CV threshold,
+# replaced by osc_dlog_threshold in verdict v3): accepted and dropped on reading.
+LEGACY_VERDICT_FIELDS = ("osc_cv_threshold",)
 
 QWEN3_TOKENIZER = "Qwen/Qwen3-4B"  # the reference's tokenizer (nanochat/tokenizer.py: get_tokenizer)
 QWEN3_VOCAB = 151_680  # its 151,669 tokens padded to a multiple of 64, as the reference pads

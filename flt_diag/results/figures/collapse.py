@@ -3,7 +3,9 @@ finished, "pending" before a cell starts). Each cell reads, top to bottom: its g
 variant's final validation loss at the same K, in nats ("best" for the lowest, which is also outlined
 in black; * marks a residual explosion), its val loss (its final training loss, marked "train", when it
 has none) and, with several seeds, k/n failed: k of its n finished seeds ended with a verdict other
-than stable (unfinished seeds are not in n). Numbers are means over finished seeds; one grid per lr
+than stable (unfinished seeds are not in n). A cell `behind` the best peer by more than the seed noise
+(flt_diag.judge.peers) is hatched, and a stable one is amber, never green; "no loop gain" marks a cell
+no better than the same setting at K = 1. Numbers are means over finished seeds; one grid per lr
 scale. Where the folder holds several depths L (a depth-axis map, or sweeps of several depths pooled),
 the columns are L and there is one grid per loop count K (and lr scale): the ablation along depth."""
 from __future__ import annotations
@@ -16,18 +18,20 @@ from matplotlib.patches import Patch, Rectangle
 from flt_diag.judge.peers import gap_text
 from flt_diag.results.tables import GRID_COLUMNS, Study, summary_table
 from flt_diag.results.figures import Figure, register
-from flt_diag.results.figures.style import OTHER_COLOR, VERDICT_COLORS, finish, new_figure, style, text_color, variants
+from flt_diag.results.figures.style import (BEHIND_COLOR, BEHIND_HATCH, OTHER_COLOR, VERDICT_COLORS, finish, new_figure,
+                                            style, text_color, variants)
 
 NOT_DONE = ("running", "failed", "pending")
 NOTE = ("top: gap to the best variant's val loss at this K and L (nats; best outlined); * residual explosion\n"
-        "below: val loss (mean over finished seeds)")
+        "below: val loss (mean over finished seeds); hatched: behind the best by more than the seed noise")
 SEEDS_NOTE = "\nk/n failed: k of the n finished seeds not stable; (+u): u seeds unfinished, not counted"
 
 
 def data(study: Study) -> pd.DataFrame:
-    """lr_scale, variant, loops, depth, verdict, agree, runs, finished, failed, residual_explosion,
-    final_loss, val_loss, val_gap: the collapse grid's cells (see flt_diag.results.tables.summary_table)."""
-    return summary_table(study)[GRID_COLUMNS + ["final_loss", "val_loss", "val_gap"]]
+    """GRID_COLUMNS (lr_scale, variant, loops, depth, width, verdict, agree, runs, finished, failed,
+    residual_explosion, ...), final_loss, val_loss, val_gap, behind, no_loop_gain: the collapse grid's cells
+    (see flt_diag.results.tables.summary_table)."""
+    return summary_table(study)[GRID_COLUMNS + ["final_loss", "val_loss", "val_gap", "behind", "no_loop_gain"]]
 
 
 def _loss_text(row) -> str:
@@ -44,10 +48,19 @@ def cell_text(row, multi_seed: bool) -> str:
     if math.isfinite(row.val_gap):
         lines.insert(0, gap_text(row.val_gap, 2))
     lines[0] += "*" if row.residual_explosion else ""
+    if row.no_loop_gain:
+        lines.append("no loop gain")
     if multi_seed:
         lines.append(f"{row.failed}/{row.finished} failed" + (f" (+{row.runs - row.finished})"
                                                              if row.runs > row.finished else ""))
     return "\n".join(lines)
+
+
+def cell_color(row) -> str:
+    """The fill of a grid cell: its verdict's colour, amber for a stable cell that is behind its peers."""
+    if row.verdict == "stable" and row.behind:
+        return BEHIND_COLOR
+    return VERDICT_COLORS.get(row.verdict, OTHER_COLOR)
 
 
 def column_axis(df: pd.DataFrame) -> str:
@@ -75,8 +88,9 @@ def _panels(df: pd.DataFrame, column: str) -> list[tuple[pd.DataFrame, str]]:
 def _draw_cells(ax, cells: pd.DataFrame, names: list[str], columns: list, column: str, multi_seed: bool) -> None:
     for row in cells.itertuples():
         x, y = columns.index(getattr(row, column)), names.index(row.variant)
-        fill = VERDICT_COLORS.get(row.verdict, OTHER_COLOR)
-        ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, facecolor=fill, edgecolor="white", lw=2))
+        fill = cell_color(row)
+        ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, facecolor=fill, edgecolor="white", lw=2,
+                               hatch=BEHIND_HATCH if row.behind else None))
         ax.text(x, y, cell_text(row, multi_seed), ha="center", va="center", fontsize="small", color=text_color(fill))
     for row in cells[cells.val_gap == 0].itertuples():  # over the white edges of the neighbours
         x, y = columns.index(getattr(row, column)), names.index(row.variant)
@@ -101,7 +115,11 @@ def draw(df: pd.DataFrame):
             ax.grid(False)
             ax.set_title(title)
         shown = [v for v in VERDICT_COLORS if v in set(df.verdict)]
-        fig.legend([Patch(color=VERDICT_COLORS[v]) for v in shown], shown, loc="outside lower center",
+        handles = [Patch(color=VERDICT_COLORS[v]) for v in shown]
+        if df.behind.any():
+            handles.append(Patch(facecolor=BEHIND_COLOR, hatch=BEHIND_HATCH, edgecolor="white"))
+            shown = shown + ["behind"]
+        fig.legend(handles, shown, loc="outside lower center",
                    ncols=len(shown), fontsize="small", handlelength=1.2,
                    title=NOTE + (SEEDS_NOTE if multi_seed else ""), title_fontsize="small")
     return finish(fig, "Verdict by variant and " + ("loops" if column == "loops" else "depth"))

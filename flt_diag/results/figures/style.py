@@ -24,8 +24,10 @@ from flt_diag.storage.folders import StorageError  # noqa: E402
 from flt_diag.vocab.variants import VARIANT_COLORS  # noqa: E402
 
 OTHER_COLOR = "#7f7f7f"
-VERDICT_COLORS = {"stable": "#a6d96a", "unstable": "#fee08b", "collapsed": "#fdae61", "diverged": "#d7191c",
-                  "running": "#c6dbef", "failed": "#969696", "pending": "#f0f0f0"}
+VERDICT_COLORS = {"stable": "#a6d96a", "unstable": "#fee08b", "stalled": "#c2a5cf", "collapsed": "#fdae61",
+                  "diverged": "#d7191c", "running": "#c6dbef", "failed": "#969696", "pending": "#f0f0f0"}
+BEHIND_COLOR = "#e0b050"  # a stable cell flagged `behind` its peers: amber and hatched, never green
+BEHIND_HATCH = "//"
 LINESTYLES = ["-", "--", ":", "-."]
 DPI = 150
 

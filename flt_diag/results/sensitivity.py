@@ -1,0 +1,104 @@
+"""Verdict v3's sensitivity table: on the stored runs of the given folders, each threshold multiplied by
+0.5 and by 1.5 one at a time, and how many verdicts and flags change (numpy/pandas only; never torch).
+
+The thresholds (THRESHOLDS): the verdict's rebound_abs, rebound_rel, recovery_abs, recovery_rel, the
+stall margin tol(H1) (moved alone; recovery_abs and recovery_rel move it too, as they define it),
+osc_dlog_threshold, the residual explosion's explosion_ratio, and the peer flags' margin (behind and
+no_loop_gain). Each run is judged from its stored metrics with its own config.json's thresholds (the
+baseline), so the table does not depend on whether `summary --recompute` has been run; nothing is
+written to the folders. Cells are the summary table's (lr scale, variant, K, depth, width).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pandas as pd
+
+from flt_diag.judge.verdict import judged, residual_explosion, stored_config, stored_unigram_entropy
+from flt_diag.results.tables import seed_table
+from flt_diag.storage import metric_names as M
+from flt_diag.storage.folders import load_config, load_metrics, load_summary, run_dirs, series
+
+THRESHOLDS = ("rebound_abs", "rebound_rel", "recovery_abs", "recovery_rel", "stall_margin", "osc_dlog_threshold",
+              "explosion_ratio", "behind_margin")
+VERDICT_FIELDS = ("rebound_abs", "rebound_rel", "recovery_abs", "recovery_rel", "osc_dlog_threshold",
+                  "explosion_ratio")
+FACTORS = (0.5, 1.5)
+METRICS = [M.LOSS, M.GRAD_NORM, M.RESID_NORM, M.RESID_NORM_LOOP_END, M.VAL_LOSS]
+COLUMNS = ["threshold", "factor", "runs", "verdicts_changed", "changes", "explosions_changed", "cells",
+           "behind_changed", "no_loop_gain_changed"]
+
+
+class StoredRun:
+    """A finished run's stored metrics and config, judged again under moved thresholds."""
+
+    def __init__(self, run_dir: Path, overrides: dict | None):
+        cfg_dict = load_config(run_dir)
+        self.summary = load_summary(run_dir)
+        self.cfg = stored_config(cfg_dict, overrides)
+        self.unigram_entropy = stored_unigram_entropy(cfg_dict)
+        self.metrics = load_metrics(run_dir, METRICS)
+        val = series(self.metrics, M.VAL_LOSS).dropna()
+        model, train = self.cfg.model, self.cfg.train
+        self.row = dict(variant=model.variant, loops=model.loops, depth=model.n_layer, width=model.n_embd,
+                        seed=train.seed, lr_scale=train.lr_scale, val_loss=float(val.iloc[-1]) if len(val) else None)
+
+    def judge(self, threshold: str | None = None, factor: float = 1.0) -> dict:
+        """verdict and residual_explosion with `threshold` multiplied by `factor` (None: as configured)."""
+        cfg = self.cfg
+        if threshold in VERDICT_FIELDS:
+            cfg = stored_config(cfg.to_dict(), {threshold: getattr(cfg.verdict, threshold) * factor})
+        stall_scale = factor if threshold == "stall_margin" else 1.0
+        name, _, _ = judged(self.metrics, cfg, self.unigram_entropy, self.summary.get("prediction"), stall_scale)
+        resid = residual_explosion(self.metrics, cfg.model.loops, cfg.model.n_embd, cfg.verdict.explosion_ratio)
+        return dict(verdict=name, residual_explosion=resid["residual_explosion"],
+                    peak_resid_norm=resid["peak_resid_norm"])
+
+
+def stored_runs(paths, overrides: dict | None = None) -> list[StoredRun]:
+    """Every finished run under the folders (a run and seed in two folders counts once, the first's)."""
+    runs, seen = [], set()
+    for path in paths:
+        for d in run_dirs(Path(path)):
+            if load_summary(d) is None:
+                continue
+            run = StoredRun(d, overrides)
+            key = tuple(run.row[k] for k in ("variant", "loops", "depth", "width", "seed", "lr_scale"))
+            if key not in seen:
+                seen.add(key)
+                runs.append(run)
+    return runs
+
+
+def _cells(runs: list[StoredRun], judgements: list[dict], margin_scale: float) -> pd.DataFrame:
+    rows = pd.DataFrame([{**r.row, **j} for r, j in zip(runs, judgements)])
+    return seed_table(rows, margin_scale).set_index(["lr_scale", "variant", "loops", "depth", "width"])
+
+
+def _changed(base: pd.Series, moved: pd.Series) -> int:
+    return int((base.astype(bool) != moved.astype(bool)).sum())
+
+
+def sensitivity(paths, overrides: dict | None = None, factors=FACTORS) -> pd.DataFrame:
+    """One row per (threshold, factor): how many of the stored runs' verdicts change (and from what to
+    what), how many residual-explosion flags, and how many cells' behind and no_loop_gain flags."""
+    runs = stored_runs(paths, overrides)
+    base = [r.judge() for r in runs]
+    base_cells = _cells(runs, base, 1.0) if runs else None
+    out = []
+    for threshold in THRESHOLDS:
+        for factor in factors:
+            moved = base if threshold == "behind_margin" else [r.judge(threshold, factor) for r in runs]
+            transitions = Counter(f"{b['verdict']}→{m['verdict']}" for b, m in zip(base, moved)
+                                  if b["verdict"] != m["verdict"])
+            cells = _cells(runs, moved, factor if threshold == "behind_margin" else 1.0) if runs else None
+            out.append(dict(threshold=threshold, factor=factor, runs=len(runs),
+                            verdicts_changed=sum(transitions.values()),
+                            changes="; ".join(f"{k} {n}" for k, n in sorted(transitions.items())),
+                            explosions_changed=sum(b["residual_explosion"] != m["residual_explosion"]
+                                                   for b, m in zip(base, moved)),
+                            cells=len(base_cells) if runs else 0,
+                            behind_changed=_changed(base_cells.behind, cells.behind) if runs else 0,
+                            no_loop_gain_changed=_changed(base_cells.no_loop_gain, cells.no_loop_gain) if runs else 0))
+    return pd.DataFrame(out, columns=COLUMNS)
