@@ -125,7 +125,7 @@ def cmd_summary(v: dict) -> int:
         for path in paths:
             for d in run_dirs(path):
                 if load_summary(d) is not None:
-                    resummarize(d, overrides)
+                    resummarize(d, overrides, root=path)
             if is_sweep(path):
                 write_summary(path)
     if len(paths) > 1:
@@ -156,7 +156,8 @@ def cmd_eval_loops(v: dict) -> int:
             print(f"{d}: no final checkpoint yet, skipped")
             continue
         try:
-            print_eval_loops(d, eval_loops(d, v["loops"], batches=v["batches"], data=v["data"], device=device))
+            print_eval_loops(d, eval_loops(d, v["loops"], batches=v["batches"], data=v["data"], device=device,
+                                           root=v["path"]))
         except (StorageError, ValueError, RuntimeError) as e:  # one bad cell does not stop the others
             print(f"{d}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
             failed += 1

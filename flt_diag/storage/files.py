@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from flt_diag.storage.safe_files import regular_file
 from flt_diag.storage.predictor_names import CLASS_WEIGHTS, FEATURES, PACKAGED, TARGETS
 from flt_diag.storage.schema import (MAX_ITEMS, BadFile, Items, Record, Scalar, Shape, Table, bad, checked, read_json,
                                       read_text, scalar_of, value)
@@ -183,6 +184,7 @@ def check_metrics_part(path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
     part_steps(path)
+    regular_file(path)  # a FIFO in its place would block the Parquet reader
     try:
         schema = pq.read_schema(path)
     except (OSError, pa.ArrowException) as e:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -227,12 +228,14 @@ def bad(path, problem: Problem | str) -> BadFile:
 
 
 def read_text(path: Path) -> str:
+    from flt_diag.storage.safe_files import open_regular  # (it imports this module's errors)
     path = Path(path)
     try:
-        size = path.stat().st_size
-        if size > MAX_FILE_BYTES:
-            raise BadFile(f"{path}: {size:,} bytes; the files flt-diag writes there are far smaller")
-        return path.read_text()
+        with open_regular(path, text=True) as f:  # a FIFO, a folder, a device: one line, never blocks
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_FILE_BYTES:
+                raise BadFile(f"{path}: {size:,} bytes; the files flt-diag writes there are far smaller")
+            return f.read()
     except FileNotFoundError:
         raise StorageError(f"missing {path}") from None
     except IsADirectoryError:
