@@ -229,12 +229,12 @@ def cmd_fit_predictor(v: dict) -> int:
         if Path(p).suffix != ".csv":
             run_dirs(p)
     examples = FIT.training_examples(paths, at, target)  # features computed once, for the fit and the CV
-    if v["examples_out"] is not None:
-        atomic_write_text(v["examples_out"], FIT.examples_table(examples).to_csv(index=False))
-        print(f"fit examples: {v['examples_out']}")
     model = FIT.fit(paths, at, l2, fit_command(v, features), target, examples, features, weight)
     if v["cross_validate"]:
         model["cross_validation"] = _cross_validate(paths, v, examples, features)
+    if v["examples_out"] is not None:  # only once the fit succeeded, and only a table that reads back
+        FIT.write_examples(v["examples_out"], examples)
+        print(f"fit examples: {v['examples_out']}")
     write_json(v["out"], model)
     print_fitted(model, v["out"])
     return 0

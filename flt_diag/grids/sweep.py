@@ -27,6 +27,7 @@ from flt_diag.storage.cells import Cell
 from flt_diag.storage.folders import (BUSY, CELLS, ERROR, SWEEP_SPEC, StorageError, atomic_write_text, folder_lock,
                                       has_content, load_spec as load_folder_spec, make_folder, refuse_links, write_json)
 from flt_diag.storage.pooling import without_grid_fields
+from flt_diag.storage.schema import MAX_ITEMS
 from flt_diag.training.settle import comparable
 from flt_diag.vocab.config import RunConfig, check, validate, with_overrides
 from flt_diag.vocab.grid_options import SWEEP_GRID_FIELDS, SweepGrid
@@ -43,7 +44,14 @@ class SweepSpec(SweepGrid):
         check(self)  # every option field against its bounds and choices (flt_diag.vocab.config)
         self.variants, self.loops = list(self.variants), list(self.loops)
         self.seeds, self.lr_scales = list(self.seeds), list(self.lr_scales)
+        n = len(self.variants) * len(self.loops) * len(self.seeds) * len(self.lr_scales)
+        if n > MAX_ITEMS:  # what the loader of sweep.json reads: a larger grid could never be resumed or read
+            raise ValueError(f"the grid has {n:,} cells; a sweep holds at most {MAX_ITEMS:,} (split it into sweeps)")
         cells = self.cells()
+        names = [c.name for c in cells]
+        if len(set(names)) != len(names):
+            twice = next(x for x in names if names.count(x) > 1)
+            raise ValueError(f"two cells of the grid would share the folder {twice} (values that are equal as numbers)")
         self.base = cell_config(self.base, cells[0])
         for cell in cells:  # validates every cell before anything runs
             self.cell_config(cell)

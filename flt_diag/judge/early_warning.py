@@ -34,6 +34,7 @@ flt_diag/judge/early_warning.json ships with the package.
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -121,6 +122,12 @@ def sigmoid(z):
 def design(rows: list[dict], features: list[str], mean=None,
            std=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     X = np.array([[r.get(f, math.nan) for f in features] for r in rows], dtype=float).reshape(len(rows), len(features))
+    with warnings.catch_warnings(), np.errstate(all="ignore"):  # an all-NaN column, a +-1e308 one: no numpy noise
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return _standardised(X, features, mean, std)
+
+
+def _standardised(X, features, mean, std):
     if mean is None:
         mean = np.nanmean(np.where(np.isfinite(X), X, np.nan), axis=0) if len(X) else np.zeros(len(features))
         mean = np.where(np.isfinite(mean), mean, 0.0)

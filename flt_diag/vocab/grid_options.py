@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from flt_diag.vocab.config import check, opt
+from flt_diag.vocab.config import MAX_SEED, check, opt
 from flt_diag.vocab.variants import MAX_LOOPS, VARIANTS
 
 MAP_AXES = ("lr", "depth")  # what a map varies: the lr scale, or the number L of distinct blocks
@@ -47,7 +47,7 @@ class SweepGrid:
     base: object
     variants: list[str] = opt(list(VARIANTS), "Variants [default: all five].", choices=VARIANTS)
     loops: list[int] = opt([3, 6, 9, 12], "Loop counts K.", low=1, high=MAX_LOOPS)
-    seeds: list[int] = opt([0], "Seeds.", low=0)
+    seeds: list[int] = opt([0], "Seeds.", low=0, high=MAX_SEED)
     lr_scales: list[float] = opt([1.0], "Learning-rate multipliers (an lr x loops map).", flag="--lr-scale", above=0)
 
 
@@ -75,7 +75,7 @@ class MapLinesGrid:
     base: object
     variants: list[str] = opt(list(VARIANTS), "Variants [default: all five].", choices=VARIANTS)
     loops: list[int] = opt([6, 12], "Loop counts K (the x axis of the map).", low=1, high=MAX_LOOPS)
-    seeds: list[int] = opt([0], "Seeds: each boundary is reported with its spread.", low=0)
+    seeds: list[int] = opt([0], "Seeds: each boundary is reported with its spread.", low=0, high=MAX_SEED)
     axis: str = opt("lr", "lr (lr scale) or depth (L blocks, width fixed).", choices=MAP_AXES)
     grid: list[float] = field(default_factory=lambda: MapGrid().values("lr"))
     criteria: list[str] = opt(["training", "explosion"], "training (verdict not stable), collapse (collapsed or "
