@@ -107,6 +107,9 @@ def eval_loops(run_dir: Path, loops: list[int] | None = None, batches: int | Non
     t = RunConfig.from_dict(load_config(run_dir)).train
     data = data or t.data
     val = load_split(t, model.cfg.sequence_len, "val", data)
+    if val.vocab_size > model.cfg.vocab_size:  # its tokens would index past the embedding (an IndexError)
+        raise StorageError(f"{run_dir / CHECKPOINT}: its model has a vocabulary of {model.cfg.vocab_size} tokens, but "
+                           f"{data} (tokenizer {t.tokenizer}) uses {val.vocab_size}: evaluate it on data of its own")
     batches = batches or t.eval_batches
     rows = []
     for k in loops or range(1, 2 * model.cfg.loops + 1):
