@@ -88,6 +88,7 @@ def prepare_spec_folder(out: Path, new: dict, what: str, grid_fields: dict) -> N
     `grid_fields` that every cell sets)."""
     if (out / SWEEP_SPEC).exists():
         old = load_folder_spec(out)  # checked: a damaged spec is one line, never compared field by field
+        refuse_links(out / CELLS, out)  # a linked cells/ would train every cell elsewhere
 
         def same(k):
             return without_grid_fields(old.get(k), grid_fields) == without_grid_fields(new[k], grid_fields) if k == "base" \
@@ -172,6 +173,8 @@ def only(items: list, index: int | None, what: str = "") -> list:
 def _run_sweep(spec, out, workers, only_cell, show_progress) -> pd.DataFrame:
     prepare_folder(spec, out)
     cells = only(spec.cells(), only_cell)
+    for cell in cells:  # a cell that is a link is refused before anything trains (one line)
+        refuse_links(out / CELLS / cell.name, out)
     todo = [c for c in cells if cell_status(out, c) != "done"]
     base = spec.base.to_dict()
     if workers <= 0:
