@@ -90,7 +90,14 @@ def features(df: pd.DataFrame, at: int, loops: int, n_layer: int, d_model: int) 
 
 
 def features_at(run: RunSeries, at: int, d_model: int) -> dict:
-    """The features at step `at` (from rows with step < at) of a run's pre-indexed series."""
+    """The features at step `at` (from rows with step < at) of a run's pre-indexed series; a value that
+    overflows (a metric of 1e308) is NaN, without numpy's warnings."""
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return _features_at(run, at, d_model)
+
+
+def _features_at(run: RunSeries, at: int, d_model: int) -> dict:
     W = max(2, min(100, at // 2))
     lo = at - W
     final, first = _window(run.final, lo, at), _window(run.first, lo, at)
