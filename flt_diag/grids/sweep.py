@@ -143,7 +143,8 @@ def _failed(run_dir: Path, out, e: Exception) -> str:
     """Write the traceback into the cell's error.txt (never through a link below the sweep folder)."""
     try:
         make_folder(run_dir, out)
-        atomic_write_text(run_dir / ERROR, traceback.format_exc(), out)
+        refuse_links(run_dir / ERROR, out)
+        atomic_write_text(run_dir / ERROR, traceback.format_exc())
     except (OSError, StorageError):  # a full disk, a linked cell: the cell is reported failed all the same
         pass
     return f"error: {type(e).__name__}: {e}"

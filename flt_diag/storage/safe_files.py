@@ -12,7 +12,7 @@ import os
 import stat
 from pathlib import Path
 
-from flt_diag.storage.schema import BadFile, StorageError
+from flt_diag.storage.errors import BadFile, StorageError
 
 _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
           (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"))

@@ -25,6 +25,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from flt_diag.storage.errors import BadFile, StorageError  # noqa: F401  (re-exported: one error type)
+from flt_diag.storage.safe_files import open_regular
+
 if TYPE_CHECKING:
     from flt_diag.vocab.config import Option
 
@@ -215,20 +218,11 @@ def fields(entry, where: tuple = ()) -> list[tuple[tuple, object]]:
 
 # --------------------------------------------------------------------------- reading a file
 
-class StorageError(ValueError):
-    """A run or sweep folder that cannot be read or written as asked (one line in the CLI)."""
-
-
-class BadFile(StorageError):
-    """A file that does not hold what flt-diag writes there: one line naming the file and the field."""
-
-
 def bad(path, problem: Problem | str) -> BadFile:
     return BadFile(f"{path}: {problem}")
 
 
 def read_text(path: Path) -> str:
-    from flt_diag.storage.safe_files import open_regular  # (it imports this module's errors)
     path = Path(path)
     try:
         with open_regular(path, text=True) as f:  # a FIFO, a folder, a device: one line, never blocks
