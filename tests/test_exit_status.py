@@ -168,7 +168,10 @@ def test_an_empty_predictor_name_is_an_error_not_the_packaged_predictor(tmp_path
 CHANGES = {"device": {"--device": "auto"}, "threads": {"--threads": "2"}, "compile": {"--no-compile": None},
            "eval_every": {"--eval-every": "1"}, "checkpoint_every": {"--checkpoint-every": "3"},
            "flush_every": {"--flush-every": "1"}, "tensorboard": {"--tensorboard": None},
-           "wandb": {"--wandb": "a-project"}, "warn": {"--warn": None}}
+           "wandb": {"--wandb": "a-project"}, "warn": {"--warn": None},
+           "loop_dynamics": {"--no-loop-dynamics": None}, "dynamics_every": {"--dynamics-every": "2"},
+           "sharpness_every": {"--sharpness-every": "3"}, "dynamics_batch": {"--dynamics-batch": "2"},
+           "dynamics_iters": {"--dynamics-iters": "3"}}
 
 
 def test_every_field_changeable_on_reuse_has_a_resume_case():

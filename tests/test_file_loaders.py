@@ -367,8 +367,9 @@ def _scalar_mutations(entry: Scalar, original) -> list[tuple[str, object, bool]]
         if bound is not None:
             out.append((label, bound, True))
     if o.kind in (int, float):
-        bounded = o.high is not None or o.below is not None or bool(o.choices)
-        out.append(("huge", 10 ** 13, bounded))
+        huge = 10 ** 13  # beyond every size bound; a seed's bound (2**63 - 1) lies above it
+        refused = (o.high is not None and huge > o.high) or (o.below is not None and huge >= o.below) or bool(o.choices)
+        out.append(("huge", huge, refused))
         if o.kind is float:
             out.append(("infinite", math.inf, not entry.nan))
     if o.kind is str:

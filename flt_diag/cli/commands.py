@@ -134,7 +134,7 @@ def cmd_summary(o: SummaryOptions) -> int:
         for path in paths:
             for d in run_dirs(path):
                 if load_summary(d) is not None:
-                    resummarize(d, overrides)
+                    resummarize(d, overrides, root=path)
             if is_sweep(path):
                 write_summary(path)
     if len(paths) > 1:
@@ -178,7 +178,8 @@ def cmd_eval_loops(o: EvalLoopsOptions) -> int:
             print(f"{d}: no final checkpoint yet, skipped")
             continue
         try:
-            print_eval_loops(d, eval_loops(d, o.loops, batches=o.batches, data=o.data, device=device))
+            print_eval_loops(d, eval_loops(d, o.loops, batches=o.batches, data=o.data, device=device,
+                                           root=o.path))
         except (StorageError, ValueError, RuntimeError) as e:  # one bad cell does not stop the others
             print(f"{d}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
             failed += 1
@@ -250,12 +251,12 @@ def cmd_fit_predictor(o: FitPredictorOptions) -> int:
         if Path(p).suffix != ".csv":
             run_dirs(p)
     examples = FIT.training_examples(paths, at, target)  # features computed once, for the fit and the CV
-    if o.examples_out is not None:
-        atomic_write_text(o.examples_out, FIT.examples_table(examples).to_csv(index=False))
-        print(f"fit examples: {o.examples_out}")
     model = FIT.fit(paths, at, l2, fit_command(o, features), target, examples, features, weight)
     if o.cross_validate:
         model["cross_validation"] = _cross_validate(paths, o, examples, features)
+    if o.examples_out is not None:  # only once the fit succeeded, and only a table that reads back
+        FIT.write_examples(o.examples_out, examples)
+        print(f"fit examples: {o.examples_out}")
     write_json(o.out, model)
     print_fitted(model, o.out)
     return 0

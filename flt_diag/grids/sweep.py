@@ -24,9 +24,10 @@ from flt_diag.grids.progress import SweepMonitor, cell_status
 from flt_diag.grids.worker_pool import auto_workers, run_parallel
 from flt_diag.judge.summary_table import write_summary
 from flt_diag.storage.cells import Cell
-from flt_diag.storage.folders import (CELLS, ERROR, SWEEP_SPEC, StorageError, atomic_write_text, folder_lock, has_content,
-                                      load_spec as load_folder_spec, refuse_symlink, write_json)
+from flt_diag.storage.folders import (BUSY, CELLS, ERROR, SWEEP_SPEC, StorageError, atomic_write_text, folder_lock,
+                                      has_content, load_spec as load_folder_spec, make_folder, refuse_links, write_json)
 from flt_diag.storage.pooling import without_grid_fields
+from flt_diag.storage.schema import MAX_ITEMS
 from flt_diag.training.settle import comparable
 from flt_diag.vocab.config import RunConfig, validate, with_overrides
 from flt_diag.vocab.grid_options import SWEEP_GRID_FIELDS, SweepGrid
@@ -44,7 +45,14 @@ class SweepSpec(SweepGrid):
 
     @model_validator(mode="after")
     def _every_cell(self):
+        n = len(self.variants) * len(self.loops) * len(self.seeds) * len(self.lr_scales)
+        if n > MAX_ITEMS:  # what the loader of sweep.json reads: a larger grid could never be resumed or read
+            raise ValueError(f"the grid has {n:,} cells; a sweep holds at most {MAX_ITEMS:,} (split it into sweeps)")
         cells = self.cells()
+        names = [c.name for c in cells]
+        if len(set(names)) != len(names):
+            twice = next(x for x in names if names.count(x) > 1)
+            raise ValueError(f"two cells of the grid would share the folder {twice} (values that are equal as numbers)")
         self.base = cell_config(self.base, cells[0])
         for cell in cells:  # validates every cell before anything runs
             self.cell_config(cell)
@@ -82,6 +90,7 @@ def prepare_spec_folder(out: Path, new: dict, what: str, grid_fields: dict) -> N
     `grid_fields` that every cell sets)."""
     if (out / SWEEP_SPEC).exists():
         old = load_folder_spec(out)  # checked: a damaged spec is one line, never compared field by field
+        refuse_links(out / CELLS, out)  # a linked cells/ would train every cell elsewhere
 
         def same(k):
             return without_grid_fields(old.get(k), grid_fields) == without_grid_fields(new[k], grid_fields) if k == "base" \
@@ -93,14 +102,16 @@ def prepare_spec_folder(out: Path, new: dict, what: str, grid_fields: dict) -> N
         return
     if has_content(out):
         raise StorageError(f"{out} exists, is not empty and is not a {what} folder; use another --out")
-    refuse_symlink(out / CELLS)
     try:
-        (out / CELLS).mkdir(parents=True, exist_ok=True)
+        make_folder(out / CELLS, out)
     except OSError as e:
         raise StorageError(f"cannot create {what} folder {out}: {e.strerror}") from None
     if not os.access(out, os.W_OK):
         raise StorageError(f"cannot write to {out}")
     write_json(out / SWEEP_SPEC, new)
+
+
+BUSY_RESULT = "busy"  # run_cell's result for a cell another process is training (a second copy of a --cell task)
 
 
 def run_cell(base: dict, cell: Cell, out: str, threads: int | None = None,
@@ -112,23 +123,33 @@ def run_cell(base: dict, cell: Cell, out: str, threads: int | None = None,
     cfg = cell_config(RunConfig.from_dict(base), cell, **({"threads": threads} if threads else {}),
                       **({"device": device} if device else {}))
     run_dir = Path(out) / CELLS / cell.name
-    if not run_dir.is_symlink():  # a linked cell is refused by train(); nothing is removed through it
-        (run_dir / ERROR).unlink(missing_ok=True)
     try:
         if threads:
             torch.set_num_threads(threads)
-        summary = train(cfg, run_dir, progress=progress)
-        return summary.get("verdict", "?")
+        summary = train(cfg, run_dir, progress=progress, root=out)  # (refuses a link below `out`)
     except KeyboardInterrupt:
         raise
+    except StorageError as e:
+        if BUSY in str(e):  # another process (a second copy of this --cell task) is training it: not a failure
+            return f"{BUSY_RESULT}: {e}"
+        return _failed(run_dir, out, e)
     except Exception as e:
-        try:
-            refuse_symlink(run_dir)
-            run_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(run_dir / ERROR, traceback.format_exc())
-        except (OSError, StorageError):  # a full disk, a linked cell: the cell is reported failed all the same
-            pass
-        return f"error: {type(e).__name__}: {e}"
+        return _failed(run_dir, out, e)
+    with contextlib.suppress(OSError, StorageError):  # an error.txt of an earlier failed attempt is stale now
+        refuse_links(run_dir / ERROR, out)
+        (run_dir / ERROR).unlink(missing_ok=True)
+    return summary.get("verdict", "?")
+
+
+def _failed(run_dir: Path, out, e: Exception) -> str:
+    """Write the traceback into the cell's error.txt (never through a link below the sweep folder)."""
+    try:
+        make_folder(run_dir, out)
+        refuse_links(run_dir / ERROR, out)
+        atomic_write_text(run_dir / ERROR, traceback.format_exc())
+    except (OSError, StorageError):  # a full disk, a linked cell: the cell is reported failed all the same
+        pass
+    return f"error: {type(e).__name__}: {e}"
 
 
 def run_sweep(spec: SweepSpec, out: Path, workers: int = 1, only_cell: int | None = None,
@@ -155,6 +176,8 @@ def only(items: list, index: int | None, what: str = "") -> list:
 def _run_sweep(spec, out, workers, only_cell, show_progress) -> pd.DataFrame:
     prepare_folder(spec, out)
     cells = only(spec.cells(), only_cell)
+    for cell in cells:  # a cell that is a link is refused before anything trains (one line)
+        refuse_links(out / CELLS / cell.name, out)
     todo = [c for c in cells if cell_status(out, c) != "done"]
     base = spec.base.to_dict()
     if workers <= 0:
@@ -166,6 +189,9 @@ def _run_sweep(spec, out, workers, only_cell, show_progress) -> pd.DataFrame:
                 monitor.start(cell)
                 result = run_cell(base, cell, str(out), progress=lambda info, c=cell: monitor.update(c, info))
                 monitor.finish(cell, result)
+                if only_cell is not None and result.startswith(BUSY_RESULT):
+                    raise StorageError(f"cell {cell.index} ({cell.name}) is already being run by another process; "
+                                       "wait for it to finish or stop it")
                 write_summary(out)
         else:
             run_parallel(base, longest_first(todo), out, workers, monitor, run_cell, lambda: write_summary(out))

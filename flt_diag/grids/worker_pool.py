@@ -6,11 +6,13 @@ submit their work here.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing as mp
 import os
 import signal
 import sys
+import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from typing import Callable
 
@@ -59,8 +61,8 @@ def run_parallel(base, todo, out, workers, monitor, run_cell: Callable, on_cell_
         threads = None
     else:
         threads = max(1, (os.cpu_count() or 1) // workers)
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
-                             initargs=(gpu_queue, os.getpid())) as pool:
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=(gpu_queue, os.getpid()))
+    with interruptible(pool):
         pending = {}
         queue = list(todo)
         while queue or pending:
@@ -78,3 +80,35 @@ def run_parallel(base, todo, out, workers, monitor, run_cell: Callable, on_cell_
                 monitor.finish(cell, result)
                 on_cell_done()
             monitor.poll()
+
+
+GRACE_S = 2.0  # after SIGINT, how long the workers get to stop on their own (then SIGTERM, then SIGKILL)
+
+
+@contextlib.contextmanager
+def interruptible(pool: ProcessPoolExecutor):
+    """Own a process pool: on success shut it down and wait for it; on Ctrl-C or any other exception in
+    the parent (whoever sent the SIGINT: a terminal's whole process group, `kill -INT` of the parent
+    alone, a scheduler) cancel what has not started, forward the interrupt to the workers, and stop them:
+    SIGINT, then after GRACE_S SIGTERM, then SIGKILL. The parent never waits on a running cell (a worker
+    may swallow KeyboardInterrupt inside compiled code); the exception is re-raised."""
+    try:
+        yield pool
+    except BaseException:
+        stop_pool(pool)
+        raise
+    pool.shutdown(wait=True)
+
+
+def stop_pool(pool: ProcessPoolExecutor, grace_s: float = GRACE_S) -> None:
+    processes = list((getattr(pool, "_processes", None) or {}).values())  # (the executor keeps no public list)
+    pool.shutdown(wait=False, cancel_futures=True)
+    for sig, wait_s in ((signal.SIGINT, grace_s), (signal.SIGTERM, 1.0), (signal.SIGKILL, 1.0)):
+        alive = [p for p in processes if p.is_alive()]
+        for p in alive:
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(p.pid, sig)
+        deadline = time.monotonic() + wait_s
+        for p in alive:
+            with contextlib.suppress(OSError, ValueError, AssertionError):
+                p.join(max(0.0, deadline - time.monotonic()))

@@ -34,6 +34,7 @@ flt_diag/judge/early_warning.json ships with the package.
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -55,24 +56,56 @@ def _slope_per_100(s: pd.Series) -> float:
 
 
 def _window(s: pd.Series, lo: int, hi: int) -> pd.Series:
-    return s[(s.index >= lo) & (s.index < hi)]
+    """The rows of a step-sorted series with lo <= step < hi, found by bisection (no scan of the series)."""
+    idx = s.index.to_numpy()
+    return s.iloc[np.searchsorted(idx, lo, "left"):np.searchsorted(idx, hi, "left")]
+
+
+class RunSeries:
+    """The series the features read, taken once from a run's metrics table and sorted by step, with the
+    smoothed loss and its running minimum over the whole run (both causal, so their value at a step is
+    what the rows before it give): every check then reads windows by bisection, and a replay of all
+    checks is linear in the series."""
+
+    def __init__(self, df: pd.DataFrame, loops: int, n_layer: int):
+        def one(metric, **where):
+            x = series(df, metric, **where)
+            return x if x.index.is_monotonic_increasing else x.sort_index(kind="stable")
+        self.final, self.first = one(M.RESID_NORM_LOOP_END, loop=loops), one(M.RESID_NORM_LOOP_END, loop=1)
+        self.grad, self.cos = one(M.GRAD_NORM), one(M.GRAD_COSINE)
+        self.act_first, self.act_last = one(M.ACT_GRAD_NORM, loop=1, layer=1), one(M.ACT_GRAD_NORM, loop=loops, layer=n_layer)
+        self.loss = one(M.LOSS)
+        smooth = self.loss.rolling(SMOOTH, min_periods=1).mean()
+        self.climb = (smooth - smooth.cummin()).to_numpy(dtype=float)
+        self.last_step = int(df.step.max()) if len(df) else -1
+
+    def climb_before(self, at: int) -> float:
+        n = int(np.searchsorted(self.loss.index.to_numpy(), at, "left"))
+        return float(self.climb[n - 1]) if n else math.nan
 
 
 def features(df: pd.DataFrame, at: int, loops: int, n_layer: int, d_model: int) -> dict:
     """The features at step `at` (from rows with step < at) of one run's metrics table."""
+    return features_at(RunSeries(df, loops, n_layer), at, d_model)
+
+
+def features_at(run: RunSeries, at: int, d_model: int) -> dict:
+    """The features at step `at` (from rows with step < at) of a run's pre-indexed series; a value that
+    overflows (a metric of 1e308) is NaN, without numpy's warnings."""
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return _features_at(run, at, d_model)
+
+
+def _features_at(run: RunSeries, at: int, d_model: int) -> dict:
     W = max(2, min(100, at // 2))
     lo = at - W
-    final = _window(series(df, M.RESID_NORM_LOOP_END, loop=loops), lo, at)
-    first = _window(series(df, M.RESID_NORM_LOOP_END, loop=1), lo, at)
-    g = _window(series(df, M.GRAD_NORM), lo, at)
+    final, first = _window(run.final, lo, at), _window(run.first, lo, at)
+    g = _window(run.grad, lo, at)
     g = g[np.isfinite(g.to_numpy()) & (g.to_numpy() > 0)]
-    cos = _window(series(df, M.GRAD_COSINE), lo, at)
+    cos = _window(run.cos, lo, at)
     cos = cos[np.isfinite(cos.to_numpy())]
-    a_first = _window(series(df, M.ACT_GRAD_NORM, loop=1, layer=1), lo, at)
-    a_last = _window(series(df, M.ACT_GRAD_NORM, loop=loops, layer=n_layer), lo, at)
-    loss = series(df, M.LOSS)
-    loss = loss[loss.index < at]
-    smooth = loss.rolling(SMOOTH, min_periods=1).mean()
+    a_first, a_last = _window(run.act_first, lo, at), _window(run.act_last, lo, at)
 
     def log_mean(s):
         v = s.to_numpy(dtype=float)
@@ -87,8 +120,8 @@ def features(df: pd.DataFrame, at: int, loops: int, n_layer: int, d_model: int) 
         grad_dlog=float(np.abs(np.diff(np.log(g.to_numpy()))).mean()) if len(g) > 1 else math.nan,
         grad_cos=float(cos.mean()) if len(cos) else math.nan,
         act_grad_decay=log_mean(a_first) - log_mean(a_last) if len(a_first) and len(a_last) else math.nan,
-        loss_slope=_slope_per_100(_window(loss, lo, at)),
-        loss_climb=float(smooth.iloc[-1] - smooth.cummin().iloc[-1]) if len(smooth) else math.nan,
+        loss_slope=_slope_per_100(_window(run.loss, lo, at)),
+        loss_climb=run.climb_before(at),
     )
     return {k: (v if v is None or math.isfinite(v) else math.nan) for k, v in out.items()}
 
@@ -121,6 +154,12 @@ def sigmoid(z):
 def design(rows: list[dict], features: list[str], mean=None,
            std=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     X = np.array([[r.get(f, math.nan) for f in features] for r in rows], dtype=float).reshape(len(rows), len(features))
+    with warnings.catch_warnings(), np.errstate(all="ignore"):  # an all-NaN column, a +-1e308 one: no numpy noise
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return _standardised(X, features, mean, std)
+
+
+def _standardised(X, features, mean, std):
     if mean is None:
         mean = np.nanmean(np.where(np.isfinite(X), X, np.nan), axis=0) if len(X) else np.zeros(len(features))
         mean = np.where(np.isfinite(mean), mean, 0.0)
@@ -204,10 +243,12 @@ def first_warning(df: pd.DataFrame, predictor: dict, loops: int, n_layer: int, d
     threshold = predictor.get("threshold", 0.5) if threshold is None else threshold
     first = min(int(s) for s in predictor["models"])
     start = -(-first // every) * every  # the first multiple of `every` at or after the first fitted step
-    checks = range(start, steps_done + 1, every)
+    run = RunSeries(df, loops, n_layer)
+    # bounded by the metrics stored (a summary's steps_done may say anything): no check past the last row
+    checks = range(start, min(int(steps_done), run.last_step + 1) + 1, every)
     p_max, out = 0.0, dict(warned_at=None, p_warn=math.nan, evidence="")
     for at in checks:
-        feats = features(df, at, loops, n_layer, d_model)
+        feats = features_at(run, at, d_model)
         p, contrib = probability(predictor, feats, at)
         p_max = max(p_max, p)
         if p >= threshold and out["warned_at"] is None:

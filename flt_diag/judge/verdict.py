@@ -336,9 +336,10 @@ def stored_unigram_entropy(cfg_dict: dict) -> float | None:
     return (cfg_dict.get("corpus") or {}).get("unigram_entropy")
 
 
-def resummarize(run_dir, verdict_overrides: dict | None = None) -> dict:
+def resummarize(run_dir, verdict_overrides: dict | None = None, root=None) -> dict:
     """Recompute a finished run's summary.json from its stored metrics (for example with other
-    verdict thresholds); wall time and stop reason are kept from the old summary."""
+    verdict thresholds); wall time and stop reason are kept from the old summary. `root`: the folder
+    the command was given (a sweep): no link below it is written through."""
     old = load_summary(run_dir)
     if old is None:
         raise ValueError(f"{run_dir} has not finished (no {SUMMARY})")
@@ -347,5 +348,5 @@ def resummarize(run_dir, verdict_overrides: dict | None = None) -> dict:
     new = summarize(load_metrics(run_dir), cfg, unigram_entropy=stored_unigram_entropy(cfg_dict),
                     wall_time=old.get("wall_time"), stop_reason=old.get("stop_reason"), prediction=old.get("prediction"),
                     tokens_per_step=tokens_per_step(cfg, cfg_dict.get("env", {}).get("world_size", 1)))
-    write_json(Path(run_dir) / SUMMARY, new)
+    write_json(Path(run_dir) / SUMMARY, new, root)
     return new

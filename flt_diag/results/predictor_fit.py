@@ -13,7 +13,8 @@ from scipy.optimize import minimize
 from flt_diag.judge.early_warning import (COLUMNS, FEATURES, TARGETS, design, labelled_runs, label,
                                              prediction_row, run_features, sigmoid, target_text)
 from flt_diag.storage.files import EXAMPLE_IDENTITY, load_examples
-from flt_diag.storage.folders import load_config, load_summary
+from flt_diag.storage.folders import BadFile, atomic_path, load_config, load_summary
+from flt_diag.storage.schema import MAX_ITEMS
 
 DEFAULT_FEATURES = ["resid_level", "resid_growth", "loop_ratio", "grad_cv", "grad_dlog", "act_grad_decay",
                     "loss_slope", "loss_climb"]  # what `fit-predictor` uses unless told otherwise
@@ -103,6 +104,22 @@ def examples_table(examples: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=EXAMPLE_COLUMNS)
 
 
+def write_examples(path: Path, examples: list[dict]) -> None:
+    """The fit-examples table (`fit-predictor --examples-out`), written only if load_examples reads it
+    back (at most MAX_ITEMS rows; every value within its field's bounds): checked in its temporary file,
+    so a table flt-diag would refuse is never left behind."""
+    table = examples_table(examples)
+    if len(table) > MAX_ITEMS:
+        raise ValueError(f"the fit-examples table would have {len(table):,} rows; one holds at most {MAX_ITEMS:,} "
+                         "(fewer --at steps or runs)")
+    with atomic_path(path) as tmp:
+        table.to_csv(tmp, index=False)
+        try:
+            load_examples(tmp)
+        except BadFile as e:
+            raise BadFile(str(e).replace(str(tmp), str(path))) from None
+
+
 def relabelled(row: dict) -> str:
     """The run's verdict by the current rule: a loss climb that recovered (the evidence's transient_rebound),
     `stable` before commit bcf10c4, is `unstable` now (docs/DESIGN.md §3)."""
@@ -159,6 +176,29 @@ def _nothing_to_fit(examples: list[dict], steps, target: str) -> str:
             f"and without the target {target}")
 
 
+def uninformative(examples: list[dict], steps, features) -> dict[str, str]:
+    """The features that tell no two runs apart at any step of `steps` that has runs of both kinds, with
+    why: every value missing (NaN), infinite, the same, or too large to standardise (a spread that
+    overflows). A predictor fitted on them would only say one thing."""
+    why: dict[str, str] = {}
+    fitted = [s for s in steps if _both_kinds(examples, s)]
+    for f in features:
+        reasons = set()
+        for s in fitted:
+            x = np.array([e["feats"][s].get(f, math.nan) for e in examples if s in e["feats"]], dtype=float)
+            finite = x[np.isfinite(x)]
+            with np.errstate(all="ignore"):
+                spread = float(np.std(finite)) if len(finite) else math.nan
+            reasons.add("missing (NaN)" if np.isnan(x).all() else "infinite" if not len(finite) else
+                        "too large to standardise" if not math.isfinite(spread) else
+                        "constant" if spread <= 1e-12 * max(1.0, float(np.max(np.abs(finite)))) else "")
+        if "too large to standardise" in reasons:  # at any step: its standardised values would overflow the fit
+            why[f] = "too large to standardise"
+        elif fitted and "" not in reasons:
+            why[f] = " or ".join(sorted(reasons))
+    return why
+
+
 def check_features(features) -> list[str]:
     features = list(features)
     unknown = [f for f in features if f not in FEATURES]
@@ -176,6 +216,12 @@ def fit(sources, steps=DEFAULT_STEPS, l2: float = 1.0, command: str = "", target
     features = check_features(features)
     class_weights([], class_weight)  # a wrong name fails before any run is read
     examples = training_examples(sources, steps, target) if examples is None else examples
+    empty = uninformative(examples, steps, features)
+    if len(empty) < len(features):  # a constant feature beside informative ones only gets a zero coefficient
+        empty = {f: why for f, why in empty.items() if why != "constant"}
+    if empty:
+        raise ValueError("feature " + "; ".join(f"{f} is {why}" for f, why in empty.items()) + " at every step of "
+                         "--at in these runs, so it carries no information: leave it out with --features")
     models = {str(s): m for s in steps
               if _both_kinds(examples, s) and (m := _fit_step(examples, s, l2, features, class_weight)) is not None}
     if not models:  # a predictor without a model (or one that can only say one thing) is refused here

@@ -123,11 +123,13 @@ def write_report(sweep_path, out=None) -> Path:
     default <sweep>/report.html (of the first sweep)."""
     study = collect(sweep_path)
     figures, skipped = render(study)
-    return write_html(study, figures, skipped, Path(out) if out is not None else study.path / REPORT)
+    return write_html(study, figures, skipped, Path(out) if out is not None else study.path / REPORT,
+                      root=None if out is not None else study.path)
 
 
-def write_html(study: Study, figures: dict, skipped: dict[str, str], out: Path) -> Path:
+def write_html(study: Study, figures: dict, skipped: dict[str, str], out: Path, root=None) -> Path:
+    """`root`: the folder the report is written into by default (no link below it is written through)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out, render_html(study, figures, skipped))
+    atomic_write_text(out, render_html(study, figures, skipped), root)
     return out

@@ -5,6 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def exact(x: float) -> str:
+    """`x` as `%g` when that reads back as `x` (1 -> "1", 0.5 -> "0.5"), else as repr (1.0000001)."""
+    short = f"{x:g}"
+    return short if float(short) == x else repr(float(x))
+
+
 @dataclass(frozen=True)
 class Cell:
     index: int
@@ -16,5 +22,8 @@ class Cell:
 
     @property
     def name(self) -> str:
-        name = f"{self.variant}_K{self.loops:02d}_seed{self.seed}_lr{self.lr_scale:g}"
+        """variant_Kkk_seedS_lrX[_LN]: X is the lr scale written exactly (`%g` where that reads back as the
+        same number, as every earlier name; else the shortest round-trip repr), so distinct scales never
+        share a folder."""
+        name = f"{self.variant}_K{self.loops:02d}_seed{self.seed}_lr{exact(self.lr_scale)}"
         return name if self.depth is None else f"{name}_L{self.depth}"

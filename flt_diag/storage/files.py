@@ -34,6 +34,7 @@ from flt_diag.storage.file_models import EXAMPLE_IDENTITY, META_LOOP_KEYS, META_
 from flt_diag.storage.predictor_names import PACKAGED
 from flt_diag.storage.schema import MAX_ITEMS, BadFile, bad, checked, dotted, one_line, read_json, read_text
 from flt_diag.vocab.config import ModelConfig, RunConfig
+from flt_diag.storage.safe_files import regular_file
 
 # --------------------------------------------------------------------------- run config
 
@@ -106,6 +107,7 @@ def check_metrics_part(path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
     part_steps(path)
+    regular_file(path)  # a FIFO in its place would block the Parquet reader
     try:
         schema = pq.read_schema(path)
     except (OSError, pa.ArrowException) as e:

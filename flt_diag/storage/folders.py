@@ -29,12 +29,14 @@ from pathlib import Path
 import pandas as pd
 
 from flt_diag.storage import files
+from flt_diag.storage.safe_files import file_mode, open_regular, regular_file
 from flt_diag.storage.schema import BadFile, StorageError, read_json  # noqa: F401  (re-exported: one error type)
 
 CONFIG, SUMMARY, PROGRESS, METRICS = "config.json", "summary.json", "progress.json", "metrics"
 CHECKPOINT, RESUME, EVAL_LOOPS = "checkpoint.pt", "resume.pt", "eval_loops.csv"
 SWEEP_SPEC, SWEEP_SUMMARY, CELLS = "sweep.json", "summary.csv", "cells"
 ERROR = "error.txt"  # written into a sweep cell whose run raised
+BUSY = "is being written by another flt-diag process"  # folder_lock's refusal (a sweep tells it from a failure)
 LOCK = ".lock"  # held (flock) by the one process writing a run or sweep folder; holds its pid
 COLUMNS = ["step", "metric", "loop", "layer", "value"]
 
@@ -47,23 +49,53 @@ def refuse_symlink(path: Path, what: str = "write") -> None:
                            f"(a folder from elsewhere may point anywhere): remove the link or use the real path")
 
 
+def refuse_links(path: Path, root: Path | None = None, what: str = "write") -> None:
+    """No part of `path` below `root` (the folder a command was given; default: `path`'s own folder, so
+    only `path` itself) is a symbolic link: each part is lstat'ed in turn, so a linked `figures/`, `cells/`
+    or cell folder deep inside a sweep is refused like a linked file (one StorageError line). `root`
+    itself is the user's own choice and may be a link; `path` outside `root` is checked alone."""
+    path = Path(path)
+    root = Path(root) if root is not None else path.parent
+    try:
+        parts = path.relative_to(root).parts
+    except ValueError:
+        parts, root = (path.name,), path.parent
+    current = root
+    for part in parts:
+        current = current / part
+        refuse_symlink(current, what)
+
+
+def make_folder(folder: Path, root: Path | None = None) -> Path:
+    """mkdir -p `folder`, refusing a link at any depth below `root` (before and after it is made)."""
+    folder = Path(folder)
+    refuse_links(folder, root)
+    folder.mkdir(parents=True, exist_ok=True)
+    refuse_links(folder, root)
+    return folder
+
+
 @contextlib.contextmanager
-def atomic_path(path: Path):
+def atomic_path(path: Path, root: Path | None = None):
     """The one way flt-diag writes a file: yields a temporary name beside `path` to write to; on
     success it is renamed over `path` (readers see the old file or the new one, never half of one),
     on any failure (an exception, a full disk, Ctrl-C) it is removed. The temporary file is created
-    exclusively (never an existing file or link), and a `path` that is a symbolic link is refused, so
-    no write follows a link to a file outside the folder."""
+    exclusively (never an existing file or link), and a link at any depth of `path` below `root`
+    (refuse_links) is refused, so no write follows a link to a file outside the folder. The file gets
+    the mode an ordinary open() would (0o666 less the umask), not mkstemp's 0600."""
     path = Path(path)
-    refuse_symlink(path)
+    refuse_links(path, root)
     if path.is_dir():
         raise StorageError(f"{path} is a folder; give a file name")
     fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".tmp{path.suffix}", dir=path.parent)
-    os.close(fd)
+    try:
+        os.fchmod(fd, file_mode())
+    finally:
+        os.close(fd)
     tmp = Path(name)
     try:
         yield tmp
-        refuse_symlink(path)  # made while we wrote?
+        refuse_links(path, root)  # made while we wrote?
         os.replace(tmp, path)
     except BaseException as e:
         try:
@@ -75,18 +107,18 @@ def atomic_path(path: Path):
         raise
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    with atomic_path(path) as tmp:
+def atomic_write_text(path: Path, text: str, root: Path | None = None) -> None:
+    with atomic_path(path, root) as tmp:
         tmp.write_text(text)
 
 
 @contextlib.contextmanager
-def folder_lock(folder: Path, kind: str = "run"):
+def folder_lock(folder: Path, kind: str = "run", root: Path | None = None):
     """Own a run or sweep folder while writing it: a second writer gets one StorageError line. The
     lock is an flock on <folder>/.lock, so the kernel drops it when its process dies (kill -9
     included) and a dead process never holds a folder. Creates the folder. The lock file is opened
     without following links (a `.lock` that is a link is refused: nothing outside the folder is
-    touched) and removed on the way out, with the folder itself if this call created it and left it
+    touched, nor is a link at any depth of `folder` below `root`) and removed on the way out, with the folder itself if this call created it and left it
     empty: a refused command leaves nothing behind. (No-op without fcntl.)"""
     folder = Path(folder)
     try:
@@ -94,11 +126,11 @@ def folder_lock(folder: Path, kind: str = "run"):
     except ImportError:  # pragma: no cover - Windows
         yield
         return
-    refuse_symlink(folder)
+    refuse_links(folder, root)
     refuse_symlink(folder / LOCK, "lock")
     created = not folder.exists()
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        make_folder(folder, root)
         fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
     except OSError as e:
         if e.errno == errno.ELOOP:
@@ -112,7 +144,7 @@ def folder_lock(folder: Path, kind: str = "run"):
     except OSError:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
         os.close(fd)
-        raise StorageError(f"{folder} is being written by another flt-diag process"
+        raise StorageError(f"{folder} {BUSY}"
                            f"{f' (pid {holder})' if holder.isdigit() else ''}; wait for it to finish or stop it") from None
     try:
         os.ftruncate(fd, 0)
@@ -142,8 +174,8 @@ def has_content(folder: Path) -> bool:
     return Path(folder).is_dir() and any(p.name != LOCK for p in Path(folder).iterdir())
 
 
-def write_json(path: Path, obj) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=1, default=_json_default, allow_nan=True))
+def write_json(path: Path, obj, root: Path | None = None) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=1, default=_json_default, allow_nan=True), root)
 
 
 def _json_default(o):
@@ -159,10 +191,10 @@ def _json_default(o):
 class MetricsWriter:
     """Buffers rows and writes them as numbered Parquet parts (each part complete or absent)."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, root: Path | None = None):
         self.dir = Path(run_dir) / METRICS
-        refuse_symlink(self.dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.root = Path(root) if root is not None else Path(run_dir)
+        make_folder(self.dir, self.root)
         self.rows: list[tuple] = []
 
     def add(self, step: int, metric: str, loop: int, layer: int, value: float) -> None:
@@ -177,7 +209,7 @@ class MetricsWriter:
         df = _frame(self.rows)
         first, last = int(df.step.min()), int(df.step.max())
         name = f"part-{first:09d}-{last:09d}-{len(list(self.dir.glob('part-*.parquet'))):05d}.parquet"
-        with atomic_path(self.dir / name) as tmp:
+        with atomic_path(self.dir / name, self.root) as tmp:
             df.to_parquet(tmp, index=False)
         self.rows = []
 
@@ -190,7 +222,7 @@ class MetricsWriter:
                 part.unlink()
             elif last > step:
                 df = read_part(part)
-                with atomic_path(part) as tmp:
+                with atomic_path(part, self.root) as tmp:
                     df[df.step <= step].to_parquet(tmp, index=False)
 
 
@@ -228,8 +260,9 @@ def load_spec(folder: Path) -> dict:
 def load_progress(run_dir: Path) -> dict | None:
     p = Path(run_dir) / PROGRESS
     try:
-        return json.loads(p.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        with open_regular(p, text=True) as f:
+            return json.loads(f.read(1 << 20))
+    except (StorageError, OSError, ValueError):  # missing, a FIFO, not JSON: no progress to show
         return None
 
 
@@ -272,7 +305,10 @@ def wide(df: pd.DataFrame, metric: str) -> pd.DataFrame:
 
 def load_eval_loops(run_dir: Path) -> pd.DataFrame | None:
     p = Path(run_dir) / EVAL_LOOPS
-    return pd.read_csv(p) if p.exists() else None
+    if not p.exists():
+        return None
+    with open_regular(p) as f:
+        return pd.read_csv(f)
 
 
 def cell_names(sweep: Path) -> list[str]:

@@ -35,7 +35,7 @@ def _differences(a: dict, b: dict, prefix: str = "") -> list[str]:
 
 
 def check_poolable(paths) -> None:
-    """Several folders can be pooled (as more seeds of one experiment) when every one is a sweep whose
+    """Several folders can be pooled (as more seeds of one experiment) when every one is a sweep (not a map) whose
     shared config equals the first's, the grid fields aside; else StorageError naming what differs."""
     first = None
     for path in map(Path, paths):
@@ -43,7 +43,10 @@ def check_poolable(paths) -> None:
             raise StorageError(f"no such folder: {path}")
         if not is_sweep(path):
             raise StorageError(f"{path}: not a sweep folder (pooling takes sweep folders only)")
-        setting = _setting(load_spec(path))
+        spec = load_spec(path)
+        if spec.get("kind") == "map":  # a map's probes are a search, not a grid's cells: nothing to add seeds to
+            raise StorageError(f"{path} is a map folder; pooling takes sweep folders only (give a map on its own)")
+        setting = _setting(spec)
         if first is None:
             first = (path, setting)
         elif setting != first[1]:

@@ -8,24 +8,19 @@ model, obj)`: `obj` validated by `model` (a pydantic model, or any type pydantic
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from flt_diag.vocab.option_fields import MAX_ITEMS, MAX_TEXT, dotted, one_line  # noqa: F401 (re-exported)
+from flt_diag.storage.errors import BadFile, StorageError  # noqa: F401  (re-exported: one error type)
+from flt_diag.storage.safe_files import open_regular
 
 MAX_FILE_BYTES = 64 << 20  # flt-diag's JSON and TOML files are kilobytes; a bigger one is not one of them
 
 
 # --------------------------------------------------------------------------- reading a file
-
-class StorageError(ValueError):
-    """A run or sweep folder that cannot be read or written as asked (one line in the CLI)."""
-
-
-class BadFile(StorageError):
-    """A file that does not hold what flt-diag writes there: one line naming the file and the field."""
-
 
 def bad(path, problem: str) -> BadFile:
     return BadFile(f"{path}: {problem}")
@@ -34,10 +29,11 @@ def bad(path, problem: str) -> BadFile:
 def read_text(path: Path) -> str:
     path = Path(path)
     try:
-        size = path.stat().st_size
-        if size > MAX_FILE_BYTES:
-            raise BadFile(f"{path}: {size:,} bytes; the files flt-diag writes there are far smaller")
-        return path.read_text()
+        with open_regular(path, text=True) as f:  # a FIFO, a folder, a device: one line, never blocks
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_FILE_BYTES:
+                raise BadFile(f"{path}: {size:,} bytes; the files flt-diag writes there are far smaller")
+            return f.read()
     except FileNotFoundError:
         raise StorageError(f"missing {path}") from None
     except IsADirectoryError:

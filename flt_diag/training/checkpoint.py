@@ -23,17 +23,17 @@ import torch
 from flt_diag.training.callbacks import Callback, checkpoint_due
 from flt_diag.storage.files import check_resume_state
 from flt_diag.storage.folders import CHECKPOINT, RESUME, StorageError, atomic_path
+from flt_diag.storage.safe_files import open_regular
 
 
 def load(path, map_location="cpu"):
     path = Path(path)
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except FileNotFoundError:
-        raise StorageError(f"missing {path}") from None
-    except Exception as e:  # unpickling errors, zip errors, refused globals, ...
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise StorageError(f"unreadable {path}: {first}") from None
+    with open_regular(path) as f:  # a FIFO, a folder in its place: one line, never blocks
+        try:
+            return torch.load(f, map_location=map_location, weights_only=True)
+        except Exception as e:  # unpickling errors, zip errors, refused globals, ...
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise StorageError(f"unreadable {path}: {first}") from None
 
 
 def save(path, obj) -> None:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from flt_diag.storage import metric_names as M
-from flt_diag.storage.folders import CHECKPOINT, EVAL_LOOPS, StorageError, atomic_path, load_config
+from flt_diag.storage.folders import CHECKPOINT, EVAL_LOOPS, StorageError, atomic_path, load_config, refuse_links
 from flt_diag.vocab.config import RunConfig
 from flt_diag.data.sources import load_split
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig
@@ -94,17 +94,22 @@ class Evaluation(Callback):
 
 
 def eval_loops(run_dir: Path, loops: list[int] | None = None, batches: int | None = None, data: str | None = None,
-               device: str = "cpu") -> pd.DataFrame:
+               device: str = "cpu", root: Path | None = None) -> pd.DataFrame:
     """Validation loss, perplexity and (on a task) exact-match accuracy of a run's final checkpoint
     at each inference loop count (default 1 .. 2K, K the loops it was trained with).
 
     Writes <run>/eval_loops.csv (columns: loops, trained_loops, val_loss, perplexity, accuracy, data,
-    batches; accuracy is empty for text)."""
+    batches; accuracy is empty for text), never through a link below `root` (the folder the command was
+    given: a sweep whose cell is a link to another run is refused before anything is evaluated)."""
     run_dir = Path(run_dir)
+    refuse_links(run_dir / EVAL_LOOPS, root)
     model = _final_model(run_dir, device)
     t = RunConfig.from_dict(load_config(run_dir)).train
     data = data or t.data
     val = load_split(t, model.cfg.sequence_len, "val", data)
+    if val.vocab_size > model.cfg.vocab_size:  # its tokens would index past the embedding (an IndexError)
+        raise StorageError(f"{run_dir / CHECKPOINT}: its model has a vocabulary of {model.cfg.vocab_size} tokens, but "
+                           f"{data} (tokenizer {t.tokenizer}) uses {val.vocab_size}: evaluate it on data of its own")
     batches = batches or t.eval_batches
     rows = []
     for k in loops or range(1, 2 * model.cfg.loops + 1):
@@ -113,7 +118,7 @@ def eval_loops(run_dir: Path, loops: list[int] | None = None, batches: int | Non
                          perplexity=math.exp(min(scores.loss, 700)),
                          accuracy=math.nan if scores.accuracy is None else scores.accuracy, data=data, batches=batches))
     df = pd.DataFrame(rows)
-    with atomic_path(run_dir / EVAL_LOOPS) as tmp:
+    with atomic_path(run_dir / EVAL_LOOPS, root) as tmp:
         df.to_csv(tmp, index=False)
     return df
 

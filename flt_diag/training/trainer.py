@@ -102,8 +102,9 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, run_dir: str | Path, callbacks: list[Callback] | None = None,
                  progress: Callable[[dict], None] | None = None, diagnostics: bool | None = None,
-                 model: Callable[[ModelConfig], torch.nn.Module] | None = None):
+                 model: Callable[[ModelConfig], torch.nn.Module] | None = None, root: str | Path | None = None):
         self.run_dir, self.cfg = Path(run_dir), cfg
+        self.root = Path(root) if root is not None else None  # the folder the command was given (a sweep)
         self.train_data, self.val_data = _load_splits(cfg.train, cfg.model.sequence_len)
         check_settled(cfg, self.train_data.vocab_size)  # a guard: the Trainer settles nothing itself
         self.device, self.rank, self.world = start_process(cfg)
@@ -287,7 +288,8 @@ class Trainer:
         (a second process writing the same folder is refused) until the summary is written."""
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise StorageError(f"{self.run_dir} exists and is a file, not a run folder; use another --out")
-        with folder_lock(self.run_dir) if self.is_main else contextlib.nullcontext():
+        # no link at any depth below the given folder (a sweep's cells/ or cell folder), then none inside
+        with folder_lock(self.run_dir, root=self.root) if self.is_main else contextlib.nullcontext():
             return self._fit()
 
     def _fit(self) -> dict:

@@ -34,6 +34,7 @@ TASK_DIALS = tuple(dial for dials in TASKS.values() for dial in dials)
 # checkpoint.pt, a reference meta json) obeys the same limits as the command line, so no file can ask for
 # a terabyte model or rotary table before anything checks it.
 MAX_DEPTH, MAX_WIDTH, MAX_SEQUENCE, MAX_VOCAB, MAX_BATCH = 1024, 32_768, 131_072, 2_097_152, 65_536
+MAX_SEED = 2**63 - 1  # torch.manual_seed and numpy's generators take a seed of 64 bits; larger ones fail every cell
 
 
 class ModelConfig(Options):
@@ -86,7 +87,7 @@ class TrainConfig(Options):
                          choices=("fp32", "reference"))
     sampling: str = opt("random", "random (random windows of the corpus) or stream (the corpus in order, documents "
                         "BOS-separated, as the reference reads it).", choices=("random", "stream"))
-    seed: int = opt(0, "Seed of initialisation and batches.", low=0)
+    seed: int = opt(0, "Seed of initialisation and batches.", low=0, high=MAX_SEED)
     device: str = opt("auto", "auto (cuda if available), cpu, cuda or cuda:N.")
     compile: bool | None = opt(None, "torch.compile the blocks [default: on CUDA; on a CPU for runs of 1,000 steps or more].")
     checkpoint_loops: bool = opt(False, "Activation checkpointing, one segment per loop (memory flat in K).")

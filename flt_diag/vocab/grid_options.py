@@ -12,6 +12,7 @@ import math
 from pydantic import Field
 
 from flt_diag.vocab.option_fields import Options, opt
+from flt_diag.vocab.config import MAX_SEED
 from flt_diag.vocab.variants import MAX_LOOPS, VARIANTS
 
 MAP_AXES = ("lr", "depth")  # what a map varies: the lr scale, or the number L of distinct blocks
@@ -45,7 +46,7 @@ class SweepAxes(Options):
 
     variants: list[str] = opt(list(VARIANTS), "Variants [default: all five].", choices=VARIANTS)
     loops: list[int] = opt([3, 6, 9, 12], "Loop counts K.", low=1, high=MAX_LOOPS)
-    seeds: list[int] = opt([0], "Seeds.", low=0)
+    seeds: list[int] = opt([0], "Seeds.", low=0, high=MAX_SEED)
     lr_scales: list[float] = opt([1.0], "Learning-rate multipliers (an lr x loops map).", flag="--lr-scale", above=0)
 
 
@@ -72,7 +73,7 @@ class MapAxes(Options):
 
     variants: list[str] = opt(list(VARIANTS), "Variants [default: all five].", choices=VARIANTS)
     loops: list[int] = opt([6, 12], "Loop counts K (the x axis of the map).", low=1, high=MAX_LOOPS)
-    seeds: list[int] = opt([0], "Seeds: each boundary is reported with its spread.", low=0)
+    seeds: list[int] = opt([0], "Seeds: each boundary is reported with its spread.", low=0, high=MAX_SEED)
     axis: str = opt("lr", "lr (lr scale) or depth (L blocks, width fixed).", choices=MAP_AXES)
     criteria: list[str] = opt(["training", "explosion"], "training (verdict not stable), collapse (collapsed or "
                               "diverged), explosion (a residual norm of any loop exploded).", choices=MAP_CRITERIA)

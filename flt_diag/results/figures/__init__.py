@@ -20,7 +20,7 @@ from typing import Callable
 import pandas as pd
 
 from flt_diag.results.tables import Study, collect
-from flt_diag.storage.folders import StorageError, atomic_path
+from flt_diag.storage.folders import StorageError, atomic_path, make_folder
 from flt_diag.results.figures.style import DPI, NoData, style
 
 log = logging.getLogger(__name__)
@@ -106,12 +106,12 @@ def render(study: Study, names=None) -> tuple[dict, dict[str, str]]:
     return figures, skipped
 
 
-def save(fig, path, dpi: int = DPI) -> Path:
+def save(fig, path, dpi: int = DPI, root=None) -> Path:
     """Write a figure atomically (format from the suffix; PDFs without a creation date), inside
     `style()` so that tick labels are laid out as intended."""
     path = Path(path)
     meta = {"CreationDate": None} if path.suffix == ".pdf" else None
-    with style(), atomic_path(path) as tmp:
+    with style(), atomic_path(path, root) as tmp:
         fig.savefig(tmp, dpi=dpi, bbox_inches="tight", metadata=meta)
     return path
 
@@ -136,11 +136,12 @@ def plot(name: str, path, out_dir=None, formats=("png", "pdf")) -> Written:
         raise StorageError(skipped[name])
     first = path[0] if isinstance(path, (list, tuple)) else path  # several sweeps: pooled (results.collect)
     out = Path(out_dir) if out_dir is not None else Path(first) / "figures"
-    out.mkdir(parents=True, exist_ok=True)
+    root = Path(first) if out_dir is None else out  # no write through a link below the folder given
+    make_folder(out, root)
     written = Written()
     written.skipped.update(skipped)
     for n, fig in figures.items():
-        written.extend(save(fig, out / f"{n}.{fmt}") for fmt in formats)
+        written.extend(save(fig, out / f"{n}.{fmt}", root=root) for fmt in formats)
     return written
 
 

@@ -1,0 +1,83 @@
+"""Files of a folder from elsewhere, opened safely: a FIFO, a folder, a device or a socket where flt-diag
+expects a file is refused with one line before anything would block on it (`regular_file`, `open_regular`,
+`read_bytes`), and the mode a new file gets honours the umask as an ordinary open() does (`file_mode`).
+Every reader of a file in a run, sweep or map folder (and of a predictor, fit table, study file) goes
+through here. Torch-free."""
+from __future__ import annotations
+
+import errno
+import fcntl
+import functools
+import os
+import stat
+from pathlib import Path
+
+from flt_diag.storage.errors import BadFile, StorageError
+
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"))
+
+
+def _refuse_mode(path, mode: int) -> None:
+    if not stat.S_ISREG(mode):
+        kind = next((text for test, text in _KINDS if test(mode)), "not a regular file")
+        raise BadFile(f"{path} is {kind}, not a file; flt-diag reads only regular files there")
+
+
+def regular_file(path) -> Path:
+    """`path`, once known to be a regular file (or a link to one); a missing file is StorageError, anything
+    else one BadFile line. stat() never blocks, even on a FIFO."""
+    try:
+        _refuse_mode(path, os.stat(path).st_mode)
+    except FileNotFoundError:
+        raise StorageError(f"missing {path}") from None
+    except OSError as e:
+        raise StorageError(f"cannot read {path}: {e.strerror or e}") from None
+    return Path(path)
+
+
+def open_regular(path, text: bool = False):
+    """`path` opened for reading (binary, or UTF-8 text), refused first unless it is a regular file. The
+    descriptor is opened non-blocking (a FIFO swapped in after a check cannot block the open) and checked
+    with fstat, so what is read is what was checked."""
+    regular_file(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise StorageError(f"missing {path}") from None
+    except OSError as e:
+        if e.errno == errno.EISDIR:
+            raise BadFile(f"{path} is a folder, not a file") from None
+        raise StorageError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        _refuse_mode(path, os.fstat(fd).st_mode)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "r" if text else "rb", **({"encoding": "utf-8"} if text else {}))
+
+
+def read_bytes(path) -> bytes:
+    with open_regular(path) as f:
+        return f.read()
+
+
+@functools.cache
+def umask() -> int:
+    """The process's umask, read once without changing it (Linux: /proc/self/status); elsewhere it is set
+    and restored at once, before any worker thread writes."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def file_mode() -> int:
+    """The mode an ordinary open() gives a new file: 0o666 less the umask."""
+    return 0o666 & ~umask()

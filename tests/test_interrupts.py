@@ -1,0 +1,96 @@
+"""SIGINT to a grid's parent process alone (`kill -INT PID`, as a job scheduler or a notebook sends it,
+not a terminal's Ctrl-C to the whole group) stops its workers too: exit 130 within seconds, no process
+left, and the same command run again takes the folder up (its cells were released). One case per
+command with a worker pool: a new pool is covered by adding its command to POOLS."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+GRID = ["--variants", "lt", "flt", "--loops", "2", "--steps", "5000", "--device", "cpu", "--workers", "2",
+        "--depth", "1"]
+POOLS = {"run-ablation": ["run-ablation", *GRID, "--quiet"],
+         "map": ["map", *GRID, "--lo", "1", "--hi", "2", "--ratio", "2", "--criteria", "training"]}
+
+
+def _default_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # (as tests/test_reliability.py: a background suite ignores it)
+
+
+def _children(pid: int) -> set[int]:
+    """Every descendant of `pid`, read from /proc (no psutil)."""
+    parents = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(d.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _start(command, out):
+    return subprocess.Popen([sys.executable, "-m", "flt_diag.cli", *command, "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=_default_sigint)
+
+
+def _wait_training(out: Path, since: float, deadline: float) -> None:
+    """Until two cells report progress written after `since` (both workers train)."""
+    while time.time() < deadline:
+        fresh = [p for p in out.rglob("progress.json") if p.stat().st_mtime > since]
+        if len(fresh) >= 2:
+            return
+        time.sleep(0.3)
+    pytest.fail("the workers did not start training")
+
+
+def _interrupt_parent(p, seen: set) -> None:
+    seen |= _children(p.pid)
+    assert len(seen) >= 2, "no worker processes"
+    os.kill(p.pid, signal.SIGINT)  # the parent alone
+    t0 = time.monotonic()
+    try:
+        _, err = p.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        pytest.fail("still running 10 s after SIGINT to the parent")
+    assert p.returncode == 130 and time.monotonic() - t0 < 10, err[-2000:]
+    assert "interrupted" in err and "Traceback" not in err, err[-2000:]
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline and any(map(_alive, seen)):
+        time.sleep(0.1)
+    assert not [k for k in seen if _alive(k)], "processes left after the interrupt"
+
+
+@pytest.mark.parametrize("name", list(POOLS))
+def test_sigint_to_the_parent_alone_stops_the_workers_and_the_rerun_resumes(tmp_path, name):
+    out, seen, procs = tmp_path / "out", set(), []
+    try:
+        for _ in range(2):  # the first run, then the re-run takes the released folder up
+            since = time.time()
+            procs.append(_start(POOLS[name], out))
+            _wait_training(out, since, time.time() + 240)  # a loaded machine: spawned workers, first compile
+            _interrupt_parent(procs[-1], seen)
+    finally:
+        for pid in [p.pid for p in procs] + sorted(seen):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        for p in procs:
+            p.kill() if p.poll() is None else None
