@@ -63,7 +63,7 @@ def exit_loss(h: Tensor, head: Callable[[Tensor], Tensor], targets: Tensor) -> T
 def model_head(model: LoopedTransformer) -> Callable[[Tensor], Tensor]:
     """The model's output map: softcap * tanh(head(h) / softcap), as forward_loops applies it."""
     c = model.cfg.softcap
-    return lambda h: c * torch.tanh(model.head(h).float() / c)
+    return lambda h: c * torch.tanh(model.head(h.to(model.head.weight.dtype)).float() / c)  # (a float64 model: its dtype)
 
 
 # ----------------------------------------------------------------------------- the loop as a map
@@ -72,7 +72,8 @@ def loop_inputs(model: LoopedTransformer, idx: Tensor) -> tuple[Tensor, Tensor, 
     T = idx.shape[1]
     if T > model.cos.shape[1]:
         raise ValueError(f"sequence of {T} tokens is longer than the model's rotary tables ({model.cos.shape[1]})")
-    return model.embed(idx).detach().float(), model.cos[:, :T], model.sin[:, :T]
+    dtype = torch.promote_types(model.embed.weight.dtype, torch.float32)  # fp32, or a float64 model's float64
+    return model.embed(idx).detach().to(dtype), model.cos[:, :T], model.sin[:, :T]
 
 
 def loop_step(model: LoopedTransformer, emb: Tensor, cos: Tensor, sin: Tensor) -> Callable[[Tensor], Tensor]:

@@ -13,7 +13,7 @@ from matplotlib.lines import Line2D
 from flt_diag.storage import metric_names as M
 from flt_diag.results.tables import Study, concat
 from flt_diag.results.figures import Figure, register
-from flt_diag.results.figures.style import (auto_yscale, cell_rows, empty, finish, legend, lines_by_run, log_y,
+from flt_diag.results.figures.style import (auto_yscale, cell_rows, empty, filled, finish, legend, lines_by_run, log_y,
                                             new_figure, panels, style, variant_color)
 
 SNAPSHOTS = 4  # recorded steps drawn in exit-loss: the first, the last and evenly between
@@ -43,11 +43,7 @@ def exit_data(study: Study) -> pd.DataFrame:
 def draw_exit(df: pd.DataFrame):
     with style():
         fig, axes, cells = panels(df, sharey=True)
-        for ax, cell, title in cells:
-            ax.set_title(title)
-            if cell.empty:
-                empty(ax)
-                continue
+        for ax, cell in filled(cells):
             for (run, step), g in cell.groupby(["run", "step"], sort=False):
                 ax.plot(g.loop, g.value, color=variant_color(g.variant.iloc[0]), marker="o", ms=2.5,
                         alpha=0.25 + 0.75 * g.snapshot.iloc[0], lw=1.2)

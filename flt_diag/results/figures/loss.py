@@ -10,7 +10,7 @@ from matplotlib.lines import Line2D
 from flt_diag.storage import metric_names as M
 from flt_diag.results.tables import Run, Study, concat, smoothed_loss
 from flt_diag.results.figures import Figure, register
-from flt_diag.results.figures.style import auto_yscale, empty, finish, legend, lines_by_run, panels, style, variant_color
+from flt_diag.results.figures.style import auto_yscale, filled, finish, legend, lines_by_run, panels, style, variant_color
 
 SMOOTHED = "loss_smoothed"
 MARKS = {"collapsed": dict(marker="X", ms=10), "diverged": dict(marker="v", ms=9)}
@@ -46,11 +46,7 @@ def data(study: Study) -> pd.DataFrame:
 def draw(df: pd.DataFrame):
     with style():
         fig, axes, cells = panels(df, sharey=True)
-        for ax, cell, title in cells:
-            ax.set_title(title)
-            if cell.empty:
-                empty(ax)
-                continue
+        for ax, cell in filled(cells):
             lines_by_run(ax, cell[cell.metric == SMOOTHED], "step", lw=1.4)
             for r in cell[cell.metric != SMOOTHED].itertuples():
                 style_ = MARKS.get(r.metric, dict(marker="o", ms=4))

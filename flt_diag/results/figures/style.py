@@ -140,3 +140,13 @@ def text_color(fill: str) -> str:
     """Black or white, whichever reads better on `fill`."""
     r, g, b = mcolors.to_rgb(fill)
     return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "white"
+
+
+def filled(cells):
+    """The panels of `panels(...)` with data: each titled, an empty one marked "no data" and skipped."""
+    for ax, cell, title in cells:
+        ax.set_title(title)
+        if cell.empty:
+            empty(ax)
+            continue
+        yield ax, cell
