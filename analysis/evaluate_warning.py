@@ -69,10 +69,9 @@ def main(argv=None) -> int:
          "verdicts": runs.verdict.value_counts().to_dict()}, indent=1))
     fmt = {c: "{:.2f}".format for c in ("auroc", "auroc_lo", "auroc_hi", "agreement", "agreement_lo", "agreement_hi")}
     print(f"{len(runs)} runs, {int(runs.failed.sum())} failing: {runs.verdict.value_counts().to_dict()}\n")
-    print(comparison.to_markdown(index=False, floatfmt=".2f") if hasattr(comparison, "to_markdown")
-          else comparison.to_string(formatters=fmt))
+    print(comparison.to_string(index=False, formatters=fmt))
     print()
-    print(ablation.to_string(formatters=fmt))
+    print(ablation.to_string(index=False, formatters=fmt))
     return 0
 
 
