@@ -17,7 +17,6 @@ import argparse
 import json
 import sys
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,12 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import BENCH_PRESETS, StepJob, bench_config, environment, paired, stats, time_interleaved  # noqa: E402
 from flt_diag.training import loop_dynamics as D  # noqa: E402
-from flt_diag.vocab.config import DiagnosticsConfig  # noqa: E402
+from flt_diag.vocab.config import DiagnosticsConfig, with_overrides  # noqa: E402
 
 
 def _job(spec, variant: str, K: int, tmp: Path, name: str, diagnostics: bool, **options) -> StepJob:
     cfg = bench_config(spec, variant, K, "cpu")
-    cfg = replace(cfg, diagnostics=replace(cfg.diagnostics, **options))
+    cfg = with_overrides(cfg, diagnostics=options)
     return StepJob(cfg, tmp / name, diagnostics=diagnostics)
 
 
