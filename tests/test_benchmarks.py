@@ -221,3 +221,20 @@ def test_compile_scope_benchmark_times_each_scope(bench, one_thread, monkeypatch
     spec_.loader.exec_module(mod)
     ms = mod.measure(toy_spec(bench), loops=2, rounds=1, backend="eager")
     assert list(ms) == list(mod.SCOPES) and all(v > 0 for v in ms.values())
+
+
+def test_the_loop_dynamics_benchmark_runs_and_its_overhead_adds_up(tmp_path):
+    """benchmarks/dynamics.py end to end at K = 2 (a config change once broke it unseen): its overhead at the
+    defaults is the cheap step's ratio - 1 plus the every-N call over N, from the ratios it reports."""
+    import json
+    import subprocess
+    out = tmp_path / "d.json"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "dynamics.py"
+    done = subprocess.run([sys.executable, str(script), "--loops", "2", "--repeats", "1", "--steps-per-sample", "1",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert r["loops"] == 2 and r["step_off_ms"]["median"] > 0
+    n = r["defaults"]["dynamics_every"]
+    expected = r["cheap"]["cpu"]["median"] - 1 + r["gain+agreement"]["cpu"]["median"] / n
+    assert r["overhead_at_defaults_cpu"]["median"] == pytest.approx(expected, rel=1e-6, abs=1e-9)  # one round
