@@ -117,4 +117,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except ValueError as e:  # StorageError and BadFile among them: a missing or bad folder is one line
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -122,3 +122,15 @@ def test_comparison_reports_each_set_and_score():
     packaged = out[(out.set == "all") & (out.score == "packaged")].iloc[0]
     assert packaged.auroc == pytest.approx(W.auroc(table.failed, table.resid_level))
     assert packaged.runs == 18 and packaged.failing == table.failed.sum()
+
+
+@pytest.mark.parametrize("script, args", [("evaluate_warning.py", ["--out", "OUT"]), ("loop_dynamics_table.py", [])])
+def test_an_analysis_script_on_a_missing_folder_is_one_error_line(tmp_path, script, args):
+    import subprocess
+    import sys
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "analysis" / script
+    missing = tmp_path / "nope"
+    done = subprocess.run([sys.executable, str(path), str(missing), *[str(tmp_path / a) if a == "OUT" else a for a in args]],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.strip() == f"error: no such folder: {missing}", done.stderr
