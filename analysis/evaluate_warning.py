@@ -76,8 +76,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except ValueError as e:  # StorageError and BadFile among them: a missing or bad folder is one line
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from script_exit import run  # analysis/script_exit.py, beside this script
+    run(main)
