@@ -5,11 +5,13 @@
 Interleaved rounds (common.time_interleaved) of four timed jobs on one variant at K loops:
   off      the training step with diagnostics off;
   diag     the step with the diagnostics of before (DiagnosticsCallback; loop dynamics off);
-  cheap    the step with the default diagnostics, every-N records off (+ fixed-point residual, exit loss);
+  cheap    the step with the default diagnostics, exit loss and every-N records off (+ fixed-point residual);
+  exit     the cheap step with the exit loss of every loop (--exit-loss-every 1);
   every-N  on the cheap step's model and batch: one loop-map gain + gradient agreement call
            (--dynamics-batch sequences, --dynamics-iters iterations), and one sharpness call.
-Reported: paired ratios to `off`, and the overhead at the defaults = (cheap - off) / off plus the
-every-N call's cost / off / dynamics_every (every recorded step: the first 2,000 steps record all).
+Reported: paired ratios to `off`, and the overhead at the defaults = (cheap - off) / off
++ (exit - cheap) / off / exit_loss_every + the every-N call's cost / off / dynamics_every (every
+recorded step: the first 2,000 steps record all).
 """
 from __future__ import annotations
 
@@ -65,21 +67,22 @@ def main(argv=None) -> dict:
         tmp = Path(tmp)
         off = _job(spec, a.variant, a.loops, tmp, "off", False)
         diag = _job(spec, a.variant, a.loops, tmp, "diag", True, loop_dynamics=False, dynamics_every=0)
-        cheap = _job(spec, a.variant, a.loops, tmp, "cheap", True, dynamics_every=0)
-        jobs = {"off": off, "diag": diag, "cheap": cheap, "gain+agreement": _every_n_job(off, "gain"),
+        cheap = _job(spec, a.variant, a.loops, tmp, "cheap", True, exit_loss_every=0, dynamics_every=0)
+        exit_ = _job(spec, a.variant, a.loops, tmp, "exit", True, exit_loss_every=1, dynamics_every=0)
+        jobs = {"off": off, "diag": diag, "cheap": cheap, "exit": exit_, "gain+agreement": _every_n_job(off, "gain"),
                 "sharpness": _every_n_job(off, "sharpness")}
         wall, cpu = time_interleaved(jobs, a.repeats, a.steps_per_sample, warmup=1, device="cpu")
-        for job in (off, diag, cheap):
+        for job in (off, diag, cheap, exit_):
             job.close()
     res = dict(env=environment("cpu"), preset=a.preset, variant=a.variant, loops=a.loops, defaults=dict(
-        dynamics_every=d.dynamics_every, dynamics_batch=d.dynamics_batch, dynamics_iters=d.dynamics_iters),
+        exit_loss_every=d.exit_loss_every, dynamics_every=d.dynamics_every, dynamics_batch=d.dynamics_batch, dynamics_iters=d.dynamics_iters),
         step_off_ms=stats([1e3 * x for x in wall["off"]]))
-    for name in ("diag", "cheap", "gain+agreement", "sharpness"):
+    for name in ("diag", "cheap", "exit", "gain+agreement", "sharpness"):
         res[name] = dict(wall=paired(wall[name], wall["off"]), cpu=paired(cpu[name], cpu["off"]))
     for clock, samples in (("wall", wall), ("cpu", cpu)):
         res[f"overhead_at_defaults_{clock}"] = stats(
-            [(c - o) / o + g / o / d.dynamics_every for c, o, g in zip(samples["cheap"], samples["off"],
-                                                                       samples["gain+agreement"])])
+            [(c - o) / o + (e - c) / o / d.exit_loss_every + g / o / d.dynamics_every
+             for c, e, o, g in zip(samples["cheap"], samples["exit"], samples["off"], samples["gain+agreement"])])
         res[f"overhead_before_{clock}"] = stats([(x - o) / o for x, o in zip(samples["diag"], samples["off"])])
     print(json.dumps(res, indent=1))
     if a.out:

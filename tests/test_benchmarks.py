@@ -225,7 +225,8 @@ def test_compile_scope_benchmark_times_each_scope(bench, one_thread, monkeypatch
 
 def test_the_loop_dynamics_benchmark_runs_and_its_overhead_adds_up(tmp_path):
     """benchmarks/dynamics.py end to end at K = 2 (a config change once broke it unseen): its overhead at the
-    defaults is the cheap step's ratio - 1 plus the every-N call over N, from the ratios it reports."""
+    defaults is the cheap step's ratio - 1, plus the exit loss's extra over its cadence E, plus the every-N call
+    over N, from the ratios it reports."""
     import json
     import subprocess
     out = tmp_path / "d.json"
@@ -235,6 +236,7 @@ def test_the_loop_dynamics_benchmark_runs_and_its_overhead_adds_up(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     r = json.loads(out.read_text())
     assert r["loops"] == 2 and r["step_off_ms"]["median"] > 0
-    n = r["defaults"]["dynamics_every"]
-    expected = r["cheap"]["cpu"]["median"] - 1 + r["gain+agreement"]["cpu"]["median"] / n
+    n, e = r["defaults"]["dynamics_every"], r["defaults"]["exit_loss_every"]
+    cheap = r["cheap"]["cpu"]["median"]
+    expected = cheap - 1 + (r["exit"]["cpu"]["median"] - cheap) / e + r["gain+agreement"]["cpu"]["median"] / n
     assert r["overhead_at_defaults_cpu"]["median"] == pytest.approx(expected, rel=1e-6, abs=1e-9)  # one round

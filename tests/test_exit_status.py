@@ -169,7 +169,8 @@ CHANGES = {"device": {"--device": "auto"}, "threads": {"--threads": "2"}, "compi
            "eval_every": {"--eval-every": "1"}, "checkpoint_every": {"--checkpoint-every": "3"},
            "flush_every": {"--flush-every": "1"}, "tensorboard": {"--tensorboard": None},
            "wandb": {"--wandb": "a-project"}, "warn": {"--warn": None},
-           "loop_dynamics": {"--no-loop-dynamics": None}, "dynamics_every": {"--dynamics-every": "2"},
+           "loop_dynamics": {"--no-loop-dynamics": None}, "exit_loss_every": {"--exit-loss-every": "2"},
+           "dynamics_every": {"--dynamics-every": "2"},
            "sharpness_every": {"--sharpness-every": "3"}, "dynamics_batch": {"--dynamics-batch": "2"},
            "dynamics_iters": {"--dynamics-iters": "3"}}
 

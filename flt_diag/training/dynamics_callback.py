@@ -2,9 +2,10 @@
 the model. Definitions, cost and switches: DESIGN.md §3, "Loop dynamics".
 
 On recorded steps (flt_diag.training.diagnostics.should_record) and with `--loop-dynamics`: the
-fixed-point residual and the exit loss of every loop, computed in a forward hook on `model.loop_end`
-from the loop-end states the training forward computes anyway (a second forward with keep="all" would
-cost a third of a step; the hook costs one norm and one head matmul per loop). Only the first forward of
+fixed-point residual of every loop, and on every `--exit-loss-every`-th step (10) the exit loss of
+every loop, computed in a forward hook on `model.loop_end` from the loop-end states the training
+forward computes anyway (a second forward with keep="all" would cost a third of a step; the hook costs
+one norm per loop, and one head matmul per loop where the exit loss is due). Only the first forward of
 a step is armed, as for LoopHooks: further micro-batches, evaluation and the recomputation of
 activation checkpointing (which runs `_loop`, not the model's forward) record nothing.
 
@@ -59,6 +60,7 @@ class LoopDynamicsCallback(Callback):
     def before_step(self, trainer, step: int) -> None:
         self.log = trainer.log
         self.cheap = self.cfg.loop_dynamics and should_record(step, self.cfg)
+        self.exit = self.cheap and due(step, self.cfg.exit_loss_every)
         self._armed = self.cheap or (self._costly(step) and trainer.is_main)
         self.batch = None
 
@@ -81,7 +83,7 @@ class LoopDynamicsCallback(Callback):
         self.loop += 1
         with torch.no_grad():
             h = norm(output.detach().float())
-            if self.targets is not None:
+            if self.exit and self.targets is not None:
                 self.log.add(M.EXIT_LOSS, D.exit_loss(h, self.head, self.targets), self.loop, M.NONE)
             if self.h_prev is not None:
                 self.log.add(M.FIXED_POINT_RESIDUAL, D.fixed_point_residual(h, self.h_prev), self.loop, M.NONE)

@@ -35,7 +35,8 @@ from flt_diag.data.sources import check_source
 # Fields that may differ when a run folder is reused (they do not change what is computed).
 VOLATILE_TRAIN_FIELDS = ("device", "threads", "compile", "eval_every", "checkpoint_every")
 # (The loop-dynamics switches change what is recorded, never the trajectory; folders from before they existed resume.)
-VOLATILE_DIAGNOSTICS_FIELDS = ("flush_every", "tensorboard", "wandb", "warn", "loop_dynamics", "dynamics_every",
+VOLATILE_DIAGNOSTICS_FIELDS = ("flush_every", "tensorboard", "wandb", "warn", "loop_dynamics", "exit_loss_every",
+                               "dynamics_every",
                                "sharpness_every", "dynamics_batch", "dynamics_iters")
 DEVICE = re.compile(r"auto|cpu(?::\d+)?|cuda(?::(\d+))?")
 
