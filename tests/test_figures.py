@@ -143,3 +143,24 @@ def test_every_figure_has_one_legend_outside_its_panels(sweep):
         _, legends, axes = _boxes(fig)
         assert len(legends) == 1 and not any(ax.legend_ for ax in fig.axes), name
         assert not any(legends[0].overlaps(box) for box in axes), name
+
+
+def test_loop_dynamics_gain_panel_leaves_out_zero_gains_and_marks_the_spectral_radius_apart(tmp_path):
+    """A gain of exactly 0 (FLT at initialisation) is left out of the log axis and counted, so the panel
+    keeps the scale of the other values; the spectral radius is drawn as crosses, never as a dashed line
+    that reads like the seed-1 runs."""
+    from flt_diag.results.figures.dynamics import COLUMNS, draw_dynamics, dynamics_data
+    df = dynamics_data(collect(make_sweep(tmp_path / "s", seeds=(0, 1)), None))
+    df = df[df.loops == 3].copy()  # one row of panels
+    zero = (df.metric == M.LOOP_GAIN) & (df.step == 0)
+    df.loc[zero, "value"] = 0.0
+    fig = draw_dynamics(df)
+    col = [i for i, (metric, by, _) in enumerate(COLUMNS) if metric == M.LOOP_GAIN and by == "step"][0]
+    ax = fig.axes[col]
+    positive = df[(df.metric == M.LOOP_GAIN) & (df.value > 0)].value
+    assert ax.get_yscale() == "log" and ax.get_ylim()[0] > positive.min() / 10  # not squashed towards 0
+    notes = [t.get_text() for t in ax.texts]
+    assert notes == [f"{int((zero & (df.loop == df.loops)).sum())} value(s) <= 0 not drawn"]
+    radius = [line for line in ax.lines if line.get_marker() == "x"]
+    assert radius and all(line.get_linestyle() == "None" for line in radius)
+    assert {line.get_linestyle() for line in ax.lines if line.get_marker() != "x"} >= {"-", "--"}  # seeds 0, 1

@@ -94,3 +94,34 @@ def test_sigint_to_the_parent_alone_stops_the_workers_and_the_rerun_resumes(tmp_
                 os.kill(pid, signal.SIGKILL)
         for p in procs:
             p.kill() if p.poll() is None else None
+
+
+def _sleep_forever(_):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a worker that swallows Ctrl-C (as compiled code may)
+    time.sleep(600)
+
+
+def test_an_interrupted_pool_stops_its_own_workers_and_no_other_child():
+    """interruptible: on KeyboardInterrupt its workers are stopped (SIGINT ignored: SIGTERM then), within
+    seconds; a multiprocessing child the caller started before the pool lives on."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    from flt_diag.grids.worker_pool import interruptible
+    ctx = mp.get_context("spawn")
+    bystander = ctx.Process(target=time.sleep, args=(60,))
+    bystander.start()
+    try:
+        pool = ProcessPoolExecutor(2, mp_context=ctx)
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            with interruptible(pool):
+                [pool.submit(_sleep_forever, i) for i in range(3)]
+                while len(mp.active_children()) < 3:  # both workers up
+                    time.sleep(0.05)
+                time.sleep(1.0)  # both are inside the task
+                raise KeyboardInterrupt
+        assert time.monotonic() - t0 < 30
+        assert mp.active_children() == [bystander] and bystander.is_alive()
+    finally:
+        bystander.kill()
+        bystander.join()

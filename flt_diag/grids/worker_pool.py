@@ -91,17 +91,22 @@ def interruptible(pool: ProcessPoolExecutor):
     the parent (whoever sent the SIGINT: a terminal's whole process group, `kill -INT` of the parent
     alone, a scheduler) cancel what has not started, forward the interrupt to the workers, and stop them:
     SIGINT, then after GRACE_S SIGTERM, then SIGKILL. The parent never waits on a running cell (a worker
-    may swallow KeyboardInterrupt inside compiled code); the exception is re-raised."""
+    may swallow KeyboardInterrupt inside compiled code); the exception is re-raised.
+
+    Enter it before the first submit: the workers are told apart from the parent's other children as the
+    multiprocessing children (`multiprocessing.active_children()`, public API) that did not exist on entry
+    (the executor spawns its workers on submit and keeps no public list of them)."""
+    before = set(mp.active_children())
     try:
         yield pool
     except BaseException:
-        stop_pool(pool)
+        stop_pool(pool, [p for p in mp.active_children() if p not in before])
         raise
     pool.shutdown(wait=True)
 
 
-def stop_pool(pool: ProcessPoolExecutor, grace_s: float = GRACE_S) -> None:
-    processes = list((getattr(pool, "_processes", None) or {}).values())  # (the executor keeps no public list)
+def stop_pool(pool: ProcessPoolExecutor, processes: list, grace_s: float = GRACE_S) -> None:
+    """Cancel what has not started and stop `processes` (the pool's workers): SIGINT, SIGTERM, SIGKILL."""
     pool.shutdown(wait=False, cancel_futures=True)
     for sig, wait_s in ((signal.SIGINT, grace_s), (signal.SIGTERM, 1.0), (signal.SIGKILL, 1.0)):
         alive = [p for p in processes if p.is_alive()]

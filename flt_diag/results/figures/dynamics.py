@@ -2,7 +2,9 @@
 exit, against the loop, at a few recorded steps (fainter = earlier), a panel per loops K, a line per run.
 loop-dynamics: per loops K, the fixed-point residual ||h(t) - h(t-1)|| / ||h(t-1)|| of the final loop
 against step and by loop at the last recorded step, and the loop-map gain (largest singular value of
-the Jacobian of h(t-1) -> h(t); dashed: its spectral radius) the same way, 1 marked."""
+the Jacobian of h(t-1) -> h(t); crosses: its spectral radius) the same way, 1 marked. Values <= 0 (e.g.
+a gain of exactly 0 at initialisation, where the blocks' output projections start at zero) cannot sit on
+the log axis: they are left out and the panel says how many."""
 from __future__ import annotations
 
 import numpy as np
@@ -88,22 +90,28 @@ def draw_dynamics(df: pd.DataFrame):
                 if i == 0:
                     ax.set_title(heading)
                 sel = _series(row[row.metric == metric], by)
+                radius = _series(row[row.metric == M.LOOP_SPECTRAL_RADIUS], by) if metric == M.LOOP_GAIN else sel[:0]
+                dropped = int((sel.value <= 0).sum() + (radius.value <= 0).sum())
+                sel, radius = sel[sel.value > 0], radius[radius.value > 0]
                 if sel.empty:
-                    empty(ax)
+                    empty(ax, f"no positive value ({dropped} <= 0)" if dropped else "no data")
                     continue
                 lines_by_run(ax, sel, by, lw=1.2, marker="o" if by == "loop" else None, ms=3)
                 if metric == M.LOOP_GAIN:
-                    radius = _series(row[row.metric == M.LOOP_SPECTRAL_RADIUS], by)
                     for run, g in radius.groupby("run", sort=False):
-                        ax.plot(g[by], g.value, color=variant_color(g.variant.iloc[0]), ls="--", lw=0.9)
+                        ax.plot(g[by], g.value, color=variant_color(g.variant.iloc[0]), ls="none", marker="x",
+                                ms=3.5, mew=0.9)
                     ax.axhline(1, color="0.3", lw=0.8)
                 log_y(ax)
+                if dropped:
+                    ax.text(0.98, 0.02, f"{dropped} value(s) <= 0 not drawn", transform=ax.transAxes, ha="right",
+                            va="bottom", fontsize="x-small", color="0.4")
                 if by == "loop":
                     ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
             axes[i, 0].set_ylabel(title, fontweight="bold")
         for ax, (_, by, _) in zip(axes[-1], COLUMNS):
             ax.set_xlabel(by)
-        legend(fig, df, [(Line2D([], [], color="0.3", ls="--", lw=0.9), "spectral radius")])
+        legend(fig, df, [(Line2D([], [], color="0.3", ls="none", marker="x", ms=4), "spectral radius")])
     return finish(fig, "Loop dynamics: fixed-point residual and loop-map gain")
 
 
