@@ -178,7 +178,8 @@ class ConcatenatedRanks(Trainer):
 def test_ddp_two_gloo_processes_equal_one_process_on_the_concatenated_batch(tmp_path):
     """Two CPU processes over gloo (the env:// rendezvous torchrun sets up), float64 weights, AdamW,
     3 steps: both ranks end with the same weights, equal to one process trained on both ranks'
-    batches; the diagnostics hooks recorded every (loop, layer); tokens/s counts both ranks, at
+    batches (the costly loop-dynamics records on, rank 0 only); the diagnostics hooks recorded every
+    (loop, layer); tokens/s counts both ranks, at
     training and when the summary is recomputed."""
     import multiprocessing
     import socket
@@ -186,7 +187,8 @@ def test_ddp_two_gloo_processes_equal_one_process_on_the_concatenated_batch(tmp_
     from flt_diag.storage.folders import load_config
     from numerics import U32, fp32_positive_sum_rtol
 
-    cfg = tiny_config(variant="flt", loops=2, steps=3, batch_size=4, optimizer="adamw", seed=5)
+    every_2 = dict(dynamics_every=2, sharpness_every=2, dynamics_batch=2, dynamics_iters=3)  # the costly records too
+    cfg = tiny_config(variant="flt", loops=2, steps=3, batch_size=4, optimizer="adamw", seed=5, diagnostics=every_2)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -228,6 +230,10 @@ def test_ddp_two_gloo_processes_equal_one_process_on_the_concatenated_batch(tmp_
         assert set(zip(sel.loop, sel.layer)) == {(t, i) for t in (1, 2) for i in (1, 2)}, metric
         assert sorted(set(sel.step)) == [0, 1, 2] and sel.value.notna().all()
 
+    # the every-N loop dynamics on rank 0 alone (no collective: a rank computing them must not hang the other)
+    for metric, loops in ((M.LOOP_GAIN, {2}), (M.LOOP_GRAD_COSINE, {1, 2}), (M.SHARPNESS, {M.NONE})):
+        sel = df[df.metric == metric]
+        assert sorted(set(sel.step)) == [0, 2] and set(sel.loop) == loops and sel.value.notna().all(), metric
     assert load_config(out)["env"]["world_size"] == 2
     summary = load_summary(out)
     assert summary["tokens_per_s"] == pytest.approx(tokens_per_step(cfg, 2) * 3 / summary["wall_time"], rel=1e-12)
