@@ -125,3 +125,27 @@ def test_an_interrupted_pool_stops_its_own_workers_and_no_other_child():
     finally:
         bystander.kill()
         bystander.join()
+
+
+def _interrupted_twice(_):
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+        return "first interrupt not raised"
+    except KeyboardInterrupt:
+        os.kill(os.getpid(), signal.SIGINT)  # the second (the parent forwarding its own): must not break this
+        time.sleep(0.2)
+        return "cleaned up" if signal.getsignal(signal.SIGINT) is signal.SIG_IGN else "handler left on"
+
+
+def test_a_worker_raises_on_the_first_interrupt_and_ignores_the_second():
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    from flt_diag.grids.worker_pool import worker_setup
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # (a background suite ignores it)
+    try:
+        with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), initializer=worker_setup,
+                                 initargs=(os.getpid(),)) as pool:
+            assert pool.submit(_interrupted_twice, 0).result(timeout=60) == "cleaned up"
+    finally:
+        signal.signal(signal.SIGINT, previous)

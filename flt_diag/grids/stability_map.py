@@ -42,7 +42,7 @@ from flt_diag.storage.folders import CELLS, StorageError, atomic_path, folder_lo
 from flt_diag.vocab.config import RunConfig
 from flt_diag.vocab.grid_options import MapLinesGrid
 from flt_diag.grids.sweep import only, prepare_spec_folder, run_cell, write_summary
-from flt_diag.grids.worker_pool import die_with_parent, interruptible
+from flt_diag.grids.worker_pool import interruptible, worker_setup
 from flt_diag.training.settle import comparable
 
 
@@ -165,7 +165,7 @@ def _run_map(spec, out, workers, only_line, runner, report, probe_ends=False) ->
             search_line(spec, out, line, runner or run_cell, report, probe_ends)
     else:
         spec_dict = {**spec.to_dict(), "base_full": spec.base.to_dict()}
-        pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=die_with_parent,
+        pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=worker_setup,
                                    initargs=(os.getpid(),))
         with interruptible(pool):  # Ctrl-C (or kill -INT of this process alone) stops the workers too
             for name in pool.map(_line_search_worker, [spec_dict] * len(lines), lines, [str(out)] * len(lines),
