@@ -378,7 +378,7 @@ def test_predict_compares_several_predictors_on_the_same_runs(labelled, tmp_path
 
 @pytest.mark.parametrize("verdict,rebound,fails,collapse,climbs", [
     ("stable", False, 0, 0, 0), ("stable", True, 0, 0, 1), ("unstable", False, 1, 0, 1),
-    ("collapsed", False, 1, 1, 1), ("diverged", False, 1, 1, 1)])
+    ("stalled", False, 1, 1, 1), ("collapsed", False, 1, 1, 1), ("diverged", False, 1, 1, 1)])
 def test_targets_label_the_verdict_as_documented(verdict, rebound, fails, collapse, climbs):
     s = {"verdict": verdict, "evidence": {"transient_rebound": rebound}}
     assert (EW.label(s, "fails"), EW.label(s, "collapse"), EW.label(s, "climbs")) == (fails, collapse, climbs)

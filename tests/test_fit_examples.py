@@ -43,10 +43,43 @@ def test_the_table_has_a_row_per_run_and_step_with_the_stored_verdict(fitted):
 @pytest.mark.parametrize("verdict, rebound, fails", [("stable", True, 1), ("stable", False, 0),
                                                       ("collapsed", False, 1), ("unstable", True, 1)])
 def test_a_recovered_loss_climb_judged_stable_before_the_change_is_relabelled(fitted, verdict, rebound, fails):
-    row = load_examples(fitted / "examples.csv")[0] | dict(verdict=verdict, transient_rebound=rebound)
+    row = load_examples(fitted / "examples.csv")[0] | dict(verdict=verdict, transient_rebound=rebound,
+                                                           verdict_version=2)  # judged before v3
     (example,) = examples_from_rows([row], [20, 40], "fails")
     assert example["y"] == fails
     assert example["summary"]["verdict"] == ("unstable" if (verdict, rebound) == ("stable", True) else verdict)
+
+
+H1, MARGIN = 3.25, 0.1625  # the byte corpus's unigram entropy and v3's stall margin there
+
+
+@pytest.mark.parametrize("version, verdict, final, want", [
+    (2, "stable", H1 - 0.01, "stalled"),      # 0.01 nats below the unigram entropy: a stall by v3
+    (2, "unstable", H1 - 0.01, "stalled"),    # v3 judges the stall before the oscillation
+    (2, "stable", H1 - MARGIN - 0.01, "stable"),  # learned past the margin
+    (2, "collapsed", H1 + 0.5, "collapsed"),  # a worse verdict stays
+    (None, "stable", H1 - 0.01, "stalled"),   # a table without the version: judged before v3
+    (3, "stable", H1 - 0.01, "stable"),       # a v3 verdict is v3's: kept as it is
+    (2, "stable", None, "stable")])           # no stall evidence: nothing to relabel with
+def test_a_stall_judged_before_v3_is_relabelled_from_the_tables_evidence(fitted, version, verdict, final, want):
+    row = load_examples(fitted / "examples.csv")[0] | dict(
+        verdict=verdict, transient_rebound=False, verdict_version=version, final_smoothed_loss=final,
+        stall_reference=H1, stall_margin=MARGIN)
+    (example,) = examples_from_rows([row], [20, 40], "fails")
+    assert example["summary"]["verdict"] == want and example["y"] == int(want != "stable")
+
+
+def test_the_table_carries_the_verdict_version_and_the_stall_evidence_and_an_older_table_still_reads(fitted, tmp_path):
+    table = pd.read_csv(fitted / "examples.csv")
+    summary = json.loads((fitted / "sw" / "cells" / "lt_K06_seed1_lr1" / "summary.json").read_text())
+    row = table[(table.variant == "lt") & (table.loops == 6) & (table.seed == 1)].iloc[0]
+    assert row.verdict_version == summary["verdict_version"] == 3
+    for key in ("final_smoothed_loss", "stall_reference", "stall_margin"):
+        assert row[key] == pytest.approx(summary["evidence"][key], rel=1e-12)
+    older = table.drop(columns=["verdict_version", "final_smoothed_loss", "stall_reference", "stall_margin"])
+    older.to_csv(tmp_path / "older.csv", index=False)
+    assert len(load_examples(tmp_path / "older.csv")) == len(table)
+    assert main(["fit-predictor", str(tmp_path / "older.csv"), "--at", "20", "--out", str(tmp_path / "p.json")]) == 0
 
 
 @pytest.mark.parametrize("column, value, field", [("seed", -1, "seed"), ("verdict", "fine", "verdict"),

@@ -255,3 +255,13 @@ def test_a_bad_map_spec_is_refused_when_made(bad):
     args = dict(variants=["lt"], loops=[2], seeds=[0], axis="lr", grid=[0.5, 1.0], criteria=["training"]) | bad
     with pytest.raises(ValueError):
         MapSpec(tiny_config(), **args)
+
+
+@pytest.mark.parametrize("verdict, training, collapse", [("stable", False, False), ("unstable", True, False),
+                                                         ("stalled", True, True), ("collapsed", True, True),
+                                                         ("diverged", True, True)])
+def test_the_criteria_read_the_verdict_as_documented(verdict, training, collapse):
+    """DESIGN.md §5: training = not stable; collapse = the run did not train (stalled counts: a high-loss plateau)."""
+    from flt_diag.judge.map_boundaries import CRITERIA
+    s = {"verdict": verdict}
+    assert (CRITERIA["training"](s), CRITERIA["collapse"](s)) == (training, collapse)

@@ -151,7 +151,7 @@ class FitPredictorOptions(Options):
     out: Path = opt(..., "Predictor JSON to write (flt_diag/judge/early_warning.json is the packaged one).")
     at: list[int] = opt([100, 200, 300, 500], "Steps to fit a model at.", low=1)
     l2: float = opt(1.0, "L2 penalty of the logistic regression.", above=0)
-    target: str = opt("fails", "fails (final verdict unstable, stalled, collapsed or diverged), collapse (collapsed or "
+    target: str = opt("fails", "fails (final verdict unstable, stalled, collapsed or diverged), collapse (stalled, collapsed or "
                       "diverged) or climbs (fails, or the loss climbed and recovered: the verdict's "
                       "transient_rebound).", choices=tuple(EW.TARGETS))
     features: Optional[list[str]] = opt(None, f"Features the model uses [default: {' '.join(FIT.DEFAULT_FEATURES)}].",
@@ -163,7 +163,8 @@ class FitPredictorOptions(Options):
     examples_out: Optional[Path] = opt(None, "Also write the fit set as one table (CSV: per run and step, its "
                                        "identity, verdict, loss-climb evidence and features); a .csv among the "
                                        "paths is read back in place of folders, its runs relabelled by the "
-                                       "current verdict.")
+                                       "current verdict as far as the table's evidence allows (not v3's "
+                                       "oscillation rule: that needs the folders).")
 
 
 class VariantsOptions(Options):

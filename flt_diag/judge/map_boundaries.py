@@ -13,6 +13,7 @@ import pandas as pd
 
 from flt_diag.storage.cells import Cell
 from flt_diag.storage.folders import CELLS, ERROR, StorageError, load_spec, load_summary
+from flt_diag.storage.predictor_names import COLLAPSE
 
 
 AXES = {"lr": "lr scale", "depth": "depth L"}
@@ -20,7 +21,7 @@ AXES = {"lr": "lr scale", "depth": "depth L"}
 
 CRITERIA: dict[str, Callable[[dict], bool]] = {
     "training": lambda s: s.get("verdict") != "stable",
-    "collapse": lambda s: s.get("verdict") in ("collapsed", "diverged"),
+    "collapse": lambda s: s.get("verdict") in COLLAPSE,
     "explosion": lambda s: bool(s.get("residual_explosion_any", s.get("residual_explosion"))) or s.get("verdict") == "diverged",
 }
 

@@ -12,6 +12,7 @@ from scipy.optimize import minimize
 
 from flt_diag.judge.early_warning import (COLUMNS, FEATURES, TARGETS, design, labelled_runs, label,
                                              prediction_row, run_features, sigmoid, target_text)
+from flt_diag.judge.verdict import VERDICT_VERSION
 from flt_diag.storage.files import EXAMPLE_IDENTITY, load_examples
 from flt_diag.storage.folders import BadFile, atomic_path, load_config, load_summary
 from flt_diag.storage.schema import MAX_ITEMS
@@ -87,8 +88,9 @@ def training_examples(sources, steps, target: str = "fails") -> list[dict]:
 # A fit set as one small file: per run and fitted step, the run's identity, what labels it (its verdict and
 # the loss-climb evidence of that verdict) and the features. It refits and audits a predictor without the
 # run folders, and a run judged before a verdict change is relabelled from its evidence (relabelled()).
+STALL_EVIDENCE = ("final_smoothed_loss", "stall_reference", "stall_margin")
 EXAMPLE_COLUMNS = [*EXAMPLE_IDENTITY, "steps_done", "verdict", "climb", "rebound_threshold", "transient_rebound",
-                   "step", *FEATURES]
+                   "verdict_version", *STALL_EVIDENCE, "step", *FEATURES]
 
 
 def examples_table(examples: list[dict]) -> pd.DataFrame:
@@ -99,7 +101,8 @@ def examples_table(examples: list[dict]) -> pd.DataFrame:
         run = dict(zip(EXAMPLE_IDENTITY, (str(e["run"]), *e["identity"])), steps_done=s.get("steps_done", 0),
                    verdict=s.get("verdict"), climb=evidence.get("climb"),
                    rebound_threshold=evidence.get("rebound_threshold"),
-                   transient_rebound=bool(evidence.get("transient_rebound")))
+                   transient_rebound=bool(evidence.get("transient_rebound")), verdict_version=s.get("verdict_version"),
+                   **{k: evidence.get(k) for k in STALL_EVIDENCE})
         rows += [{**run, "step": at, **{f: feats.get(f) for f in FEATURES}} for at, feats in sorted(e["feats"].items())]
     return pd.DataFrame(rows, columns=EXAMPLE_COLUMNS)
 
@@ -121,9 +124,21 @@ def write_examples(path: Path, examples: list[dict]) -> None:
 
 
 def relabelled(row: dict) -> str:
-    """The run's verdict by the current rule: a loss climb that recovered (the evidence's transient_rebound),
-    `stable` before commit bcf10c4, is `unstable` now (docs/DESIGN.md §3)."""
-    return "unstable" if row["verdict"] == "stable" and row["transient_rebound"] else row["verdict"]
+    """The run's verdict by the current rule (v3), from what its row carries. A row judged by v3 keeps its
+    verdict. An older one gets the current rules its evidence allows: a loss climb that recovered
+    (transient_rebound), `stable` before commit bcf10c4, is `unstable`; a final smoothed loss above
+    stall_reference - stall_margin is `stalled` (v3, before `unstable`). v3's oscillation rule needs the run's
+    metrics and cannot be applied from a table: `summary --recompute` on the folders (docs/DESIGN.md §3)."""
+    verdict = row["verdict"]
+    if (row.get("verdict_version") or 0) >= VERDICT_VERSION:
+        return verdict
+    if verdict == "stable" and row["transient_rebound"]:
+        verdict = "unstable"
+    final, reference, margin = (row.get(k) for k in STALL_EVIDENCE)
+    if verdict in ("stable", "unstable") and all(x is not None and math.isfinite(x) for x in (final, reference, margin)) \
+            and final > reference - margin:
+        verdict = "stalled"
+    return verdict
 
 
 def examples_from_rows(rows: list[dict], steps, target: str) -> list[dict]:

@@ -227,7 +227,11 @@ ExampleRow = create_model(
                                                                                    "n_embd")},
     **{n: (TrainConfig.model_fields[n].annotation, like(TrainConfig, n)) for n in ("seed", "lr_scale")},
     steps_done=(int, Field(ge=0)), verdict=(str, one_of(VERDICTS)), climb=(Optional[float], figure()),
-    rebound_threshold=(Optional[float], figure()), transient_rebound=(bool, ...), step=(int, Field(ge=1)),
+    rebound_threshold=(Optional[float], figure()), transient_rebound=(bool, ...),
+    # (since verdict v3; a table written before has none of these four: relabelled as far as it can be)
+    verdict_version=(Optional[int], Field(None, ge=1)), final_smoothed_loss=(Optional[float], figure(False)),
+    stall_reference=(Optional[float], figure(False)), stall_margin=(Optional[float], figure(False)),
+    step=(int, Field(ge=1)),
     **{f: (Optional[float], figure()) for f in FEATURES})
 ExamplesTable = Annotated[list[ExampleRow], Field(min_length=1, max_length=MAX_ITEMS)]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 FEATURES = ["resid_level", "resid_growth", "loop_ratio", "grad_cv", "grad_dlog", "grad_cos", "act_grad_decay",
             "loss_slope", "loss_climb"]  # every feature `features` computes
 PACKAGED = Path(__file__).parent.parent / "judge" / "early_warning.json"  # the packaged predictor (flt-diag fit-predictor)
-COLLAPSE = ("collapsed", "diverged")
+COLLAPSE = ("stalled", "collapsed", "diverged")  # the run did not train: the paper's collapse is a high-loss plateau
 FAILS = ("unstable", "stalled", "collapsed", "diverged")  # every verdict but stable (v3 added stalled)
 # target -> (the final verdicts it counts, whether a loss climb that recovered counts too)
 TARGETS = {"fails": (FAILS, False),      # the run ends not stable (default)

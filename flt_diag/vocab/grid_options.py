@@ -75,7 +75,7 @@ class MapAxes(Options):
     loops: list[int] = opt([6, 12], "Loop counts K (the x axis of the map).", low=1, high=MAX_LOOPS)
     seeds: list[int] = opt([0], "Seeds: each boundary is reported with its spread.", low=0, high=MAX_SEED)
     axis: str = opt("lr", "lr (lr scale) or depth (L blocks, width fixed).", choices=MAP_AXES)
-    criteria: list[str] = opt(["training", "explosion"], "training (verdict not stable), collapse (collapsed or "
+    criteria: list[str] = opt(["training", "explosion"], "training (verdict not stable), collapse (stalled, collapsed or "
                               "diverged), explosion (a residual norm of any loop exploded).", choices=MAP_CRITERIA)
 
 

@@ -1,6 +1,6 @@
 """Task accuracy by variant and training loops: the held-out exact-match accuracy (val_accuracy, mean
 over a cell's finished seeds) against the loops K the runs were trained with, one line per variant,
-one panel per lr scale; a cross marks a cell whose majority verdict is collapsed or diverged. Only
+one panel per lr scale; a cross marks a cell whose majority verdict is stalled, collapsed or diverged. Only
 runs of a synthetic task (`--data phop`, `--data addition`) have an accuracy."""
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ import pandas as pd
 from matplotlib.lines import Line2D
 
 from flt_diag.results.tables import Study, summary_table
+from flt_diag.storage.predictor_names import COLLAPSE
 from flt_diag.results.figures import Figure, register
 from flt_diag.results.figures.style import finish, legend, new_figure, style, variant_color, variants
 
 COLUMNS = ["lr_scale", "variant", "loops", "verdict", "finished", "val_accuracy"]
-FAILED = ("collapsed", "diverged")
+FAILED = COLLAPSE
 
 
 def data(study: Study) -> pd.DataFrame:
