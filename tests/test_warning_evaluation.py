@@ -134,3 +134,26 @@ def test_an_analysis_script_on_a_missing_folder_is_one_error_line(tmp_path, scri
     done = subprocess.run([sys.executable, str(path), str(missing), *[str(tmp_path / a) if a == "OUT" else a for a in args]],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.strip() == f"error: no such folder: {missing}", done.stderr
+
+
+def test_record_scores_read_the_final_loop_at_the_latest_recorded_step_at_or_before_s():
+    """The plan's single-record scores, from a hand-built long metrics table: gain every 100 steps, the
+    residual every step, the exit loss every 10th step; K = 3 (the final loop is 3)."""
+    from flt_diag.storage import metric_names as M
+    rows = []
+    for step in range(0, 301):
+        for loop in (2, 3):
+            rows.append((step, M.FIXED_POINT_RESIDUAL, loop, -1, 0.001 * step + loop))
+            if step % 100 == 0:
+                rows.append((step, M.LOOP_GAIN, loop, -1, 10.0 * step + loop))
+        if step % 10 == 0:
+            for loop, v in ((1, 5.0), (2, 4.0 - step / 1000), (3, 4.5)):
+                rows.append((step, M.EXIT_LOSS, loop, -1, v))
+    df = pd.DataFrame(rows, columns=["step", "metric", "loop", "layer", "value"])
+    got = W.record_scores(df, 250, 3)
+    assert got["loop gain (final loop)"] == 10.0 * 200 + 3  # the step-200 record: the latest <= 250
+    assert got["fixed-point residual (final loop)"] == pytest.approx(0.25 + 3)
+    assert got["exit-loss gap (final - best loop)"] == pytest.approx(4.5 - (4.0 - 0.25))
+    assert W.record_scores(df, 300, 3)["loop gain (final loop)"] == 3003  # step s itself counts (<= s)
+    none = W.record_scores(df[df.metric == M.FIXED_POINT_RESIDUAL], 250, 3)
+    assert math.isnan(none["loop gain (final loop)"]) and math.isnan(none["exit-loss gap (final - best loop)"])

@@ -38,6 +38,9 @@ FEATURE_GROUPS = {"residual": ["resid_level", "resid_growth", "loop_ratio"],
                   "gradient": ["grad_cv", "grad_dlog"], "backward": ["act_grad_decay"],
                   "loss": ["loss_slope", "loss_climb"]}
 DETECTOR_SCORES = ["olmo", "lightning", "lightning_scaled", "kill_loss_spike", "kill_loss_spike_scaled"]
+# Loop-dynamics records alone as scores (plan 2026-12-01 14:21 UTC; higher = fails, the sign fixed there), each
+# read at the latest recorded step <= s; NaN for a run without the record (it is then left out of that score).
+RECORD_SCORES = ["loop gain (final loop)", "fixed-point residual (final loop)", "exit-loss gap (final - best loop)"]
 
 
 # --------------------------------------------------------------------------- scores of one run
@@ -73,6 +76,25 @@ def _dense(df: pd.DataFrame, metric: str) -> np.ndarray:
     return s.to_numpy(dtype=float)[:end] if len(steps) and steps[0] == 0 else np.array([])
 
 
+def _latest(sel: pd.DataFrame, at: int) -> pd.DataFrame:
+    """The rows of the latest recorded step <= at."""
+    sel = sel[sel.step <= at]
+    return sel[sel.step == sel.step.max()] if len(sel) else sel
+
+
+def record_scores(df: pd.DataFrame, at: int, loops: int) -> dict[str, float]:
+    """RECORD_SCORES at step `at`: the final loop's loop-map gain and fixed-point residual, and its exit loss
+    minus the lowest exit loss over the loops, each at the latest step <= at that recorded it."""
+    out = {}
+    for name, metric in zip(RECORD_SCORES[:2], (M.LOOP_GAIN, M.FIXED_POINT_RESIDUAL)):
+        last = _latest(df[(df.metric == metric) & (df.loop == loops)], at)
+        out[name] = float(last.value.iloc[-1]) if len(last) else math.nan
+    last = _latest(df[df.metric == M.EXIT_LOSS], at)
+    final = last[last.loop == loops].value
+    out[RECORD_SCORES[2]] = float(final.iloc[-1] - last.value.min()) if len(final) else math.nan
+    return out
+
+
 def run_rows(run_dir: Path, steps: list[int], packaged: dict) -> list[dict]:
     """One row per step s < the run's length: identity, label, features, detector scores, P(packaged)."""
     cfg, summary = load_config(run_dir), load_summary(run_dir)
@@ -93,7 +115,7 @@ def run_rows(run_dir: Path, steps: list[int], packaged: dict) -> list[dict]:
         feats = features(df, at, m["loops"], m["n_layer"], m["n_embd"])
         rows.append(identity | feats | dict(
             step=at, packaged=probability(packaged, feats, at)[0], olmo=olmo_spike_score(loss, grad, at),
-            **{k: float(v is not None and v < at) for k, v in fired.items()}))
+            **{k: float(v is not None and v < at) for k, v in fired.items()}, **record_scores(df, at, m["loops"])))
     return rows
 
 
@@ -212,6 +234,9 @@ def scores_at(table: pd.DataFrame, feature_names: list[str]) -> dict[str, np.nda
         out[f"prior ({by} CV)"] = cross_validated(table, "prior", by)
     for name in DETECTOR_SCORES:
         out[name] = table[name].to_numpy(float)
+    for name in RECORD_SCORES:
+        if name in table and np.isfinite(table[name].to_numpy(float)).any():
+            out[name] = table[name].to_numpy(float)
     return out
 
 
