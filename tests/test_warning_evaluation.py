@@ -157,3 +157,12 @@ def test_record_scores_read_the_final_loop_at_the_latest_recorded_step_at_or_bef
     assert W.record_scores(df, 300, 3)["loop gain (final loop)"] == 3003  # step s itself counts (<= s)
     none = W.record_scores(df[df.metric == M.FIXED_POINT_RESIDUAL], 250, 3)
     assert math.isnan(none["loop gain (final loop)"]) and math.isnan(none["exit-loss gap (final - best loop)"])
+
+
+def test_a_record_score_is_agreed_at_its_own_threshold_or_not_at_all():
+    y = np.array([0, 0, 1, 1])
+    gain = np.array([0.8, 1.2, 1.1, 3.0])  # read as fails at >= 1: 3 of 4 agree
+    row = W.score_row("loop gain (final loop)", y, gain, W.AGREEMENT_AT["loop gain (final loop)"])
+    assert row["agreement"] == 0.75 and row["auroc"] == pytest.approx(0.75)
+    row = W.score_row("x", y, gain, None)
+    assert math.isnan(row["agreement"]) and row["auroc"] == pytest.approx(0.75)

@@ -41,6 +41,10 @@ DETECTOR_SCORES = ["olmo", "lightning", "lightning_scaled", "kill_loss_spike", "
 # Loop-dynamics records alone as scores (plan 2026-12-01 14:21 UTC; higher = fails, the sign fixed there), each
 # read at the latest recorded step <= s; NaN for a run without the record (it is then left out of that score).
 RECORD_SCORES = ["loop gain (final loop)", "fixed-point residual (final loop)", "exit-loss gap (final - best loop)"]
+# The value a score is read as "fails" at, for its agreement: 0.5 for the probabilities and the detectors' 0/1,
+# 1 for the gain (an expanding loop map); none for the other records (no agreement, only AUROC).
+AGREEMENT_AT = {"loop gain (final loop)": 1.0, "fixed-point residual (final loop)": None,
+                "exit-loss gap (final - best loop)": None}
 
 
 # --------------------------------------------------------------------------- scores of one run
@@ -215,15 +219,20 @@ def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
     return centre - half, centre + half
 
 
-def score_row(name: str, y, score, threshold: float = 0.5) -> dict:
+def score_row(name: str, y, score, threshold: float | None = 0.5) -> dict:
+    """AUROC with its bootstrap interval, and the agreement of `score >= threshold` with y (Wilson interval;
+    NaN where threshold is None: a score with no value that means "fails")."""
     y, score = np.asarray(y, bool), np.asarray(score, float)
     ok = np.isfinite(score)
     y, score = y[ok], score[ok]
     lo, hi = bootstrap_interval(y, score)
-    agree = int(((score >= threshold) == y).sum())
-    alo, ahi = wilson(agree, len(y))
+    if threshold is None or not len(y):
+        agreement = alo = ahi = math.nan
+    else:
+        agree = int(((score >= threshold) == y).sum())
+        agreement, (alo, ahi) = agree / len(y), wilson(agree, len(y))
     return dict(score=name, runs=len(y), failing=int(y.sum()), auroc=auroc(y, score), auroc_lo=lo, auroc_hi=hi,
-                agreement=agree / len(y) if len(y) else math.nan, agreement_lo=alo, agreement_hi=ahi)
+                agreement=agreement, agreement_lo=alo, agreement_hi=ahi)
 
 
 def scores_at(table: pd.DataFrame, feature_names: list[str]) -> dict[str, np.ndarray]:
@@ -252,7 +261,8 @@ def comparison(table: pd.DataFrame, feature_names: list[str], sets: dict | None 
         for set_name, select in sets.items():
             mask = np.asarray(select(at), bool)
             for name, score in scores.items():
-                rows.append(dict(step=step, set=set_name) | score_row(name, at.failed[mask], score[mask]))
+                rows.append(dict(step=step, set=set_name) | score_row(name, at.failed[mask], score[mask],
+                                                                      AGREEMENT_AT.get(name, 0.5)))
     return pd.DataFrame(rows)
 
 
