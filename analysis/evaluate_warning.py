@@ -2,7 +2,7 @@
 docs/plans/2026-12-01-verdict-v3-and-warning-evaluation.md). Writes CSV tables and prints them as Markdown.
 
     python analysis/evaluate_warning.py runs/default runs/w1-lt9 runs/w2-lr --out docs/data/warning-eval \
-        --set "LT K=9 seeds" variant=lt loops=9 --set "lr x4 vs x8 at L=6" depth=6
+        --set "LT K=9 seeds" variant=lt loops=9 --set "lr x4 vs x8 at L=6" depth=6 --set "LT K=6, 9" variant=lt loops=6,9
 
 Labels are the runs' summary.json verdicts (run `flt-diag summary --recompute` first to judge them with
 the current verdict). No torch.
@@ -25,13 +25,16 @@ from flt_diag.storage.predictor_names import PACKAGED  # noqa: E402
 
 
 def selector(conditions: list[str]):
-    pairs = [c.split("=", 1) for c in conditions]
+    """The rows meeting every KEY=VALUE (KEY=V1,V2: any of the values) of `conditions`."""
+    pairs = [(key, values.split(",")) for key, values in (c.split("=", 1) for c in conditions)]
 
     def select(table):
         mask = np.ones(len(table), bool)
-        for key, value in pairs:
-            column = table[key]
-            mask &= (column.astype(str) == value) | (column.astype(float, errors="ignore") == _num(value))
+        for key, values in pairs:
+            column, any_of = table[key], np.zeros(len(table), bool)
+            for value in values:
+                any_of |= (column.astype(str) == value) | (column.astype(float, errors="ignore") == _num(value))
+            mask &= any_of
         return mask
     return select
 

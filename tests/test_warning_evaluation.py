@@ -166,3 +166,16 @@ def test_a_record_score_is_agreed_at_its_own_threshold_or_not_at_all():
     assert row["agreement"] == 0.75 and row["auroc"] == pytest.approx(0.75)
     row = W.score_row("x", y, gain, None)
     assert math.isnan(row["agreement"]) and row["auroc"] == pytest.approx(0.75)
+
+
+def test_the_evaluation_scripts_sets_select_by_every_condition_and_any_listed_value():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "analysis" / "evaluate_warning.py"
+    spec = importlib.util.spec_from_file_location("evaluate_warning_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    table = pd.DataFrame(dict(variant=["lt", "lt", "lt", "flt"], loops=[3, 6, 9, 9], depth=[2, 2, 2, 6]))
+    assert script.selector(["variant=lt", "loops=6,9"])(table).tolist() == [False, True, True, False]
+    assert script.selector(["loops=9"])(table).tolist() == [False, False, True, True]
+    assert script.selector(["depth=6", "variant=lt"])(table).tolist() == [False] * 4
