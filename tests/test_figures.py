@@ -154,13 +154,15 @@ def test_loop_dynamics_gain_panel_leaves_out_zero_gains_and_marks_the_spectral_r
     df = df[df.loops == 3].copy()  # one row of panels
     zero = (df.metric == M.LOOP_GAIN) & (df.step == 0)
     df.loc[zero, "value"] = 0.0
+    df.loc[(df.metric == M.LOOP_SPECTRAL_RADIUS) & (df.step == 0), "value"] = 1e-30  # a round-off zero
+    radius_zero = (df.metric == M.LOOP_SPECTRAL_RADIUS) & (df.step == 0) & (df.loop == df.loops)
     fig = draw_dynamics(df)
     col = [i for i, (metric, by, _) in enumerate(COLUMNS) if metric == M.LOOP_GAIN and by == "step"][0]
     ax = fig.axes[col]
     positive = df[(df.metric == M.LOOP_GAIN) & (df.value > 0)].value
     assert ax.get_yscale() == "log" and ax.get_ylim()[0] > positive.min() / 10  # not squashed towards 0
     notes = [t.get_text() for t in ax.texts]
-    assert notes == [f"{int((zero & (df.loop == df.loops)).sum())} value(s) <= 0 not drawn"]
+    assert notes == [f"{int((zero & (df.loop == df.loops)).sum() + radius_zero.sum())} value(s) <= 1e-06 not drawn"]
     radius = [line for line in ax.lines if line.get_marker() == "x"]
     assert radius and all(line.get_linestyle() == "None" for line in radius)
     assert {line.get_linestyle() for line in ax.lines if line.get_marker() != "x"} >= {"-", "--"}  # seeds 0, 1

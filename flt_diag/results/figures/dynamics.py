@@ -2,9 +2,9 @@
 exit, against the loop, at a few recorded steps (fainter = earlier), a panel per loops K, a line per run.
 loop-dynamics: per loops K, the fixed-point residual ||h(t) - h(t-1)|| / ||h(t-1)|| of the final loop
 against step and by loop at the last recorded step, and the loop-map gain (largest singular value of
-the Jacobian of h(t-1) -> h(t); crosses: its spectral radius) the same way, 1 marked. Values <= 0 (e.g.
-a gain of exactly 0 at initialisation, where the blocks' output projections start at zero) cannot sit on
-the log axis: they are left out and the panel says how many."""
+the Jacobian of h(t-1) -> h(t); crosses: its spectral radius) the same way, 1 marked. Values <= 0, and
+gains <= GAIN_FLOOR (a zero up to round-off: at initialisation the blocks' output projections start at
+zero), cannot sit on the log axis: they are left out and the panel says how many."""
 from __future__ import annotations
 
 import numpy as np
@@ -19,6 +19,9 @@ from flt_diag.results.figures.style import (auto_yscale, cell_rows, empty, fille
                                             new_figure, panels, style, variant_color)
 
 SNAPSHOTS = 4  # recorded steps drawn in exit-loss: the first, the last and evenly between
+# A loop-map gain or spectral radius at or below this is a zero up to round-off (e.g. 1e-30 for FLT at step 0,
+# where the blocks' output projections start at zero): left out of the log axis, counted in the panel.
+GAIN_FLOOR = 1e-6
 
 
 def _metric_rows(study: Study, metrics) -> pd.DataFrame:
@@ -91,10 +94,12 @@ def draw_dynamics(df: pd.DataFrame):
                     ax.set_title(heading)
                 sel = _series(row[row.metric == metric], by)
                 radius = _series(row[row.metric == M.LOOP_SPECTRAL_RADIUS], by) if metric == M.LOOP_GAIN else sel[:0]
-                dropped = int((sel.value <= 0).sum() + (radius.value <= 0).sum())
-                sel, radius = sel[sel.value > 0], radius[radius.value > 0]
+                floor = GAIN_FLOOR if metric == M.LOOP_GAIN else 0.0
+                dropped = int((sel.value <= floor).sum() + (radius.value <= floor).sum())
+                sel, radius = sel[sel.value > floor], radius[radius.value > floor]
+                below = f"<= {floor:g}" if floor else "<= 0"
                 if sel.empty:
-                    empty(ax, f"no positive value ({dropped} <= 0)" if dropped else "no data")
+                    empty(ax, f"no value above {below[3:]} ({dropped})" if dropped else "no data")
                     continue
                 lines_by_run(ax, sel, by, lw=1.2, marker="o" if by == "loop" else None, ms=3)
                 if metric == M.LOOP_GAIN:
@@ -104,7 +109,7 @@ def draw_dynamics(df: pd.DataFrame):
                     ax.axhline(1, color="0.3", lw=0.8)
                 log_y(ax)
                 if dropped:
-                    ax.text(0.98, 0.02, f"{dropped} value(s) <= 0 not drawn", transform=ax.transAxes, ha="right",
+                    ax.text(0.98, 0.02, f"{dropped} value(s) {below} not drawn", transform=ax.transAxes, ha="right",
                             va="bottom", fontsize="x-small", color="0.4")
                 if by == "loop":
                     ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
