@@ -34,7 +34,7 @@ def _interrupt_once(signum, frame):
     """A worker's SIGINT handler: the first interrupt raises KeyboardInterrupt, later ones are ignored, so
     that the second SIGINT a worker gets when Ctrl-C reaches the whole process group and the parent then
     forwards its own cannot break the first one's clean-up (a traceback from inside the executor was
-    printed once in 20 trials); the parent's SIGTERM, then SIGKILL, still end a worker that hangs."""
+    printed once, in a loop of the Ctrl-C test); the parent's SIGTERM, then SIGKILL, still end a worker that hangs."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     raise KeyboardInterrupt
 
