@@ -24,6 +24,7 @@ from flt_diag.storage import metric_names as M  # noqa: E402
 from flt_diag.storage.folders import load_config, load_metrics, load_summary, run_dirs  # noqa: E402
 
 WINDOW = 50  # the plan's window [s - 50, s)
+FINAL_STEPS = 100  # "final": the records of the last 100 steps
 
 
 def per_loop(df: pd.DataFrame, metric: str) -> pd.DataFrame:
@@ -73,7 +74,8 @@ def run_row(d: Path, steps: list[int]) -> dict:
                gain_last=float(gain.iloc[-1]) if len(gain) else math.nan,
                climb_start=int(ev["climb_start_step"]) if climbed and "climb_start_step" in ev else None)
     for name, s in q.items():
-        tail = s.tail(100) if name != "max loop gain" else s.tail(2)
+        # the last 100 steps (records every step or every 10th alike); the gain: its last two estimates
+        tail = s[s.index > s.index.max() - FINAL_STEPS] if name != "max loop gain" and len(s) else s.tail(2)
         row[f"final {name}"] = float(tail.mean()) if len(tail) else math.nan
         for at in steps:
             row[f"{name} @{at}"] = window_mean(s, at)

@@ -50,25 +50,6 @@ def test_a_recovered_loss_climb_judged_stable_before_the_change_is_relabelled(fi
     assert example["summary"]["verdict"] == ("unstable" if (verdict, rebound) == ("stable", True) else verdict)
 
 
-H1, MARGIN = 3.25, 0.1625  # the byte corpus's unigram entropy and v3's stall margin there
-
-
-@pytest.mark.parametrize("version, verdict, final, want", [
-    (2, "stable", H1 - 0.01, "stalled"),      # 0.01 nats below the unigram entropy: a stall by v3
-    (2, "unstable", H1 - 0.01, "stalled"),    # v3 judges the stall before the oscillation
-    (2, "stable", H1 - MARGIN - 0.01, "stable"),  # learned past the margin
-    (2, "collapsed", H1 + 0.5, "collapsed"),  # a worse verdict stays
-    (None, "stable", H1 - 0.01, "stalled"),   # a table without the version: judged before v3
-    (3, "stable", H1 - 0.01, "stable"),       # a v3 verdict is v3's: kept as it is
-    (2, "stable", None, "stable")])           # no stall evidence: nothing to relabel with
-def test_a_stall_judged_before_v3_is_relabelled_from_the_tables_evidence(fitted, version, verdict, final, want):
-    row = load_examples(fitted / "examples.csv")[0] | dict(
-        verdict=verdict, transient_rebound=False, verdict_version=version, final_smoothed_loss=final,
-        stall_reference=H1, stall_margin=MARGIN)
-    (example,) = examples_from_rows([row], [20, 40], "fails")
-    assert example["summary"]["verdict"] == want and example["y"] == int(want != "stable")
-
-
 def test_the_table_carries_the_verdict_version_and_the_stall_evidence_and_an_older_table_still_reads(fitted, tmp_path):
     table = pd.read_csv(fitted / "examples.csv")
     summary = json.loads((fitted / "sw" / "cells" / "lt_K06_seed1_lr1" / "summary.json").read_text())
@@ -78,8 +59,38 @@ def test_the_table_carries_the_verdict_version_and_the_stall_evidence_and_an_old
         assert row[key] == pytest.approx(summary["evidence"][key], rel=1e-12)
     older = table.drop(columns=["verdict_version", "final_smoothed_loss", "stall_reference", "stall_margin"])
     older.to_csv(tmp_path / "older.csv", index=False)
-    assert len(load_examples(tmp_path / "older.csv")) == len(table)
+    rows = load_examples(tmp_path / "older.csv")
+    assert len(rows) == len(table) and all(r.get("verdict_version") is None for r in rows)
     assert main(["fit-predictor", str(tmp_path / "older.csv"), "--at", "20", "--out", str(tmp_path / "p.json")]) == 0
+
+
+def test_a_table_mixing_v3_and_older_rows_is_written_read_back_and_relabelled_only_where_older(fitted, tmp_path,
+                                                                                              capsys):
+    """Rows judged before v3 (no verdict_version: a table written before the column) beside v3 rows: the
+    table reads back (the version column is then partly empty), refits, and a table written from it keeps
+    every row's version and evidence. A recovered climb judged `stable` is relabelled in an older row only."""
+    table = pd.read_csv(fitted / "examples.csv")
+    runs = sorted(table.run.unique())
+    old = table.run.isin(runs[::2])  # every other run judged before v3
+    table.loc[old, ["verdict_version", "final_smoothed_loss", "stall_reference", "stall_margin"]] = None
+    stable_old, stable_new = (table[(table.verdict == "stable") & sel].run.iloc[0] for sel in (old, ~old))
+    table.loc[table.run.isin([stable_old, stable_new]), "transient_rebound"] = True
+    table.to_csv(tmp_path / "mixed.csv", index=False)
+    rows = load_examples(tmp_path / "mixed.csv")
+    assert {type(r["verdict_version"]) for r in rows} == {int, type(None)}
+    labels = {e["run"].as_posix(): e["summary"]["verdict"] for e in examples_from_rows(rows, [20, 40], "fails")}
+    assert labels[stable_old] == "unstable" and labels[stable_new] == "stable"  # v3 judged it already
+    again = tmp_path / "again.csv"
+    assert main(["fit-predictor", str(tmp_path / "mixed.csv"), "--at", "20", "40", "--out", str(tmp_path / "p.json"),
+                 "--examples-out", str(again)]) == 0
+    assert f"note: {len(runs[::2])} of the {len(runs)} runs were judged before verdict v3" in capsys.readouterr().out
+    back = pd.read_csv(again)
+    key = ["run", "step"]
+    merged = table.merge(back, on=key, suffixes=("", "_again"))
+    assert len(merged) == len(table)
+    for column in ("verdict_version", "final_smoothed_loss", "stall_reference", "stall_margin", "climb"):
+        a, b = merged[column].astype(float), merged[f"{column}_again"].astype(float)
+        assert ((a == b) | (a.isna() & b.isna())).all(), column
 
 
 @pytest.mark.parametrize("column, value, field", [("seed", -1, "seed"), ("verdict", "fine", "verdict"),

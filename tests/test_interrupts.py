@@ -116,26 +116,77 @@ def test_an_interrupted_pool_stops_its_own_workers_and_no_other_child():
         with pytest.raises(KeyboardInterrupt):
             with interruptible(pool):
                 [pool.submit(_sleep_forever, i) for i in range(3)]
-                while len(mp.active_children()) < 3:  # both workers up
+                deadline = time.monotonic() + 60
+                while len(mp.active_children()) < 3 and time.monotonic() < deadline:  # both workers up
                     time.sleep(0.05)
+                workers = [p for p in mp.active_children() if p is not bystander]
                 time.sleep(1.0)  # both are inside the task
                 raise KeyboardInterrupt
         assert time.monotonic() - t0 < 30
-        assert mp.active_children() == [bystander] and bystander.is_alive()
+        # (by /proc, not Process.exitcode: the executor's own thread may be reaping a killed worker just now,
+        # and multiprocessing then reports it alive for a moment)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(_alive(p.pid) for p in workers):
+            time.sleep(0.05)
+        assert len(workers) == 2 and not [p.pid for p in workers if _alive(p.pid)]
+        assert bystander.is_alive() and _alive(bystander.pid)
     finally:
         bystander.kill()
         bystander.join()
 
 
 def _interrupted_twice(_):
+    from flt_diag.grids.worker_pool import task
+    with task():  # as a cell or a map line runs in a worker
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+            return "first interrupt not raised"
+        except KeyboardInterrupt:
+            os.kill(os.getpid(), signal.SIGINT)  # the second (the parent forwarding its own): must not break this
+            time.sleep(0.2)
+            return "cleaned up" if signal.getsignal(signal.SIGINT) is signal.SIG_IGN else "handler left on"
+
+
+def _pid_then_sleep(path):
+    from flt_diag.grids.worker_pool import task
+    with task():
+        Path(path).write_text(str(os.getpid()))
+        time.sleep(60)
+
+
+def test_an_idle_worker_leaves_quietly_on_an_interrupt(tmp_path, capfd):
+    """A worker waiting for work (more workers than cells) has nothing to clean up: on SIGINT it exits 130 at
+    once, without the traceback the executor's queue would print."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    from flt_diag.grids.worker_pool import worker_setup
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # (a background suite ignores it)
+    before = set(mp.active_children())
+    pool = ProcessPoolExecutor(2, mp_context=mp.get_context("spawn"), initializer=worker_setup,
+                               initargs=(os.getpid(),))
     try:
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(5)
-        return "first interrupt not raised"
-    except KeyboardInterrupt:
-        os.kill(os.getpid(), signal.SIGINT)  # the second (the parent forwarding its own): must not break this
-        time.sleep(0.2)
-        return "cleaned up" if signal.getsignal(signal.SIGINT) is signal.SIG_IGN else "handler left on"
+        for f in [pool.submit(time.sleep, 1.0) for _ in range(2)]:  # two workers spawned (on demand), both done
+            f.result(timeout=60)
+        workers = [p for p in mp.active_children() if p not in before]
+        pool.submit(_pid_then_sleep, str(tmp_path / "busy"))  # one of them busy, the other idle
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (tmp_path / "busy").exists():
+            time.sleep(0.05)
+        busy = int((tmp_path / "busy").read_text())
+        assert len(workers) == 2 and busy in [p.pid for p in workers]
+        (idle,) = [p for p in workers if p.pid != busy]
+        os.kill(idle.pid, signal.SIGINT)
+        deadline = time.monotonic() + 10  # (the executor's thread may reap it: its exit code appears a moment later)
+        while time.monotonic() < deadline and idle.exitcode is None:
+            time.sleep(0.05)
+        err = capfd.readouterr().err
+        assert idle.exitcode == 130 and "Traceback" not in err, (idle.exitcode, err[-2000:])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        for p in mp.active_children():
+            p.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def test_a_worker_raises_on_the_first_interrupt_and_ignores_the_second():

@@ -251,6 +251,11 @@ def cmd_fit_predictor(o: FitPredictorOptions) -> int:
         if Path(p).suffix != ".csv":
             run_dirs(p)
     examples = FIT.training_examples(paths, at, target)  # features computed once, for the fit and the CV
+    older = sum(FIT.judged_before_v3(e["summary"]) for e in examples)
+    if older:
+        print(f"note: {older} of the {len(examples)} runs were judged before verdict v3 and keep their verdict "
+              "(a recovered loss climb counts as unstable); v3's stall and oscillation rules need the run folders: "
+              "flt-diag summary FOLDER --recompute")
     model = FIT.fit(paths, at, l2, fit_command(o, features), target, examples, features, weight)
     if o.cross_validate:
         model["cross_validation"] = _cross_validate(paths, o, examples, features)

@@ -11,8 +11,8 @@ can miss such a line (it starts in the middle and never looks below a value that
 `--probe-ends` each line first probes both ends of the grid.
 
 Criteria (from each probe's summary.json):
-    training   the verdict is not `stable` (unstable, collapsed or diverged)
-    collapse   the verdict is `collapsed` or `diverged`
+    training   the verdict is not `stable` (unstable, stalled, collapsed or diverged)
+    collapse   the verdict is `stalled`, `collapsed` or `diverged` (the run did not train)
     explosion  a residual norm of any loop exploded (`residual_explosion_any`), or the run diverged
 
 Every probe is an ordinary run folder in the sweep folder's cells/ (named like a sweep cell, with
@@ -42,7 +42,7 @@ from flt_diag.storage.folders import CELLS, StorageError, atomic_path, folder_lo
 from flt_diag.vocab.config import RunConfig
 from flt_diag.vocab.grid_options import MapLinesGrid
 from flt_diag.grids.sweep import only, prepare_spec_folder, run_cell, write_summary
-from flt_diag.grids.worker_pool import interruptible, worker_setup
+from flt_diag.grids.worker_pool import interruptible, task, worker_setup
 from flt_diag.training.settle import comparable
 
 
@@ -135,8 +135,10 @@ def prepare_map_folder(spec: MapSpec, out: Path) -> None:
 
 
 def _line_search_worker(spec_dict: dict, line: Line, out: str, probe_ends: bool = False) -> str:
-    spec = _spec_from_dict(spec_dict, RunConfig.from_dict(spec_dict["base_full"]))
-    search_line(spec, Path(out), line, run_cell, report=lambda text: print(text, flush=True), probe_ends=probe_ends)
+    with task():
+        spec = _spec_from_dict(spec_dict, RunConfig.from_dict(spec_dict["base_full"]))
+        search_line(spec, Path(out), line, run_cell, report=lambda text: print(text, flush=True),
+                    probe_ends=probe_ends)
     return line.name
 
 

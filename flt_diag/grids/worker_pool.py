@@ -30,19 +30,38 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+_busy = False  # in a worker: whether it is running a task (a cell, a map line) now
+
+
+@contextlib.contextmanager
+def task():
+    """Mark a worker busy while it runs one task (see _interrupt_once)."""
+    global _busy
+    _busy = True
+    try:
+        yield
+    finally:
+        _busy = False
+
+
 def _interrupt_once(signum, frame):
-    """A worker's SIGINT handler: the first interrupt raises KeyboardInterrupt, later ones are ignored, so
-    that the second SIGINT a worker gets when Ctrl-C reaches the whole process group and the parent then
-    forwards its own cannot break the first one's clean-up (a traceback from inside the executor was
-    printed once, in a loop of the Ctrl-C test); the parent's SIGTERM, then SIGKILL, still end a worker that hangs."""
+    """A worker's SIGINT handler: the first interrupt raises KeyboardInterrupt in a running task (which
+    then cleans up: its run folder stays resumable), later ones are ignored, so that the second SIGINT a
+    worker gets when Ctrl-C reaches the whole process group and the parent then forwards its own cannot
+    break the first one's clean-up (a traceback from inside the executor was printed once, in a loop of the
+    Ctrl-C test). An idle worker (waiting for work, nothing to clean up) leaves quietly at once, instead of
+    a traceback from the executor's queue. The parent's SIGTERM, then SIGKILL, still end a worker that hangs."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not _busy:
+        os._exit(130)
     raise KeyboardInterrupt
 
 
 def worker_setup(parent_pid: int) -> None:
     """In a worker process of a grid's pool: die with the parent, handle an interrupt once."""
     die_with_parent(parent_pid)
-    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # (a parent under nohup: its workers ignore it too)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # (a parent started with SIGINT ignored, as `cmd &`
+        # in a non-interactive shell or under `trap '' INT` does: its workers ignore it too)
         signal.signal(signal.SIGINT, _interrupt_once)
 
 
@@ -53,7 +72,8 @@ def _worker_init(gpu_queue, parent_pid):
 
 
 def _run_cell_in_worker(run_cell, base, cell, out, threads):
-    return run_cell(base, cell, out, threads, os.environ.get("FLT_DIAG_DEVICE"))
+    with task():
+        return run_cell(base, cell, out, threads, os.environ.get("FLT_DIAG_DEVICE"))
 
 
 def auto_workers(device: str) -> int:

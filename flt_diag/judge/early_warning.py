@@ -16,7 +16,8 @@ recorded steps before s (numpy/scipy/pandas only; no torch):
     loss_climb      trailing-mean loss minus its running minimum so far
 
 The target (what "collapse" means for a predictor) is stored with it: "fails" (the final verdict is
-unstable, collapsed or diverged; the packaged predictor's), "collapse" (collapsed or diverged) or
+unstable, stalled, collapsed or diverged; the packaged predictor's), "collapse" (stalled, collapsed or
+diverged) or
 "climbs" (fails, or the loss climbed above the verdict's rebound threshold and recovered).
 A predictor names the features it uses (a subset of FEATURES; `fit-predictor --features`).
 This module: the features, the target, reading a predictor and predicting with it (offline, over

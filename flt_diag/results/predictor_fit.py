@@ -123,35 +123,36 @@ def write_examples(path: Path, examples: list[dict]) -> None:
             raise BadFile(str(e).replace(str(tmp), str(path))) from None
 
 
+def judged_before_v3(row: dict) -> bool:
+    """Whether a fit-examples row was judged before verdict v3 (a lower version, or none: a table written
+    before the column existed)."""
+    return (row.get("verdict_version") or 0) < VERDICT_VERSION
+
+
 def relabelled(row: dict) -> str:
-    """The run's verdict by the current rule (v3), from what its row carries. A row judged by v3 keeps its
-    verdict. An older one gets the current rules its evidence allows: a loss climb that recovered
-    (transient_rebound), `stable` before commit bcf10c4, is `unstable`; a final smoothed loss above
-    stall_reference - stall_margin is `stalled` (v3, before `unstable`). v3's oscillation rule needs the run's
-    metrics and cannot be applied from a table: `summary --recompute` on the folders (docs/DESIGN.md §3)."""
-    verdict = row["verdict"]
-    if (row.get("verdict_version") or 0) >= VERDICT_VERSION:
-        return verdict
-    if verdict == "stable" and row["transient_rebound"]:
-        verdict = "unstable"
-    final, reference, margin = (row.get(k) for k in STALL_EVIDENCE)
-    if verdict in ("stable", "unstable") and all(x is not None and math.isfinite(x) for x in (final, reference, margin)) \
-            and final > reference - margin:
-        verdict = "stalled"
-    return verdict
+    """The run's verdict by the current rule (v3), as far as its row allows. A row judged by v3 keeps its
+    verdict. An older one gets the one later rule its evidence carries: a loss climb that recovered
+    (transient_rebound), `stable` before commit bcf10c4, is `unstable`. v3's stall and oscillation rules need
+    evidence such a row does not have (the run's metrics): `summary --recompute` on the folders (the table
+    keeps the stall evidence from v3 on, for whatever rule comes next)."""
+    if not judged_before_v3(row):
+        return row["verdict"]
+    return "unstable" if row["verdict"] == "stable" and row["transient_rebound"] else row["verdict"]
 
 
 def examples_from_rows(rows: list[dict], steps, target: str) -> list[dict]:
-    """The examples of a fit-examples table (rows as load_examples returns them), relabelled."""
+    """The examples of a fit-examples table (rows as load_examples returns them), relabelled; each keeps its
+    row's verdict version and evidence, so that a table written from them reads back the same."""
     runs: dict[str, list[dict]] = {}
     for r in rows:
         runs.setdefault(r["run"], []).append(r)
     out = []
     for run, group in runs.items():
         r = group[0]
-        summary = dict(verdict=relabelled(r), steps_done=r["steps_done"], variant=r["variant"], loops=r["loops"],
-                       seed=r["seed"], lr_scale=r["lr_scale"],
-                       evidence=dict(climb=r["climb"], transient_rebound=r["transient_rebound"]))
+        summary = dict(verdict=relabelled(r), verdict_version=r.get("verdict_version"), steps_done=r["steps_done"],
+                       variant=r["variant"], loops=r["loops"], seed=r["seed"], lr_scale=r["lr_scale"],
+                       evidence=dict(climb=r["climb"], rebound_threshold=r["rebound_threshold"],
+                                     transient_rebound=r["transient_rebound"], **{k: r.get(k) for k in STALL_EVIDENCE}))
         feats = {x["step"]: {f: (math.nan if x[f] is None else x[f]) for f in FEATURES}
                  for x in group if x["step"] in steps}
         out.append(dict(run=Path(run), summary=summary, y=label(summary, target),

@@ -13,6 +13,10 @@ warning's features (flt_diag.judge.early_warning.features, from rows before s) a
     lightning / kill_loss_spike (and *_scaled)
                  the replayed detectors (flt_diag.judge.spike_detectors) as "fired before step s":
                  at their defaults and at the plan's windows scaled to a 2,000-step run
+    RECORD_SCORES
+                 a loop-dynamics record alone (plan 2026-12-01 14:21 UTC): the final loop's loop-map gain and
+                 fixed-point residual, the exit-loss gap; read at the latest recorded step <= s (as the plan
+                 fixed it: unlike the features, step s itself counts), NaN without the record
 
 Cross-validation groups: `config` leaves out every seed of one (variant, K, depth, width, lr scale)
 together; `variant` leaves out every run of one variant.
@@ -223,7 +227,7 @@ def score_row(name: str, y, score, threshold: float | None = 0.5) -> dict:
     """AUROC with its bootstrap interval, and the agreement of `score >= threshold` with y (Wilson interval;
     NaN where threshold is None: a score with no value that means "fails")."""
     y, score = np.asarray(y, bool), np.asarray(score, float)
-    ok = np.isfinite(score)
+    ok = ~np.isnan(score)  # (an infinite score, e.g. the gain of an exploded loop, ranks first; NaN: no score)
     y, score = y[ok], score[ok]
     lo, hi = bootstrap_interval(y, score)
     if threshold is None or not len(y):
@@ -244,7 +248,7 @@ def scores_at(table: pd.DataFrame, feature_names: list[str]) -> dict[str, np.nda
     for name in DETECTOR_SCORES:
         out[name] = table[name].to_numpy(float)
     for name in RECORD_SCORES:
-        if name in table and np.isfinite(table[name].to_numpy(float)).any():
+        if name in table and (~np.isnan(table[name].to_numpy(float))).any():
             out[name] = table[name].to_numpy(float)
     return out
 

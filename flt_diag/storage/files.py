@@ -127,12 +127,19 @@ def check_metrics_part(path: Path) -> None:
 
 # --------------------------------------------------------------------------- predictor and fit examples
 
+INTEGER_COLUMNS = ("verdict_version",)  # the integer columns of a fit-examples table that may have empty cells
+
+
 def load_examples(path: Path) -> list[dict]:
     """A fit-examples CSV, checked row by row (a run's identity, verdict evidence, step and features)."""
     text = read_text(path)
     try:
         df = pd.read_csv(io.StringIO(text)).astype(object)
         rows = df.where(df.notna(), None).to_dict("records")  # Python values; an empty cell is None
+        for r in rows:  # (a column with empty cells, e.g. verdict_version of rows judged before v3, reads 3 as 3.0)
+            for key, v in r.items():
+                if isinstance(v, float) and v.is_integer() and key in INTEGER_COLUMNS:
+                    r[key] = int(v)
     except (ValueError, pd.errors.ParserError) as e:
         raise BadFile(f"unreadable {path}: {str(e)[:100]}") from None
     checked(path, F.ExamplesTable, rows)

@@ -10,7 +10,7 @@ FEATURES = ["resid_level", "resid_growth", "loop_ratio", "grad_cv", "grad_dlog",
 PACKAGED = Path(__file__).parent.parent / "judge" / "early_warning.json"  # the packaged predictor (flt-diag fit-predictor)
 COLLAPSE = ("stalled", "collapsed", "diverged")  # the run did not train: the paper's collapse is a high-loss plateau
 FAILS = ("unstable", "stalled", "collapsed", "diverged")  # every verdict but stable (v3 added stalled)
-# target -> (the final verdicts it counts, whether a loss climb that recovered counts too)
+# target -> (the final verdicts it counts; "collapse" counts stalled since 2026-12-01, whether a loss climb that recovered counts too)
 TARGETS = {"fails": (FAILS, False),      # the run ends not stable (default)
            "collapse": (COLLAPSE, False),  # the run ends collapsed or diverged
            "climbs": (FAILS, True)}        # ... or its loss climbed and recovered (transient_rebound)

@@ -2,8 +2,8 @@
 the model. Definitions, cost and switches: DESIGN.md §3, "Loop dynamics".
 
 On recorded steps (flt_diag.training.diagnostics.should_record) and with `--loop-dynamics`: the
-fixed-point residual of every loop, and on every `--exit-loss-every`-th step (10) the exit loss of
-every loop, computed in a forward hook on `model.loop_end` from the loop-end states the training
+fixed-point residual of every loop, and on those that are multiples of `--exit-loss-every` (10) the
+exit loss of every loop, computed in a forward hook on `model.loop_end` from the loop-end states the training
 forward computes anyway (a second forward with keep="all" would cost a third of a step; the hook costs
 one norm per loop, and one head matmul per loop where the exit loss is due). Only the first forward of
 a step is armed, as for LoopHooks: further micro-batches, evaluation and the recomputation of

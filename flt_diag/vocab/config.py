@@ -124,8 +124,8 @@ class DiagnosticsConfig(Options):
     attention: bool = opt(False, "Also record max attention logit and entropy per (loop, layer).",
                           flag="--attention-stats")
     loop_dynamics: bool = opt(True, "Also the fixed-point residual and exit loss per loop (DESIGN.md §3).")
-    exit_loss_every: int = opt(10, "Of the recorded steps, the exit loss on every N-th (one head matmul per loop); "
-                               "0 = never.", low=0)
+    exit_loss_every: int = opt(10, "The exit loss of every loop on the recorded steps that are multiples of N (one "
+                               "head matmul per loop); 0 = never.", low=0)
     dynamics_every: int = opt(500, "Every N steps, the loop-map gain and spectral radius and the per-loop gradient "
                               "agreement; 0 = never.", low=0)
     sharpness_every: int = opt(0, "Every N steps, the sharpness (top Hessian eigenvalue); 0 = never.", low=0)
