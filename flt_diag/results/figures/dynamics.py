@@ -95,7 +95,7 @@ def draw_dynamics(df: pd.DataFrame):
                 sel = _series(row[row.metric == metric], by)
                 radius = _series(row[row.metric == M.LOOP_SPECTRAL_RADIUS], by) if metric == M.LOOP_GAIN else sel[:0]
                 floor = GAIN_FLOOR if metric == M.LOOP_GAIN else 0.0
-                dropped = int((sel.value <= floor).sum() + (radius.value <= floor).sum())
+                dropped = int((~(sel.value > floor)).sum() + (~(radius.value > floor)).sum())  # (NaN counted too)
                 sel, radius = sel[sel.value > floor], radius[radius.value > floor]
                 below = f"<= {floor:g}" if floor else "<= 0"
                 if sel.empty:
