@@ -103,6 +103,9 @@ def main(argv=None) -> int:
     names = [c.split(" @")[0] for c in t.columns if " @" in c]
     for subset, rows_ in (("all", t), ("LT only", t[t.variant == "lt"])):
         y = rows_.failed.to_numpy()
+        if not len(y):
+            print(f"  {subset}: no run")
+            continue
         if y.min() == y.max():
             print(f"  {subset}: one outcome only ({int(y.sum())} of {len(y)} failed): no AUROC")
             continue
