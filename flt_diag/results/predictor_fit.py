@@ -13,6 +13,7 @@ from scipy.optimize import minimize
 from flt_diag.judge.early_warning import (COLUMNS, FEATURES, TARGETS, design, labelled_runs, label,
                                              prediction_row, run_features, sigmoid, target_text)
 from flt_diag.judge.verdict import VERDICT_VERSION
+from flt_diag.storage.file_models import STALL_EVIDENCE, ExampleRow
 from flt_diag.storage.files import EXAMPLE_IDENTITY, load_examples
 from flt_diag.storage.folders import BadFile, atomic_path, load_config, load_summary
 from flt_diag.storage.schema import MAX_ITEMS
@@ -88,9 +89,7 @@ def training_examples(sources, steps, target: str = "fails") -> list[dict]:
 # A fit set as one small file: per run and fitted step, the run's identity, what labels it (its verdict and
 # the loss-climb evidence of that verdict) and the features. It refits and audits a predictor without the
 # run folders, and a run judged before a verdict change is relabelled from its evidence (relabelled()).
-STALL_EVIDENCE = ("final_smoothed_loss", "stall_reference", "stall_margin")
-EXAMPLE_COLUMNS = [*EXAMPLE_IDENTITY, "steps_done", "verdict", "climb", "rebound_threshold", "transient_rebound",
-                   "verdict_version", *STALL_EVIDENCE, "step", *FEATURES]
+EXAMPLE_COLUMNS = list(ExampleRow.model_fields)  # the file model's fields, in its order
 
 
 def examples_table(examples: list[dict]) -> pd.DataFrame:

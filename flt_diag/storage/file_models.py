@@ -221,6 +221,7 @@ class PredictorFile(FileModel, **FREE):
 
 
 EXAMPLE_IDENTITY = ("run", "variant", "loops", "n_layer", "n_embd", "seed", "lr_scale")
+STALL_EVIDENCE = ("final_smoothed_loss", "stall_reference", "stall_margin")  # the stall rule's evidence
 ExampleRow = create_model(
     "ExampleRow", __base__=FileModel, run=(str, ...),
     **{n: (ModelConfig.model_fields[n].annotation, like(ModelConfig, n)) for n in ("variant", "loops", "n_layer",
@@ -229,8 +230,8 @@ ExampleRow = create_model(
     steps_done=(int, Field(ge=0)), verdict=(str, one_of(VERDICTS)), climb=(Optional[float], figure()),
     rebound_threshold=(Optional[float], figure()), transient_rebound=(bool, ...),
     # (since verdict v3; a table written before has none of these four: relabelled as far as it can be)
-    verdict_version=(Optional[int], Field(None, ge=1)), final_smoothed_loss=(Optional[float], figure(False)),
-    stall_reference=(Optional[float], figure(False)), stall_margin=(Optional[float], figure(False)),
+    verdict_version=(Optional[int], Field(None, ge=1)),
+    **{n: (Optional[float], figure(False)) for n in STALL_EVIDENCE},
     step=(int, Field(ge=1)),
     **{f: (Optional[float], figure()) for f in FEATURES})
 ExamplesTable = Annotated[list[ExampleRow], Field(min_length=1, max_length=MAX_ITEMS)]
