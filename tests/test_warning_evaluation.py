@@ -179,3 +179,12 @@ def test_the_evaluation_scripts_sets_select_by_every_condition_and_any_listed_va
     assert script.selector(["variant=lt", "loops=6,9"])(table).tolist() == [False, True, True, False]
     assert script.selector(["loops=9"])(table).tolist() == [False, False, True, True]
     assert script.selector(["depth=6", "variant=lt"])(table).tolist() == [False] * 4
+
+
+def test_a_run_is_scored_only_in_the_first_half_of_its_length_and_before_its_end():
+    from flt_diag.results.warning_evaluation import scored_steps
+    at = [100, 200, 300, 500]
+    assert scored_steps(at, total=600, done=600) == [100, 200, 300]  # 500 of 600 is not early
+    assert scored_steps(at, total=1000, done=1000) == at
+    assert scored_steps(at, total=2000, done=250) == [100, 200]  # stopped at 250: nothing after it
+    assert scored_steps(at, total=2000, done=100) == []

@@ -103,6 +103,13 @@ def record_scores(df: pd.DataFrame, at: int, loops: int) -> dict[str, float]:
     return out
 
 
+def scored_steps(steps: list[int], total: int, done: int) -> list[int]:
+    """The steps s a run is scored at: s before its last finished step, and in the first half of its length
+    (the 11:12 plan's "step 500 only for runs of >= 1,000 steps": a warning in the last half of a short run
+    is not early)."""
+    return [s for s in steps if s < done and 2 * s <= total]
+
+
 def run_rows(run_dir: Path, steps: list[int], packaged: dict) -> list[dict]:
     """One row per step s < the run's length: identity, label, features, detector scores, P(packaged)."""
     cfg, summary = load_config(run_dir), load_summary(run_dir)
@@ -117,9 +124,7 @@ def run_rows(run_dir: Path, steps: list[int], packaged: dict) -> list[dict]:
                     lr_scale=t["lr_scale"], seed=t["seed"], verdict=summary["verdict"],
                     failed=int(summary["verdict"] != "stable"))
     rows = []
-    for at in steps:
-        if at >= summary.get("steps_done", 0):
-            continue
+    for at in scored_steps(steps, total, summary.get("steps_done", 0)):
         feats = features(df, at, m["loops"], m["n_layer"], m["n_embd"])
         rows.append(identity | feats | dict(
             step=at, packaged=probability(packaged, feats, at)[0], olmo=olmo_spike_score(loss, grad, at),
