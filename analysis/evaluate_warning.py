@@ -62,7 +62,8 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     table.to_csv(args.out / "rows.csv", index=False)
     sets = {s[0]: selector(s[1:]) for s in args.set}
-    comparison = W.comparison(table, DEFAULT_FEATURES, sets)
+    # the refit is the packaged model's recipe (its features) refitted; "refit, 8 features" is fit-predictor's default set
+    comparison = W.comparison(table, packaged["features"], sets, wide_features=DEFAULT_FEATURES)
     comparison.to_csv(args.out / "comparison.csv", index=False)
     ablation = W.ablation(table, DEFAULT_FEATURES)
     ablation.to_csv(args.out / "ablation.csv", index=False)

@@ -188,3 +188,39 @@ def test_a_run_is_scored_only_in_the_first_half_of_its_length_and_before_its_end
     assert scored_steps(at, total=1000, done=1000) == at
     assert scored_steps(at, total=2000, done=250) == [100, 200]  # stopped at 250: nothing after it
     assert scored_steps(at, total=2000, done=100) == []
+
+
+def test_a_held_out_rows_missing_feature_is_filled_from_the_training_rows_only():
+    """A NaN in a held-out row counts as the mean of the *other* groups' values (by hand): the held-out
+    group's own values (shifted far away here) do not enter its fit."""
+    table = toy_table()
+    keys = W.group_keys(table, "config")
+    key = keys.iloc[0]
+    held = (keys == key).to_numpy()
+    table.loc[held, "resid_level"] += 50.0  # the held-out group sits far from the others
+    row = int(np.flatnonzero(held)[0])
+    with_nan = table.copy()
+    with_nan.loc[row, "resid_level"] = np.nan
+    filled = table.copy()
+    filled.loc[row, "resid_level"] = table.resid_level[~held].mean()
+    p_nan = W.cross_validated(with_nan, "refit", "config", ["resid_level", "grad_cv"])
+    p_filled = W.cross_validated(filled, "refit", "config", ["resid_level", "grad_cv"])
+    assert p_nan[row] == pytest.approx(p_filled[row], abs=1e-9)
+
+
+def test_olmo_fired_is_the_spike_score_read_as_a_detector_and_the_wide_refit_is_its_own_row():
+    table = toy_table()
+    for name in W.DETECTOR_SCORES:
+        table[name] = 0.0
+    table["olmo"] = np.where(table.failed == 1, 0.02, 0.0) * (np.arange(len(table)) % 2)  # half the failures fire
+    table["packaged"] = table.resid_level
+    out = W.comparison(table, ["resid_level"], wide_features=["resid_level", "grad_cv"])
+    fired = out[(out.score == "olmo fired")].iloc[0]
+    assert fired.auroc == pytest.approx(W.auroc(table.failed, (table.olmo > 0).astype(float)))
+    assert fired.agreement == pytest.approx(((table.olmo > 0) == (table.failed == 1)).mean())
+    wide = out[out.score == "refit, 2 features (config CV)"].iloc[0]
+    assert wide.auroc == pytest.approx(W.auroc(table.failed, W.cross_validated(table, "refit", "config",
+                                                                                ["resid_level", "grad_cv"])))
+    narrow = out[out.score == "refit (config CV)"].iloc[0]
+    assert narrow.auroc == pytest.approx(W.auroc(table.failed, W.cross_validated(table, "refit", "config",
+                                                                                  ["resid_level"])))

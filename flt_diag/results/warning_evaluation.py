@@ -6,10 +6,12 @@ A run's label is its verdict at full length (failed = not `stable`). At each ste
 warning's features (flt_diag.judge.early_warning.features, from rows before s) and each score:
 
     packaged     the packaged predictor as shipped (no refit)
-    refit        the same logistic model refitted on the other runs (grouped cross-validation)
+    refit        the same logistic model (the packaged predictor's features) refitted on the other runs
+                 (grouped cross-validation); "refit, 8 features": fit-predictor's default feature set
     prior        a logistic model on the configuration alone: one-hot variant, K, depth, log2 lr scale
     olmo         OLMo-core's SpikeScore (total): the share of steps so far whose loss or gradient norm
-                 exceeded the mean + 6 std of the previous 128 values (its defaults)
+                 exceeded the mean + 6 std of the previous 128 values (its defaults), ranked as a number;
+    olmo fired   the same as a detector "fired before step s" (a share > 0), as the plan scores detectors
     lightning / kill_loss_spike (and *_scaled)
                  the replayed detectors (flt_diag.judge.spike_detectors) as "fired before step s":
                  at their defaults and at the plan's windows scaled to a 2,000-step run
@@ -24,12 +26,13 @@ together; `variant` leaves out every run of one variant.
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from flt_diag.judge.early_warning import design, features, probability, sigmoid
+from flt_diag.judge.early_warning import features, probability, sigmoid
 from flt_diag.judge.spike_detectors import kill_loss_spike, lightning_spike
 from flt_diag.results.predictor_fit import class_weights, fit_logistic
 from flt_diag.storage import metric_names as M
@@ -41,7 +44,7 @@ OLMO_WINDOW, OLMO_THRESHOLD = 128, 6.0  # OLMo-core StabilityMonitorCallback def
 FEATURE_GROUPS = {"residual": ["resid_level", "resid_growth", "loop_ratio"],
                   "gradient": ["grad_cv", "grad_dlog"], "backward": ["act_grad_decay"],
                   "loss": ["loss_slope", "loss_climb"]}
-DETECTOR_SCORES = ["olmo", "lightning", "lightning_scaled", "kill_loss_spike", "kill_loss_spike_scaled"]
+DETECTOR_SCORES = ["olmo", "olmo fired", "lightning", "lightning_scaled", "kill_loss_spike", "kill_loss_spike_scaled"]
 # Loop-dynamics records alone as scores (plan 2026-12-01 14:21 UTC; higher = fails, the sign fixed there), each
 # read at the latest recorded step <= s; NaN for a run without the record (it is then left out of that score).
 RECORD_SCORES = ["loop gain (final loop)", "fixed-point residual (final loop)", "exit-loss gap (final - best loop)"]
@@ -161,8 +164,16 @@ def group_keys(table: pd.DataFrame, by: str) -> pd.Series:
 
 
 def _fit_predict(X_train, y_train, X_test, l2: float = 1.0) -> np.ndarray:
-    """Class-balanced, L2-penalised logistic regression on standardised columns (as fit-predictor)."""
-    mean, std = X_train.mean(axis=0), X_train.std(axis=0)
+    """Class-balanced, L2-penalised logistic regression on standardised columns (as fit-predictor). The
+    column means and spreads are the training rows' only, and a missing (or infinite) value of either
+    side counts as the training rows' mean: nothing of the held-out rows enters their own fit."""
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-missing column
+        finite = np.where(np.isfinite(X_train), X_train, np.nan)
+        mean = np.nan_to_num(np.nanmean(finite, axis=0)) if len(X_train) else np.zeros(X_train.shape[1])
+        X_train = np.where(np.isfinite(X_train), X_train, mean)
+        X_test = np.where(np.isfinite(X_test), X_test, mean)
+        std = X_train.std(axis=0)
     std = np.where(std > 1e-12, std, 1.0)
     if y_train.min() == y_train.max():  # one class only: its frequency is all a fit can say
         return np.full(len(X_test), float(y_train[0]))
@@ -173,8 +184,9 @@ def _fit_predict(X_train, y_train, X_test, l2: float = 1.0) -> np.ndarray:
 def cross_validated(table: pd.DataFrame, model: str, by: str, feature_names: list[str] | None = None) -> np.ndarray:
     """Out-of-fold P(fail) of every row (one step's rows), each group's from a fit on the other groups:
     `model` "refit" (the early-warning features) or "prior" (the configuration)."""
-    if model == "refit":
-        X, _, _ = design(table.to_dict("records"), feature_names)
+    if model == "refit":  # raw values; _fit_predict standardises and fills them from each fold's training rows
+        X = np.array([[r.get(f, math.nan) for f in feature_names] for r in table.to_dict("records")],
+                     dtype=float).reshape(len(table), len(feature_names))
     else:
         X = prior_matrix(table, sorted(table.variant.unique()))
     y = table.failed.to_numpy(float)
@@ -244,21 +256,28 @@ def score_row(name: str, y, score, threshold: float | None = 0.5) -> dict:
                 agreement=agreement, agreement_lo=alo, agreement_hi=ahi)
 
 
-def scores_at(table: pd.DataFrame, feature_names: list[str]) -> dict[str, np.ndarray]:
-    """Every score of one step's rows: packaged, refit and prior under both groupings, the detectors."""
+def scores_at(table: pd.DataFrame, feature_names: list[str],
+              wide_features: list[str] | None = None) -> dict[str, np.ndarray]:
+    """Every score of one step's rows: packaged, refit and prior under both groupings (and, with
+    `wide_features`, the refit on that larger set, configuration-grouped), the detectors."""
     out = {"packaged": table.packaged.to_numpy(float)}
     for by in ("config", "variant"):
         out[f"refit ({by} CV)"] = cross_validated(table, "refit", by, feature_names)
         out[f"prior ({by} CV)"] = cross_validated(table, "prior", by)
+    if wide_features and list(wide_features) != list(feature_names):
+        out[f"refit, {len(wide_features)} features (config CV)"] = cross_validated(table, "refit", "config",
+                                                                                  wide_features)
     for name in DETECTOR_SCORES:
-        out[name] = table[name].to_numpy(float)
+        out[name] = (table.olmo.to_numpy(float) > 0).astype(float) if name == "olmo fired" \
+            else table[name].to_numpy(float)
     for name in RECORD_SCORES:
         if name in table and (~np.isnan(table[name].to_numpy(float))).any():
             out[name] = table[name].to_numpy(float)
     return out
 
 
-def comparison(table: pd.DataFrame, feature_names: list[str], sets: dict | None = None) -> pd.DataFrame:
+def comparison(table: pd.DataFrame, feature_names: list[str], sets: dict | None = None,
+               wide_features: list[str] | None = None) -> pd.DataFrame:
     """AUROC (bootstrap interval) and agreement (Wilson interval) of every score at every step, over all
     runs and over each of `sets` (name -> a function of the table giving a row mask: e.g. the LT seeds at
     K = 9). The cross-validated scores are fitted on all runs; a set only selects where they are judged."""
@@ -266,7 +285,7 @@ def comparison(table: pd.DataFrame, feature_names: list[str], sets: dict | None 
     sets = {"all": lambda t: np.ones(len(t), bool), **(sets or {})}
     for step, at in table.groupby("step"):
         at = at.reset_index(drop=True)
-        scores = scores_at(at, feature_names)
+        scores = scores_at(at, feature_names, wide_features)
         for set_name, select in sets.items():
             mask = np.asarray(select(at), bool)
             for name, score in scores.items():
