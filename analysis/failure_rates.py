@@ -3,7 +3,7 @@
     python analysis/failure_rates.py SWEEP [SWEEP ...] [--csv FILE]
 
 Sweeps of one setting are pooled (`flt-diag summary A B`: a cell and seed finished in two folders counts
-once). Per (lr scale, depth, variant, K) cell: the seeds finished, how many failed (verdict not `stable`)
+once). Per (lr scale, depth, width, variant, K) cell: the seeds finished, how many failed (verdict not `stable`)
 with the exact (Clopper-Pearson) 95 % interval of the failure rate, each seed's verdict, and the means over
 seeds of the gap to the best variant's val loss and of the peak residual norm over FLT's. Printed as a
 Markdown table. Imports only the torch-free layers of flt_diag (results, storage): never the training code.
@@ -29,11 +29,12 @@ SHORT = {"stable": "s", "unstable": "U", "stalled": "T", "collapsed": "C", "dive
 def failure_rates(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per cell of `runs` (pooled_summary's rows): seeds, failed k/n, its 95 % interval, verdicts."""
     rows = []
-    for (lr, depth, variant, loops), g in runs.groupby(["lr_scale", "depth", "variant", "loops"], dropna=False):
+    for (lr, depth, width, variant, loops), g in runs.groupby(["lr_scale", "depth", "width", "variant", "loops"],
+                                                              dropna=False):
         g = g.sort_values("seed")
         n, k = len(g), int((g.verdict != "stable").sum())
         ci = binomtest(k, n).proportion_ci(method="exact")
-        rows.append(dict(variant=variant, K=int(loops), L=depth, lr_scale=lr, seeds=_ranges(g.seed.tolist()),
+        rows.append(dict(variant=variant, K=int(loops), L=depth, d=width, lr_scale=lr, seeds=_ranges(g.seed.tolist()),
                          failed=f"{k}/{n}", rate=k / n, ci_low=ci.low, ci_high=ci.high,
                          verdicts=" ".join(f"{s}:{SHORT.get(v, v)}" for s, v in zip(g.seed, g.verdict)),
                          val_gap=g.val_gap.mean(), resid_vs_flt=g.resid_vs_flt.mean()))
@@ -57,6 +58,7 @@ def _ranges(seeds: list[int]) -> str:
 def as_text(table: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame({
         "cell": [f"{r.variant}, K={r.K}" + (f", L={r.L}" if table.L.nunique() > 1 else "")
+                 + (f", d={r.d}" if table.d.nunique() > 1 else "")
                  + (f", lr x{r.lr_scale:g}" if table.lr_scale.nunique() > 1 else "") for r in table.itertuples()],
         "seeds": table.seeds, "failed": table.failed,
         "95 % interval": [f"{lo:.0%}-{hi:.0%}" for lo, hi in zip(table.ci_low, table.ci_high)],
@@ -79,7 +81,7 @@ def main(argv=None) -> int:
         print("no finished runs", file=sys.stderr)
         return 1
     print(markdown(as_text(table)))
-    print("\nverdicts: s stable, U unstable, C collapsed, D diverged; interval: exact (Clopper-Pearson) 95 %")
+    print("\nverdicts: s stable, U unstable, T stalled, C collapsed, D diverged; interval: exact (Clopper-Pearson) 95 %")
     if args.csv:
         table.to_csv(args.csv, index=False)
     return 0

@@ -295,6 +295,11 @@ def test_the_failure_rate_script_counts_failed_seeds_with_an_exact_interval(tmp_
         tail_lo = sum(math.comb(n, i) * row.ci_low ** i * (1 - row.ci_low) ** (n - i) for i in range(k, n + 1))
         assert row.ci_low == 0.0 if k == 0 else tail_lo == pytest.approx(0.025, abs=1e-6)
     assert table.loc[("lt", 6)].verdicts == "0:C 1:C 2:s"
+    runs = pooled_summary([first, more])
+    wider = runs[(runs.variant == "lt") & (runs.loops == 6)].assign(width=128, verdict="stable")
+    by_width = script.failure_rates(pd.concat([runs, wider])).set_index(["variant", "K", "d"])
+    assert by_width.loc[("lt", 6, 128)].failed == "0/3"  # another width is another cell, not pooled seeds
+    assert by_width.loc[("lt", 6, int(runs.width.iloc[0]))].failed == "2/3"
     assert script.main([str(first), str(more)]) == 0
     assert "| lt, K=6 | 0-2 | 2/3 |" in capsys.readouterr().out
 
