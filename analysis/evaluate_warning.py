@@ -76,6 +76,9 @@ def main(argv=None) -> int:
     print(comparison.to_string(index=False, formatters=fmt))
     print()
     print(ablation.to_string(index=False, formatters=fmt))
+    ships, reason = W.ship_decision(comparison)
+    (args.out / "ship.json").write_text(json.dumps({"refit_ships": ships, "reason": reason}, indent=1))
+    print(f"\nwhat ships, by the plan's rule: {reason}")
     return 0
 
 

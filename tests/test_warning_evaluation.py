@@ -224,3 +224,24 @@ def test_olmo_fired_is_the_spike_score_read_as_a_detector_and_the_wide_refit_is_
     narrow = out[out.score == "refit (config CV)"].iloc[0]
     assert narrow.auroc == pytest.approx(W.auroc(table.failed, W.cross_validated(table, "refit", "config",
                                                                                   ["resid_level"])))
+
+
+def _comparison_rows(values: dict) -> pd.DataFrame:
+    """A comparison table at step 300: {(set, score): auroc}."""
+    return pd.DataFrame([dict(step=300, set=k[0], score=k[1], auroc=v) for k, v in values.items()])
+
+
+@pytest.mark.parametrize("refit, prior, in_set, ships", [
+    (0.80, 0.74, 0.90, True),    # beats the prior by 0.06, as good as packaged (0.90) in the set
+    (0.80, 0.76, 0.90, False),   # by 0.04 only
+    (0.80, 0.60, 0.85, False),   # beats the prior, but below packaged inside the set
+    (math.nan, 0.5, 0.9, False),  # no refit score: nothing replaces the packaged predictor
+])
+def test_what_ships_follows_the_rule_fixed_in_the_plan(refit, prior, in_set, ships):
+    table = _comparison_rows({("all", "refit (config CV)"): refit, ("all", "prior (config CV)"): prior,
+                              ("all", "packaged"): 0.95, ("LT K=9", "refit (config CV)"): in_set,
+                              ("LT K=9", "packaged"): 0.90, ("LT K=6", "refit (config CV)"): math.nan,
+                              ("LT K=6", "packaged"): math.nan})  # one outcome only: no AUROC, no say
+    decided, reason = W.ship_decision(table)
+    assert decided is ships and "\n" not in reason
+    assert ("refit ships" in reason) is ships

@@ -306,3 +306,36 @@ def ablation(table: pd.DataFrame, feature_names: list[str], by: str = "config") 
             p = cross_validated(at, "refit", by, kept)
             rows.append(dict(step=step, dropped=group, features=len(kept)) | score_row("refit", at.failed, p))
     return pd.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------- what ships
+
+SHIP_STEP, SHIP_MARGIN = 300, 0.05  # the 11:12 plan's rule
+
+
+def ship_decision(comparison: pd.DataFrame, step: int = SHIP_STEP, margin: float = SHIP_MARGIN) -> tuple[bool, str]:
+    """The plan's rule for what ships (docs/plans/2026-12-01-verdict-v3-and-warning-evaluation.md): the refit
+    replaces the packaged predictor only if its configuration-grouped AUROC at `step` over all runs exceeds
+    the prior's by at least `margin`, and it is at least as good as the packaged predictor in every other set
+    where both outcomes occur (AUROC defined). Returns (the refit ships, the reason in one line)."""
+    at = comparison[comparison.step == step]
+    if at.empty:
+        return False, f"no runs scored at step {step}: the packaged predictor stays"
+
+    def value(set_name, score):
+        row = at[(at.set == set_name) & (at.score == score)]
+        return float(row.auroc.iloc[0]) if len(row) else math.nan
+
+    refit, prior = value("all", "refit (config CV)"), value("all", "prior (config CV)")
+    if not (refit >= prior + margin):  # (a NaN fails too)
+        return False, (f"the packaged predictor stays: the refit's configuration-grouped AUROC at step {step} "
+                       f"({refit:.2f}) does not exceed the prior's ({prior:.2f}) by {margin:g}")
+    worse = [name for name in at.set.unique() if name != "all"
+             and math.isfinite(value(name, "refit (config CV)")) and math.isfinite(value(name, "packaged"))
+             and value(name, "refit (config CV)") < value(name, "packaged")]
+    if worse:
+        return False, (f"the packaged predictor stays: the refit beats the prior ({refit:.2f} vs {prior:.2f}) but is "
+                       f"below the packaged predictor within {', '.join(worse)} at step {step}")
+    return True, (f"the refit ships: its configuration-grouped AUROC at step {step} ({refit:.2f}) exceeds the "
+                  f"prior's ({prior:.2f}) by {margin:g} or more, and it is at least as good as the packaged "
+                  "predictor in every set where both outcomes occur")
