@@ -245,3 +245,26 @@ def test_what_ships_follows_the_rule_fixed_in_the_plan(refit, prior, in_set, shi
     decided, reason = W.ship_decision(table)
     assert decided is ships and "\n" not in reason
     assert ("refit ships" in reason) is ships
+
+
+def test_the_ablation_adds_the_loop_dynamics_records_as_a_group_on_the_runs_that_have_them():
+    table = toy_table()
+    rng = np.random.default_rng(3)
+    has = np.arange(len(table)) < 12  # the last six runs have no records
+    gain = np.where(table.failed == 1, 3.0, 0.5) * np.exp(rng.normal(0, 0.1, len(table)))
+    table[W.RECORD_SCORES[0]] = np.where(has, gain, np.nan)
+    table.loc[0, W.RECORD_SCORES[0]] = np.inf  # an exploded loop: the largest gain, not a missing one
+    table[W.RECORD_SCORES[1]] = np.where(has, 0.1, np.nan)
+    table[W.RECORD_SCORES[2]] = np.where(has, 0.0, np.nan)  # a zero gap: clipped, not -inf
+    sub = W.with_record_features(table)
+    assert len(sub) == 12
+    assert sub["log10 loop gain"].iloc[0] == 12.0 and sub["log10 exit-loss gap"].iloc[1] == -12.0
+    assert sub["log10 loop gain"].iloc[1] == pytest.approx(math.log10(gain[1]))
+    out = W.ablation(table, ["resid_level", "grad_cv"])
+    rec = out[out.subset == "with records"].set_index("dropped")
+    assert set(rec.index) >= {"(none)", "loop dynamics"} and (rec.runs == 12).all()
+    assert rec.loc["(none)", "features"] == 5 and rec.loc["loop dynamics", "features"] == 2
+    # the gain separates the toy labels; dropping the group leaves the noisy features only
+    expected = W.auroc(sub.failed, W.cross_validated(sub, "refit", "config", ["resid_level", "grad_cv"]))
+    assert rec.loc["loop dynamics", "auroc"] == pytest.approx(expected)
+    assert (out[out.subset == "all"].runs == 18).all()

@@ -294,17 +294,41 @@ def comparison(table: pd.DataFrame, feature_names: list[str], sets: dict | None 
     return pd.DataFrame(rows)
 
 
+LOOP_DYNAMICS_FEATURES = ["log10 loop gain", "log10 fixed-point residual", "log10 exit-loss gap"]
+
+
+def with_record_features(table: pd.DataFrame) -> pd.DataFrame:
+    """The rows that have every loop-dynamics record, with the records as features: log10 of each, clipped
+    to [1e-12, 1e12] (an exploded loop's infinite gain is the largest value, not a missing one)."""
+    present = np.ones(len(table), bool)
+    out = table.copy()
+    for name, feature in zip(RECORD_SCORES, LOOP_DYNAMICS_FEATURES):
+        values = table[name].to_numpy(float) if name in table else np.full(len(table), math.nan)
+        present &= ~np.isnan(values)
+        out[feature] = np.log10(np.clip(np.nan_to_num(values, nan=1.0), 1e-12, 1e12))
+    return out[present].reset_index(drop=True)
+
+
 def ablation(table: pd.DataFrame, feature_names: list[str], by: str = "config") -> pd.DataFrame:
-    """AUROC of the refit under `by` cross-validation with all features and with each group dropped."""
+    """AUROC of the refit under `by` cross-validation with all features and with each group dropped; then,
+    on the runs with the loop-dynamics records, the same with the records added as a group of their own
+    (`runs`: "all" or "with records")."""
     rows = []
-    for step, at in table.groupby("step"):
-        at = at.reset_index(drop=True)
-        for group, names in {"(none)": [], **FEATURE_GROUPS}.items():
-            kept = [f for f in feature_names if f not in names]
-            if not kept:
+    subsets = {"all": (table, feature_names, FEATURE_GROUPS),
+               "with records": (with_record_features(table), [*feature_names, *LOOP_DYNAMICS_FEATURES],
+                                {**FEATURE_GROUPS, "loop dynamics": LOOP_DYNAMICS_FEATURES})}
+    for subset, (rows_of, names_of, groups) in subsets.items():
+        for step, at in rows_of.groupby("step"):
+            at = at.reset_index(drop=True)
+            if at.failed.nunique() < 2:
                 continue
-            p = cross_validated(at, "refit", by, kept)
-            rows.append(dict(step=step, dropped=group, features=len(kept)) | score_row("refit", at.failed, p))
+            for group, names in {"(none)": [], **groups}.items():
+                kept = [f for f in names_of if f not in names]
+                if not kept:
+                    continue
+                p = cross_validated(at, "refit", by, kept)
+                rows.append(dict(subset=subset, step=step, dropped=group, features=len(kept))
+                            | score_row("refit", at.failed, p))
     return pd.DataFrame(rows)
 
 
