@@ -210,6 +210,10 @@ def test_predict_command_on_a_sweep(tmp_path, capsys):
     assert len(table) == 2 and table.predicted.all()
     stable = (table.verdict == "stable").sum()
     assert f"{stable} false alarms" in out and table.false_alarm.sum() == stable
+    assert "not shown to beat a prior" not in out  # a predictor of one's own: no word about the packaged one
+    assert main(["predict", str(tmp_path / "sw"), "--at", "100"]) == 0, capsys.readouterr().err
+    assert "the packaged predictor is not shown to beat a prior that reads only the configuration" in \
+        capsys.readouterr().out  # (issue 34's measurement, said where its numbers are printed)
 
 
 @pytest.fixture(scope="module")

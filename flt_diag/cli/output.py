@@ -51,6 +51,12 @@ def print_eval_loops(run: Path, df: pd.DataFrame) -> None:
     print(line)
 
 
+# What the evaluation against baselines found (docs/early-warning.md, issue 34), said wherever the packaged
+# predictor's numbers are printed, so that they are not read as more than was measured.
+PACKAGED_CAVEAT = ("note: the packaged predictor is not shown to beat a prior that reads only the configuration "
+                   "(variant, K, depth, lr scale) on held-out configurations: docs/early-warning.md")
+
+
 def _verdict_word(r) -> str:
     return "agree" if r.agree else "FALSE ALARM" if r.false_alarm else "MISS"
 
