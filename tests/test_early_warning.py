@@ -214,6 +214,9 @@ def test_predict_command_on_a_sweep(tmp_path, capsys):
     assert main(["predict", str(tmp_path / "sw"), "--at", "100"]) == 0, capsys.readouterr().err
     assert "the packaged predictor is not shown to beat a prior that reads only the configuration" in \
         capsys.readouterr().out  # (issue 34's measurement, said where its numbers are printed)
+    from flt_diag.storage.predictor_names import PACKAGED
+    assert main(["predict", str(tmp_path / "sw"), "--at", "100", "--predictor", str(PACKAGED)]) == 0
+    assert "not shown to beat a prior" in capsys.readouterr().out  # the packaged file named explicitly
 
 
 @pytest.fixture(scope="module")

@@ -216,8 +216,9 @@ def test_olmo_fired_is_the_spike_score_read_as_a_detector_and_the_wide_refit_is_
     table["packaged"] = table.resid_level
     out = W.comparison(table, ["resid_level"], wide_features=["resid_level", "grad_cv"])
     fired = out[(out.score == "olmo fired")].iloc[0]
-    assert fired.auroc == pytest.approx(W.auroc(table.failed, (table.olmo > 0).astype(float)))
-    assert fired.agreement == pytest.approx(((table.olmo > 0) == (table.failed == 1)).mean())
+    pos, k = int(table.failed.sum()), int((table.olmo > 0).sum())  # k of the failures fire, no stable run does
+    assert fired.auroc == pytest.approx(k / pos * 1.0 + (1 - k / pos) * 0.5)  # fired > quiet; quiet ties 1/2
+    assert fired.agreement == pytest.approx((len(table) - (pos - k)) / len(table))  # wrong: the silent failures
     wide = out[out.score == "refit, 2 features (config CV)"].iloc[0]
     assert wide.auroc == pytest.approx(W.auroc(table.failed, W.cross_validated(table, "refit", "config",
                                                                                 ["resid_level", "grad_cv"])))
@@ -234,6 +235,7 @@ def _comparison_rows(values: dict) -> pd.DataFrame:
 @pytest.mark.parametrize("refit, prior, in_set, ships", [
     (0.80, 0.74, 0.90, True),    # beats the prior by 0.06, as good as packaged (0.90) in the set
     (0.80, 0.76, 0.90, False),   # by 0.04 only
+    (12 / 20, 11 / 20, 0.90, True),  # by exactly 0.05 (AUROCs are fractions; 0.55 + 0.05 > 0.6 in floats)
     (0.80, 0.60, 0.85, False),   # beats the prior, but below packaged inside the set
     (math.nan, 0.5, 0.9, False),  # no refit score: nothing replaces the packaged predictor
 ])
@@ -247,6 +249,12 @@ def test_what_ships_follows_the_rule_fixed_in_the_plan(refit, prior, in_set, shi
     assert ("refit ships" in reason) is ships
 
 
+def test_what_ships_without_the_step_the_rule_reads_says_so():
+    decided, reason = W.ship_decision(_comparison_rows({("all", "packaged"): 0.9}).assign(step=200))
+    assert not decided and "nothing was scored at step 300" in reason
+    assert W.ship_decision(pd.DataFrame())[0] is False
+
+
 def test_the_ablation_adds_the_loop_dynamics_records_as_a_group_on_the_runs_that_have_them():
     table = toy_table()
     rng = np.random.default_rng(3)
@@ -258,10 +266,11 @@ def test_the_ablation_adds_the_loop_dynamics_records_as_a_group_on_the_runs_that
     table[W.RECORD_SCORES[2]] = np.where(has, 0.0, np.nan)  # a zero gap: clipped, not -inf
     sub = W.with_record_features(table)
     assert len(sub) == 12
-    assert sub["log10 loop gain"].iloc[0] == 12.0 and sub["log10 exit-loss gap"].iloc[1] == -12.0
+    assert sub["log10 loop gain"].iloc[0] == 6.0 and sub["log10 exit-loss gap"].iloc[1] == -3.0
     assert sub["log10 loop gain"].iloc[1] == pytest.approx(math.log10(gain[1]))
     out = W.ablation(table, ["resid_level", "grad_cv"])
     rec = out[out.subset == "with records"].set_index("dropped")
+    assert set(rec.score) == {"refit, 5 features"}
     assert set(rec.index) >= {"(none)", "loop dynamics"} and (rec.runs == 12).all()
     assert rec.loc["(none)", "features"] == 5 and rec.loc["loop dynamics", "features"] == 2
     # the gain separates the toy labels; dropping the group leaves the noisy features only

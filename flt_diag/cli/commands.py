@@ -29,6 +29,7 @@ from flt_diag.storage.folders import CHECKPOINT, StorageError, atomic_write_text
 from flt_diag.cli.output import (fit_command, print_critical_values, print_cross_validation, print_eval_loops,
                                   print_failed_cells, print_fitted, print_map_plan, print_model_line, print_online, print_detectors,
                                   print_predictions_at, PACKAGED_CAVEAT)
+from flt_diag.storage.predictor_names import PACKAGED
 from flt_diag.cli.console import console_progress, print_run_summary, print_sensitivity, print_sweep_table, progress_bar
 from flt_diag.cli.options import (FOLDER_OPTIONS, EvalLoopsOptions, FitPredictorOptions, ImportReferenceOptions,
                                   MapOptions, Options, PlotOptions, PredictOptions, ReportOptions, RunAblationOptions,
@@ -217,7 +218,7 @@ def cmd_predict(o: PredictOptions) -> int:
                       .assign(predictor=name))
     if o.online:
         print_detectors(pd.concat([detector_sweep(path) for path in paths], ignore_index=True))
-    if "packaged" in models:
+    if "packaged" in models or any(Path(p).resolve() == Path(PACKAGED).resolve() for p in o.predictor or []):
         print(PACKAGED_CAVEAT)
     if o.csv is not None:
         atomic_write_text(o.csv, pd.concat(tables, ignore_index=True).to_csv(index=False))
