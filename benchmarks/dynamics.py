@@ -45,7 +45,7 @@ def _every_n_job(job: StepJob, what: str):
 
     def run() -> None:
         if what == "gain":
-            D.loop_gains(trainer.model, idx, d.dynamics_iters, gen)
+            D.loop_map_stats(trainer.model, idx, d.dynamics_iters, d.krylov_dim, d.perturbation_dirs, gen)
             D.loop_gradient_agreement(trainer.model, idx, targets)
         else:
             D.sharpness(trainer.model, idx, targets, d.dynamics_iters, generator=gen)

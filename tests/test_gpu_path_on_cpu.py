@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 import torch
 
+from flt_diag.storage import metric_names as M
+
 from conftest import tiny_config
 from flt_diag.training.diagnostics import LoopHooks
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig
@@ -91,7 +93,8 @@ def test_costly_loop_dynamics_records_on_compiled_blocks_equal_eager_and_leave_t
     records = {}
     for name, model in (("eager", eager), ("compiled", compiled)):
         gen = lambda: torch.Generator().manual_seed(3)
-        sigma, rho = D.loop_gains(model, idx, 6, gen())
+        stats = D.loop_map_stats(model, idx, 6, 8, 2, gen())
+        sigma, rho = stats[M.LOOP_GAIN], stats[M.LOOP_SPECTRAL_RADIUS]
         cos = D.loop_gradient_agreement(model, idx, targets)
         lam = D.sharpness(model, idx, targets, 6, generator=gen())
         records[name] = (sigma, rho, cos, lam)

@@ -161,6 +161,7 @@ class LoopedTransformer(nn.Module):
         self.loop_end = nn.Identity()  # hook point: residual stream at each loop's end
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.checkpoint_loops = False  # activation checkpointing, one segment per loop
+        self.grad_loops = 0  # truncated backpropagation: gradient through the last k loops only (0 = all)
         self.table_dtype = torch.float32  # dtype the rotary tables are kept in (bf16 for reference precision)
         self._rotary(cfg.sequence_len)
         self.reset_parameters()
@@ -219,7 +220,10 @@ class LoopedTransformer(nn.Module):
         emb = self.embed(idx)  # (B, T, d)
         x, h = norm(emb), None
         outs = []
+        cut = detached_loops(K, self.grad_loops)
         for t in range(K):
+            if t == cut and t > 0:  # truncated backpropagation: loops 1..cut send no gradient
+                x, h = x.detach(), h.detach()
             if self.checkpoint_loops and torch.is_grad_enabled():
                 x = checkpoint(self._loop, x, h, emb, cos, sin, use_reentrant=False)
             else:
@@ -246,6 +250,12 @@ class LoopedTransformer(nn.Module):
             raise ValueError(f"loss_on must be end, all or last-third, got {loss_on!r}")
         losses = [F.cross_entropy(lg.flatten(0, 1), targets.flatten()) for lg in logits]
         return logits[-1], torch.stack(losses).mean()
+
+
+def detached_loops(loops: int, grad_loops: int) -> int:
+    """How many of `loops` loops send no gradient back under truncated backpropagation through the last
+    `grad_loops` (0, or grad_loops >= loops: none)."""
+    return loops - grad_loops if 0 < grad_loops < loops else 0
 
 
 def count_parameters(cfg: ModelConfig) -> int:

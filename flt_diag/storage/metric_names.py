@@ -30,7 +30,12 @@ PARAM_NORM = "param_norm"  # ||W|| per group, before the optimizer step (the wei
 FIXED_POINT_RESIDUAL = "fixed_point_residual"  # mean over tokens of ||h(t) - h(t-1)|| / ||h(t-1)||, loop t >= 2
 EXIT_LOSS = "exit_loss"  # cross-entropy of the (soft-capped) head applied to h(t), loop t, no gradient
 LOOP_GAIN = "loop_gain"  # largest singular value of the Jacobian of h(t-1) -> h(t), loop t >= 2 (every N steps)
-LOOP_SPECTRAL_RADIUS = "loop_spectral_radius"  # spectral radius of the same Jacobian (power iteration; every N steps)
+LOOP_SPECTRAL_RADIUS = "loop_spectral_radius"  # spectral radius of the same Jacobian (Arnoldi; earlier runs: 8 power steps)
+LOOP_SPECTRAL_RESIDUAL = "loop_spectral_residual"  # ||J y - lambda y|| / |lambda| of that Ritz pair: < 0.01 = converged
+LOOP_MEAN_GAIN = "loop_mean_gain"  # mean of ||J v|| over random unit directions v at h(t-1) (the rms singular value)
+LOOP_PERTURBATION_GROWTH = "loop_perturbation_growth"  # ||d(t)|| / ||d(t-1)|| of a perturbation carried from h(1)
+TOKEN_COSINE = "token_cosine"  # mean cosine between two positions' h(t) of a sequence (i != j), loop t
+EFFECTIVE_RANK = "effective_rank"  # exp(entropy of the normalised singular values) of a sequence's (T, d) h(t), loop t
 LOOP_GRAD_COSINE = "loop_grad_cosine"  # cos(loop t's gradient of block `layer`'s weights, their total gradient)
 SHARPNESS = "sharpness"  # top Hessian eigenvalue of the training loss w.r.t. all parameters (every N steps)
 

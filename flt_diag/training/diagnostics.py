@@ -20,7 +20,7 @@ import torch
 from flt_diag.storage import metric_names as M
 from flt_diag.training.callbacks import Callback
 from flt_diag.vocab.config import DiagnosticsConfig
-from flt_diag.model.transformer import LoopedTransformer, parameter_groups
+from flt_diag.model.transformer import LoopedTransformer, detached_loops, parameter_groups
 
 
 def should_record(step: int, cfg: DiagnosticsConfig) -> bool:
@@ -95,6 +95,7 @@ class LoopHooks:
         self.names = names or [f"block {i + 1}" for i in range(len(self.blocks))]
         self.act_grads, self.attention, self.require_repeat = act_grads, attention, require_repeat
         self.grad_scale = 1.0
+        self.detached = 0  # loops 1..detached send no gradient (truncated backpropagation): recorded as 0
         self.listeners: list = []
         self.on_forward_end: list = []
         self.handles: list = []
@@ -213,6 +214,11 @@ class LoopHooks:
             if not self._active or not output.requires_grad:
                 return
             loop, scale = self.loop, self.grad_scale
+            if loop <= self.detached:  # no gradient reaches a detached loop: its activation gradient is 0
+                zero = torch.zeros((), device=output.device)
+                for metric in metrics:
+                    self.log(metric, zero, loop, layer)
+                return
 
             def record(g):
                 norm = torch.linalg.vector_norm(g.detach())
@@ -291,6 +297,9 @@ class DiagnosticsCallback(Callback):
         self.group_of = torch.tensor([i for i, ps in enumerate(self.groups.values()) for _ in ps])
         self.hooks = LoopHooks(trainer.model, trainer.log.add, attention=self.cfg.attention, **self.hook_options)
         self.hooks.grad_scale = trainer.cfg.train.grad_accum if self.grad_scale is None else self.grad_scale
+        model_cfg = getattr(trainer.model, "cfg", None)
+        if model_cfg is not None and hasattr(trainer.model, "grad_loops"):
+            self.hooks.detached = detached_loops(model_cfg.loops, trainer.model.grad_loops)
         self.hooks.__enter__()
 
     def before_step(self, trainer, step: int) -> None:

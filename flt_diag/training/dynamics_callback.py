@@ -85,6 +85,10 @@ class LoopDynamicsCallback(Callback):
             h = norm(output.detach().float())
             if self.exit and self.targets is not None:
                 self.log.add(M.EXIT_LOSS, D.exit_loss(h, self.head, self.targets), self.loop, M.NONE)
+            if self.exit:
+                cosine, rank = D.stream_similarity(h)
+                self.log.add(M.TOKEN_COSINE, cosine, self.loop, M.NONE)
+                self.log.add(M.EFFECTIVE_RANK, rank, self.loop, M.NONE)
             if self.h_prev is not None:
                 self.log.add(M.FIXED_POINT_RESIDUAL, D.fixed_point_residual(h, self.h_prev), self.loop, M.NONE)
         self.h_prev = h
@@ -99,10 +103,11 @@ class LoopDynamicsCallback(Callback):
         gen = torch.Generator(device=idx.device).manual_seed(step)
         with torch.autocast(idx.device.type, enabled=False):
             if due(step, self.cfg.dynamics_every) and model.cfg.loops > 1:
-                sigma, rho = D.loop_gains(model, idx, self.cfg.dynamics_iters, gen)
+                stats = D.loop_map_stats(model, idx, self.cfg.dynamics_iters, self.cfg.krylov_dim,
+                                         self.cfg.perturbation_dirs, gen)
                 loops = range(2, model.cfg.loops + 1)
-                log.add_vector([(M.LOOP_GAIN, t, M.NONE) for t in loops], sigma)
-                log.add_vector([(M.LOOP_SPECTRAL_RADIUS, t, M.NONE) for t in loops], rho)
+                for metric, values in stats.items():
+                    log.add_vector([(metric, t, M.NONE) for t in loops], values)
                 cos = D.loop_gradient_agreement(model, idx, targets, loss_on)  # (K, L)
                 log.add_vector([(M.LOOP_GRAD_COSINE, t + 1, layer + 1) for t in range(cos.shape[0])
                                 for layer in range(cos.shape[1])], cos.flatten())

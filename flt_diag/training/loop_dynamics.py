@@ -5,8 +5,13 @@ a loop-step callable `step(h_prev) -> h_next`, a head callable `head(h) -> logit
 
   * `fixed_point_residual(h, h_prev)`: mean over tokens of ||h(t) - h(t-1)|| / ||h(t-1)||;
   * `exit_loss(h, head, targets)`: cross-entropy of the head applied to h(t), no gradient;
-  * `loop_map_gain(step, h, iters, generator)`: largest singular value of the Jacobian of `step` at
-    h (power iteration on J^T J by torch.func.jvp and vjp) and its spectral radius (power iteration on J);
+  * `loop_map_gain(step, h, iters, generator)`: largest singular value of the Jacobian J of `step` at
+    h (power iteration on J^T J by torch.func.jvp and vjp): the worst one-loop stretch, not contraction;
+  * `spectral_radius(step, h, dim, generator)`: rho(J) by Arnoldi, with the residual of its Ritz pair;
+  * `mean_gain` (||Jv|| over random v) and `perturbation_growth` (a perturbation carried through the
+    loops: the local Lyapunov exponent), which say whether the loop contracts along its own path;
+  * `stream_similarity(h)`: how alike the positions' streams are (mean pairwise cosine, effective rank):
+    the degenerate fixed point that forgets the tokens;
   * `per_loop_gradients` / `gradient_agreement`: each loop's own contribution to the gradient of the
     shared weights (every loop's call of them gets its own alias), and its cosine with their sum;
   * `top_hessian_eigenvalue(loss_fn, params, iters, generator)`: the sharpness, by Hessian-vector products.
@@ -30,7 +35,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flt_diag.model.transformer import LoopedTransformer, norm, written_out_norm
+from flt_diag.model.transformer import LoopedTransformer, detached_loops, norm, written_out_norm
+from flt_diag.storage import metric_names as M
 
 Tensor = torch.Tensor
 
@@ -99,48 +105,143 @@ def _unit(v: Tensor) -> Tensor:
     return v / torch.linalg.vector_norm(v).clamp_min(1e-30)
 
 
-def loop_map_gain(step: Callable[[Tensor], Tensor], h: Tensor, iters: int,
-                  generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
-    """(sigma_max, rho) of the Jacobian J of `step` at h (the whole tensor as one vector).
+def _jvp(step: Callable[[Tensor], Tensor], h: Tensor, v: Tensor) -> Tensor:
+    return torch.func.jvp(step, (h,), (v,))[1]
 
-    sigma_max: power iteration on J^T J (v <- J^T J v / ||.||, each a torch.func.jvp then a vjp),
-    reported as ||J v|| of the last unit v: a lower bound that converges to the largest singular value.
-    rho: power iteration on J alone (v <- J v / ||J v||); the geometric mean of the growth ratios
-    ||J v|| over the second half of the iterations, which tends to the spectral radius (also for a
-    complex pair of eigenvalues, whose ratios oscillate about it). Cost: 2 * iters jvp + iters vjp
-    of one loop on h. Start vectors from `generator` (never the global RNG)."""
+
+def loop_map_gain(step: Callable[[Tensor], Tensor], h: Tensor, iters: int,
+                  generator: torch.Generator | None = None) -> Tensor:
+    """sigma_max of the Jacobian J of `step` at h (the whole tensor as one vector): power iteration on J^T J
+    (v <- J^T J v / ||.||, each a torch.func.jvp then a vjp), reported as ||J v|| of the last unit v, a lower
+    bound that converges to the largest singular value. It bounds how much any direction can grow in one
+    loop; it is NOT whether the loop contracts (a non-normal map can have sigma_max > 1 and converge):
+    that is the spectral radius and the perturbation growth below. Cost: iters jvp + iters vjp."""
     h = h.detach()
     with torch.no_grad():  # torch.func differentiates inside; nothing records a graph over the weights
         _, vjp_fn = torch.func.vjp(step, h)
         v = _unit(torch.randn(h.shape, generator=generator, device=h.device, dtype=h.dtype))
-        u = v.clone()
         sigma = torch.zeros((), device=h.device)
         for _ in range(iters):
-            _, jv = torch.func.jvp(step, (h,), (v,))
+            jv = _jvp(step, h, v)
             sigma = torch.linalg.vector_norm(jv)
             v = _unit(vjp_fn(jv)[0])
-        logs = []
-        for _ in range(iters):
-            _, ju = torch.func.jvp(step, (h,), (u,))
-            n = torch.linalg.vector_norm(ju)
-            logs.append(torch.log(n.clamp_min(1e-30)))
-            u = ju / n.clamp_min(1e-30)
-        rho = torch.exp(torch.stack(logs[iters // 2:]).mean())
-    return sigma, rho
+    return sigma
 
 
-def loop_gains(model: LoopedTransformer, idx: Tensor, iters: int,
-               generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
-    """(sigma_max, rho) of the loop map at h(t-1) for t = 2..K of a batch: two tensors of K-1."""
+def spectral_radius(step: Callable[[Tensor], Tensor], h: Tensor, dim: int,
+                    generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """(rho, residual): the largest-magnitude eigenvalue of the Jacobian J of `step` at h, by Arnoldi.
+
+    `dim` Jacobian-vector products build an orthonormal Krylov basis Q of span{v, Jv, J^2 v, ...} (modified
+    Gram-Schmidt, done twice) and the Hessenberg matrix H = Q^T J Q; rho = max |eig(H)| (the Ritz values
+    tend to J's outer eigenvalues first). residual = ||J y - theta y|| / |theta| of that Ritz pair
+    (= H[m+1, m] |s_m| / |theta|, s the unit eigenvector of H): 0 when the basis spans an invariant
+    subspace (then rho is exact), below ~0.01 when the estimate has converged. In float64 on the host
+    (H is dim x dim). Cost: dim jvp of one loop on h."""
+    h = h.detach()
+    n = h.numel()
+    m = min(dim, n)
+    with torch.no_grad():
+        q = _unit(torch.randn(h.shape, generator=generator, device=h.device, dtype=h.dtype)).flatten()
+        Q, H = [q], torch.zeros(m + 1, m, dtype=torch.float64)
+        for j in range(m):
+            w = _jvp(step, h, Q[j].view_as(h)).flatten()
+            scale = torch.linalg.vector_norm(w)
+            for _ in range(2):  # twice is enough (Kahan's rule)
+                for i, qi in enumerate(Q):
+                    c = torch.dot(qi, w)
+                    H[i, j] += c.item()
+                    w = w - c * qi
+            H[j + 1, j] = torch.linalg.vector_norm(w).item()
+            if not math.isfinite(H[j + 1, j].item()):
+                nan = torch.tensor(math.nan, device=h.device)
+                return nan, nan
+            if H[j + 1, j] <= 1e-7 * max(scale.item(), 1e-30) or j == m - 1:
+                m = j + 1
+                break
+            Q.append(w / H[j + 1, j].item())
+        evals, evecs = torch.linalg.eig(H[:m, :m])
+        k = int(evals.abs().argmax())
+        theta = evals[k].abs().item()
+        residual = H[m, m - 1].item() * evecs[m - 1, k].abs().item() / max(theta, 1e-300)
+    return torch.tensor(theta, device=h.device), torch.tensor(residual, device=h.device)
+
+
+def mean_gain(step: Callable[[Tensor], Tensor], h: Tensor, dirs: int,
+              generator: torch.Generator | None = None) -> Tensor:
+    """Mean of ||J v|| over `dirs` random unit directions v at h (E||Jv||^2 = ||J||_F^2 / n: the root-mean-square
+    singular value). What a typical perturbation does in one loop, where sigma_max is the worst one."""
+    h = h.detach()
+    with torch.no_grad():
+        gains = [torch.linalg.vector_norm(_jvp(step, h, _unit(torch.randn(
+            h.shape, generator=generator, device=h.device, dtype=h.dtype)))) for _ in range(dirs)]
+    return torch.stack(gains).mean()
+
+
+def perturbation_growth(step: Callable[[Tensor], Tensor], states: Sequence[Tensor], dirs: int,
+                        generator: torch.Generator | None = None) -> Tensor:
+    """(K-1,): ||d(t)|| / ||d(t-1)|| for t = 2..K of a perturbation d carried along the trajectory
+    h(1), ..., h(K) (d(t) = J(h(t-1)) d(t-1), renormalised each loop, d(1) a random unit direction), the
+    geometric mean over `dirs` directions. The product over loops t..t+m-1 is ||J_m ... J_1 v||, and the
+    mean of the logs over m loops the local (finite-time) Lyapunov exponent: below 0 the loop contracts
+    perturbations along the path it actually takes. Cost: dirs * (K-1) jvp."""
+    if len(states) < 2:
+        return torch.zeros(0, device=states[0].device if states else None)
+    logs = torch.zeros(dirs, len(states) - 1, device=states[0].device)
+    with torch.no_grad():
+        for r in range(dirs):
+            d = _unit(torch.randn(states[0].shape, generator=generator, device=states[0].device,
+                                  dtype=states[0].dtype))
+            for t, h in enumerate(states[:-1]):
+                jd = _jvp(step, h.detach(), d)
+                n = torch.linalg.vector_norm(jd)
+                logs[r, t] = torch.log(n.clamp_min(1e-30))
+                d = jd / n.clamp_min(1e-30)
+    return torch.exp(logs.mean(0))
+
+
+def loop_map_stats(model: LoopedTransformer, idx: Tensor, iters: int, krylov_dim: int = 24, dirs: int = 4,
+                   generator: torch.Generator | None = None) -> dict[str, Tensor]:
+    """The loop map at h(t-1), t = 2..K, of a batch: metric name -> tensor of K-1 (loop_gain, loop_spectral_radius,
+    loop_spectral_residual, loop_mean_gain, loop_perturbation_growth; flt_diag.storage.metric_names)."""
     states = loop_states(model, idx)
     emb, cos, sin = loop_inputs(model, idx)
     step = loop_step(model, emb, cos, sin)
-    with transparent():
-        pairs = [loop_map_gain(step, h, iters, generator) for h in states[:-1]]
-    if not pairs:
+    names = (M.LOOP_GAIN, M.LOOP_SPECTRAL_RADIUS, M.LOOP_SPECTRAL_RESIDUAL, M.LOOP_MEAN_GAIN)
+    if len(states) < 2:
         empty = torch.zeros(0, device=idx.device)
-        return empty, empty
-    return torch.stack([s for s, _ in pairs]), torch.stack([r for _, r in pairs])
+        return {n: empty for n in names + (M.LOOP_PERTURBATION_GROWTH,)}
+    rows = []
+    with transparent():
+        for h in states[:-1]:
+            rho, res = spectral_radius(step, h, krylov_dim, generator)
+            rows.append((loop_map_gain(step, h, iters, generator), rho, res, mean_gain(step, h, dirs, generator)))
+        growth = perturbation_growth(step, states, dirs, generator)
+    out = {n: torch.stack([r[i].to(idx.device).float() for r in rows]) for i, n in enumerate(names)}
+    out[M.LOOP_PERTURBATION_GROWTH] = growth
+    return out
+
+
+# ----------------------------------------------------------------------------- the degenerate fixed point
+def stream_similarity(h: Tensor) -> tuple[Tensor, Tensor]:
+    """(token_cosine, effective_rank) of a stream h (B, T, d), each the mean over the B sequences.
+
+    token_cosine: the mean over position pairs i != j of cos(h_i, h_j) (1: every position holds the same
+    vector, the stream has forgotten its tokens). effective_rank: exp(-sum p log p) of the singular values
+    of the (T, d) matrix normalised to p = sigma / sum(sigma) (Roy and Vetterli 2007): 1 for a rank-one
+    stream, min(T, d) for a flat spectrum. Cost: one (T x T) Gram matrix and one SVD of (T, d) per sequence."""
+    h = h.detach().float()
+    if h.dim() == 2:
+        h = h[None]
+    h = h.flatten(0, -3)
+    T = h.shape[-2]
+    u = h / torch.linalg.vector_norm(h, dim=-1, keepdim=True).clamp_min(1e-30)
+    gram = u @ u.transpose(-1, -2)
+    off = (gram.sum((-1, -2)) - gram.diagonal(dim1=-2, dim2=-1).sum(-1)) / max(T * (T - 1), 1)
+    sv = torch.linalg.svdvals(h)
+    p = sv / sv.sum(-1, keepdim=True).clamp_min(1e-30)
+    erank = torch.exp(-(p * torch.log(p.clamp_min(1e-30))).sum(-1))
+    return off.mean(), erank.mean()
 
 
 # ----------------------------------------------------------------------------- per-loop gradient agreement
@@ -202,13 +303,18 @@ def block_weights(model: LoopedTransformer) -> tuple[dict[str, Tensor], dict[str
 
 def looped_loss(model: LoopedTransformer, idx: Tensor, targets: Tensor, loss_on: str = "end"):
     """loss_fn(aliases) for `per_loop_gradients`: the training loss of the batch with loop t's blocks
-    running on aliases[t] (the embedding detached, the head the model's own)."""
+    running on aliases[t] (the embedding detached, the head the model's own). Under the model's truncated
+    backpropagation (`grad_loops`) the stream is detached where the training forward detaches it, so the
+    detached loops' contributions are 0."""
     emb, cos, sin = loop_inputs(model, idx)
     call, head = _LoopCall(model), model_head(model)
 
     def loss_fn(aliases: list[dict[str, Tensor]]) -> Tensor:
         x, h, logits = norm(emb), None, []
-        for params in aliases:
+        cut = detached_loops(len(aliases), getattr(model, "grad_loops", 0))
+        for t, params in enumerate(aliases):
+            if t == cut and t > 0:
+                x, h = x.detach(), h.detach()
             x = torch.func.functional_call(call, params, (x, h, emb, cos, sin))
             h = norm(x)
             logits.append(head(h))

@@ -144,6 +144,7 @@ class Trainer:
         if t.precision == "reference":
             reference_precision(model)
         model.checkpoint_loops = t.checkpoint_loops
+        model.grad_loops = t.grad_loops
         if compile_wanted(t.compile, self.device.type, t.steps):
             compile_blocks(model)
         return model

@@ -91,6 +91,9 @@ class TrainConfig(Options):
     device: str = opt("auto", "auto (cuda if available), cpu, cuda or cuda:N.")
     compile: bool | None = opt(None, "torch.compile the blocks [default: on CUDA; on a CPU for runs of 1,000 steps or more].")
     checkpoint_loops: bool = opt(False, "Activation checkpointing, one segment per loop (memory flat in K).")
+    grad_loops: int = opt(0, "Truncated backpropagation: the gradient flows through the last k loops only (the "
+                          "stream is detached before them; the forward is unchanged; the embedding still gets "
+                          "the gradient of its injections in those loops). 0, or k >= K: through every loop.", low=0)
     threads: int | None = opt(None, "CPU threads [default: 1 per process on CPU; parallelise with sweep workers].",
                               low=1)
     flush_denormal: bool = opt(True, "CPU: flush subnormal floats to zero (collapsed LT runs make many).")
@@ -131,6 +134,10 @@ class DiagnosticsConfig(Options):
     sharpness_every: int = opt(0, "Every N steps, the sharpness (top Hessian eigenvalue); 0 = never.", low=0)
     dynamics_batch: int = opt(4, "Sequences of the micro-batch the every-N records are computed on.", low=1)
     dynamics_iters: int = opt(8, "Power iterations of the loop-map gain and the sharpness.", low=1)
+    krylov_dim: int = opt(16, "Arnoldi steps (Jacobian-vector products) of the loop map's spectral radius.", low=1,
+                          high=512)
+    perturbation_dirs: int = opt(4, "Random directions of the mean gain and of the perturbation carried through the "
+                                 "loops (a local Lyapunov exponent).", low=1, high=64)
     flush_every: int = opt(100, "Steps between metric parts written to disk.", low=1)
     tensorboard: bool = opt(False, "Also log scalars to <run>/tensorboard.")
     wandb: str | None = opt(None, "Also log to this Weights & Biases project.")
