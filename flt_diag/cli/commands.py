@@ -25,13 +25,14 @@ from flt_diag.results.tables import pooled_summary
 from flt_diag.judge.spike_detectors import detector_sweep
 from flt_diag.results.report import write_report
 from flt_diag.results.sensitivity import sensitivity
-from flt_diag.storage.folders import CHECKPOINT, StorageError, atomic_write_text, is_sweep, load_summary, run_dirs, write_json
+from flt_diag.storage.folders import (CHECKPOINT, StorageError, atomic_write_text, is_archive, is_sweep, load_summary,
+                                     run_dirs, write_json)
 from flt_diag.cli.output import (fit_command, print_critical_values, print_cross_validation, print_eval_loops,
                                   print_failed_cells, print_fitted, print_map_plan, print_model_line, print_online, print_detectors,
                                   print_predictions_at, PACKAGED_CAVEAT)
 from flt_diag.storage.predictor_names import PACKAGED
 from flt_diag.cli.console import console_progress, print_run_summary, print_sensitivity, print_sweep_table, progress_bar
-from flt_diag.cli.options import (FOLDER_OPTIONS, EvalLoopsOptions, FitPredictorOptions, ImportReferenceOptions,
+from flt_diag.cli.options import (FOLDER_OPTIONS, ArchiveOptions, EvalLoopsOptions, FitPredictorOptions, ImportReferenceOptions,
                                   MapOptions, Options, PlotOptions, PredictOptions, ReportOptions, RunAblationOptions,
                                   StudyOptions, SummaryOptions, TrainOptions, UserError, VariantsOptions,
                                   config_options)
@@ -136,7 +137,7 @@ def cmd_summary(o: SummaryOptions) -> int:
             for d in run_dirs(path):
                 if load_summary(d) is not None:
                     resummarize(d, overrides, root=path)
-            if is_sweep(path):
+            if is_sweep(path) and not is_archive(path):
                 write_summary(path)
     if len(paths) > 1:
         print_sweep_table(pooled_summary(paths))
@@ -174,6 +175,9 @@ def cmd_eval_loops(o: EvalLoopsOptions) -> int:
     if o.data is not None:
         check_data(o.data, "bytes")
     failed = 0
+    if is_archive(o.path):
+        raise UserError(f"{o.path} is a run archive: it keeps no checkpoints, and eval-loops needs the trained "
+                        "weights (run it on the run folders, then archive them again)")
     for d in run_dirs(o.path):
         if not (d / CHECKPOINT).exists():
             print(f"{d}: no final checkpoint yet, skipped")
@@ -297,6 +301,17 @@ def cmd_plot(o: PlotOptions) -> int:
     return 0
 
 
+def cmd_archive(o: ArchiveOptions) -> int:
+    """Keep finished runs as compact records (one Parquet file each) that every reading command reads."""
+    from flt_diag.results.archiving import archive_sources
+    done = archive_sources(o.paths, o.to)
+    total = sum(a.bytes for a in done)
+    whole = sum(a.whole for a in done)
+    print(f"{len(done)} run(s) archived into {o.to}: {total / 1024:.1f} KB"
+          + (f"; {whole} kept whole (thinning would have changed their summary)" if whole else ""))
+    return 0 if done else 1
+
+
 def cmd_report(o: ReportOptions) -> int:
     """One self-contained HTML report: table, every figure, spec and environment."""
     print(write_report(o.paths, o.out))
@@ -306,4 +321,4 @@ def cmd_report(o: ReportOptions) -> int:
 COMMANDS: dict[str, Callable[[Options], int]] = {"train": cmd_train, "run-ablation": cmd_run_ablation, "map": cmd_map, "study": cmd_study,
             "summary": cmd_summary, "eval-loops": cmd_eval_loops, "import-reference": cmd_import_reference,
             "predict": cmd_predict, "fit-predictor": cmd_fit_predictor, "variants": cmd_variants,
-            "report": cmd_report, "plot": cmd_plot}
+            "report": cmd_report, "plot": cmd_plot, "archive": cmd_archive}

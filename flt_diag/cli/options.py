@@ -171,6 +171,12 @@ class VariantsOptions(Options):
     pass
 
 
+class ArchiveOptions(Options):
+    paths: list[Path] = arg("Finished run folders, or sweep or map folders (their finished cells).", many=True)
+    to: Path = opt(..., "Archive folder: a sweep S becomes <to>/S/ (sweep.json + one .parquet record per cell), a "
+                   "run R becomes <to>/R.parquet.")
+
+
 class ReportOptions(Options):
     paths: list[Path] = arg("A sweep or map folder; or several sweep folders of one setting, pooled.", many=True)
     out: Optional[Path] = opt(None, "HTML file [default: <sweep>/report.html].")
@@ -188,7 +194,7 @@ ARGS: dict[str, type[Options]] = {
     "train": TrainOptions, "run-ablation": RunAblationOptions, "map": MapOptions, "study": StudyOptions,
     "summary": SummaryOptions, "eval-loops": EvalLoopsOptions, "import-reference": ImportReferenceOptions,
     "predict": PredictOptions, "fit-predictor": FitPredictorOptions, "variants": VariantsOptions,
-    "report": ReportOptions, "plot": PlotOptions}
+    "report": ReportOptions, "plot": PlotOptions, "archive": ArchiveOptions}
 GRIDS = {"run-ablation": (SweepAxes,), "map": (MapAxes, MapGrid)}
 FOLDER_OPTIONS = options_of(FolderOptions, "cli")
 

@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from flt_diag.storage import metric_names as M
+from flt_diag.storage import archive, metric_names as M
 from flt_diag.storage.folders import SUMMARY, load_config, load_metrics, load_summary, series, write_json
 from flt_diag.vocab.config import RunConfig, VerdictConfig, with_overrides
 
@@ -348,5 +348,8 @@ def resummarize(run_dir, verdict_overrides: dict | None = None, root=None) -> di
     new = summarize(load_metrics(run_dir), cfg, unigram_entropy=stored_unigram_entropy(cfg_dict),
                     wall_time=old.get("wall_time"), stop_reason=old.get("stop_reason"), prediction=old.get("prediction"),
                     tokens_per_step=tokens_per_step(cfg, cfg_dict.get("env", {}).get("world_size", 1)))
-    write_json(Path(run_dir) / SUMMARY, new, root)
+    if archive.is_record(run_dir):  # an archived run: its record's summary is rewritten in place
+        archive.rewrite_summary(Path(run_dir), new, root)
+    else:
+        write_json(Path(run_dir) / SUMMARY, new, root)
     return new

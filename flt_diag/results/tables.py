@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from flt_diag.storage import metric_names as M
+from flt_diag.storage import archive, metric_names as M
 from flt_diag.judge.peers import compare_cells, compare_runs, failed_text, flags_text, gap_text, ratio_text
 from flt_diag.judge.verdict import OSC_INDICES, dense_oscillation, smoothed
 from flt_diag.storage.folders import (COLUMNS, CELLS, ERROR, METRICS, StorageError, cell_names, is_run, is_sweep, load_config,
@@ -76,7 +76,7 @@ class Run:
 
     @property
     def name(self) -> str:
-        return self.path.name
+        return self.path.stem if archive.is_record(self.path) else self.path.name
 
     @property
     def status(self) -> str:
@@ -136,6 +136,8 @@ def variant_rank(variant: str) -> int:
 
 
 def _has_metrics(run_dir: Path) -> bool:
+    if archive.is_record(run_dir):
+        return archive.row_count(run_dir) > 0
     return any((run_dir / METRICS).glob("part-*.parquet"))
 
 

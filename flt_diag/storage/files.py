@@ -42,7 +42,11 @@ from flt_diag.storage.safe_files import regular_file
 def load_run_config(path: Path) -> dict:
     """config.json checked field by field, and by the typed config's rules across fields (the width
     splits into heads)."""
-    cfg = read_json(path)
+    return check_run_config(read_json(path), path)
+
+
+def check_run_config(cfg, path) -> dict:
+    """A run config read from `path` (config.json, or an archive record's metadata), checked."""
     checked(path, F.RunConfigFile, cfg)
     try:
         RunConfig.from_dict(cfg)
@@ -60,7 +64,11 @@ def check_model_config(model: dict, path, where: str = "model_config") -> dict:
 # --------------------------------------------------------------------------- summary
 
 def load_summary(path: Path) -> dict:
-    summary = read_json(path)
+    return check_summary(read_json(path), path)
+
+
+def check_summary(summary, path) -> dict:
+    """A summary read from `path` (summary.json, or an archive record's metadata), checked."""
     checked(path, F.SummaryFile, summary)
     return summary
 

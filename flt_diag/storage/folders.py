@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from flt_diag.storage import files
+from flt_diag.storage import archive, files
 from flt_diag.storage.safe_files import file_mode, open_regular, regular_file
 from flt_diag.storage.schema import BadFile, StorageError, read_json  # noqa: F401  (re-exported: one error type)
 
@@ -234,7 +234,8 @@ def _frame(rows) -> pd.DataFrame:
 # --------------------------------------------------------------------------- reading
 
 def is_run(path: Path) -> bool:
-    return (Path(path) / CONFIG).exists()
+    """A run folder (config.json), or an archive record (flt_diag.storage.archive)."""
+    return (Path(path) / CONFIG).exists() or archive.is_record(path)
 
 
 def is_sweep(path: Path) -> bool:
@@ -243,11 +244,15 @@ def is_sweep(path: Path) -> bool:
 
 def load_config(run_dir: Path) -> dict:
     """A run's config.json, checked (flt_diag.storage.files: a bad one is one BadFile line)."""
+    if archive.is_record(run_dir):
+        return archive.load_config(run_dir)
     return files.load_run_config(Path(run_dir) / CONFIG)
 
 
 def load_summary(run_dir: Path) -> dict | None:
     """The run's summary (checked), or None while it has not finished."""
+    if archive.is_record(run_dir):
+        return archive.load_summary(run_dir)
     p = Path(run_dir) / SUMMARY
     return files.load_summary(p) if p.exists() else None
 
@@ -271,6 +276,8 @@ def load_metrics(run_dir: Path, metrics: list[str] | None = None) -> pd.DataFram
 
     Works on a run still in progress (it reads the parts written so far). `metrics`
     keeps only those metric names."""
+    if archive.is_record(run_dir):
+        return archive.load_metrics(run_dir, metrics)
     parts = sorted((Path(run_dir) / METRICS).glob("part-*.parquet"))
     filters = [("metric", "in", list(metrics))] if metrics else None
     frames = [read_part(p, filters) for p in parts]
@@ -304,6 +311,8 @@ def wide(df: pd.DataFrame, metric: str) -> pd.DataFrame:
 
 
 def load_eval_loops(run_dir: Path) -> pd.DataFrame | None:
+    if archive.is_record(run_dir):
+        return archive.load_eval_loops(run_dir)
     p = Path(run_dir) / EVAL_LOOPS
     if not p.exists():
         return None
@@ -317,8 +326,16 @@ def cell_names(sweep: Path) -> list[str]:
     spec = load_spec(sweep)
     if spec.get("kind") == "map":
         folder = Path(sweep) / CELLS
-        return sorted(p.name for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
+        if not folder.is_dir():  # an archived map: one record per probe
+            return [p.stem for p in archive.records_in(sweep)]
+        return sorted(p.name for p in folder.iterdir() if p.is_dir())
     return list(spec.get("cell_names", []))
+
+
+def is_archive(path: Path) -> bool:
+    """An archive record, or a folder of records (an archived sweep or map, or a set of archived runs)."""
+    return archive.is_record(path) or (Path(path).is_dir() and not (Path(path) / CELLS).is_dir()
+                                       and archive.is_archive_folder(path))
 
 
 def run_dirs(path: Path) -> list[Path]:
@@ -327,10 +344,19 @@ def run_dirs(path: Path) -> list[Path]:
     if not path.exists():
         raise StorageError(f"no such folder: {path}")
     if is_sweep(path):
-        return [path / CELLS / name for name in cell_names(path) if is_run(path / CELLS / name)]
+        out = []
+        for name in cell_names(path):
+            if is_run(path / CELLS / name):
+                out.append(path / CELLS / name)
+            elif archive.is_record(path / (name + archive.SUFFIX)):
+                out.append(path / (name + archive.SUFFIX))
+        return out
     if is_run(path):
         return [path]
-    raise StorageError(f"{path} is neither a run folder (no {CONFIG}) nor a sweep folder (no {SWEEP_SPEC})")
+    if records := archive.records_in(path):  # a folder of archived runs
+        return records
+    raise StorageError(f"{path} is neither a run folder (no {CONFIG}), a sweep folder (no {SWEEP_SPEC}) nor an "
+                       "archive (no run records)")
 
 
 def run_label(run_dir: Path) -> dict:

@@ -1,0 +1,165 @@
+"""Run archives: a finished run kept as one compact Parquet file (a "record"), read by the same loaders as a
+run folder (flt_diag.storage.folders dispatches on it), so that the runs behind docs/ travel with the
+repository and every table can be rebuilt from them.
+
+A record `<name>.parquet` is the run's long metrics table (step, metric, loop, layer, value), thinned
+where that changes nothing the verdict, the peer flags, the early warning or the figures read (the
+choice and its check: flt_diag.results.archive), with the run's config.json, summary.json and
+eval_loops.csv in the file's key-value metadata under `flt_diag.archive` (JSON). An archived sweep or
+map is a folder holding its sweep.json and one record per cell (named as the cell); a folder of
+records without a sweep.json is a set of single runs. A record is read-only for every command except
+`summary --recompute`, which re-judges it and rewrites its summary in place.
+
+Every record is validated as the files it stands for: its metadata by the loaders of config.json and
+summary.json (flt_diag.storage.files), its table's columns and types by the metrics part's rules; a
+crafted, truncated or foreign Parquet file is one BadFile line. Torch-free.
+"""
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from flt_diag.storage import files
+from flt_diag.storage.schema import MAX_FILE_BYTES, BadFile, StorageError
+
+SUFFIX = ".parquet"
+META_KEY = b"flt_diag.archive"
+FORMAT = 1
+COLUMNS = ["step", "metric", "loop", "layer", "value"]
+MAX_RECORD_BYTES = MAX_FILE_BYTES  # a record is tens of kilobytes; a bigger file is not one of them
+
+
+def is_record(path: Path) -> bool:
+    """Whether `path` names an archive record: a regular file (not a link) ending in .parquet that is not a
+    run folder's metrics part. Its content is checked when it is read."""
+    path = Path(path)
+    return path.suffix == SUFFIX and not path.is_symlink() and path.is_file() and path.parent.name != "metrics"
+
+
+def records_in(folder: Path) -> list[Path]:
+    """The records directly in `folder`, by name."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if is_record(p))
+
+
+def is_archive_folder(folder: Path) -> bool:
+    """A folder whose runs are records (an archived sweep or map, or a set of archived runs)."""
+    return bool(records_in(folder))
+
+
+def _parquet_file(path: Path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    path = Path(path)
+    if path.is_symlink():
+        raise StorageError(f"{path} is a symbolic link; flt-diag does not read archive records through links")
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise StorageError(f"missing {path}") from None
+    if size > MAX_RECORD_BYTES:
+        raise BadFile(f"{path}: {size:,} bytes; an archive record is far smaller")
+    try:
+        return pq.ParquetFile(path)
+    except (OSError, ValueError, pa.ArrowException) as e:
+        raise BadFile(f"{path}: not a readable Parquet file ({' '.join(str(e).split())[:120] or type(e).__name__})") from None
+
+
+def read_meta(path: Path) -> dict:
+    """The record's metadata: {"format", "config", "summary", "eval_loops", "source", "kept"}, each checked
+    (config and summary as config.json and summary.json are)."""
+    meta = (_parquet_file(path).schema_arrow.metadata or {}).get(META_KEY)
+    if meta is None:
+        raise BadFile(f"{path}: a Parquet file without flt-diag's archive metadata (not a run record)")
+    try:
+        doc = json.loads(meta)
+    except (ValueError, RecursionError) as e:
+        raise BadFile(f"{path}: unreadable archive metadata ({type(e).__name__})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+        raise BadFile(f"{path}: archive format {found!r}; this flt-diag reads format {FORMAT}")
+    for key in ("config", "summary", "eval_loops", "source", "kept"):
+        if key not in doc:
+            raise BadFile(f"{path}: archive metadata lacks {key!r}")
+    where = f"{path} [config]"
+    files.check_run_config(doc["config"], where)
+    if doc["summary"] is not None:
+        files.check_summary(doc["summary"], f"{path} [summary]")
+    if doc["eval_loops"] is not None and not isinstance(doc["eval_loops"], str):
+        raise BadFile(f"{path}: archive metadata 'eval_loops' must be CSV text or null")
+    return doc
+
+
+def load_config(path: Path) -> dict:
+    return read_meta(path)["config"]
+
+
+def load_summary(path: Path) -> dict | None:
+    return read_meta(path)["summary"]
+
+
+def load_eval_loops(path: Path) -> pd.DataFrame | None:
+    text = read_meta(path)["eval_loops"]
+    return None if text is None else pd.read_csv(io.StringIO(text))
+
+
+def row_count(path: Path) -> int:
+    return _parquet_file(path).metadata.num_rows
+
+
+def load_metrics(path: Path, metrics: list[str] | None = None) -> pd.DataFrame:
+    """The record's metrics table (columns step, metric, loop, layer, value), checked as a metrics part is."""
+    import pyarrow as pa
+    pf = _parquet_file(path)
+    names = pf.schema_arrow.names
+    if names != COLUMNS:
+        raise BadFile(f"{path}: columns {names}; a run record has {COLUMNS}")
+    try:
+        table = pf.read()
+    except (OSError, ValueError, pa.ArrowException) as e:
+        raise BadFile(f"{path}: a damaged Parquet file ({' '.join(str(e).split())[:120] or type(e).__name__})") from None
+    df = table.to_pandas()
+    try:
+        df = df.astype({"step": "int64", "metric": "string", "loop": "int16", "layer": "int16", "value": "float64"})
+    except (ValueError, TypeError, OverflowError) as e:
+        raise BadFile(f"{path}: a column of the wrong type ({str(e)[:100]})") from None
+    if len(df) and (df.step.min() < 0 or df.metric.isna().any()):
+        raise BadFile(f"{path}: negative steps or missing metric names")
+    if metrics:
+        df = df[df.metric.isin(list(metrics))]
+    return df.sort_values(["step", "metric", "loop", "layer"], kind="stable").reset_index(drop=True)
+
+
+def write_record(path: Path, table: pd.DataFrame, meta: dict, root: Path | None = None) -> None:
+    """Write one record atomically (flt_diag.storage.folders.atomic_path: a link is refused, a failed write
+    leaves the old file). `meta` holds config, summary, eval_loops, source and kept."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from flt_diag.storage.folders import atomic_path
+    df = table[COLUMNS].astype({"step": "int32", "metric": "string", "loop": "int16", "layer": "int16",
+                               "value": "float64"}).reset_index(drop=True)
+    arrow = pa.Table.from_pandas(df, preserve_index=False)
+    arrow = arrow.replace_schema_metadata({META_KEY: json.dumps({"format": FORMAT, **meta}, allow_nan=True,
+                                                                 default=_json_default)})
+    with atomic_path(Path(path), root) as tmp:
+        pq.write_table(arrow, tmp, compression="zstd", compression_level=19, use_dictionary=["metric"])
+
+
+def rewrite_summary(path: Path, summary: dict, root: Path | None = None) -> None:
+    """Replace a record's summary (summary --recompute on an archive), the table and the rest unchanged."""
+    meta = read_meta(path)
+    meta.pop("format")
+    write_record(path, load_metrics(path), {**meta, "summary": summary}, root)
+
+
+def _json_default(o):
+    if hasattr(o, "item"):
+        return o.item()
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
