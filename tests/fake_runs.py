@@ -70,6 +70,8 @@ def _rows(cfg, collapsed: bool, steps: int, rng: np.random.Generator, val_shift:
             rows.append((t, f"{M.UPDATE_RATIO}/{group}", M.NONE, layer, 0.01 * wobble))
         for k in range(1, K + 1):  # loop dynamics (DESIGN.md §3), every step here
             rows.append((t, M.EXIT_LOSS, k, M.NONE, loss + 0.5 / k))
+            if t % 10 == 0:
+                rows.append((t, M.TOKEN_COSINE, k, M.NONE, min(0.2 + (0.01 * t if collapsed else 0.0) * k / K, 1.0)))
             for layer in range(1, L + 1):
                 rows.append((t, M.ATTN_ENTROPY, k, layer, 1.0 + 0.1 * k - 0.05 * layer))
             if k > 1:
@@ -77,6 +79,7 @@ def _rows(cfg, collapsed: bool, steps: int, rng: np.random.Generator, val_shift:
                 if t % 10 == 0:
                     rows.append((t, M.LOOP_GAIN, k, M.NONE, (1.2 if collapsed else 0.8) * (1 + 0.01 * t)))
                     rows.append((t, M.LOOP_SPECTRAL_RADIUS, k, M.NONE, (1.1 if collapsed else 0.7)))
+                    rows.append((t, M.LOOP_PERTURBATION_GROWTH, k, M.NONE, (1.05 if collapsed else 0.6)))
     return rows
 
 

@@ -145,24 +145,33 @@ def test_every_figure_has_one_legend_outside_its_panels(sweep):
         assert not any(legends[0].overlaps(box) for box in axes), name
 
 
-def test_loop_dynamics_gain_panel_leaves_out_zero_gains_and_marks_the_spectral_radius_apart(tmp_path):
-    """A gain of exactly 0 (FLT at initialisation) is left out of the log axis and counted, so the panel
-    keeps the scale of the other values; the spectral radius is drawn as crosses, never as a dashed line
-    that reads like the seed-1 runs."""
+def test_loop_dynamics_contraction_panel_leaves_out_zeros_and_tells_its_three_records_apart(tmp_path):
+    """A spectral radius of exactly 0 (FLT at initialisation) is left out of the log axis and counted, so the
+    panel keeps the scale of the other values; the spectral radius is drawn as lines (one style per seed),
+    the perturbation growth as crosses and the largest singular value dotted, so that no reader takes sigma_max
+    (which exceeds 1 on loops that contract) for contraction."""
     from flt_diag.results.figures.dynamics import COLUMNS, draw_dynamics, dynamics_data
     df = dynamics_data(collect(make_sweep(tmp_path / "s", seeds=(0, 1)), None))
     df = df[df.loops == 3].copy()  # one row of panels
-    zero = (df.metric == M.LOOP_GAIN) & (df.step == 0)
+    zero = (df.metric == M.LOOP_SPECTRAL_RADIUS) & (df.step == 0)
     df.loc[zero, "value"] = 0.0
-    df.loc[(df.metric == M.LOOP_SPECTRAL_RADIUS) & (df.step == 0), "value"] = 1e-30  # a round-off zero
-    radius_zero = (df.metric == M.LOOP_SPECTRAL_RADIUS) & (df.step == 0) & (df.loop == df.loops)
+    df.loc[(df.metric == M.LOOP_PERTURBATION_GROWTH) & (df.step == 0), "value"] = 1e-30  # a round-off zero
+    growth_zero = (df.metric == M.LOOP_PERTURBATION_GROWTH) & (df.step == 0) & (df.loop == df.loops)
     fig = draw_dynamics(df)
-    col = [i for i, (metric, by, _) in enumerate(COLUMNS) if metric == M.LOOP_GAIN and by == "step"][0]
+    col = [i for i, (metric, by, _) in enumerate(COLUMNS) if metric == M.LOOP_SPECTRAL_RADIUS and by == "step"][0]
     ax = fig.axes[col]
-    positive = df[(df.metric == M.LOOP_GAIN) & (df.value > 0)].value
+    positive = df[(df.metric == M.LOOP_SPECTRAL_RADIUS) & (df.value > 0)].value
     assert ax.get_yscale() == "log" and ax.get_ylim()[0] > positive.min() / 10  # not squashed towards 0
     notes = [t.get_text() for t in ax.texts]
-    assert notes == [f"{int((zero & (df.loop == df.loops)).sum() + radius_zero.sum())} value(s) <= 1e-06 not drawn"]
-    radius = [line for line in ax.lines if line.get_marker() == "x"]
-    assert radius and all(line.get_linestyle() == "None" for line in radius)
-    assert {line.get_linestyle() for line in ax.lines if line.get_marker() != "x"} >= {"-", "--"}  # seeds 0, 1
+    assert notes == [f"{int((zero & (df.loop == df.loops)).sum() + growth_zero.sum())} value(s) <= 1e-06 not drawn"]
+    crosses = [line for line in ax.lines if line.get_marker() == "x"]
+    assert crosses and all(line.get_linestyle() == "None" for line in crosses)
+    growth = df[(df.metric == M.LOOP_PERTURBATION_GROWTH) & (df.loop == df.loops) & (df.value > 1e-6)]
+    assert sorted(v for line in crosses for v in line.get_ydata()) == sorted(growth.value)  # the crosses: growth
+    dotted = [line for line in ax.lines if line.get_linestyle() == ":"]
+    sigma = df[(df.metric == M.LOOP_GAIN) & (df.loop == df.loops)]
+    assert sorted(v for line in dotted for v in line.get_ydata()) == sorted(sigma.value)  # dotted: sigma_max
+    solid = {line.get_linestyle() for line in ax.lines if line.get_marker() != "x" and line.get_linestyle() != ":"}
+    assert solid >= {"-", "--"}  # the spectral radius, seeds 0 and 1
+    cosine_ax = fig.axes[[i for i, (m, by, _) in enumerate(COLUMNS) if m == M.TOKEN_COSINE and by == "step"][0]]
+    assert cosine_ax.get_yscale() == "linear" and cosine_ax.get_ylim()[1] == pytest.approx(1.05)

@@ -1,10 +1,13 @@
 """Loop dynamics (DESIGN.md §3, Loop dynamics). exit-loss: the loss of the head applied at every loop's
 exit, against the loop, at a few recorded steps (fainter = earlier), a panel per loops K, a line per run.
-loop-dynamics: per loops K, the fixed-point residual ||h(t) - h(t-1)|| / ||h(t-1)|| of the final loop
-against step and by loop at the last recorded step, and the loop-map gain (largest singular value of
-the Jacobian of h(t-1) -> h(t); crosses: its spectral radius) the same way, 1 marked. Values <= 0, and
-gains <= GAIN_FLOOR (a zero up to round-off: at initialisation the blocks' output projections start at
-zero), cannot sit on the log axis: they are left out and the panel says how many."""
+loop-dynamics: per loops K, against step (final loop) and by loop (last recorded step): the fixed-point
+residual ||h(t) - h(t-1)|| / ||h(t-1)||; whether the loop contracts: the spectral radius of the Jacobian of
+h(t-1) -> h(t) (lines; Arnoldi, or the 8-step power estimate of runs recorded before it), the growth of a
+perturbation carried through the loops (crosses) and, faint and dotted, the largest singular value (the
+worst one-loop stretch, which exceeds 1 on loops that contract), 1 marked; and the mean cosine between
+positions' streams (the degenerate fixed point: 1 = every position holds the same vector). Values <= 0,
+and gains <= GAIN_FLOOR (a zero up to round-off: at initialisation the blocks' output projections start
+at zero), cannot sit on the log axis: they are left out and the panel says how many."""
 from __future__ import annotations
 
 import numpy as np
@@ -65,14 +68,17 @@ def draw_exit(df: pd.DataFrame):
 
 
 def dynamics_data(study: Study) -> pd.DataFrame:
-    """run, ..., metric, step, loop, value: fixed_point_residual, loop_gain and loop_spectral_radius rows."""
-    return _metric_rows(study, (M.FIXED_POINT_RESIDUAL, M.LOOP_GAIN, M.LOOP_SPECTRAL_RADIUS))
+    """run, ..., metric, step, loop, value: the rows of DRAWN."""
+    return _metric_rows(study, DRAWN)
 
 
+DRAWN = (M.FIXED_POINT_RESIDUAL, M.LOOP_GAIN, M.LOOP_SPECTRAL_RADIUS, M.LOOP_PERTURBATION_GROWTH, M.TOKEN_COSINE)
 COLUMNS = [(M.FIXED_POINT_RESIDUAL, "step", "fixed-point residual, final loop"),
            (M.FIXED_POINT_RESIDUAL, "loop", "fixed-point residual by loop, last step"),
-           (M.LOOP_GAIN, "step", "loop-map gain, final loop"),
-           (M.LOOP_GAIN, "loop", "loop-map gain by loop, last step")]
+           (M.LOOP_SPECTRAL_RADIUS, "step", "contraction, final loop"),
+           (M.LOOP_SPECTRAL_RADIUS, "loop", "contraction by loop, last step"),
+           (M.TOKEN_COSINE, "step", "token cosine, final loop"),
+           (M.TOKEN_COSINE, "loop", "token cosine by loop, last step")]
 
 
 def _series(sel: pd.DataFrame, by: str) -> pd.DataFrame:
@@ -93,19 +99,36 @@ def draw_dynamics(df: pd.DataFrame):
                 if i == 0:
                     ax.set_title(heading)
                 sel = _series(row[row.metric == metric], by)
-                radius = _series(row[row.metric == M.LOOP_SPECTRAL_RADIUS], by) if metric == M.LOOP_GAIN else sel[:0]
-                floor = GAIN_FLOOR if metric == M.LOOP_GAIN else 0.0
-                dropped = int((~(sel.value > floor)).sum() + (~(radius.value > floor)).sum())  # (NaN counted too)
-                sel, radius = sel[sel.value > floor], radius[radius.value > floor]
+                if metric == M.TOKEN_COSINE:  # a cosine: linear axis, no floor
+                    sel = sel.dropna()
+                    if sel.empty:
+                        empty(ax, "no data")
+                        continue
+                    lines_by_run(ax, sel, by, lw=1.2, marker="o" if by == "loop" else None, ms=3)
+                    ax.set_ylim(min(-0.05, sel.value.min() - 0.05), 1.05)
+                    if by == "loop":
+                        ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+                    continue
+                contraction = metric == M.LOOP_SPECTRAL_RADIUS
+                extra = {m: _series(row[row.metric == m], by) if contraction else sel[:0]
+                         for m in (M.LOOP_PERTURBATION_GROWTH, M.LOOP_GAIN)}
+                floor = GAIN_FLOOR if contraction else 0.0
+                dropped = int((~(sel.value > floor)).sum()
+                              + sum((~(e.value > floor)).sum() for e in extra.values()))  # (NaN counted too)
+                sel = sel[sel.value > floor]
+                extra = {m: e[e.value > floor] for m, e in extra.items()}
                 below = f"<= {floor:g}" if floor else "<= 0"
-                if sel.empty:
+                if sel.empty and all(e.empty for e in extra.values()):
                     empty(ax, f"no value above {below[3:]} ({dropped})" if dropped else "no data")
                     continue
-                lines_by_run(ax, sel, by, lw=1.2, marker="o" if by == "loop" else None, ms=3)
-                if metric == M.LOOP_GAIN:
-                    for run, g in radius.groupby("run", sort=False):
+                if not sel.empty:
+                    lines_by_run(ax, sel, by, lw=1.2, marker="o" if by == "loop" else None, ms=3)
+                if contraction:
+                    for run, g in extra[M.LOOP_PERTURBATION_GROWTH].groupby("run", sort=False):
                         ax.plot(g[by], g.value, color=variant_color(g.variant.iloc[0]), ls="none", marker="x",
                                 ms=3.5, mew=0.9)
+                    for run, g in extra[M.LOOP_GAIN].groupby("run", sort=False):
+                        ax.plot(g[by], g.value, color=variant_color(g.variant.iloc[0]), ls=":", lw=0.9, alpha=0.45)
                     ax.axhline(1, color="0.3", lw=0.8)
                 log_y(ax)
                 if dropped:
@@ -116,12 +139,14 @@ def draw_dynamics(df: pd.DataFrame):
             axes[i, 0].set_ylabel(title, fontweight="bold")
         for ax, (_, by, _) in zip(axes[-1], COLUMNS):
             ax.set_xlabel(by)
-        legend(fig, df, [(Line2D([], [], color="0.3", ls="none", marker="x", ms=4), "spectral radius")])
-    return finish(fig, "Loop dynamics: fixed-point residual and loop-map gain")
+        legend(fig, df, [(Line2D([], [], color="0.3", lw=1.2), "contraction: spectral radius (Arnoldi)"),
+                         (Line2D([], [], color="0.3", ls="none", marker="x", ms=4), "perturbation growth per loop"),
+                         (Line2D([], [], color="0.3", ls=":", alpha=0.6), "largest singular value (not contraction)")])
+    return finish(fig, "Loop dynamics: fixed-point residual, contraction and the degenerate fixed point")
 
 
 register(Figure("exit-loss", "loss of the head at every loop's exit, at a few steps, a panel per loops K",
                 (M.EXIT_LOSS,), exit_data, draw_exit, empty="no exit_loss recorded (--loop-dynamics)", order=80))
-register(Figure("loop-dynamics", "fixed-point residual and loop-map gain by step and by loop",
-                (M.FIXED_POINT_RESIDUAL, M.LOOP_GAIN, M.LOOP_SPECTRAL_RADIUS), dynamics_data, draw_dynamics,
+register(Figure("loop-dynamics", "fixed-point residual, contraction (spectral radius, perturbation growth) and "
+                "token cosine by step and by loop", DRAWN, dynamics_data, draw_dynamics,
                 empty="no fixed_point_residual or loop_gain recorded (--loop-dynamics, --dynamics-every)", order=81))
