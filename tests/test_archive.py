@@ -182,3 +182,16 @@ def test_archive_refuses_what_it_cannot_archive(archived, tmp_path, capsys):
     assert code == 2 and "has not finished" in err
     code, _, err = run_cli(["archive", sweep, "--to", sweep / "inside"], capsys)
     assert code == 2 and "inside" in err
+
+
+def test_the_analysis_scripts_read_an_archive_as_the_sweep(archived):
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "analysis"))
+    import failure_rates
+    from flt_diag.results.tables import pooled_summary
+    sweep, arch = archived
+    a = failure_rates.failure_rates(pooled_summary([sweep]))
+    b = failure_rates.failure_rates(pooled_summary([arch]))
+    pd.testing.assert_frame_equal(a, b)
+    assert set(a.failed) == {"0/1", "1/1"}

@@ -9,7 +9,8 @@ from pathlib import Path
 import pandas as pd
 
 from flt_diag.judge.peers import compare_runs
-from flt_diag.storage.folders import CELLS, SWEEP_SUMMARY, atomic_path, cell_names, is_run, load_config, load_summary
+from flt_diag.storage import archive
+from flt_diag.storage.folders import SWEEP_SUMMARY, atomic_path, load_config, load_summary, run_dirs
 
 # summary.json keys shown per run; SUMMARY_NUMBERS (final_loss .. grad_norm_std) are averaged per grid cell
 SUMMARY_COLUMNS = ["cell", "variant", "loops", "seed", "lr_scale", "verdict", "residual_explosion", "final_loss",
@@ -24,9 +25,9 @@ def sweep_summary(out: Path) -> pd.DataFrame:
     the run folders (a pure function of the folder)."""
     out = Path(out)
     rows = []
-    for name in cell_names(out):
-        d = out / CELLS / name
-        s = load_summary(d) if is_run(d) else None
+    for d in run_dirs(out):  # (a cell's folder, or its archive record)
+        name = d.stem if archive.is_record(d) else d.name
+        s = load_summary(d)
         if s is None:
             continue
         rows.append({"cell": name, **{k: s.get(k) for k in SUMMARY_COLUMNS if k != "cell"}, "depth": run_depth(d),

@@ -1,7 +1,7 @@
 """Writing run archives (`flt-diag archive RUN_OR_SWEEP... --to DIR`): each finished run as one compact
 Parquet record (format and reading: flt_diag.storage.archive), thinned, and checked against the full run.
 
-What a record keeps (DESIGN.md §7, "Run archives"):
+What a record keeps (DESIGN.md §9, "Run archives"):
   * every stored step of the series the verdict and the oscillation indices read: loss, grad_norm,
     grad_cosine, val_loss, val_accuracy, loops_run;
   * of every other series (per loop, per layer, per parameter group, lr): the steps that are multiples of
