@@ -47,7 +47,7 @@ def _alive(pid: int) -> bool:
 
 
 def _start(command, out):
-    return subprocess.Popen([sys.executable, "-m", "flt_diag.cli", *command, "--out", str(out)],
+    return subprocess.Popen([sys.executable, "-m", "flt_diag", *command, "--out", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=_default_sigint)
 

@@ -168,7 +168,7 @@ def test_sweep_workers_die_with_their_parent(tmp_path, spawn):
     """kill -9 of a sweep's parent leaves no worker training as an orphan (the parent alone is
     killed; `spawn` kills the whole group at the end, whatever the test found)."""
     out = tmp_path / "sw"
-    parent = spawn([sys.executable, "-m", "flt_diag.cli", "run-ablation", "--loops", "2", "--variants", "lt", "flt",
+    parent = spawn([sys.executable, "-m", "flt_diag", "run-ablation", "--loops", "2", "--variants", "lt", "flt",
                     "--steps", "5000", "--device", "cpu", "--workers", "2", "--quiet", "--out", str(out)],
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
@@ -244,7 +244,7 @@ def _default_sigint():
                                       "--quiet"]])
 def test_ctrl_c_exits_130_with_a_message(tmp_path, command, spawn):
     out = tmp_path / "out"
-    p = spawn([sys.executable, "-m", "flt_diag.cli", *command, "--steps", "5000", "--device", "cpu",
+    p = spawn([sys.executable, "-m", "flt_diag", *command, "--steps", "5000", "--device", "cpu",
                "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
               preexec_fn=_default_sigint,  # its own process group, as a terminal's foreground job
               env={**os.environ, "PYTHONFAULTHANDLER": "1"})  # (SIGABRT then prints every thread's stack)
@@ -326,7 +326,7 @@ def test_kill_9_of_a_sweep_and_an_immediate_restart_give_the_uninterrupted_resul
     from flt_diag.storage.folders import load_metrics, load_summary
     args = ["run-ablation", "--variants", "lt", "flt", "--loops", "2", "--steps", "150", "--device", "cpu",
             "--workers", "2", "--quiet"]
-    cmd = [sys.executable, "-m", "flt_diag.cli", *args]
+    cmd = [sys.executable, "-m", "flt_diag", *args]
     processes.run(cmd + ["--out", str(tmp_path / "a")], timeout=600, check=True, capture_output=True)
     parent = spawn(cmd + ["--out", str(tmp_path / "b")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120

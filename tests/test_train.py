@@ -305,7 +305,7 @@ def test_ddp_with_torchrun_on_cpu(tmp_path):
     import sys
     torchrun = shutil.which("torchrun") or str(__import__("pathlib").Path(sys.executable).parent / "torchrun")
     out = tmp_path / "ddp"
-    cmd = [torchrun, "--standalone", "--nproc_per_node", "2", "-m", "flt_diag.cli", "train", "--preset", "tiny",
+    cmd = [torchrun, "--standalone", "--nproc_per_node", "2", "-m", "flt_diag", "train", "--preset", "tiny",
            "--variant", "flt", "--loops", "2", "--steps", "4", "--out", str(out), "--device", "cpu",
            "--threads", "1", "--eval-every", "0"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -9,8 +9,8 @@ command's typed options (`command_args`: a pydantic model per command, flt_diag.
 handed to the command's function (flt_diag.cli.commands) outside typer.
 
 Errors a user can cause print one line (`error: ...`) and exit with status 2; nothing already written
-is touched. Ctrl-C exits with 130. `main(argv) -> int` is the entry point (`flt-diag`, `python -m
-flt_diag`, `python -m flt_diag.cli`).
+is touched. Ctrl-C exits with 130. `main(argv) -> int` is the entry point (`flt-diag`, and `python -m
+flt_diag`: flt_diag/__main__.py, the one __main__).
 """
 from __future__ import annotations
 

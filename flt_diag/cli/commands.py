@@ -49,7 +49,7 @@ from flt_diag.training.settle import check_data, choose_device, run_config
 
 def cmd_train(o: TrainOptions) -> int:
     """Train one variant into one run folder, with diagnostics, and print its verdict."""
-    from flt_diag.training.trainer import Trainer  # torch: 2.2 s of the 3 s `flt-diag --help` would take (-X importtime); only the commands that train import it
+    from flt_diag.training.trainer import Trainer  # torch: imported only by the commands that train (it dominates the start-up time)
     cfg = run_config(o.config)
     out = o.out or Path("runs") / f"{cfg.model.variant}-K{cfg.model.loops}"
     trainer = Trainer(cfg, out, progress=console_progress(cfg.train.steps, f"{cfg.model.variant} K={cfg.model.loops}"))

@@ -45,13 +45,6 @@ def _insert_after(df: pd.DataFrame, anchor: str, column: str, values) -> None:
     df.insert(df.columns.get_loc(anchor) + 1 if anchor in df else len(df.columns), column, values)
 
 
-def pooled_sd(sds, ns) -> float:
-    """sqrt(sum (n_c - 1) sd_c^2 / sum (n_c - 1)) over the cells with n_c >= 2 and a finite sd; NaN if none."""
-    sds, ns = np.asarray(sds, dtype=float), np.asarray(ns, dtype=float)
-    ok = (ns >= MIN_POOLED_SEEDS) & np.isfinite(sds)
-    return float(math.sqrt(((ns[ok] - 1) * sds[ok] ** 2).sum() / (ns[ok] - 1).sum())) if ok.any() else math.nan
-
-
 def peer_margin(s_p: float, n_row: float, n_other: float, scale: float = 1.0) -> float:
     """max(MARGIN_FLOOR, 2 s_p sqrt(1/n_row + 1/n_other)), or MARGIN_ONE_SEED without s_p; times `scale`."""
     if not math.isfinite(s_p) or not n_row or not n_other:

@@ -55,12 +55,6 @@ def check_run_config(cfg, path) -> dict:
     return cfg
 
 
-def check_model_config(model: dict, path, where: str = "model_config") -> dict:
-    """A model section found in another file (checkpoint.pt's model_config)."""
-    checked(path, F.ModelInFile, model, where)
-    return model
-
-
 # --------------------------------------------------------------------------- summary
 
 def load_summary(path: Path) -> dict:
