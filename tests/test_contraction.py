@@ -255,3 +255,20 @@ def test_a_truncated_run_records_zero_activation_gradients_for_its_detached_loop
         assert sorted(m[(m.metric == metric) & (m.step == 2)].loop) == [2, 3, 4]
     cosines = m[(m.metric == M.LOOP_GRAD_COSINE) & (m.step == 2)]
     assert (cosines[cosines.loop <= 3].value == 0).all()
+
+
+def test_grad_loops_reaches_every_grid_from_the_cli_and_a_study(tmp_path, capsys):
+    from flt_diag.cli import main
+    from flt_diag.cli.specs import load_study, map_spec, sweep_spec
+    study = tmp_path / "s.toml"
+    study.write_text('[ablation]\npreset = "tiny"\nvariants = ["lt"]\nloops = [4]\ngrad_loops = 2\nsteps = 3\n')
+    command, options = load_study(study)
+    spec = sweep_spec(options, settled=False)
+    assert command == "run-ablation" and all(spec.cell_config(c).train.grad_loops == 2 for c in spec.cells())
+    assert main(["train", "--grad-loops", "-1"]) == 2
+    assert "--grad-loops" in capsys.readouterr().err
+    code = main(["run-ablation", "--preset", "tiny", "--variants", "lt", "--loops", "3", "--steps", "2",
+                 "--grad-loops", "1", "--eval-every", "0", "--eval-batches", "1", "--out", str(tmp_path / "sw")])
+    assert code == 0
+    cell = next((tmp_path / "sw" / "cells").iterdir())
+    assert load_config(cell)["train"]["grad_loops"] == 1
