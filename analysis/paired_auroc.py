@@ -1,0 +1,263 @@
+"""The refit against the config-only prior, paired, with configurations resampled; and exact permutation p-values
+of one score within a set (issue 40, item 5). Reads committed tables only: pandas, numpy, scipy; no torch, no
+flt_diag import, no run folder.
+
+    python analysis/paired_auroc.py docs/data/warning-eval-w4/rows.csv                  # the paired table
+    python analysis/paired_auroc.py docs/data/warning-eval-w4/rows.csv \
+        --exact "exit-loss gap (final - best loop)" --where variant=lt loops=8           # exact p, one set
+
+Paired table. ROWS is an `analysis/evaluate_warning.py` rows.csv (one row per run and scored step: the
+configuration, the label `failed`, the early-warning features). At each step, every run's out-of-fold
+P(fail) under configuration-grouped cross-validation (each (variant, loops, depth, width, lr_scale)
+configuration predicted from a fit on the others) of
+
+    refit   the packaged predictor's recipe refitted: class-balanced, L2 (1.0) logistic regression on
+            grad_dlog and loss_climb, columns standardised and missing values filled from the training rows only
+            (`--features` for another set, e.g. the eight of "refit, 8 features")
+    prior   the same fitter on the configuration alone: one-hot variant, K, depth, log2 lr scale
+
+(flt_diag.results.warning_evaluation's procedure, written again here so that nothing of flt_diag is imported;
+tests/test_paired_auroc.py checks it against the committed comparison.csv). Then the AUROC of each, their
+difference refit - prior, and its 95 % percentile interval over DRAWS cluster-bootstrap draws: configurations
+drawn with replacement, every run of a drawn configuration kept, both AUROCs computed on the same draw (paired);
+draws with one outcome only are skipped and counted. The out-of-fold scores are computed once and held fixed:
+the interval is over which configurations are evaluated, not over the fits.
+
+Exact p (`--exact SCORE`): among the rows meeting every `--where` KEY=V[,V2] (and, where the table has a step
+column, at each step), the share of all C(n, k) ways to place the k failures among the n runs whose AUROC is at
+least the observed one (one-sided: failures score higher). When all k failures rank first this is 1 / C(n, k).
+Rows without the score are left out. Any CSV with a `failed` column works (e.g. docs/data/loop-dynamics-*.csv).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from scipy.optimize import minimize
+
+CONFIG = ["variant", "loops", "depth", "width", "lr_scale"]
+RECIPE = ["grad_dlog", "loss_climb"]  # the packaged predictor's features (docs/data/early_warning_v4.json)
+L2 = 1.0
+EXACT_LIMIT = 2_000_000  # labelings enumerated at most
+
+
+# --------------------------------------------------------------------------- statistics
+
+def auroc(y, score) -> float:
+    """P(a failing run's score > a stable run's), ties counting half; NaN without both outcomes."""
+    y, score = np.asarray(y, bool), np.asarray(score, float)
+    pos, neg = score[y], score[~y]
+    if not len(pos) or not len(neg):
+        return math.nan
+    greater = (pos[:, None] > neg[None, :]).sum()
+    ties = (pos[:, None] == neg[None, :]).sum()
+    return float((greater + 0.5 * ties) / (len(pos) * len(neg)))
+
+
+def exact_p(y, score) -> tuple[float, int]:
+    """One-sided exact permutation p of the AUROC: the share of the C(n, k) placements of the k failures among
+    the n runs whose AUROC is >= the observed one; and C(n, k)."""
+    y, score = np.asarray(y, bool), np.asarray(score, float)
+    n, k = len(y), int(y.sum())
+    total = math.comb(n, k)
+    if not 0 < k < n:
+        return math.nan, total
+    if total > EXACT_LIMIT:
+        raise ValueError(f"C({n}, {k}) = {total} placements: too many to enumerate")
+    observed = auroc(y, score)
+    hits = 0
+    for placed in itertools.combinations(range(n), k):
+        perm = np.zeros(n, bool)
+        perm[list(placed)] = True
+        hits += auroc(perm, score) >= observed - 1e-12
+    return hits / total, total
+
+
+# --------------------------------------------------------------------------- models under grouped CV
+
+def _sigmoid(z):
+    return 1.0 / (1.0 + np.exp(-np.clip(z, -60, 60)))
+
+
+def _fit_logistic(X, y, weights):
+    def loss(theta):
+        w, b = theta[:-1], theta[-1]
+        z = X @ w + b
+        r = weights * (_sigmoid(z) - y)
+        return (np.sum(weights * (np.logaddexp(0, z) - y * z)) + 0.5 * L2 * w @ w,
+                np.concatenate([X.T @ r + L2 * w, [np.sum(r)]]))
+    theta = minimize(loss, np.zeros(X.shape[1] + 1), jac=True, method="L-BFGS-B").x
+    return theta[:-1], theta[-1]
+
+
+def fit_predict(X_train, y_train, X_test) -> np.ndarray:
+    """Class-balanced (each class weighs n / 2), L2-penalised logistic regression on columns standardised by the
+    training rows' mean and spread (of the values present); a missing value on either side is the training mean."""
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        finite = np.where(np.isfinite(X_train), X_train, np.nan)
+        mean, std = np.nan_to_num(np.nanmean(finite, axis=0)), np.nanstd(finite, axis=0)
+    std = np.where(np.isfinite(std) & (std > 1e-12), std, 1.0)
+    X_train = np.where(np.isfinite(X_train), X_train, mean)
+    X_test = np.where(np.isfinite(X_test), X_test, mean)
+    if y_train.min() == y_train.max():
+        return np.full(len(X_test), float(y_train[0]))
+    n, pos = len(y_train), y_train.sum()
+    weights = np.where(y_train == 1, n / (2 * pos), n / (2 * (n - pos)))
+    w, b = _fit_logistic((X_train - mean) / std, y_train, weights)
+    return _sigmoid(((X_test - mean) / std) @ w + b)
+
+
+def config_keys(table: pd.DataFrame) -> np.ndarray:
+    return table[CONFIG].astype(str).agg("|".join, axis=1).to_numpy()
+
+
+def prior_matrix(table: pd.DataFrame) -> np.ndarray:
+    variants = sorted(table.variant.unique())
+    onehot = np.stack([(table.variant == v).to_numpy(float) for v in variants], axis=1)
+    numeric = np.stack([table.loops.to_numpy(float), table.depth.to_numpy(float),
+                        np.log2(table.lr_scale.to_numpy(float))], axis=1)
+    return np.concatenate([onehot, numeric], axis=1)
+
+
+def out_of_fold(table: pd.DataFrame, X: np.ndarray) -> np.ndarray:
+    """Every row's P(fail) from a fit on the other configurations (one step's rows)."""
+    y, keys = table.failed.to_numpy(float), config_keys(table)
+    out = np.full(len(table), math.nan)
+    for key in np.unique(keys):
+        test = keys == key
+        if (~test).any():
+            out[test] = fit_predict(X[~test], y[~test], X[test])
+    return out
+
+
+def scores(table: pd.DataFrame, features: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(refit, prior) out-of-fold scores of one step's rows."""
+    X = table.reindex(columns=features).to_numpy(float)
+    return out_of_fold(table, X), out_of_fold(table, prior_matrix(table))
+
+
+# --------------------------------------------------------------------------- the paired bootstrap
+
+def cluster_draws(keys: np.ndarray, draws: int, seed: int):
+    """Row indices of each draw: the configurations drawn with replacement, all rows of each drawn one."""
+    groups = [np.flatnonzero(keys == k) for k in np.unique(keys)]
+    rng = np.random.default_rng(seed)
+    for _ in range(draws):
+        picked = rng.integers(0, len(groups), len(groups))
+        yield np.concatenate([groups[g] for g in picked])
+
+
+def paired(y, refit, prior, keys, draws: int = 2000, seed: int = 0) -> dict:
+    """AUROC of refit and prior, their difference, and its percentile 95 % interval over cluster draws."""
+    y = np.asarray(y, bool)
+    diffs, skipped = [], 0
+    for idx in cluster_draws(keys, draws, seed):
+        if y[idx].all() or not y[idx].any():
+            skipped += 1
+            continue
+        diffs.append(auroc(y[idx], refit[idx]) - auroc(y[idx], prior[idx]))
+    diffs = np.asarray(diffs)
+    a, b = auroc(y, refit), auroc(y, prior)
+    lo, hi = (np.quantile(diffs, [0.025, 0.975]) if len(diffs) else (math.nan, math.nan))
+    return dict(runs=len(y), failing=int(y.sum()), configurations=len(np.unique(keys)), refit=a, prior=b,
+                difference=a - b, lo=float(lo), hi=float(hi),
+                share_refit_better=float((diffs > 0).mean()) if len(diffs) else math.nan,
+                draws_used=len(diffs), draws_skipped=skipped)
+
+
+def paired_table(rows: pd.DataFrame, steps, features, draws: int, seed: int) -> pd.DataFrame:
+    out = []
+    for step in steps:
+        at = rows[rows.step == step].reset_index(drop=True)
+        if at.empty:
+            continue
+        refit, prior = scores(at, features)
+        out.append(dict(step=step) | paired(at.failed.to_numpy(), refit, prior, config_keys(at), draws, seed))
+    return pd.DataFrame(out)
+
+
+def markdown(table: pd.DataFrame) -> str:
+    lines = ["| step | runs (failing), configurations | refit AUROC | prior AUROC | refit - prior [95 %] "
+             "| draws with refit > prior | draws used (one outcome: skipped) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in table.itertuples():
+        lines.append(f"| {r.step} | {r.runs} ({r.failing}), {r.configurations} | {r.refit:.2f} | {r.prior:.2f} "
+                     f"| {r.difference:+.2f} [{r.lo:+.2f}, {r.hi:+.2f}] | {r.share_refit_better:.1%} "
+                     f"| {r.draws_used} ({r.draws_skipped}) |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the command
+
+def select(table: pd.DataFrame, conditions: list[str]) -> pd.DataFrame:
+    mask = np.ones(len(table), bool)
+    for cond in conditions:
+        key, values = cond.split("=", 1)
+        column = table[key]
+        any_of = np.zeros(len(table), bool)
+        for v in values.split(","):
+            any_of |= column.astype(str).to_numpy() == v
+            try:
+                any_of |= pd.to_numeric(column, errors="coerce").to_numpy() == float(v)
+            except ValueError:
+                pass
+        mask &= any_of
+    return table[mask]
+
+
+def exact_lines(table: pd.DataFrame, score: str) -> list[str]:
+    if score not in table:
+        raise ValueError(f"no column {score!r}")
+    lines = ["| step | runs (failing) | AUROC | exact one-sided p | 1 / C(n, k) |", "|---|---|---|---|---|"]
+    for step, at in (table.groupby("step") if "step" in table else [("-", table)]):
+        at = at[np.isfinite(at[score].to_numpy(float))]
+        y, s = at.failed.to_numpy(bool), at[score].to_numpy(float)
+        p, total = exact_p(y, s)
+        lines.append(f"| {step} | {len(y)} ({int(y.sum())}) | {auroc(y, s):.2f} | {p:.3f} | 1/{total} = {1 / total:.3f} |")
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("rows", type=Path, help="a rows.csv of analysis/evaluate_warning.py (or, with --exact, any CSV "
+                                            "with a `failed` column)")
+    ap.add_argument("--steps", nargs="+", type=int, default=[100, 200, 300, 500])
+    ap.add_argument("--features", nargs="+", default=RECIPE, help="the refit's features (default: %(default)s)")
+    ap.add_argument("--draws", type=int, default=2000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--exact", metavar="SCORE", help="print the exact permutation p of this column instead")
+    ap.add_argument("--where", nargs="+", default=[], metavar="KEY=V", help="with --exact: the set's rows")
+    args = ap.parse_args(argv)
+    if not args.rows.is_file():
+        raise ValueError(f"no file {args.rows}")
+    rows = pd.read_csv(args.rows)
+    if "failed" not in rows:
+        raise ValueError(f"{args.rows} has no `failed` column")
+    if args.exact:
+        sel = select(rows, args.where)
+        if "step" in sel:
+            sel = sel[sel.step.isin(args.steps)]
+        if sel.empty:
+            raise ValueError(f"no row of {args.rows} meets {' '.join(args.where) or 'the steps given'}")
+        print("\n".join(exact_lines(sel, args.exact)))
+        return 0
+    missing = [c for c in [*CONFIG, "step", *args.features] if c not in rows]
+    if missing:
+        raise ValueError(f"{args.rows} lacks the columns {', '.join(missing)}")
+    print(markdown(paired_table(rows, args.steps, args.features, args.draws, args.seed)))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
