@@ -29,7 +29,8 @@ from flt_diag.storage.folders import StorageError, atomic_write_text, load_confi
 
 FAILURES = ("collapsed", "stalled", "diverged")  # the plan's primary label
 DEGENERATE = 0.9  # final-loop token cosine at or above: "degenerate" (fixed in the plan)
-AGREEMENT_DROP = 0.1  # A(last snapshot <= onset) below A(first snapshot) by more than this (fixed in the plan)
+AGREEMENT_DROP = 0.1  # A(last snapshot <= onset) below A(step 200) by more than this (fixed in the plan)
+AGREEMENT_FROM = 200  # the plan's reference snapshot (step 0 is the initialisation, where every A is 1)
 RECORDS = [M.TOKEN_COSINE, M.EFFECTIVE_RANK, M.LOOP_GRAD_COSINE, M.LOOP_GAIN, M.LOOP_SPECTRAL_RADIUS,
            M.LOOP_SPECTRAL_RESIDUAL, M.LOOP_MEAN_GAIN, M.LOOP_PERTURBATION_GROWTH, M.FIXED_POINT_RESIDUAL, M.LOSS]
 
@@ -70,6 +71,7 @@ def run_row(run) -> dict:
     window = int(cfg.get("verdict", {}).get("smooth_window", 50))
     onset, climb = climb_onset(series(df, M.LOSS), window)
     A = agreement_series(df, detached)
+    A = A[A.index >= AGREEMENT_FROM]
     before = A[A.index <= onset] if onset is not None else A.iloc[:0]
     cosine = final_loop(df, M.TOKEN_COSINE, K)
     degenerate_at = cosine[cosine >= DEGENERATE]
@@ -137,6 +139,7 @@ def secondary_table(runs: pd.DataFrame) -> pd.DataFrame:
         f, s = g[g.failed], g[~g.failed]
         rows.append({"arm": arm,
                      "agreement fell before the climb (failing runs)": f"{int(f.agreement_fell.sum())}/{len(f)}",
+                     "A(200) (median)": f"{g.A_first.median():.3f}",
                      "degenerate, failing": f"{int(f.degenerate.sum())}/{len(f)}",
                      "degenerate, not failing": f"{int(s.degenerate.sum())}/{len(s)}",
                      "token cosine (median)": f"{g.token_cosine.median():.3f}",
@@ -149,10 +152,10 @@ def secondary_table(runs: pd.DataFrame) -> pd.DataFrame:
 
 def onsets_table(runs: pd.DataFrame) -> pd.DataFrame:
     f = runs[runs.failed].sort_values(["arm", "seed"])
-    return pd.DataFrame({"run": f.run, "verdict": f.verdict, "climb onset": f.onset,
+    return pd.DataFrame({"arm": f.arm, "run": f.run, "verdict": f.verdict, "climb onset": f.onset,
                          "final-loop token cosine >= 0.9 from": [("-" if x is None or pd.isna(x) else int(x))
                                                                  for x in f.degenerate_from],
-                         "A(200)": [f"{x:.3f}" for x in f.A_first], "A before onset": [f"{x:.3f}" for x in f.A_before]})
+                         f"A({AGREEMENT_FROM})": [f"{x:.3f}" for x in f.A_first], "A before onset": [f"{x:.3f}" for x in f.A_before]})
 
 
 def report(folders: list[Path]) -> str:

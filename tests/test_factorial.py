@@ -33,9 +33,10 @@ def make(run_dir: Path, variant: str, grad_loops: int, seed: int, collapses: boo
     write_json(run_dir / CONFIG, {**doc, "env": ENV, "corpus": {"unigram_entropy": 4.5}})
     rows = [(int(s), M.LOSS, -1, -1, float(v)) for s, v in zip(t, loss)]
     rows += [(int(s), M.GRAD_NORM, -1, -1, 1.0 + 0.01 * (s % 2)) for s in t]
-    for s in range(0, STEPS, 100):
+    for s in range(0, STEPS, 50):  # (step 0 is left out of the agreement: the plan reads A from step 200)
         for loop in range(1, K + 1):
-            a = 0.0 if loop <= (K - grad_loops if 0 < grad_loops < K else 0) else (0.8 - (0.5 if drop and s >= 200 else 0))
+            a = 0.0 if loop <= (K - grad_loops if 0 < grad_loops < K else 0) else (
+                1.0 if s == 0 else 0.8 - (0.5 if drop and s >= 250 else 0))
             for layer in (1, 2):
                 rows.append((s, M.LOOP_GRAD_COSINE, loop, layer, a))
         for loop in range(2, K + 1):
