@@ -21,6 +21,8 @@ import numpy as np  # noqa: E402
 from flt_diag.results import warning_evaluation as W  # noqa: E402
 from flt_diag.results.predictor_fit import DEFAULT_FEATURES  # noqa: E402
 from flt_diag.storage.files import load_predictor  # noqa: E402
+from flt_diag.storage.folders import atomic_write_text, make_folder, refuse_links  # noqa: E402
+from flt_diag.storage.safe_files import new_file  # noqa: E402
 from flt_diag.storage.predictor_names import PACKAGED  # noqa: E402
 
 
@@ -54,21 +56,27 @@ def main(argv=None) -> int:
     ap.add_argument("--set", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"),
                     help="a within-variant set: its name, then conditions on the runs' columns")
     args = ap.parse_args(argv)
+    outputs = {name: args.out / name for name in ("rows.csv", "comparison.csv", "ablation.csv", "runs.json", "ship.json")}
+    for path in outputs.values():  # refused before any run is read: a link, a FIFO, a folder (as flt-diag writes)
+        refuse_links(new_file(path), args.out)
+
+    def write(name: str, text: str) -> None:  # a temporary file renamed into place, never through a link
+        atomic_write_text(new_file(outputs[name]), text, args.out)
     packaged = load_predictor(PACKAGED)
     table = W.evaluation_table(args.folders, args.at, packaged)
     if table.empty:
         print("error: no finished run in the given folders", file=sys.stderr)
         return 2
-    args.out.mkdir(parents=True, exist_ok=True)
-    table.to_csv(args.out / "rows.csv", index=False)
+    make_folder(args.out, args.out)
+    write("rows.csv", table.to_csv(index=False))
     sets = {s[0]: selector(s[1:]) for s in args.set}
     # the refit is the packaged model's recipe (its features) refitted; "refit, 8 features" is fit-predictor's default set
     comparison = W.comparison(table, packaged["features"], sets, wide_features=DEFAULT_FEATURES)
-    comparison.to_csv(args.out / "comparison.csv", index=False)
+    write("comparison.csv", comparison.to_csv(index=False))
     ablation = W.ablation(table, DEFAULT_FEATURES)
-    ablation.to_csv(args.out / "ablation.csv", index=False)
+    write("ablation.csv", ablation.to_csv(index=False))
     runs = table.drop_duplicates("run")
-    (args.out / "runs.json").write_text(json.dumps(
+    write("runs.json", json.dumps(
         {"runs": len(runs), "failing": int(runs.failed.sum()),
          "verdicts": runs.verdict.value_counts().to_dict()}, indent=1))
     fmt = {c: "{:.2f}".format for c in ("auroc", "auroc_lo", "auroc_hi", "agreement", "agreement_lo", "agreement_hi")}
@@ -77,7 +85,7 @@ def main(argv=None) -> int:
     print()
     print(ablation.to_string(index=False, formatters=fmt))
     ships, reason = W.ship_decision(comparison)
-    (args.out / "ship.json").write_text(json.dumps({"refit_ships": ships, "reason": reason}, indent=1))
+    write("ship.json", json.dumps({"refit_ships": ships, "reason": reason}, indent=1))
     print(f"\nwhat ships, by the plan's rule: {reason}")
     return 0
 

@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from flt_diag.results.report import markdown  # noqa: E402
 from flt_diag.results.tables import pooled_summary, variant_rank  # noqa: E402
-from flt_diag.storage.folders import StorageError  # noqa: E402
+from flt_diag.storage.folders import StorageError, atomic_path, refuse_links  # noqa: E402
+from flt_diag.storage.safe_files import new_file  # noqa: E402
 
 SHORT = {"stable": "s", "unstable": "U", "stalled": "T", "collapsed": "C", "diverged": "D"}  # a seed's verdict in one letter (T: stalled)
 
@@ -73,6 +74,8 @@ def main(argv=None) -> int:
     parser.add_argument("--csv", type=Path, help="also write the table at full precision")
     args = parser.parse_args(argv)
     try:
+        if args.csv:  # refused before anything is read or printed: a link, a FIFO, a folder (as flt-diag's --csv)
+            refuse_links(new_file(args.csv))
         table = failure_rates(pooled_summary(args.sweeps))
     except StorageError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -83,7 +86,12 @@ def main(argv=None) -> int:
     print(markdown(as_text(table)))
     print("\nverdicts: s stable, U unstable, T stalled, C collapsed, D diverged; interval: exact (Clopper-Pearson) 95 %")
     if args.csv:
-        table.to_csv(args.csv, index=False)
+        try:  # as flt-diag writes: a temporary file renamed into place, never through a link
+            with atomic_path(new_file(args.csv)) as tmp:
+                table.to_csv(tmp, index=False)
+        except (StorageError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     return 0
 
 

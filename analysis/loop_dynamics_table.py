@@ -21,7 +21,8 @@ import pandas as pd  # noqa: E402
 
 from flt_diag.results.warning_evaluation import auroc, bootstrap_interval  # noqa: E402
 from flt_diag.storage import metric_names as M  # noqa: E402
-from flt_diag.storage.folders import load_config, load_metrics, load_summary, run_dirs  # noqa: E402
+from flt_diag.storage.folders import atomic_path, load_config, load_metrics, load_summary, refuse_links, run_dirs  # noqa: E402
+from flt_diag.storage.safe_files import new_file  # noqa: E402
 
 WINDOW = 50  # the plan's window [s - 50, s)
 FINAL_STEPS = 100  # "final": the records of the last 100 steps
@@ -88,13 +89,16 @@ def main(argv=None) -> int:
     ap.add_argument("--at", nargs="+", type=int, default=[100, 200, 300, 500])
     ap.add_argument("--csv", type=Path)
     args = ap.parse_args(argv)
+    if args.csv:  # refused before any folder is read: a link, a FIFO, a folder (as flt-diag's --csv)
+        refuse_links(new_file(args.csv))
     rows = [run_row(d, args.at) for f in args.folders for d in run_dirs(f) if load_summary(d) is not None]
     if not rows:
         print("error: no finished run in the given folders", file=sys.stderr)
         return 2
     t = pd.DataFrame(rows)
-    if args.csv:
-        t.to_csv(args.csv, index=False)
+    if args.csv:  # as flt-diag writes: a temporary file renamed into place, never through a link
+        with atomic_path(new_file(args.csv)) as tmp:
+            t.to_csv(tmp, index=False)
     pd.set_option("display.width", 200)
     print(t[["run", "verdict", "gain_first", "gain_last", "gain_above_1_at", "climb_start"]].to_string(index=False))
     finals = [c for c in t.columns if c.startswith("final ")]

@@ -18,27 +18,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from flt_diag.results import figures, report  # noqa: E402
 from flt_diag.judge.map_boundaries import critical_table  # noqa: E402
 from flt_diag.results.tables import collect, results_table, summary_table  # noqa: E402
-from flt_diag.storage.folders import StorageError  # noqa: E402
+from flt_diag.storage.folders import StorageError, atomic_write_text, make_folder  # noqa: E402
+from flt_diag.storage.safe_files import new_file  # noqa: E402
 
 
 def regenerate(sweep: Path, out: Path | None = None, formats=("png", "pdf")) -> list[Path]:
-    """Write every output; returns the paths written."""
-    fig_dir = out if out is not None else sweep / "figures"
-    fig_dir.mkdir(parents=True, exist_ok=True)
+    """Write every output, as flt-diag's own commands do (a temporary file renamed into place; no write through
+    a link below the folder given, --out or SWEEP, nor over a FIFO); returns the paths written."""
+    root = out if out is not None else sweep  # the user's own choice (which may itself be a link)
+    fig_dir = make_folder(out if out is not None else sweep / "figures", root)
+
+    def write(path: Path, text: str) -> None:
+        atomic_write_text(new_file(path), text, root)
     study = collect(sweep)
     drawn, skipped = figures.render(study)
-    written = [figures.save(fig, fig_dir / f"{kind}.{fmt}") for kind, fig in drawn.items() for fmt in formats]
+    written = [figures.save(fig, new_file(fig_dir / f"{kind}.{fmt}"), root=root) for kind, fig in drawn.items()
+               for fmt in formats]
     for kind, why in skipped.items():
         print(f"skipped {why}", file=sys.stderr)
-    summary_table(study).to_csv(fig_dir / "table.csv", index=False)
-    (fig_dir / "table.md").write_text(report.markdown(results_table(study)))
+    write(fig_dir / "table.csv", summary_table(study).to_csv(index=False))
+    write(fig_dir / "table.md", report.markdown(results_table(study)))
     if study.spec and study.spec.get("kind") == "map":  # a stability map: its critical values too
         table = critical_table(sweep)
-        table.to_csv(fig_dir / "map_table.csv", index=False)
-        (fig_dir / "map_table.md").write_text(report.markdown(table))
+        write(fig_dir / "map_table.csv", table.to_csv(index=False))
+        write(fig_dir / "map_table.md", report.markdown(table))
         written += [fig_dir / "map_table.csv", fig_dir / "map_table.md"]
     html = (out / report.REPORT) if out is not None else sweep / report.REPORT
-    written += [fig_dir / "table.csv", fig_dir / "table.md", report.write_html(study, drawn, skipped, html)]
+    written += [fig_dir / "table.csv", fig_dir / "table.md", report.write_html(study, drawn, skipped, new_file(html), root)]
     return written
 
 
@@ -52,6 +58,9 @@ def main(argv=None) -> int:
             print(path)
     except StorageError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a path that is a file where a folder belongs, no permission, a full disk
+        print(f"error: {e.strerror or type(e).__name__}{f': {e.filename}' if e.filename else ''}", file=sys.stderr)
         return 1
     return 0
 

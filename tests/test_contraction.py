@@ -10,25 +10,13 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from equations import randomize
-from flt_diag.model.transformer import LoopedTransformer, ModelConfig, detached_loops, norm
+from flt_diag.model.transformer import detached_loops, norm
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import load_config, load_metrics
 from flt_diag.training import loop_dynamics as D
 from flt_diag.training.trainer import train
 
-V = 16
-
-
-def tiny(variant="lt", K=3, d=8, heads=2, layers=2, seed=0):
-    torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=V, n_layer=layers, n_embd=d, n_head=heads, sequence_len=4, variant=variant, loops=K)
-    return randomize(LoopedTransformer(cfg), seed=seed)
-
-
-def batch(B=1, T=4, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+from test_loop_dynamics import batch, tiny  # (the same tiny models and batches)
 
 
 def exact_jacobian(step, h):
@@ -259,7 +247,7 @@ def test_a_truncated_run_records_zero_activation_gradients_for_its_detached_loop
 
 def test_grad_loops_reaches_every_grid_from_the_cli_and_a_study(tmp_path, capsys):
     from flt_diag.cli import main
-    from flt_diag.cli.specs import load_study, map_spec, sweep_spec
+    from flt_diag.cli.specs import load_study, sweep_spec
     study = tmp_path / "s.toml"
     study.write_text('[ablation]\npreset = "tiny"\nvariants = ["lt"]\nloops = [4]\ngrad_loops = 2\nsteps = 3\n')
     command, options = load_study(study)

@@ -83,3 +83,72 @@ def test_an_integration_without_its_extra_is_one_line(module, blocked, extra):
     assert last == (f"ImportError: flt_diag.training.integrations.{module} needs "
                     f"{'transformers>=4.40 and accelerate' if extra == 'hf-trainer' else 'lightning>=2.2'}: "
                     f"pip install 'flt-diag[{extra}]'")
+
+
+def test_hugging_face_options_and_the_gradient_before_clipping(tmp_path):
+    """seed= given to the callback wins over the Trainer's; under the Trainer's clipping the recorded gradient
+    norm is the Trainer's own pre-clip norm (its log), and the per-group clipped norms make max_grad_norm."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from flt_diag.training.integrations.hf import FltDiagCallback
+
+    class Logs(transformers.TrainerCallback):
+        def __init__(self):
+            self.grad_norm = {}
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "grad_norm" in logs:
+                self.grad_norm[state.global_step - 1] = float(logs["grad_norm"])
+
+    torch.manual_seed(0)
+    model = looped_gpt2(loops=2)
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 64, (16, 16), generator=g)]
+    callback, logs = FltDiagCallback(blocks="gpt.transformer.h.*", folder=tmp_path / "hf", seed=7), Logs()
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=4,
+                                          learning_rate=1e-3, report_to=[], save_strategy="no", use_cpu=True,
+                                          disable_tqdm=True, logging_strategy="steps", logging_steps=1,
+                                          dataloader_num_workers=0, max_grad_norm=0.1)
+    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback, logs]).train()
+    assert load_config(tmp_path / "hf")["train"]["seed"] == 7
+    df = load_metrics(tmp_path / "hf")
+    assert sorted(logs.grad_norm) == [0, 1, 2, 3]
+    for step, norm in logs.grad_norm.items():
+        assert norm > 0.2  # (clipped to 0.1: the clipping acted)
+        assert float(df[(df.step == step) & (df.metric == M.GRAD_NORM)].value.iloc[0]) == pytest.approx(norm, rel=1e-4)
+        clipped = df[(df.step == step) & df.metric.str.startswith("grad_norm_clipped/")].value
+        assert float((clipped ** 2).sum()) ** 0.5 == pytest.approx(0.1, rel=1e-3)
+        groups = df[(df.step == step) & df.metric.str.startswith("grad_norm/")].value  # per group, before clipping
+        assert float((groups ** 2).sum()) ** 0.5 == pytest.approx(norm, rel=1e-4)
+    assert "oscillation" not in callback.summary["evidence"]
+
+
+def test_lightning_options_win(tmp_path):
+    """steps= and optimizer= given to the callback are watch()'s, not a TypeError."""
+    L = pytest.importorskip("lightning")
+    from flt_diag.training.integrations.lightning import FltDiagCallback
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = UniversalTransformer(loops=2)
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, x, batch_idx):
+            return lm_loss(self(x), x)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), 1e-3)
+
+    torch.manual_seed(0)
+    module = Module()
+    recorded = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.125)
+    callback = FltDiagCallback(blocks="net.layer", folder=tmp_path / "pl", steps=9, optimizer=recorded)
+    L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False, callbacks=[callback]).fit(
+        module, torch.utils.data.DataLoader(batches(3), batch_size=None))
+    assert load_config(tmp_path / "pl")["train"]["steps"] == 9
+    df = load_metrics(tmp_path / "pl")
+    assert (df[df.metric == M.LR].value == 0.125).all() and len(df[df.metric == M.LR]) == 3

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import flt_diag
 from conftest import tiny_config
-from probe_models import D, T, UniversalTransformer, batches, check_folder, lm_loss, looped_gpt2
+from probe_models import D, T, V, UniversalTransformer, batches, check_folder, lm_loss, looped_gpt2
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import load_config, load_metrics, load_summary
 from flt_diag.training.callbacks import Callback
@@ -221,3 +221,85 @@ def test_import_flt_diag_stays_torch_free():
     import sys
     code = "import sys, flt_diag; assert 'torch' not in sys.modules; flt_diag.watch; assert 'torch' in sys.modules"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def test_a_non_finite_loss_stops_a_run_that_asked_for_it(tmp_path):
+    """stop_on_collapse: the step whose loss is NaN is the warning's check (P 1, the evidence naming it), the run
+    stops there, and the verdict stays the loss rules' own."""
+    torch.manual_seed(0)
+    model = UniversalTransformer(loops=2)
+    opt = torch.optim.AdamW(model.parameters(), 1e-3)
+    stopped_at = None
+    with flt_diag.watch(model, blocks=[model.layer], folder=tmp_path / "nan", optimizer=opt,
+                        stop_on_collapse=True) as probe:
+        for s, x in enumerate(batches(10)):
+            loss = lm_loss(model(x), x)
+            loss.backward()
+            opt.step()
+            probe.step(loss=loss * float("nan") if s >= 4 else loss)
+            opt.zero_grad()
+            if probe.should_stop:
+                stopped_at = s
+                break
+    assert stopped_at == 4
+    w = probe.warning()
+    assert w["step"] == 5 and w["p_collapse"] == 1.0 and "not finite" in w["evidence"]
+    assert probe.summary["verdict"] == "diverged" and "non-finite" in probe.summary["stop_reason"]
+
+
+class Huginn(nn.Module):
+    """A prelude of two blocks, a recurrent core of one block run r times on [h, e] (a concat adapter), a coda."""
+
+    def __init__(self, r: int = 3):
+        super().__init__()
+        self.r, self.embed, self.head = r, nn.Embedding(V, D), nn.Linear(D, V)
+        self.prelude = nn.ModuleList(nn.Linear(D, D) for _ in range(2))
+        self.adapter = nn.Linear(2 * D, D)
+        self.core = nn.ModuleList([nn.Sequential(nn.Linear(D, D), nn.Tanh())])
+        self.coda = nn.Linear(D, D)
+
+    def forward(self, x):
+        e = self.embed(x)
+        for b in self.prelude:
+            e = b(e)
+        h = torch.zeros_like(e)
+        for _ in range(self.r):
+            h = self.core[0](self.adapter(torch.cat([h, e], -1)))
+        return self.head(self.coda(h))
+
+
+def test_auto_finds_the_blocks_the_forward_reuses(tmp_path):
+    """blocks="auto" picks the modules called more than once (not the larger prelude), the layers of a repeated
+    layer list once each, and a lone looped layer without any ModuleList; the training forward is unchanged."""
+    torch.manual_seed(0)
+    model = Huginn(r=3)
+    probe, _ = train_plain(model, tmp_path / "h", steps=2)
+    assert probe.names == ["adapter", "core.0"]  # (the core block with the adapter that feeds it)
+    assert load_config(tmp_path / "h")["model"]["loops"] == 3
+    torch.manual_seed(0)
+    ut = UniversalTransformer(loops=3, sample_loops=True)
+    probe, _ = train_plain(ut, tmp_path / "u", steps=3)
+    assert probe.names == ["layer"]
+    df = load_metrics(tmp_path / "u")
+    assert list(df[df.metric == M.LOOPS_RUN].value) == ut.sampled[1:]  # (the search's forward drew the same r)
+    assert ut.sampled[0] == ut.sampled[1]
+
+    class Repeated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            layers = [nn.Linear(D, D), nn.Linear(D, D)]
+            self.layers = nn.ModuleList(layers * 3)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return x
+    model = Repeated()
+    opt = torch.optim.SGD(model.parameters(), 0.01)
+    with flt_diag.watch(model, folder=tmp_path / "r", optimizer=opt) as probe:
+        for _ in range(2):
+            model(torch.randn(2, T, D)).square().mean().backward()
+            opt.step()
+            probe.step(loss=1.0)
+            opt.zero_grad()
+    assert probe.names == ["layers.0", "layers.1"] and load_config(tmp_path / "r")["model"]["loops"] == 3

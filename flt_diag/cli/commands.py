@@ -26,11 +26,13 @@ from flt_diag.judge.spike_detectors import detector_sweep
 from flt_diag.results.report import write_report
 from flt_diag.results.sensitivity import sensitivity
 from flt_diag.storage.folders import (CHECKPOINT, StorageError, atomic_write_text, is_archive, is_sweep, load_summary,
-                                     run_dirs, write_json)
+                                     refuse_links, run_dirs, write_json)
 from flt_diag.cli.output import (fit_command, print_critical_values, print_cross_validation, print_eval_loops,
                                   print_failed_cells, print_fitted, print_map_plan, print_model_line, print_online, print_detectors,
                                   print_predictions_at, PACKAGED_CAVEAT)
 from flt_diag.storage.predictor_names import PACKAGED
+from flt_diag.storage.pooling import check_poolable
+from flt_diag.storage.safe_files import new_file
 from flt_diag.cli.console import console_progress, print_run_summary, print_sensitivity, print_sweep_table, progress_bar
 from flt_diag.cli.options import (FOLDER_OPTIONS, ArchiveOptions, EvalLoopsOptions, FitPredictorOptions, ImportReferenceOptions,
                                   MapOptions, Options, PlotOptions, PredictOptions, ReportOptions, RunAblationOptions,
@@ -157,6 +159,8 @@ def cmd_summary(o: SummaryOptions) -> int:
 
 def _sensitivity(paths: list[Path], overrides: dict, csv: Path | None) -> int:
     """`summary --sensitivity`: the table of verdicts and flags that change when each threshold moves."""
+    if len(paths) > 1:  # several folders pool as the summary table pools them: sweeps of one setting, no map
+        check_poolable(paths)
     table = sensitivity(paths, overrides)
     if not table.runs.any():
         raise UserError("no finished runs to judge")
@@ -213,6 +217,8 @@ def cmd_predict(o: PredictOptions) -> int:
         raise UserError("--figure draws agreement against fixed steps (--at); it does not apply with --online")
     if o.figure is not None and o.figure.suffix not in (".png", ".pdf", ".svg"):
         raise UserError(f"--figure must end in .png, .pdf or .svg, got {o.figure.name}")
+    for flag, path in (("--csv", o.csv), ("--figure", o.figure)):
+        _output_file(flag, path)
     models = {("packaged" if p is None else str(p)): load_predictor(p) for p in o.predictor or [None]}
     tables = []
     for name, model in models.items():
@@ -257,6 +263,8 @@ def cmd_fit_predictor(o: FitPredictorOptions) -> int:
     for p in paths:
         if Path(p).suffix != ".csv":
             run_dirs(p)
+    for flag, path in (("--out", o.out), ("--examples-out", o.examples_out)):
+        _output_file(flag, path)  # both, before either is written
     examples = FIT.training_examples(paths, at, target)  # features computed once, for the fit and the CV
     older = sum(FIT.judged_before_v3(e["summary"]) for e in examples)
     if older:
@@ -272,6 +280,16 @@ def cmd_fit_predictor(o: FitPredictorOptions) -> int:
     write_json(o.out, model)
     print_fitted(model, o.out)
     return 0
+
+
+def _output_file(flag: str, path: Path | None) -> None:
+    """A file a command is to write, refused before any work and before any other output is written: a link,
+    a FIFO, a device, a folder, or no folder to hold it (one line each)."""
+    if path is None:
+        return
+    refuse_links(new_file(path))
+    if not path.parent.is_dir():
+        raise UserError(f"{flag} {path}: there is no folder {path.parent} to write it into")
 
 
 def _cross_validate(paths, o: FitPredictorOptions, examples, features) -> dict:

@@ -155,7 +155,7 @@ def run_map(spec: MapSpec, out: Path, workers: int = 1, only_line: int | None = 
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise StorageError(f"{out} exists and is a file, not a map folder; use another --out")
-    with (folder_lock(out, "map") if only_line is None else nullcontext()):
+    with (folder_lock(out, "map", root=out) if only_line is None else nullcontext()):  # (out may be a link)
         return _run_map(spec, out, workers, only_line, runner, report, probe_ends)
 
 

@@ -160,7 +160,8 @@ def run_sweep(spec: SweepSpec, out: Path, workers: int = 1, only_cell: int | Non
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise StorageError(f"{out} exists and is a file, not a sweep folder; use another --out")
-    with (folder_lock(out, "sweep") if only_cell is None else contextlib.nullcontext()):
+    # (`out` is the user's own choice and may be a link; a link below it is refused)
+    with (folder_lock(out, "sweep", root=out) if only_cell is None else contextlib.nullcontext()):
         return _run_sweep(spec, out, workers, only_cell, show_progress)
 
 

@@ -245,16 +245,40 @@ def first_warning(df: pd.DataFrame, predictor: dict, loops: int, n_layer: int, d
     first = min(int(s) for s in predictor["models"])
     start = -(-first // every) * every  # the first multiple of `every` at or after the first fitted step
     run = RunSeries(df, loops, n_layer)
-    # bounded by the metrics stored (a summary's steps_done may say anything): no check past the last row
+    # bounded by the metrics stored (a summary's steps_done may say anything): no check past the last row,
+    # and only the checks whose windows differ from the check before are computed
     checks = range(start, min(int(steps_done), run.last_step + 1) + 1, every)
+    fitted = [int(s) for s in predictor["models"]]
     p_max, out = 0.0, dict(warned_at=None, p_warn=math.nan, evidence="")
-    for at in checks:
+    for at in changing_checks(run, checks, fitted):
         feats = features_at(run, at, d_model)
         p, contrib = probability(predictor, feats, at)
         p_max = max(p_max, p)
         if p >= threshold and out["warned_at"] is None:
             out = dict(warned_at=at, p_warn=p, evidence=evidence_text(feats, contrib))
     return out | dict(p_max=p_max, checks=len(checks))
+
+
+def changing_checks(run: RunSeries, checks: range, fitted: list[int]) -> list[int]:
+    """The checks of `checks` whose P can differ from the check before's: the first; those whose windows
+    (at most 100 steps back) hold a stored step, and the first after them; the first at each fitted step. Any
+    other check reads empty windows, the same loss climb and the same fitted model as the check before it, so
+    the replay's work follows the rows stored: one row at step 10**12 is a few checks, not 4 * 10**10."""
+    if not len(checks):
+        return []
+    first, last, every = checks.start, checks[-1], checks.step
+
+    def at_or_after(x: int) -> int | None:
+        at = first if x <= first else first + -(-(x - first) // every) * every
+        return at if at <= last else None
+    picked = {first} | {a for a in map(at_or_after, fitted) if a is not None}
+    series_ = (run.final, run.first, run.grad, run.cos, run.act_first, run.act_last, run.loss)
+    stored = np.unique(np.concatenate([s.index.to_numpy(dtype=np.int64) for s in series_]))
+    for t in stored.tolist():
+        lo = at_or_after(t + 1)
+        if lo is not None:  # the checks whose windows hold t, then the first whose windows no longer do
+            picked.update(range(lo, min(t + 100 + every, last) + 1, every))
+    return sorted(picked)
 
 
 def online_sweep(path, predictor: dict) -> pd.DataFrame:

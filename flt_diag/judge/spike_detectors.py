@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from flt_diag.judge.verdict import quiet
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import load_config, load_metrics, load_summary, run_dirs, series
 
@@ -79,6 +80,7 @@ def kill_loss_spike(loss, patience: int = 4, outlier_multiplier: float = 2.0, wi
     return None, None
 
 
+@quiet  # (a loss of 1e308: the means overflow to inf, without numpy's warnings)
 def first_warnings(loss, total_steps: int | None = None) -> dict:
     """Each detector's first warning step (None: never) over one run's per-step training loss."""
     step, kind = kill_loss_spike(loss, total_steps=total_steps)

@@ -40,17 +40,31 @@ last-step milestone never fires: its loop breaks before training when step == nu
 """
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from flt_diag.storage import archive, metric_names as M
-from flt_diag.storage.folders import SUMMARY, load_config, load_metrics, load_summary, series, write_json
+from flt_diag.storage.folders import (SUMMARY, load_config, load_metrics, load_summary, rewrite_record_summary, series,
+                                     write_json)
 from flt_diag.vocab.config import RunConfig, VerdictConfig, with_overrides
 
 OSC_INDICES = ("cv", "mean_abs_dlog", "sign_alternation", "neg_cosine_share")
+
+
+def quiet(fn):
+    """A judge of the stored values: a figure of huge or non-finite values (a loss of 1e300, a crafted 1e308)
+    is inf or NaN, as each docstring says, without numpy's overflow and invalid-value warnings on stderr."""
+    @functools.wraps(fn)
+    def judge(*args, **kwargs):
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return fn(*args, **kwargs)
+    return judge
 
 
 def coefficient_of_variation(g) -> float:
@@ -80,24 +94,34 @@ def oscillation_indices(grad_norm: pd.Series, cosine: pd.Series | None = None) -
                 sign_alternation=sign_alternation(g), neg_cosine_share=neg_cosine_share(c))
 
 
+@quiet
 def dense_oscillation(grad_norm: pd.Series, cosine: pd.Series | None, dense_steps) -> dict:
     """The run's oscillation indices (the summary's osc_*, the verdict's CV): over the dense steps only."""
     return oscillation_indices(grad_norm[grad_norm.index < dense_steps],
                                cosine[cosine.index < dense_steps] if cosine is not None else None)
 
 
+@quiet
 def windowed_oscillation(grad_norm: pd.Series, cosine: pd.Series | None, window: int) -> pd.DataFrame:
     """Oscillation indices per window of steps [start, start + window)."""
     if grad_norm.empty:
         return pd.DataFrame(columns=["start", "end", *OSC_INDICES])
     rows = []
-    last = int(grad_norm.index.max())
-    for start in range(0, last + 1, window):
+    for start in window_starts(grad_norm.index.to_numpy(), window):
         g = grad_norm[(grad_norm.index >= start) & (grad_norm.index < start + window)]
         c = cosine[(cosine.index >= start) & (cosine.index < start + window)] if cosine is not None else None
         if len(g):
             rows.append(dict(start=start, end=start + window - 1, **oscillation_indices(g, c)))
     return pd.DataFrame(rows)
+
+
+def window_starts(steps, window: int, end: int | None = None) -> list[int]:
+    """The starts (multiples of `window` from 0) of the windows [start, start + window) that hold a stored step
+    (below `end`): windows follow the rows stored, never a step count read from the folder (a config.json
+    or summary that says 10**12 steps asks for no 10**10 empty windows)."""
+    steps = np.asarray(steps, dtype=np.int64)
+    steps = steps[(steps >= 0) & (steps < end)] if end is not None else steps[steps >= 0]
+    return [int(k) * window for k in np.unique(steps // window)]
 
 
 def smoothed(loss: pd.Series, window: int) -> pd.Series:
@@ -194,7 +218,7 @@ def oscillation_index(grad_norm: pd.Series, span_end: int, window: int, threshol
     names the window with the largest median and its alternation share (osc_alternation)."""
     d = log_differences(grad_norm, span_end)
     windows = []
-    for start in range(0, max(span_end, 0), window):
+    for start in window_starts(d.index.to_numpy(), window, span_end):
         w = d[(d.index >= start) & (d.index < start + window)]
         if len(w) >= MIN_DIFFERENCES:
             windows.append(_dlog_window(w, start, min(start + window, span_end) - 1))
@@ -230,6 +254,7 @@ def milestone_stds(loss: pd.Series, grad_norm: pd.Series, steps: int, warmdown_f
     return out
 
 
+@quiet
 def residual_explosion(df: pd.DataFrame, loops: int, d_model: int, ratio: float) -> dict:
     """Peak loop-end residual norm of the final loop, and whether it exploded."""
     final = series(df, M.RESID_NORM_LOOP_END, loop=loops)
@@ -251,6 +276,7 @@ def residual_explosion(df: pd.DataFrame, loops: int, d_model: int, ratio: float)
 VERDICT_VERSION = 3  # recorded in summary.json (`summary --recompute` rewrites older summaries)
 
 
+@quiet
 def judged(df: pd.DataFrame, cfg, unigram_entropy: float | None, prediction: dict | None = None,
            stall_scale: float = 1.0) -> tuple[str, dict, dict]:
     """(verdict, evidence, oscillation index) of a run's metrics table under cfg.verdict: `verdict`'s loss
@@ -274,6 +300,7 @@ def judged(df: pd.DataFrame, cfg, unigram_entropy: float | None, prediction: dic
     return name, evidence, {**index, "osc_dlog_windows": windows}
 
 
+@quiet
 def summarize(df: pd.DataFrame, cfg, unigram_entropy: float | None = None, wall_time: float | None = None,
               stop_reason: str | None = None, tokens_per_step: int | None = None,
               prediction: dict | None = None) -> dict:
@@ -349,7 +376,7 @@ def resummarize(run_dir, verdict_overrides: dict | None = None, root=None) -> di
                     wall_time=old.get("wall_time"), stop_reason=old.get("stop_reason"), prediction=old.get("prediction"),
                     tokens_per_step=tokens_per_step(cfg, cfg_dict.get("env", {}).get("world_size", 1)))
     if archive.is_record(run_dir):  # an archived run: its record's summary is rewritten in place
-        archive.rewrite_summary(Path(run_dir), new, root)
+        rewrite_record_summary(Path(run_dir), new, root)
     else:
         write_json(Path(run_dir) / SUMMARY, new, root)
     return new

@@ -29,7 +29,7 @@ from flt_diag.judge.verdict import stored_config, stored_unigram_entropy, summar
 from flt_diag.storage import archive, metric_names as M
 from flt_diag.storage.folders import (EVAL_LOOPS, SWEEP_SPEC, StorageError, folder_lock, is_archive, is_sweep,
                                       load_config, load_metrics, load_spec, load_summary, make_folder, read_json,
-                                      refuse_links, run_dirs, write_json)
+                                      refuse_links, run_dirs, write_json, write_record)
 from flt_diag.storage.safe_files import open_regular
 
 FULL = (M.LOSS, M.GRAD_NORM, M.GRAD_COSINE, M.VAL_LOSS, M.VAL_ACCURACY, M.LOOPS_RUN)
@@ -133,7 +133,7 @@ def archive_run(run_dir: Path, record: Path, source: str, root: Path) -> Archive
     else:
         table = full
     kept = dict(full=list(FULL), every=EVERY, sparse=SPARSE, features_whole=features_whole, thinned=not changed)
-    archive.write_record(record, table, dict(config=cfg, summary=summary, eval_loops=_eval_loops_text(run_dir),
+    write_record(record, table, dict(config=cfg, summary=summary, eval_loops=_eval_loops_text(run_dir),
                                              source=source, kept=kept), root)
     return Archived(run_dir, record, len(full), len(table), record.stat().st_size, bool(changed))
 

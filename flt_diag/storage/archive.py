@@ -12,7 +12,8 @@ records without a sweep.json is a set of single runs. A record is read-only for 
 
 Every record is validated as the files it stands for: its metadata by the loaders of config.json and
 summary.json (flt_diag.storage.files), its table's columns and types by the metrics part's rules; a
-crafted, truncated or foreign Parquet file is one BadFile line. Torch-free.
+crafted, truncated or foreign Parquet file is one BadFile line. Writing one is flt_diag.storage.folders'
+(`write_record`, `rewrite_record_summary`: the one way flt-diag writes a file). Torch-free.
 """
 from __future__ import annotations
 
@@ -133,33 +134,3 @@ def load_metrics(path: Path, metrics: list[str] | None = None) -> pd.DataFrame:
     if metrics:
         df = df[df.metric.isin(list(metrics))]
     return df.sort_values(["step", "metric", "loop", "layer"], kind="stable").reset_index(drop=True)
-
-
-def write_record(path: Path, table: pd.DataFrame, meta: dict, root: Path | None = None) -> None:
-    """Write one record atomically (flt_diag.storage.folders.atomic_path: a link is refused, a failed write
-    leaves the old file). `meta` holds config, summary, eval_loops, source and kept."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from flt_diag.storage.folders import atomic_path
-    df = table[COLUMNS].astype({"step": "int32", "metric": "string", "loop": "int16", "layer": "int16",
-                               "value": "float64"}).reset_index(drop=True)
-    arrow = pa.Table.from_pandas(df, preserve_index=False)
-    arrow = arrow.replace_schema_metadata({META_KEY: json.dumps({"format": FORMAT, **meta}, allow_nan=True,
-                                                                 default=_json_default)})
-    with atomic_path(Path(path), root) as tmp:
-        pq.write_table(arrow, tmp, compression="zstd", compression_level=19, use_dictionary=["metric"])
-
-
-def rewrite_summary(path: Path, summary: dict, root: Path | None = None) -> None:
-    """Replace a record's summary (summary --recompute on an archive), the table and the rest unchanged."""
-    meta = read_meta(path)
-    meta.pop("format")
-    write_record(path, load_metrics(path), {**meta, "summary": summary}, root)
-
-
-def _json_default(o):
-    if hasattr(o, "item"):
-        return o.item()
-    if isinstance(o, Path):
-        return str(o)
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")

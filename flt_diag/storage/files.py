@@ -175,6 +175,8 @@ def load_study(path: Path, tables: dict[str, Any]) -> tuple[str, dict]:
         spec = tomllib.loads(read_text(path))
     except tomllib.TOMLDecodeError as e:
         raise BadFile(f"{path}: not valid TOML ({e})") from None
+    except (ValueError, RecursionError) as e:  # nesting 5,000 deep, an integer of 5,000 digits: as read_json says
+        raise BadFile(f"{path}: not a study file ({type(e).__name__}: {str(e)[:100]})") from None
     found = [t for t in tables if t in spec]
     if len(found) != 1 or not isinstance(spec[found[0]], dict):
         raise BadFile(f"{path}: needs exactly one {' or '.join(f'[{t}]' for t in tables)} table")
@@ -189,6 +191,8 @@ def load_study(path: Path, tables: dict[str, Any]) -> tuple[str, dict]:
         given = model.model_validate(values)
     except ValidationError as e:
         raise bad(path, one_line(e, lambda loc: f"[{table}] {dotted(loc)}", model)) from None
+    except RecursionError:  # a value nested too deep for the validator
+        raise BadFile(f"{path}: [{table}] holds a value nested too deep to be an option") from None
     return table, {k: getattr(given, k) for k in values}
 
 

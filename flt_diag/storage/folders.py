@@ -23,6 +23,7 @@ import contextlib
 import errno
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -131,11 +132,16 @@ def folder_lock(folder: Path, kind: str = "run", root: Path | None = None):
     created = not folder.exists()
     try:
         make_folder(folder, root)
-        fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        # O_NONBLOCK: a FIFO planted as .lock must not block the open; it is refused below, and left alone
+        fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0), 0o644)
     except OSError as e:
         if e.errno == errno.ELOOP:
             refuse_symlink(folder / LOCK, "lock")
         raise StorageError(f"cannot create {kind} folder {folder}: {e.strerror or e}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise StorageError(f"{folder / LOCK} is not a regular file (a FIFO or a device?); flt-diag keeps its lock "
+                           "there: remove it")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         # the holder before us may have removed the file we opened: then the lock is on a dead name
@@ -184,6 +190,29 @@ def _json_default(o):
     if isinstance(o, Path):
         return str(o)
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+# --------------------------------------------------------------------------- writing archive records
+
+def write_record(path: Path, table: pd.DataFrame, meta: dict, root: Path | None = None) -> None:
+    """Write one archive record (flt_diag.storage.archive) atomically: a link is refused, a failed write
+    leaves the old file. `meta` holds config, summary, eval_loops, source and kept."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    df = table[archive.COLUMNS].astype({"step": "int32", "metric": "string", "loop": "int16", "layer": "int16",
+                                        "value": "float64"}).reset_index(drop=True)
+    arrow = pa.Table.from_pandas(df, preserve_index=False)
+    arrow = arrow.replace_schema_metadata({archive.META_KEY: json.dumps({"format": archive.FORMAT, **meta},
+                                                                         allow_nan=True, default=_json_default)})
+    with atomic_path(Path(path), root) as tmp:
+        pq.write_table(arrow, tmp, compression="zstd", compression_level=19, use_dictionary=["metric"])
+
+
+def rewrite_record_summary(path: Path, summary: dict, root: Path | None = None) -> None:
+    """Replace an archive record's summary (summary --recompute on an archive), its table and the rest unchanged."""
+    meta = archive.read_meta(path)
+    meta.pop("format")
+    write_record(path, archive.load_metrics(path), {**meta, "summary": summary}, root)
 
 
 # --------------------------------------------------------------------------- writing metrics

@@ -58,6 +58,22 @@ def open_regular(path, text: bool = False):
     return os.fdopen(fd, "r" if text else "rb", **({"encoding": "utf-8"} if text else {}))
 
 
+def new_file(path) -> Path:
+    """A path a file is about to be written to (folders.atomic_path renames it into place): one that exists as
+    something other than a file (a FIFO, a device, a socket, a folder) is refused with one line, as renaming over
+    it would replace it and open() would block on a FIFO. A link is left to atomic_path, which refuses it."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return Path(path)
+    except OSError as e:
+        raise StorageError(f"cannot write {path}: {e.strerror or e}") from None
+    if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+        kind = next((text for test, text in _KINDS if test(mode)), "not a regular file")
+        raise StorageError(f"{path} is {kind}, not a file; give the name of a file to write")
+    return Path(path)
+
+
 def read_bytes(path) -> bytes:
     with open_regular(path) as f:
         return f.read()

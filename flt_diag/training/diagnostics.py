@@ -82,8 +82,9 @@ class LoopHooks:
     `log(metric, value_tensor, loop, layer)` receives every record (values stay on the device).
     `grad_scale` multiplies the recorded activation gradients (the trainer passes grad_accum so
     that they are gradients of the micro-batch's mean loss). `listeners` are called as
-    fn(loop, layer, stream) for every recorded block output, and `on_forward_end` as fn(loops) at the
-    end of each recorded forward (hook points for further records, e.g. the loop dynamics)."""
+    fn(loop, layer, stream) for every recorded block output, `on_loop_end` as fn(loop, stream) with the
+    loop-end stream of every recorded loop, and `on_forward_end` as fn(loops) at the end of each recorded
+    forward (hook points for further records, e.g. the loop dynamics of flt_diag.training.probe_dynamics)."""
 
     def __init__(self, model, log, act_grads: bool = True, attention: bool = False, *, blocks=None,
                  boundary=BUILTIN, names: list[str] | None = None, require_repeat: bool = False):
@@ -98,6 +99,8 @@ class LoopHooks:
         self.detached = 0  # loops 1..detached send no gradient (truncated backpropagation): recorded as 0
         self.listeners: list = []
         self.on_forward_end: list = []
+        self.refuse = lambda error: error  # each refusal raised inside the forward goes through (the probe lets go)
+        self.on_loop_end: list = []  # fn(loop, stream) with each loop's loop-end stream (the probe's loop dynamics)
         self.handles: list = []
         self._armed = False
         self._active = False
@@ -144,9 +147,9 @@ class LoopHooks:
         self._active = False
         loops = self.calls[-1] if self.boundary is None else self.loop - 1
         if self.require_repeat and not self._checked and max(self.calls) < 2:
-            raise NotLooped(f"no block of {type(module).__name__} was called more than once in a forward "
+            raise self.refuse(NotLooped(f"no block of {type(module).__name__} was called more than once in a forward "
                             f"({', '.join(self.names[:3])}{', ...' if len(self.names) > 3 else ''}): a looped "
-                            "model calls the same blocks several times; check blocks=, or give loop_boundary=")
+                            "model calls the same blocks several times; check blocks=, or give loop_boundary="))
         self._checked = True
         for fn in self.on_forward_end:
             fn(loops)
@@ -154,7 +157,10 @@ class LoopHooks:
     def end_loop(self, stream: torch.Tensor) -> None:
         """The end of a loop (MANUAL boundary): records the loop-end stream, then counts the next loop."""
         if self._active:
-            self.log(M.RESID_NORM_LOOP_END, token_norm(first_tensor(stream)), self.loop, M.NONE)
+            stream = first_tensor(stream)
+            self.log(M.RESID_NORM_LOOP_END, token_norm(stream), self.loop, M.NONE)
+            for fn in self.on_loop_end:
+                fn(self.loop, stream)
             self.loop += 1
 
     def _loop_end(self, module, args, output):
@@ -169,16 +175,16 @@ class LoopHooks:
                 expected = self.calls[i - 1] if i else self.calls[-1] + 1  # (before this call is counted)
                 self.calls[i] += 1
                 if self.calls[i] != expected:
-                    raise BlockCalledTwice(
+                    raise self.refuse(BlockCalledTwice(
                         f"{self.names[i]} ran {self.calls[i]} times while {self.names[i - 1]} ran {self.calls[i - 1]} "
                         "times: counted from calls, the blocks must run in their list's order, once per loop (a "
-                        "block called from two places? give loop_boundary=)")
+                        "block called from two places? give loop_boundary=)"))
                 self.loop = self.calls[i]
                 return
             self.calls[i] += 1
             if (self.loop, i) in self.seen:
-                raise BlockCalledTwice(f"{self.names[i]} was called twice in loop {self.loop} (from two places?); "
-                                       "each block may run once per loop")
+                raise self.refuse(BlockCalledTwice(f"{self.names[i]} was called twice in loop {self.loop} (from two "
+                                                    "places?); each block may run once per loop"))
             self.seen.add((self.loop, i))
         return hook
 
@@ -197,6 +203,8 @@ class LoopHooks:
             self.log(M.RESID_NORM, norm, self.loop, layer)
             if last and self.boundary is None:  # counted from calls: the last block's output ends the loop
                 self.log(M.RESID_NORM_LOOP_END, norm, self.loop, M.NONE)
+                for fn in self.on_loop_end:
+                    fn(self.loop, stream)
             for fn in self.listeners:
                 fn(self.loop, layer, stream)
             if self.act_grads:
@@ -289,6 +297,7 @@ class DiagnosticsCallback(Callback):
         self.prev_step = -2
         self.before: list[torch.Tensor] = []  # the parameters before the optimizer step
         self.recording = False
+        self.unclip: torch.Tensor | None = None  # (the probe) gradients clipped before after_backward: x this undoes it
 
     def on_start(self, trainer) -> None:
         self.groups = self.given_groups if self.given_groups is not None else parameter_groups(trainer.model)
@@ -326,6 +335,8 @@ class DiagnosticsCallback(Callback):
             return
         sizes = [sum(g.numel() for g in grads[name]) for name in names]
         flat = torch.cat([g.detach().flatten().float() for name in names for g in grads[name]])
+        if self.unclip is not None:
+            flat = flat * self.unclip
         if self.recording:
             log = trainer.log
             prev = self.prev

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fnmatch
 
+import torch
 import torch.nn as nn
 
 from flt_diag.training.diagnostics import BlocksNotFound, ProbeError
@@ -30,15 +31,48 @@ def _matches(pattern: str, name: str) -> bool:
 
 
 def _auto_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The largest ModuleList whose modules are all of one class (a stack of blocks)."""
+    """The largest ModuleList whose modules are all of one class (a stack of blocks); a module listed twice
+    (a repeated layer list) counts once, at its first place."""
     best: list[tuple[str, nn.Module]] = []
     for name, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) > len(best) and len({type(c) for c in m}) == 1:
-            best = [(f"{name}.{i}" if name else str(i), c) for i, c in enumerate(m)]
+        if isinstance(m, nn.ModuleList) and len({type(c) for c in m}) == 1:
+            firsts = {id(c): (f"{name}.{i}" if name else str(i), c) for i, c in reversed(list(enumerate(m)))}
+            found = sorted(firsts.values(), key=lambda nm: [id(c) for c in m].index(id(nm[1])))
+            if len(found) > len(best):
+                best = found
     if not best:
         raise BlocksNotFound(f"blocks='auto' found no list of blocks (an nn.ModuleList of one module class) in "
                              f"{type(model).__name__}; give blocks= (modules or a module-path pattern)")
     return best
+
+
+def called_blocks(model: nn.Module, args: tuple, kwargs: dict) -> tuple[list[tuple[str, nn.Module]], int]:
+    """blocks="auto": (the blocks, the loops) that one forward of `model` on (args, kwargs) actually reuses - the
+    outermost submodules with parameters called more than once, in the order of their first call (a prelude
+    or coda run once is left out; a layer list that repeats its layers gives each layer once). The forward
+    runs without gradient, its random draws undone (the training forward after it draws the same)."""
+    calls: dict[int, int] = {}
+    order: list[int] = []
+    named = [(n, m) for n, m in model.named_modules() if n and next(m.parameters(), None) is not None]
+
+    def count(m, a):
+        if id(m) not in calls:
+            calls[id(m)] = 0
+            order.append(id(m))
+        calls[id(m)] += 1
+    handles = [m.register_forward_pre_hook(count) for _, m in named]
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    repeated = [(n, m) for n, m in named if calls.get(id(m), 0) >= 2]
+    names = [n for n, _ in repeated]
+    outer = [(n, m) for n, m in repeated if not any(n.startswith(o + ".") for o in names)]
+    outer.sort(key=lambda nm: order.index(id(nm[1])))
+    return outer, max((calls[id(m)] for _, m in outer), default=1)
 
 
 def resolve_blocks(model: nn.Module, blocks) -> tuple[list[nn.Module], list[str]]:

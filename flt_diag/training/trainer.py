@@ -43,7 +43,7 @@ from flt_diag.training.dynamics_callback import LoopDynamicsCallback
 from flt_diag.training.warning_callback import CollapseWarning
 from flt_diag.training.compile_precision import compile_blocks, compile_wanted, reference_precision
 from flt_diag.training.optim import build_optimizers, lr_multiplier, muon_momentum, set_lr, set_momentum
-from flt_diag.storage.folders import (CONFIG, RESUME, SUMMARY, StorageError, folder_lock, has_content, load_config, load_metrics,
+from flt_diag.storage.folders import (CONFIG, METRICS, RESUME, SUMMARY, StorageError, folder_lock, has_content, load_config, load_metrics,
                       load_summary, write_json)
 from flt_diag.training.settle import check_settled, comparable, differences, predictor
 
@@ -179,8 +179,17 @@ class Trainer:
                 if self.world > 1:
                     torch.distributed.barrier()
         if ready:
-            for cb in self.callbacks:
-                cb.on_start(self)
+            try:
+                for cb in self.callbacks:
+                    cb.on_start(self)
+            except BaseException:
+                if self.is_main and self._fresh:  # a refused start leaves the new folder as it was: empty
+                    with contextlib.suppress(OSError):
+                        (self.run_dir / CONFIG).unlink(missing_ok=True)
+                        (self.run_dir / METRICS).rmdir()
+                raise
+            if self.is_main and not self._fresh:  # a resume rewrites config.json only once nothing refused it
+                self._write_config()
             self.model.train()
             self._t0 = time.perf_counter()
         return ready
@@ -188,7 +197,8 @@ class Trainer:
     def _open_folder(self) -> bool:
         d = self.run_dir
         cfg_dict = self.cfg.to_dict()
-        if (d / CONFIG).exists():
+        self._fresh = not (d / CONFIG).exists()  # a new run writes config.json first; a resume after its checks
+        if not self._fresh:
             diff = differences(comparable(load_config(d)), comparable(cfg_dict))
             if diff:
                 raise RunConflict(f"{d} holds a run with a different config ({'; '.join(diff[:3])}); "
@@ -205,9 +215,14 @@ class Trainer:
             raise StorageError(f"cannot create run folder {d}: {e.strerror}") from None
         if not os.access(d, os.W_OK):
             raise StorageError(f"cannot write to {d}")
-        write_json(d / CONFIG, {**cfg_dict, "n_params": self.n_params, "env": environment(self.device),
-                                "corpus": describe(self.train_data, self.val_data)})
+        if self._fresh:
+            self._write_config()
         return True
+
+    def _write_config(self) -> None:
+        write_json(self.run_dir / CONFIG, {**self.cfg.to_dict(), "n_params": self.n_params,
+                                           "env": environment(self.device),
+                                           "corpus": describe(self.train_data, self.val_data)})
 
     def end(self) -> None:
         """End the callbacks (hooks removed, files flushed and closed)."""
@@ -290,7 +305,9 @@ class Trainer:
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise StorageError(f"{self.run_dir} exists and is a file, not a run folder; use another --out")
         # no link at any depth below the given folder (a sweep's cells/ or cell folder), then none inside
-        with folder_lock(self.run_dir, root=self.root) if self.is_main else contextlib.nullcontext():
+        # (a run folder given on its own may itself be a link, the user's choice: only links inside are foreign)
+        root = self.root if self.root is not None else self.run_dir
+        with folder_lock(self.run_dir, root=root) if self.is_main else contextlib.nullcontext():
             return self._fit()
 
     def _fit(self) -> dict:

@@ -5,9 +5,9 @@
 
 At on_train_start it watches the LightningModule (or `module(pl_module)`, the submodule whose forward runs
 the loop); at on_before_optimizer_step it reads the gradients (before Lightning clips them), at
-on_train_batch_end it records the step with the loss training_step returned; at on_train_end it writes
-summary.json (`self.summary`); on an exception the hooks are removed and the rows kept. With
-stop_on_collapse=True a predicted collapse sets trainer.should_stop. One recorded step per batch:
+on_train_batch_end it records the step with the loss training_step returned (None: Lightning skipped the
+batch, and so does the probe); at on_train_end it writes summary.json (`self.summary`); on an exception the
+hooks are removed and the rows kept. With stop_on_collapse=True a predicted collapse sets trainer.should_stop. One recorded step per batch:
 without gradient accumulation.
 """
 from __future__ import annotations
@@ -38,12 +38,16 @@ class FltDiagCallback(Callback):
         target = self.module(pl_module) if self.module is not None else pl_module
         steps = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
-        self.probe = watch(target, self.blocks, self.folder, steps=steps, optimizer=optimizer, **self.options)
+        given = dict(steps=steps, optimizer=optimizer)  # options given to the callback win
+        self.probe = watch(target, self.blocks, self.folder, **{**given, **self.options})
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self.probe.after_backward()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if outputs is None or isinstance(outputs, dict) and not outputs:  # training_step returned None: Lightning
+            self.probe.skip()                                             # skipped the batch (no optimizer step)
+            return
         self.probe.step(loss=output_loss(outputs), step=trainer.global_step - 1)
         if self.probe.should_stop:
             trainer.should_stop = True
