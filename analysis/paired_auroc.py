@@ -1,6 +1,6 @@
 """The refit against the config-only prior, paired, with configurations resampled; and exact permutation p-values
-of one score within a set (issue 40, item 5). Reads committed tables only: pandas, numpy, scipy; no torch, no
-flt_diag import, no run folder.
+of one score within a set (issue 40, item 5). Reads committed tables only: pandas, numpy, scipy and flt-diag's
+torch-free layers (its AUROC); no torch, no run folder.
 
     python analysis/paired_auroc.py docs/data/warning-eval-w4/rows.csv                  # the paired table
     python analysis/paired_auroc.py docs/data/warning-eval-w4/rows.csv \
@@ -41,6 +41,10 @@ import numpy as np
 import pandas as pd
 from scipy.optimize import minimize
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from flt_diag.results.warning_evaluation import auroc  # noqa: E402  (torch-free: the one AUROC of the project)
+
 CONFIG = ["variant", "loops", "depth", "width", "lr_scale"]
 RECIPE = ["grad_dlog", "loss_climb"]  # the packaged predictor's features (docs/data/early_warning_v4.json)
 L2 = 1.0
@@ -48,17 +52,6 @@ EXACT_LIMIT = 2_000_000  # labelings enumerated at most
 
 
 # --------------------------------------------------------------------------- statistics
-
-def auroc(y, score) -> float:
-    """P(a failing run's score > a stable run's), ties counting half; NaN without both outcomes."""
-    y, score = np.asarray(y, bool), np.asarray(score, float)
-    pos, neg = score[y], score[~y]
-    if not len(pos) or not len(neg):
-        return math.nan
-    greater = (pos[:, None] > neg[None, :]).sum()
-    ties = (pos[:, None] == neg[None, :]).sum()
-    return float((greater + 0.5 * ties) / (len(pos) * len(neg)))
-
 
 def exact_p(y, score) -> tuple[float, int]:
     """One-sided exact permutation p of the AUROC: the share of the C(n, k) placements of the k failures among
