@@ -175,3 +175,24 @@ def test_loop_dynamics_contraction_panel_leaves_out_zeros_and_tells_its_three_re
     assert solid >= {"-", "--"}  # the spectral radius, seeds 0 and 1
     cosine_ax = fig.axes[[i for i, (m, by, _) in enumerate(COLUMNS) if m == M.TOKEN_COSINE and by == "step"][0]]
     assert cosine_ax.get_yscale() == "linear" and cosine_ax.get_ylim()[1] == pytest.approx(1.05)
+
+def test_many_seeds_are_drawn_solid_and_never_dotted_like_sigma_max(tmp_path):
+    """With more seeds than line styles a style would repeat (seed 0 and seed 3 alike) and one of them was
+    dotted, like sigma_max: every seed's line is solid then, the legend says how many seeds there are (not a
+    style per seed), and the only dotted lines of the contraction panel are sigma_max's."""
+    from flt_diag.results.figures.dynamics import COLUMNS, draw_dynamics, dynamics_data
+    seeds = (0, 1, 2, 3, 4)
+    df = dynamics_data(collect(make_sweep(tmp_path / "s", seeds=seeds), None))
+    df = df[df.loops == 3].copy()
+    fig = draw_dynamics(df)
+    col = [i for i, (metric, by, _) in enumerate(COLUMNS) if metric == M.LOOP_SPECTRAL_RADIUS and by == "step"][0]
+    ax = fig.axes[col]
+    radius = [line for line in ax.lines if line.get_marker() != "x" and line.get_linestyle() != ":"
+              and line.get_color() != "0.3"]  # (the grey line at 1 left out)
+    runs = df[df.metric == M.LOOP_SPECTRAL_RADIUS].run.nunique()
+    assert len(radius) == runs == 3 * len(seeds) and {line.get_linestyle() for line in radius} == {"-"}
+    dotted = [line for line in ax.lines if line.get_linestyle() == ":"]
+    sigma = df[(df.metric == M.LOOP_GAIN) & (df.loop == df.loops)]
+    assert sorted(v for line in dotted for v in line.get_ydata()) == sorted(sigma.value)
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert f"{len(seeds)} seeds, one solid line each" in labels and not any(t.startswith("seed ") for t in labels)

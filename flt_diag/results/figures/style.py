@@ -28,7 +28,9 @@ VERDICT_COLORS = {"stable": "#a6d96a", "unstable": "#fee08b", "stalled": "#c2a5c
                   "diverged": "#d7191c", "running": "#c6dbef", "failed": "#969696", "pending": "#f0f0f0"}
 BEHIND_COLOR = "#e0b050"  # a stable cell flagged `behind` its peers: amber and hatched, never green
 BEHIND_HATCH = "//"
-LINESTYLES = ["-", "--", ":", "-."]
+# Line styles that tell seeds apart; dotted is left out: the loop-dynamics figure draws sigma_max dotted. With more
+# seeds than styles a style would repeat (seed 0 and seed 3 alike), so every seed is drawn solid, one line each.
+LINESTYLES = ["-", "--", "-."]
 DPI = 150
 
 
@@ -80,9 +82,10 @@ def cell_rows(df: pd.DataFrame) -> list[tuple[pd.DataFrame, str]]:
 
 
 def seed_styles(df: pd.DataFrame) -> dict[str, str]:
-    """Line style per run, by seed (solid when there is one)."""
+    """Line style per run, by seed (solid when there is one, or more seeds than LINESTYLES)."""
     seeds = sorted(df.seed.unique())
-    return {r.run: LINESTYLES[seeds.index(r.seed) % len(LINESTYLES)] for r in df.drop_duplicates("run").itertuples()}
+    styled = len(seeds) <= len(LINESTYLES)
+    return {r.run: LINESTYLES[seeds.index(r.seed)] if styled else "-" for r in df.drop_duplicates("run").itertuples()}
 
 
 def lines_by_run(ax, df: pd.DataFrame, x: str, y: str = "value", **kw) -> None:
@@ -94,12 +97,14 @@ def lines_by_run(ax, df: pd.DataFrame, x: str, y: str = "value", **kw) -> None:
 
 def legend(fig: Figure, df: pd.DataFrame, extra: list[tuple] = (), title: str | None = None) -> None:
     """The figure's one legend, below every panel: a line per variant (colour), per seed where there
-    are several (line style), then `extra` (handle, label) pairs."""
+    are several and no more than LINESTYLES (line style; more: one entry saying so), then `extra`
+    (handle, label) pairs."""
     handles = [(Line2D([], [], color=variant_color(v), lw=2), v) for v in variants(df)]
     seeds = sorted(df.seed.unique()) if "seed" in df else []
-    if len(seeds) > 1:
-        handles += [(Line2D([], [], color="0.3", ls=LINESTYLES[i % len(LINESTYLES)]), f"seed {s}")
-                    for i, s in enumerate(seeds)]
+    if 1 < len(seeds) <= len(LINESTYLES):
+        handles += [(Line2D([], [], color="0.3", ls=LINESTYLES[i]), f"seed {s}") for i, s in enumerate(seeds)]
+    elif len(seeds) > len(LINESTYLES):
+        handles.append((Line2D([], [], color="0.3", lw=0.8), f"{len(seeds)} seeds, one solid line each"))
     handles += list(extra)
     fig.legend([h for h, _ in handles], [label for _, label in handles], loc="outside lower center",
                ncols=min(len(handles), 8), fontsize="small", title=title, title_fontsize="small")
