@@ -43,7 +43,7 @@ def _interrupted_copy(run: Path, out: Path) -> None:
             if step == 2:
                 raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):
-        Trainer(RunConfig.from_dict(load_config(run)), out, callbacks=[Interrupt()]).fit()
+        Trainer(load_config(run).run_config(), out, callbacks=[Interrupt()]).fit()
 
 
 def _every_option(table: str) -> dict:
@@ -88,7 +88,7 @@ def samples(tmp_path_factory):
     run = root / "run"
     assert main([*TRAIN, "--out", str(run)]) == 0
     _interrupted_copy(run, root / "interrupted")
-    cfg = RunConfig.from_dict(load_config(run))
+    cfg = load_config(run).run_config()
     prepare_folder(SweepSpec(cfg, ["lt", "flt"], [2, 3], [0], [1.0]), root / "sweep")
     prepare_map_folder(MapSpec(cfg, ["lt"], [2], [0], "lr", geometric_grid(0.5, 4, 2), ["training"]), root / "map")
     shutil.copy(REPO / "flt_diag" / "judge" / "early_warning.json", root / "predictor.json")
@@ -524,10 +524,10 @@ def test_a_run_config_holds_what_its_writers_write_and_nothing_else(samples, tmp
     shutil.copytree(samples["run"], run)
     written = json.loads((run / "config.json").read_text())
     assert set(written) == CONFIG_KEYS - {"imported_from", "note", "probe"}
-    assert load_config(run) == written
+    assert load_config(run).as_written() == written
     for extra in ({"imported_from": "meta_000004.json", "note": "set the tokenizer"}, {}):
         _write(run / "config.json", {**written, **extra})
-        assert set(load_config(run)) == set(written) | set(extra)
+        assert set(load_config(run).as_written()) == set(written) | set(extra)
     written["data"] = written.pop("corpus")
     _write(run / "config.json", written)
     with pytest.raises(StorageError) as e:
