@@ -294,7 +294,7 @@ def _resume_entry():
 # kind -> (its entry, the sample file, the reader that uses it)
 KINDS = {
     "run config": (lambda: _model(F.RunConfigFile), "run/config.json", _read_config),
-    "summary": (lambda: _model(F.SummaryFile), "predicted/summary.json", _read_summary),
+    "summary": (lambda: _model(F.Summary), "predicted/summary.json", _read_summary),
     "sweep spec": (lambda: _model(F.SweepSpecFile), "sweep/sweep.json", _read_sweep),
     "map spec": (lambda: _model(F.map_spec_model("lr")), "map/sweep.json", _read_map),
     "resume state": (_resume_entry, "interrupted/resume.pt", _read_resume),
@@ -387,7 +387,7 @@ def _mutations(entry, original, in_record: bool) -> list[tuple[str, object, bool
                       ("nested", {"x": [original]}, True)]
     if isinstance(entry, Items):
         first = original[0] if original else None
-        out += [("wrong type", {"x": 1}, True), ("huge", [first] * (entry.max_items + 1), bool(original))]
+        out += [("wrong type", {"x": 1}, True), ("huge", [first] * (entry.max_items + 1), True)]
         out += [("nested", [[first]], True)] if original else []
         out += [("empty", [], entry.min_items > 0)]
         if original and (entry.distinct or entry.length_of):

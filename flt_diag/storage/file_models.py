@@ -155,7 +155,7 @@ class Evidence(FileModel):
     reason: str = None  # the verdict in words
     osc_dlog_median: float = figure(False)  # since v3: the worst judged window's median |dlog g| (NaN: none judged)
     osc_alternation: float = figure(False)  # since v3: that window's share of sign changes
-    osc_dlog_window: Optional[list[int]] = Field(None, min_length=2, max_length=2)  # since v3: [first, last] step
+    osc_dlog_window: Optional[list[int]] = many(False, 2)  # since v3: [first, last] step
     osc_dlog_threshold: float = figure(False)  # since v3: the threshold of rule 4b
     osc_windows_judged: int = Field(None, ge=0)  # since v3: windows with enough differences to judge
     osc_span_end: int = Field(None)  # since v3: the warm-down start (the first step rule 4b leaves out)
@@ -169,7 +169,7 @@ class Prediction(FileModel):
     step: int = Field(ge=0)
     p_collapse: float = Field(None, ge=0, le=1)
     evidence: str = None  # its features in words (early_warning.evidence_text)
-    features: dict[str, Annotated[Optional[float], Field(allow_inf_nan=True)]] = Field(None, max_length=MAX_ITEMS)
+    features: dict = None  # the features' values at that step, by name
 
 
 class Milestone(FileModel):
