@@ -175,7 +175,7 @@ def critical_table(out: Path) -> pd.DataFrame:
     crit = critical_values(out)
     if crit.empty:
         return pd.DataFrame()
-    axis = spec_from_folder(out)["axis"]
+    axis = spec_from_folder(out).axis
     crit = crit.assign(column=[f"{c} at K={k} ({AXES[axis]})" for c, k in zip(crit.criterion, crit.loops)])
     table = crit.pivot(index="variant", columns="column", values="text")
     order = [v for v in ("lt", "lt-ii", "lt-ai", "fla", "flt") if v in table.index]
