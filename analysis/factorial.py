@@ -65,10 +65,10 @@ def final_loop(df: pd.DataFrame, metric: str, loops: int) -> pd.Series:
 
 def run_row(run) -> dict:
     cfg, summary = load_config(run), load_summary(run)
-    K, k = int(cfg["model"]["loops"]), int(cfg["train"].get("grad_loops", 0))
+    K, k = cfg.model.loops, cfg.run_config().train.grad_loops
     detached = K - k if 0 < k < K else 0
     df = load_metrics(run, RECORDS)
-    window = int(cfg.get("verdict", {}).get("smooth_window", 50))
+    window = cfg.run_config().verdict.smooth_window
     onset, climb = climb_onset(series(df, M.LOSS), window)
     A = agreement_series(df, detached)
     A = A[A.index >= AGREEMENT_FROM]
@@ -82,8 +82,8 @@ def run_row(run) -> dict:
         return sel.set_index("loop").value.sort_index() if last is not None else pd.Series(dtype=float)
     growth = at_last(M.LOOP_PERTURBATION_GROWTH)
     return dict(
-        run=Path(run).stem if Path(run).suffix else Path(run).name, arm=arm_name(cfg["model"]["variant"], K, k),
-        variant=cfg["model"]["variant"], seed=int(cfg["train"]["seed"]), verdict=summary["verdict"],
+        run=Path(run).stem if Path(run).suffix else Path(run).name, arm=arm_name(cfg.model.variant, K, k),
+        variant=cfg.model.variant, seed=int(cfg.train.seed), verdict=summary["verdict"],
         failed=summary["verdict"] in FAILURES, onset=onset, climb=climb,
         A_first=float(A.iloc[0]) if len(A) else math.nan, A_before=float(before.iloc[-1]) if len(before) else math.nan,
         agreement_fell=bool(len(A) and len(before) and before.iloc[-1] < A.iloc[0] - AGREEMENT_DROP),

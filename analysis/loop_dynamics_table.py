@@ -61,14 +61,14 @@ def window_mean(s: pd.Series, at: int) -> float:
 
 def run_row(d: Path, steps: list[int]) -> dict:
     cfg, summary = load_config(d), load_summary(d)
-    loops = cfg["model"]["loops"]
+    loops = cfg.model.loops
     df = load_metrics(d)
     q = quantities(df, loops)
     gain = q["max loop gain"]
     above = gain[gain > 1]
     ev = summary.get("evidence") or {}
     climbed = ev.get("climb", 0) > ev.get("rebound_threshold", math.inf)
-    row = dict(run=d.name, variant=cfg["model"]["variant"], loops=loops, seed=cfg["train"]["seed"],
+    row = dict(run=d.name, variant=cfg.model.variant, loops=loops, seed=cfg.train.seed,
                verdict=summary["verdict"], failed=int(summary["verdict"] != "stable"),
                gain_above_1_at=int(above.index[0]) if len(above) else None,
                gain_first=float(gain.iloc[0]) if len(gain) else math.nan,

@@ -38,7 +38,7 @@ def regenerate(sweep: Path, out: Path | None = None, formats=("png", "pdf")) -> 
         print(f"skipped {why}", file=sys.stderr)
     write(fig_dir / "table.csv", summary_table(study).to_csv(index=False))
     write(fig_dir / "table.md", report.markdown(results_table(study)))
-    if study.spec and study.spec.get("kind") == "map":  # a stability map: its critical values too
+    if study.kind == "map":  # a stability map: its critical values too
         table = critical_table(sweep)
         write(fig_dir / "map_table.csv", table.to_csv(index=False))
         write(fig_dir / "map_table.md", report.markdown(table))

@@ -95,7 +95,7 @@ def test_a_thinning_that_would_change_the_summary_keeps_every_row(tmp_path, monk
     run = make_run(tmp_path / "lt", "lt", 6, collapsed=True)
     done = archiving.archive_sources([run], tmp_path / "arch", report=lambda _: None)
     assert done[0].whole and len(load_metrics(done[0].record)) == len(load_metrics(run))
-    assert archive.read_meta(done[0].record)["kept"]["thinned"] is False
+    assert archive.read_meta(done[0].record).kept["thinned"] is False
 
 
 def test_recompute_rejudges_an_archive_in_place(archived, capsys):
@@ -147,7 +147,7 @@ def _craft(path, table=None, meta=None):
 def test_a_crafted_or_truncated_record_is_one_error_line(archived, tmp_path, capsys, kind, message):
     _, arch = archived
     good = arch / "flt_K03_seed0_lr1.parquet"
-    meta = archive.read_meta(good)
+    meta = archive.read_meta(good).as_written()
     bad = tmp_path / "bad" / "x.parquet"
     bad.parent.mkdir()
     if kind == "noise":

@@ -232,7 +232,7 @@ def test_a_truncated_run_records_zero_activation_gradients_for_its_detached_loop
     cfg = tiny_config(variant="lt", loops=4, steps=3, grad_loops=1,
                       diagnostics=dict(dynamics_every=2, krylov_dim=4, perturbation_dirs=1, exit_loss_every=1))
     train(cfg, tmp_path / "run")
-    assert load_config(tmp_path / "run")["train"]["grad_loops"] == 1
+    assert load_config(tmp_path / "run").train.grad_loops == 1
     m = load_metrics(tmp_path / "run")
     act = m[(m.metric == M.ACT_GRAD_NORM) & (m.step == 1)]
     assert sorted(act.loop.unique()) == [1, 2, 3, 4]
@@ -259,4 +259,4 @@ def test_grad_loops_reaches_every_grid_from_the_cli_and_a_study(tmp_path, capsys
                  "--grad-loops", "1", "--eval-every", "0", "--eval-batches", "1", "--out", str(tmp_path / "sw")])
     assert code == 0
     cell = next((tmp_path / "sw" / "cells").iterdir())
-    assert load_config(cell)["train"]["grad_loops"] == 1
+    assert load_config(cell).train.grad_loops == 1

@@ -232,7 +232,7 @@ def labelled(tmp_path_factory):
               show_progress=False)
     train(tiny_config(variant="lt", loops=2, seed=0, steps=24), root / "lt-short")
     for run in [*root.glob("sw/cells/lt_*"), root / "lt-short"]:
-        write_json(run / SUMMARY, load_summary(run) | {"verdict": "collapsed"})
+        write_json(run / SUMMARY, load_summary(run).as_written() | {"verdict": "collapsed"})
     return root
 
 
@@ -288,7 +288,7 @@ def test_runs_stopped_by_a_prediction_are_not_training_labels(labelled, tmp_path
     from flt_diag.storage.folders import SUMMARY, write_json
     stopped = tmp_path / "stopped"
     shutil.copytree(labelled / "lt-short", stopped)
-    write_json(stopped / SUMMARY, load_summary(stopped) | {"verdict": "collapsed", "prediction": {"step": 20}})
+    write_json(stopped / SUMMARY, load_summary(stopped).as_written() | {"verdict": "collapsed", "prediction": {"step": 20}})
     assert EW.labelled_runs([stopped]) == [stopped] and FIT.training_runs([stopped]) == []
     with pytest.raises(ValueError, match="no finished runs"):
         FIT.fit([stopped], [10])
@@ -387,5 +387,6 @@ def test_predict_compares_several_predictors_on_the_same_runs(labelled, tmp_path
     ("stable", False, 0, 0, 0), ("stable", True, 0, 0, 1), ("unstable", False, 1, 0, 1),
     ("stalled", False, 1, 1, 1), ("collapsed", False, 1, 1, 1), ("diverged", False, 1, 1, 1)])
 def test_targets_label_the_verdict_as_documented(verdict, rebound, fails, collapse, climbs):
-    s = {"verdict": verdict, "evidence": {"transient_rebound": rebound}}
+    from flt_diag.storage.file_models import Evidence, Summary
+    s = Summary.model_construct(verdict=verdict, evidence=Evidence.model_construct(transient_rebound=rebound))
     assert (EW.label(s, "fails"), EW.label(s, "collapse"), EW.label(s, "climbs")) == (fails, collapse, climbs)

@@ -35,7 +35,7 @@ def test_an_example_runs_as_written(tmp_path, name, folder, needs):
     df = load_metrics(run)
     loss = df[df.metric == M.LOSS].value
     assert len(loss) == 60 and loss.iloc[-5:].mean() < loss.iloc[:5].mean()  # it trained and learnt
-    assert load_config(run)["model"]["loops"] > 1
+    assert load_config(run).model.loops > 1
     from flt_diag.cli import main
     assert main(["summary", str(run)]) == 0
 

@@ -43,7 +43,7 @@ def _interrupted_copy(run: Path, out: Path) -> None:
             if step == 2:
                 raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):
-        Trainer(RunConfig.from_dict(load_config(run)), out, callbacks=[Interrupt()]).fit()
+        Trainer(load_config(run).run_config(), out, callbacks=[Interrupt()]).fit()
 
 
 def _every_option(table: str) -> dict:
@@ -88,7 +88,7 @@ def samples(tmp_path_factory):
     run = root / "run"
     assert main([*TRAIN, "--out", str(run)]) == 0
     _interrupted_copy(run, root / "interrupted")
-    cfg = RunConfig.from_dict(load_config(run))
+    cfg = load_config(run).run_config()
     prepare_folder(SweepSpec(cfg, ["lt", "flt"], [2, 3], [0], [1.0]), root / "sweep")
     prepare_map_folder(MapSpec(cfg, ["lt"], [2], [0], "lr", geometric_grid(0.5, 4, 2), ["training"]), root / "map")
     shutil.copy(REPO / "flt_diag" / "judge" / "early_warning.json", root / "predictor.json")
@@ -294,7 +294,7 @@ def _resume_entry():
 # kind -> (its entry, the sample file, the reader that uses it)
 KINDS = {
     "run config": (lambda: _model(F.RunConfigFile), "run/config.json", _read_config),
-    "summary": (lambda: _model(F.SummaryFile), "predicted/summary.json", _read_summary),
+    "summary": (lambda: _model(F.Summary), "predicted/summary.json", _read_summary),
     "sweep spec": (lambda: _model(F.SweepSpecFile), "sweep/sweep.json", _read_sweep),
     "map spec": (lambda: _model(F.map_spec_model("lr")), "map/sweep.json", _read_map),
     "resume state": (_resume_entry, "interrupted/resume.pt", _read_resume),
@@ -387,7 +387,7 @@ def _mutations(entry, original, in_record: bool) -> list[tuple[str, object, bool
                       ("nested", {"x": [original]}, True)]
     if isinstance(entry, Items):
         first = original[0] if original else None
-        out += [("wrong type", {"x": 1}, True), ("huge", [first] * (entry.max_items + 1), bool(original))]
+        out += [("wrong type", {"x": 1}, True), ("huge", [first] * (entry.max_items + 1), True)]
         out += [("nested", [[first]], True)] if original else []
         out += [("empty", [], entry.min_items > 0)]
         if original and (entry.distinct or entry.length_of):
@@ -524,10 +524,10 @@ def test_a_run_config_holds_what_its_writers_write_and_nothing_else(samples, tmp
     shutil.copytree(samples["run"], run)
     written = json.loads((run / "config.json").read_text())
     assert set(written) == CONFIG_KEYS - {"imported_from", "note", "probe"}
-    assert load_config(run) == written
+    assert load_config(run).as_written() == written
     for extra in ({"imported_from": "meta_000004.json", "note": "set the tokenizer"}, {}):
         _write(run / "config.json", {**written, **extra})
-        assert set(load_config(run)) == set(written) | set(extra)
+        assert set(load_config(run).as_written()) == set(written) | set(extra)
     written["data"] = written.pop("corpus")
     _write(run / "config.json", written)
     with pytest.raises(StorageError) as e:

@@ -43,8 +43,8 @@ def test_the_table_has_a_row_per_run_and_step_with_the_stored_verdict(fitted):
 @pytest.mark.parametrize("verdict, rebound, fails", [("stable", True, 1), ("stable", False, 0),
                                                       ("collapsed", False, 1), ("unstable", True, 1)])
 def test_a_recovered_loss_climb_judged_stable_before_the_change_is_relabelled(fitted, verdict, rebound, fails):
-    row = load_examples(fitted / "examples.csv")[0] | dict(verdict=verdict, transient_rebound=rebound,
-                                                           verdict_version=2)  # judged before v3
+    row = load_examples(fitted / "examples.csv")[0].model_copy(update=dict(verdict=verdict, transient_rebound=rebound,
+                                                                           verdict_version=2))  # judged before v3
     (example,) = examples_from_rows([row], [20, 40], "fails")
     assert example["y"] == fails
     assert example["summary"]["verdict"] == ("unstable" if (verdict, rebound) == ("stable", True) else verdict)
@@ -60,7 +60,7 @@ def test_the_table_carries_the_verdict_version_and_the_stall_evidence_and_an_old
     older = table.drop(columns=["verdict_version", "final_smoothed_loss", "stall_reference", "stall_margin"])
     older.to_csv(tmp_path / "older.csv", index=False)
     rows = load_examples(tmp_path / "older.csv")
-    assert len(rows) == len(table) and all(r.get("verdict_version") is None for r in rows)
+    assert len(rows) == len(table) and all(r.verdict_version is None for r in rows)
     assert main(["fit-predictor", str(tmp_path / "older.csv"), "--at", "20", "--out", str(tmp_path / "p.json")]) == 0
 
 
@@ -77,7 +77,7 @@ def test_a_table_mixing_v3_and_older_rows_is_written_read_back_and_relabelled_on
     table.loc[table.run.isin([stable_old, stable_new]), "transient_rebound"] = True
     table.to_csv(tmp_path / "mixed.csv", index=False)
     rows = load_examples(tmp_path / "mixed.csv")
-    assert {type(r["verdict_version"]) for r in rows} == {int, type(None)}
+    assert {type(r.verdict_version) for r in rows} == {int, type(None)}
     labels = {e["run"].as_posix(): e["summary"]["verdict"] for e in examples_from_rows(rows, [20, 40], "fails")}
     assert labels[stable_old] == "unstable" and labels[stable_new] == "stable"  # v3 judged it already
     again = tmp_path / "again.csv"

@@ -30,7 +30,7 @@ def test_hugging_face_trainer(tmp_path):
     assert (df[df.metric == M.LOOPS_RUN].value == 2).all()
     assert len(df[df.metric == "grad_norm_clipped/attn"]) == 5 * 2  # read before the Trainer zeroes them
     assert load_summary(tmp_path / "hf")["verdict"] == callback.summary["verdict"]
-    assert load_config(tmp_path / "hf")["train"]["steps"] == 5
+    assert load_config(tmp_path / "hf").train.steps == 5
     assert not model._forward_pre_hooks  # the hooks are gone after training
     check_folder(tmp_path / "hf")
 
@@ -110,7 +110,7 @@ def test_hugging_face_options_and_the_gradient_before_clipping(tmp_path):
                                           disable_tqdm=True, logging_strategy="steps", logging_steps=1,
                                           dataloader_num_workers=0, max_grad_norm=0.1)
     transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback, logs]).train()
-    assert load_config(tmp_path / "hf")["train"]["seed"] == 7
+    assert load_config(tmp_path / "hf").train.seed == 7
     df = load_metrics(tmp_path / "hf")
     assert sorted(logs.grad_norm) == [0, 1, 2, 3]
     for step, norm in logs.grad_norm.items():
@@ -149,6 +149,6 @@ def test_lightning_options_win(tmp_path):
     L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False, callbacks=[callback]).fit(
         module, torch.utils.data.DataLoader(batches(3), batch_size=None))
-    assert load_config(tmp_path / "pl")["train"]["steps"] == 9
+    assert load_config(tmp_path / "pl").train.steps == 9
     df = load_metrics(tmp_path / "pl")
     assert (df[df.metric == M.LR].value == 0.125).all() and len(df[df.metric == M.LR]) == 3

@@ -61,8 +61,8 @@ def test_universal_transformer_plain_loop(tmp_path):
         assert value(df, s, M.GRAD_NORM) == pytest.approx(hand["grad_norm"], rel=1e-5)
         assert value(df, s, M.LOOPS_RUN) == 3
     cfg = load_config(tmp_path / "ut")
-    assert (cfg["model"]["loops"], cfg["model"]["n_layer"], cfg["model"]["n_embd"]) == (3, 1, D)
-    assert cfg["model"]["n_head"] == 2 and cfg["model"]["sequence_len"] == T
+    assert (cfg.model.loops, cfg.model.n_layer, cfg.model.n_embd) == (3, 1, D)
+    assert cfg.model.n_head == 2 and cfg.model.sequence_len == T
     assert load_summary(tmp_path / "ut")["verdict"] == probe.summary["verdict"] == "stable"
     check_folder(tmp_path / "ut")
 
@@ -91,7 +91,7 @@ def test_a_sampled_loop_count_is_recorded_per_step(tmp_path):
     for s, k in enumerate(model.sampled):
         assert df[(df.step == s) & (df.metric == M.RESID_NORM)].loop.max() == k
     counts = pd.Series(model.sampled).value_counts()
-    assert load_config(tmp_path / "h")["model"]["loops"] in set(counts[counts == counts.max()].index)
+    assert load_config(tmp_path / "h").model.loops in set(counts[counts == counts.max()].index)
 
 
 def test_hugging_face_blocks_in_a_plain_loop(tmp_path):
@@ -113,7 +113,7 @@ def test_hugging_face_blocks_in_a_plain_loop(tmp_path):
     assert set(df[df.metric == M.RESID_NORM].loop) == {1, 2, 3}
     assert set(df[df.metric == M.RESID_NORM].layer) == {1, 2}
     assert "grad_norm/attn" in set(df.metric) and (df.metric == M.LOSS).sum() == 4
-    assert load_config(tmp_path / "gpt2")["probe"]["blocks"] == ["gpt.transformer.h.0", "gpt.transformer.h.1"]
+    assert load_config(tmp_path / "gpt2").probe["blocks"] == ["gpt.transformer.h.0", "gpt.transformer.h.1"]
     check_folder(tmp_path / "gpt2")
 
 
@@ -275,7 +275,7 @@ def test_auto_finds_the_blocks_the_forward_reuses(tmp_path):
     model = Huginn(r=3)
     probe, _ = train_plain(model, tmp_path / "h", steps=2)
     assert probe.names == ["adapter", "core.0"]  # (the core block with the adapter that feeds it)
-    assert load_config(tmp_path / "h")["model"]["loops"] == 3
+    assert load_config(tmp_path / "h").model.loops == 3
     torch.manual_seed(0)
     ut = UniversalTransformer(loops=3, sample_loops=True)
     probe, _ = train_plain(ut, tmp_path / "u", steps=3)
@@ -302,4 +302,4 @@ def test_auto_finds_the_blocks_the_forward_reuses(tmp_path):
             opt.step()
             probe.step(loss=1.0)
             opt.zero_grad()
-    assert probe.names == ["layers.0", "layers.1"] and load_config(tmp_path / "r")["model"]["loops"] == 3
+    assert probe.names == ["layers.0", "layers.1"] and load_config(tmp_path / "r").model.loops == 3

@@ -37,15 +37,15 @@ def _sweep_spec(tmp_path):
     spec = SweepSpec(tiny_config(steps=2), ["lt"], [2], [0, 2**63 - 1], [1.0, 1.0000001, 1.0000002, 1e-7])
     prepare_folder(spec, tmp_path / "sw")
     read = load_spec(tmp_path / "sw" / "sweep.json")
-    assert read["cell_names"] == [c.name for c in spec.cells()] and len(set(read["cell_names"])) == 8
-    return read["lr_scales"] == spec.lr_scales
+    assert read.cell_names == [c.name for c in spec.cells()] and len(set(read.cell_names)) == 8
+    return read.lr_scales == spec.lr_scales
 
 
 def _map_spec(tmp_path):
     from flt_diag.grids.stability_map import MapSpec, prepare_map_folder
     spec = MapSpec(tiny_config(steps=2), ["lt"], [2], [0], "lr", [0.5, 0.7071, 1.0], ["training"])
     prepare_map_folder(spec, tmp_path / "map")
-    return load_spec(tmp_path / "map" / "sweep.json")["grid"] == spec.grid
+    return load_spec(tmp_path / "map" / "sweep.json").grid == spec.grid
 
 
 def _predictor_and_examples(tmp_path):

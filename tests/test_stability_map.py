@@ -94,7 +94,7 @@ class Synthetic:
         for step in range(10):
             w.add(step, "loss", -1, -1, 3.0 - 0.1 * step)
         w.flush()
-        write_json(d / SUMMARY, summarize(load_metrics(d), cfg) | dict(
+        write_json(d / SUMMARY, summarize(load_metrics(d), cfg).as_written() | dict(
             verdict="collapsed" if cell.lr_scale > t else "stable", residual_explosion_any=cell.lr_scale > 2 * t))
         return "done"
 
@@ -263,5 +263,6 @@ def test_a_bad_map_spec_is_refused_when_made(bad):
 def test_the_criteria_read_the_verdict_as_documented(verdict, training, collapse):
     """DESIGN.md §5: training = not stable; collapse = the run did not train (stalled counts: a high-loss plateau)."""
     from flt_diag.judge.map_boundaries import CRITERIA
-    s = {"verdict": verdict}
+    from flt_diag.storage.file_models import Summary
+    s = Summary.model_construct(verdict=verdict)
     assert (CRITERIA["training"](s), CRITERIA["collapse"](s)) == (training, collapse)

@@ -234,7 +234,7 @@ def test_ddp_two_gloo_processes_equal_one_process_on_the_concatenated_batch(tmp_
     for metric, loops in ((M.LOOP_GAIN, {2}), (M.LOOP_GRAD_COSINE, {1, 2}), (M.SHARPNESS, {M.NONE})):
         sel = df[df.metric == metric]
         assert sorted(set(sel.step)) == [0, 2] and set(sel.loop) == loops and sel.value.notna().all(), metric
-    assert load_config(out)["env"]["world_size"] == 2
+    assert load_config(out).env["world_size"] == 2
     summary = load_summary(out)
     assert summary["tokens_per_s"] == pytest.approx(tokens_per_step(cfg, 2) * 3 / summary["wall_time"], rel=1e-12)
     assert tokens_per_step(cfg, 2) == 2 * B * T * cfg.train.grad_accum

@@ -89,7 +89,7 @@ def prepare_spec_folder(out: Path, new: dict, what: str, grid_fields: dict) -> N
     holds the same spec (`what` names it in the messages; the bases are compared without the
     `grid_fields` that every cell sets)."""
     if (out / SWEEP_SPEC).exists():
-        old = load_folder_spec(out)  # checked: a damaged spec is one line, never compared field by field
+        old = load_folder_spec(out).as_written()  # checked: a damaged spec is one line, never compared field by field
         refuse_links(out / CELLS, out)  # a linked cells/ would train every cell elsewhere
 
         def same(k):
@@ -138,7 +138,7 @@ def run_cell(base: dict, cell: Cell, out: str, threads: int | None = None,
     with contextlib.suppress(OSError, StorageError):  # an error.txt of an earlier failed attempt is stale now
         refuse_links(run_dir / ERROR, out)
         (run_dir / ERROR).unlink(missing_ok=True)
-    return summary.get("verdict", "?")
+    return summary.verdict
 
 
 def _failed(run_dir: Path, out, e: Exception) -> str:

@@ -43,6 +43,7 @@ import pandas as pd
 
 from flt_diag.storage.predictor_names import FEATURES, PACKAGED, TARGETS  # noqa: F401 (re-exported)
 from flt_diag.storage import metric_names as M
+from flt_diag.storage.file_models import Summary
 from flt_diag.storage.folders import load_config, load_metrics, load_summary, run_dirs, series
 
 SMOOTH = 50
@@ -128,16 +129,14 @@ def _features_at(run: RunSeries, at: int, d_model: int) -> dict:
 
 
 def run_features(run_dir: Path, at: int) -> dict:
-    cfg = load_config(run_dir)
-    m = cfg["model"]
-    return features(load_metrics(run_dir), at, m["loops"], m["n_layer"], m["n_embd"])
+    m = load_config(run_dir).model
+    return features(load_metrics(run_dir), at, m.loops, m.n_layer, m.n_embd)
 
 
 
-def label(summary: dict, kind: str = "fails") -> int:
+def label(summary: Summary, kind: str = "fails") -> int:
     verdicts, rebound = TARGETS[kind]
-    return int(summary.get("verdict") in verdicts
-               or rebound and bool((summary.get("evidence") or {}).get("transient_rebound")))
+    return int(summary.verdict in verdicts or rebound and bool(summary.evidence.transient_rebound))
 
 
 def target_text(kind: str) -> str:
@@ -208,17 +207,16 @@ COLUMNS = ["cell", "variant", "loops", "seed", "lr_scale", "p_collapse", "predic
            "false_alarm", "miss", "evidence"]
 
 
-def _scored(run_dir: Path, summary: dict, predictor: dict, predicted: bool) -> dict:
+def _scored(run_dir: Path, summary: Summary, predictor: dict, predicted: bool) -> dict:
     """The fields every row of a prediction table has: the cell, its final verdict, and how the
     prediction fares against the predictor's target."""
     actual = bool(label(summary, predictor.get("target", "collapse")))
-    return dict(cell=run_dir.name, variant=summary.get("variant"), loops=summary.get("loops"),
-                seed=summary.get("seed"), lr_scale=summary.get("lr_scale"), verdict=summary.get("verdict"),
-                actual=actual, agree=predicted == actual, false_alarm=predicted and not actual,
+    return dict(cell=run_dir.name, variant=summary.variant, loops=summary.loops, seed=summary.seed,
+                lr_scale=summary.lr_scale, verdict=summary.verdict, actual=actual, agree=predicted == actual, false_alarm=predicted and not actual,
                 miss=actual and not predicted)
 
 
-def prediction_row(run_dir: Path, summary: dict, predictor: dict, feats: dict, at: int) -> dict:
+def prediction_row(run_dir: Path, summary: Summary, predictor: dict, feats: dict, at: int) -> dict:
     """One run's prediction at `at` beside its final verdict (a row of `predict` / `cross_validate`)."""
     p, contrib = probability(predictor, feats, at)
     predicted = bool(p >= predictor.get("threshold", 0.5))
@@ -229,7 +227,7 @@ def prediction_row(run_dir: Path, summary: dict, predictor: dict, feats: dict, a
 def predict_sweep(path, at: int, predictor: dict) -> pd.DataFrame:
     """Per finished cell: P(collapse) at step `at`, the prediction, the final verdict, agreement."""
     rows = [prediction_row(d, s, predictor, run_features(d, at), at)
-            for d in labelled_runs([path]) if (s := load_summary(d)).get("steps_done", 0) > at]
+            for d in labelled_runs([path]) if (s := load_summary(d)).steps_done > at]
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
@@ -287,9 +285,9 @@ def online_sweep(path, predictor: dict) -> pd.DataFrame:
     before a collapse (collapsed runs), so `onset - warned_at` is the warning's lead."""
     rows = []
     for d in labelled_runs([path]):
-        s, m = load_summary(d), load_config(d)["model"]
-        w = first_warning(load_metrics(d), predictor, m["loops"], m["n_layer"], m["n_embd"], s.get("steps_done", 0))
-        onset = (s.get("evidence") or {}).get("min_step") if s.get("verdict") == "collapsed" else None
+        s, m = load_summary(d), load_config(d).model
+        w = first_warning(load_metrics(d), predictor, m.loops, m.n_layer, m.n_embd, s.steps_done)
+        onset = s.evidence.min_step if s.verdict == "collapsed" else None
         rows.append(_scored(d, s, predictor, w["warned_at"] is not None) | dict(
             warned_at=w["warned_at"], p_warn=w["p_warn"], p_max=w["p_max"], onset=onset, evidence=w["evidence"]))
     return pd.DataFrame(rows, columns=["cell", "variant", "loops", "seed", "lr_scale", "warned_at", "p_warn", "p_max",

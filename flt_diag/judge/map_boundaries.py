@@ -12,6 +12,7 @@ from typing import Callable
 import pandas as pd
 
 from flt_diag.storage.cells import Cell
+from flt_diag.storage.file_models import MapSpecFile, Summary
 from flt_diag.storage.folders import CELLS, ERROR, StorageError, load_spec, load_summary
 from flt_diag.storage.predictor_names import COLLAPSE
 
@@ -19,10 +20,11 @@ from flt_diag.storage.predictor_names import COLLAPSE
 AXES = {"lr": "lr scale", "depth": "depth L"}
 
 
-CRITERIA: dict[str, Callable[[dict], bool]] = {
-    "training": lambda s: s.get("verdict") != "stable",
-    "collapse": lambda s: s.get("verdict") in COLLAPSE,
-    "explosion": lambda s: bool(s.get("residual_explosion_any", s.get("residual_explosion"))) or s.get("verdict") == "diverged",
+CRITERIA: dict[str, Callable[[Summary], bool]] = {  # (residual_explosion_any: since v2's peak over every loop)
+    "training": lambda s: s.verdict != "stable",
+    "collapse": lambda s: s.verdict in COLLAPSE,
+    "explosion": lambda s: bool(s.residual_explosion if s.residual_explosion_any is None else s.residual_explosion_any)
+    or s.verdict == "diverged",
 }
 
 
@@ -77,9 +79,9 @@ def probe_outcomes(spec: MapLines, out: Path, line: Line, criterion: str) -> dic
     return known
 
 
-def spec_from_folder(out: Path) -> dict:
+def spec_from_folder(out: Path) -> MapSpecFile:
     spec = load_spec(out)  # checked (flt_diag.storage.files): a map folder without criteria is one line
-    if spec.get("kind") != "map":
+    if not isinstance(spec, MapSpecFile):
         raise StorageError(f"{out} is a sweep folder, not a stability map (made by `flt-diag map`)")
     return spec
 
@@ -90,11 +92,11 @@ def boundaries(out: Path) -> pd.DataFrame:
     status: "found" (boundary in (last_ok, first_broken]), "below grid" (broke at the lowest value),
     "above grid" (held at the highest), "open" (search unfinished), "non-monotone"."""
     spec = spec_from_folder(out)
-    grid = spec["grid"]
+    grid = spec.grid
     rows = []
     fake = _FolderSpec(spec)
     for line in fake.lines():
-        for criterion in spec["criteria"]:
+        for criterion in spec.criteria:
             known = probe_outcomes(fake, out, line, criterion)
             a, b, monotone = bracket(known, len(grid))
             failed = any((Path(out) / CELLS / fake.cell(line, v).name / ERROR).exists() for v in grid)
@@ -112,7 +114,7 @@ def boundaries(out: Path) -> pd.DataFrame:
             first_broken = grid[b] if b < len(grid) else math.nan
             boundary = math.sqrt(last_ok * first_broken) if status == "found" else math.nan
             rows.append(dict(variant=line.variant, loops=line.loops, seed=line.seed, criterion=criterion,
-                             axis=spec["axis"], last_ok=last_ok, first_broken=first_broken, boundary=boundary,
+                             axis=spec.axis, last_ok=last_ok, first_broken=first_broken, boundary=boundary,
                              status=status, probes=len(known)))
     return pd.DataFrame(rows, columns=["variant", "loops", "seed", "criterion", "axis", "last_ok", "first_broken",
                                        "boundary", "status", "probes"])
@@ -135,15 +137,15 @@ def unfinished(out: Path, lines: list[Line] | None = None) -> str | None:
 
 
 class _FolderSpec(MapLines):
-    """A map's spec read back from sweep.json (its base stays the stored dict)."""
+    """A map's spec read back from sweep.json."""
 
-    def __init__(self, d: dict):
-        self.base, self.variants, self.loops, self.seeds = d["base"], d["variants"], d["loops"], d["seeds"]
-        self.axis, self.grid, self.criteria = d["axis"], d["grid"], d["criteria"]
+    def __init__(self, d: MapSpecFile):
+        self.base, self.variants, self.loops, self.seeds = d.base, d.variants, d.loops, d.seeds
+        self.axis, self.grid, self.criteria = d.axis, d.grid, d.criteria
 
     @property
     def base_lr_scale(self) -> float:
-        return float(self.base["train"]["lr_scale"])
+        return float(self.base.train.lr_scale)
 
 
 def critical_values(out: Path) -> pd.DataFrame:
@@ -173,7 +175,7 @@ def critical_table(out: Path) -> pd.DataFrame:
     crit = critical_values(out)
     if crit.empty:
         return pd.DataFrame()
-    axis = spec_from_folder(out)["axis"]
+    axis = spec_from_folder(out).axis
     crit = crit.assign(column=[f"{c} at K={k} ({AXES[axis]})" for c, k in zip(crit.criterion, crit.loops)])
     table = crit.pivot(index="variant", columns="column", values="text")
     order = [v for v in ("lt", "lt-ii", "lt-ai", "fla", "flt") if v in table.index]

@@ -105,11 +105,10 @@ def detector_sweep(path) -> pd.DataFrame:
         s = load_summary(d)
         if s is None:
             continue
-        steps = (load_config(d).get("train") or {}).get("steps")
-        w = first_warnings(_dense_loss(d), steps)
-        fails = s.get("verdict") != "stable"
-        rows.append(dict(cell=d.name, variant=s.get("variant"), loops=s.get("loops"), seed=s.get("seed"),
-                         lr_scale=s.get("lr_scale"), verdict=s.get("verdict"), fails=fails, **w,
+        w = first_warnings(_dense_loss(d), load_config(d).train.steps)
+        fails = s.verdict != "stable"
+        rows.append(dict(cell=d.name, variant=s.variant, loops=s.loops, seed=s.seed, lr_scale=s.lr_scale,
+                         verdict=s.verdict, fails=fails, **w,
                          **{f"{k}_caught": fails and w[k] is not None for k in DETECTORS},
                          **{f"{k}_false_alarm": not fails and w[k] is not None for k in DETECTORS}))
     return pd.DataFrame(rows, columns=["cell", "variant", "loops", "seed", "lr_scale", "verdict", "fails",

@@ -49,6 +49,7 @@ import numpy as np
 import pandas as pd
 
 from flt_diag.storage import archive, metric_names as M
+from flt_diag.storage.file_models import RunConfigFile, Summary
 from flt_diag.storage.folders import (SUMMARY, load_config, load_metrics, load_summary, rewrite_record_summary, series,
                                      write_json)
 from flt_diag.vocab.config import RunConfig, VerdictConfig, with_overrides
@@ -303,8 +304,8 @@ def judged(df: pd.DataFrame, cfg, unigram_entropy: float | None, prediction: dic
 @quiet
 def summarize(df: pd.DataFrame, cfg, unigram_entropy: float | None = None, wall_time: float | None = None,
               stop_reason: str | None = None, tokens_per_step: int | None = None,
-              prediction: dict | None = None) -> dict:
-    """The run's summary.json: verdict (v3), evidence and key figures, from its metrics table."""
+              prediction: dict | None = None) -> Summary:
+    """The run's summary (summary.json; v3): verdict, evidence and key figures, from its metrics table."""
     v = cfg.verdict
     loss = series(df, M.LOSS)
     name, evidence, index = judged(df, cfg, unigram_entropy, prediction)
@@ -319,7 +320,7 @@ def summarize(df: pd.DataFrame, cfg, unigram_entropy: float | None = None, wall_
     wd = warmdown_start(cfg.train.steps, cfg.train.warmdown_frac)
     mid, last = at.get(wd, {}), at.get(cfg.train.steps - 1, {}) if wd < cfg.train.steps - 1 else {}
     steps_done = int(loss.index.max()) + 1 if len(loss) else 0
-    out = dict(
+    return Summary.model_validate(dict(
         verdict=name, verdict_version=VERDICT_VERSION, evidence=evidence,
         residual_explosion=resid.pop("residual_explosion"), **resid,
         variant=cfg.model.variant, loops=cfg.model.loops, seed=cfg.train.seed, lr_scale=cfg.train.lr_scale,
@@ -338,9 +339,7 @@ def summarize(df: pd.DataFrame, cfg, unigram_entropy: float | None = None, wall_
         osc_dlog_windows=index["osc_dlog_windows"],
         steps_done=steps_done, steps=cfg.train.steps, wall_time=wall_time, stop_reason=stop_reason,
         prediction=prediction,
-        tokens_per_s=(tokens_per_step * steps_done / wall_time) if wall_time and tokens_per_step else None,
-    )
-    return out
+        tokens_per_s=(tokens_per_step * steps_done / wall_time) if wall_time and tokens_per_step else None))
 
 
 def tokens_per_step(cfg, world_size: int = 1) -> int:
@@ -350,31 +349,25 @@ def tokens_per_step(cfg, world_size: int = 1) -> int:
     return t.batch_size * t.grad_accum * cfg.model.sequence_len * int(world_size)
 
 
-def stored_config(cfg_dict: dict, verdict_overrides: dict | None = None) -> RunConfig:
+def stored_config(stored: RunConfigFile, verdict_overrides: dict | None = None) -> RunConfig:
     """A run's config read back from its config.json, with other verdict thresholds where given."""
-    cfg = RunConfig.from_dict(cfg_dict)
-    if verdict_overrides:
-        cfg.verdict = VerdictConfig(**{**cfg.verdict.__dict__, **verdict_overrides})
-    return cfg
+    cfg = stored.run_config()
+    return with_overrides(cfg, verdict=verdict_overrides) if verdict_overrides else cfg
 
 
-def stored_unigram_entropy(cfg_dict: dict) -> float | None:
-    """H1 of a run's training tokens as its config.json records it (None for an imported run)."""
-    return (cfg_dict.get("corpus") or {}).get("unigram_entropy")
-
-
-def resummarize(run_dir, verdict_overrides: dict | None = None, root=None) -> dict:
+def resummarize(run_dir, verdict_overrides: dict | None = None, root=None) -> Summary:
     """Recompute a finished run's summary.json from its stored metrics (for example with other
     verdict thresholds); wall time and stop reason are kept from the old summary. `root`: the folder
     the command was given (a sweep): no link below it is written through."""
     old = load_summary(run_dir)
     if old is None:
         raise ValueError(f"{run_dir} has not finished (no {SUMMARY})")
-    cfg_dict = load_config(run_dir)
-    cfg = stored_config(cfg_dict, verdict_overrides)
-    new = summarize(load_metrics(run_dir), cfg, unigram_entropy=stored_unigram_entropy(cfg_dict),
-                    wall_time=old.get("wall_time"), stop_reason=old.get("stop_reason"), prediction=old.get("prediction"),
-                    tokens_per_step=tokens_per_step(cfg, cfg_dict.get("env", {}).get("world_size", 1)))
+    stored = load_config(run_dir)
+    cfg = stored_config(stored, verdict_overrides)
+    new = summarize(load_metrics(run_dir), cfg, unigram_entropy=stored.unigram_entropy,
+                    wall_time=old.wall_time, stop_reason=old.stop_reason,
+                    prediction=old.prediction and old.prediction.as_written(),
+                    tokens_per_step=tokens_per_step(cfg, (stored.env or {}).get("world_size", 1)))
     if archive.is_record(run_dir):  # an archived run: its record's summary is rewritten in place
         rewrite_record_summary(Path(run_dir), new, root)
     else:

@@ -25,7 +25,8 @@ import numpy as np
 import pandas as pd
 
 from flt_diag.judge import early_warning as EW
-from flt_diag.judge.verdict import stored_config, stored_unigram_entropy, summarize, tokens_per_step
+from flt_diag.judge.verdict import stored_config, summarize, tokens_per_step
+from flt_diag.storage.file_models import RunConfigFile
 from flt_diag.storage import archive, metric_names as M
 from flt_diag.storage.folders import (EVAL_LOOPS, SWEEP_SPEC, StorageError, folder_lock, is_archive, is_sweep,
                                       load_config, load_metrics, load_spec, load_summary, make_folder, read_json,
@@ -53,14 +54,14 @@ class Archived:
         return f"{self.record}: {how}, {self.bytes / 1024:.1f} KB"
 
 
-def feature_rows(cfg: dict) -> set[tuple[str, int, int]]:
+def feature_rows(cfg: RunConfigFile) -> set[tuple[str, int, int]]:
     """(metric, loop, layer) of the early-warning features' own series (flt_diag.judge.early_warning)."""
-    K, L = int(cfg["model"]["loops"]), int(cfg["model"]["n_layer"])
+    K, L = cfg.model.loops, cfg.model.n_layer
     return {(M.RESID_NORM_LOOP_END, 1, M.NONE), (M.RESID_NORM_LOOP_END, K, M.NONE),
             (M.ACT_GRAD_NORM, 1, 1), (M.ACT_GRAD_NORM, K, L)}
 
 
-def thin(df: pd.DataFrame, cfg: dict, every: int = EVERY, sparse: int = SPARSE,
+def thin(df: pd.DataFrame, cfg: RunConfigFile, every: int = EVERY, sparse: int = SPARSE,
          features_whole: bool = False) -> pd.DataFrame:
     """The rows a record keeps (see the module's docstring)."""
     if not len(df):
@@ -95,12 +96,11 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def differences(full: pd.DataFrame, kept: pd.DataFrame, cfg_dict: dict) -> list[str]:
+def differences(full: pd.DataFrame, kept: pd.DataFrame, stored: RunConfigFile) -> list[str]:
     """What the thinned rows change: summary fields, and early-warning features at the scored steps."""
-    cfg = stored_config(cfg_dict)
-    h1 = stored_unigram_entropy(cfg_dict)
-    kw = dict(unigram_entropy=h1, tokens_per_step=tokens_per_step(cfg))
-    a, b = summarize(full, cfg, **kw), summarize(kept, cfg, **kw)
+    cfg = stored_config(stored)
+    kw = dict(unigram_entropy=stored.unigram_entropy, tokens_per_step=tokens_per_step(cfg))
+    a, b = (summarize(df, cfg, **kw).as_written() for df in (full, kept))
     out = [k for k in a if k not in VOLATILE and not _same(a[k], b.get(k))]
     K, L, d = cfg.model.loops, cfg.model.n_layer, cfg.model.n_embd
     steps_done = a["steps_done"]

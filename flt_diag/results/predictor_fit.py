@@ -13,7 +13,7 @@ from scipy.optimize import minimize
 from flt_diag.judge.early_warning import (COLUMNS, FEATURES, TARGETS, design, labelled_runs, label,
                                              prediction_row, run_features, sigmoid, target_text)
 from flt_diag.judge.verdict import VERDICT_VERSION
-from flt_diag.storage.file_models import STALL_EVIDENCE, ExampleRow
+from flt_diag.storage.file_models import STALL_EVIDENCE, Evidence, ExampleRow, Summary
 from flt_diag.storage.files import EXAMPLE_IDENTITY, load_examples
 from flt_diag.storage.folders import BadFile, atomic_path, load_config, load_summary
 from flt_diag.storage.schema import MAX_ITEMS
@@ -56,14 +56,14 @@ def class_weights(y: np.ndarray, kind: str = "balanced") -> np.ndarray:
 def training_runs(sources) -> list[Path]:
     """Finished runs whose verdict is an outcome: a run ended by --stop-on-collapse carries a prediction
     as its verdict, and fitting on it would teach the predictor its own guesses."""
-    return [d for d in labelled_runs(sources) if not load_summary(d).get("prediction")]
+    return [d for d in labelled_runs(sources) if load_summary(d).prediction is None]
 
 
 def cell_identity(run_dir: Path) -> tuple:
     """What makes two runs the same experiment apart from their length: variant, K, depth, width, seed,
     lr scale. (A cell trained for 800 and for 2,000 steps has the same first 800 steps.)"""
-    m, t = (cfg := load_config(run_dir))["model"], cfg["train"]
-    return m["variant"], m["loops"], m["n_layer"], m["n_embd"], t["seed"], t["lr_scale"]
+    m, t = (cfg := load_config(run_dir)).model, cfg.train
+    return m.variant, m.loops, m.n_layer, m.n_embd, t.seed, t.lr_scale
 
 
 def training_examples(sources, steps, target: str = "fails") -> list[dict]:
@@ -78,7 +78,7 @@ def training_examples(sources, steps, target: str = "fails") -> list[dict]:
     for d in training_runs(folders):
         s = load_summary(d)
         out.append(dict(run=d, summary=s, y=label(s, target), identity=cell_identity(d),
-                        feats={at: run_features(d, at) for at in steps if s.get("steps_done", 0) > at}))
+                        feats={at: run_features(d, at) for at in steps if s.steps_done > at}))
     if not out:
         raise ValueError("no finished runs to fit on")
     return out
@@ -96,12 +96,11 @@ def examples_table(examples: list[dict]) -> pd.DataFrame:
     """`training_examples` as a table (EXAMPLE_COLUMNS): one row per run and step it has features at."""
     rows = []
     for e in examples:
-        s, evidence = e["summary"], e["summary"].get("evidence") or {}
-        run = dict(zip(EXAMPLE_IDENTITY, (str(e["run"]), *e["identity"])), steps_done=s.get("steps_done", 0),
-                   verdict=s.get("verdict"), climb=evidence.get("climb"),
-                   rebound_threshold=evidence.get("rebound_threshold"),
-                   transient_rebound=bool(evidence.get("transient_rebound")), verdict_version=s.get("verdict_version"),
-                   **{k: evidence.get(k) for k in STALL_EVIDENCE})
+        s, evidence = e["summary"], e["summary"].evidence
+        run = dict(zip(EXAMPLE_IDENTITY, (str(e["run"]), *e["identity"])), steps_done=s.steps_done,
+                   verdict=s.verdict, climb=evidence.climb, rebound_threshold=evidence.rebound_threshold,
+                   transient_rebound=bool(evidence.transient_rebound), verdict_version=s.verdict_version,
+                   **{k: getattr(evidence, k) for k in STALL_EVIDENCE})
         rows += [{**run, "step": at, **{f: feats.get(f) for f in FEATURES}} for at, feats in sorted(e["feats"].items())]
     return pd.DataFrame(rows, columns=EXAMPLE_COLUMNS)
 
@@ -122,40 +121,43 @@ def write_examples(path: Path, examples: list[dict]) -> None:
             raise BadFile(str(e).replace(str(tmp), str(path))) from None
 
 
-def judged_before_v3(row: dict) -> bool:
-    """Whether a fit-examples row was judged before verdict v3 (a lower version, or none: a table written
-    before the column existed)."""
-    return (row.get("verdict_version") or 0) < VERDICT_VERSION
+def judged_before_v3(row: ExampleRow | Summary) -> bool:
+    """Whether a fit-examples row (or a summary) was judged before verdict v3 (a lower version, or none: a
+    table written before the column existed)."""
+    return (row.verdict_version or 0) < VERDICT_VERSION
 
 
-def relabelled(row: dict) -> str:
+def relabelled(row: ExampleRow) -> str:
     """The run's verdict by the current rule (v3), as far as its row allows. A row judged by v3 keeps its
     verdict. An older one gets the one later rule its evidence carries: a loss climb that recovered
     (transient_rebound), `stable` before commit bcf10c4, is `unstable`. v3's stall and oscillation rules need
     evidence such a row does not have (the run's metrics): `summary --recompute` on the folders (the table
     keeps the stall evidence from v3 on, for whatever rule comes next)."""
     if not judged_before_v3(row):
-        return row["verdict"]
-    return "unstable" if row["verdict"] == "stable" and row["transient_rebound"] else row["verdict"]
+        return row.verdict
+    return "unstable" if row.verdict == "stable" and row.transient_rebound else row.verdict
 
 
-def examples_from_rows(rows: list[dict], steps, target: str) -> list[dict]:
+def examples_from_rows(rows: list[ExampleRow], steps, target: str) -> list[dict]:
     """The examples of a fit-examples table (rows as load_examples returns them), relabelled; each keeps its
-    row's verdict version and evidence, so that a table written from them reads back the same."""
-    runs: dict[str, list[dict]] = {}
+    row's verdict version and evidence, so that a table written from them reads back the same. Its summary
+    holds what a row keeps of one (built from the checked row, without the figures a row has not)."""
+    runs: dict[str, list[ExampleRow]] = {}
     for r in rows:
-        runs.setdefault(r["run"], []).append(r)
+        runs.setdefault(r.run, []).append(r)
     out = []
     for run, group in runs.items():
         r = group[0]
-        summary = dict(verdict=relabelled(r), verdict_version=r.get("verdict_version"), steps_done=r["steps_done"],
-                       variant=r["variant"], loops=r["loops"], seed=r["seed"], lr_scale=r["lr_scale"],
-                       evidence=dict(climb=r["climb"], rebound_threshold=r["rebound_threshold"],
-                                     transient_rebound=r["transient_rebound"], **{k: r.get(k) for k in STALL_EVIDENCE}))
-        feats = {x["step"]: {f: (math.nan if x[f] is None else x[f]) for f in FEATURES}
-                 for x in group if x["step"] in steps}
+        evidence = Evidence.model_construct(climb=r.climb, rebound_threshold=r.rebound_threshold,
+                                            transient_rebound=r.transient_rebound,
+                                            **{k: getattr(r, k) for k in STALL_EVIDENCE})
+        summary = Summary.model_construct(verdict=relabelled(r), verdict_version=r.verdict_version,
+                                          evidence=evidence, variant=r.variant, loops=r.loops, seed=r.seed,
+                                          lr_scale=r.lr_scale, steps_done=r.steps_done)
+        feats = {x.step: {f: (math.nan if getattr(x, f) is None else getattr(x, f)) for f in FEATURES}
+                 for x in group if x.step in steps}
         out.append(dict(run=Path(run), summary=summary, y=label(summary, target),
-                        identity=tuple(r[k] for k in EXAMPLE_IDENTITY[1:]), feats=feats))
+                        identity=tuple(getattr(r, k) for k in EXAMPLE_IDENTITY[1:]), feats=feats))
     return out
 
 
@@ -183,7 +185,7 @@ def _nothing_to_fit(examples: list[dict], steps, target: str) -> str:
         kind = "has" if labels == {1} else "does not have"
         return (f"every one of the {len(examples)} finished runs {kind} the target {target} "
                 f"({target_text(target)}); a predictor needs runs of both kinds")
-    longest = max((e["summary"].get("steps_done", 0) for e in examples), default=0)
+    longest = max((e["summary"].steps_done for e in examples), default=0)
     if not any(e["feats"] for e in examples):
         return (f"no finished run ran past any step of --at ({', '.join(map(str, steps))}); the longest ran "
                 f"{longest} steps")

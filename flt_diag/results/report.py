@@ -96,7 +96,7 @@ def render_html(study: Study, figures: dict, skipped: dict[str, str]) -> str:
              f"{len(study.runs) - done} running. Numbers are means over a cell's finished seeds; the verdict is "
              "their majority.</p>",
              "<h2>Results</h2>", f'<p class="note">{html.escape(COMPARISON_NOTE)}</p>', _html_table(results_table(study))]
-    if study.spec and study.spec.get("kind") == "map":
+    if study.kind == "map":
         parts += ["<h2>Stability map: critical values</h2>",
                   '<p class="note">Boundary (geometric mean of the last value that held and the first that broke; '
                   "median [min-max] over seeds); &gt; x: held up to the grid's top; &lt; x: broke at its bottom.</p>",
@@ -107,10 +107,11 @@ def render_html(study: Study, figures: dict, skipped: dict[str, str]) -> str:
                      f"<figcaption><b>{kind}</b>: {html.escape(_caption(kind))}</figcaption></figure>")
     for kind, why in skipped.items():
         parts.append(f'<p class="note">Figure {kind} left out: {html.escape(why)}</p>')
-    spec = study.spec if study.spec is not None else {k: v for k, v in study.runs[0].config.items() if k != "env"}
+    spec = study.spec.as_written() if study.spec is not None else \
+        {k: v for k, v in study.runs[0].config.as_written().items() if k != "env"}
     parts += ["<h2>Sweep spec</h2>" if study.spec is not None else "<h2>Configuration</h2>",
               f"<pre>{html.escape(json.dumps(spec, indent=1))}</pre>"]
-    env = study.runs[0].config.get("env", {})
+    env = study.runs[0].config.env or {}
     env_df = pd.DataFrame({"key": list(env), "value": [str(v) for v in env.values()]})
     parts += [f"<h2>Environment</h2><p class=\"note\">of {html.escape(study.runs[0].name)}</p>",
               _html_table(env_df, verdict_column=None)]

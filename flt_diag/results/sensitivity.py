@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from flt_diag.judge.verdict import judged, residual_explosion, stored_config, stored_unigram_entropy
+from flt_diag.judge.verdict import judged, residual_explosion, stored_config
+from flt_diag.vocab.config import with_overrides
 from flt_diag.results.tables import seed_table
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import load_config, load_metrics, load_summary, run_dirs, series
@@ -34,10 +35,10 @@ class StoredRun:
     """A finished run's stored metrics and config, judged again under moved thresholds."""
 
     def __init__(self, run_dir: Path, overrides: dict | None):
-        cfg_dict = load_config(run_dir)
+        stored = load_config(run_dir)
         self.summary = load_summary(run_dir)
-        self.cfg = stored_config(cfg_dict, overrides)
-        self.unigram_entropy = stored_unigram_entropy(cfg_dict)
+        self.cfg = stored_config(stored, overrides)
+        self.unigram_entropy = stored.unigram_entropy
         self.metrics = load_metrics(run_dir, METRICS)
         val = series(self.metrics, M.VAL_LOSS).dropna()
         model, train = self.cfg.model, self.cfg.train
@@ -48,9 +49,10 @@ class StoredRun:
         """verdict and residual_explosion with `threshold` multiplied by `factor` (None: as configured)."""
         cfg = self.cfg
         if threshold in VERDICT_FIELDS:
-            cfg = stored_config(cfg.to_dict(), {threshold: getattr(cfg.verdict, threshold) * factor})
+            cfg = with_overrides(cfg, verdict={threshold: getattr(cfg.verdict, threshold) * factor})
         stall_scale = factor if threshold == "stall_margin" else 1.0
-        name, _, _ = judged(self.metrics, cfg, self.unigram_entropy, self.summary.get("prediction"), stall_scale)
+        prediction = self.summary.prediction and self.summary.prediction.as_written()
+        name, _, _ = judged(self.metrics, cfg, self.unigram_entropy, prediction, stall_scale)
         resid = residual_explosion(self.metrics, cfg.model.loops, cfg.model.n_embd, cfg.verdict.explosion_ratio)
         return dict(verdict=name, residual_explosion=resid["residual_explosion"],
                     peak_resid_norm=resid["peak_resid_norm"])

@@ -29,6 +29,7 @@ import numpy as np
 import pandas as pd
 
 from flt_diag.storage import archive, metric_names as M
+from flt_diag.storage.file_models import MapSpecFile, RunConfigFile, Summary, SweepSpecFile
 from flt_diag.judge.peers import compare_cells, compare_runs, failed_text, flags_text, gap_text, ratio_text
 from flt_diag.judge.verdict import OSC_INDICES, dense_oscillation, smoothed
 from flt_diag.storage.folders import (COLUMNS, CELLS, ERROR, METRICS, StorageError, cell_names, is_run, is_sweep, load_config,
@@ -69,8 +70,8 @@ class Run:
     loops: int
     seed: int
     lr_scale: float
-    config: dict
-    summary: dict | None
+    config: RunConfigFile
+    summary: Summary | None
     metrics: pd.DataFrame
     eval_loops: pd.DataFrame | None
 
@@ -81,8 +82,8 @@ class Run:
     @property
     def status(self) -> str:
         """The verdict once finished, else "failed" (the sweep left an error.txt) or "running"."""
-        if self.summary:
-            return self.summary["verdict"]
+        if self.summary is not None:
+            return self.summary.verdict
         return "failed" if (self.path / ERROR).exists() else "running"
 
     def sort_key(self) -> tuple:
@@ -90,21 +91,20 @@ class Run:
 
     @property
     def depth(self) -> int | None:
-        return self.config.get("model", {}).get("n_layer")
+        return self.config.model.n_layer
 
     @property
     def width(self) -> int | None:
-        return self.config.get("model", {}).get("n_embd")
+        return self.config.model.n_embd
 
     @property
     def smooth_window(self) -> int:
-        return int(self.config.get("verdict", {}).get("smooth_window", 50))
+        return self.config.run_config().verdict.smooth_window
 
     @property
     def explosion_threshold(self) -> float:
         """The verdict's residual-explosion threshold: explosion_ratio * sqrt(d)."""
-        ratio = self.config.get("verdict", {}).get("explosion_ratio", math.nan)
-        return float(ratio) * math.sqrt(self.config.get("model", {}).get("n_embd", math.nan))
+        return self.config.run_config().verdict.explosion_ratio * math.sqrt(self.config.model.n_embd)
 
     def select(self, metric: str) -> pd.DataFrame:
         """The finite rows of one metric (step, metric, loop, layer, value)."""
@@ -123,12 +123,12 @@ class Study:
     """Every run of a sweep (or one run folder), sorted by lr scale, seed, loops and variant."""
     path: Path
     runs: list[Run]
-    spec: dict | None = None  # sweep.json; None for a single run folder
+    spec: SweepSpecFile | MapSpecFile | None = None  # sweep.json; None for a single run folder
 
     @property
     def kind(self) -> str:
         """"map" for a stability map (flt-diag map), "sweep", or "run"."""
-        return (self.spec or {}).get("kind", "sweep") if self.spec is not None else "run"
+        return "run" if self.spec is None else "map" if isinstance(self.spec, MapSpecFile) else "sweep"
 
 
 def variant_rank(variant: str) -> int:
@@ -204,9 +204,10 @@ def smoothed_loss(run: Run) -> pd.Series:
 
 def oscillation(run: Run) -> dict:
     """The run's oscillation indices (osc_*): from summary.json, or computed like it while running."""
-    if run.summary and all(k in run.summary for k in OSC_COLUMNS):
-        return {k: run.summary[k] for k in OSC_COLUMNS}
-    dense = run.config.get("diagnostics", {}).get("dense_steps", math.inf)
+    stored = run.summary.model_dump() if run.summary is not None else {}
+    if all(stored.get(k) is not None for k in OSC_COLUMNS):  # (a summary of v1 has no osc_mean_abs_dlog etc.)
+        return {k: stored[k] for k in OSC_COLUMNS}
+    dense = run.config.diagnostics.dense_steps
     osc = dense_oscillation(series(run.metrics, M.GRAD_NORM), series(run.metrics, M.GRAD_COSINE), dense)
     return {f"osc_{k}": v for k, v in osc.items()}
 
@@ -245,13 +246,11 @@ def _mean(values) -> float:
 def _grid(study: Study) -> list[tuple]:
     """Every (lr_scale, variant, loops, depth, width) of the sweep's spec, depth and width its base config's
     (empty for a single run folder)."""
-    spec = study.spec or {}
-    if not all(k in spec for k in ("variants", "loops", "lr_scales")):
+    spec = study.spec
+    if not isinstance(spec, SweepSpecFile):
         return []
-    model = spec.get("base", {}).get("model", {})
-    depth, width = model.get("n_layer"), model.get("n_embd")
-    return [(float(lr), v, int(k), depth, width) for lr in spec["lr_scales"] for v in spec["variants"]
-            for k in spec["loops"]]
+    depth, width = spec.base.model.n_layer, spec.base.model.n_embd
+    return [(float(lr), v, int(k), depth, width) for lr in spec.lr_scales for v in spec.variants for k in spec.loops]
 
 
 def _is_true(value) -> bool:
@@ -304,7 +303,7 @@ def summary_table(src) -> pd.DataFrame:
     cells.update({key: [] for key in _grid(study) if key[:3] not in started})
     rows = []
     for (lr, variant, loops, depth, width), runs in cells.items():
-        done = [r.summary for r in runs if r.summary]
+        done = [r.summary.model_dump() for r in runs if r.summary is not None]  # (as rows of a summary table)
         rows.append(dict(lr_scale=lr, variant=variant, loops=loops, depth=depth, width=width, runs=len(runs),
                          **(_aggregate(done) if done else _not_done(runs))))
     return _cells(rows)

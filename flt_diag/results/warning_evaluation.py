@@ -117,22 +117,21 @@ def scored_steps(steps: list[int], total: int, done: int) -> list[int]:
 def run_rows(run_dir: Path, steps: list[int], packaged: dict) -> list[dict]:
     """One row per step s < the run's length: identity, label, features, detector scores, P(packaged)."""
     cfg, summary = load_config(run_dir), load_summary(run_dir)
-    m, t = cfg["model"], cfg["train"]
+    m, t = cfg.model, cfg.train
     df = load_metrics(run_dir)
     loss, grad = _dense(df, M.LOSS), _dense(df, M.GRAD_NORM)
-    total = t.get("steps")
+    total = t.steps
     fired = {"lightning": lightning_spike(loss), "kill_loss_spike": kill_loss_spike(loss, total_steps=total)[0],
              "lightning_scaled": lightning_spike(loss, **SCALED["lightning"]),
              "kill_loss_spike_scaled": kill_loss_spike(loss, total_steps=total, **SCALED["kill_loss_spike"])[0]}
-    identity = dict(run=str(run_dir), variant=m["variant"], loops=m["loops"], depth=m["n_layer"], width=m["n_embd"],
-                    lr_scale=t["lr_scale"], seed=t["seed"], verdict=summary["verdict"],
-                    failed=int(summary["verdict"] != "stable"))
+    identity = dict(run=str(run_dir), variant=m.variant, loops=m.loops, depth=m.n_layer, width=m.n_embd,
+                    lr_scale=t.lr_scale, seed=t.seed, verdict=summary.verdict, failed=int(summary.verdict != "stable"))
     rows = []
-    for at in scored_steps(steps, total, summary.get("steps_done", 0)):
-        feats = features(df, at, m["loops"], m["n_layer"], m["n_embd"])
+    for at in scored_steps(steps, total, summary.steps_done):
+        feats = features(df, at, m.loops, m.n_layer, m.n_embd)
         rows.append(identity | feats | dict(
             step=at, packaged=probability(packaged, feats, at)[0], olmo=olmo_spike_score(loss, grad, at),
-            **{k: float(v is not None and v < at) for k, v in fired.items()}, **record_scores(df, at, m["loops"])))
+            **{k: float(v is not None and v < at) for k, v in fired.items()}, **record_scores(df, at, m.loops)))
     return rows
 
 

@@ -20,10 +20,12 @@ from __future__ import annotations
 import io
 import json
 from pathlib import Path
+from typing import Optional
 
 import pandas as pd
 
 from flt_diag.storage import files
+from flt_diag.storage.file_models import FileModel, RunConfigFile, Summary
 from flt_diag.storage.schema import MAX_FILE_BYTES, BadFile, StorageError
 
 SUFFIX = ".parquet"
@@ -71,9 +73,20 @@ def _parquet_file(path: Path):
         raise BadFile(f"{path}: not a readable Parquet file ({' '.join(str(e).split())[:120] or type(e).__name__})") from None
 
 
-def read_meta(path: Path) -> dict:
-    """The record's metadata: {"format", "config", "summary", "eval_loops", "source", "kept"}, each checked
-    (config and summary as config.json and summary.json are)."""
+class RecordMeta(FileModel):
+    """A record's metadata (its config and summary as config.json and summary.json are read; where it came
+    from, `source`, and how it was thinned, `kept`: flt_diag.results.archiving)."""
+
+    format: int
+    config: RunConfigFile
+    summary: Optional[Summary]
+    eval_loops: Optional[str]  # eval_loops.csv's text
+    source: str
+    kept: dict
+
+
+def read_meta(path: Path) -> RecordMeta:
+    """The record's metadata, each part checked (config and summary as config.json and summary.json are)."""
     meta = (_parquet_file(path).schema_arrow.metadata or {}).get(META_KEY)
     if meta is None:
         raise BadFile(f"{path}: a Parquet file without flt-diag's archive metadata (not a run record)")
@@ -87,25 +100,23 @@ def read_meta(path: Path) -> dict:
     for key in ("config", "summary", "eval_loops", "source", "kept"):
         if key not in doc:
             raise BadFile(f"{path}: archive metadata lacks {key!r}")
-    where = f"{path} [config]"
-    files.check_run_config(doc["config"], where)
-    if doc["summary"] is not None:
-        files.check_summary(doc["summary"], f"{path} [summary]")
+    config = files.check_run_config(doc["config"], f"{path} [config]")
+    summary = None if doc["summary"] is None else files.check_summary(doc["summary"], f"{path} [summary]")
     if doc["eval_loops"] is not None and not isinstance(doc["eval_loops"], str):
         raise BadFile(f"{path}: archive metadata 'eval_loops' must be CSV text or null")
-    return doc
+    return RecordMeta.model_construct(**{**doc, "config": config, "summary": summary})  # (each part checked above)
 
 
-def load_config(path: Path) -> dict:
-    return read_meta(path)["config"]
+def load_config(path: Path) -> RunConfigFile:
+    return read_meta(path).config
 
 
-def load_summary(path: Path) -> dict | None:
-    return read_meta(path)["summary"]
+def load_summary(path: Path) -> Summary | None:
+    return read_meta(path).summary
 
 
 def load_eval_loops(path: Path) -> pd.DataFrame | None:
-    text = read_meta(path)["eval_loops"]
+    text = read_meta(path).eval_loops
     return None if text is None else pd.read_csv(io.StringIO(text))
 
 

@@ -17,7 +17,7 @@ from pydantic import ConfigDict, Field, create_model, field_validator, model_val
 from pydantic_core import PydanticUndefined
 
 from flt_diag.storage.predictor_names import CLASS_WEIGHTS, FEATURES, TARGETS
-from flt_diag.vocab.config import DiagnosticsConfig, ModelConfig, TrainConfig, VerdictConfig
+from flt_diag.vocab.config import DiagnosticsConfig, ModelConfig, RunConfig, TrainConfig, VerdictConfig
 from flt_diag.vocab.grid_options import MAX_GRID, MapAxes, SweepAxes
 from flt_diag.vocab.option_fields import MAX_ITEMS, Options, field_like
 from flt_diag.vocab.variants import MAX_LOOPS
@@ -30,6 +30,11 @@ class FileModel(Options):
     """A part of a file: strict, finite, no unknown key (Options' rules), validated with model_validate."""
 
     model_config = ConfigDict(protected_namespaces=())
+
+    def as_written(self) -> dict:
+        """The JSON object of the file: the fields it was given (all, for one flt-diag built; those the file
+        held, for one read back), in the model's order, under the file's names."""
+        return self.model_dump(exclude_unset=True, by_alias=True)
 
 
 class FreeFileModel(FileModel, **FREE):
@@ -83,6 +88,7 @@ class Corpus(FileModel, **FREE):
     train_tokens: int = Field(None, ge=0)
     val_tokens: int = Field(None, ge=0)
     unigram_entropy: Optional[float] = Field(None, ge=0)
+    task: str = None  # a synthetic task's name (flt_diag.data.tasks); its other figures are free-form
 
 
 class RunConfigFile(FileModel):
@@ -104,41 +110,163 @@ class RunConfigFile(FileModel):
     note: str = None
     probe: dict = None
 
+    def run_config(self) -> RunConfig:
+        """The typed config (a field an older file lacks as RunConfig.from_dict fills it in)."""
+        return RunConfig.from_dict(self.as_written())
+
+    @property
+    def unigram_entropy(self) -> float | None:
+        """H1 of the run's training tokens (None for an imported run, or a run of flt_diag.watch)."""
+        return self.corpus.unigram_entropy if self.corpus is not None else None
+
 
 # --------------------------------------------------------------------------- summary
+# summary.json, the one definition of a run's summary: flt_diag.judge.verdict.summarize builds a Summary, the
+# storage layer writes `Summary.as_written()` and reads the file back into a Summary. A field missing from a
+# file is None (the fields marked "since v3", "since ..." are absent from older summaries); a key no version
+# wrote is refused. Every key an earlier verdict (v1, v2) wrote is still a field, so LEGACY_SUMMARY_KEYS
+# (read and dropped) is empty; a key a later version stops writing goes there.
 
-class Evidence(FileModel, **FREE):
-    reason: str = None
-    min_step: Optional[int] = Field(None, ge=0)
-    transient_rebound: bool = None
+LEGACY_SUMMARY_KEYS: tuple[str, ...] = ()
 
 
-class Prediction(FileModel, **FREE):
+class Evidence(FileModel):
+    """Why the verdict is what it is (flt_diag.judge.verdict.verdict and judged); which fields a summary holds
+    depends on the rule that decided (a diverged run has none of the loss figures)."""
+
+    min_smoothed_loss: float = figure(False)  # min over t of the smoothed loss s
+    min_step: int = Field(None, ge=0)  # where s is lowest
+    final_smoothed_loss: float = figure(False)  # s at the last step
+    climb: float = figure(False)  # the largest rise of s above its running minimum
+    climb_step: int = Field(None, ge=0)  # where that rise peaks
+    climb_start_step: int = Field(None, ge=0)  # the running minimum it rose from
+    recovered: float = figure(False)  # how far s fell back from the climb's peak by the end
+    rebound: float = figure(False)  # gap: final s - min s
+    rebound_threshold: float = figure(False)  # max(rebound_abs, rebound_rel * min s)
+    recovery_tolerance: float = figure(False)  # tol(min s)
+    transient_rebound: bool = None  # the climb exceeded the threshold and the run recovered (a loss spike)
+    unigram_entropy: Optional[float] = figure(False)  # H1 of the training tokens (None: an imported run)
+    smooth_window: int = Field(None, ge=1)  # steps of the trailing mean
+    stall_reference: Optional[float] = figure(False)  # since v3: H1 as the stall rule read it
+    stall_margin: Optional[float] = figure(False)  # since v3: tol(H1)
+    stalled: bool = None  # since v3: rule 3 fired
+    stall_judged: str = None  # since v3: whether rule 3 could be judged, and against what
+    nonfinite_step: int = Field(None, ge=0)  # a diverged run: the first step with a non-finite loss
+    reason: str = None  # the verdict in words
+    osc_dlog_median: float = figure(False)  # since v3: the worst judged window's median |dlog g| (NaN: none judged)
+    osc_alternation: float = figure(False)  # since v3: that window's share of sign changes
+    osc_dlog_window: Optional[list[int]] = many(False, 2)  # since v3: [first, last] step
+    osc_dlog_threshold: float = figure(False)  # since v3: the threshold of rule 4b
+    osc_windows_judged: int = Field(None, ge=0)  # since v3: windows with enough differences to judge
+    osc_span_end: int = Field(None)  # since v3: the warm-down start (the first step rule 4b leaves out)
+    predicted_at: int = Field(None, ge=0)  # a run ended by the collapse predictor: the step it fired
+    oscillation: str = None  # a run of flt_diag.watch whose gradients are clipped: why 4b was not judged
+
+
+class Prediction(FileModel):
+    """The collapse predictor's alarm that ended the run (--stop-on-collapse)."""
+
     step: int = Field(ge=0)
     p_collapse: float = Field(None, ge=0, le=1)
+    evidence: str = None  # its features in words (early_warning.evidence_text)
+    features: dict = None  # the features' values at that step, by name
 
 
-class SummaryFile(FileModel, **FREE):
-    """summary.json: the fields its readers use (verdict line, tables, criteria, early warning)."""
+class Milestone(FileModel):
+    """The reference's milestone statistics: population stds over the steps since the previous milestone."""
+
+    step: int = Field(ge=0)
+    loss_std: float = figure()
+    grad_norm_std: float = figure()
+
+
+class OscillationWindow(FileModel):
+    """The v2 oscillation indices (flt_diag.judge.verdict's module doc) over steps [start, end]."""
+
+    start: int = Field(ge=0)
+    end: int = Field(ge=0)
+    cv: float = figure()
+    mean_abs_dlog: float = figure()
+    sign_alternation: float = figure()
+    neg_cosine_share: float = figure()
+
+
+class DlogWindow(FileModel):
+    """One window rule 4b judged: its steps, differences, median |dlog g| and alternation share."""
+
+    start: int = Field(ge=0)
+    end: int = Field(ge=0)
+    differences: int = Field(ge=0)
+    median_abs_dlog: float = figure()
+    alternation: float = figure()
+
+
+class Summary(FileModel):
+    """A run's summary.json: the verdict, its evidence and the run's key figures (in the order written).
+
+    Read-only mapping access (`summary["verdict"]`, `.get`, `.keys`) is the compatibility path for scripts
+    written when summaries were dicts; flt-diag itself reads the attributes."""
+
+    model_config = ConfigDict(frozen=True)
 
     verdict: str = one_of(VERDICTS)
+    verdict_version: Optional[int] = Field(None, ge=1)  # since v3 (a summary without one was judged by v1/v2)
     evidence: Evidence
-    residual_explosion: bool
-    residual_explosion_any: bool = None
-    peak_resid_norm: Optional[float] = figure()
+    residual_explosion: bool  # the final loop's peak loop-end residual norm > explosion_ratio * sqrt(d)
+    peak_resid_norm: Optional[float] = figure()  # that peak (NaN: none recorded)
+    peak_resid_norm_any: Optional[float] = figure(False)  # the peak over every loop, layer and loop end
+    peak_resid_loop: Optional[int] = Field(None, ge=0)  # the loop of that peak
+    residual_explosion_any: bool = None  # the same test on peak_resid_norm_any (FLA explodes its first loop)
+    peak_resid_step: Optional[int] = Field(None, ge=0)  # the step of the final loop's peak
+    final_resid_norm: Optional[float] = figure(False)  # the final loop's loop-end norm at the last step
+    resid_ratio: Optional[float] = figure(False)  # peak_resid_norm / sqrt(d)
+    explosion_threshold: Optional[float] = figure(False)  # explosion_ratio * sqrt(d)
     variant: str = like(ModelConfig, "variant")
     loops: int = like(ModelConfig, "loops")
     seed: int = like(TrainConfig, "seed")
     lr_scale: float = like(TrainConfig, "lr_scale")
-    final_loss: Optional[float] = figure()
-    best_loss: Optional[float] = figure()
-    val_loss: Optional[float] = figure()
-    osc_cv: Optional[float] = figure()
+    final_loss: Optional[float] = figure()  # the smoothed training loss at the last finite step
+    best_loss: Optional[float] = figure()  # its minimum (the evidence's min_smoothed_loss)
+    val_loss: Optional[float] = figure()  # the last held-out loss (NaN: never evaluated)
+    val_ppl: Optional[float] = figure(False)  # exp(val_loss)
+    val_accuracy: Optional[float] = figure(False)  # since the tasks: the last held-out accuracy
+    osc_cv: Optional[float] = figure()  # the v2 indices over the dense steps (no rule reads them)
+    osc_mean_abs_dlog: Optional[float] = figure(False)
+    osc_sign_alternation: Optional[float] = figure(False)
+    osc_neg_cosine_share: Optional[float] = figure(False)
+    osc_dlog_median: Optional[float] = figure(False)  # since v3: rule 4b's index (the evidence's)
+    osc_alternation: Optional[float] = figure(False)  # since v3
+    stall_reference: Optional[float] = figure(False)  # since v3: as in the evidence
+    stall_margin: Optional[float] = figure(False)  # since v3
+    loss_std: Optional[float] = figure(False)  # the warm-down milestone's stds (the constant-lr phase)
+    grad_norm_std: Optional[float] = figure(False)
+    loss_std_warmdown: Optional[float] = figure(False)  # the last step's (the warm-down itself)
+    grad_norm_std_warmdown: Optional[float] = figure(False)
+    milestones: list[Milestone] = many(False, 0)
+    oscillation_windows: list[OscillationWindow] = many(False, 0)  # the v2 indices per osc_window steps
+    osc_dlog_windows: list[DlogWindow] = many(False, 0)  # since v3: the windows rule 4b judged
     steps_done: int = Field(ge=0)
     steps: int = like(TrainConfig, "steps")
-    prediction: Optional[Prediction] = None
-    oscillation_windows: list[dict] = many(False, 0)
-    milestones: list[dict] = many(False, 0)
+    wall_time: Optional[float] = Field(None, ge=0)  # seconds (None: not timed)
+    stop_reason: Optional[str] = None  # why the run ended before its steps (None: it did not)
+    prediction: Optional[Prediction] = None  # the alarm that ended it (--stop-on-collapse)
+    tokens_per_s: Optional[float] = Field(None, ge=0, allow_inf_nan=True)  # training throughput
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_dropped(cls, x):
+        return {k: v for k, v in x.items() if k not in LEGACY_SUMMARY_KEYS} if isinstance(x, dict) else x
+
+    def __getitem__(self, key: str):
+        if key not in self.model_fields_set:
+            raise KeyError(key)
+        return self.as_written()[key]
+
+    def get(self, key: str, default=None):
+        return self[key] if key in self.model_fields_set else default
+
+    def keys(self):
+        return self.as_written().keys()
 
 
 # --------------------------------------------------------------------------- sweep and map specs
@@ -168,10 +296,14 @@ def _grid_values(axis: str) -> Any:
                                                                             ascending=True))
 
 
+class MapSpecFile(FreeFileModel):
+    """A map's sweep.json (`kind: map`): the fields of map_spec_model, whose grid's type follows its axis."""
+
+
 @functools.cache
 def map_spec_model(axis: str = "lr"):
     """A map's sweep.json; its grid holds lr scales or depths (`axis`)."""
-    return create_model(f"MapSpecFile_{axis}", __base__=FreeFileModel,
+    return create_model(f"MapSpecFile_{axis}", __base__=MapSpecFile,
                         kind=(str, one_of(("map",))), variants=(list[str], like(MapAxes, "variants")),
                         loops=(list[int], like(MapAxes, "loops")), seeds=(list[int], like(MapAxes, "seeds")),
                         axis=(str, like(MapAxes, "axis")),

@@ -39,32 +39,31 @@ from flt_diag.storage.safe_files import regular_file
 # --------------------------------------------------------------------------- run config
 
 
-def load_run_config(path: Path) -> dict:
+def load_run_config(path: Path) -> F.RunConfigFile:
     """config.json checked field by field, and by the typed config's rules across fields (the width
     splits into heads)."""
     return check_run_config(read_json(path), path)
 
 
-def check_run_config(cfg, path) -> dict:
+def check_run_config(cfg, path) -> F.RunConfigFile:
     """A run config read from `path` (config.json, or an archive record's metadata), checked."""
-    checked(path, F.RunConfigFile, cfg)
+    model = checked(path, F.RunConfigFile, cfg)
     try:
-        RunConfig.from_dict(cfg)
+        model.run_config()
     except ValueError as e:
         raise bad(path, str(e).splitlines()[0]) from None
-    return cfg
+    return model
 
 
 # --------------------------------------------------------------------------- summary
 
-def load_summary(path: Path) -> dict:
+def load_summary(path: Path) -> F.Summary:
     return check_summary(read_json(path), path)
 
 
-def check_summary(summary, path) -> dict:
+def check_summary(summary, path) -> F.Summary:
     """A summary read from `path` (summary.json, or an archive record's metadata), checked."""
-    checked(path, F.SummaryFile, summary)
-    return summary
+    return checked(path, F.Summary, summary)
 
 
 # --------------------------------------------------------------------------- sweep and map specs
@@ -73,17 +72,16 @@ CELL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,199}")  # a folder under c
 MAP_KEYS = {"axis", "grid", "criteria"}  # what only a map's spec holds
 
 
-def load_spec(path: Path) -> dict:
+def load_spec(path: Path) -> F.SweepSpecFile | F.MapSpecFile:
     """sweep.json of a sweep, or of a map (`kind: map`): the grid, the cells, the shared base config."""
-    spec = read_json(path)
-    if isinstance(spec, dict) and ("kind" in spec or MAP_KEYS & set(spec) and "cell_names" not in spec):
-        checked(path, F.map_spec_model(spec.get("axis") if spec.get("axis") == "depth" else "lr"), spec)
-        return spec
-    checked(path, F.SweepSpecFile, spec)
-    n = len(spec["variants"]) * len(spec["loops"]) * len(spec["seeds"]) * len(spec["lr_scales"])
-    if len(spec["cell_names"]) != n:
-        raise bad(path, f"cell_names has {len(spec['cell_names'])} names for a grid of {n} cells")
-    wrong = next((c for c in spec["cell_names"] if not CELL_NAME.fullmatch(c)), None)
+    raw = read_json(path)
+    if isinstance(raw, dict) and ("kind" in raw or MAP_KEYS & set(raw) and "cell_names" not in raw):
+        return checked(path, F.map_spec_model("depth" if raw.get("axis") == "depth" else "lr"), raw)  # (raw JSON)
+    spec = checked(path, F.SweepSpecFile, raw)
+    n = len(spec.variants) * len(spec.loops) * len(spec.seeds) * len(spec.lr_scales)
+    if len(spec.cell_names) != n:
+        raise bad(path, f"cell_names has {len(spec.cell_names)} names for a grid of {n} cells")
+    wrong = next((c for c in spec.cell_names if not CELL_NAME.fullmatch(c)), None)
     if wrong is not None:
         raise bad(path, f"cell_names: {wrong[:60]!r} is not a cell name (a folder under cells/)")
     return spec
@@ -132,7 +130,7 @@ def check_metrics_part(path: Path) -> None:
 INTEGER_COLUMNS = ("verdict_version",)  # the integer columns of a fit-examples table that may have empty cells
 
 
-def load_examples(path: Path) -> list[dict]:
+def load_examples(path: Path) -> list[F.ExampleRow]:
     """A fit-examples CSV, checked row by row (a run's identity, verdict evidence, step and features)."""
     text = read_text(path)
     try:
@@ -144,8 +142,7 @@ def load_examples(path: Path) -> list[dict]:
                     r[key] = int(v)
     except (ValueError, pd.errors.ParserError) as e:
         raise BadFile(f"unreadable {path}: {str(e)[:100]}") from None
-    checked(path, F.ExamplesTable, rows)
-    return rows
+    return checked(path, F.ExamplesTable, rows)
 
 
 def load_predictor(path=None) -> dict:

@@ -181,10 +181,13 @@ def has_content(folder: Path) -> bool:
 
 
 def write_json(path: Path, obj, root: Path | None = None) -> None:
+    """`obj` as JSON (a file model, such as a Summary, as it is written: `as_written()`)."""
     atomic_write_text(path, json.dumps(obj, indent=1, default=_json_default, allow_nan=True), root)
 
 
 def _json_default(o):
+    if hasattr(o, "as_written"):
+        return o.as_written()
     if hasattr(o, "item"):
         return o.item()
     if isinstance(o, Path):
@@ -211,8 +214,7 @@ def write_record(path: Path, table: pd.DataFrame, meta: dict, root: Path | None 
 def rewrite_record_summary(path: Path, summary: dict, root: Path | None = None) -> None:
     """Replace an archive record's summary (summary --recompute on an archive), its table and the rest unchanged."""
     meta = archive.read_meta(path)
-    meta.pop("format")
-    write_record(path, archive.load_metrics(path), {**meta, "summary": summary}, root)
+    write_record(path, archive.load_metrics(path), {**meta.as_written(), "summary": summary}, root)
 
 
 # --------------------------------------------------------------------------- writing metrics
@@ -271,14 +273,14 @@ def is_sweep(path: Path) -> bool:
     return (Path(path) / SWEEP_SPEC).exists()
 
 
-def load_config(run_dir: Path) -> dict:
+def load_config(run_dir: Path) -> files.F.RunConfigFile:
     """A run's config.json, checked (flt_diag.storage.files: a bad one is one BadFile line)."""
     if archive.is_record(run_dir):
         return archive.load_config(run_dir)
     return files.load_run_config(Path(run_dir) / CONFIG)
 
 
-def load_summary(run_dir: Path) -> dict | None:
+def load_summary(run_dir: Path) -> files.F.Summary | None:
     """The run's summary (checked), or None while it has not finished."""
     if archive.is_record(run_dir):
         return archive.load_summary(run_dir)
@@ -286,7 +288,7 @@ def load_summary(run_dir: Path) -> dict | None:
     return files.load_summary(p) if p.exists() else None
 
 
-def load_spec(folder: Path) -> dict:
+def load_spec(folder: Path) -> files.F.SweepSpecFile | files.F.MapSpecFile:
     """The spec (sweep.json, checked) of a sweep or map folder."""
     return files.load_spec(Path(folder) / SWEEP_SPEC)
 
@@ -353,12 +355,12 @@ def cell_names(sweep: Path) -> list[str]:
     """The cells of a sweep folder in order: the grid's, listed in sweep.json; for a stability map
     (whose probes are chosen as it runs) the cell folders present, by name."""
     spec = load_spec(sweep)
-    if spec.get("kind") == "map":
+    if isinstance(spec, files.F.MapSpecFile):
         folder = Path(sweep) / CELLS
         if not folder.is_dir():  # an archived map: one record per probe
             return [p.stem for p in archive.records_in(sweep)]
         return sorted(p.name for p in folder.iterdir() if p.is_dir())
-    return list(spec.get("cell_names", []))
+    return list(spec.cell_names)
 
 
 def is_archive(path: Path) -> bool:
@@ -390,7 +392,6 @@ def run_dirs(path: Path) -> list[Path]:
 
 def run_label(run_dir: Path) -> dict:
     """Variant, loops, seed and lr scale of a run, read from its config (never from its name)."""
-    cfg = load_config(run_dir)
-    return {"variant": cfg["model"]["variant"], "loops": cfg["model"]["loops"],
-            "seed": cfg["train"]["seed"], "lr_scale": cfg["train"]["lr_scale"], "depth": cfg["model"]["n_layer"],
+    m, t = (cfg := load_config(run_dir)).model, cfg.train
+    return {"variant": m.variant, "loops": m.loops, "seed": t.seed, "lr_scale": t.lr_scale, "depth": m.n_layer,
             "run": str(run_dir)}

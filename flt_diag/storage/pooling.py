@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from flt_diag.storage.file_models import MapSpecFile
 from flt_diag.storage.folders import StorageError, is_sweep, load_spec
 from flt_diag.vocab.grid_options import SWEEP_GRID_FIELDS
 
@@ -17,9 +18,9 @@ def without_grid_fields(base, grid_fields: dict):
             for k, v in base.items()}
 
 
-def _setting(spec: dict) -> dict:
+def _setting(spec) -> dict:
     """A sweep's shared config without the grid fields: what two sweeps must share to be pooled."""
-    return without_grid_fields(spec.get("base", {}), SWEEP_GRID_FIELDS)
+    return without_grid_fields(spec.base.as_written(), SWEEP_GRID_FIELDS)
 
 
 def _differences(a: dict, b: dict, prefix: str = "") -> list[str]:
@@ -44,7 +45,7 @@ def check_poolable(paths) -> None:
         if not is_sweep(path):
             raise StorageError(f"{path}: not a sweep folder (pooling takes sweep folders only)")
         spec = load_spec(path)
-        if spec.get("kind") == "map":  # a map's probes are a search, not a grid's cells: nothing to add seeds to
+        if isinstance(spec, MapSpecFile):  # a map's probes are a search, not a grid's cells: nothing to add seeds to
             raise StorageError(f"{path} is a map folder; pooling takes sweep folders only (give a map on its own)")
         setting = _setting(spec)
         if first is None:

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import CHECKPOINT, EVAL_LOOPS, StorageError, atomic_path, load_config, refuse_links
-from flt_diag.vocab.config import RunConfig
 from flt_diag.data.sources import load_split
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig
 from flt_diag.training.checkpoint import load
@@ -104,7 +103,7 @@ def eval_loops(run_dir: Path, loops: list[int] | None = None, batches: int | Non
     run_dir = Path(run_dir)
     refuse_links(run_dir / EVAL_LOOPS, root)
     model = _final_model(run_dir, device)
-    t = RunConfig.from_dict(load_config(run_dir)).train
+    t = load_config(run_dir).run_config().train
     data = data or t.data
     val = load_split(t, model.cfg.sequence_len, "val", data)
     if val.vocab_size > model.cfg.vocab_size:  # its tokens would index past the embedding (an IndexError)

@@ -343,7 +343,7 @@ class LoopProbe:
     def _summarize(self) -> dict:
         cfg = self._run_config(self.steps or self.step_index)
         out = summarize(load_metrics(self.folder), cfg, unigram_entropy=self.unigram_entropy, stop_reason=self.host.stop_requested,
-                        prediction=self.host.prediction, tokens_per_step=tokens_per_step(cfg))
+                        prediction=self.host.prediction, tokens_per_step=tokens_per_step(cfg)).as_written()
         if self.oscillation_unjudged:  # the gradient norms are after a clipping: their oscillation says nothing
             out["evidence"] = {**out["evidence"], "oscillation": f"not judged: {self.oscillation_unjudged}"}
         return out

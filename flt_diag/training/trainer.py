@@ -199,7 +199,7 @@ class Trainer:
         cfg_dict = self.cfg.to_dict()
         self._fresh = not (d / CONFIG).exists()  # a new run writes config.json first; a resume after its checks
         if not self._fresh:
-            diff = differences(comparable(load_config(d)), comparable(cfg_dict))
+            diff = differences(comparable(load_config(d).as_written()), comparable(cfg_dict))
             if diff:
                 raise RunConflict(f"{d} holds a run with a different config ({'; '.join(diff[:3])}); "
                                   "use another --out or delete the folder")

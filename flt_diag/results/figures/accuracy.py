@@ -25,7 +25,7 @@ def data(study: Study) -> pd.DataFrame:
 
 def on_a_task(study: Study) -> bool:
     """Whether a run trains on a synthetic task (its config.json's "corpus" names the task)."""
-    return any(run.config.get("corpus", {}).get("task") for run in study.runs)
+    return any(run.config.corpus is not None and run.config.corpus.task for run in study.runs)
 
 
 def draw(df: pd.DataFrame):

@@ -19,10 +19,10 @@ MARKS = {"collapsed": dict(marker="X", ms=10), "diverged": dict(marker="v", ms=9
 def _mark(run: Run, smooth: pd.Series) -> pd.DataFrame | None:
     """The collapse (or divergence) mark of a finished run: metric = its verdict, at the step the
     verdict's evidence names (climb_step; the last smoothed step otherwise)."""
-    verdict = (run.summary or {}).get("verdict")
+    verdict = run.summary.verdict if run.summary is not None else None
     if verdict not in MARKS or smooth.empty:
         return None
-    step = (run.summary.get("evidence") or {}).get("climb_step") if verdict == "collapsed" else None
+    step = run.summary.evidence.climb_step if verdict == "collapsed" else None
     step = step if step in smooth.index else smooth.index[-1]
     return pd.DataFrame({"metric": [verdict], "step": [int(step)], "value": [float(smooth.loc[step])]})
 

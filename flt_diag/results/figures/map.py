@@ -65,7 +65,7 @@ def map_data(src) -> pd.DataFrame:
     spec = spec_from_folder(path)
     rows = [_boundary(*key, g) for key, g in boundaries(path).groupby(["criterion", "variant", "loops"], sort=False)]
     df = pd.DataFrame([r for r in rows if r], columns=COLUMNS)
-    df.attrs.update(axis=spec["axis"], grid=list(spec["grid"]), loops=list(spec["loops"]))
+    df.attrs.update(axis=spec.axis, grid=list(spec.grid), loops=list(spec.loops))
     return df
 
 
