@@ -11,18 +11,20 @@ with `.shape` and `.dtype`.
 from __future__ import annotations
 
 import functools
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Literal, Optional, get_args
 
 from pydantic import ConfigDict, Field, create_model, field_validator, model_validator
 from pydantic_core import PydanticUndefined
 
 from flt_diag.storage.predictor_names import CLASS_WEIGHTS, FEATURES, TARGETS
-from flt_diag.vocab.config import DiagnosticsConfig, ModelConfig, TrainConfig, VerdictConfig
+from flt_diag.vocab import option_fields
+from flt_diag.vocab.config import DiagnosticsConfig, ModelConfig, Preset, TrainConfig, VerdictConfig
 from flt_diag.vocab.grid_options import MAX_GRID, MapAxes, SweepAxes
-from flt_diag.vocab.option_fields import MAX_ITEMS, Options, field_like
-from flt_diag.vocab.variants import MAX_LOOPS
+from flt_diag.vocab.option_fields import MAX_ITEMS, Ascending, Distinct, Items, Option, Options
+from flt_diag.vocab.variants import MAX_LOOPS, Variant
 
-VERDICTS = ("stable", "unstable", "stalled", "collapsed", "diverged")  # verdict v3 (flt_diag.judge.verdict)
+Verdict = Literal["stable", "unstable", "stalled", "collapsed", "diverged"]  # verdict v3 (flt_diag.judge.verdict)
+VERDICTS = get_args(Verdict)
 FREE = ConfigDict(extra="allow")
 
 
@@ -37,12 +39,14 @@ class FreeFileModel(FileModel, **FREE):
 
 
 def like(cls, name: str, *, required: bool = True) -> Any:
-    """Field `name` of config model `cls` (its help, bounds and choices), required or defaulting to None."""
-    return field_like(cls.model_fields[name], required)
+    """Field `name` of config model `cls` (its help and bounds; its type is the field's annotation),
+    required or defaulting to None."""
+    return option_fields.like(cls.model_fields[name], required)
 
 
-def one_of(choices, required: bool = True) -> Any:
-    return Field(PydanticUndefined if required else None, json_schema_extra=dict(choices=list(choices)))
+def typed(cls, name: str, required: bool = True) -> tuple:
+    """(type, field) of field `name` of config model `cls`, for create_model."""
+    return cls.model_fields[name].annotation, like(cls, name, required=required)
 
 
 def many(required: bool = True, min_length: int = 1, **extra) -> Any:
@@ -96,7 +100,7 @@ class RunConfigFile(FileModel):
     train: TrainInFile
     diagnostics: DiagnosticsConfig
     verdict: VerdictInFile = None
-    preset: str = one_of(("tiny", "small", "paper-small", "paper-base", "custom"), required=False)
+    preset: Literal[Preset, "custom"] = None
     n_params: int = Field(None, ge=0)
     corpus: Corpus = None
     env: dict = None
@@ -121,12 +125,12 @@ class Prediction(FileModel, **FREE):
 class SummaryFile(FileModel, **FREE):
     """summary.json: the fields its readers use (verdict line, tables, criteria, early warning)."""
 
-    verdict: str = one_of(VERDICTS)
+    verdict: Verdict
     evidence: Evidence
     residual_explosion: bool
     residual_explosion_any: bool = None
     peak_resid_norm: Optional[float] = figure()
-    variant: str = like(ModelConfig, "variant")
+    variant: Variant = like(ModelConfig, "variant")
     loops: int = like(ModelConfig, "loops")
     seed: int = like(TrainConfig, "seed")
     lr_scale: float = like(TrainConfig, "lr_scale")
@@ -149,34 +153,25 @@ class BaseInSpec(FileModel, **FREE):
     diagnostics: DiagnosticsConfig = None
 
 
-class SweepSpecFile(FileModel, **FREE):
-    variants: list[str] = like(SweepAxes, "variants")
-    loops: list[int] = like(SweepAxes, "loops")
-    seeds: list[int] = like(SweepAxes, "seeds")
-    lr_scales: list[float] = like(SweepAxes, "lr_scales")
-    base: BaseInSpec
-    cell_names: list[str] = many(distinct=True)
+SweepSpecFile = create_model("SweepSpecFile", __base__=FreeFileModel, base=(BaseInSpec, ...), cell_names=(Items[str], ...),
+                             **{n: typed(SweepAxes, n) for n in ("variants", "loops", "seeds", "lr_scales")})
 
 
 def _grid_values(axis: str) -> Any:
     """A map's grid: lr scales (bounded like --lr-scale) or depths (like --depth), distinct, ascending."""
-    info = ModelConfig.model_fields["n_layer"] if axis == "depth" else TrainConfig.model_fields["lr_scale"]
-    kinds = {"Ge": "ge", "Le": "le", "Gt": "gt", "Lt": "lt"}
-    bounds = {kinds[type(m).__name__]: getattr(m, kinds[type(m).__name__]) for m in info.metadata
-              if type(m).__name__ in kinds}
-    return Field(min_length=1, max_length=MAX_GRID, json_schema_extra=dict(items=bounds, distinct=True,
-                                                                            ascending=True))
+    o = Option("", "n_layer", ModelConfig.model_fields["n_layer"]) if axis == "depth" else \
+        Option("", "lr_scale", TrainConfig.model_fields["lr_scale"])
+    return Annotated[list[Annotated[o.kind, Field(**o.bounds)]], Field(min_length=1, max_length=MAX_GRID), Distinct,
+                     Ascending]
 
 
 @functools.cache
 def map_spec_model(axis: str = "lr"):
     """A map's sweep.json; its grid holds lr scales or depths (`axis`)."""
     return create_model(f"MapSpecFile_{axis}", __base__=FreeFileModel,
-                        kind=(str, one_of(("map",))), variants=(list[str], like(MapAxes, "variants")),
-                        loops=(list[int], like(MapAxes, "loops")), seeds=(list[int], like(MapAxes, "seeds")),
-                        axis=(str, like(MapAxes, "axis")),
-                        grid=(list[int] if axis == "depth" else list[float], _grid_values(axis)),
-                        criteria=(list[str], like(MapAxes, "criteria")), base=(BaseInSpec, ...))
+                        kind=(Literal["map"], ...), **{n: typed(MapAxes, n) for n in ("variants", "loops", "seeds",
+                                                                                        "axis")},
+                        grid=(_grid_values(axis), ...), criteria=typed(MapAxes, "criteria"), base=(BaseInSpec, ...))
 
 
 # --------------------------------------------------------------------------- predictor and fit examples
@@ -195,12 +190,11 @@ class PredictorFile(FileModel, **FREE):
     """fit-predictor's JSON: features, one logistic model per step (a mean, std and coefficient per
     feature), the threshold in (0, 1), the target."""
 
-    features: list[str] = Field(min_length=1, max_length=MAX_ITEMS, json_schema_extra=dict(choices=FEATURES,
-                                                                                            distinct=True))
+    features: Items[Literal[tuple(FEATURES)]]
     models: dict[Annotated[int, Field(ge=1)], LogisticModel] = Field(min_length=1, max_length=MAX_ITEMS)
     threshold: float = Field(None, gt=0, lt=1)
-    target: str = one_of(TARGETS, required=False)
-    class_weight: str = one_of(CLASS_WEIGHTS, required=False)
+    target: Literal[tuple(TARGETS)] = None
+    class_weight: Literal[CLASS_WEIGHTS] = None
     l2: float = Field(None, gt=0)
 
     @field_validator("models", mode="before")
@@ -224,10 +218,9 @@ EXAMPLE_IDENTITY = ("run", "variant", "loops", "n_layer", "n_embd", "seed", "lr_
 STALL_EVIDENCE = ("final_smoothed_loss", "stall_reference", "stall_margin")  # the stall rule's evidence
 ExampleRow = create_model(
     "ExampleRow", __base__=FileModel, run=(str, ...),
-    **{n: (ModelConfig.model_fields[n].annotation, like(ModelConfig, n)) for n in ("variant", "loops", "n_layer",
-                                                                                   "n_embd")},
-    **{n: (TrainConfig.model_fields[n].annotation, like(TrainConfig, n)) for n in ("seed", "lr_scale")},
-    steps_done=(int, Field(ge=0)), verdict=(str, one_of(VERDICTS)), climb=(Optional[float], figure()),
+    **{n: typed(ModelConfig, n) for n in ("variant", "loops", "n_layer", "n_embd")},
+    **{n: typed(TrainConfig, n) for n in ("seed", "lr_scale")},
+    steps_done=(int, Field(ge=0)), verdict=(Verdict, ...), climb=(Optional[float], figure()),
     rebound_threshold=(Optional[float], figure()), transient_rebound=(bool, ...),
     # (since verdict v3; a table written before has none of these four: relabelled as far as it can be)
     verdict_version=(Optional[int], Field(None, ge=1)),
