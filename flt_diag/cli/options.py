@@ -198,9 +198,10 @@ def command_options(command: str) -> list[Option]:
 def given_model(options: tuple[Option, ...], text_paths: bool = False) -> type[Options]:
     """A pydantic model of `options` (fields named as users type them), each optional (None: not given),
     with its field's bounds and choices; `text_paths`: a path is text (as a study file holds it)."""
-    def hint(o: Option):
-        return (list[str] if o.many else str) if text_paths and o.kind is Path else o.type
-    return create_model("Given", __base__=Options, **{o.dest: (Optional[hint(o)], like(o.info, False)) for o in options})
+    def field(o: Option) -> tuple:
+        kind, info = like(o.info, required=False)
+        return Optional[(list[str] if o.many else str) if text_paths and o.kind is Path else kind], info
+    return create_model("Given", __base__=Options, **{o.dest: field(o) for o in options})
 
 
 def command_args(command: str, values: dict) -> Options:

@@ -21,7 +21,7 @@ from flt_diag.vocab import option_fields
 from flt_diag.vocab.config import DiagnosticsConfig, ModelConfig, Preset, TrainConfig, VerdictConfig
 from flt_diag.vocab.grid_options import MAX_GRID, MapAxes, SweepAxes
 from flt_diag.vocab.option_fields import MAX_ITEMS, Ascending, Distinct, Items, Option, Options
-from flt_diag.vocab.variants import MAX_LOOPS, Variant
+from flt_diag.vocab.variants import MAX_LOOPS
 
 Verdict = Literal["stable", "unstable", "stalled", "collapsed", "diverged"]  # verdict v3 (flt_diag.judge.verdict)
 VERDICTS = get_args(Verdict)
@@ -38,15 +38,11 @@ class FreeFileModel(FileModel, **FREE):
     """A part of a file that may hold other keys too (free-form metadata, kept as they are)."""
 
 
-def like(cls, name: str, *, required: bool = True) -> Any:
-    """Field `name` of config model `cls` (its help and bounds; its type is the field's annotation),
-    required or defaulting to None."""
-    return option_fields.like(cls.model_fields[name], required)
-
-
-def typed(cls, name: str, required: bool = True) -> tuple:
-    """(type, field) of field `name` of config model `cls`, for create_model."""
-    return cls.model_fields[name].annotation, like(cls, name, required=required)
+def like(cls, name: str, *, required: bool = True, optional: bool = False) -> tuple:
+    """(type, field) of field `name` of config model `cls` (its type, bounds and help), for create_model:
+    required or defaulting to None (`optional`: None is a value too)."""
+    kind, info = option_fields.like(cls.model_fields[name], required, alias=False)
+    return Optional[kind] if optional else kind, info
 
 
 def many(required: bool = True, min_length: int = 1, **extra) -> Any:
@@ -70,7 +66,7 @@ REQUIRED = {"model": ("vocab_size", "n_layer", "n_embd", "n_head", "sequence_len
 def _in_file(cls, section: str):
     """A config section as a file holds it: the REQUIRED fields required, the others defaulted."""
     return create_model(f"{cls.__name__}InFile", __base__=cls,
-                        **{n: (cls.model_fields[n].annotation, like(cls, n)) for n in REQUIRED.get(section, ())})
+                        **{n: like(cls, n) for n in REQUIRED.get(section, ())})
 
 
 ModelInFile, TrainInFile = _in_file(ModelConfig, "model"), _in_file(TrainConfig, "train")
@@ -130,19 +126,19 @@ class SummaryFile(FileModel, **FREE):
     residual_explosion: bool
     residual_explosion_any: bool = None
     peak_resid_norm: Optional[float] = figure()
-    variant: Variant = like(ModelConfig, "variant")
-    loops: int = like(ModelConfig, "loops")
-    seed: int = like(TrainConfig, "seed")
-    lr_scale: float = like(TrainConfig, "lr_scale")
     final_loss: Optional[float] = figure()
     best_loss: Optional[float] = figure()
     val_loss: Optional[float] = figure()
     osc_cv: Optional[float] = figure()
     steps_done: int = Field(ge=0)
-    steps: int = like(TrainConfig, "steps")
     prediction: Optional[Prediction] = None
     oscillation_windows: list[dict] = many(False, 0)
     milestones: list[dict] = many(False, 0)
+
+
+SummaryFile = create_model("SummaryFile", __base__=SummaryFile, __doc__=SummaryFile.__doc__,
+                           **{n: like(ModelConfig, n) for n in ("variant", "loops")},
+                           **{n: like(TrainConfig, n) for n in ("seed", "lr_scale", "steps")})
 
 
 # --------------------------------------------------------------------------- sweep and map specs
@@ -154,7 +150,7 @@ class BaseInSpec(FileModel, **FREE):
 
 
 SweepSpecFile = create_model("SweepSpecFile", __base__=FreeFileModel, base=(BaseInSpec, ...), cell_names=(Items[str], ...),
-                             **{n: typed(SweepAxes, n) for n in ("variants", "loops", "seeds", "lr_scales")})
+                             **{n: like(SweepAxes, n) for n in ("variants", "loops", "seeds", "lr_scales")})
 
 
 def _grid_values(axis: str) -> Any:
@@ -169,9 +165,9 @@ def _grid_values(axis: str) -> Any:
 def map_spec_model(axis: str = "lr"):
     """A map's sweep.json; its grid holds lr scales or depths (`axis`)."""
     return create_model(f"MapSpecFile_{axis}", __base__=FreeFileModel,
-                        kind=(Literal["map"], ...), **{n: typed(MapAxes, n) for n in ("variants", "loops", "seeds",
+                        kind=(Literal["map"], ...), **{n: like(MapAxes, n) for n in ("variants", "loops", "seeds",
                                                                                         "axis")},
-                        grid=(_grid_values(axis), ...), criteria=typed(MapAxes, "criteria"), base=(BaseInSpec, ...))
+                        grid=(_grid_values(axis), ...), criteria=like(MapAxes, "criteria"), base=(BaseInSpec, ...))
 
 
 # --------------------------------------------------------------------------- predictor and fit examples
@@ -218,8 +214,8 @@ EXAMPLE_IDENTITY = ("run", "variant", "loops", "n_layer", "n_embd", "seed", "lr_
 STALL_EVIDENCE = ("final_smoothed_loss", "stall_reference", "stall_margin")  # the stall rule's evidence
 ExampleRow = create_model(
     "ExampleRow", __base__=FileModel, run=(str, ...),
-    **{n: typed(ModelConfig, n) for n in ("variant", "loops", "n_layer", "n_embd")},
-    **{n: typed(TrainConfig, n) for n in ("seed", "lr_scale")},
+    **{n: like(ModelConfig, n) for n in ("variant", "loops", "n_layer", "n_embd")},
+    **{n: like(TrainConfig, n) for n in ("seed", "lr_scale")},
     steps_done=(int, Field(ge=0)), verdict=(Verdict, ...), climb=(Optional[float], figure()),
     rebound_threshold=(Optional[float], figure()), transient_rebound=(bool, ...),
     # (since verdict v3; a table written before has none of these four: relabelled as far as it can be)
@@ -238,9 +234,9 @@ META_VARIANT_KEYS = ("model_type", "variant", "loop_type")  # "model_type": the 
 
 def _meta_fields() -> dict:
     """nanochat's sizes (bounded like the command line's), K and the variant under the reference's names."""
-    size = {n: (Optional[int], like(ModelConfig, n, required=False))
+    size = {n: like(ModelConfig, n, required=False, optional=True)
             for n in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_embd")}
-    size["n_kv_head"] = (Optional[int], like(ModelConfig, "n_head", required=False))
+    size["n_kv_head"] = like(ModelConfig, "n_head", required=False, optional=True)
     loops = {k: (Optional[int], Field(None, ge=1, le=MAX_LOOPS)) for k in META_LOOP_KEYS}
     return size | loops | {k: (Optional[str], None) for k in META_VARIANT_KEYS}
 

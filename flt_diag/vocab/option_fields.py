@@ -65,9 +65,13 @@ def arg(help: str, many: bool = False) -> Any:
     return Field(description=help, min_length=1 if many else None, json_schema_extra=dict(positional=True))
 
 
-def like(info: FieldInfo, required: bool = True) -> FieldInfo:
-    """A copy of a pydantic field (help, bounds, alias, facts), required or defaulting to None."""
-    return FieldInfo.merge_field_infos(info, default=PydanticUndefined if required else None, default_factory=None)
+def like(info: FieldInfo, required: bool = True, alias: bool = True) -> tuple[Any, FieldInfo]:
+    """(type, field) of a copy of a pydantic field for create_model: its type with its bounds and validators,
+    its help, facts and (unless `alias` is False: a file holds an option under its field's name) its alias;
+    required or defaulting to None."""
+    kind = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+    return kind, Field(... if required else None, description=info.description, json_schema_extra=info.json_schema_extra,
+                       alias=info.alias if alias else None)
 
 
 def fact(info: FieldInfo, key: str):
