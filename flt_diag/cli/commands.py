@@ -212,7 +212,6 @@ def cmd_predict(o: PredictOptions) -> int:
     """Early warning: P(collapse) of every cell at step s beside its final verdict, and the agreement
     (for each --predictor given: several compare on the same runs)."""
     import pandas as pd
-
     from flt_diag.cli.output import PACKAGED_CAVEAT, print_detectors
     from flt_diag.judge import early_warning as EW
     from flt_diag.judge.spike_detectors import detector_sweep
@@ -254,7 +253,6 @@ def cmd_predict(o: PredictOptions) -> int:
 
 def _predict_at(paths, model: dict, steps):
     import pandas as pd
-
     from flt_diag.cli.output import print_predictions_at
     from flt_diag.judge import early_warning as EW
     frames = []
@@ -267,7 +265,6 @@ def _predict_at(paths, model: dict, steps):
 
 def _predict_online(paths, model: dict):
     import pandas as pd
-
     from flt_diag.cli.output import print_online
     from flt_diag.judge import early_warning as EW
     table = pd.concat([EW.online_sweep(path, model) for path in paths], ignore_index=True)

@@ -45,7 +45,8 @@ def config_options(command: str) -> list[Option]:
         return [o for o in OPTIONS if o.section == "verdict"]
     if command not in TRAINING_COMMANDS:
         return []
-    return [o for o in OPTIONS if not fact(o.info, "settled") and GRID_OF.get(command) not in (fact(o.info, "grid") or ())]
+    grid = GRID_OF.get(command)
+    return [o for o in OPTIONS if not fact(o.info, "settled") and grid not in (fact(o.info, "grid") or ())]
 
 
 # ------------------------------------------------------------------ each command's typed options
@@ -175,13 +176,12 @@ ARGS: dict[str, type[Options]] = {
     "summary": SummaryOptions, "eval-loops": EvalLoopsOptions, "import-reference": ImportReferenceOptions,
     "predict": PredictOptions, "fit-predictor": FitPredictorOptions, "variants": VariantsOptions,
     "report": ReportOptions, "plot": PlotOptions, "archive": ArchiveOptions}
-GRIDS = {"run-ablation": (SweepAxes,), "map": (MapAxes, MapGrid)}
 FOLDER_OPTIONS = options_of(FolderOptions, "cli")
 
 
 def own_options(command: str) -> list[Option]:
     """The options a command declares itself (its grid's and its positionals left out)."""
-    grid = {name for cls in GRIDS.get(command, ()) for name in cls.model_fields}
+    grid = {o.name for o in GRID_OPTIONS.get(command, [])}
     own = [o for o in options_of(ARGS[command], "cli") if not o.positional and o.name not in grid]
     return sorted(own, key=lambda o: o.name in FolderOptions.model_fields)  # --out first, --workers ... last
 

@@ -252,14 +252,8 @@ def sections_from(values: dict) -> dict[str, dict]:
     """Flat option values keyed by `Option.dest` (None = not given) -> build_config's keyword
     arguments: {"preset": ..., "model": {...}, "train": {...}, ...}. Unknown keys are ignored."""
     out: dict = {section: {} for section in SECTIONS}
-    for o in OPTIONS:
-        value = values.get(o.dest)
-        if value is None:
-            continue
-        if o.section == "run":
-            out[o.name] = value
-        else:
-            out[o.section][o.name] = value
+    for o in (o for o in OPTIONS if values.get(o.dest) is not None):
+        (out if o.section == "run" else out[o.section])[o.name] = values[o.dest]
     return out
 
 

@@ -132,32 +132,16 @@ class Option:
     info: FieldInfo = field(compare=False)
     hint: Any = field(default=None, compare=False)
 
-    @property
-    def type(self):
-        return self.hint if self.hint is not None else self.info.annotation
-
-    @property
-    def positional(self) -> bool:
-        return bool(fact(self.info, "positional"))
-
-    @property
-    def dest(self) -> str:  # the name users type (the alias where there is one)
-        return self.info.alias or self.name
-
-    @property
-    def flag(self) -> str:
-        return "" if self.positional else "--" + self.dest.replace("_", "-")
-
-    @property
-    def many(self) -> bool:
-        return _bare(self.type)[0] is not str and typing.get_origin(_bare(self.type)[0]) is list
-
-    @property
-    def optional(self) -> bool:  # None is a value (= "decided elsewhere", e.g. by the device)
-        return type(None) in typing.get_args(self.type)
+    annotation = property(lambda self: self.hint if self.hint is not None else self.info.annotation)
+    positional = property(lambda self: bool(fact(self.info, "positional")))
+    dest = property(lambda self: self.info.alias or self.name)  # the name users type (the alias where there is one)
+    flag = property(lambda self: "" if self.positional else "--" + self.dest.replace("_", "-"))
+    many = property(lambda self: typing.get_origin(_bare(self.annotation)[0]) is list)  # a list of values
+    optional = property(lambda self: type(None) in typing.get_args(self.annotation))  # None: decided elsewhere
+    help = property(lambda self: self.info.description or "")
 
     def _item(self) -> tuple[Any, list]:
-        hint, metadata = _bare(self.type)
+        hint, metadata = _bare(self.annotation)
         return _bare(typing.get_args(hint)[0]) if self.many else (hint, metadata + list(self.info.metadata))
 
     @property
@@ -181,10 +165,6 @@ class Option:
     def default(self):
         default = self.info.get_default(call_default_factory=True)
         return None if default is PydanticUndefined else default
-
-    @property
-    def help(self) -> str:
-        return self.info.description or ""
 
 
 def options_of(cls, section: str) -> list[Option]:
