@@ -149,8 +149,9 @@ class BaseInSpec(FileModel, **FREE):
     diagnostics: DiagnosticsConfig = None
 
 
-SweepSpecFile = create_model("SweepSpecFile", __base__=FreeFileModel, base=(BaseInSpec, ...), cell_names=(Items[str], ...),
-                             **{n: like(SweepAxes, n) for n in ("variants", "loops", "seeds", "lr_scales")})
+SweepSpecFile = create_model("SweepSpecFile", __base__=FreeFileModel,
+                             **{n: like(SweepAxes, n) for n in ("variants", "loops", "seeds", "lr_scales")},
+                             base=(BaseInSpec, ...), cell_names=(Items[str], ...))
 
 
 def _grid_values(axis: str) -> Any:
