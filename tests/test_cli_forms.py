@@ -116,3 +116,17 @@ def test_shell_completion_installs_and_completes_choices(tmp_path):
     asked = {**env, "_FLT_DIAG_COMPLETE": "complete_bash", "COMP_WORDS": "flt-diag train --variant f", "COMP_CWORD": "3"}
     done = subprocess.run([sys.executable, "-m", "flt_diag"], env=asked, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.split() == ["fla", "flt"]
+
+
+def test_the_command_line_starts_without_the_heavy_libraries():
+    """`flt-diag --help` (and parsing any command line) imports neither torch, pandas, scipy nor matplotlib
+    (nor seaborn): each command imports them when it runs. The machine-independent form of "--help in under
+    a second" (they take seconds to import)."""
+    heavy = ("torch", "pandas", "scipy", "matplotlib", "seaborn")
+    code = ("import sys, flt_diag.cli.app as app\n"
+            "app.parse(['train', '--loops', '3']); app.parse(['plot', 'loss', 'x'])\n"
+            f"print(' '.join(m for m in {heavy!r} if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ""

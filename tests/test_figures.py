@@ -67,6 +67,18 @@ def _draw_runs(df: pd.DataFrame) -> MplFigure:
     return fig
 
 
+def test_the_figure_table_the_command_line_reads_lists_every_registered_figure():
+    """flt_diag.results.figure_names (read by `flt-diag plot` without matplotlib) and the registry agree:
+    the same figures in the same order, each drawn by the module the table names, with its help."""
+    from flt_diag.results.figure_names import FIGURE_NAMES
+    assert list(FIGURES) == list(FIGURE_NAMES)
+    for name, (module, help) in FIGURE_NAMES.items():
+        assert (FIGURES[name].draw.__module__, FIGURES[name].help) == (f"flt_diag.results.figures.{module}", help)
+    with pytest.raises(ValueError, match="figure_names lists it"):  # a listed name with another help is refused
+        register(Figure("loss", "another help", (), _runs_table, _draw_runs))
+    assert FIGURES["loss"].help == FIGURE_NAMES["loss"][1]
+
+
 @pytest.fixture
 def throwaway():
     register(Figure("finished", "which runs finished", (), _runs_table, _draw_runs, order=65))

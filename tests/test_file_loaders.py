@@ -9,18 +9,19 @@ import math
 import shutil
 import types
 import typing
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 
-from pydantic import BaseModel
+from annotated_types import Le
+from pydantic import AfterValidator, BaseModel
 
 from flt_diag.storage import file_models as F, files
 from flt_diag.storage.folders import StorageError
-from flt_diag.vocab.option_fields import MAX_ITEMS, option_of
+from flt_diag.vocab.option_fields import MAX_ITEMS, Option, ascending, distinct
 from flt_diag.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -202,8 +203,8 @@ class Shape:
     required: bool = True
 
 
-def _lengths(info) -> tuple[int, int]:
-    got = {type(m).__name__: m for m in (info.metadata if info is not None else [])}
+def _lengths(metadata) -> tuple[int, int]:
+    got = {type(m).__name__: m for m in metadata}
     return (got["MinLen"].min_length if "MinLen" in got else 0,
             got["MaxLen"].max_length if "MaxLen" in got else MAX_ITEMS)
 
@@ -213,54 +214,65 @@ def _extra(info) -> dict:
 
 
 def _annotated(hint):
-    """(type, FieldInfo or None) of `Annotated[type, Field(...)]` or a plain type."""
+    """(type, its metadata: constraints, validators) of `Annotated[type, Field(...), ...]` or a plain type."""
     if typing.get_origin(hint) is typing.Annotated:
         args = typing.get_args(hint)
-        return args[0], next((a for a in args[1:] if hasattr(a, "metadata")), None)
-    return hint, None
+        return args[0], [m for a in args[1:] for m in (a.metadata if hasattr(a, "metadata") and
+                                                       not isinstance(a, AfterValidator) else [a])]
+    return hint, []
+
+
+def _checks(metadata, check) -> bool:
+    return any(isinstance(m, AfterValidator) and m.func is check for m in metadata)
+
+
+def _option(hint, metadata: list, nullable: bool = False) -> Option:
+    """A field of type `hint` with constraints `metadata`, as the command line's view reads it."""
+    from pydantic.fields import FieldInfo
+    typed = typing.Annotated[(hint, *metadata)] if metadata else hint
+    return Option("", "", FieldInfo(), typing.Optional[typed] if nullable else typed)
 
 
 def describe(hint, info=None, required: bool = True, context: dict | None = None):
     """The entry of a field of type `hint` (pydantic field `info`), read from the model alone."""
-    from pydantic.fields import FieldInfo
     context = context or {}
-    hint, inner = _annotated(hint)
-    info = info or inner
-    args = typing.get_args(hint)
-    nullable = type(None) in args and typing.get_origin(hint) is not list
-    bare = next((a for a in args if a is not type(None)), hint) if nullable else hint
+    bare, metadata, nullable = hint, list(info.metadata) if info is not None else [], False
+    while typing.get_origin(bare) is typing.Annotated or type(None) in typing.get_args(bare):  # Optional, Annotated
+        if typing.get_origin(bare) is typing.Annotated:
+            bare, more = _annotated(bare)
+            metadata += more
+        else:
+            nullable, bare = True, next(a for a in typing.get_args(bare) if a is not type(None))
     origin, extra = typing.get_origin(bare), _extra(info)
     if isinstance(bare, type) and issubclass(bare, BaseModel):
         if bare is files.Tensors:
             shapes = context.get("shapes")
             return Record({k: Shape(tuple(v)) for k, v in shapes.items()}, required) if shapes else \
                 Record(required=required, other_keys=True)
-        entries = {f.alias or name: describe(f.annotation, f, f.is_required(), context)
+        # a file holds a field under its alias, but an option's alias is its command-line name (depth for
+        # n_layer): files hold the option's field name
+        entries = {(name if f.description else f.alias or name): describe(f.annotation, f, f.is_required(), context)
                    for name, f in bare.model_fields.items()}
         return Record(entries, required, bare.model_config.get("extra") == "allow", nullable)
     if bare is dict or origin in (typing.Union, types.UnionType):  # free-form (dict | list: the samples hold a dict)
         return Record(required=required, other_keys=True, nullable=nullable)
     if origin is dict:
         key, value = typing.get_args(bare)
-        key, key_info = _annotated(key)
-        least, most = _lengths(info)
-        return Table(option_of("", "key", key_info or FieldInfo(), key), describe(value, None, True, context),
-                     required, least, most)
+        key, key_metadata = _annotated(key)
+        least, most = _lengths(metadata)
+        return Table(_option(key, key_metadata), describe(value, None, True, context), required, least, most)
     if origin is list:
-        least, most = _lengths(info)
+        least, most = _lengths(metadata)
         if extra.get("count"):
             least = most = context[extra["count"]]
-        item_hint, item_info = _annotated(typing.get_args(bare)[0])
-        item = describe(typing.get_args(bare)[0], None, True, context) if item_info is not None or \
-            not isinstance(item_hint, type) or issubclass(item_hint, BaseModel) or item_hint is dict else \
-            Scalar(option_of("", "item", FieldInfo(json_schema_extra=dict(choices=extra.get("choices")),
-                                                   **extra.get("items", {})), item_hint))
-        return Items(item, required, least, most, bool(extra.get("distinct")), bool(extra.get("ascending")),
+        item_hint, item_metadata = _annotated(typing.get_args(bare)[0])
+        item = describe(item_hint, None, True, context) if isinstance(item_hint, type) and \
+            (issubclass(item_hint, BaseModel) or item_hint is dict) else \
+            Scalar(_option(item_hint, item_metadata))
+        return Items(item, required, least, most, _checks(metadata, distinct), _checks(metadata, ascending),
                      extra.get("length_of"))
-    o = option_of("", "", info or FieldInfo(), hint)
-    if extra.get("at_most"):
-        o = replace(o, high=context[extra["at_most"]])
-    nan = any(getattr(m, "allow_inf_nan", False) for m in (info.metadata if info is not None else []))
+    o = _option(bare, [*metadata, *([Le(context[extra["at_most"]])] if extra.get("at_most") else [])], nullable)
+    nan = any(getattr(m, "allow_inf_nan", False) for m in metadata)
     return Scalar(o, required, nan)
 
 

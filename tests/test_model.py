@@ -186,10 +186,13 @@ def test_parameter_groups_cover_everything_once():
 
 
 def test_bad_config():
-    with pytest.raises(ValueError, match="--variant must be one of lt, lt-ii, lt-ai, fla, flt"):
-        ModelConfig(variant="nope")
-    with pytest.raises(ValueError, match="loops"):
-        ModelConfig(loops=0)
+    """`of` (what build_config and the command line build with) says one line naming the flag."""
+    with pytest.raises(ValueError, match=r"^--variant must be one of lt, lt-ii, lt-ai, fla, flt, got 'nope'$"):
+        ModelConfig.of(variant="nope")
+    with pytest.raises(ValueError, match=r"^--loops must be in 1\.\.1024, got 0$"):
+        ModelConfig.of(loops=0)
+    with pytest.raises(ValueError, match=r"^--depth must be in 1\.\.1024, got 0$"):
+        ModelConfig.of(n_layer=0)
 
 
 @pytest.mark.parametrize("variant,reaches", [("flt", False), ("lt-ai", False), ("lt", True), ("lt-ii", True),

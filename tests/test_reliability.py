@@ -203,7 +203,7 @@ def _numeric_options():
     for name in COMMANDS:
         for o in command_options(name):
             if o.kind in (int, float):
-                out.append(((name,), o.flag, o.kind.__name__, [p[0] for p in POSITIONALS.get(name, [])]))
+                out.append(((name,), o.flag, o.kind.__name__, [p.name for p in POSITIONALS.get(name, [])]))
     return out
 
 

@@ -64,3 +64,15 @@ def test_only_the_fields_that_decide_a_run_are_compared():
     b = tiny_config(loops=12, device="cuda", eval_every=5, threads=3).to_dict()
     b["verdict"]["smooth_window"] = 7  # thresholds can change without invalidating a run
     assert S.differences(S.comparable(a), S.comparable(b)) == ["model.loops: 6 -> 12"]
+
+
+def test_the_fields_that_may_change_on_resume_are_the_ones_that_change_nothing_computed():
+    """Read from the fields' `volatile` facts; written out here independently: where the run goes and how
+    often it logs or records may change when a folder is resumed, never what it trains."""
+    from flt_diag.vocab.grid_options import SWEEP_GRID_FIELDS
+    assert set(S.VOLATILE_TRAIN_FIELDS) == {"device", "threads", "compile", "eval_every", "checkpoint_every"}
+    assert set(S.VOLATILE_DIAGNOSTICS_FIELDS) == {"flush_every", "tensorboard", "wandb", "warn", "loop_dynamics",
+                                                  "exit_loss_every", "dynamics_every", "sharpness_every",
+                                                  "dynamics_batch", "dynamics_iters"}
+    assert {k: set(v) for k, v in SWEEP_GRID_FIELDS.items()} == {"model": {"variant", "loops"},
+                                                                "train": {"seed", "lr_scale"}}

@@ -24,17 +24,14 @@ from typing import Annotated, Callable, List, Optional
 
 import typer
 import typer.rich_utils
+from pydantic import ValidationError
 from rich.markup import escape
 from typer.core import TyperCommand
 
-from flt_diag.results.figures import FIGURES
-from flt_diag.storage.folders import StorageError
 from flt_diag.cli.commands import COMMANDS, cmd_plot
-from flt_diag.cli.console import progress_bar
-from flt_diag.cli.options import (POSITIONALS, SECTION_TITLES, Positional, UserError, command_args, command_options,
-                                  default_text)
-from flt_diag.vocab.config import Option
-from flt_diag.data.corpus import DataError
+from flt_diag.cli.options import POSITIONALS, SECTION_TITLES, UserError, command_args, command_options, default_text
+from flt_diag.results.figure_names import FIGURE_NAMES
+from flt_diag.vocab.option_fields import Option, dotted, one_line
 
 DESCRIPTION = "Train looped-transformer variants, record why they collapse, and plot it."
 METAVARS = {int: "N", float: "X", str: "TEXT", Path: "PATH"}
@@ -124,13 +121,13 @@ def option_parameter(o: Option) -> inspect.Parameter:
     return inspect.Parameter(o.dest, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[kind, info])
 
 
-def argument_parameter(p: Positional) -> inspect.Parameter:
+def argument_parameter(p: Option) -> inspect.Parameter:
     info = typer.Argument(help=escape(p.help), metavar=p.name.upper() + ("..." if p.many else ""), show_default=False)
     kind = List[p.kind] if p.many else p.kind
     return inspect.Parameter(p.name, inspect.Parameter.KEYWORD_ONLY, annotation=Annotated[kind, info])
 
 
-def add_command(app: typer.Typer, name: str, func: Callable, options: list[Option], positionals: list[Positional],
+def add_command(app: typer.Typer, name: str, func: Callable, options: list[Option], positionals: list[Option],
                 help: str | None = None, command: str | None = None, **fixed) -> None:
     """Register `name` on `app`: parsing it returns (func, option values with `fixed` added (fields of its
     options model that are no option, such as plot's figure), the command's name)."""
@@ -149,11 +146,11 @@ def _plot_app() -> typer.Typer:
     @plot.callback(invoke_without_command=True)
     def needs_a_figure(ctx: typer.Context):
         if ctx.invoked_subcommand is None:
-            raise UserError(f"plot needs a figure: {', '.join([*FIGURES, 'all'])} (flt-diag plot --help)")
+            raise UserError(f"plot needs a figure: {', '.join([*FIGURE_NAMES, 'all'])} (flt-diag plot --help)")
 
-    for name, fig in [*FIGURES.items(), ("all", None)]:
-        add_command(plot, name, cmd_plot, command_options("plot"), POSITIONALS["plot"],
-                    help=fig.help if fig is not None else "Every figure that has data.", command="plot", figure=name)
+    for name, (_, help) in [*FIGURE_NAMES.items(), ("all", ("", "Every figure that has data."))]:
+        add_command(plot, name, cmd_plot, command_options("plot"), POSITIONALS["plot"], help=help, command="plot",
+                    figure=name)
     return plot
 
 
@@ -166,9 +163,9 @@ def build_app() -> typer.Typer:
     return app
 
 
-@functools.lru_cache(maxsize=4)
-def _command(figures: tuple[str, ...]):
-    """The click command of the app, built once per process (per set of registered figures). Help is
+@functools.cache
+def _command():
+    """The click command of the app, built once per process. Help is
     drawn at least 100 columns wide (the terminal's width where wider; TERMINAL_WIDTH overrides): at
     80, typer's tables cut long flags such as --no-checkpoint-loops short."""
     if not os.environ.get("TERMINAL_WIDTH"):
@@ -182,7 +179,7 @@ def parse(argv: list[str]):
     """(command function, option values, command name) of a command line, or an exit status where typer
     answered it itself (--help, --install-completion); a usage error is one UserError line."""
     try:
-        return _command(tuple(FIGURES)).main(list(argv), prog_name="flt-diag", standalone_mode=False)
+        return _command().main(list(argv), prog_name="flt-diag", standalone_mode=False)
     except typer.TyperException as e:  # click's usage errors and bad values
         message = e.format_message() if hasattr(e, "format_message") else str(e) or type(e).__name__
         raise UserError("; ".join(line.strip() for line in message.splitlines() if line.strip())) from None
@@ -202,13 +199,14 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # shell completion
         return e.code if isinstance(e.code, int) else 0
     except KeyboardInterrupt:
-        progress_bar.close()
+        if "flt_diag.cli.console" in sys.modules:  # (a command that drew a progress bar imported it)
+            sys.modules["flt_diag.cli.console"].progress_bar.close()
         print("interrupted; finished work is kept (re-run the same command to resume)", file=sys.stderr)
         return 130
-    except (UserError, StorageError, DataError, ValueError, FileNotFoundError, PermissionError) as e:
+    except (UserError, ValueError, FileNotFoundError, PermissionError) as e:  # (StorageError, DataError: ValueErrors)
         if os.environ.get("FLT_DIAG_DEBUG"):
             raise
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {one_line(e, dotted) if isinstance(e, ValidationError) else e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk, a path that is a file, ...: files in flight were removed (atomic_path)
         if os.environ.get("FLT_DIAG_DEBUG"):

@@ -13,45 +13,21 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-import pandas as pd
-
-from flt_diag.storage.files import load_predictor
-from flt_diag.judge import early_warning as EW
-from flt_diag.results import predictor_fit as FIT
-from flt_diag.results.figures.agreement import draw_agreement
-from flt_diag.results.figures import plot, save as save_figure
-from flt_diag.judge.verdict import resummarize
-from flt_diag.results.tables import pooled_summary
-from flt_diag.judge.spike_detectors import detector_sweep
-from flt_diag.results.report import write_report
-from flt_diag.results.sensitivity import sensitivity
-from flt_diag.storage.folders import (CHECKPOINT, StorageError, atomic_write_text, is_archive, is_sweep, load_summary,
-                                     refuse_links, run_dirs, write_json)
-from flt_diag.cli.output import (fit_command, print_critical_values, print_cross_validation, print_eval_loops,
-                                  print_failed_cells, print_fitted, print_map_plan, print_model_line, print_online, print_detectors,
-                                  print_predictions_at, PACKAGED_CAVEAT)
-from flt_diag.storage.predictor_names import PACKAGED
-from flt_diag.storage.pooling import check_poolable
-from flt_diag.storage.safe_files import new_file
-from flt_diag.cli.console import console_progress, print_run_summary, print_sensitivity, print_sweep_table, progress_bar
-from flt_diag.cli.options import (FOLDER_OPTIONS, ArchiveOptions, EvalLoopsOptions, FitPredictorOptions, ImportReferenceOptions,
-                                  MapOptions, Options, PlotOptions, PredictOptions, ReportOptions, RunAblationOptions,
-                                  StudyOptions, SummaryOptions, TrainOptions, UserError, VariantsOptions,
-                                  config_options)
-from flt_diag.cli.specs import load_study, map_spec, sweep_spec
-from flt_diag.judge.map_boundaries import critical_values, unfinished
-from flt_diag.grids.stability_map import run_map
-from flt_diag.grids.progress import cell_status
-from flt_diag.grids.sweep import only, run_sweep
-from flt_diag.judge.summary_table import sweep_summary, write_summary
-from flt_diag.grids.worker_pool import auto_workers
+from flt_diag.cli.options import (FOLDER_OPTIONS, ArchiveOptions, EvalLoopsOptions, FitPredictorOptions,
+                                  ImportReferenceOptions, MapOptions, Options, PlotOptions, PredictOptions,
+                                  ReportOptions, RunAblationOptions, StudyOptions, SummaryOptions, TrainOptions,
+                                  UserError, VariantsOptions, config_options)
 from flt_diag.vocab.variants import VARIANT_DESCRIPTIONS
-from flt_diag.training.settle import check_data, choose_device, run_config
+
+# Each command imports what it needs (torch, pandas, matplotlib, the layers below) when it runs, so that
+# `flt-diag --help` and the command line's parsing import none of them (tests/test_cli_forms.py checks).
 
 
 def cmd_train(o: TrainOptions) -> int:
     """Train one variant into one run folder, with diagnostics, and print its verdict."""
-    from flt_diag.training.trainer import Trainer  # torch: imported only by the commands that train (it dominates the start-up time)
+    from flt_diag.cli.console import console_progress, print_run_summary, progress_bar
+    from flt_diag.training.settle import run_config
+    from flt_diag.training.trainer import Trainer
     cfg = run_config(o.config)
     out = o.out or Path("runs") / f"{cfg.model.variant}-K{cfg.model.loops}"
     trainer = Trainer(cfg, out, progress=console_progress(cfg.train.steps, f"{cfg.model.variant} K={cfg.model.loops}"))
@@ -66,7 +42,12 @@ def cmd_train(o: TrainOptions) -> int:
 
 def cmd_run_ablation(o: RunAblationOptions) -> int:
     """Train every variant at every loop count (x seeds x lr scales) and summarise how they collapse."""
-    from flt_diag.model.transformer import count_parameters  # torch: as in cmd_train
+    from flt_diag.cli.console import print_sweep_table
+    from flt_diag.cli.output import print_model_line
+    from flt_diag.cli.specs import sweep_spec
+    from flt_diag.grids.progress import cell_status
+    from flt_diag.grids.sweep import run_sweep
+    from flt_diag.model.transformer import count_parameters
     spec = sweep_spec(o, settled=not o.list_cells)  # --list runs nothing: no tokenizer needed
     out = o.out or Path("runs") / f"ablation-{spec.base.preset}"
     cells, cell = spec.cells(), o.cell
@@ -81,6 +62,7 @@ def cmd_run_ablation(o: RunAblationOptions) -> int:
 
 def _listed_or_picked(items: list, o: RunAblationOptions | MapOptions, line) -> bool:
     """`--list`: print one line per cell (or map line) and say so; `--cell I` must name one of them."""
+    from flt_diag.grids.sweep import only
     if o.list_cells:
         for item in items:
             print(line(item))
@@ -92,6 +74,8 @@ def _listed_or_picked(items: list, o: RunAblationOptions | MapOptions, line) -> 
 def _failed_cells(out: Path, cells) -> int:
     """Exit status 1, with one line, when a cell of the sweep failed (its error.txt says why) or has
     no summary although the sweep ran it (a failure that could not even be recorded)."""
+    from flt_diag.cli.output import print_failed_cells
+    from flt_diag.grids.progress import cell_status
     status = {c.name: cell_status(out, c) for c in cells}
     failed = [n for n, s in status.items() if s == "failed"]
     missing = [n for n, s in status.items() if s not in ("done", "failed")]
@@ -103,6 +87,11 @@ def _failed_cells(out: Path, cells) -> int:
 
 def cmd_map(o: MapOptions) -> int:
     """Where each variant's training breaks: bisection along lr scale or depth, per variant and K."""
+    from flt_diag.cli.output import print_critical_values, print_map_plan
+    from flt_diag.cli.specs import map_spec
+    from flt_diag.grids.stability_map import run_map
+    from flt_diag.grids.worker_pool import auto_workers
+    from flt_diag.judge.map_boundaries import critical_values, unfinished
     spec = map_spec(o, settled=not o.list_cells)
     out = o.out or Path("runs") / f"map-{spec.axis}-{spec.base.preset}"
     if _listed_or_picked(spec.lines(), o, lambda line: f"{line.index:4d}  {line.name}"):
@@ -120,12 +109,18 @@ def cmd_map(o: MapOptions) -> int:
 
 def cmd_study(o: StudyOptions) -> int:
     """Run a named study: the [ablation] (run-ablation options) or [map] (map options) table of a TOML file."""
+    from flt_diag.cli.specs import load_study
     command, args = load_study(o.path, **{f.dest: getattr(o, f.name) for f in FOLDER_OPTIONS})
     return cmd_run_ablation(args) if command == "run-ablation" else cmd_map(args)
 
 
 def cmd_summary(o: SummaryOptions) -> int:
     """Print the summary table of a sweep (or the summary of one run; or of several sweeps pooled)."""
+    from flt_diag.cli.console import print_run_summary, print_sweep_table
+    from flt_diag.judge.summary_table import sweep_summary, write_summary
+    from flt_diag.judge.verdict import resummarize
+    from flt_diag.results.tables import pooled_summary
+    from flt_diag.storage.folders import is_archive, is_sweep, load_summary, run_dirs
     overrides = {x.name: o.config[x.dest] for x in config_options("summary") if x.dest in o.config}
     if overrides and not (o.recompute or o.sensitivity):
         raise UserError("verdict thresholds need --recompute or --sensitivity")
@@ -159,6 +154,10 @@ def cmd_summary(o: SummaryOptions) -> int:
 
 def _sensitivity(paths: list[Path], overrides: dict, csv: Path | None) -> int:
     """`summary --sensitivity`: the table of verdicts and flags that change when each threshold moves."""
+    from flt_diag.cli.console import print_sensitivity
+    from flt_diag.results.sensitivity import sensitivity
+    from flt_diag.storage.folders import atomic_write_text
+    from flt_diag.storage.pooling import check_poolable
     if len(paths) > 1:  # several folders pool as the summary table pools them: sweeps of one setting, no map
         check_poolable(paths)
     table = sensitivity(paths, overrides)
@@ -174,7 +173,10 @@ def _sensitivity(paths: list[Path], overrides: dict, csv: Path | None) -> int:
 
 def cmd_eval_loops(o: EvalLoopsOptions) -> int:
     """Held-out loss and perplexity of each trained checkpoint at every inference loop count."""
-    from flt_diag.training.evaluation import eval_loops  # torch: as in cmd_train
+    from flt_diag.cli.output import print_eval_loops
+    from flt_diag.storage.folders import CHECKPOINT, StorageError, is_archive, run_dirs
+    from flt_diag.training.evaluation import eval_loops
+    from flt_diag.training.settle import check_data, choose_device
     device = choose_device(o.device)
     if o.data is not None:
         check_data(o.data, "bytes")
@@ -197,8 +199,7 @@ def cmd_eval_loops(o: EvalLoopsOptions) -> int:
 
 def cmd_import_reference(o: ImportReferenceOptions) -> int:
     """Import a reference-implementation checkpoint into a run folder."""
-    from flt_diag.training.reference import import_reference  # torch: as in cmd_train
-    from flt_diag.training.reference import write_imported_run  # torch: as in cmd_train
+    from flt_diag.training.reference import import_reference, write_imported_run
     if not o.checkpoint.exists():
         raise UserError(f"no such checkpoint: {o.checkpoint}")
     model = import_reference(o.checkpoint, o.variant, o.loops, n_head=o.heads, vocab_size=o.vocab_size)
@@ -210,6 +211,15 @@ def cmd_import_reference(o: ImportReferenceOptions) -> int:
 def cmd_predict(o: PredictOptions) -> int:
     """Early warning: P(collapse) of every cell at step s beside its final verdict, and the agreement
     (for each --predictor given: several compare on the same runs)."""
+    import pandas as pd
+    from flt_diag.cli.output import PACKAGED_CAVEAT, print_detectors
+    from flt_diag.judge import early_warning as EW
+    from flt_diag.judge.spike_detectors import detector_sweep
+    from flt_diag.results.figures import save as save_figure
+    from flt_diag.results.figures.agreement import draw_agreement
+    from flt_diag.storage.files import load_predictor
+    from flt_diag.storage.folders import atomic_write_text, run_dirs
+    from flt_diag.storage.predictor_names import PACKAGED
     paths = o.paths
     for path in paths:
         run_dirs(path)  # a clear error for a path that is neither a run nor a sweep
@@ -241,7 +251,10 @@ def cmd_predict(o: PredictOptions) -> int:
     return 0
 
 
-def _predict_at(paths, model: dict, steps) -> pd.DataFrame:
+def _predict_at(paths, model: dict, steps):
+    import pandas as pd
+    from flt_diag.cli.output import print_predictions_at
+    from flt_diag.judge import early_warning as EW
     frames = []
     for s in steps:
         table = pd.concat([EW.predict_sweep(path, s, model) for path in paths], ignore_index=True)
@@ -250,7 +263,10 @@ def _predict_at(paths, model: dict, steps) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)
 
 
-def _predict_online(paths, model: dict) -> pd.DataFrame:
+def _predict_online(paths, model: dict):
+    import pandas as pd
+    from flt_diag.cli.output import print_online
+    from flt_diag.judge import early_warning as EW
     table = pd.concat([EW.online_sweep(path, model) for path in paths], ignore_index=True)
     print_online(table, model.get("target", "collapse"))
     return table
@@ -258,8 +274,10 @@ def _predict_online(paths, model: dict) -> pd.DataFrame:
 
 def cmd_fit_predictor(o: FitPredictorOptions) -> int:
     """Fit the early-warning predictor (one logistic regression per step) on labelled runs."""
-    paths, at, l2, target, weight = o.paths, o.at, o.l2, o.target, o.class_weight
-    features = o.features or FIT.DEFAULT_FEATURES  # names and duplicates checked by the option, again by fit
+    from flt_diag.cli.output import fit_command, print_fitted
+    from flt_diag.results import predictor_fit as FIT
+    from flt_diag.storage.folders import run_dirs, write_json
+    paths, at, l2, target, weight, features = o.paths, o.at, o.l2, o.target, o.class_weight, o.features
     for p in paths:
         if Path(p).suffix != ".csv":
             run_dirs(p)
@@ -285,6 +303,8 @@ def cmd_fit_predictor(o: FitPredictorOptions) -> int:
 def _output_file(flag: str, path: Path | None) -> None:
     """A file a command is to write, refused before any work and before any other output is written: a link,
     a FIFO, a device, a folder, or no folder to hold it (one line each)."""
+    from flt_diag.storage.folders import refuse_links
+    from flt_diag.storage.safe_files import new_file
     if path is None:
         return
     refuse_links(new_file(path))
@@ -293,6 +313,9 @@ def _output_file(flag: str, path: Path | None) -> None:
 
 
 def _cross_validate(paths, o: FitPredictorOptions, examples, features) -> dict:
+    from flt_diag.cli.output import print_cross_validation
+    from flt_diag.judge import early_warning as EW
+    from flt_diag.results import predictor_fit as FIT
     table = FIT.cross_validate(paths, o.at, o.l2, o.target, examples, features, o.class_weight)
     if table.empty:
         print("cross-validation: nothing to leave out (it needs finished runs of at least two cells)")
@@ -314,6 +337,7 @@ def cmd_variants(o: VariantsOptions) -> int:
 
 def cmd_plot(o: PlotOptions) -> int:
     """Figures from run, sweep or map folders (PNG and PDF)."""
+    from flt_diag.results.figures import plot
     for p in plot(o.figure, o.paths, o.out, tuple(o.format)):
         print(p)
     return 0
@@ -332,6 +356,7 @@ def cmd_archive(o: ArchiveOptions) -> int:
 
 def cmd_report(o: ReportOptions) -> int:
     """One self-contained HTML report: table, every figure, spec and environment."""
+    from flt_diag.results.report import write_report
     print(write_report(o.paths, o.out))
     return 0
 

@@ -13,16 +13,14 @@ lists a command's options in help order: the typer command line (flt_diag.cli.ap
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Annotated, Literal, Optional
 
 from pydantic import Field, create_model
 
-from flt_diag.judge import early_warning as EW
-from flt_diag.results import predictor_fit as FIT
+from flt_diag.results.fit_settings import FitSettings
 from flt_diag.vocab.config import OPTIONS, PRESETS, Option, options_of
-from flt_diag.vocab.grid_options import MapAxes, MapGrid, SweepAxes
-from flt_diag.vocab.option_fields import Options, arg, field_like, opt
-from flt_diag.vocab.variants import MAX_LOOPS
+from flt_diag.vocab.grid_options import Loops, MapAxes, MapGrid, SweepAxes
+from flt_diag.vocab.option_fields import Items, Options, arg, fact, like, opt
 
 SECTION_TITLES = {"run": "preset", "model": "model", "train": "training", "diagnostics": "diagnostics",
                   "verdict": "verdict thresholds", "sweep": "sweep grid", "map": "map grid", "cli": "this command"}
@@ -32,34 +30,23 @@ class UserError(Exception):
     """A mistake in the user's input: reported as one line."""
 
 
-class Positional(NamedTuple):
-    """A positional argument of a command."""
-
-    name: str
-    kind: type
-    help: str
-    many: bool = False
-
-
 # ------------------------------------------------------------------ config and grid options
 
 TRAINING_COMMANDS = ("train", "run-ablation", "map")
-SET_BY_SETTLING = {("model", "vocab_size")}  # the tokenizer's (flt_diag.training.settle), never given
-ONE_RUN = {("model", "variant"), ("model", "loops"), ("train", "seed")}  # the grids take lists instead
-GRID_OPTIONS = {"run-ablation": options_of(SweepAxes, "sweep"),
-                "map": options_of(MapAxes, "map") + options_of(MapGrid, "map")}
+GRID_OF = {"run-ablation": "sweep", "map": "map"}  # the grid each grid command runs
+GRID_OPTIONS = {"run-ablation": options_of(SweepAxes, "sweep"), "map": options_of(MapAxes, "map") + options_of(MapGrid, "map")}
 
 
 def config_options(command: str) -> list[Option]:
-    """The config fields `command` takes: all of them for a training command (less what its grid
-    sets per cell), the verdict thresholds for `summary`, none for the others."""
+    """The config fields `command` takes: all of them for a training command, less those set by settling
+    (the vocabulary) and those its grid takes a list of instead (their fields' `grid`); the verdict
+    thresholds for `summary`; none for the others."""
     if command == "summary":
         return [o for o in OPTIONS if o.section == "verdict"]
     if command not in TRAINING_COMMANDS:
         return []
-    skip = SET_BY_SETTLING | (ONE_RUN if command != "train" else set()) | \
-        ({("train", "lr_scale")} if command == "run-ablation" else set())  # its grid's --lr-scale is a list
-    return [o for o in OPTIONS if (o.section, o.name) not in skip]
+    grid = GRID_OF.get(command)
+    return [o for o in OPTIONS if not fact(o.info, "settled") and grid not in (fact(o.info, "grid") or ())]
 
 
 # ------------------------------------------------------------------ each command's typed options
@@ -71,14 +58,14 @@ RUNS = "Sweep or run folders of finished runs."
 class Given(Options):
     """Options of a command that may hold config options too: `config`, those given (dest -> value)."""
 
-    config: dict = Field(default_factory=dict)
+    config: dict = {}
 
 
 class FolderOptions(Options):
     workers: int = opt(0, "Cells (lines for maps) in parallel processes; 0 = auto (one per CPU core, each with one "
-                       "thread; one per GPU on a multi-GPU machine).", low=0)
-    list_cells: bool = opt(False, "Print the cells (index, name, status) and exit.", flag="--list")
-    cell: Optional[int] = opt(None, "Run only cell (map: line) I, for job arrays.", low=0)
+                       "thread; one per GPU on a multi-GPU machine).", ge=0)
+    list_cells: bool = opt(False, "Print the cells (index, name, status) and exit.", alias="list")
+    cell: Optional[int] = opt(None, "Run only cell (map: line) I, for job arrays.", ge=0)
     quiet: bool = opt(False, "No progress bar.")
 
 
@@ -97,6 +84,9 @@ class MapOptions(MapAxes, MapGrid, FolderOptions, Given):
                            "non-monotone instead of being missed (up to 2 more probes per line).")
 
 
+Step = Annotated[int, Field(ge=1)]
+
+
 class StudyOptions(FolderOptions):
     path: Path = arg("A study file from experiments/ (TOML).")
 
@@ -113,9 +103,9 @@ class SummaryOptions(Given):
 
 class EvalLoopsOptions(Options):
     path: Path = arg("A finished run folder or a sweep folder.")
-    loops: Optional[list[int]] = opt(None, "Inference loop counts [default: 1 .. 2K, K the loops each run was "
-                                     "trained with].", low=1, high=MAX_LOOPS, many=True)
-    batches: Optional[int] = opt(None, "Validation batches per count [default: the run's eval batches].", low=1)
+    loops: Optional[Items[Loops]] = opt(None, "Inference loop counts [default: 1 .. 2K, K the loops each run was "
+                                        "trained with].")
+    batches: Optional[int] = opt(None, "Validation batches per count [default: the run's eval batches].", ge=1)
     data: Optional[str] = opt(None, "Evaluate on another corpus (e.g. wikitext2) [default: the run's].")
     device: str = opt("cpu", "cpu, cuda or cuda:N.")
 
@@ -126,16 +116,16 @@ class ImportReferenceOptions(Options):
     variant: Optional[str] = opt(None, "LT, LT_i, LT_ia, FLT_res, FLT (or lt, ..., flt) [default: model_type of the "
                                  "meta_*.json beside the checkpoint].")
     loops: Optional[int] = opt(None, "Loop count the checkpoint was trained with [default: K of the meta_*.json].",
-                               low=1)
-    heads: Optional[int] = opt(None, "Attention heads (if no meta json).", low=1)
-    vocab_size: Optional[int] = opt(None, "True (unpadded) vocabulary size.", low=1)
+                               ge=1)
+    heads: Optional[int] = opt(None, "Attention heads (if no meta json).", ge=1)
+    vocab_size: Optional[int] = opt(None, "True (unpadded) vocabulary size.", ge=1)
 
 
 class PredictOptions(Options):
     paths: list[Path] = arg(RUNS, many=True)
-    at: list[int] = opt([300], "Step(s) at which to predict.", low=1)
-    predictor: Optional[list[Path]] = opt(None, "Predictor JSON(s) from `flt-diag fit-predictor`; several are compared "
-                                          "on the same runs [default: the packaged one].", many=True)
+    at: Items[Step] = opt([300], "Step(s) at which to predict.")
+    predictor: Optional[Items[Path]] = opt(None, "Predictor JSON(s) from `flt-diag fit-predictor`; several are "
+                                           "compared on the same runs [default: the packaged one].")
     csv: Optional[Path] = opt(None, "Also write the per-cell table (all steps; a predictor column) here.")
     figure: Optional[Path] = opt(None, "Also draw agreement, false alarms and misses against the step "
                                  "(.png/.pdf/.svg).")
@@ -145,19 +135,10 @@ class PredictOptions(Options):
                        "KillLossSpike (their rules, default settings).")
 
 
-class FitPredictorOptions(Options):
+class FitPredictorOptions(FitSettings):
     paths: list[Path] = arg("Sweep or run folders of finished runs, or fit-examples tables (.csv, from "
                             "--examples-out): the training set.", many=True)
     out: Path = opt(..., "Predictor JSON to write (flt_diag/judge/early_warning.json is the packaged one).")
-    at: list[int] = opt([100, 200, 300, 500], "Steps to fit a model at.", low=1)
-    l2: float = opt(1.0, "L2 penalty of the logistic regression.", above=0)
-    target: str = opt("fails", "fails (final verdict unstable, stalled, collapsed or diverged), collapse (stalled, collapsed or "
-                      "diverged) or climbs (fails, or the loss climbed and recovered: the verdict's "
-                      "transient_rebound).", choices=tuple(EW.TARGETS))
-    features: Optional[list[str]] = opt(None, f"Features the model uses [default: {' '.join(FIT.DEFAULT_FEATURES)}].",
-                                        choices=EW.FEATURES, many=True)
-    class_weight: str = opt("balanced", "balanced (each class weighs half of the fit, whatever share of the runs "
-                            "fails) or none (each run weighs 1).", choices=FIT.CLASS_WEIGHTS)
     cross_validate: bool = opt(False, "Also report leave-one-cell-out agreement at each step (every run predicted by "
                                "a model fitted without its cell) and store it in the predictor JSON.")
     examples_out: Optional[Path] = opt(None, "Also write the fit set as one table (CSV: per run and step, its "
@@ -186,7 +167,7 @@ class PlotOptions(Options):
     paths: list[Path] = arg(RUN_OR_SWEEP + " Several sweep folders of one setting are pooled (more seeds run later "
                             "into folders of their own).", many=True)
     out: Optional[Path] = opt(None, "Folder for the figures [default: <path>/figures, of the first path].")
-    format: list[str] = opt(["png", "pdf"], "Formats.", choices=("png", "pdf", "svg"))
+    format: Items[Literal["png", "pdf", "svg"]] = opt(["png", "pdf"], "Formats.")
     figure: str = "all"  # (not an option: the `plot` subcommand's name)
 
 
@@ -195,22 +176,18 @@ ARGS: dict[str, type[Options]] = {
     "summary": SummaryOptions, "eval-loops": EvalLoopsOptions, "import-reference": ImportReferenceOptions,
     "predict": PredictOptions, "fit-predictor": FitPredictorOptions, "variants": VariantsOptions,
     "report": ReportOptions, "plot": PlotOptions, "archive": ArchiveOptions}
-GRIDS = {"run-ablation": (SweepAxes,), "map": (MapAxes, MapGrid)}
 FOLDER_OPTIONS = options_of(FolderOptions, "cli")
 
 
 def own_options(command: str) -> list[Option]:
     """The options a command declares itself (its grid's and its positionals left out)."""
-    grid = {name for cls in GRIDS.get(command, ()) for name in cls.model_fields}
+    grid = {o.name for o in GRID_OPTIONS.get(command, [])}
     own = [o for o in options_of(ARGS[command], "cli") if not o.positional and o.name not in grid]
     return sorted(own, key=lambda o: o.name in FolderOptions.model_fields)  # --out first, --workers ... last
 
 
-def positionals(command: str) -> list[Positional]:
-    return [Positional(o.name, o.kind, o.help, o.many) for o in options_of(ARGS[command], "cli") if o.positional]
-
-
-POSITIONALS: dict[str, list[Positional]] = {c: positionals(c) for c in ARGS if positionals(c)}
+POSITIONALS: dict[str, list[Option]] = {c: ps for c, cls in ARGS.items()
+                                        if (ps := [o for o in options_of(cls, "cli") if o.positional])}
 
 
 def command_options(command: str) -> list[Option]:
@@ -219,18 +196,12 @@ def command_options(command: str) -> list[Option]:
 
 
 def given_model(options: tuple[Option, ...], text_paths: bool = False) -> type[Options]:
-    """A pydantic model of `options`, each optional (None: not given), with its field's bounds and choices;
-    `text_paths`: a path is text (as a study file holds it). Made once per set of options."""
-    key = (tuple((o.section, o.name, o.dest) for o in options), text_paths)
-    if key not in _GIVEN:
-        def hint(o: Option):
-            return (list[str] if o.many else str) if text_paths and o.kind is Path else o.hint
-        _GIVEN[key] = create_model("Given", __base__=Options, **{o.dest: (Optional[hint(o)], field_like(o.info, False))
-                                                                for o in options})
-    return _GIVEN[key]
-
-
-_GIVEN: dict = {}
+    """A pydantic model of `options` (fields named as users type them), each optional (None: not given),
+    with its field's bounds and choices; `text_paths`: a path is text (as a study file holds it)."""
+    def field(o: Option) -> tuple:
+        kind, info = like(o.info, required=False)
+        return Optional[(list[str] if o.many else str) if text_paths and o.kind is Path else kind], info
+    return create_model("Given", __base__=Options, **{o.dest: field(o) for o in options})
 
 
 def command_args(command: str, values: dict) -> Options:
@@ -239,10 +210,10 @@ def command_args(command: str, values: dict) -> Options:
     the command's model built (a bad value: one ConfigError line naming the flag)."""
     cls, config = ARGS[command], config_options(command)
     given = {o.dest: values[o.dest] for o in config if values.get(o.dest) is not None}
-    given_model(tuple(config))(**given)
-    own = {o.name: values[o.dest] for o in options_of(cls, "cli") if values.get(o.dest) is not None}
+    given_model(tuple(config)).of(**given)
+    own = {o.dest: values[o.dest] for o in options_of(cls, "cli") if values.get(o.dest) is not None}
     fixed = {k: values[k] for k in cls.model_fields if values.get(k) is not None and k not in own and k != "config"}
-    return cls(**own, **fixed, **({"config": given} if config else {}))
+    return cls.of(**own, **fixed, **({"config": given} if config else {}))
 
 
 def default_text(o: Option) -> str:

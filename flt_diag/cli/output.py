@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 
 from flt_diag.judge.early_warning import CHECK_EVERY, agreement
-from flt_diag.results.predictor_fit import DEFAULT_FEATURES
+from flt_diag.results.fit_settings import DEFAULTS
 from flt_diag.judge.spike_detectors import DETECTORS
 
 
@@ -113,7 +113,7 @@ def fit_command(o, features: list[str]) -> str:
     return "flt-diag fit-predictor " + " ".join(map(str, o.paths)) + f" --out {o.out} --at " \
         + " ".join(map(str, o.at)) + (f" --l2 {o.l2:g}" if changed("l2") else "") \
         + (f" --target {o.target}" if changed("target") else "") \
-        + (" --features " + " ".join(features) if features != DEFAULT_FEATURES else "") \
+        + (" --features " + " ".join(features) if features != DEFAULTS.features else "") \
         + (f" --class-weight {o.class_weight}" if changed("class_weight") else "") \
         + (" --cross-validate" if o.cross_validate else "")
 

@@ -15,6 +15,7 @@ from flt_diag.storage.cells import Cell
 from flt_diag.storage.file_models import MapSpecFile, Summary
 from flt_diag.storage.folders import CELLS, ERROR, StorageError, load_spec, load_summary
 from flt_diag.storage.predictor_names import COLLAPSE
+from flt_diag.vocab.variants import VARIANTS
 
 
 AXES = {"lr": "lr scale", "depth": "depth L"}
@@ -178,6 +179,6 @@ def critical_table(out: Path) -> pd.DataFrame:
     axis = spec_from_folder(out).axis
     crit = crit.assign(column=[f"{c} at K={k} ({AXES[axis]})" for c, k in zip(crit.criterion, crit.loops)])
     table = crit.pivot(index="variant", columns="column", values="text")
-    order = [v for v in ("lt", "lt-ii", "lt-ai", "fla", "flt") if v in table.index]
+    order = [v for v in VARIANTS if v in table.index]
     table = table.reindex(order + [v for v in table.index if v not in order])[list(dict.fromkeys(crit.column))]
     return table.reset_index().rename(columns={"variant": "Variant"})

@@ -18,10 +18,10 @@ from flt_diag.storage.files import EXAMPLE_IDENTITY, load_examples
 from flt_diag.storage.folders import BadFile, atomic_path, load_config, load_summary
 from flt_diag.storage.schema import MAX_ITEMS
 
-DEFAULT_FEATURES = ["resid_level", "resid_growth", "loop_ratio", "grad_cv", "grad_dlog", "act_grad_decay",
-                    "loss_slope", "loss_climb"]  # what `fit-predictor` uses unless told otherwise
-from flt_diag.storage.predictor_names import CLASS_WEIGHTS  # noqa: E402
-DEFAULT_STEPS = [100, 200, 300, 500]
+from flt_diag.results.fit_settings import DEFAULTS
+from flt_diag.storage.predictor_names import CLASS_WEIGHTS
+
+DEFAULT_FEATURES, DEFAULT_STEPS = DEFAULTS.features, DEFAULTS.at  # what `fit-predictor` uses unless told otherwise
 
 
 def fit_logistic(X: np.ndarray, y: np.ndarray, l2: float = 1.0,
@@ -66,7 +66,7 @@ def cell_identity(run_dir: Path) -> tuple:
     return m.variant, m.loops, m.n_layer, m.n_embd, t.seed, t.lr_scale
 
 
-def training_examples(sources, steps, target: str = "fails") -> list[dict]:
+def training_examples(sources, steps, target: str = DEFAULTS.target) -> list[dict]:
     """Per usable run (`training_runs`): its folder, summary, label, cell identity, and its features at
     every step of `steps` it ran past: what `fit` and `cross_validate` share (computed once). A source
     ending in .csv is a fit-examples table (`examples_table`) instead of a folder."""
@@ -225,8 +225,8 @@ def check_features(features) -> list[str]:
     return features
 
 
-def fit(sources, steps=DEFAULT_STEPS, l2: float = 1.0, command: str = "", target: str = "fails",
-        examples: list[dict] | None = None, features=DEFAULT_FEATURES, class_weight: str = "balanced") -> dict:
+def fit(sources, steps=DEFAULT_STEPS, l2: float = DEFAULTS.l2, command: str = "", target: str = DEFAULTS.target,
+        examples: list[dict] | None = None, features=DEFAULT_FEATURES, class_weight: str = DEFAULTS.class_weight) -> dict:
     """Fit one model per step from the finished runs of `sources` (run or sweep folders), or from their
     `training_examples` when given. target: a key of TARGETS ("fails", "collapse", "climbs");
     features: a subset of FEATURES; class_weight: "balanced" or "none" (`class_weights`)."""
@@ -248,9 +248,9 @@ def fit(sources, steps=DEFAULT_STEPS, l2: float = 1.0, command: str = "", target
                 fitted_on=[str(s) for s in sources], runs=[str(e["run"]) for e in examples], command=command)
 
 
-def cross_validate(sources, steps=DEFAULT_STEPS, l2: float = 1.0, target: str = "fails",
+def cross_validate(sources, steps=DEFAULT_STEPS, l2: float = DEFAULTS.l2, target: str = DEFAULTS.target,
                    examples: list[dict] | None = None, features=DEFAULT_FEATURES,
-                   class_weight: str = "balanced") -> pd.DataFrame:
+                   class_weight: str = DEFAULTS.class_weight) -> pd.DataFrame:
     """Leave-one-cell-out agreement: every run is predicted at every step by a model fitted on the
     other cells only (runs with the same cell identity, e.g. one cell trained for two lengths, are
     left out together). Columns as `predict_sweep`'s, plus `step` and `run` (the folder)."""

@@ -11,18 +11,20 @@ with `.shape` and `.dtype`.
 from __future__ import annotations
 
 import functools
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Literal, Optional, get_args
 
 from pydantic import ConfigDict, Field, create_model, field_validator, model_validator
 from pydantic_core import PydanticUndefined
 
 from flt_diag.storage.predictor_names import CLASS_WEIGHTS, FEATURES, TARGETS
-from flt_diag.vocab.config import DiagnosticsConfig, ModelConfig, RunConfig, TrainConfig, VerdictConfig
+from flt_diag.vocab import option_fields
+from flt_diag.vocab.config import DiagnosticsConfig, ModelConfig, Preset, RunConfig, TrainConfig, VerdictConfig
 from flt_diag.vocab.grid_options import MAX_GRID, MapAxes, SweepAxes
-from flt_diag.vocab.option_fields import MAX_ITEMS, Options, field_like
+from flt_diag.vocab.option_fields import MAX_ITEMS, Ascending, Distinct, Items, Option, Options
 from flt_diag.vocab.variants import MAX_LOOPS
 
-VERDICTS = ("stable", "unstable", "stalled", "collapsed", "diverged")  # verdict v3 (flt_diag.judge.verdict)
+Verdict = Literal["stable", "unstable", "stalled", "collapsed", "diverged"]  # verdict v3 (flt_diag.judge.verdict)
+VERDICTS = get_args(Verdict)
 FREE = ConfigDict(extra="allow")
 
 
@@ -41,13 +43,17 @@ class FreeFileModel(FileModel, **FREE):
     """A part of a file that may hold other keys too (free-form metadata, kept as they are)."""
 
 
-def like(cls, name: str, *, required: bool = True) -> Any:
-    """Field `name` of config model `cls` (its help, bounds and choices), required or defaulting to None."""
-    return field_like(cls.model_fields[name], required)
+def like(cls, name: str, *, required: bool = True, optional: bool = False) -> tuple:
+    """(type, field) of field `name` of config model `cls` (its type, bounds and help), for create_model:
+    required or defaulting to None (`optional`: None is a value too)."""
+    kind, info = option_fields.like(cls.model_fields[name], required, alias=False)
+    return Optional[kind] if optional else kind, info
 
 
-def one_of(choices, required: bool = True) -> Any:
-    return Field(PydanticUndefined if required else None, json_schema_extra=dict(choices=list(choices)))
+def like_type(cls, name: str, **kw) -> Any:
+    """`like` as one annotation (type with the field in Annotated), for a field declared in a class body."""
+    kind, info = like(cls, name, **kw)
+    return Annotated[kind, info]
 
 
 def many(required: bool = True, min_length: int = 1, **extra) -> Any:
@@ -71,7 +77,7 @@ REQUIRED = {"model": ("vocab_size", "n_layer", "n_embd", "n_head", "sequence_len
 def _in_file(cls, section: str):
     """A config section as a file holds it: the REQUIRED fields required, the others defaulted."""
     return create_model(f"{cls.__name__}InFile", __base__=cls,
-                        **{n: (cls.model_fields[n].annotation, like(cls, n)) for n in REQUIRED.get(section, ())})
+                        **{n: like(cls, n) for n in REQUIRED.get(section, ())})
 
 
 ModelInFile, TrainInFile = _in_file(ModelConfig, "model"), _in_file(TrainConfig, "train")
@@ -102,7 +108,7 @@ class RunConfigFile(FileModel):
     train: TrainInFile
     diagnostics: DiagnosticsConfig
     verdict: VerdictInFile = None
-    preset: str = one_of(("tiny", "small", "paper-small", "paper-base", "custom"), required=False)
+    preset: Literal[Preset, "custom"] = None
     n_params: int = Field(None, ge=0)
     corpus: Corpus = None
     env: dict = None
@@ -201,6 +207,10 @@ class DlogWindow(FileModel):
     alternation: float = figure()
 
 
+_VARIANT, _LOOPS = like_type(ModelConfig, "variant"), like_type(ModelConfig, "loops")
+_SEED, _LR_SCALE, _STEPS = (like_type(TrainConfig, n) for n in ("seed", "lr_scale", "steps"))
+
+
 class Summary(FileModel):
     """A run's summary.json: the verdict, its evidence and the run's key figures (in the order written).
 
@@ -209,7 +219,7 @@ class Summary(FileModel):
 
     model_config = ConfigDict(frozen=True)
 
-    verdict: str = one_of(VERDICTS)
+    verdict: Verdict
     verdict_version: Optional[int] = Field(None, ge=1)  # since v3 (a summary without one was judged by v1/v2)
     evidence: Evidence
     residual_explosion: bool  # the final loop's peak loop-end residual norm > explosion_ratio * sqrt(d)
@@ -221,10 +231,10 @@ class Summary(FileModel):
     final_resid_norm: Optional[float] = figure(False)  # the final loop's loop-end norm at the last step
     resid_ratio: Optional[float] = figure(False)  # peak_resid_norm / sqrt(d)
     explosion_threshold: Optional[float] = figure(False)  # explosion_ratio * sqrt(d)
-    variant: str = like(ModelConfig, "variant")
-    loops: int = like(ModelConfig, "loops")
-    seed: int = like(TrainConfig, "seed")
-    lr_scale: float = like(TrainConfig, "lr_scale")
+    variant: _VARIANT
+    loops: _LOOPS
+    seed: _SEED
+    lr_scale: _LR_SCALE
     final_loss: Optional[float] = figure()  # the smoothed training loss at the last finite step
     best_loss: Optional[float] = figure()  # its minimum (the evidence's min_smoothed_loss)
     val_loss: Optional[float] = figure()  # the last held-out loss (NaN: never evaluated)
@@ -246,7 +256,7 @@ class Summary(FileModel):
     oscillation_windows: list[OscillationWindow] = many(False, 0)  # the v2 indices per osc_window steps
     osc_dlog_windows: list[DlogWindow] = many(False, 0)  # since v3: the windows rule 4b judged
     steps_done: int = Field(ge=0)
-    steps: int = like(TrainConfig, "steps")
+    steps: _STEPS
     wall_time: Optional[float] = Field(None, ge=0)  # seconds (None: not timed)
     stop_reason: Optional[str] = None  # why the run ended before its steps (None: it did not)
     prediction: Optional[Prediction] = None  # the alarm that ended it (--stop-on-collapse)
@@ -277,23 +287,17 @@ class BaseInSpec(FileModel, **FREE):
     diagnostics: DiagnosticsConfig = None
 
 
-class SweepSpecFile(FileModel, **FREE):
-    variants: list[str] = like(SweepAxes, "variants")
-    loops: list[int] = like(SweepAxes, "loops")
-    seeds: list[int] = like(SweepAxes, "seeds")
-    lr_scales: list[float] = like(SweepAxes, "lr_scales")
-    base: BaseInSpec
-    cell_names: list[str] = many(distinct=True)
+SweepSpecFile = create_model("SweepSpecFile", __base__=FreeFileModel,
+                             **{n: like(SweepAxes, n) for n in ("variants", "loops", "seeds", "lr_scales")},
+                             base=(BaseInSpec, ...), cell_names=(Items[str], ...))
 
 
 def _grid_values(axis: str) -> Any:
     """A map's grid: lr scales (bounded like --lr-scale) or depths (like --depth), distinct, ascending."""
-    info = ModelConfig.model_fields["n_layer"] if axis == "depth" else TrainConfig.model_fields["lr_scale"]
-    kinds = {"Ge": "ge", "Le": "le", "Gt": "gt", "Lt": "lt"}
-    bounds = {kinds[type(m).__name__]: getattr(m, kinds[type(m).__name__]) for m in info.metadata
-              if type(m).__name__ in kinds}
-    return Field(min_length=1, max_length=MAX_GRID, json_schema_extra=dict(items=bounds, distinct=True,
-                                                                            ascending=True))
+    o = Option("", "n_layer", ModelConfig.model_fields["n_layer"]) if axis == "depth" else \
+        Option("", "lr_scale", TrainConfig.model_fields["lr_scale"])
+    return Annotated[list[Annotated[o.kind, Field(**o.bounds)]], Field(min_length=1, max_length=MAX_GRID), Distinct,
+                     Ascending]
 
 
 class MapSpecFile(FreeFileModel):
@@ -304,11 +308,9 @@ class MapSpecFile(FreeFileModel):
 def map_spec_model(axis: str = "lr"):
     """A map's sweep.json; its grid holds lr scales or depths (`axis`)."""
     return create_model(f"MapSpecFile_{axis}", __base__=MapSpecFile,
-                        kind=(str, one_of(("map",))), variants=(list[str], like(MapAxes, "variants")),
-                        loops=(list[int], like(MapAxes, "loops")), seeds=(list[int], like(MapAxes, "seeds")),
-                        axis=(str, like(MapAxes, "axis")),
-                        grid=(list[int] if axis == "depth" else list[float], _grid_values(axis)),
-                        criteria=(list[str], like(MapAxes, "criteria")), base=(BaseInSpec, ...))
+                        kind=(Literal["map"], ...), **{n: like(MapAxes, n) for n in ("variants", "loops", "seeds",
+                                                                                        "axis")},
+                        grid=(_grid_values(axis), ...), criteria=like(MapAxes, "criteria"), base=(BaseInSpec, ...))
 
 
 # --------------------------------------------------------------------------- predictor and fit examples
@@ -327,12 +329,11 @@ class PredictorFile(FileModel, **FREE):
     """fit-predictor's JSON: features, one logistic model per step (a mean, std and coefficient per
     feature), the threshold in (0, 1), the target."""
 
-    features: list[str] = Field(min_length=1, max_length=MAX_ITEMS, json_schema_extra=dict(choices=FEATURES,
-                                                                                            distinct=True))
+    features: Items[Literal[tuple(FEATURES)]]
     models: dict[Annotated[int, Field(ge=1)], LogisticModel] = Field(min_length=1, max_length=MAX_ITEMS)
     threshold: float = Field(None, gt=0, lt=1)
-    target: str = one_of(TARGETS, required=False)
-    class_weight: str = one_of(CLASS_WEIGHTS, required=False)
+    target: Literal[tuple(TARGETS)] = None
+    class_weight: Literal[CLASS_WEIGHTS] = None
     l2: float = Field(None, gt=0)
 
     @field_validator("models", mode="before")
@@ -356,10 +357,9 @@ EXAMPLE_IDENTITY = ("run", "variant", "loops", "n_layer", "n_embd", "seed", "lr_
 STALL_EVIDENCE = ("final_smoothed_loss", "stall_reference", "stall_margin")  # the stall rule's evidence
 ExampleRow = create_model(
     "ExampleRow", __base__=FileModel, run=(str, ...),
-    **{n: (ModelConfig.model_fields[n].annotation, like(ModelConfig, n)) for n in ("variant", "loops", "n_layer",
-                                                                                   "n_embd")},
-    **{n: (TrainConfig.model_fields[n].annotation, like(TrainConfig, n)) for n in ("seed", "lr_scale")},
-    steps_done=(int, Field(ge=0)), verdict=(str, one_of(VERDICTS)), climb=(Optional[float], figure()),
+    **{n: like(ModelConfig, n) for n in ("variant", "loops", "n_layer", "n_embd")},
+    **{n: like(TrainConfig, n) for n in ("seed", "lr_scale")},
+    steps_done=(int, Field(ge=0)), verdict=(Verdict, ...), climb=(Optional[float], figure()),
     rebound_threshold=(Optional[float], figure()), transient_rebound=(bool, ...),
     # (since verdict v3; a table written before has none of these four: relabelled as far as it can be)
     verdict_version=(Optional[int], Field(None, ge=1)),
@@ -377,9 +377,9 @@ META_VARIANT_KEYS = ("model_type", "variant", "loop_type")  # "model_type": the 
 
 def _meta_fields() -> dict:
     """nanochat's sizes (bounded like the command line's), K and the variant under the reference's names."""
-    size = {n: (Optional[int], like(ModelConfig, n, required=False))
+    size = {n: like(ModelConfig, n, required=False, optional=True)
             for n in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_embd")}
-    size["n_kv_head"] = (Optional[int], like(ModelConfig, "n_head", required=False))
+    size["n_kv_head"] = like(ModelConfig, "n_head", required=False, optional=True)
     loops = {k: (Optional[int], Field(None, ge=1, le=MAX_LOOPS)) for k in META_LOOP_KEYS}
     return size | loops | {k: (Optional[str], None) for k in META_VARIANT_KEYS}
 

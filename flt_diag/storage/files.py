@@ -232,8 +232,7 @@ class Tensors(F.FileModel, extra="allow"):
 
 
 class ParamGroup(F.FreeFileModel):
-    params: list[int] = Field(min_length=1, max_length=MAX_ITEMS, json_schema_extra=dict(items=dict(ge=0,
-                                                                                                     le=MAX_ITEMS)))
+    params: list[Annotated[int, Field(ge=0, le=MAX_ITEMS)]] = Field(min_length=1, max_length=MAX_ITEMS)
 
 
 class OptimizerState(F.FreeFileModel):

@@ -27,17 +27,16 @@ from pathlib import Path
 
 from flt_diag.judge.early_warning import PACKAGED
 from flt_diag.storage.files import load_predictor
-from flt_diag.vocab.config import (TASK_DIALS, TASKS, RunConfig, build_config, padded_vocab, sections_from,
-                                   with_overrides)
+from flt_diag.vocab.config import (TASK_DIALS, TASKS, DiagnosticsConfig, RunConfig, TrainConfig, build_config,
+                                   padded_vocab, sections_from, with_overrides)
+from flt_diag.vocab.option_fields import with_fact
 from flt_diag.data.corpus import DataError, get_tokenizer
 from flt_diag.data.sources import check_source
 
-# Fields that may differ when a run folder is reused (they do not change what is computed).
-VOLATILE_TRAIN_FIELDS = ("device", "threads", "compile", "eval_every", "checkpoint_every")
-# (The loop-dynamics switches change what is recorded, never the trajectory; folders from before they existed resume.)
-VOLATILE_DIAGNOSTICS_FIELDS = ("flush_every", "tensorboard", "wandb", "warn", "loop_dynamics", "exit_loss_every",
-                               "dynamics_every",
-                               "sharpness_every", "dynamics_batch", "dynamics_iters")
+# Fields that may differ when a run folder is reused (they do not change what is computed: their fields say
+# volatile=True; the loop-dynamics switches change what is recorded, never the trajectory).
+VOLATILE_TRAIN_FIELDS, VOLATILE_DIAGNOSTICS_FIELDS = with_fact(TrainConfig, "volatile"), with_fact(DiagnosticsConfig,
+                                                                                                    "volatile")
 DEVICE = re.compile(r"auto|cpu(?::\d+)?|cuda(?::(\d+))?")
 
 

@@ -1,14 +1,14 @@
 """Every option of flt-diag, once: typed config sections (pydantic models) whose fields carry their
-help text, their command-line flag, their bounds and their choices (declared with `opt`,
-flt_diag.vocab.option_fields).
+help text, their bounds, their name on the command line where it is not the field's (an alias:
+`n_layer` is `--depth`), their choices (a Literal type) and the facts other layers read (set by
+settling, set per cell by a grid, volatile on resume), declared with `opt` (flt_diag.vocab.option_fields).
 
 The grids' own options (what a sweep or map runs over) are beside it in flt_diag.vocab.grid_options.
 The command line (flt_diag.cli, which also decides which command takes which option), the sweep and
-map specs and the study files are generated from these fields (`OPTIONS`); pydantic validates a
-section whenever it is built, so a bad value raises one ConfigError (a ValueError) line naming the
-flag, wherever it came from; a file's sections are validated by the same models
-(flt_diag.storage.files), their errors naming the file and the field. flt_diag.training.settle turns options into the one settled config a
-run takes.
+map specs and the study files are generated from these fields (`OPTIONS`). `build_config` builds a
+config and `replaced` changes one: a bad value raises one ConfigError (a ValueError) line naming the
+flag; a file's sections are validated by the same models (flt_diag.storage.files), their errors naming
+the file and the field. flt_diag.training.settle turns options into the one settled config a run takes.
 
 Size dial: `depth` (= L). Width is d = aspect * depth and heads are ceil(d / head_dim), as in the
 paper (aspect 64, head dim 128); presets fix the aspect and head dim, and any field can be
@@ -17,11 +17,13 @@ overridden.
 from __future__ import annotations
 
 import math
+from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
-from flt_diag.vocab.option_fields import ConfigError, Option, Options, opt, options_of  # noqa: F401 (re-exported)
-from flt_diag.vocab.variants import MAX_LOOPS, VARIANTS
+from flt_diag.vocab.option_fields import (ConfigError, Option, Options, dotted, one_line, opt,  # noqa: F401
+                                         options_of)
+from flt_diag.vocab.variants import MAX_LOOPS, Variant
 
 
 # The synthetic tasks `--data` accepts beside corpora (flt_diag.data.tasks), each with the difficulty
@@ -36,199 +38,6 @@ TASK_DIALS = tuple(dial for dials in TASKS.values() for dial in dials)
 MAX_DEPTH, MAX_WIDTH, MAX_SEQUENCE, MAX_VOCAB, MAX_BATCH = 1024, 32_768, 131_072, 2_097_152, 65_536
 MAX_SEED = 2**63 - 1  # torch.manual_seed and numpy's generators take a seed of 64 bits; larger ones fail every cell
 
-
-class ModelConfig(Options):
-    vocab_size: int = opt(256, "Tokens (set from the tokenizer, padded to a multiple of 64).", low=1, high=MAX_VOCAB)
-    n_layer: int = opt(2, "Size dial: L distinct blocks reused every loop; width follows the preset's aspect ratio "
-                       "unless --width is given.", flag="--depth", low=1, high=MAX_DEPTH)
-    n_embd: int = opt(64, "Model width d (the residual stream).", flag="--width", low=2, high=MAX_WIDTH)
-    n_head: int = opt(2, "Attention heads (head dim = width / heads, even).", flag="--heads", low=1,
-                      high=MAX_WIDTH // 2)
-    sequence_len: int = opt(64, "Tokens per training sequence.", flag="--seq-len", low=2, high=MAX_SEQUENCE)
-    variant: str = opt("flt", "lt, lt-ii, lt-ai, fla or flt (DESIGN.md §2).", choices=VARIANTS)
-    loops: int = opt(12, "Loops K: how often the L blocks are reused per forward.", low=1, high=MAX_LOOPS)
-    rotary_base: float = opt(10000.0, "Rotary embedding base.", above=0)
-    rotary_dtype: str = opt("float32", "Rotary tables: float32, or bfloat16 as the reference keeps them.",
-                            choices=("float32", "bfloat16"))
-    softcap: float = opt(15.0, "Logit soft cap: logits = c * tanh(head(h) / c).", above=0)
-
-    @model_validator(mode="after")
-    def _heads_split_the_width(self):
-        if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
-            raise ValueError(f"width {self.n_embd} must split into {self.n_head} heads of even size")
-        return self
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
-
-class TrainConfig(Options):
-    steps: int = opt(2000, "Optimizer steps.", low=1)
-    batch_size: int = opt(16, "Sequences per micro-batch (per process).", low=1, high=MAX_BATCH)
-    grad_accum: int = opt(1, "Micro-batches per optimizer step.", low=1)
-    optimizer: str = opt("muon", "muon (the reference recipe: Muon on block matrices, AdamW on embedding and head) "
-                         "or adamw (AdamW on everything).", choices=("muon", "adamw"))
-    matrix_lr: float = opt(0.02, "Muon lr on block matrices.", above=0)
-    embedding_lr: float = opt(0.2, "AdamW lr on the embedding (scaled by (d/768)^-0.5).", above=0)
-    head_lr: float = opt(0.004, "AdamW lr on the head (scaled by (d/768)^-0.5).", above=0)
-    adamw_lr: float = opt(0.003, "lr of everything with --optimizer adamw.", above=0)
-    momentum: float = opt(0.95, "Muon momentum once warmed up.", low=0, below=1)
-    momentum_start: float = opt(0.85, "Muon momentum at step 0, raised linearly to --momentum ...", low=0, below=1)
-    momentum_warmup: int = opt(300, "... over this many steps, as the reference; 0 = --momentum throughout.", low=0)
-    lr_scale: float = opt(1.0, "Multiplies every learning rate.", above=0)
-    warmdown_frac: float = opt(0.2, "Constant lr, then linear decay to 0 over this final share of the steps.",
-                               low=0, high=1)
-    grad_clip: float = opt(1.0, "Max global gradient norm; 0 disables clipping.", low=0)
-    loss_on: str = opt("end", "Loss on the final loop (end), the mean over all loops (all) or over the last third.",
-                       choices=("end", "all", "last-third"))
-    precision: str = opt("fp32", "fp32 (fp32 weights and residual stream; bf16 autocast on GPU) or reference (bf16 "
-                         "embedding, rotary tables and stream, as the reference trains on GPU; CPU autocast on CPU).",
-                         choices=("fp32", "reference"))
-    sampling: str = opt("random", "random (random windows of the corpus) or stream (the corpus in order, documents "
-                        "BOS-separated, as the reference reads it).", choices=("random", "stream"))
-    seed: int = opt(0, "Seed of initialisation and batches.", low=0, high=MAX_SEED)
-    device: str = opt("auto", "auto (cuda if available), cpu, cuda or cuda:N.")
-    compile: bool | None = opt(None, "torch.compile the blocks [default: on CUDA; on a CPU for runs of 1,000 steps or more].")
-    checkpoint_loops: bool = opt(False, "Activation checkpointing, one segment per loop (memory flat in K).")
-    grad_loops: int = opt(0, "Truncated backpropagation: the gradient flows through the last k loops only (the "
-                          "stream is detached before them; the forward is unchanged; the embedding still gets "
-                          "the gradient of its injections in those loops). 0, or k >= K: through every loop.", low=0)
-    threads: int | None = opt(None, "CPU threads [default: 1 per process on CPU; parallelise with sweep workers].",
-                              low=1)
-    flush_denormal: bool = opt(True, "CPU: flush subnormal floats to zero (collapsed LT runs make many).")
-    eval_every: int = opt(250, "Steps between validation losses (and at the end); 0 = only at the end.", low=0)
-    eval_batches: int = opt(8, "Validation micro-batches per evaluation.", low=1)
-    checkpoint_every: int = opt(500, "Steps between resume checkpoints; 0 = none.", low=0)
-    data: str = opt("stdlib", "stdlib (offline default), fineweb-edu, fineweb-edu-100b, wikitext2, a "
-                    ".txt/.jsonl/.parquet file or folder, or a synthetic task with answers: phop or addition "
-                    "(docs/DESIGN.md, Synthetic tasks).")
-    tokenizer: str | None = opt("bytes", "bytes, a Hugging Face tokenizer name, or a tokenizer.json path (unset "
-                                "only in imported runs whose tokenizer is unknown).")
-    max_tokens: int | None = opt(None, "Cap on training tokens read from the corpus.", low=2)
-    hops: int = opt(3, "phop: pointers followed back through the context (its difficulty dial).", low=1, high=16)
-    alphabet: int = opt(4, "phop: symbols the context is drawn from.", low=3, high=26)
-    operands: int = opt(4, "addition: numbers added (its difficulty dial).", low=2, high=10)
-    digits: int = opt(2, "addition: digits per number.", low=1, high=5)
-
-    @model_validator(mode="after")
-    def _tasks_are_sampled_at_random(self):
-        if self.data in TASKS and self.sampling == "stream":
-            raise ValueError(f"--sampling stream reads a corpus in order; --data {self.data} draws its examples "
-                             "at random: use --sampling random")
-        return self
-
-
-class DiagnosticsConfig(Options):
-    enabled: bool = opt(True, "Record the diagnostics (--no-diagnostics: only loss, lr, grad norm).",
-                        flag="--diagnostics")
-    dense_steps: int = opt(2000, "Record every step up to here ...", low=0)
-    every: int = opt(10, "... then every N steps.", flag="--record-every", low=1)
-    attention: bool = opt(False, "Also record max attention logit and entropy per (loop, layer).",
-                          flag="--attention-stats")
-    loop_dynamics: bool = opt(True, "Also the fixed-point residual and exit loss per loop (DESIGN.md §3).")
-    exit_loss_every: int = opt(10, "The exit loss of every loop on the recorded steps that are multiples of N (one "
-                               "head matmul per loop); 0 = never.", low=0)
-    dynamics_every: int = opt(500, "Every N steps, the loop-map gain and spectral radius and the per-loop gradient "
-                              "agreement; 0 = never.", low=0)
-    sharpness_every: int = opt(0, "Every N steps, the sharpness (top Hessian eigenvalue); 0 = never.", low=0)
-    dynamics_batch: int = opt(4, "Sequences of the micro-batch the every-N records are computed on.", low=1)
-    dynamics_iters: int = opt(8, "Power iterations of the loop-map gain and the sharpness.", low=1)
-    krylov_dim: int = opt(16, "Arnoldi steps (Jacobian-vector products) of the loop map's spectral radius.", low=1,
-                          high=512)
-    perturbation_dirs: int = opt(4, "Random directions of the mean gain and of the perturbation carried through the "
-                                 "loops (a local Lyapunov exponent).", low=1, high=64)
-    flush_every: int = opt(100, "Steps between metric parts written to disk.", low=1)
-    tensorboard: bool = opt(False, "Also log scalars to <run>/tensorboard.")
-    wandb: str | None = opt(None, "Also log to this Weights & Biases project.")
-    warn: bool = opt(False, "Print a warning, with its evidence, the first time the early-warning predictor puts "
-                     "P(collapse) at or above its threshold.")
-    stop_on_collapse: bool = opt(False, "End the run there (verdict collapsed, predicted at step s); the run "
-                                 "folder stays complete. Implies --warn.")
-    predictor: str | None = opt(None, "Predictor JSON from `flt-diag fit-predictor` [default: the packaged one].")
-
-
-class VerdictConfig(Options):
-    smooth_window: int = opt(50, "Verdict: steps in the trailing mean that smooths the loss.", low=1)
-    rebound_abs: float = opt(0.25, "Verdict: collapsed if the smoothed loss climbs more than max(this, "
-                             "rebound-rel * min) nats above its running minimum ...", low=0)
-    rebound_rel: float = opt(0.1, "Verdict: ... (relative part of the climb threshold) ...", low=0)
-    recovery_abs: float = opt(0.1, "Verdict: ... and ends more than max(this, recovery-rel * min) above its best; "
-                              "stalled if it ends above H1 - max(this, recovery-rel * H1), H1 the unigram entropy.",
-                              low=0)
-    recovery_rel: float = opt(0.05, "Verdict: relative part of the recovery tolerance.", low=0)
-    explosion_ratio: float = opt(100.0, "Residual explosion if a peak residual norm exceeds ratio * sqrt(d).",
-                                 above=0)
-    osc_window: int = opt(200, "Steps per window of the oscillation indices.", low=2)
-    osc_dlog_threshold: float = opt(math.log(1.5), "Verdict: unstable if, in any window before the warm-down, "
-                                    "the median |log g(t+1) - log g(t)| exceeds this (log 1.5; docs/DESIGN.md §3).",
-                                    above=0)
-
-
-class PresetOption(Options):
-    """The --preset option: the preset a run starts from (auto: decided by the device)."""
-
-    preset: str = opt("auto", "tiny (CPU, minutes), small (one GPU), paper-small, paper-base, or auto (tiny on CPU, "
-                      "small on GPU).", choices=("tiny", "small", "paper-small", "paper-base", "auto"))
-
-
-class RunConfig(Options):
-    """A run's config. `preset` records where its sizes came from: a preset that build_config resolved
-    (never auto), or custom (sizes of its own: an imported checkpoint's, or a config built by hand)."""
-
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    diagnostics: DiagnosticsConfig = Field(default_factory=DiagnosticsConfig)
-    verdict: VerdictConfig = Field(default_factory=VerdictConfig)
-    preset: str = Field("custom", json_schema_extra=dict(choices=("tiny", "small", "paper-small", "paper-base",
-                                                                  "custom")))
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "RunConfig":
-        """A config read back from config.json (as load_run_config checked it: its extra keys, such as
-        the Trainer's corpus figures, are left out); a dict that is not one raises ConfigError (one line)."""
-        from flt_diag.vocab.option_fields import dotted, one_line
-        from pydantic import ValidationError
-        missing = [k for k in ("model", "train", "diagnostics") if not isinstance(d, dict) or not isinstance(d.get(k), dict)]
-        if missing:
-            raise ConfigError(f"not an flt-diag config (no {missing[0]} section)")
-        d = {k: v for k, v in d.items() if k in cls.model_fields} | {"train": {**LEGACY_TRAIN_DEFAULTS, **d["train"]}}
-        try:
-            if isinstance(d.get("verdict"), dict):  # fields of earlier verdicts (v2's osc_cv_threshold) are dropped
-                d["verdict"] = {k: v for k, v in d["verdict"].items() if k not in LEGACY_VERDICT_FIELDS}
-            return cls.model_validate(d)
-        except ValidationError as e:
-            raise ConfigError(f"not an flt-diag config: {one_line(e, dotted)}") from None
-
-
-SECTIONS = {"model": ModelConfig, "train": TrainConfig, "diagnostics": DiagnosticsConfig, "verdict": VerdictConfig}
-
-# Every config option, in help order; the CLI and the study files are generated from this list.
-OPTIONS: list[Option] = options_of(PresetOption, "run") + \
-    [o for section, cls in SECTIONS.items() for o in options_of(cls, section)]
-
-
-def sections_from(values: dict) -> dict[str, dict]:
-    """Flat option values keyed by `Option.dest` (None = not given) -> build_config's keyword
-    arguments: {"preset": ..., "model": {...}, "train": {...}, ...}. Unknown keys are ignored."""
-    out: dict = {section: {} for section in SECTIONS}
-    for o in OPTIONS:
-        value = values.get(o.dest)
-        if value is None:
-            continue
-        if o.section == "run":
-            out[o.name] = value
-        else:
-            out[o.section][o.name] = value
-    return out
-
-
-# Train fields that run folders written before the field existed were trained without: an old
-# config.json read back must describe what was run (Muon momentum was constant before the warm-up).
-LEGACY_TRAIN_DEFAULTS = {"momentum_warmup": 0}
-# Verdict fields of older config.json files that the verdict no longer reads (v2's grad-norm CV threshold,
-# replaced by osc_dlog_threshold in verdict v3): accepted and dropped on reading.
-LEGACY_VERDICT_FIELDS = ("osc_cv_threshold",)
 
 QWEN3_TOKENIZER = "Qwen/Qwen3-4B"  # the reference's tokenizer (nanochat/tokenizer.py: get_tokenizer)
 QWEN3_VOCAB = 151_680  # its 151,669 tokens padded to a multiple of 64, as the reference pads
@@ -264,14 +73,203 @@ PRESETS: dict[str, dict] = {
                        train=dict(batch_size=32, grad_accum=16, data="fineweb-edu", tokenizer=QWEN3_TOKENIZER,
                                   max_tokens=1_100_000_000, eval_batches=16)),
 }
-PRESET_NAMES = [*PRESETS, "auto"]
+Preset = Literal[tuple(PRESETS)]  # the preset names, as a type (a preset is one entry of PRESETS)
+
+
+class ModelConfig(Options):
+    vocab_size: int = opt(256, "Tokens (set from the tokenizer, padded to a multiple of 64).", ge=1, le=MAX_VOCAB,
+                          settled=True)
+    n_layer: int = opt(2, "Size dial: L distinct blocks reused every loop; width follows the preset's aspect ratio "
+                       "unless --width is given.", alias="depth", ge=1, le=MAX_DEPTH)
+    n_embd: int = opt(64, "Model width d (the residual stream).", alias="width", ge=2, le=MAX_WIDTH)
+    n_head: int = opt(2, "Attention heads (head dim = width / heads, even).", alias="heads", ge=1,
+                      le=MAX_WIDTH // 2)
+    sequence_len: int = opt(64, "Tokens per training sequence.", alias="seq_len", ge=2, le=MAX_SEQUENCE)
+    variant: Variant = opt("flt", "lt, lt-ii, lt-ai, fla or flt (DESIGN.md §2).", grid=("sweep", "map"))
+    loops: int = opt(12, "Loops K: how often the L blocks are reused per forward.", ge=1, le=MAX_LOOPS,
+                     grid=("sweep", "map"))
+    rotary_base: float = opt(10000.0, "Rotary embedding base.", gt=0)
+    rotary_dtype: Literal["float32", "bfloat16"] = opt("float32", "Rotary tables: float32, or bfloat16 as the reference keeps them.")
+    softcap: float = opt(15.0, "Logit soft cap: logits = c * tanh(head(h) / c).", gt=0)
+
+    @model_validator(mode="after")
+    def _heads_split_the_width(self):
+        if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"width {self.n_embd} must split into {self.n_head} heads of even size")
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+class TrainConfig(Options):
+    steps: int = opt(2000, "Optimizer steps.", ge=1)
+    batch_size: int = opt(16, "Sequences per micro-batch (per process).", ge=1, le=MAX_BATCH)
+    grad_accum: int = opt(1, "Micro-batches per optimizer step.", ge=1)
+    optimizer: Literal["muon", "adamw"] = opt("muon", "muon (the reference recipe: Muon on block matrices, AdamW on embedding and head) "
+                         "or adamw (AdamW on everything).")
+    matrix_lr: float = opt(0.02, "Muon lr on block matrices.", gt=0)
+    embedding_lr: float = opt(0.2, "AdamW lr on the embedding (scaled by (d/768)^-0.5).", gt=0)
+    head_lr: float = opt(0.004, "AdamW lr on the head (scaled by (d/768)^-0.5).", gt=0)
+    adamw_lr: float = opt(0.003, "lr of everything with --optimizer adamw.", gt=0)
+    momentum: float = opt(0.95, "Muon momentum once warmed up.", ge=0, lt=1)
+    momentum_start: float = opt(0.85, "Muon momentum at step 0, raised linearly to --momentum ...", ge=0, lt=1)
+    momentum_warmup: int = opt(300, "... over this many steps, as the reference; 0 = --momentum throughout.", ge=0)
+    lr_scale: float = opt(1.0, "Multiplies every learning rate.", gt=0, grid=("sweep",))
+    warmdown_frac: float = opt(0.2, "Constant lr, then linear decay to 0 over this final share of the steps.",
+                               ge=0, le=1)
+    grad_clip: float = opt(1.0, "Max global gradient norm; 0 disables clipping.", ge=0)
+    loss_on: Literal["end", "all", "last-third"] = opt("end", "Loss on the final loop (end), the mean over all loops (all) or over the last third.")
+    precision: Literal["fp32", "reference"] = opt("fp32", "fp32 (fp32 weights and residual stream; bf16 autocast on GPU) or reference (bf16 "
+                         "embedding, rotary tables and stream, as the reference trains on GPU; CPU autocast on CPU).")
+    sampling: Literal["random", "stream"] = opt("random", "random (random windows of the corpus) or stream (the corpus in order, documents "
+                        "BOS-separated, as the reference reads it).")
+    seed: int = opt(0, "Seed of initialisation and batches.", ge=0, le=MAX_SEED, grid=("sweep", "map"))
+    device: str = opt("auto", "auto (cuda if available), cpu, cuda or cuda:N.", volatile=True)
+    compile: bool | None = opt(None, "torch.compile the blocks [default: on CUDA; on a CPU for runs of 1,000 steps or more].",
+                               volatile=True)
+    checkpoint_loops: bool = opt(False, "Activation checkpointing, one segment per loop (memory flat in K).")
+    grad_loops: int = opt(0, "Truncated backpropagation: the gradient flows through the last k loops only (the "
+                          "stream is detached before them; the forward is unchanged; the embedding still gets "
+                          "the gradient of its injections in those loops). 0, or k >= K: through every loop.", ge=0)
+    threads: int | None = opt(None, "CPU threads [default: 1 per process on CPU; parallelise with sweep workers].",
+                              ge=1, volatile=True)
+    flush_denormal: bool = opt(True, "CPU: flush subnormal floats to zero (collapsed LT runs make many).")
+    eval_every: int = opt(250, "Steps between validation losses (and at the end); 0 = only at the end.", ge=0,
+                         volatile=True)
+    eval_batches: int = opt(8, "Validation micro-batches per evaluation.", ge=1)
+    checkpoint_every: int = opt(500, "Steps between resume checkpoints; 0 = none.", ge=0, volatile=True)
+    data: str = opt("stdlib", "stdlib (offline default), fineweb-edu, fineweb-edu-100b, wikitext2, a "
+                    ".txt/.jsonl/.parquet file or folder, or a synthetic task with answers: phop or addition "
+                    "(docs/DESIGN.md, Synthetic tasks).")
+    tokenizer: str | None = opt("bytes", "bytes, a Hugging Face tokenizer name, or a tokenizer.json path (unset "
+                                "only in imported runs whose tokenizer is unknown).")
+    max_tokens: int | None = opt(None, "Cap on training tokens read from the corpus.", ge=2)
+    hops: int = opt(3, "phop: pointers followed back through the context (its difficulty dial).", ge=1, le=16)
+    alphabet: int = opt(4, "phop: symbols the context is drawn from.", ge=3, le=26)
+    operands: int = opt(4, "addition: numbers added (its difficulty dial).", ge=2, le=10)
+    digits: int = opt(2, "addition: digits per number.", ge=1, le=5)
+
+    @model_validator(mode="after")
+    def _tasks_are_sampled_at_random(self):
+        if self.data in TASKS and self.sampling == "stream":
+            raise ValueError(f"--sampling stream reads a corpus in order; --data {self.data} draws its examples "
+                             "at random: use --sampling random")
+        return self
+
+
+class DiagnosticsConfig(Options):
+    enabled: bool = opt(True, "Record the diagnostics (--no-diagnostics: only loss, lr, grad norm).",
+                        alias="diagnostics")
+    dense_steps: int = opt(2000, "Record every step up to here ...", ge=0)
+    every: int = opt(10, "... then every N steps.", alias="record_every", ge=1)
+    attention: bool = opt(False, "Also record max attention logit and entropy per (loop, layer).",
+                          alias="attention_stats")
+    loop_dynamics: bool = opt(True, "Also the fixed-point residual and exit loss per loop (DESIGN.md §3).",
+                             volatile=True)
+    exit_loss_every: int = opt(10, "The exit loss of every loop on the recorded steps that are multiples of N (one "
+                               "head matmul per loop); 0 = never.", ge=0, volatile=True)
+    dynamics_every: int = opt(500, "Every N steps, the loop-map gain and spectral radius and the per-loop gradient "
+                              "agreement; 0 = never.", ge=0, volatile=True)
+    sharpness_every: int = opt(0, "Every N steps, the sharpness (top Hessian eigenvalue); 0 = never.", ge=0,
+                               volatile=True)
+    dynamics_batch: int = opt(4, "Sequences of the micro-batch the every-N records are computed on.", ge=1,
+                              volatile=True)
+    dynamics_iters: int = opt(8, "Power iterations of the loop-map gain and the sharpness.", ge=1,
+                              volatile=True)
+    krylov_dim: int = opt(16, "Arnoldi steps (Jacobian-vector products) of the loop map's spectral radius.", ge=1,
+                          le=512)
+    perturbation_dirs: int = opt(4, "Random directions of the mean gain and of the perturbation carried through the "
+                                 "loops (a local Lyapunov exponent).", ge=1, le=64)
+    flush_every: int = opt(100, "Steps between metric parts written to disk.", ge=1, volatile=True)
+    tensorboard: bool = opt(False, "Also log scalars to <run>/tensorboard.", volatile=True)
+    wandb: str | None = opt(None, "Also log to this Weights & Biases project.", volatile=True)
+    warn: bool = opt(False, "Print a warning, with its evidence, the first time the early-warning predictor puts "
+                     "P(collapse) at or above its threshold.", volatile=True)
+    stop_on_collapse: bool = opt(False, "End the run there (verdict collapsed, predicted at step s); the run "
+                                 "folder stays complete. Implies --warn.")
+    predictor: str | None = opt(None, "Predictor JSON from `flt-diag fit-predictor` [default: the packaged one].")
+
+
+class VerdictConfig(Options):
+    smooth_window: int = opt(50, "Verdict: steps in the trailing mean that smooths the loss.", ge=1)
+    rebound_abs: float = opt(0.25, "Verdict: collapsed if the smoothed loss climbs more than max(this, "
+                             "rebound-rel * min) nats above its running minimum ...", ge=0)
+    rebound_rel: float = opt(0.1, "Verdict: ... (relative part of the climb threshold) ...", ge=0)
+    recovery_abs: float = opt(0.1, "Verdict: ... and ends more than max(this, recovery-rel * min) above its best; "
+                              "stalled if it ends above H1 - max(this, recovery-rel * H1), H1 the unigram entropy.",
+                              ge=0)
+    recovery_rel: float = opt(0.05, "Verdict: relative part of the recovery tolerance.", ge=0)
+    explosion_ratio: float = opt(100.0, "Residual explosion if a peak residual norm exceeds ratio * sqrt(d).",
+                                 gt=0)
+    osc_window: int = opt(200, "Steps per window of the oscillation indices.", ge=2)
+    osc_dlog_threshold: float = opt(math.log(1.5), "Verdict: unstable if, in any window before the warm-down, "
+                                    "the median |log g(t+1) - log g(t)| exceeds this (log 1.5; docs/DESIGN.md §3).",
+                                    gt=0)
+
+
+class PresetOption(Options):
+    """The --preset option: the preset a run starts from (auto: decided by the device)."""
+
+    preset: Literal[Preset, "auto"] = opt("auto", "tiny (CPU, minutes), small (one GPU), paper-small, paper-base, or "
+                                          "auto (tiny on CPU, small on GPU).")
+
+
+class RunConfig(Options):
+    """A run's config. `preset` records where its sizes came from: a preset that build_config resolved
+    (never auto), or custom (sizes of its own: an imported checkpoint's, or a config built by hand)."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    diagnostics: DiagnosticsConfig = Field(default_factory=DiagnosticsConfig)
+    verdict: VerdictConfig = Field(default_factory=VerdictConfig)
+    preset: Literal[Preset, "custom"] = "custom"
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunConfig":
+        """A config read back from config.json (as load_run_config checked it: its extra keys, such as
+        the Trainer's corpus figures, are left out); a dict that is not one raises ConfigError (one line)."""
+        missing = [k for k in ("model", "train", "diagnostics") if not isinstance(d, dict) or not isinstance(d.get(k), dict)]
+        if missing:
+            raise ConfigError(f"not an flt-diag config (no {missing[0]} section)")
+        d = {k: v for k, v in d.items() if k in cls.model_fields} | {"train": {**LEGACY_TRAIN_DEFAULTS, **d["train"]}}
+        try:
+            if isinstance(d.get("verdict"), dict):  # fields of earlier verdicts (v2's osc_cv_threshold) are dropped
+                d["verdict"] = {k: v for k, v in d["verdict"].items() if k not in LEGACY_VERDICT_FIELDS}
+            return cls.model_validate(d)
+        except ValidationError as e:
+            raise ConfigError(f"not an flt-diag config: {one_line(e, dotted)}") from None
+
+
+SECTIONS = {"model": ModelConfig, "train": TrainConfig, "diagnostics": DiagnosticsConfig, "verdict": VerdictConfig}
+
+# Every config option, in help order; the CLI and the study files are generated from this list.
+OPTIONS: list[Option] = [*options_of(PresetOption, "run"), *(o for s, cls in SECTIONS.items() for o in options_of(cls, s))]
+
+
+def sections_from(values: dict) -> dict[str, dict]:
+    """Flat option values keyed by `Option.dest` (None = not given) -> build_config's keyword
+    arguments: {"preset": ..., "model": {...}, "train": {...}, ...}. Unknown keys are ignored."""
+    out: dict = {section: {} for section in SECTIONS}
+    for o in (o for o in OPTIONS if values.get(o.dest) is not None):
+        (out if o.section == "run" else out[o.section])[o.name] = values[o.dest]
+    return out
+
+
+# Train fields that run folders written before the field existed were trained without: an old
+# config.json read back must describe what was run (Muon momentum was constant before the warm-up).
+LEGACY_TRAIN_DEFAULTS = {"momentum_warmup": 0}
+# Verdict fields of older config.json files that the verdict no longer reads (v2's grad-norm CV threshold,
+# replaced by osc_dlog_threshold in verdict v3): accepted and dropped on reading.
+LEGACY_VERDICT_FIELDS = ("osc_cv_threshold",)
 
 
 def resolve_preset(name: str, cuda_available: bool) -> str:
     if name == "auto":
         return "small" if cuda_available else "tiny"
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESET_NAMES)}")
+        raise ValueError(f"unknown preset {name!r}; choose from {', '.join([*PRESETS, 'auto'])}")
     return name
 
 
@@ -280,27 +278,29 @@ def build_config(preset: str = "auto", cuda_available: bool = False, model: dict
                  verdict: dict | None = None) -> RunConfig:
     """A preset with overrides (None values are ignored). Raises ValueError (one line) on bad input.
 
-    `model["n_layer"]` without `n_embd` scales the width with the preset's aspect ratio (and the
-    heads with its head dimension, unless given): the paper's size dial."""
+    Fields are named by field name or alias (`depth` is `n_layer`): `depth` without `width` scales the
+    width with the preset's aspect ratio (and the heads with its head dimension, unless given): the
+    paper's size dial."""
     name = resolve_preset(preset, cuda_available)
     p = PRESETS[name]
 
-    def given(over: dict | None) -> dict:
-        return {k: v for k, v in (over or {}).items() if v is not None}
+    def given(cls, over: dict | None) -> dict:
+        return cls.by_name({k: v for k, v in (over or {}).items() if v is not None})
 
-    m = given(model)
+    m = given(ModelConfig, model)
     if "n_layer" in m and "n_embd" not in m:
         aspect = p["model"]["n_embd"] // p["model"]["n_layer"]
         head_dim = p["model"]["n_embd"] // p["model"]["n_head"]
         m = {**shape(m["n_layer"], aspect, head_dim), **m}
-    return RunConfig(model=ModelConfig(**{**p["model"], **m}), train=TrainConfig(**{**p["train"], **given(train)}),
-                     diagnostics=DiagnosticsConfig(**given(diagnostics)), verdict=VerdictConfig(**given(verdict)),
-                     preset=name)
+    return RunConfig(model=ModelConfig.of(**{**p["model"], **m}), train=TrainConfig.of(**{**p["train"],
+                                                                                         **given(TrainConfig, train)}),
+                     diagnostics=DiagnosticsConfig.of(**given(DiagnosticsConfig, diagnostics)),
+                     verdict=VerdictConfig.of(**given(VerdictConfig, verdict)), preset=name)
 
 
 def replaced(section: Options, **changes) -> Options:
     """A copy of a section (or config) with some fields changed, validated like a new one."""
-    return type(section)(**{**{name: getattr(section, name) for name in type(section).model_fields}, **changes})
+    return type(section).of(**{**{name: getattr(section, name) for name in type(section).model_fields}, **changes})
 
 
 def validate(cfg: RunConfig) -> None:

@@ -9,18 +9,23 @@ from __future__ import annotations
 
 import math
 
+from typing import Annotated, Literal, get_args
+
 from pydantic import Field
 
-from flt_diag.vocab.option_fields import Options, opt
-from flt_diag.vocab.config import MAX_SEED
-from flt_diag.vocab.variants import MAX_LOOPS, VARIANTS
+from flt_diag.vocab.option_fields import Ascending, Distinct, Items, Options, opt, with_fact
+from flt_diag.vocab.config import MAX_SEED, ModelConfig, TrainConfig
+from flt_diag.vocab.variants import MAX_LOOPS, VARIANTS, Variant
 
-MAP_AXES = ("lr", "depth")  # what a map varies: the lr scale, or the number L of distinct blocks
-MAP_CRITERIA = ("training", "collapse", "explosion")  # how a probe counts as broken (judge.map_boundaries)
-# The config fields a sweep's grid sets per cell: a folder's stored base is compared without them (its base
-# is cell 0's config; earlier versions stored seed 0 and lr scale 1 there), and sweeps pooled by `summary`
-# may differ in them.
-SWEEP_GRID_FIELDS = {"model": ("variant", "loops"), "train": ("seed", "lr_scale")}
+MapAxis = Literal["lr", "depth"]  # what a map varies: the lr scale, or the number L of distinct blocks
+Criterion = Literal["training", "collapse", "explosion"]  # how a probe counts as broken (judge.map_boundaries)
+MAP_AXES, MAP_CRITERIA = get_args(MapAxis), get_args(Criterion)
+# The config fields a sweep's grid sets per cell (their fields say grid="sweep"): a folder's stored base is
+# compared without them (its base is cell 0's config; earlier versions stored seed 0 and lr scale 1 there),
+# and sweeps pooled by `summary` may differ in them.
+SWEEP_GRID_FIELDS = {"model": with_fact(ModelConfig, "grid", "sweep"), "train": with_fact(TrainConfig, "grid", "sweep")}
+Loops = Annotated[int, Field(ge=1, le=MAX_LOOPS)]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 MAX_GRID = 66  # values of one map grid (lo times up to 64 powers of the ratio, and hi): no study needs more
 
 
@@ -44,10 +49,11 @@ def geometric_grid(lo: float, hi: float, ratio: float, integer: bool = False) ->
 class SweepAxes(Options):
     """The grid of a sweep: every variant x loop count x seed x lr scale is one cell."""
 
-    variants: list[str] = opt(list(VARIANTS), "Variants [default: all five].", choices=VARIANTS)
-    loops: list[int] = opt([3, 6, 9, 12], "Loop counts K.", low=1, high=MAX_LOOPS)
-    seeds: list[int] = opt([0], "Seeds.", low=0, high=MAX_SEED)
-    lr_scales: list[float] = opt([1.0], "Learning-rate multipliers (an lr x loops map).", flag="--lr-scale", above=0)
+    variants: Items[Variant] = opt(list(VARIANTS), "Variants [default: all five].")
+    loops: Items[Loops] = opt([3, 6, 9, 12], "Loop counts K.")
+    seeds: Items[Seed] = opt([0], "Seeds.")
+    lr_scales: Items[Annotated[float, Field(gt=0)]] = opt([1.0], "Learning-rate multipliers (an lr x loops map).",
+                                                          alias="lr_scale")
 
 
 class SweepGrid(SweepAxes):
@@ -60,9 +66,9 @@ class SweepGrid(SweepAxes):
 class MapGrid(Options):
     """The axis values a map searches: lo, lo*r, lo*r^2, ... <= hi (see geometric_grid)."""
 
-    lo: float = opt(0.5, "Lowest axis value of the grid.", above=0)
-    hi: float = opt(16.0, "Highest axis value of the grid.", above=0)
-    ratio: float = opt(1.41, "Grid ratio: the tolerance of every boundary.", above=1)
+    lo: float = opt(0.5, "Lowest axis value of the grid.", gt=0)
+    hi: float = opt(16.0, "Highest axis value of the grid.", gt=0)
+    ratio: float = opt(1.41, "Grid ratio: the tolerance of every boundary.", gt=1)
 
     def values(self, axis: str) -> list[float]:
         return geometric_grid(self.lo, self.hi, self.ratio, integer=axis == "depth")
@@ -71,12 +77,12 @@ class MapGrid(Options):
 class MapAxes(Options):
     """What a map searches: lines (variants x loops x seeds), one axis, the criteria."""
 
-    variants: list[str] = opt(list(VARIANTS), "Variants [default: all five].", choices=VARIANTS)
-    loops: list[int] = opt([6, 12], "Loop counts K (the x axis of the map).", low=1, high=MAX_LOOPS)
-    seeds: list[int] = opt([0], "Seeds: each boundary is reported with its spread.", low=0, high=MAX_SEED)
-    axis: str = opt("lr", "lr (lr scale) or depth (L blocks, width fixed).", choices=MAP_AXES)
-    criteria: list[str] = opt(["training", "explosion"], "training (verdict not stable), collapse (stalled, collapsed or "
-                              "diverged), explosion (a residual norm of any loop exploded).", choices=MAP_CRITERIA)
+    variants: Items[Variant] = opt(list(VARIANTS), "Variants [default: all five].")
+    loops: Items[Loops] = opt([6, 12], "Loop counts K (the x axis of the map).")
+    seeds: Items[Seed] = opt([0], "Seeds: each boundary is reported with its spread.")
+    axis: MapAxis = opt("lr", "lr (lr scale) or depth (L blocks, width fixed).")
+    criteria: Items[Criterion] = opt(["training", "explosion"], "training (verdict not stable), collapse (stalled, "
+                                     "collapsed or diverged), explosion (a residual norm of any loop exploded).")
 
 
 class MapLinesGrid(MapAxes):
@@ -84,5 +90,5 @@ class MapLinesGrid(MapAxes):
     line 0 (flt_diag.grids.stability_map.MapSpec replaces the axis field and each line's fields per probe)."""
 
     base: object
-    grid: list[int | float] = Field(default_factory=lambda: MapGrid().values("lr"), min_length=1, max_length=MAX_GRID,
-                                    json_schema_extra=dict(distinct=True, ascending=True))
+    grid: Annotated[list[int | float], Field(min_length=1, max_length=MAX_GRID), Distinct, Ascending] = \
+        Field(default_factory=lambda: MapGrid().values("lr"))

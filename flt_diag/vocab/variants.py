@@ -26,6 +26,7 @@ VARIANTS: dict[str, VariantRule] = {
     "fla": VariantRule(start="embed", add_prev_before_block=True, query_from_prev="none"),
     "flt": VariantRule(start="embed", add_prev_before_block=False, query_from_prev="all"),
 }
+Variant = Literal[tuple(VARIANTS)]  # a variant's name, as a type (in the order of VARIANTS: the figures' and tables')
 
 VARIANT_DESCRIPTIONS: dict[str, str] = {
     "lt": "original looped transformer: loop t starts from h(t-1)",

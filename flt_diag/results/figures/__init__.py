@@ -19,6 +19,7 @@ from typing import Callable
 
 import pandas as pd
 
+from flt_diag.results.figure_names import FIGURE_NAMES
 from flt_diag.results.tables import Study, collect
 from flt_diag.storage.folders import StorageError, atomic_path, make_folder
 from flt_diag.results.figures.style import DPI, NoData, style
@@ -56,7 +57,11 @@ FIGURES: dict[str, Figure] = {}  # name -> Figure, in display order
 
 
 def register(figure: Figure) -> Figure:
-    """Add (or replace) a figure; FIGURES stays in display order (by `order`, then name)."""
+    """Add (or replace) a figure; FIGURES stays in display order (by `order`, then name). A figure that
+    flt_diag.results.figure_names lists must be drawn by the module it names, with the help it gives."""
+    listed = FIGURE_NAMES.get(figure.name)
+    if listed and (f"{__name__}.{listed[0]}", listed[1]) != (figure.draw.__module__, figure.help):
+        raise ValueError(f"figure {figure.name!r}: flt_diag.results.figure_names lists it as {listed}")
     entries = {**FIGURES, figure.name: figure}
     FIGURES.clear()
     FIGURES.update(sorted(entries.items(), key=lambda item: (item[1].order, item[0])))

@@ -1,0 +1,21 @@
+"""The figures of flt_diag.results.figures in display order: name -> (the module that draws it, its one-line
+help), known without importing matplotlib or pandas, so that `flt-diag plot --help` lists them at once.
+Each figure module's `register` checks its figure against this table (a listed name, registered from
+another module or with another help, is refused)."""
+
+FIGURE_NAMES: dict[str, tuple[str, str]] = {
+    "residuals": ("residuals", "final-loop residual norm over steps, a panel per loops K, a line per variant"),
+    "depth": ("depth", "residual norm by loop index (and layer) at the first, middle and last step"),
+    "gradients": ("gradients", "gradient-norm and cosine series per loops K, with the oscillation indices"),
+    "loss": ("loss", "smoothed training loss (as the verdict sees it) per loops K, collapse marked"),
+    "collapse": ("collapse", "variant x loops (x depth) grid coloured by verdict, annotated with the gap to the best "
+                             "val loss"),
+    "loops": ("loops", "validation loss (and task accuracy) against inference loops (after `flt-diag eval-loops`)"),
+    "map": ("map", "stability map: where each variant's training breaks, per loops K (map folders only)"),
+    "accuracy": ("accuracy", "held-out task accuracy against the training loops K, one line per variant"),
+    "exit-loss": ("dynamics", "loss of the head at every loop's exit, at a few steps, a panel per loops K"),
+    "loop-dynamics": ("dynamics", "fixed-point residual, contraction (spectral radius, perturbation growth) and token "
+                                  "cosine by step and by loop"),
+    "weights": ("weights", "parameter norms and update ratios per group kind against step"),
+    "attention": ("weights", "attention entropy by (loop, layer) at the last recorded step, per run"),
+}
