@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import importlib
 
-_PUBLIC = {"watch": "flt_diag.training.probe", "LoopProbe": "flt_diag.training.probe",
-           "ProbeError": "flt_diag.training.diagnostics", "BlocksNotFound": "flt_diag.training.diagnostics",
-           "NotLooped": "flt_diag.training.diagnostics", "BlockCalledTwice": "flt_diag.training.diagnostics"}
+_PUBLIC = {"watch": "flt_diag.probe.watch", "LoopProbe": "flt_diag.probe.watch",
+           "ProbeError": "flt_diag.instruments.diagnostics", "BlocksNotFound": "flt_diag.instruments.diagnostics",
+           "NotLooped": "flt_diag.instruments.diagnostics", "BlockCalledTwice": "flt_diag.instruments.diagnostics"}
 __all__ = sorted(_PUBLIC)
 
 

@@ -20,13 +20,10 @@ is asked for.
 """
 from __future__ import annotations
 
-import copy
-import functools
 import re
 from pathlib import Path
 
-from flt_diag.judge.early_warning import PACKAGED
-from flt_diag.storage.files import load_predictor
+from flt_diag.instruments.warning_callback import predictor
 from flt_diag.vocab.config import (TASK_DIALS, TASKS, RunConfig, build_config, padded_vocab, sections_from,
                                    with_overrides)
 from flt_diag.data.corpus import DataError, get_tokenizer
@@ -118,22 +115,6 @@ def tokenizer_vocab(name: str | None) -> int:
             raise
         raise DataError(f"{e} (paper presets use the reference's Qwen3 tokenizer: fetch it once with network "
                         "access, or pass --tokenizer path/to/tokenizer.json)") from None
-
-
-def predictor(path: str | None) -> dict:
-    """The early-warning predictor at `path` (None: the packaged one), checked. Read once per
-    process and version of the file: settling checks it, the run's warning uses the same copy."""
-    try:
-        stat = Path(path or PACKAGED).stat()
-        version = (stat.st_mtime_ns, stat.st_size)
-    except OSError:
-        version = None  # load_predictor says what is wrong with it
-    return copy.deepcopy(_load_predictor(path, version))
-
-
-@functools.lru_cache(maxsize=8)
-def _load_predictor(path: str | None, version) -> dict:
-    return load_predictor(path)
 
 
 def comparable(cfg_dict: dict) -> dict:

@@ -1,4 +1,4 @@
-"""What the probe (flt_diag.training.probe) reads off a model it did not build: the blocks it reuses
+"""What the probe (flt_diag.probe.watch) reads off a model it did not build: the blocks it reuses
 (given as modules, as a module-path pattern, or found), the parameter groups of the diagnostics, and the
 shape figures stored in the run folder's config.json.
 
@@ -18,7 +18,7 @@ import fnmatch
 import torch
 import torch.nn as nn
 
-from flt_diag.training.diagnostics import BlocksNotFound, ProbeError
+from flt_diag.instruments.diagnostics import BlocksNotFound, ProbeError
 
 HEAD_COUNTS = ("num_heads", "n_head", "num_attention_heads", "nhead", "n_heads")
 

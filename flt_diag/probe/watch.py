@@ -10,7 +10,7 @@ by any loop (docs/api.md).
             optimizer.zero_grad()
     print(probe.summary["verdict"])
 
-The probe is a small stand-in for flt-diag's Trainer: the same DiagnosticsCallback (flt_diag.training.
+The probe is a small stand-in for flt-diag's Trainer: the same DiagnosticsCallback (flt_diag.instruments.
 diagnostics, its LoopHooks on the given blocks), the same metrics table (MetricsWriter), the same online
 early warning (CollapseWarning) and the same summary (judge.verdict.summarize), so the run folder it
 writes is read by `flt-diag summary`, `plot`, `report`, `predict` and `summary --recompute` as any other.
@@ -41,15 +41,14 @@ from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import (SUMMARY, MetricsWriter, StorageError, folder_lock, has_content,
                                       load_metrics, write_json)
 from flt_diag.model.transformer import LoopedTransformer
-from flt_diag.training.callbacks import Callback
-from flt_diag.training.dynamics_callback import LoopDynamicsCallback
-from flt_diag.training.probe_dynamics import ProbeDynamics
-from flt_diag.training.probe_folder import Host, probe_run_config, write_probe_config
-from flt_diag.training.probe_checks import check_watch, leave_no_trace, lets_go_on_refusal, one_loss, step_arguments
-from flt_diag.training.diagnostics import DiagnosticsCallback, ProbeError, should_record
-from flt_diag.training.probe_model import called_blocks, default_head, parameter_groups_of, resolve_blocks
-from flt_diag.training.settle import predictor
-from flt_diag.training.warning_callback import CollapseWarning
+from flt_diag.instruments.callbacks import Callback
+from flt_diag.instruments.dynamics_callback import LoopDynamicsCallback
+from flt_diag.probe.dynamics import ProbeDynamics
+from flt_diag.probe.folder import Host, probe_run_config, write_probe_config
+from flt_diag.probe.checks import check_watch, leave_no_trace, lets_go_on_refusal, one_loss, step_arguments
+from flt_diag.instruments.diagnostics import DiagnosticsCallback, ProbeError, should_record
+from flt_diag.probe.model import called_blocks, default_head, parameter_groups_of, resolve_blocks
+from flt_diag.instruments.warning_callback import CollapseWarning, predictor
 from flt_diag.vocab.config import DiagnosticsConfig, RunConfig
 from flt_diag.vocab.variants import VARIANTS
 
@@ -68,7 +67,7 @@ class LoopProbe:
             raise ProbeError(f"variant={variant!r}: the label stored for the run is one of {', '.join(VARIANTS)}")
         check_watch(model, folder, loss=loss, optimizer=optimizer, callbacks=callbacks, loop_boundary=loop_boundary,
                     diagnostics=diagnostics, steps=steps, seed=seed, vocab_size=vocab_size, grad_scale=grad_scale,
-                    unigram_entropy=unigram_entropy, note=note)  # (probe_checks: one ProbeError line, nothing made)
+                    unigram_entropy=unigram_entropy, note=note)  # (probe/checks.py: one ProbeError line, nothing made)
         self.model, self.folder = model, Path(folder)
         self.auto = isinstance(blocks, str) and blocks == "auto"  # found at the first training forward
         self.blocks, self.names = ([], []) if self.auto else resolve_blocks(model, blocks)
@@ -89,7 +88,7 @@ class LoopProbe:
         self.dynamics = isinstance(model, LoopedTransformer) and self.dcfg.loop_dynamics  # its loop map is known:
         if self.dynamics:  # the same loop-dynamics records as a run of flt-diag's own (first of the callbacks)
             self.callbacks.insert(0, LoopDynamicsCallback(self.dcfg))
-        # any other model: the loop dynamics from the loop-end streams the hooks see (probe_dynamics), with
+        # any other model: the loop dynamics from the loop-end streams the hooks see (probe/dynamics.py), with
         # exit_loss where head= is given (and targets), the loop-map records where loop_step= is
         self.own_dynamics = None if self.dynamics else ProbeDynamics(self.dcfg, head, loop_step, targets)
         if self.own_dynamics is not None:
@@ -123,7 +122,7 @@ class LoopProbe:
         self._snapshot = self._copy_params() if should_record(0, self.dcfg) else []
 
     def _find_blocks(self, module, args, kwargs) -> None:
-        """blocks="auto": the blocks this forward reuses (probe_model.called_blocks), said on stderr; a model
+        """blocks="auto": the blocks this forward reuses (probe/model.py, called_blocks), said on stderr; a model
         whose forward reused nothing (a sampled loop count of 1?) falls back to its largest ModuleList."""
         found, loops = called_blocks(module, args, kwargs)
         how = f"called {loops} times in the first training forward"

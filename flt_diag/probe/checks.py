@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from flt_diag.storage.folders import CONFIG
-from flt_diag.training.callbacks import Callback
-from flt_diag.training.diagnostics import ProbeError
+from flt_diag.instruments.callbacks import Callback
+from flt_diag.instruments.diagnostics import ProbeError
 from flt_diag.vocab.config import MAX_SEED, MAX_VOCAB, DiagnosticsConfig
 
 # A step number is stored as a 64-bit integer and read back into float64 columns by the judges and the
@@ -82,7 +82,7 @@ def check_watch(model, folder, *, loss, optimizer, callbacks, loop_boundary, dia
         for i, cb in enumerate(callbacks):
             if not isinstance(cb, Callback):
                 raise ProbeError(f"callbacks= item {i + 1} ({_kind(cb)}) is not an flt-diag training callback "
-                                 "(a subclass of flt_diag.training.callbacks.Callback)")
+                                 "(a subclass of flt_diag.instruments.callbacks.Callback)")
     if not (loop_boundary is None or isinstance(loop_boundary, torch.nn.Module)
             or isinstance(loop_boundary, str) and loop_boundary == "manual"):
         raise ProbeError(f"loop_boundary= is a module whose forward ends each loop, or 'manual'; not {loop_boundary!r}")

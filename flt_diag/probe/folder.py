@@ -1,4 +1,4 @@
-"""The run folder of a probe (flt_diag.training.probe): the RunConfig it stores for the user's model (its
+"""The run folder of a probe (flt_diag.probe.watch): the RunConfig it stores for the user's model (its
 shape as seen by the hooks, the loops it ran) and config.json with what the probe saw. `self` is the
 LoopProbe. `Host`: what the training callbacks read of a Trainer, for a loop flt-diag does not run."""
 from __future__ import annotations
@@ -8,10 +8,9 @@ from pathlib import Path
 import torch
 
 from flt_diag.storage.folders import CONFIG, write_json
-from flt_diag.training.diagnostics import ProbeError
-from flt_diag.training.probe_model import head_count_of, vocab_size_of
-from flt_diag.training.process import environment
-from flt_diag.training.trainer import StepLog
+from flt_diag.instruments.diagnostics import ProbeError
+from flt_diag.probe.model import head_count_of, vocab_size_of
+from flt_diag.instruments.records import StepLog, environment
 from flt_diag.vocab.config import ModelConfig, RunConfig, TrainConfig
 
 

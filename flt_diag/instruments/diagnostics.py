@@ -18,7 +18,7 @@ import math
 import torch
 
 from flt_diag.storage import metric_names as M
-from flt_diag.training.callbacks import Callback
+from flt_diag.instruments.callbacks import Callback
 from flt_diag.vocab.config import DiagnosticsConfig
 from flt_diag.model.transformer import LoopedTransformer, detached_loops, parameter_groups
 
@@ -84,7 +84,7 @@ class LoopHooks:
     that they are gradients of the micro-batch's mean loss). `listeners` are called as
     fn(loop, layer, stream) for every recorded block output, `on_loop_end` as fn(loop, stream) with the
     loop-end stream of every recorded loop, and `on_forward_end` as fn(loops) at the end of each recorded
-    forward (hook points for further records, e.g. the loop dynamics of flt_diag.training.probe_dynamics)."""
+    forward (hook points for further records, e.g. the loop dynamics of flt_diag.probe.dynamics)."""
 
     def __init__(self, model, log, act_grads: bool = True, attention: bool = False, *, blocks=None,
                  boundary=BUILTIN, names: list[str] | None = None, require_repeat: bool = False):
@@ -290,7 +290,7 @@ class DiagnosticsCallback(Callback):
                  grad_scale: float | None = None):
         """`groups` (default: flt-diag's own model's parameter_groups), `hooks` (LoopHooks keyword
         arguments: blocks, boundary, names, ...) and `grad_scale` (default the run's grad_accum) let the
-        same records be taken on any looped model (flt_diag.training.probe)."""
+        same records be taken on any looped model (flt_diag.probe.watch)."""
         self.cfg = cfg
         self.given_groups, self.hook_options, self.grad_scale = groups, dict(hooks or {}), grad_scale
         self.prev: dict[str, torch.Tensor] = {}  # previous step's flat gradient per group
