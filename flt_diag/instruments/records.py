@@ -8,12 +8,22 @@ import socket
 import sys
 import time
 from importlib.metadata import version
+from typing import NamedTuple
 
 import numpy
 import pandas
 import torch
 
 from flt_diag.storage import metric_names as M
+
+
+class Row(NamedTuple):
+    """One scalar of the metrics table: (step, metric, loop, layer, value); loop / layer -1: not per loop / layer."""
+    step: int
+    metric: str
+    loop: int
+    layer: int
+    value: float
 
 
 def environment(device: torch.device) -> dict:
@@ -48,12 +58,12 @@ class StepLog:
         self.keys.extend(keys)
         self.values.append(values.detach().reshape(-1))
 
-    def collect(self, step: int) -> list[tuple]:
+    def collect(self, step: int) -> list[Row]:
         if not self.values:
             return []
         devices = {v.device for v in self.values}
         target = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
         vals = torch.cat([v.to(target, torch.float32) for v in self.values]).tolist()  # the one sync
-        rows = [(step, m, lp, ly, v) for (m, lp, ly), v in zip(self.keys, vals)]
+        rows = [Row(step, m, lp, ly, v) for (m, lp, ly), v in zip(self.keys, vals)]
         self.keys, self.values = [], []
         return rows

@@ -7,15 +7,28 @@ At on_train_start it watches the LightningModule (or `module(pl_module)`, the su
 the loop); at on_before_optimizer_step it reads the gradients (before Lightning clips them), at
 on_train_batch_end it records the step with the loss training_step returned (None: Lightning skipped the
 batch, and so does the probe); at on_train_end it writes summary.json (`self.summary`); on an exception the
-hooks are removed and the rows kept. With stop_on_collapse=True a predicted collapse sets trainer.should_stop. One recorded step per batch:
-without gradient accumulation.
+hooks are removed and the rows kept. With stop_on_collapse=True a predicted collapse sets trainer.should_stop.
+One recorded step per batch: without gradient accumulation. The recipe stored is the Trainer's: its first
+optimizer and lr scheduler, max_steps, gradient_clip_val (None: no clipping set); give warmdown= for the verdict.
+The exit loss's targets (with head=) come from the batch: a (input, target, ...) tuple or list: its second item;
+a dict: its "labels", "targets", "target" or "y"; each one per position of the loop-end stream, as given.
 """
 from __future__ import annotations
 
-from pathlib import Path
+import os
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from flt_diag.integrations import needs_extra, output_loss
-from flt_diag.probe.watch import LoopProbe, watch
+from flt_diag.probe.results import Summary
+from flt_diag.probe.watch import Blocks, LoopProbe, watch
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from flt_diag.probe.watch import WatchOptions
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -23,22 +36,37 @@ except ImportError:
     raise needs_extra("lightning", "lightning", "lightning>=2.2") from None
 
 
+def batch_target(batch) -> torch.Tensor | None:
+    """The exit loss's targets in a Lightning batch (module docstring), or None."""
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        found = batch[1]
+    elif isinstance(batch, Mapping):
+        found = next((batch[k] for k in ("labels", "targets", "target", "y") if k in batch), None)
+    else:
+        found = None
+    return found if torch.is_tensor(found) else None
+
+
 class FltDiagCallback(Callback):
     """The run folder, verdict and early warning of flt-diag for a Lightning Trainer (module docstring).
     `options` are watch()'s (head, loop_boundary, diagnostics, variant, warn, ...)."""
 
-    def __init__(self, blocks="auto", folder: str | Path = "runs/lightning", stop_on_collapse: bool = False,
-                 module=None, **options):
+    def __init__(self, blocks: Blocks = "auto", folder: str | os.PathLike[str] = "runs/lightning",
+                 stop_on_collapse: bool = False, module: Callable[[Any], torch.nn.Module] | None = None,
+                 **options: Unpack[WatchOptions]):
         self.blocks, self.folder, self.module = blocks, folder, module
-        self.options = dict(options, stop_on_collapse=stop_on_collapse)
+        self.options: dict = dict(options, stop_on_collapse=stop_on_collapse)
         self.probe: LoopProbe | None = None
-        self.summary: dict | None = None
+        self.summary: Summary | None = None
 
     def on_train_start(self, trainer, pl_module):
         target = self.module(pl_module) if self.module is not None else pl_module
         steps = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
-        given = dict(steps=steps, optimizer=optimizer)  # options given to the callback win
+        schedulers = getattr(trainer, "lr_scheduler_configs", None) or []
+        clip = trainer.gradient_clip_val
+        given = dict(steps=steps, optimizer=optimizer, scheduler=schedulers[0].scheduler if schedulers else None,
+                     grad_clip=float(clip) if clip else None)  # options given to the callback win
         self.probe = watch(target, self.blocks, self.folder, **{**given, **self.options})
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
@@ -48,7 +76,7 @@ class FltDiagCallback(Callback):
         if outputs is None or isinstance(outputs, dict) and not outputs:  # training_step returned None: Lightning
             self.probe.skip()                                             # skipped the batch (no optimizer step)
             return
-        self.probe.step(loss=output_loss(outputs), step=trainer.global_step - 1)
+        self.probe.step(loss=output_loss(outputs), step=trainer.global_step - 1, targets=batch_target(batch))
         if self.probe.should_stop:
             trainer.should_stop = True
 

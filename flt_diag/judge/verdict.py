@@ -375,6 +375,8 @@ def resummarize(run_dir, verdict_overrides: dict | None = None, root=None) -> di
     new = summarize(load_metrics(run_dir), cfg, unigram_entropy=stored_unigram_entropy(cfg_dict),
                     wall_time=old.get("wall_time"), stop_reason=old.get("stop_reason"), prediction=old.get("prediction"),
                     tokens_per_step=tokens_per_step(cfg, cfg_dict.get("env", {}).get("world_size", 1)))
+    if "probe" in cfg_dict:  # a flt_diag.watch run: the probe's notes (warm-down, unjudged, not recorded) stay
+        new["evidence"] = {**{k: v for k, v in old["evidence"].items() if isinstance(v, str)}, **new["evidence"]}
     if archive.is_record(run_dir):  # an archived run: its record's summary is rewritten in place
         rewrite_record_summary(Path(run_dir), new, root)
     else:

@@ -1,6 +1,9 @@
-"""The run folder of a probe (flt_diag.probe.watch): the RunConfig it stores for the user's model (its
-shape as seen by the hooks, the loops it ran) and config.json with what the probe saw. `self` is the
-LoopProbe. `Host`: what the training callbacks read of a Trainer, for a loop flt-diag does not run."""
+"""The run folder of a probe (flt_diag.probe.watch): config.json holds the user's run as the user ran it -
+the model's shape as the hooks saw it, the loops it ran, and under `probe.recipe` the optimizer (its class and
+each parameter group's lr, betas, weight_decay, momentum as at watch()), the scheduler's class, the steps, the
+gradient clipping and the warm-down where known (None: not known / none). The model and train sections hold
+only what the readers need and the probe knows (no flt-diag recipe field: a reader takes its default).
+`self` is the LoopProbe. `Host`: what the training callbacks read of a Trainer, for a loop flt-diag does not run."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,6 +15,24 @@ from flt_diag.instruments.diagnostics import ProbeError
 from flt_diag.probe.model import head_count_of, vocab_size_of
 from flt_diag.instruments.records import StepLog, environment
 from flt_diag.vocab.config import ModelConfig, RunConfig, TrainConfig
+
+HYPERPARAMETERS = ("lr", "betas", "weight_decay", "momentum")
+MODEL_FIELDS = ("vocab_size", "n_layer", "n_embd", "n_head", "sequence_len", "variant", "loops")
+TRAIN_FIELDS = ("steps", "batch_size", "seed", "lr_scale", "data", "tokenizer", "eval_batches", "device", "eval_every",
+                "checkpoint_every", "warmdown_frac")
+
+
+def _plain(x):
+    return float(x) if torch.is_tensor(x) and x.numel() == 1 else [_plain(v) for v in x] if isinstance(x, (list, tuple)) \
+        else x if isinstance(x, (int, float, str, bool)) or x is None else repr(x)
+
+
+def recipe(optimizer, scheduler, steps, grad_clip, warmdown, variant) -> dict:
+    """probe.recipe of config.json, read at watch() (the parameter groups before the first step)."""
+    groups = [{k: _plain(g[k]) for k in HYPERPARAMETERS if k in g} for g in getattr(optimizer, "param_groups", [])]
+    return {"optimizer": type(optimizer).__name__ if optimizer is not None else None, "param_groups": groups,
+            "scheduler": type(scheduler).__name__ if scheduler is not None else None, "steps": steps,
+            "grad_clip": grad_clip, "warmdown": warmdown, "variant": variant}
 
 
 def probe_run_config(self, steps: int) -> RunConfig:
@@ -29,20 +50,24 @@ def probe_run_config(self, steps: int) -> RunConfig:
         raise ProbeError(f"the model's shape cannot be stored: {str(e).splitlines()[0]}") from None
     device = next(iter(self.params)).device if self.params else torch.device("cpu")
     train = TrainConfig(steps=max(1, steps), batch_size=batch, seed=self.seed, data="external", tokenizer=None,
-                        device=device.type, eval_every=0, checkpoint_every=0, grad_clip=0)
+                        device=device.type, eval_every=0, checkpoint_every=0, warmdown_frac=self.warmdown or 0.0,
+                        grad_clip=self.grad_clip or 0.0)
     return RunConfig(model=model, train=train, diagnostics=self.dcfg)
 
+
 def write_probe_config(self, cfg: RunConfig) -> None:
-    device = torch.device(cfg.train.device)
+    device, d = torch.device(cfg.train.device), cfg.to_dict()
+    train = {k: d["train"][k] for k in TRAIN_FIELDS} | ({"grad_clip": self.grad_clip} if self.grad_clip is not None
+                                                          else {})  # (not known: left out)
     write_json(self.folder / CONFIG, {
-        **cfg.to_dict(), "n_params": sum(p.numel() for p in self.model.parameters()), "env": environment(device),
-        "note": self.note or f"{type(self.model).__name__} diagnosed by flt_diag.watch; the train section's "
-                             "recipe fields are flt-diag's defaults, not this model's",
+        "model": {k: d["model"][k] for k in MODEL_FIELDS}, "train": train, "diagnostics": d["diagnostics"],
+        "n_params": sum(p.numel() for p in self.model.parameters()), "env": environment(device),
+        "note": self.note or f"{type(self.model).__name__} diagnosed by flt_diag.watch; its recipe: probe.recipe",
         **({"corpus": {"unigram_entropy": self.unigram_entropy}} if self.unigram_entropy is not None else {}),
-        "probe": {"model": type(self.model).__name__, "blocks": self.names,
+        "probe": {"model": type(self.model).__name__, "blocks": self.names, "recipe": {**self.recipe, "steps": cfg.train.steps},
                   "loops_counted": "from the blocks' calls" if self.boundary is None else "at a loop boundary",
                   "loops_seen": {str(k): n for k, n in sorted(self.loops_seen.items())},
-                  "parameter_groups": list(self.groups)}})
+                  "parameter_groups": list(self.groups), "not_recorded": self.not_recorded()}})
 
 
 class Host:

@@ -126,7 +126,7 @@ class SummaryFile(FileModel, **FREE):
     residual_explosion: bool
     residual_explosion_any: bool = None
     peak_resid_norm: Optional[float] = figure()
-    variant: str = like(ModelConfig, "variant")
+    variant: Optional[str] = like(ModelConfig, "variant")  # None: a flt_diag.watch run of a model of its own
     loops: int = like(ModelConfig, "loops")
     seed: int = like(TrainConfig, "seed")
     lr_scale: float = like(TrainConfig, "lr_scale")

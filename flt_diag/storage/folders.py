@@ -389,8 +389,9 @@ def run_dirs(path: Path) -> list[Path]:
 
 
 def run_label(run_dir: Path) -> dict:
-    """Variant, loops, seed and lr scale of a run, read from its config (never from its name)."""
+    """Variant, loops, seed and lr scale of a run, read from its config (never from its name); a flt_diag.watch
+    run of a model that is none of flt-diag's variants (variant null) is labelled "own"."""
     cfg = load_config(run_dir)
-    return {"variant": cfg["model"]["variant"], "loops": cfg["model"]["loops"],
+    return {"variant": cfg["model"]["variant"] or "own", "loops": cfg["model"]["loops"],
             "seed": cfg["train"]["seed"], "lr_scale": cfg["train"]["lr_scale"], "depth": cfg["model"]["n_layer"],
             "run": str(run_dir)}

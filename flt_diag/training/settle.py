@@ -58,6 +58,8 @@ def unsettled_config(values: dict, **grid) -> RunConfig:
 def settle(cfg: RunConfig) -> RunConfig:
     """A copy of `cfg` ready to run (device decided, vocabulary from the tokenizer, corpus, tokenizer
     and predictor checked); `cfg` itself is not changed. Settling a settled config changes nothing."""
+    if cfg.model.variant is None:
+        raise ValueError("variant is unset: flt-diag's Trainer trains one of its variants (lt, lt-ii, lt-ai, fla, flt)")
     device = choose_device(cfg.train.device)
     check_data(cfg.train.data, cfg.train.tokenizer, cfg)
     d = cfg.diagnostics

@@ -45,7 +45,8 @@ class ModelConfig(Options):
     n_head: int = opt(2, "Attention heads (head dim = width / heads, even).", flag="--heads", low=1,
                       high=MAX_WIDTH // 2)
     sequence_len: int = opt(64, "Tokens per training sequence.", flag="--seq-len", low=2, high=MAX_SEQUENCE)
-    variant: str = opt("flt", "lt, lt-ii, lt-ai, fla or flt (DESIGN.md §2).", choices=VARIANTS)
+    variant: str | None = opt("flt", "lt, lt-ii, lt-ai, fla or flt (DESIGN.md §2).",  # None: a flt_diag.watch run
+                              choices=VARIANTS)                                       # of a model none of them
     loops: int = opt(12, "Loops K: how often the L blocks are reused per forward.", low=1, high=MAX_LOOPS)
     rotary_base: float = opt(10000.0, "Rotary embedding base.", above=0)
     rotary_dtype: str = opt("float32", "Rotary tables: float32, or bfloat16 as the reference keeps them.",
