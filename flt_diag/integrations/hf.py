@@ -71,9 +71,9 @@ class FltDiagCallback(TrainerCallback):
     `options` are watch()'s (head, loop_boundary, diagnostics, variant, warn, ...)."""
 
     def __init__(self, blocks: Blocks = "auto", folder: str | os.PathLike[str] = "runs/hf",
-                 stop_on_collapse: bool = False, **options: Unpack[WatchOptions]):
+                 **options: Unpack[WatchOptions]):
         self.blocks, self.folder = blocks, folder
-        self.options: dict = dict(options, stop_on_collapse=stop_on_collapse)
+        self.options: dict = dict(options)
         self.options.setdefault("loss", output_loss)
         self.probe: LoopProbe | None = None
         self.summary: Summary | None = None

@@ -52,10 +52,9 @@ class FltDiagCallback(Callback):
     `options` are watch()'s (head, loop_boundary, diagnostics, variant, warn, ...)."""
 
     def __init__(self, blocks: Blocks = "auto", folder: str | os.PathLike[str] = "runs/lightning",
-                 stop_on_collapse: bool = False, module: Callable[[Any], torch.nn.Module] | None = None,
-                 **options: Unpack[WatchOptions]):
+                 module: Callable[[Any], torch.nn.Module] | None = None, **options: Unpack[WatchOptions]):
         self.blocks, self.folder, self.module = blocks, folder, module
-        self.options: dict = dict(options, stop_on_collapse=stop_on_collapse)
+        self.options: dict = dict(options)
         self.probe: LoopProbe | None = None
         self.summary: Summary | None = None
 
