@@ -209,3 +209,12 @@ def test_the_results_are_typed_and_read_only_mappings(tmp_path):
         rows = probe.step(loss=1.5)
     loss = next(r for r in rows if r.metric == "loss")
     assert (loss.step, loss.loop, loss.layer, loss.value) == (0, -1, -1, 1.5) and tuple(loss) == (0, "loss", -1, -1, 1.5)
+
+
+def test_the_old_integration_paths_still_import_the_callbacks():
+    pytest.importorskip("lightning")
+    import flt_diag.integrations.hf as hf
+    import flt_diag.integrations.lightning as pl
+    import flt_diag.training.integrations.hf as old_hf
+    import flt_diag.training.integrations.lightning as old_pl
+    assert old_hf.FltDiagCallback is hf.FltDiagCallback and old_pl.FltDiagCallback is pl.FltDiagCallback
