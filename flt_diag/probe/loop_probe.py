@@ -28,7 +28,7 @@ from flt_diag.probe.results import EarlyWarning, Summary
 from flt_diag.instruments.diagnostics import DiagnosticsCallback, ProbeError, should_record
 from flt_diag.probe.model import called_blocks, check_untied, default_head, parameter_groups_of, resolve_blocks
 from flt_diag.instruments.warning_callback import CollapseWarning, predictor
-from flt_diag.vocab.config import DiagnosticsConfig, RunConfig
+from flt_diag.vocab.config import DiagnosticsConfig
 
 Blocks = Union[str, nn.Module, Sequence[nn.Module]]  # "auto", a module-path pattern, the modules, one module
 Head = Union[nn.Module, Callable[[Tensor], Tensor]]
@@ -323,20 +323,14 @@ class LoopProbe:
         return dict(self.diag.hooks.not_recorded) if getattr(self.diag, "hooks", None) is not None else {}
 
     # ------------------------------------------------------------------ the run folder
-    def _run_config(self, steps: int) -> RunConfig:
-        return probe_run_config(self, steps)
-
-    def _write_config(self, cfg: RunConfig) -> None:
-        write_probe_config(self, cfg)
-
     def _start_run(self, s: int) -> None:
-        self.host.cfg = self._run_config(self.steps or s + 1)
-        self._write_config(self.host.cfg)
+        self.host.cfg = probe_run_config(self, self.steps or s + 1)
+        write_probe_config(self, self.host.cfg)
         for cb in (self.warning_cb, *self.callbacks[1 if self.dynamics else 0:]):
             cb.on_start(self.host)
 
     def _summarize(self) -> Summary:
-        cfg = self._run_config(self.steps or self.step_index)
+        cfg = probe_run_config(self, self.steps or self.step_index)
         out = summarize(load_metrics(self.folder), cfg, unigram_entropy=self.unigram_entropy, stop_reason=self.host.stop_requested,
                         prediction=self.host.prediction, tokens_per_step=tokens_per_step(cfg))
         notes = {"warmdown": f"the last {self.warmdown:.0%} of the steps ({self.warmdown_from}): the oscillation is "
@@ -365,8 +359,8 @@ class LoopProbe:
             for cb in (self.warning_cb, *self.callbacks):
                 cb.on_finish(self.host, self.step_index - 1)
             if self.host.cfg is not None:
-                self.host.cfg = self._run_config(self.steps or self.step_index)
-                self._write_config(self.host.cfg)
+                self.host.cfg = probe_run_config(self, self.steps or self.step_index)
+                write_probe_config(self, self.host.cfg)
                 self.summary = self._summarize()
                 write_json(self.folder / SUMMARY, dict(self.summary))
                 for cb in self.callbacks:

@@ -47,9 +47,6 @@ class Summary(Mapping[str, Any]):
     def __len__(self) -> int:
         return len(self._data)
 
-    def __repr__(self) -> str:
-        return f"Summary(verdict={self.verdict!r}, steps_done={self.steps_done}, final_loss={self.final_loss:.4g})"
-
     @property
     def verdict(self) -> str:
         return str(self._data["verdict"])
@@ -65,12 +62,3 @@ class Summary(Mapping[str, Any]):
     @property
     def steps_done(self) -> int:
         return int(self._data["steps_done"])
-
-    @property
-    def osc_dlog_median(self) -> float | None:
-        value = self._data.get("osc_dlog_median")
-        return None if value is None else float(value)
-
-    @property
-    def residual_explosion(self) -> bool:
-        return bool(self._data["residual_explosion"])

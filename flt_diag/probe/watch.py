@@ -79,22 +79,11 @@ def watch(model: nn.Module, blocks: Blocks = "auto", folder: str | os.PathLike[s
           note: str | None = None, unigram_entropy: float | None = None, grad_hooks: bool = False,
           loop_step: Callable[[Tensor], Tensor] | None = None,
           targets: Callable[..., Tensor | None] | None = None) -> LoopProbe:
-    """Attach flt-diag's diagnostics to a looped model; returns a LoopProbe (a context manager).
-
-    blocks: the modules the forward reuses - a list of modules (in their order within a loop), an
-    nn.ModuleList, a module-path pattern ("transformer.h.*"), or "auto" (the outermost modules the first
-    training forward calls more than once, found by one extra no-grad forward; docs/api.md). Loops are counted
-    from the blocks' calls (the k-th call of block i in one forward is loop k), or at `loop_boundary=` (a module
-    whose forward ends each loop, or "manual": the model calls `probe.end_loop(stream)`). The recipe as the user
-    ran it (stored in config.json's probe.recipe): optimizer (also: its lr recorded each step), scheduler,
-    steps, grad_clip (None: not known), warmdown (the final share of the steps the lr decays over: the verdict's
-    oscillation is judged before it; None: no warm-down), variant (one of flt-diag's, or None: none of them).
-    Further: head (the output head: its parameter group; a callable stream -> logits: the exit loss of every
-    loop), loss (output -> loss tensor), diagnostics (a DiagnosticsConfig: dense_steps, every, flush_every),
-    seed, vocab_size, unigram_entropy (of the training data: the verdict's collapse floor), grad_scale, warn,
-    stop_on_collapse, predictor_path, callbacks, note, grad_hooks; loop dynamics (docs/api.md, "Loop dynamics on
-    your own model"): targets (a function of the forward's arguments -> targets; or give probe.step(targets=)),
-    loop_step (h_prev -> h_next between two loop ends: the loop-map gain, spectral radius, mean gain and
-    perturbation growth every dynamics_every steps). Wrong use is one ProbeError line (a ValueError):
-    BlocksNotFound, NotLooped, BlockCalledTwice."""
+    """Attach flt-diag's diagnostics to a looped model; returns a LoopProbe (a context manager). Every option is
+    described in docs/api.md: blocks (modules, a ModuleList, a module-path pattern, or "auto": the outermost
+    modules the first training forward calls more than once, found by one extra no-grad forward), loops counted
+    from the blocks' calls or at loop_boundary=, the recipe as the user ran it (optimizer, scheduler, steps,
+    grad_clip, warmdown, variant: stored in config.json's probe.recipe; no warm-down unless given), the loop
+    dynamics (head, targets, loop_step). Wrong use is one ProbeError line: BlocksNotFound, NotLooped,
+    BlockCalledTwice."""
     return LoopProbe(**locals())
