@@ -1,4 +1,4 @@
-"""The cost of the loop-dynamics records (flt_diag.training.loop_dynamics), paired in one process.
+"""The cost of the loop-dynamics records (flt_diag.instruments.loop_dynamics), paired in one process.
 
     python benchmarks/dynamics.py [--preset tiny] [--variant lt] [--loops 12] [--repeats 7] [--out r.json]
 
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import BENCH_PRESETS, StepJob, bench_config, environment, paired, stats, time_interleaved  # noqa: E402
-from flt_diag.training import loop_dynamics as D  # noqa: E402
+from flt_diag.instruments import loop_dynamics as D  # noqa: E402
 from flt_diag.vocab.config import DiagnosticsConfig, with_overrides  # noqa: E402
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-from flt_diag.training.integrations.hf import FltDiagCallback
+from flt_diag.integrations.hf import FltDiagCallback
 
 LOOPS, LAYERS = 3, 2
 torch.manual_seed(0)

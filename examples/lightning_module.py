@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from flt_diag.training.integrations.lightning import FltDiagCallback
+from flt_diag.integrations.lightning import FltDiagCallback
 
 V, WIDTH, LOOPS = 64, 32, 4
 

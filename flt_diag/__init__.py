@@ -2,16 +2,25 @@
 
 The public API (docs/api.md), imported on first use so that `import flt_diag` and the torch-free layers
 stay torch-free: `flt_diag.watch(model, blocks=..., folder=...)` returns a `LoopProbe`; its one-line
-errors are `ProbeError` (a ValueError) and its kinds `BlocksNotFound`, `NotLooped`, `BlockCalledTwice`.
+errors are `ProbeError` (a ValueError) and its kinds `BlocksNotFound`, `NotLooped`, `BlockCalledTwice`; what it
+hands out: `Summary`, `EarlyWarning` (typed, and read-only mappings). Type checkers read the names below.
 """
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-_PUBLIC = {"watch": "flt_diag.training.probe", "LoopProbe": "flt_diag.training.probe",
-           "ProbeError": "flt_diag.training.diagnostics", "BlocksNotFound": "flt_diag.training.diagnostics",
-           "NotLooped": "flt_diag.training.diagnostics", "BlockCalledTwice": "flt_diag.training.diagnostics"}
-__all__ = sorted(_PUBLIC)
+if TYPE_CHECKING:
+    from flt_diag.instruments.diagnostics import BlockCalledTwice, BlocksNotFound, NotLooped, ProbeError
+    from flt_diag.probe.results import EarlyWarning
+    from flt_diag.storage.file_models import Summary
+    from flt_diag.probe.watch import LoopProbe, watch
+
+_PUBLIC = {"watch": "flt_diag.probe.watch", "LoopProbe": "flt_diag.probe.watch", "Summary": "flt_diag.storage.file_models",
+           "EarlyWarning": "flt_diag.probe.results", **dict.fromkeys(
+               ("ProbeError", "BlocksNotFound", "NotLooped", "BlockCalledTwice"), "flt_diag.instruments.diagnostics")}
+__all__ = ["BlockCalledTwice", "BlocksNotFound", "EarlyWarning", "LoopProbe", "NotLooped", "ProbeError", "Summary",
+           "watch"]
 
 
 def __getattr__(name: str):

@@ -13,7 +13,7 @@ from conftest import tiny_config
 from flt_diag.model.transformer import detached_loops, norm
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import load_config, load_metrics
-from flt_diag.training import loop_dynamics as D
+from flt_diag.instruments import loop_dynamics as D
 from flt_diag.training.trainer import train
 
 from test_loop_dynamics import batch, tiny  # (the same tiny models and batches)

@@ -10,10 +10,12 @@ from equations import forward as eq_forward, randomize
 from flt_diag.storage import metric_names as M
 from flt_diag.judge import verdict as X
 from flt_diag.vocab.config import DiagnosticsConfig, VerdictConfig
-from flt_diag.training.diagnostics import DiagnosticsCallback, LoopHooks, consecutive_stats, pair_sums, should_record
+from flt_diag.instruments.diagnostics import DiagnosticsCallback, LoopHooks, should_record
+from flt_diag.instruments.gradient_pairs import consecutive_stats, pair_sums
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig, parameter_groups
 from flt_diag.storage.folders import load_metrics, load_summary, series
-from flt_diag.training.trainer import Callback, StepLog, Trainer, train
+from flt_diag.instruments.records import StepLog
+from flt_diag.training.trainer import Callback, Trainer, train
 from numerics import RTOL64, U32, float64_model, fp32_positive_sum_rtol
 
 

@@ -13,7 +13,7 @@ from flt_diag.judge import early_warning as EW
 from flt_diag.results import predictor_fit as FIT
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import load_summary
-from flt_diag.training.warning_callback import CollapseWarning
+from flt_diag.instruments.warning_callback import CollapseWarning
 
 
 def _rows(steps, loops=3, n_layer=2, resid=lambda s, k: 10.0, grad=lambda s: 1.0, loss=lambda s: 3.0,

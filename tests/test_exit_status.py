@@ -198,7 +198,7 @@ def never_stopped(tmp_path_factory):
 def test_a_field_changeable_on_reuse_is_changeable_on_resume(tmp_path, monkeypatch, capsys, never_stopped, field):
     """Ctrl-C after step 3 (resume.pt holds step 2); the same command with the field changed resumes the
     run, which ends where the run that never stopped ends."""
-    from flt_diag.training.callbacks import Progress
+    from flt_diag.instruments.callbacks import Progress
     original = Progress.on_step_end
 
     def interrupt(self, trainer, step):
@@ -221,9 +221,9 @@ def test_a_field_changeable_on_reuse_is_changeable_on_resume(tmp_path, monkeypat
 
 def test_a_warning_added_on_resume_sees_the_steps_trained_before(tmp_path):
     """The collapse warning added when a run resumes holds the same series as one there from step 0."""
-    from flt_diag.training.warning_callback import CollapseWarning
+    from flt_diag.instruments.warning_callback import CollapseWarning
     from flt_diag.training.settle import run_config
-    from flt_diag.training.callbacks import Callback
+    from flt_diag.instruments.callbacks import Callback
     from flt_diag.training.trainer import Trainer
 
     class Interrupt(Callback):

@@ -36,7 +36,7 @@ def _interrupted_copy(run: Path, out: Path) -> None:
     """`out`: the run of `run`'s config stopped after step 3 (resume.pt at step 2), as a Ctrl-C leaves it."""
     from flt_diag.vocab.config import RunConfig
     from flt_diag.storage.folders import load_config
-    from flt_diag.training.callbacks import Callback
+    from flt_diag.instruments.callbacks import Callback
     from flt_diag.training.trainer import Trainer
 
     class Interrupt(Callback):

@@ -8,7 +8,7 @@ import torch
 from flt_diag.storage import metric_names as M
 
 from conftest import tiny_config
-from flt_diag.training.diagnostics import LoopHooks
+from flt_diag.instruments.diagnostics import LoopHooks
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig
 from flt_diag.training.compile_precision import compile_blocks, cpu_compiler_available
 
@@ -67,7 +67,7 @@ def test_costly_loop_dynamics_records_on_compiled_blocks_equal_eager_and_leave_t
     same loss and gradients afterwards as before them: no recompilation for the transforms' aliases and
     dual tensors (without the force_eager stance the gradients afterwards differ: seen once), nothing on
     .grad. About 25 s, most of it inductor's first compile."""
-    from flt_diag.training import loop_dynamics as D
+    from flt_diag.instruments import loop_dynamics as D
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=40, n_layer=2, n_embd=32, n_head=2, variant="lt", loops=3)
     eager = LoopedTransformer(cfg).double()

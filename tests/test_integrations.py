@@ -14,7 +14,7 @@ from flt_diag.storage.folders import load_config, load_metrics, load_summary
 def test_hugging_face_trainer(tmp_path):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")  # (the Trainer needs it; the hf-trainer extra installs it)
-    from flt_diag.training.integrations.hf import FltDiagCallback
+    from flt_diag.integrations.hf import FltDiagCallback
     torch.manual_seed(0)
     model = looped_gpt2(loops=2)
     g = torch.Generator().manual_seed(0)
@@ -37,7 +37,7 @@ def test_hugging_face_trainer(tmp_path):
 
 def test_lightning(tmp_path):
     L = pytest.importorskip("lightning")
-    from flt_diag.training.integrations.lightning import FltDiagCallback
+    from flt_diag.integrations.lightning import FltDiagCallback
 
     class Module(L.LightningModule):
         def __init__(self):
@@ -76,11 +76,11 @@ def test_lightning(tmp_path):
                                                    ("lightning", "lightning", "lightning")])
 def test_an_integration_without_its_extra_is_one_line(module, blocked, extra):
     code = (f"import sys; sys.modules[{blocked!r}] = None\n"
-            f"import flt_diag.training.integrations.{module}")
+            f"import flt_diag.integrations.{module}")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     last = run.stderr.strip().splitlines()[-1]
     assert run.returncode != 0
-    assert last == (f"ImportError: flt_diag.training.integrations.{module} needs "
+    assert last == (f"ImportError: flt_diag.integrations.{module} needs "
                     f"{'transformers>=4.40 and accelerate' if extra == 'hf-trainer' else 'lightning>=2.2'}: "
                     f"pip install 'flt-diag[{extra}]'")
 
@@ -90,7 +90,7 @@ def test_hugging_face_options_and_the_gradient_before_clipping(tmp_path):
     norm is the Trainer's own pre-clip norm (its log), and the per-group clipped norms make max_grad_norm."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    from flt_diag.training.integrations.hf import FltDiagCallback
+    from flt_diag.integrations.hf import FltDiagCallback
 
     class Logs(transformers.TrainerCallback):
         def __init__(self):
@@ -126,7 +126,7 @@ def test_hugging_face_options_and_the_gradient_before_clipping(tmp_path):
 def test_lightning_options_win(tmp_path):
     """steps= and optimizer= given to the callback are watch()'s, not a TypeError."""
     L = pytest.importorskip("lightning")
-    from flt_diag.training.integrations.lightning import FltDiagCallback
+    from flt_diag.integrations.lightning import FltDiagCallback
 
     class Module(L.LightningModule):
         def __init__(self):

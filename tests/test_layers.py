@@ -10,13 +10,19 @@ own layer and any layer below, never one above):
                 the early warning's features and probability, the other detectors, map boundaries
     3 model     flt_diag/model/ - the looped transformer, reference checkpoints <-> state dicts
     4 data      flt_diag/data/ - corpora, tokenizers, token cache, synthetic tasks, batches
-    5 training  flt_diag/training/ - settle (options -> one run config), the Trainer, callbacks, hooks,
-                optimizer, checkpoints, evaluation, the online early warning, the public probe API
-    6 grids     flt_diag/grids/ - many runs of the Trainer: sweeps, the worker pool, stability maps
-    7 results   flt_diag/results/ - torch-free study of saved folders: tables, figures, report, the
+    5 instruments flt_diag/instruments/ - model-agnostic, what every run records: the hooks and their callback
+                (diagnostics), the loop dynamics, the callback moments, the step record, the online early warning
+    6 training  flt_diag/training/ - flt-diag's own Trainer: settle (options -> one run config), the Trainer,
+                optimizer, checkpoints, evaluation, the process, compilation, reference checkpoints
+    6 probe     flt_diag/probe/ - the public `watch` API on a researcher's own looped model; beside the
+                Trainer, not on it: probe and training import nothing of each other
+    7 integrations flt_diag/integrations/ - the probe as Hugging Face Trainer and Lightning callbacks (and
+                their old path flt_diag/training/integrations/, re-exports)
+    7 grids     flt_diag/grids/ - many runs of the Trainer: sweeps, the worker pool, stability maps
+    8 results   flt_diag/results/ - torch-free study of saved folders: tables, figures, report, the
                 predictor's fit and evaluation
-    8 cli       flt_diag/cli/, flt_diag/__main__ - the `flt-diag` command line on top
-    8 api       flt_diag/__init__ (the package itself): the public names, imported lazily
+    9 cli       flt_diag/cli/, flt_diag/__main__ - the `flt-diag` command line on top
+    9 api       flt_diag/__init__ (the package itself): the public names, imported lazily
 
 The import graph is built from the AST: every `import` / `from ... import` of a flt_diag module, at
 module level, inside functions and under `if TYPE_CHECKING` alike (a type-only import is a dependency
@@ -35,9 +41,13 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "flt_diag"
 LAYERS = {  # folder (module-name prefix) -> layer; "flt_diag" itself matches only the package's __init__
     "flt_diag.vocab": 0, "flt_diag.storage": 1, "flt_diag.judge": 2, "flt_diag.model": 3, "flt_diag.data": 4,
-    "flt_diag.training": 5, "flt_diag.grids": 6, "flt_diag.results": 7, "flt_diag.cli": 8, "flt_diag.__main__": 8,
+    "flt_diag.instruments": 5, "flt_diag.training": 6, "flt_diag.probe": 6, "flt_diag.integrations": 7,
+    "flt_diag.training.integrations": 7, "flt_diag.grids": 7, "flt_diag.results": 8, "flt_diag.cli": 9,
+    "flt_diag.__main__": 9,
 }
-ROOT, ROOT_LAYER = "flt_diag", 8
+ROOT, ROOT_LAYER = "flt_diag", 9
+APART = {"flt_diag.probe": "flt_diag.training", "flt_diag.training": "flt_diag.probe",  # layers beside each other
+         "flt_diag.integrations": "flt_diag.training"}
 TORCH_FREE = ("flt_diag.vocab", "flt_diag.storage", "flt_diag.judge", "flt_diag.results")
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 60
 
@@ -94,7 +104,8 @@ def test_the_layer_table_knows_every_module():
 def test_a_module_outside_every_layer_folder_is_in_no_layer():
     assert layer("flt_diag.somewhere_new") is None and layer("flt_diag.settle") is None
     assert layer("flt_diag.vocab.variants") == 0 and layer("flt_diag.model.transformer") == 3
-    assert layer("flt_diag.results.figures.map") == 7 and layer("flt_diag.cli.app") == 8 and layer("flt_diag") == 8
+    assert layer("flt_diag.results.figures.map") == 8 and layer("flt_diag.cli.app") == 9 and layer("flt_diag") == 9
+    assert layer("flt_diag.training.integrations.hf") == 7 and layer("flt_diag.training.trainer") == 6
 
 
 def test_no_module_imports_a_layer_above_its_own():
@@ -102,6 +113,23 @@ def test_no_module_imports_a_layer_above_its_own():
               for m, edges in GRAPH.items() for t, line in sorted(edges)
               if layer(t) > layer(m)]
     assert not climbs, "\n".join(climbs)
+
+
+def leans() -> list[str]:
+    """Imports between layers that stand apart (APART), e.g. the probe importing the Trainer's folder."""
+    def under(m: str, prefix: str) -> bool:
+        return (m == prefix or m.startswith(prefix + ".")) and layer(m) == LAYERS[prefix]
+    return [f"{m}:{line} imports {t}" for m, edges in GRAPH.items() for t, line in sorted(edges)
+            for a, b in APART.items() if under(m, a) and under(t, b)]
+
+
+def test_the_probe_and_the_integrations_import_nothing_of_the_trainer():
+    assert not leans(), "\n".join(leans())
+
+
+def test_an_import_of_the_trainer_from_the_probe_is_found(monkeypatch):
+    monkeypatch.setitem(GRAPH, "flt_diag.probe.folder", GRAPH["flt_diag.probe.folder"] | {("flt_diag.training.trainer", 9)})
+    assert leans() == ["flt_diag.probe.folder:9 imports flt_diag.training.trainer"]
 
 
 def find_cycle() -> list[str] | None:

@@ -1,4 +1,4 @@
-"""Loop dynamics (flt_diag.training.loop_dynamics, dynamics_callback) against independent computations:
+"""Loop dynamics (flt_diag.instruments.loop_dynamics, dynamics_callback) against independent computations:
 exact Jacobians and Hessians (torch.autograd.functional, torch.linalg), the head applied by hand, the
 residual written out, and the gradient of each loop from a hand-unrolled forward with one copy of
 the blocks per loop."""
@@ -15,9 +15,10 @@ from equations import randomize
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig, norm
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import load_metrics
-from flt_diag.training import loop_dynamics as D
-from flt_diag.training.dynamics_callback import LoopDynamicsCallback
-from flt_diag.training.trainer import StepLog, train
+from flt_diag.instruments import loop_dynamics as D
+from flt_diag.instruments.dynamics_callback import LoopDynamicsCallback
+from flt_diag.instruments.records import StepLog
+from flt_diag.training.trainer import train
 from flt_diag.vocab.config import DiagnosticsConfig
 
 V = 16

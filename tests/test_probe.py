@@ -13,7 +13,7 @@ from conftest import tiny_config
 from probe_models import D, T, V, UniversalTransformer, batches, check_folder, lm_loss, looped_gpt2
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import load_config, load_metrics, load_summary
-from flt_diag.training.callbacks import Callback
+from flt_diag.instruments.callbacks import Callback
 from flt_diag.training.trainer import train
 
 

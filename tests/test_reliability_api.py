@@ -28,7 +28,7 @@ from probe_models import D, T, UniversalTransformer, batches, lm_loss
 from flt_diag.cli import main
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import CONFIG, SUMMARY, MetricsWriter, StorageError, folder_lock, load_metrics, write_json
-from flt_diag.training.callbacks import Callback
+from flt_diag.instruments.callbacks import Callback
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -275,7 +275,7 @@ def _hf_train(model, callback, tmp_path, steps=5):
 def test_the_hugging_face_callback_lets_go_when_the_model_raises(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    from flt_diag.training.integrations.hf import FltDiagCallback
+    from flt_diag.integrations.hf import FltDiagCallback
     torch.manual_seed(0)
     model = Raising(at=4)
     cb = FltDiagCallback(blocks="inner.gpt.transformer.h.*", folder=tmp_path / "hf", head=model.inner.gpt.lm_head)
@@ -297,7 +297,7 @@ def test_the_hugging_face_callback_closes_a_probe_left_open(tmp_path):
     callback; the next train() with the same callback, or close(), lets go of the model and the folder."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    from flt_diag.training.integrations.hf import FltDiagCallback
+    from flt_diag.integrations.hf import FltDiagCallback
 
     class Boom(transformers.TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -323,7 +323,7 @@ def test_the_hugging_face_callback_closes_a_probe_left_open(tmp_path):
 
 def test_lightning_skips_a_batch_whose_training_step_returns_none(tmp_path):
     L = pytest.importorskip("lightning")
-    from flt_diag.training.integrations.lightning import FltDiagCallback
+    from flt_diag.integrations.lightning import FltDiagCallback
 
     class Module(L.LightningModule):
         def __init__(self):

@@ -10,6 +10,7 @@ import pytest
 
 from conftest import tiny_config
 from flt_diag.training import settle as S
+from flt_diag.instruments import warning_callback as W
 from flt_diag.judge.early_warning import PACKAGED
 
 
@@ -50,7 +51,7 @@ def test_the_predictor_is_read_once_per_version_of_its_file(tmp_path, monkeypatc
     path = tmp_path / "p.json"
     path.write_text(PACKAGED.read_text())
     reads = []
-    monkeypatch.setattr(S, "load_predictor", lambda p: reads.append(p) or json.loads(path.read_text()))
+    monkeypatch.setattr(W, "load_predictor", lambda p: reads.append(p) or json.loads(path.read_text()))
     S.settle(tiny_config(loops=2, diagnostics=dict(warn=True, predictor=str(path))))
     assert S.predictor(str(path))["features"] and len(reads) == 1  # the run's warning uses the settled copy
     model = json.loads(path.read_text())

@@ -21,7 +21,7 @@ diverged) or
 "climbs" (fails, or the loss climbed above the verdict's rebound threshold and recovered).
 A predictor names the features it uses (a subset of FEATURES; `fit-predictor --features`).
 This module: the features, the target, reading a predictor and predicting with it (offline, over
-run folders). flt_diag/results/predictor_fit.py fits one; training/warning_callback.py checks it online (`--warn`);
+run folders). flt_diag/results/predictor_fit.py fits one; instruments/warning_callback.py checks it online (`--warn`);
 figures/agreement.py draws the agreement.
 Features are standardised with the training set's mean and std (a missing feature, e.g. a run
 recorded without diagnostics, counts as the mean); the fit maximises the L2-penalised likelihood

@@ -355,6 +355,9 @@ def stored_config(stored: RunConfigFile, verdict_overrides: dict | None = None) 
     return with_overrides(cfg, verdict=verdict_overrides) if verdict_overrides else cfg
 
 
+PROBE_NOTES = ("oscillation", "warmdown", "not_recorded")  # evidence a flt_diag.watch run adds (its LoopProbe)
+
+
 def resummarize(run_dir, verdict_overrides: dict | None = None, root=None) -> Summary:
     """Recompute a finished run's summary.json from its stored metrics (for example with other
     verdict thresholds); wall time and stop reason are kept from the old summary. `root`: the folder
@@ -368,6 +371,9 @@ def resummarize(run_dir, verdict_overrides: dict | None = None, root=None) -> Su
                     wall_time=old.wall_time, stop_reason=old.stop_reason,
                     prediction=old.prediction and old.prediction.as_written(),
                     tokens_per_step=tokens_per_step(cfg, (stored.env or {}).get("world_size", 1)))
+    if stored.probe is not None:  # a flt_diag.watch run: the probe's notes (warm-down, unjudged, not recorded) stay
+        notes = {k: v for k in PROBE_NOTES if (v := getattr(old.evidence, k)) is not None}
+        new = Summary.model_validate({**new.as_written(), "evidence": {**notes, **new.evidence.as_written()}})
     if archive.is_record(run_dir):  # an archived run: its record's summary is rewritten in place
         rewrite_record_summary(Path(run_dir), new, root)
     else:

@@ -8,7 +8,7 @@ Loop 1 is a plain pass in every variant. For loops t >= 2 a variant is three rul
 and which blocks take their attention query from h(t-1) ("attention injection").
 
 The model has no diagnostic code. It exposes hook points that diagnostics attach to
-from outside (flt_diag.training.diagnostics):
+from outside (flt_diag.instruments.diagnostics):
   * every block's forward output is the residual stream after that block, and
     `block.after_attn` (an identity) sees the stream after its attention add;
   * `model.loop_end` (an identity) sees the residual stream at the end of each loop;
@@ -59,7 +59,7 @@ _WRITTEN_OUT = [False]  # set by `written_out_norm`
 def written_out_norm():
     """Within: `norm` is the written-out x * rsqrt(mean(x^2) + eps) on every device, the same values
     by ops that torch.func transforms (jvp, vjp) and double backward differentiate, which the fast CPU
-    form's hand-written backward does not (flt_diag.training.loop_dynamics uses it)."""
+    form's hand-written backward does not (flt_diag.instruments.loop_dynamics uses it)."""
     before = _WRITTEN_OUT[0]
     _WRITTEN_OUT[0] = True
     try:

@@ -38,6 +38,19 @@ class FileModel(Options):
         held, for one read back), in the model's order, under the file's names."""
         return self.model_dump(exclude_unset=True, by_alias=True)
 
+    # Read-only mapping access (`summary["verdict"]`, `.get`, `.keys`, `dict(summary)`): the compatibility
+    # path for scripts written when the loaders and the probe handed out dicts; flt-diag reads the attributes.
+    def __getitem__(self, key: str):
+        if key not in self.model_fields_set:
+            raise KeyError(key)
+        return self.as_written()[key]
+
+    def get(self, key: str, default=None):
+        return self[key] if key in self.model_fields_set else default
+
+    def keys(self):
+        return self.as_written().keys()
+
 
 class FreeFileModel(FileModel, **FREE):
     """A part of a file that may hold other keys too (free-form metadata, kept as they are)."""
@@ -167,6 +180,8 @@ class Evidence(FileModel):
     osc_span_end: int = Field(None)  # since v3: the warm-down start (the first step rule 4b leaves out)
     predicted_at: int = Field(None, ge=0)  # a run ended by the collapse predictor: the step it fired
     oscillation: str = None  # a run of flt_diag.watch whose gradients are clipped: why 4b was not judged
+    warmdown: str = None  # a run of flt_diag.watch: the warm-down rule 4b leaves out (the user's), or none
+    not_recorded: dict[str, str] = None  # a run of flt_diag.watch: records the hooks could not take (name -> why)
 
 
 class Prediction(FileModel):
@@ -267,16 +282,6 @@ class Summary(FileModel):
     def _legacy_dropped(cls, x):
         return {k: v for k, v in x.items() if k not in LEGACY_SUMMARY_KEYS} if isinstance(x, dict) else x
 
-    def __getitem__(self, key: str):
-        if key not in self.model_fields_set:
-            raise KeyError(key)
-        return self.as_written()[key]
-
-    def get(self, key: str, default=None):
-        return self[key] if key in self.model_fields_set else default
-
-    def keys(self):
-        return self.as_written().keys()
 
 
 # --------------------------------------------------------------------------- sweep and map specs

@@ -288,11 +288,15 @@ def check_resume_state(state, path, model_shapes: dict, steps: int, optimizer_sh
     return state
 
 
+class ModelInCheckpoint(F.ModelInFile):
+    variant: str = F.like(F.ModelConfig, "variant")  # flt-diag's own model: never null (a watch run's is)
+
+
 class Checkpoint(F.FileModel):
     """checkpoint.pt: the final weights (context `shapes`: exactly those, of those shapes: the model its
     model_config builds), the model config, the steps trained."""
 
-    model_config_: F.ModelInFile = Field(alias="model_config")  # (first: it sizes the model)
+    model_config_: ModelInCheckpoint = Field(alias="model_config")  # (first: it sizes the model)
     model: Tensors
     step: int = Field(None, ge=0)
 

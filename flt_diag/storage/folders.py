@@ -391,7 +391,8 @@ def run_dirs(path: Path) -> list[Path]:
 
 
 def run_label(run_dir: Path) -> dict:
-    """Variant, loops, seed and lr scale of a run, read from its config (never from its name)."""
+    """Variant, loops, seed and lr scale of a run, read from its config (never from its name); a flt_diag.watch
+    run of a model that is none of flt-diag's variants (variant null) is labelled "own"."""
     m, t = (cfg := load_config(run_dir)).model, cfg.train
-    return {"variant": m.variant, "loops": m.loops, "seed": t.seed, "lr_scale": t.lr_scale, "depth": m.n_layer,
+    return {"variant": m.variant or "own", "loops": m.loops, "seed": t.seed, "lr_scale": t.lr_scale, "depth": m.n_layer,
             "run": str(run_dir)}

@@ -26,7 +26,7 @@ ATTN_MAX_LOGIT = "attn_max_logit"  # largest pre-softmax attention logit at (loo
 ATTN_ENTROPY = "attn_entropy"  # mean attention entropy (nats) at (loop, layer)
 LOOPS_RUN = "loops_run"  # loops the recorded forward ran (runs of flt_diag.watch: a model may sample its count)
 PARAM_NORM = "param_norm"  # ||W|| per group, before the optimizer step (the weights the step's gradient was taken at)
-# Loop dynamics (flt_diag.training.loop_dynamics; DESIGN.md §3, "Loop dynamics"), h(t) = norm(stream at loop t's end):
+# Loop dynamics (flt_diag.instruments.loop_dynamics; DESIGN.md §3, "Loop dynamics"), h(t) = norm(stream at loop t's end):
 FIXED_POINT_RESIDUAL = "fixed_point_residual"  # mean over tokens of ||h(t) - h(t-1)|| / ||h(t-1)||, loop t >= 2
 EXIT_LOSS = "exit_loss"  # cross-entropy of the (soft-capped) head applied to h(t), loop t, no gradient
 LOOP_GAIN = "loop_gain"  # largest singular value of the Jacobian of h(t-1) -> h(t), loop t >= 2 (every N steps)

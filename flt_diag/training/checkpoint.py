@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from flt_diag.training.callbacks import Callback, checkpoint_due
+from flt_diag.instruments.callbacks import Callback, checkpoint_due
 from flt_diag.storage.files import check_resume_state
 from flt_diag.storage.folders import CHECKPOINT, RESUME, StorageError, atomic_path
 from flt_diag.storage.safe_files import open_regular

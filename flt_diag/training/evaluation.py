@@ -21,7 +21,7 @@ from flt_diag.storage.folders import CHECKPOINT, EVAL_LOOPS, StorageError, atomi
 from flt_diag.data.sources import load_split
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig
 from flt_diag.training.checkpoint import load
-from flt_diag.training.callbacks import Callback
+from flt_diag.instruments.callbacks import Callback
 from flt_diag.data.batches import batch_generator, get_batch
 from flt_diag.data.corpus import TokenData
 from flt_diag.data.tasks import IGNORE_INDEX, TaskData

@@ -1,33 +1,12 @@
 """The process a run trains in: its device, rank and world size (joining the process group under
-torchrun), the CPU thread settings, and the description of the environment stored in summary.json."""
+torchrun), and the CPU thread settings (the environment record: flt_diag.instruments.records)."""
 from __future__ import annotations
 
 import os
-import platform
-import socket
-import sys
-import time
-from importlib.metadata import version
 
-import numpy
-import pandas
 import torch
 
 from flt_diag.vocab.config import RunConfig
-
-
-def environment(device: torch.device) -> dict:
-    env = dict(python=sys.version.split()[0], torch=torch.__version__, numpy=numpy.__version__,
-               pandas=pandas.__version__, platform=platform.platform(), host=socket.gethostname(),
-               device=str(device), threads=torch.get_num_threads(), world_size=int(os.environ.get("WORLD_SIZE", 1)),
-               started=time.strftime("%Y-%m-%dT%H:%M:%S"))
-    if device.type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(device)
-    try:
-        env["flt_diag"] = version("flt-diag")
-    except Exception:
-        env["flt_diag"] = "unknown"
-    return env
 
 
 def start_process(cfg: RunConfig) -> tuple[torch.device, int, int]:

@@ -20,13 +20,10 @@ is asked for.
 """
 from __future__ import annotations
 
-import copy
-import functools
 import re
 from pathlib import Path
 
-from flt_diag.judge.early_warning import PACKAGED
-from flt_diag.storage.files import load_predictor
+from flt_diag.instruments.warning_callback import predictor
 from flt_diag.vocab.config import (TASK_DIALS, TASKS, DiagnosticsConfig, RunConfig, TrainConfig, build_config,
                                    padded_vocab, sections_from, with_overrides)
 from flt_diag.vocab.option_fields import with_fact
@@ -60,6 +57,8 @@ def unsettled_config(values: dict, **grid) -> RunConfig:
 def settle(cfg: RunConfig) -> RunConfig:
     """A copy of `cfg` ready to run (device decided, vocabulary from the tokenizer, corpus, tokenizer
     and predictor checked); `cfg` itself is not changed. Settling a settled config changes nothing."""
+    if cfg.model.variant is None:
+        raise ValueError("variant is unset: flt-diag's Trainer trains one of its variants (lt, lt-ii, lt-ai, fla, flt)")
     device = choose_device(cfg.train.device)
     check_data(cfg.train.data, cfg.train.tokenizer, cfg)
     d = cfg.diagnostics
@@ -117,22 +116,6 @@ def tokenizer_vocab(name: str | None) -> int:
             raise
         raise DataError(f"{e} (paper presets use the reference's Qwen3 tokenizer: fetch it once with network "
                         "access, or pass --tokenizer path/to/tokenizer.json)") from None
-
-
-def predictor(path: str | None) -> dict:
-    """The early-warning predictor at `path` (None: the packaged one), checked. Read once per
-    process and version of the file: settling checks it, the run's warning uses the same copy."""
-    try:
-        stat = Path(path or PACKAGED).stat()
-        version = (stat.st_mtime_ns, stat.st_size)
-    except OSError:
-        version = None  # load_predictor says what is wrong with it
-    return copy.deepcopy(_load_predictor(path, version))
-
-
-@functools.lru_cache(maxsize=8)
-def _load_predictor(path: str | None, version) -> dict:
-    return load_predictor(path)
 
 
 def comparable(cfg_dict: dict) -> dict:

@@ -2,10 +2,10 @@
 
 The loop: for each step, `step()` (forward/backward per micro-batch, clipping, optimizer step; the
 step's scalars collected in one host transfer), then the callbacks' `on_rows` and `on_step_end`.
-Side concerns are callbacks (flt_diag.training.callbacks for the moments): diagnostics
-(flt_diag.training.diagnostics), the caller's, the collapse warning, then evaluation (flt_diag.training.evaluation),
-the metrics table (flt_diag.training.callbacks.MetricsTable), TensorBoard / W&B mirrors (flt_diag.training.external),
-resume.pt / checkpoint.pt (flt_diag.training.checkpoint) and progress (flt_diag.training.callbacks.Progress).
+Side concerns are callbacks (flt_diag.instruments.callbacks for the moments): diagnostics
+(flt_diag.instruments.diagnostics), the caller's, the collapse warning, then evaluation (flt_diag.training.evaluation),
+the metrics table (flt_diag.instruments.callbacks.MetricsTable), TensorBoard / W&B mirrors (flt_diag.instruments.external),
+resume.pt / checkpoint.pt (flt_diag.training.checkpoint) and progress (flt_diag.instruments.callbacks.Progress).
 The Trainer itself owns the run folder's config.json (written first) and summary.json (written last).
 
 Every scalar of a step goes into a StepLog as a device tensor; the StepLog moves them to the
@@ -27,7 +27,7 @@ import torch
 
 from flt_diag.storage import metric_names as M
 from flt_diag.judge.verdict import summarize, tokens_per_step
-from flt_diag.training.callbacks import Callback, MetricsTable, Progress
+from flt_diag.instruments.callbacks import Callback, MetricsTable, Progress
 from flt_diag.training.checkpoint import Checkpoints, restore
 from flt_diag.vocab.config import RunConfig
 from flt_diag.data.batches import batch_generator, get_batch, stream_batch
@@ -35,12 +35,13 @@ from flt_diag.data.corpus import DataError, TokenData
 from flt_diag.data.sources import describe, load_split
 from flt_diag.data.tasks import TaskData
 from flt_diag.training.evaluation import Evaluation
-from flt_diag.training.external import ExternalSinks
+from flt_diag.instruments.external import ExternalSinks
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig, count_parameters
-from flt_diag.training.process import environment, start_process
-from flt_diag.training.diagnostics import DiagnosticsCallback
-from flt_diag.training.dynamics_callback import LoopDynamicsCallback
-from flt_diag.training.warning_callback import CollapseWarning
+from flt_diag.instruments.records import StepLog, environment
+from flt_diag.training.process import start_process
+from flt_diag.instruments.diagnostics import DiagnosticsCallback
+from flt_diag.instruments.dynamics_callback import LoopDynamicsCallback
+from flt_diag.instruments.warning_callback import CollapseWarning
 from flt_diag.training.compile_precision import compile_blocks, compile_wanted, reference_precision
 from flt_diag.training.optim import build_optimizers, lr_multiplier, muon_momentum, set_lr, set_momentum
 from flt_diag.storage.folders import (CONFIG, METRICS, RESUME, SUMMARY, StorageError, folder_lock, has_content, load_config, load_metrics,
@@ -50,35 +51,6 @@ from flt_diag.training.settle import check_settled, comparable, differences, pre
 
 class RunConflict(StorageError):
     """The run folder holds a run with a different configuration."""
-
-
-class StepLog:
-    """Scalars of one step, kept on the device until `collect` (one host transfer)."""
-
-    def __init__(self):
-        self.keys: list[tuple[str, int, int]] = []
-        self.values: list[torch.Tensor] = []
-
-    def add(self, metric: str, value: torch.Tensor | float, loop: int = M.NONE, layer: int = M.NONE) -> None:
-        self.keys.append((metric, loop, layer))
-        self.values.append(value.detach().reshape(1) if torch.is_tensor(value) else torch.tensor([float(value)]))
-
-    def add_vector(self, keys: list[tuple[str, int, int]], values: torch.Tensor) -> None:
-        """Several scalars at once: values[i] under keys[i] = (metric, loop, layer)."""
-        if len(keys) != values.numel():
-            raise ValueError(f"{len(keys)} keys for {values.numel()} values")
-        self.keys.extend(keys)
-        self.values.append(values.detach().reshape(-1))
-
-    def collect(self, step: int) -> list[tuple]:
-        if not self.values:
-            return []
-        devices = {v.device for v in self.values}
-        target = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
-        vals = torch.cat([v.to(target, torch.float32) for v in self.values]).tolist()  # the one sync
-        rows = [(step, m, lp, ly, v) for (m, lp, ly), v in zip(self.keys, vals)]
-        self.keys, self.values = [], []
-        return rows
 
 
 def _load_splits(t, seq_len: int) -> tuple[TokenData | TaskData, TokenData | TaskData]:

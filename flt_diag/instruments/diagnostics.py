@@ -7,18 +7,21 @@ the loop counter advances at `model.loop_end`. A block reused K times therefore 
 Forwards that were not armed - further micro-batches, evaluation, and the recomputation that
 activation checkpointing runs during backward - record nothing, so nothing is counted twice.
 
-Supported: eager CPU/GPU, activation checkpointing (non-reentrant), torch.compile of the blocks
+Supported: eager CPU/GPU, activation checkpointing (non-reentrant; under a reentrant one the blocks' forward
+runs without gradient: the activation gradients are not recorded, said once and listed in `not_recorded`), torch.compile of the blocks
 (flt_diag.training.compile_precision.compile_blocks keeps hooks outside compiled code), and DDP (hooks see the
 local micro-batch of each rank; parameter gradients are read after the all-reduce; rank 0 writes).
 """
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
 from flt_diag.storage import metric_names as M
-from flt_diag.training.callbacks import Callback
+from flt_diag.instruments.callbacks import Callback
+from flt_diag.instruments.gradient_pairs import consecutive_stats, pair_sums, segment_sums
 from flt_diag.vocab.config import DiagnosticsConfig
 from flt_diag.model.transformer import LoopedTransformer, detached_loops, parameter_groups
 
@@ -84,7 +87,7 @@ class LoopHooks:
     that they are gradients of the micro-batch's mean loss). `listeners` are called as
     fn(loop, layer, stream) for every recorded block output, `on_loop_end` as fn(loop, stream) with the
     loop-end stream of every recorded loop, and `on_forward_end` as fn(loops) at the end of each recorded
-    forward (hook points for further records, e.g. the loop dynamics of flt_diag.training.probe_dynamics)."""
+    forward (hook points for further records, e.g. the loop dynamics of flt_diag.probe.dynamics)."""
 
     def __init__(self, model, log, act_grads: bool = True, attention: bool = False, *, blocks=None,
                  boundary=BUILTIN, names: list[str] | None = None, require_repeat: bool = False):
@@ -102,6 +105,7 @@ class LoopHooks:
         self.refuse = lambda error: error  # each refusal raised inside the forward goes through (the probe lets go)
         self.on_loop_end: list = []  # fn(loop, stream) with each loop's loop-end stream (the probe's loop dynamics)
         self.handles: list = []
+        self.not_recorded: dict[str, str] = {}  # metric -> why the hooks could not record it
         self._armed = False
         self._active = False
         self._checked = False
@@ -137,6 +141,7 @@ class LoopHooks:
 
     def _start(self, module, args):
         self._active, self._armed = self._armed, False
+        self._grad = torch.is_grad_enabled()
         self.loop = 1
         self.calls = [0] * len(self.blocks)
         self.seen: set[tuple[int, int]] = set()
@@ -219,6 +224,8 @@ class LoopHooks:
         attention add, h = x + a, has d(loss)/d(h) = d(loss)/d(a) exactly (an add passes its gradient
         through unchanged), and likewise the block output for the MLP output."""
         def hook(module, args, output):
+            if self._active and self._grad and not torch.is_grad_enabled():
+                self._without_grad(metrics, layer)
             if not self._active or not output.requires_grad:
                 return
             loop, scale = self.loop, self.grad_scale
@@ -235,6 +242,15 @@ class LoopHooks:
                     self.log(metric, norm, loop, layer)
             output.register_hook(record)
         return hook
+
+    def _without_grad(self, metrics: tuple[str, ...], layer: int) -> None:
+        """A block of a forward with gradient ran without (a reentrant activation checkpoint): no gradient of its
+        output is seen; its backward recomputes it outside the recorded forward."""
+        why = (f"{self.names[layer - 1]} ran without gradient inside a forward with gradient (a reentrant activation "
+               "checkpoint, torch.utils.checkpoint(..., use_reentrant=True)?): use use_reentrant=False")
+        if not any(m in self.not_recorded for m in metrics):
+            print(f"flt_diag: {', '.join(metrics)} not recorded: {why}", file=sys.stderr, flush=True)
+        self.not_recorded.update(dict.fromkeys(metrics, why))
 
     def _attn_hook(self, layer: int):
         """Forward hook on a block: recomputes its attention scores from the block's inputs."""
@@ -256,29 +272,6 @@ class LoopHooks:
         return hook
 
 
-def segment_sums(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """Sums of the consecutive segments of x (lengths `sizes`) along its last dim: (..., len(sizes))."""
-    return torch.stack([part.sum(-1) for part in x.split(sizes, -1)], -1)
-
-
-def pair_sums(g: torch.Tensor, prev: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
-    """[g.prev, |g|^2, |prev|^2, flipped coordinates, coordinates] of two flat gradients: shape (5,),
-    or (5, len(sizes)) with one column per segment of `sizes` (the parameter groups, laid end to end)."""
-    parts = [g.numel()] if sizes is None else sizes
-    prod = g * prev
-    sums = torch.stack([segment_sums(x, parts) for x in (prod, g.square(), prev.square(), (prod < 0).float())])
-    out = torch.cat([sums, torch.tensor([[float(k) for k in parts]], device=g.device)])
-    return out[:, 0] if sizes is None else out
-
-
-def consecutive_stats(sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cosine between consecutive gradients, and the share of coordinates whose sign flipped
-    (g_i * prev_i < 0: a coordinate that is zero in either step does not count as flipped),
-    from `pair_sums` (per group, or summed over groups for the global figures)."""
-    dot, sq_g, sq_prev, flips, n = sums.unbind()
-    return dot / (sq_g * sq_prev).sqrt().clamp_min(1e-30), flips / n
-
-
 class DiagnosticsCallback(Callback):
     """Records everything of DESIGN.md §3 on recorded steps (see `should_record`).
 
@@ -290,7 +283,7 @@ class DiagnosticsCallback(Callback):
                  grad_scale: float | None = None):
         """`groups` (default: flt-diag's own model's parameter_groups), `hooks` (LoopHooks keyword
         arguments: blocks, boundary, names, ...) and `grad_scale` (default the run's grad_accum) let the
-        same records be taken on any looped model (flt_diag.training.probe)."""
+        same records be taken on any looped model (flt_diag.probe.watch)."""
         self.cfg = cfg
         self.given_groups, self.hook_options, self.grad_scale = groups, dict(hooks or {}), grad_scale
         self.prev: dict[str, torch.Tensor] = {}  # previous step's flat gradient per group

@@ -1,5 +1,5 @@
 """The loop dynamics of a looped model flt-diag did not write, for flt_diag.watch (docs/api.md, "Loop dynamics
-on your own model"). flt-diag's own model gets flt_diag.training.dynamics_callback instead.
+on your own model"). flt-diag's own model gets flt_diag.instruments.dynamics_callback instead.
 
 From the loop-end streams the probe's LoopHooks already see (`on_loop_end`: a boundary's output, the stream
 given to `end_loop`, or the last block's output), on recorded steps, in the hook (no extra forward):
@@ -26,10 +26,10 @@ from typing import Callable
 import torch
 
 from flt_diag.storage import metric_names as M
-from flt_diag.training import loop_dynamics as D
-from flt_diag.training.callbacks import Callback
-from flt_diag.training.diagnostics import should_record
-from flt_diag.training.dynamics_callback import due
+from flt_diag.instruments import loop_dynamics as D
+from flt_diag.instruments.callbacks import Callback
+from flt_diag.instruments.diagnostics import should_record
+from flt_diag.instruments.dynamics_callback import due
 from flt_diag.vocab.config import DiagnosticsConfig
 
 LOOP_MAP = (M.LOOP_GAIN, M.LOOP_SPECTRAL_RADIUS, M.LOOP_SPECTRAL_RESIDUAL, M.LOOP_MEAN_GAIN)

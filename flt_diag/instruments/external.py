@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flt_diag.training.callbacks import Callback
+from flt_diag.instruments.callbacks import Callback
 from flt_diag.storage.metric_names import NONE
 
 

@@ -2,14 +2,34 @@
 features of flt_diag/judge/early_warning.py from the rows of the running training and checks P(collapse)."""
 from __future__ import annotations
 
+import copy
+import functools
 import sys
+from pathlib import Path
 
 import pandas as pd
 
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import load_metrics
-from flt_diag.judge.early_warning import CHECK_EVERY, evidence_text, features, probability
-from flt_diag.training.callbacks import Callback
+from flt_diag.judge.early_warning import CHECK_EVERY, PACKAGED, evidence_text, features, probability
+from flt_diag.storage.files import load_predictor
+from flt_diag.instruments.callbacks import Callback
+
+
+def predictor(path: str | None) -> dict:
+    """The early-warning predictor at `path` (None: the packaged one), checked. Read once per
+    process and version of the file: settling checks it, the run's warning uses the same copy."""
+    try:
+        stat = Path(path or PACKAGED).stat()
+        version = (stat.st_mtime_ns, stat.st_size)
+    except OSError:
+        version = None  # load_predictor says what is wrong with it
+    return copy.deepcopy(_load_predictor(path, version))
+
+
+@functools.lru_cache(maxsize=8)
+def _load_predictor(path: str | None, version) -> dict:
+    return load_predictor(path)
 
 
 class CollapseWarning(Callback):

@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 
 from flt_diag.storage.folders import CONFIG
-from flt_diag.training.callbacks import Callback
-from flt_diag.training.diagnostics import ProbeError
+from flt_diag.instruments.callbacks import Callback
+from flt_diag.instruments.diagnostics import ProbeError
 from flt_diag.vocab.config import MAX_SEED, MAX_VOCAB, DiagnosticsConfig
+from flt_diag.vocab.variants import VARIANTS
 
 # A step number is stored as a 64-bit integer and read back into float64 columns by the judges and the
 # figures: exact up to 2**53, so no step above it is taken (watch(steps=), step(step=)).
@@ -59,8 +60,13 @@ def learning_rate(optimizer) -> float:
     return float(lr)
 
 
+def _fraction(name: str, x, high: float) -> None:
+    if x is not None and not (_real(x) and math.isfinite(x) and 0 <= x <= high):
+        raise ProbeError(f"watch({name}={x!r}): a number from 0 to {high:g} (or None) is expected")
+
+
 def check_watch(model, folder, *, loss, optimizer, callbacks, loop_boundary, diagnostics, steps, seed, vocab_size,
-                grad_scale, unigram_entropy, note) -> None:
+                grad_scale, unigram_entropy, note, variant, warmdown, grad_clip) -> None:
     """watch()'s arguments, each of the kind docs/api.md names (one ProbeError line for the first that is not)."""
     if not isinstance(model, torch.nn.Module):
         raise ProbeError(f"watch() diagnoses an nn.Module, not {_kind(model)}")
@@ -82,7 +88,7 @@ def check_watch(model, folder, *, loss, optimizer, callbacks, loop_boundary, dia
         for i, cb in enumerate(callbacks):
             if not isinstance(cb, Callback):
                 raise ProbeError(f"callbacks= item {i + 1} ({_kind(cb)}) is not an flt-diag training callback "
-                                 "(a subclass of flt_diag.training.callbacks.Callback)")
+                                 "(a subclass of flt_diag.instruments.callbacks.Callback)")
     if not (loop_boundary is None or isinstance(loop_boundary, torch.nn.Module)
             or isinstance(loop_boundary, str) and loop_boundary == "manual"):
         raise ProbeError(f"loop_boundary= is a module whose forward ends each loop, or 'manual'; not {loop_boundary!r}")
@@ -98,6 +104,11 @@ def check_watch(model, folder, *, loss, optimizer, callbacks, loop_boundary, dia
     if unigram_entropy is not None and not (_real(unigram_entropy) and math.isfinite(unigram_entropy)
                                             and unigram_entropy >= 0):
         raise ProbeError(f"watch(unigram_entropy={unigram_entropy!r}): a finite number of nats, 0 or more, is expected")
+    if variant is not None and variant not in VARIANTS:
+        raise ProbeError(f"watch(variant={variant!r}): one of flt-diag's variants ({', '.join(VARIANTS)}), or None "
+                         "for a model that is none of them")
+    _fraction("warmdown", warmdown, 1)
+    _fraction("grad_clip", grad_clip, math.inf)
     if note is not None and not isinstance(note, str):
         raise ProbeError(f"watch(note=...): a text is expected, not {_kind(note)}")
 

@@ -1,7 +1,7 @@
-"""The loop-dynamics records of a training run (flt_diag.training.loop_dynamics), attached from outside
+"""The loop-dynamics records of a training run (flt_diag.instruments.loop_dynamics), attached from outside
 the model. Definitions, cost and switches: DESIGN.md §3, "Loop dynamics".
 
-On recorded steps (flt_diag.training.diagnostics.should_record) and with `--loop-dynamics`: the
+On recorded steps (flt_diag.instruments.diagnostics.should_record) and with `--loop-dynamics`: the
 fixed-point residual of every loop, and on those that are multiples of `--exit-loss-every` (10) the
 exit loss of every loop, computed in a forward hook on `model.loop_end` from the loop-end states the training
 forward computes anyway (a second forward with keep="all" would cost a third of a step; the hook costs
@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 
 from flt_diag.storage import metric_names as M
-from flt_diag.training.callbacks import Callback
-from flt_diag.training.diagnostics import should_record
-from flt_diag.training import loop_dynamics as D
+from flt_diag.instruments.callbacks import Callback
+from flt_diag.instruments.diagnostics import should_record
+from flt_diag.instruments import loop_dynamics as D
 from flt_diag.model.transformer import norm
 from flt_diag.vocab.config import DiagnosticsConfig
 

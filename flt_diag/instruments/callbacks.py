@@ -36,7 +36,7 @@ class Trainer(Protocol):
     model: "torch.nn.Module"
     optimizers: "list[torch.optim.Optimizer]"
     device: "torch.device"
-    log: object  # the step's metric log (flt_diag.training.trainer.StepLog: add, add_vector)
+    log: object  # the step's metric log (flt_diag.instruments.records.StepLog: add, add_vector)
     val_data: object
     callbacks: list["Callback"]
     is_main: bool

@@ -22,7 +22,7 @@ differentiates runs inside `transparent()`: the written-out norm, the math atten
 compiled blocks run eagerly, since torch.func and double backward need ops they can differentiate
 (the fast CPU norm's hand-written backward and the fused attention kernels are not). Random start
 vectors come from the caller's generator, never the global RNG; nothing is left on any `.grad`.
-The training callback that records them is flt_diag.training.dynamics_callback.
+The training callback that records them is flt_diag.instruments.dynamics_callback.
 """
 from __future__ import annotations
 

@@ -1,80 +1,68 @@
-"""The public probe: flt-diag's diagnostics, verdict and early warning on any looped nn.Module, trained
-by any loop (docs/api.md).
-
-    with flt_diag.watch(model, blocks="auto", folder="runs/mine") as probe:
-        for x, y in batches:
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            optimizer.step()
-            probe.step(loss=loss)          # after each optimizer step
-            optimizer.zero_grad()
-    print(probe.summary["verdict"])
-
-The probe is a small stand-in for flt-diag's Trainer: the same DiagnosticsCallback (flt_diag.training.
-diagnostics, its LoopHooks on the given blocks), the same metrics table (MetricsWriter), the same online
-early warning (CollapseWarning) and the same summary (judge.verdict.summarize), so the run folder it
-writes is read by `flt-diag summary`, `plot`, `report`, `predict` and `summary --recompute` as any other.
-
-Moments of one step: the first training forward (grad enabled, module in training mode) after the
-previous step arms the hooks on a recorded step (should_record); `after_backward()` (optional: gradients
-before clipping, parameters before the optimizer step) and `step()` (after the optimizer step: clipped
-gradients if they are still there, update ratios, the loss; then the rows). Without `after_backward()`,
-`step()` reads the gradients it finds and takes the update ratio against a copy of the parameters kept
-at the end of the previous step.
-
-Further records (e.g. the loop dynamics) plug in as training callbacks (`callbacks=`): they get the
-Trainer's moments with this probe's stand-in trainer (`.model`, `.log`, `.cfg`, `.run_dir`), and
-`probe.hooks` (LoopHooks) offers `listeners` and `on_forward_end`.
-"""
+"""LoopProbe, the object flt_diag.watch returns (flt_diag.probe.watch: the moments of a step, docs/api.md)."""
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 import sys
 from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, Literal, Union
 
 import torch
+from torch import Tensor, nn
 
 from flt_diag.judge.verdict import summarize, tokens_per_step
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import (SUMMARY, MetricsWriter, StorageError, folder_lock, has_content,
                                       load_metrics, write_json)
 from flt_diag.model.transformer import LoopedTransformer
-from flt_diag.training.callbacks import Callback
-from flt_diag.training.dynamics_callback import LoopDynamicsCallback
-from flt_diag.training.probe_dynamics import ProbeDynamics
-from flt_diag.training.probe_folder import Host, probe_run_config, write_probe_config
-from flt_diag.training.probe_checks import check_watch, leave_no_trace, lets_go_on_refusal, one_loss, step_arguments
-from flt_diag.training.diagnostics import DiagnosticsCallback, ProbeError, should_record
-from flt_diag.training.probe_model import called_blocks, default_head, parameter_groups_of, resolve_blocks
-from flt_diag.training.settle import predictor
-from flt_diag.training.warning_callback import CollapseWarning
-from flt_diag.vocab.config import DiagnosticsConfig, RunConfig
-from flt_diag.vocab.variants import VARIANTS
+from flt_diag.instruments.callbacks import Callback
+from flt_diag.instruments.dynamics_callback import LoopDynamicsCallback
+from flt_diag.instruments.records import Row
+from flt_diag.probe.dynamics import ProbeDynamics
+from flt_diag.probe.folder import Host, probe_run_config, recipe, write_probe_config
+from flt_diag.probe.checks import check_watch, leave_no_trace, lets_go_on_refusal, one_loss, step_arguments
+from flt_diag.probe.results import EarlyWarning
+from flt_diag.storage.file_models import Summary
+from flt_diag.instruments.diagnostics import DiagnosticsCallback, ProbeError, should_record
+from flt_diag.probe.model import called_blocks, check_untied, default_head, parameter_groups_of, resolve_blocks
+from flt_diag.instruments.warning_callback import CollapseWarning, predictor
+from flt_diag.vocab.config import DiagnosticsConfig
+
+Blocks = Union[str, nn.Module, Sequence[nn.Module]]  # "auto", a module-path pattern, the modules, one module
+Head = Union[nn.Module, Callable[[Tensor], Tensor]]
 
 
 class LoopProbe:
     """Diagnostics attached from outside to `model` (see the module docstring and `watch`)."""
 
-    def __init__(self, model: torch.nn.Module, blocks="auto", folder: str | Path = "runs/probe", *,
-                 head: torch.nn.Module | None = None, loss=None, loop_boundary=None, optimizer=None,
-                 diagnostics: DiagnosticsConfig | None = None, steps: int | None = None, variant: str = "lt",
+    def __init__(self, model: nn.Module, blocks: Blocks = "auto", folder: str | os.PathLike[str] = "runs/probe", *,
+                 head: Head | None = None, loss: Callable[[Any], Any] | None = None,
+                 loop_boundary: nn.Module | Literal["manual"] | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, scheduler: object | None = None,
+                 warmdown: float | None = None, grad_clip: float | None = None,
+                 diagnostics: DiagnosticsConfig | None = None, steps: int | None = None, variant: str | None = None,
                  seed: int = 0, vocab_size: int | None = None, grad_scale: float = 1.0, warn: bool = False,
                  stop_on_collapse: bool = False, predictor_path: str | None = None,
                  callbacks: list[Callback] | None = None, note: str | None = None,
-                 unigram_entropy: float | None = None, grad_hooks: bool = False, loop_step=None, targets=None):
-        if variant not in VARIANTS:
-            raise ProbeError(f"variant={variant!r}: the label stored for the run is one of {', '.join(VARIANTS)}")
+                 unigram_entropy: float | None = None, grad_hooks: bool = False,
+                 loop_step: Callable[[Tensor], Tensor] | None = None,
+                 targets: Callable[..., Tensor | None] | None = None):
         check_watch(model, folder, loss=loss, optimizer=optimizer, callbacks=callbacks, loop_boundary=loop_boundary,
                     diagnostics=diagnostics, steps=steps, seed=seed, vocab_size=vocab_size, grad_scale=grad_scale,
-                    unigram_entropy=unigram_entropy, note=note)  # (probe_checks: one ProbeError line, nothing made)
+                    unigram_entropy=unigram_entropy, note=note, variant=variant, warmdown=warmdown,
+                    grad_clip=grad_clip)  # (probe/checks.py: one ProbeError line, nothing made)
         self.model, self.folder = model, Path(folder)
         self.auto = isinstance(blocks, str) and blocks == "auto"  # found at the first training forward
         self.blocks, self.names = ([], []) if self.auto else resolve_blocks(model, blocks)
-        self.head = head if isinstance(head, torch.nn.Module) else default_head(model)  # (a callable head: no group)
+        self.given_head = head if isinstance(head, nn.Module) else None  # (a callable head: no parameter group)
+        self.head = self.given_head if self.given_head is not None else default_head(model, self.blocks)
         self.loss_fn, self.optimizer, self.steps, self.variant, self.seed = loss, optimizer, steps, variant, seed
         self.vocab_size, self.note, self.unigram_entropy = vocab_size, note, unigram_entropy
+        self.warmdown, self.grad_clip, self.warmdown_from = warmdown, grad_clip, "watch(warmdown=)"
+        self.recipe = recipe(optimizer, scheduler, steps, grad_clip, warmdown, variant)  # (as at the start)
         self.boundary = "manual" if loop_boundary == "manual" else loop_boundary
         warn = warn or stop_on_collapse
         self.dcfg = diagnostics or DiagnosticsConfig()
@@ -89,7 +77,7 @@ class LoopProbe:
         self.dynamics = isinstance(model, LoopedTransformer) and self.dcfg.loop_dynamics  # its loop map is known:
         if self.dynamics:  # the same loop-dynamics records as a run of flt-diag's own (first of the callbacks)
             self.callbacks.insert(0, LoopDynamicsCallback(self.dcfg))
-        # any other model: the loop dynamics from the loop-end streams the hooks see (probe_dynamics), with
+        # any other model: the loop dynamics from the loop-end streams the hooks see (probe/dynamics.py), with
         # exit_loss where head= is given (and targets), the loop-map records where loop_step= is
         self.own_dynamics = None if self.dynamics else ProbeDynamics(self.dcfg, head, loop_step, targets)
         if self.own_dynamics is not None:
@@ -97,12 +85,13 @@ class LoopProbe:
         self.step_index, self.shape, self.loops_seen = 0, None, Counter()
         self.grad_hooks = grad_hooks  # each gradient read as the backward accumulates it: before any clipping
         self.oscillation_unjudged: str | None = None  # why the gradient norms read are after clipping, if they are
-        self.summary: dict | None = None
+        self.summary: Summary | None = None
         self._reset_step()
         self._open(steps)
 
     # ------------------------------------------------------------------ attach / detach
     def _build(self) -> None:
+        check_untied(self.blocks, self.names)
         self.groups = parameter_groups_of(self.model, self.blocks, self.head)
         self.params = [p for ps in self.groups.values() for p in ps]
         self.diag = DiagnosticsCallback(self.dcfg, groups=self.groups, grad_scale=self.grad_scale, hooks=dict(
@@ -123,7 +112,7 @@ class LoopProbe:
         self._snapshot = self._copy_params() if should_record(0, self.dcfg) else []
 
     def _find_blocks(self, module, args, kwargs) -> None:
-        """blocks="auto": the blocks this forward reuses (probe_model.called_blocks), said on stderr; a model
+        """blocks="auto": the blocks this forward reuses (probe/model.py, called_blocks), said on stderr; a model
         whose forward reused nothing (a sampled loop count of 1?) falls back to its largest ModuleList."""
         found, loops = called_blocks(module, args, kwargs)
         how = f"called {loops} times in the first training forward"
@@ -131,6 +120,8 @@ class LoopProbe:
             found, how = list(zip(*reversed(resolve_blocks(module, "auto")))), "no module was called twice in the first training forward; the " \
                                               "largest ModuleList"
         self.blocks, self.names = [m for _, m in found], [n for n, _ in found]
+        if self.given_head is None:  # (the head is outside the blocks)
+            self.head = default_head(self.model, self.blocks)
         print(f"flt_diag.watch: blocks='auto' chose {', '.join(self.names)} ({how}); give blocks= to choose",
               file=sys.stderr, flush=True)
         self._build()
@@ -253,7 +244,8 @@ class LoopProbe:
         for cb in self.callbacks:
             cb.after_backward(self.host, self.step_index)
 
-    def step(self, loss=None, step: int | None = None, targets=None) -> list[tuple]:
+    def step(self, loss: Tensor | float | None = None, step: int | None = None,
+             targets: Tensor | None = None) -> list[Row]:
         """After each optimizer step: records the step (its loss: `loss`, else the mean of what `loss=` of
         watch() read off the step's forwards), writes its rows, checks the early warning. Returns the rows.
         `targets`: the step's targets, one per position of the loop-end stream, for the exit loss of watch(head=)
@@ -322,40 +314,43 @@ class LoopProbe:
         """Whether the early warning asked to end the run (watch(..., stop_on_collapse=True))."""
         return self.host.stop_requested is not None
 
-    def warning(self) -> dict | None:
+    def warning(self) -> EarlyWarning | None:
         """The early warning's latest check (step, p_collapse, threshold, evidence), or None before its first;
         printed as it happens with watch(..., warn=True)."""
-        return self.warning_cb.last
+        return EarlyWarning(**self.warning_cb.last) if self.warning_cb.last is not None else None
+
+    def not_recorded(self) -> dict[str, str]:
+        """The records the hooks could not take, and why (e.g. activation gradients under a reentrant checkpoint)."""
+        return dict(self.diag.hooks.not_recorded) if getattr(self.diag, "hooks", None) is not None else {}
 
     # ------------------------------------------------------------------ the run folder
-    def _run_config(self, steps: int) -> RunConfig:
-        return probe_run_config(self, steps)
-
-    def _write_config(self, cfg: RunConfig) -> None:
-        write_probe_config(self, cfg)
-
     def _start_run(self, s: int) -> None:
-        self.host.cfg = self._run_config(self.steps or s + 1)
-        self._write_config(self.host.cfg)
+        self.host.cfg = probe_run_config(self, self.steps or s + 1)
+        write_probe_config(self, self.host.cfg)
         for cb in (self.warning_cb, *self.callbacks[1 if self.dynamics else 0:]):
             cb.on_start(self.host)
 
-    def _summarize(self) -> dict:
-        cfg = self._run_config(self.steps or self.step_index)
+    def _summarize(self) -> Summary:
+        cfg = probe_run_config(self, self.steps or self.step_index)
         out = summarize(load_metrics(self.folder), cfg, unigram_entropy=self.unigram_entropy, stop_reason=self.host.stop_requested,
-                        prediction=self.host.prediction, tokens_per_step=tokens_per_step(cfg)).as_written()
+                        prediction=self.host.prediction, tokens_per_step=tokens_per_step(cfg))
+        notes: dict = {"warmdown": f"the last {self.warmdown:.0%} of the steps ({self.warmdown_from}): the oscillation "
+                                   "is judged before it" if self.warmdown else "none given: the oscillation is judged "
+                                   "over every step (no warm-down is assumed; give watch(warmdown=) for one)"}
         if self.oscillation_unjudged:  # the gradient norms are after a clipping: their oscillation says nothing
-            out["evidence"] = {**out["evidence"], "oscillation": f"not judged: {self.oscillation_unjudged}"}
-        return out
+            notes["oscillation"] = f"not judged: {self.oscillation_unjudged}"
+        if self.not_recorded():
+            notes["not_recorded"] = self.not_recorded()
+        return Summary.model_validate({**out.as_written(), "evidence": {**out.evidence.as_written(), **notes}})
 
-    def verdict(self) -> dict:
+    def verdict(self) -> Summary:
         """The summary (verdict, evidence, oscillation indices, residual explosion) of the steps so far."""
         if self.host.cfg is None:
             raise ProbeError("no step recorded yet: call step() after each optimizer step")
         self.writer.flush()
         return self._summarize()
 
-    def close(self) -> dict | None:
+    def close(self) -> Summary | None:
         """Removes the hooks, writes the rest of the rows, config.json (its final steps and loop count) and
         summary.json; returns the summary (None if no step was recorded)."""
         if self.hooks is None and not self._handles:
@@ -365,30 +360,12 @@ class LoopProbe:
             for cb in (self.warning_cb, *self.callbacks):
                 cb.on_finish(self.host, self.step_index - 1)
             if self.host.cfg is not None:
-                self.host.cfg = self._run_config(self.steps or self.step_index)
-                self._write_config(self.host.cfg)
+                self.host.cfg = probe_run_config(self, self.steps or self.step_index)
+                write_probe_config(self, self.host.cfg)
                 self.summary = self._summarize()
-                write_json(self.folder / SUMMARY, self.summary)
+                write_json(self.folder / SUMMARY, self.summary.as_written())
                 for cb in self.callbacks:
                     cb.on_summary(self.host, self.summary)
         finally:
             self._detach()
         return self.summary
-
-
-def watch(model: torch.nn.Module, blocks="auto", folder: str | Path = "runs/probe", **options) -> LoopProbe:
-    """Attach flt-diag's diagnostics to a looped model; returns a LoopProbe (a context manager).
-
-    blocks: the modules the forward reuses - a list of modules (in their order within a loop), an
-    nn.ModuleList, a module-path pattern ("transformer.h.*"), or "auto" (the outermost modules the first
-    training forward calls more than once, found by one extra no-grad forward; docs/api.md). Loops are counted from the blocks' calls (the k-th call of block i in one forward is
-    loop k), or at `loop_boundary=` (a module whose forward ends each loop, or "manual": the model calls
-    `probe.end_loop(stream)`). Options: head, loss (output -> loss tensor), optimizer (records its lr),
-    diagnostics (a DiagnosticsConfig: dense_steps, every, flush_every), steps, variant (the stored label,
-    default "lt"), seed, vocab_size, unigram_entropy (of the training data: the verdict's collapse floor),
-    grad_scale, warn, stop_on_collapse, predictor_path, callbacks, note; loop dynamics (docs/api.md, "Loop dynamics
-    on your own model"): head (a callable stream -> logits: the exit loss of every loop), targets (a function of
-    the forward's arguments -> targets; or give probe.step(targets=)), loop_step (h_prev -> h_next between two
-    loop ends: the loop-map gain, spectral radius, mean gain and perturbation growth every dynamics_every steps).
-    Wrong use is one ProbeError line (a ValueError): BlocksNotFound, NotLooped, BlockCalledTwice."""
-    return LoopProbe(model, blocks, folder, **options)

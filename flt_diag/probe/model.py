@@ -1,11 +1,16 @@
-"""What the probe (flt_diag.training.probe) reads off a model it did not build: the blocks it reuses
+"""What the probe (flt_diag.probe.watch) reads off a model it did not build: the blocks it reuses
 (given as modules, as a module-path pattern, or found), the parameter groups of the diagnostics, and the
 shape figures stored in the run folder's config.json.
 
 Parameter groups, in the order of flt-diag's own model (flt_diag.model.transformer.parameter_groups):
   embedding      the parameters of every nn.Embedding outside the blocks
-  head           the parameters of `head` (default: the model's `lm_head` or `head` attribute)
-  block<i>.attn  block i's parameters whose path names attention (`attn` or `attention` in it)
+  head           the parameters of `head`; default: the module producing the logits - the last nn.Linear outside
+                 the blocks whose outputs are the vocabulary (out_features = an nn.Embedding's num_embeddings),
+                 at any depth; else the last module named `lm_head` or `head`, at any depth
+  block<i>.attn  block i's attention modules, found by structure: every nn.MultiheadAttention, and every module
+                 whose children compute the queries, keys and values (children q/k/v, q_proj/k_proj/v_proj,
+                 query/key/value, or a fused qkv / c_attn / Wqkv / query_key_value / in_proj); only in a block
+                 with none of these, the parameters whose path names attention (`attn` or `attention`)
   block<i>.mlp   the rest of block i (its MLP, and its norms)
   other          every other trainable parameter
 A parameter shared by two places (tied embedding and head) counts once, in the first group. Empty
@@ -18,9 +23,11 @@ import fnmatch
 import torch
 import torch.nn as nn
 
-from flt_diag.training.diagnostics import BlocksNotFound, ProbeError
+from flt_diag.instruments.diagnostics import BlocksNotFound, ProbeError
 
 HEAD_COUNTS = ("num_heads", "n_head", "num_attention_heads", "nhead", "n_heads")
+QKV = ({"q", "k", "v"}, {"q_proj", "k_proj", "v_proj"}, {"query", "key", "value"}, {"wq", "wk", "wv"})
+FUSED_QKV = {"qkv", "c_attn", "wqkv", "query_key_value", "in_proj", "qkv_proj"}
 
 
 def _matches(pattern: str, name: str) -> bool:
@@ -98,12 +105,36 @@ def resolve_blocks(model: nn.Module, blocks) -> tuple[list[nn.Module], list[str]
     return [m for _, m in found], [n for n, _ in found]
 
 
-def default_head(model: nn.Module) -> nn.Module | None:
-    for name in ("lm_head", "head"):
-        m = getattr(model, name, None)
-        if isinstance(m, nn.Module):
-            return m
-    return None
+def check_untied(blocks: list[nn.Module], names: list[str]) -> None:
+    """Refuses blocks that share parameters (weights tied across two module objects): their per-block records
+    would be partial (a shared parameter counts once, in the first block's group)."""
+    owner: dict[int, int] = {}
+    for i, b in enumerate(blocks):
+        for p in b.parameters():
+            j = owner.setdefault(id(p), i)
+            if j != i:
+                raise ProbeError(f"blocks {names[j]} and {names[i]} share parameters (weights tied across two "
+                                 "modules): give each shared block once - the module the forward reuses - or untie them")
+
+
+def default_head(model: nn.Module, blocks: list[nn.Module]) -> nn.Module | None:
+    """The module producing the logits (module docstring), outside the blocks; None if none is found."""
+    inside = {id(m) for b in blocks for m in b.modules()}
+    outside = [(n, m) for n, m in model.named_modules() if id(m) not in inside]
+    vocab = {m.num_embeddings for _, m in outside if isinstance(m, nn.Embedding)}
+    found = [m for _, m in outside if isinstance(m, nn.Linear) and m.out_features in vocab]
+    found = found or [m for n, m in outside if n.rpartition(".")[2] in ("lm_head", "head")]
+    return found[-1] if found else None
+
+
+def attention_modules(block: nn.Module) -> list[nn.Module]:
+    """The block's attention modules, by structure (module docstring)."""
+    found = []
+    for m in block.modules():
+        children = {n.lower() for n, _ in m.named_children()}
+        if isinstance(m, nn.MultiheadAttention) or any(q <= children for q in QKV) or children & FUSED_QKV:
+            found.append(m)
+    return found
 
 
 def parameter_groups_of(model: nn.Module, blocks: list[nn.Module], head: nn.Module | None) -> dict[str, list]:
@@ -123,8 +154,9 @@ def parameter_groups_of(model: nn.Module, blocks: list[nn.Module], head: nn.Modu
                                 for p in m.parameters(recurse=False) if id(p) not in inside),
               "head": take(head.parameters()) if head is not None else []}
     for i, block in enumerate(blocks):
+        attn = {id(p) for m in attention_modules(block) for p in m.parameters()}
         named = list(block.named_parameters())
-        is_attn = [any(w in n.lower() for w in ("attn", "attention")) for n, _ in named]
+        is_attn = [id(p) in attn if attn else any(w in n.lower() for w in ("attn", "attention")) for n, p in named]
         groups[f"block{i}.attn"] = take(p for (_, p), a in zip(named, is_attn) if a)
         groups[f"block{i}.mlp"] = take(p for (_, p), a in zip(named, is_attn) if not a)
     groups["other"] = take(model.parameters())

@@ -1,0 +1,144 @@
+"""flt-diag's probe as a Hugging Face `transformers` TrainerCallback (extra: hf-trainer).
+
+    from flt_diag.integrations.hf import FltDiagCallback
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      callbacks=[FltDiagCallback(blocks="model.layers.*", folder="runs/hf")])
+
+At on_train_begin it watches the Trainer's model; where the Trainer clips (max_grad_norm > 0, its default
+1.0) each gradient's norm is read as the backward accumulates it (watch(grad_hooks=True)), before the
+clipping; with fp16 (a scaled loss) it is not, and the verdict says the oscillation was not judged. At
+on_pre_optimizer_step it reads the gradients, at on_optimizer_step (before the Trainer's
+zero_grad) it records the step, whose loss is the mean of the loss in the step's model outputs; at
+on_train_end it writes summary.json (`self.summary`). With stop_on_collapse=True a predicted collapse sets
+control.should_training_stop.
+
+The Trainer tells its callbacks of no exception, so the model's forward is wrapped while the probe watches
+it: an exception in the forward (the model's own, or a refusal of the probe) removes the hooks and frees the
+folder's lock before it leaves train(), the rows already taken staying (no summary: the run did not
+finish). After an exception elsewhere (the backward, the data, Ctrl-C between forwards) the next train()
+with this callback, or `close()`, does the same.
+
+The recipe stored is the Trainer's: its optimizer and lr scheduler, max_steps, max_grad_norm, and the warm-down
+read off its schedule (lr_scheduler_type linear / cosine / polynomial: the steps after the warm-up;
+warmup_stable_decay: its num_decay_steps; any other: none). The exit loss's targets (with head=) are the batch's
+`labels`, shifted by one position for a causal language model (a class named ...ForCausalLM or ...LMHeadModel,
+whose loss shifts them too); give targets= to override.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from flt_diag.integrations import needs_extra, output_loss
+from flt_diag.storage.file_models import Summary
+from flt_diag.probe.watch import Blocks, LoopProbe, watch
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from flt_diag.probe.watch import WatchOptions
+
+try:
+    import accelerate  # noqa: F401  (the Trainer needs it)
+    from transformers import TrainerCallback
+except ImportError:
+    raise needs_extra("hf", "hf-trainer", "transformers>=4.40 and accelerate") from None
+
+
+def warmdown(args, steps: int | None) -> float | None:
+    """The final share of the steps the Trainer's schedule decays the lr over (module docstring), or None."""
+    kind = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
+    if not steps or kind not in ("linear", "cosine", "polynomial", "cosine_with_min_lr", "warmup_stable_decay"):
+        return None
+    decay = (args.lr_scheduler_kwargs or {}).get("num_decay_steps", 0) if kind == "warmup_stable_decay" else \
+        steps - args.get_warmup_steps(steps)
+    return min(1.0, decay / steps) or None
+
+
+def labels_of(causal: bool, *args, **kwargs) -> torch.Tensor | None:
+    """The exit loss's targets from the forward's `labels` (module docstring); None without labels."""
+    labels = kwargs.get("labels")
+    if not torch.is_tensor(labels) or not causal:
+        return labels if torch.is_tensor(labels) else None
+    return torch.cat([labels[..., 1:], torch.full_like(labels[..., :1], -100)], -1)
+
+
+class FltDiagCallback(TrainerCallback):
+    """The run folder, verdict and early warning of flt-diag for a transformers Trainer (module docstring).
+    `options` are watch()'s (head, loop_boundary, diagnostics, variant, warn, ...)."""
+
+    def __init__(self, blocks: Blocks = "auto", folder: str | os.PathLike[str] = "runs/hf",
+                 **options: Unpack[WatchOptions]):
+        self.blocks, self.folder = blocks, folder
+        self.options: dict = dict(options)
+        self.options.setdefault("loss", output_loss)
+        self.probe: LoopProbe | None = None
+        self.summary: Summary | None = None
+        self._guarded: tuple | None = None  # (model, its own forward attribute or None, the wrapper)
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
+        self.close()  # a probe left open by a train() that raised outside the model's forward
+        steps = state.max_steps if state.max_steps and state.max_steps > 0 else None
+        clips = bool(args.max_grad_norm and args.max_grad_norm > 0)  # the Trainer clips before any callback:
+        given = dict(steps=steps, seed=args.seed, optimizer=optimizer,  # the gradients are read in the backward
+                     grad_hooks=clips and not args.fp16,                # (not of fp16's scaled loss)
+                     scheduler=lr_scheduler, grad_clip=float(args.max_grad_norm or 0), warmdown=warmdown(args, steps),
+                     targets=functools.partial(labels_of, type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))))
+        self.probe = watch(model, self.blocks, self.folder, **{**given, **self.options})  # options given win
+        if "warmdown" not in self.options and given["warmdown"]:
+            self.probe.warmdown_from = f"the Trainer's {args.lr_scheduler_type} schedule"
+        if clips and not self.probe.grad_hooks:
+            self.probe.oscillation_unjudged = (f"the gradients were read after the Trainer clipped them "
+                                               f"(max_grad_norm {args.max_grad_norm})")
+        self._guard(model)
+
+    def _guard(self, model) -> None:
+        """Wrap the model's forward: an exception in it lets go of the probe (module docstring), then goes on."""
+        own, forward = model.__dict__.get("forward"), model.forward
+
+        @functools.wraps(forward)  # (its signature stays the model's: the Trainer reads it)
+        def guarded(*args, **kwargs):
+            try:
+                return forward(*args, **kwargs)
+            except BaseException as e:
+                self._let_go(e)
+                raise
+        model.forward = guarded
+        self._guarded = (model, own, guarded)
+
+    def _let_go(self, error: BaseException | None = None) -> None:
+        if self._guarded is not None:
+            model, own, guarded = self._guarded
+            self._guarded = None
+            if model.__dict__.get("forward") is guarded:  # (not if something wrapped it again since)
+                if own is None:
+                    del model.forward
+                else:
+                    model.forward = own
+        probe = self.probe
+        if probe is not None and (probe.hooks is not None or probe._handles):  # still watching
+            error = error or RuntimeError("train() did not reach on_train_end")
+            probe.__exit__(type(error), error, None)  # hooks removed, lock freed, rows kept, no summary
+
+    def close(self) -> None:
+        """Let go of the model and the folder now (after a train() that raised: its rows stay, no summary);
+        nothing to do after a train() that finished."""
+        self._let_go()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.probe.after_backward()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.probe.step(step=state.global_step)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.probe.should_stop:
+            control.should_training_stop = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.probe is not None:
+            self.summary = self.probe.close()
+        self._let_go()

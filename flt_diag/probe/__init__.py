@@ -1,0 +1,2 @@
+"""The public probe (`flt_diag.watch`, docs/api.md): flt-diag's instruments on a looped model flt-diag did not
+build, trained by any loop (watch.py; checks.py, model.py, dynamics.py, folder.py)."""

@@ -1,0 +1,84 @@
+"""The run folder of a probe (flt_diag.probe.watch): config.json holds the user's run as the user ran it -
+the model's shape as the hooks saw it, the loops it ran, and under `probe.recipe` the optimizer (its class and
+each parameter group's lr, betas, weight_decay, momentum as at watch()), the scheduler's class, the steps, the
+gradient clipping and the warm-down where known (None: not known / none). The model and train sections hold
+only what the readers need and the probe knows (no flt-diag recipe field: a reader takes its default).
+`self` is the LoopProbe. `Host`: what the training callbacks read of a Trainer, for a loop flt-diag does not run."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from flt_diag.storage.folders import CONFIG, write_json
+from flt_diag.instruments.diagnostics import ProbeError
+from flt_diag.probe.model import head_count_of, vocab_size_of
+from flt_diag.instruments.records import StepLog, environment
+from flt_diag.vocab.config import ModelConfig, RunConfig, TrainConfig
+
+HYPERPARAMETERS = ("lr", "betas", "weight_decay", "momentum")
+MODEL_FIELDS = ("vocab_size", "n_layer", "n_embd", "n_head", "sequence_len", "variant", "loops")
+TRAIN_FIELDS = ("steps", "batch_size", "seed", "lr_scale", "data", "tokenizer", "eval_batches", "device", "eval_every",
+                "checkpoint_every", "warmdown_frac")
+
+
+def _plain(x):
+    return float(x) if torch.is_tensor(x) and x.numel() == 1 else [_plain(v) for v in x] if isinstance(x, (list, tuple)) \
+        else x if isinstance(x, (int, float, str, bool)) or x is None else repr(x)
+
+
+def recipe(optimizer, scheduler, steps, grad_clip, warmdown, variant) -> dict:
+    """probe.recipe of config.json, read at watch() (the parameter groups before the first step)."""
+    groups = [{k: _plain(g[k]) for k in HYPERPARAMETERS if k in g} for g in getattr(optimizer, "param_groups", [])]
+    return {"optimizer": type(optimizer).__name__ if optimizer is not None else None, "param_groups": groups,
+            "scheduler": type(scheduler).__name__ if scheduler is not None else None, "steps": steps,
+            "grad_clip": grad_clip, "warmdown": warmdown, "variant": variant}
+
+
+def probe_run_config(self, steps: int) -> RunConfig:
+    if self.shape is None:
+        raise ProbeError("step() came before any recorded training forward of the model: call it after each "
+                         "optimizer step, with the model in training mode")
+    width = self.shape[-1]
+    batch, seq = (self.shape[0], self.shape[1]) if len(self.shape) >= 3 else (1, self.shape[0])
+    loops = self.loops_seen.most_common(1)[0][0] if self.loops_seen else 1
+    try:
+        model = ModelConfig(vocab_size=self.vocab_size or vocab_size_of(self.model, self.head) or 1,
+                            n_layer=len(self.blocks), n_embd=width, n_head=head_count_of(self.blocks, width),
+                            sequence_len=max(2, seq), variant=self.variant, loops=max(1, loops))
+    except ValueError as e:
+        raise ProbeError(f"the model's shape cannot be stored: {str(e).splitlines()[0]}") from None
+    device = next(iter(self.params)).device if self.params else torch.device("cpu")
+    train = TrainConfig(steps=max(1, steps), batch_size=batch, seed=self.seed, data="external", tokenizer=None,
+                        device=device.type, eval_every=0, checkpoint_every=0, warmdown_frac=self.warmdown or 0.0,
+                        grad_clip=self.grad_clip or 0.0)
+    return RunConfig(model=model, train=train, diagnostics=self.dcfg)
+
+
+def write_probe_config(self, cfg: RunConfig) -> None:
+    device, d = torch.device(cfg.train.device), cfg.to_dict()
+    train = {k: d["train"][k] for k in TRAIN_FIELDS} | ({"grad_clip": self.grad_clip} if self.grad_clip is not None
+                                                          else {})  # (not known: left out)
+    write_json(self.folder / CONFIG, {
+        "model": {k: d["model"][k] for k in MODEL_FIELDS}, "train": train, "diagnostics": d["diagnostics"],
+        "n_params": sum(p.numel() for p in self.model.parameters()), "env": environment(device),
+        "note": self.note or f"{type(self.model).__name__} diagnosed by flt_diag.watch; its recipe: probe.recipe",
+        **({"corpus": {"unigram_entropy": self.unigram_entropy}} if self.unigram_entropy is not None else {}),
+        "probe": {"model": type(self.model).__name__, "blocks": self.names, "recipe": {**self.recipe, "steps": cfg.train.steps},
+                  "loops_counted": "from the blocks' calls" if self.boundary is None else "at a loop boundary",
+                  "loops_seen": {str(k): n for k, n in sorted(self.loops_seen.items())},
+                  "parameter_groups": list(self.groups), "not_recorded": self.not_recorded()}})
+
+
+class Host:
+    """What the training callbacks read of a Trainer, for a loop flt-diag does not run."""
+
+    def __init__(self, model, run_dir: Path):
+        self.model, self.run_dir, self.log = model, run_dir, StepLog()
+        self.cfg: RunConfig | None = None
+        self.start_step, self.is_main = 0, True
+        self.stop_requested: str | None = None
+        self.prediction: dict | None = None
+
+    def request_stop(self, reason: str, prediction: dict | None = None) -> None:
+        self.stop_requested, self.prediction = reason, prediction

@@ -1,0 +1,45 @@
+"""The public API is typed (flt_diag/py.typed): mypy finds no error in typed user code written against it
+(tests/typing/user_code.py: watch, LoopProbe, the results, the callbacks), and reports each misuse in
+tests/typing/misuse.py (a keyword of the wrong type), so that the check can fail."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+HERE = REPO / "tests" / "typing"
+
+
+@pytest.fixture(scope="session")
+def mypy_report(tmp_path_factory) -> str:
+    pytest.importorskip("mypy", reason="mypy is not installed (pip install 'flt-diag[test]')")
+    cache = tmp_path_factory.mktemp("mypy-cache")
+    env = {**os.environ, "MYPYPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "mypy", "--follow-imports=silent", "--cache-dir", str(cache),
+                           "--no-error-summary", "--show-error-codes", str(HERE / "user_code.py"),
+                           str(HERE / "misuse.py")], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode in (0, 1), proc.stderr
+    return proc.stdout
+
+
+def test_typed_user_code_has_no_error(mypy_report):
+    assert "user_code.py" not in mypy_report, mypy_report
+
+
+def test_each_misuse_is_reported(mypy_report):
+    lines = (HERE / "misuse.py").read_text().splitlines()
+    expected = {(i + 1, m.group(1)) for i, line in enumerate(lines) if (m := re.search(r"# error: ([\w-]+)", line))}
+    found = {(int(n), code) for n, code in re.findall(r"misuse\.py:(\d+): error: .*\[([\w-]+)\]", mypy_report)}
+    assert len(expected) == 3 and expected == found, mypy_report
+
+
+def test_the_callbacks_options_are_watchs_keywords():
+    import inspect
+
+    from flt_diag.probe.watch import LoopProbe, WatchOptions, watch
+    keywords = [{n for n, p in inspect.signature(f).parameters.items() if p.kind is p.KEYWORD_ONLY}
+                for f in (watch, LoopProbe.__init__)]
+    assert keywords[0] == keywords[1] == set(WatchOptions.__annotations__)
