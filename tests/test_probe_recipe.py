@@ -128,7 +128,7 @@ def test_a_reentrant_checkpoint_is_said_and_marked_not_recorded(tmp_path, capfd)
     df = load_metrics(tmp_path / "re")
     assert not (df.metric == "act_grad_norm").any()  # no rows: never zeros
     assert "act_grad_norm" in json.loads((tmp_path / "re" / "config.json").read_text())["probe"]["not_recorded"]
-    assert probe.summary.evidence["act_grad_norm"].startswith("not recorded")
+    assert probe.summary.evidence.not_recorded["act_grad_norm"].startswith("block ran without gradient")
     run(Checkpointed(reentrant=False), tmp_path / "non", blocks="block")
     assert "not recorded" not in capfd.readouterr().err
     assert (load_metrics(tmp_path / "non").metric == "act_grad_norm").sum() > 0

@@ -36,7 +36,7 @@ class FileModel(Options):
     def as_written(self) -> dict:
         """The JSON object of the file: the fields it was given (all, for one flt-diag built; those the file
         held, for one read back), in the model's order, under the file's names."""
-        return self.model_dump(exclude_unset=True, by_alias=True)
+        return self.model_dump(exclude_unset=True, by_alias=False)  # (field names: an option's alias is the CLI's)
 
     # Read-only mapping access (`summary["verdict"]`, `.get`, `.keys`, `dict(summary)`): the compatibility
     # path for scripts written when the loaders and the probe handed out dicts; flt-diag reads the attributes.
@@ -50,6 +50,9 @@ class FileModel(Options):
 
     def keys(self):
         return self.as_written().keys()
+
+    def __iter__(self):  # (the keys, as a mapping's; pydantic's own iterates (name, value) pairs)
+        return iter(self.keys())
 
 
 class FreeFileModel(FileModel, **FREE):
