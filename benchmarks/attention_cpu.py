@@ -21,7 +21,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from common import positive_int  # noqa: E402
-from flt_diag.vocab.config import build_config  # noqa: E402
+from flt_diag.config.run_config import build_config  # noqa: E402
 
 
 def explicit(q, k, v):
@@ -78,7 +78,7 @@ def measure(B: int, H: int, T: int, D: int, rounds: int, calls: int, compile: bo
 
 
 def main(argv=None) -> int:
-    from flt_diag.vocab.config import PRESETS
+    from flt_diag.config.run_config import PRESETS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="tiny", choices=[n for n in PRESETS if n != "auto"])
     p.add_argument("--batch-size", type=positive_int, default=16,

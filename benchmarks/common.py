@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmarks/bench.py` from a checkout
 
-from flt_diag.vocab.config import RunConfig, build_config  # noqa: E402
+from flt_diag.config.run_config import RunConfig, build_config  # noqa: E402
 from flt_diag.model.transformer import VARIANTS, Block, LoopedTransformer, ModelConfig, norm  # noqa: E402
 from flt_diag.training.settle import settle  # noqa: E402
 from flt_diag.training.trainer import Trainer  # noqa: E402
@@ -41,7 +41,7 @@ def positive_int(text: str) -> int:
 class BenchSpec:
     """One benchmark size: a flt_diag preset plus overrides, and how long to time it."""
 
-    base: str  # flt_diag.vocab.config preset
+    base: str  # flt_diag.config.run_config preset
     model: dict = field(default_factory=dict)  # ModelConfig overrides
     train: dict = field(default_factory=dict)  # TrainConfig overrides
     step_loops: int = 12  # K of the timed training steps (parts a-c)

@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     p.add_argument("--loops", type=positive_int, nargs="+", default=[3, 12])
     p.add_argument("--rounds", type=positive_int, default=8)
     args = p.parse_args(argv)
-    from flt_diag.vocab.variants import MAX_LOOPS
+    from flt_diag.config.variants import MAX_LOOPS
     if max(args.loops) > MAX_LOOPS:
         p.error(f"--loops must be <= {MAX_LOOPS}")
     print("tiny step, diagnostics off, one thread, process CPU ms (median); change against halves")

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import BENCH_PRESETS, StepJob, bench_config, environment, paired, stats, time_interleaved  # noqa: E402
 from flt_diag.instruments import loop_dynamics as D  # noqa: E402
-from flt_diag.vocab.config import DiagnosticsConfig, with_overrides  # noqa: E402
+from flt_diag.config.run_config import DiagnosticsConfig, with_overrides  # noqa: E402
 
 
 def _job(spec, variant: str, K: int, tmp: Path, name: str, diagnostics: bool, **options) -> StepJob:

@@ -16,7 +16,7 @@ import torch
 
 from common import BenchSpec, MatmulJob, StepJob, _log, _sync, bench_config, environment, time_interleaved, train_flops
 from breakdown import compile_modes
-from flt_diag.vocab.config import RunConfig
+from flt_diag.config.run_config import RunConfig
 
 def process_clock(device: str):
     """The clock of a CPU measurement at one thread: this process's CPU time (what another process

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from flt_diag.vocab.config import build_config  # noqa: E402
+from flt_diag.config.run_config import build_config  # noqa: E402
 from flt_diag.model.transformer import LoopedTransformer, parameter_groups  # noqa: E402
 from flt_diag.training.optim import BatchedMuon  # noqa: E402
 

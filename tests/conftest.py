@@ -50,7 +50,7 @@ def token_cache(tmp_path_factory):
 
 def tiny_config(**model_and_train):
     """The tiny preset with small overrides: tiny_config(variant="lt", loops=2, steps=5)."""
-    from flt_diag.vocab.config import build_config
+    from flt_diag.config.run_config import build_config
     from flt_diag.model.transformer import ModelConfig
     model_fields = set(ModelConfig.model_fields)
     model = {k: v for k, v in model_and_train.items() if k in model_fields}

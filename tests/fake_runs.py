@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from flt_diag.storage import metric_names as M
-from flt_diag.vocab.config import build_config
+from flt_diag.config.run_config import build_config
 from flt_diag.judge.verdict import summarize
 from flt_diag.storage.folders import CELLS, CONFIG, EVAL_LOOPS, SUMMARY, MetricsWriter, load_metrics, write_json
 from flt_diag.grids.sweep import SweepSpec, write_summary

@@ -142,7 +142,7 @@ def test_flops_of_a_finished_sweep_per_K(bench, one_thread, tmp_path, monkeypatc
     """--sweep: step time = wall time / steps of each finished run (fake runs: 1 s for 80 steps),
     medians per K over the finished runs (two per K; fla K3 is still running)."""
     from fake_runs import STEPS, make_sweep
-    from flt_diag.vocab.config import build_config
+    from flt_diag.config.run_config import build_config
     monkeypatch.setitem(bench.BENCH_PRESETS, "toy", toy_spec(bench))
     sweep = make_sweep(tmp_path / "sweep")
     assert bench.main(["--flops", "--preset", "toy", "--sweep", str(sweep), "--out", str(tmp_path / "f.json")]) == 0

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from flt_diag.vocab import config as C
+from flt_diag.config import run_config as C
 from flt_diag.cli import main
 from flt_diag.cli.app import build_app, parse
 from flt_diag.cli.commands import COMMANDS

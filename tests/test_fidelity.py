@@ -15,7 +15,7 @@ from flt_diag.data import batches
 from flt_diag.data import corpus as D
 from flt_diag.storage import metric_names as M
 from flt_diag.judge import verdict as X
-from flt_diag.vocab.config import RunConfig, build_config, padded_vocab
+from flt_diag.config.run_config import RunConfig, build_config, padded_vocab
 from flt_diag.instruments.diagnostics import LoopHooks
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig, count_parameters
 from flt_diag.training.optim import muon_momentum
@@ -85,7 +85,7 @@ def test_paper_presets_count_like_the_paper(preset, params, heads):
 
 
 def test_heads_follow_the_reference_ceiling():
-    from flt_diag.vocab.config import shape
+    from flt_diag.config.run_config import shape
     for depth in range(1, 13):
         d = 64 * depth
         assert shape(depth, 64, 128)["n_head"] == max(1, (d + 127) // 128)

@@ -21,7 +21,7 @@ from pydantic import AfterValidator, BaseModel
 
 from flt_diag.storage import file_models as F, files
 from flt_diag.storage.folders import StorageError
-from flt_diag.vocab.option_fields import MAX_ITEMS, Option, ascending, distinct
+from flt_diag.config.option_fields import MAX_ITEMS, Option, ascending, distinct
 from flt_diag.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,7 +34,7 @@ DELETE = object()
 
 def _interrupted_copy(run: Path, out: Path) -> None:
     """`out`: the run of `run`'s config stopped after step 3 (resume.pt at step 2), as a Ctrl-C leaves it."""
-    from flt_diag.vocab.config import RunConfig
+    from flt_diag.config.run_config import RunConfig
     from flt_diag.storage.folders import load_config
     from flt_diag.instruments.callbacks import Callback
     from flt_diag.training.trainer import Trainer
@@ -79,9 +79,9 @@ def _reference_export(run: Path, folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def samples(tmp_path_factory):
     """One real file of each kind (and the folders around them), made by flt-diag itself."""
-    from flt_diag.vocab.config import RunConfig
+    from flt_diag.config.run_config import RunConfig
     from flt_diag.storage.folders import load_config
-    from flt_diag.vocab.grid_options import geometric_grid
+    from flt_diag.config.grid_options import geometric_grid
     from flt_diag.grids.stability_map import MapSpec, prepare_map_folder
     from flt_diag.grids.sweep import SweepSpec, prepare_folder
     from flt_diag.training.trainer import Trainer
@@ -109,7 +109,7 @@ def samples(tmp_path_factory):
 
 def _model_shapes() -> dict:
     """The weight shapes of the samples' model (tiny preset, depth 1, lt, K=2)."""
-    from flt_diag.vocab.config import build_config
+    from flt_diag.config.run_config import build_config
     from flt_diag.model.transformer import LoopedTransformer
     model = build_config("tiny", model=dict(n_layer=1, variant="lt", loops=2)).model
     return {k: tuple(v.shape) for k, v in LoopedTransformer(model).state_dict().items()}
@@ -164,7 +164,7 @@ def _read_meta(s, p):
 
 @dataclass(frozen=True)
 class Scalar:
-    option: object  # an Option (flt_diag.vocab.option_fields): kind, optional, choices and bounds
+    option: object  # an Option (flt_diag.config.option_fields): kind, optional, choices and bounds
     required: bool = True
     nan: bool = False  # NaN and infinities are values too (figures a run computed)
 

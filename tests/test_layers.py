@@ -2,8 +2,8 @@
 training never import torch. Each layer is one folder of flt_diag/ (bottom to top; a module may import its
 own layer and any layer below, never one above):
 
-    0 vocab     flt_diag/vocab/ - the vocabulary: every option typed once (config.py), the variants as data
-                (variants.py), the options of sweeps and maps (grid_options.py)
+    0 config    flt_diag/config/ - the configuration: every option typed once (run_config.py, option_fields.py),
+                the variants as data (variants.py), the options of sweeps and maps (grid_options.py)
     1 storage   flt_diag/storage/ - I/O: run, sweep and map folders (folders.py), the file kinds and their
                 validating loaders (files.py, schema.py), metric names, cell names, what may be pooled
     2 judge     flt_diag/judge/ - judgments on stored records, torch-free: the verdict, peer comparison,
@@ -40,7 +40,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "flt_diag"
 LAYERS = {  # folder (module-name prefix) -> layer; "flt_diag" itself matches only the package's __init__
-    "flt_diag.vocab": 0, "flt_diag.storage": 1, "flt_diag.judge": 2, "flt_diag.model": 3, "flt_diag.data": 4,
+    "flt_diag.config": 0, "flt_diag.storage": 1, "flt_diag.judge": 2, "flt_diag.model": 3, "flt_diag.data": 4,
     "flt_diag.instruments": 5, "flt_diag.training": 6, "flt_diag.probe": 6, "flt_diag.integrations": 7,
     "flt_diag.training.integrations": 7, "flt_diag.grids": 7, "flt_diag.results": 8, "flt_diag.cli": 9,
     "flt_diag.__main__": 9,
@@ -48,7 +48,7 @@ LAYERS = {  # folder (module-name prefix) -> layer; "flt_diag" itself matches on
 ROOT, ROOT_LAYER = "flt_diag", 9
 APART = {"flt_diag.probe": "flt_diag.training", "flt_diag.training": "flt_diag.probe",  # layers beside each other
          "flt_diag.integrations": "flt_diag.training"}
-TORCH_FREE = ("flt_diag.vocab", "flt_diag.storage", "flt_diag.judge", "flt_diag.results")
+TORCH_FREE = ("flt_diag.config", "flt_diag.storage", "flt_diag.judge", "flt_diag.results")
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 60
 
 
@@ -103,7 +103,7 @@ def test_the_layer_table_knows_every_module():
 
 def test_a_module_outside_every_layer_folder_is_in_no_layer():
     assert layer("flt_diag.somewhere_new") is None and layer("flt_diag.settle") is None
-    assert layer("flt_diag.vocab.variants") == 0 and layer("flt_diag.model.transformer") == 3
+    assert layer("flt_diag.config.variants") == 0 and layer("flt_diag.model.transformer") == 3
     assert layer("flt_diag.results.figures.map") == 8 and layer("flt_diag.cli.app") == 9 and layer("flt_diag") == 9
     assert layer("flt_diag.training.integrations.hf") == 7 and layer("flt_diag.training.trainer") == 6
 
@@ -156,9 +156,9 @@ def find_cycle() -> list[str] | None:
 
 
 def test_the_cycle_finder_finds_a_cycle_it_is_given(monkeypatch):
-    monkeypatch.setitem(GRAPH, "flt_diag.vocab.config", GRAPH["flt_diag.vocab.config"] | {("flt_diag.cli.app", 1)})
+    monkeypatch.setitem(GRAPH, "flt_diag.config.run_config", GRAPH["flt_diag.config.run_config"] | {("flt_diag.cli.app", 1)})
     cycle = find_cycle()
-    assert cycle and cycle[0] == cycle[-1] and "flt_diag.vocab.config" in cycle
+    assert cycle and cycle[0] == cycle[-1] and "flt_diag.config.run_config" in cycle
 
 
 def test_no_import_cycle_between_modules_type_only_imports_included():

@@ -19,7 +19,7 @@ from flt_diag.instruments import loop_dynamics as D
 from flt_diag.instruments.dynamics_callback import LoopDynamicsCallback
 from flt_diag.instruments.records import StepLog
 from flt_diag.training.trainer import train
-from flt_diag.vocab.config import DiagnosticsConfig
+from flt_diag.config.run_config import DiagnosticsConfig
 
 V = 16
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import flt_diag
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import load_metrics
-from flt_diag.vocab.config import DiagnosticsConfig
+from flt_diag.config.run_config import DiagnosticsConfig
 
 V, D, T, B = 8, 6, 3, 2
 

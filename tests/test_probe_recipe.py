@@ -57,7 +57,7 @@ def test_a_warm_down_given_moves_the_window_the_verdict_judges(tmp_path):
 
 def old_folder(new, old):
     """A watch folder as the previous release wrote it: flt-diag's default recipe, variant "lt", the 20 % warm-down."""
-    from flt_diag.vocab.config import ModelConfig, RunConfig, TrainConfig
+    from flt_diag.config.run_config import ModelConfig, RunConfig, TrainConfig
     old.mkdir()
     cfg = json.loads((new / "config.json").read_text())
     m, t = cfg["model"], cfg["train"]

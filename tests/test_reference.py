@@ -258,7 +258,7 @@ def test_export_import_round_trip(ref_sd, idx):
 
 
 def test_write_imported_run_reloads(ref_sd, idx, tmp_path):
-    from flt_diag.vocab.config import RunConfig
+    from flt_diag.config.run_config import RunConfig
     from flt_diag.storage.folders import CHECKPOINT, CONFIG, StorageError
 
     model = import_reference(ref_sd, "FLT", loops=3, n_head=N_HEAD, vocab_size=VOCAB)

@@ -97,7 +97,7 @@ BAD_WATCH = {  # keyword -> (value, words of the one line)
     "steps": (2**70, "watch(steps=1180591620717411303424)"),
     "seed": (-1, "watch(seed=-1)"),
     "grad_scale": (math.nan, "watch(grad_scale=nan)"),
-    "diagnostics": ({"every": 3}, "diagnostics= is a flt_diag.vocab.config.DiagnosticsConfig"),
+    "diagnostics": ({"every": 3}, "diagnostics= is a flt_diag.config.run_config.DiagnosticsConfig"),
     "loop_boundary": ("end", "loop_boundary= is a module whose forward ends each loop, or 'manual'"),
 }
 

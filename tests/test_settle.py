@@ -70,7 +70,7 @@ def test_only_the_fields_that_decide_a_run_are_compared():
 def test_the_fields_that_may_change_on_resume_are_the_ones_that_change_nothing_computed():
     """Read from the fields' `volatile` facts; written out here independently: where the run goes and how
     often it logs or records may change when a folder is resumed, never what it trains."""
-    from flt_diag.vocab.grid_options import SWEEP_GRID_FIELDS
+    from flt_diag.config.grid_options import SWEEP_GRID_FIELDS
     assert set(S.VOLATILE_TRAIN_FIELDS) == {"device", "threads", "compile", "eval_every", "checkpoint_every"}
     assert set(S.VOLATILE_DIAGNOSTICS_FIELDS) == {"flush_every", "tensorboard", "wandb", "warn", "loop_dynamics",
                                                   "exit_loss_every", "dynamics_every", "sharpness_every",

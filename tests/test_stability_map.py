@@ -7,7 +7,7 @@ import pytest
 
 from conftest import tiny_config
 from flt_diag.judge.map_boundaries import AXES, CRITERIA, bracket, critical_values
-from flt_diag.vocab.grid_options import MAP_AXES, MAP_CRITERIA, geometric_grid
+from flt_diag.config.grid_options import MAP_AXES, MAP_CRITERIA, geometric_grid
 from flt_diag.grids.stability_map import MapSpec, run_map, search
 from flt_diag.storage.folders import CELLS, SUMMARY, write_json
 

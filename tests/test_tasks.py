@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from conftest import tiny_config
 from flt_diag.storage.folders import load_metrics, load_summary
 from flt_diag.cli import main
-from flt_diag.vocab.config import ModelConfig, build_config
+from flt_diag.config.run_config import ModelConfig, build_config
 from flt_diag.data.batches import batch_generator, get_batch
 from flt_diag.data.corpus import DataError
 from flt_diag.data.sources import load_split

@@ -135,7 +135,7 @@ def test_settling_gives_a_copy_and_the_trainer_refuses_an_unsettled_config(tmp_p
     """settle() puts the tokenizer's vocabulary (bytes: 256) into a copy and leaves the config given
     as it was. The Trainer settles nothing itself: a config that did not come through settle (a
     vocabulary other than the tokenizer's, device auto) is refused before anything is written."""
-    from flt_diag.vocab.config import with_overrides
+    from flt_diag.config.run_config import with_overrides
     from flt_diag.training.settle import settle
     cfg = tiny_config(loops=1, steps=2, diagnostics=dict(enabled=False))
     cfg.model.vocab_size = 999  # not what the tokenizer gives

@@ -31,7 +31,7 @@ from typer.core import TyperCommand
 from flt_diag.cli.commands import COMMANDS, cmd_plot
 from flt_diag.cli.options import POSITIONALS, SECTION_TITLES, UserError, command_args, command_options, default_text
 from flt_diag.results.figure_names import FIGURE_NAMES
-from flt_diag.vocab.option_fields import Option, dotted, one_line
+from flt_diag.config.option_fields import Option, dotted, one_line
 
 DESCRIPTION = "Train looped-transformer variants, record why they collapse, and plot it."
 METAVARS = {int: "N", float: "X", str: "TEXT", Path: "PATH"}

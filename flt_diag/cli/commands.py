@@ -17,7 +17,7 @@ from flt_diag.cli.options import (FOLDER_OPTIONS, ArchiveOptions, EvalLoopsOptio
                                   ImportReferenceOptions, MapOptions, Options, PlotOptions, PredictOptions,
                                   ReportOptions, RunAblationOptions, StudyOptions, SummaryOptions, TrainOptions,
                                   UserError, VariantsOptions, config_options)
-from flt_diag.vocab.variants import VARIANT_DESCRIPTIONS
+from flt_diag.config.variants import VARIANT_DESCRIPTIONS
 
 # Each command imports what it needs (torch, pandas, matplotlib, the layers below) when it runs, so that
 # `flt-diag --help` and the command line's parsing import none of them (tests/test_cli_forms.py checks).

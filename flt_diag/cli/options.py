@@ -1,7 +1,7 @@
 """Which command takes which option: the one place that knows the commands' names and arguments.
 
-Every training option is a field of a config section (flt_diag.vocab.config) and every grid option a field
-of SweepAxes, MapAxes or MapGrid (flt_diag.vocab.grid_options), each with its help, flag, bounds and
+Every training option is a field of a config section (flt_diag.config.run_config) and every grid option a field
+of SweepAxes, MapAxes or MapGrid (flt_diag.config.grid_options), each with its help, flag, bounds and
 choices. Each command's typed options are a pydantic model here (`TrainOptions`, `MapOptions`, ...): its
 own options (output folders, workers, ...) declared with `opt`, its positional arguments with `arg`, a
 grid command's grid inherited from the grid's model, and `config`, the config options given (flag dest ->
@@ -18,9 +18,9 @@ from typing import Annotated, Literal, Optional
 from pydantic import Field, create_model
 
 from flt_diag.results.fit_settings import FitSettings
-from flt_diag.vocab.config import OPTIONS, PRESETS, Option, options_of
-from flt_diag.vocab.grid_options import Loops, MapAxes, MapGrid, SweepAxes
-from flt_diag.vocab.option_fields import Items, Options, arg, fact, like, opt
+from flt_diag.config.run_config import OPTIONS, PRESETS, Option, options_of
+from flt_diag.config.grid_options import Loops, MapAxes, MapGrid, SweepAxes
+from flt_diag.config.option_fields import Items, Options, arg, fact, like, opt
 
 SECTION_TITLES = {"run": "preset", "model": "model", "train": "training", "diagnostics": "diagnostics",
                   "verdict": "verdict thresholds", "sweep": "sweep grid", "map": "map grid", "cli": "this command"}

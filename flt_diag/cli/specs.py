@@ -4,7 +4,7 @@ study file).
 The base config of the grid is settled once (flt_diag.training.settle.run_config) with the grid's first cell;
 SweepSpec and MapSpec take it as given and check every cell before anything runs. `settled=False`
 (for `--list`, which runs nothing) checks every option but loads no tokenizer. The grid's defaults are
-its fields' (flt_diag.vocab.grid_options), never repeated here.
+its fields' (flt_diag.config.grid_options), never repeated here.
 """
 from __future__ import annotations
 

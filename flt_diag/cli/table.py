@@ -14,7 +14,7 @@ HEADER = """# Command-line options
 
 Every option of `flt-diag train`, `run-ablation` and `map` (and the verdict thresholds of `summary
 --recompute`), with its default and meaning. The options come from one typed config
-(`flt_diag/vocab/config.py`, `flt_diag/vocab/grid_options.py`); which command takes which is `flt_diag/cli/options.py`. `flt-diag COMMAND
+(`flt_diag/config/run_config.py`, `flt_diag/config/grid_options.py`); which command takes which is `flt_diag/cli/options.py`. `flt-diag COMMAND
 --help` shows the same, grouped by config section.
 
 This file is generated: after changing an option, run `python -m flt_diag.cli.table` (a test fails

@@ -3,7 +3,7 @@ answers (flt_diag.data.tasks). The Trainer, the evaluation and the command line'
 check data here; batches of either kind come from flt_diag.data.batches.get_batch."""
 from __future__ import annotations
 
-from flt_diag.vocab.config import TASKS, replaced
+from flt_diag.config.run_config import TASKS, replaced
 from flt_diag.data.corpus import DataError, TokenData, load_tokens, resolve_corpus
 from flt_diag.data.tasks import TaskData, load_task, make_task
 

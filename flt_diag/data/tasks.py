@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flt_diag.vocab.config import TASKS
+from flt_diag.config.run_config import TASKS
 from flt_diag.data.corpus import DataError
 
 IGNORE_INDEX = -100  # a target that is not an answer token (F.cross_entropy's default ignore_index)

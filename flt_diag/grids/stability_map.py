@@ -39,15 +39,15 @@ from pydantic import model_validator
 from flt_diag.judge.map_boundaries import (AXES, CRITERIA, MAP_CSV, Line, MapLines, boundaries, bracket,
                                            probe_outcomes)
 from flt_diag.storage.folders import CELLS, StorageError, atomic_path, folder_lock, load_summary
-from flt_diag.vocab.config import RunConfig
-from flt_diag.vocab.grid_options import MapLinesGrid
+from flt_diag.config.run_config import RunConfig
+from flt_diag.config.grid_options import MapLinesGrid
 from flt_diag.grids.sweep import only, prepare_spec_folder, run_cell, write_summary
 from flt_diag.grids.worker_pool import interruptible, task, worker_setup
 from flt_diag.training.settle import comparable
 
 
 class MapSpec(MapLinesGrid, MapLines):
-    """What a map searches (its fields: flt_diag.vocab.grid_options.MapLinesGrid): lines (variants x loops x
+    """What a map searches (its fields: flt_diag.config.grid_options.MapLinesGrid): lines (variants x loops x
     seeds), one axis and its grid, the criteria. `base` is the RunConfig of line 0 (the axis field and
     each line's fields are replaced per probe). Every field is validated (pydantic) when it is made."""
 

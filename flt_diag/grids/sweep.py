@@ -29,12 +29,12 @@ from flt_diag.storage.folders import (BUSY, CELLS, ERROR, SWEEP_SPEC, StorageErr
 from flt_diag.storage.pooling import without_grid_fields
 from flt_diag.storage.schema import MAX_ITEMS
 from flt_diag.training.settle import comparable
-from flt_diag.vocab.config import RunConfig, validate, with_overrides
-from flt_diag.vocab.grid_options import SWEEP_GRID_FIELDS, SweepGrid
+from flt_diag.config.run_config import RunConfig, validate, with_overrides
+from flt_diag.config.grid_options import SWEEP_GRID_FIELDS, SweepGrid
 
 
 class SweepSpec(SweepGrid):
-    """The grid of a sweep (its fields: flt_diag.vocab.grid_options.SweepGrid) and the config its cells share.
+    """The grid of a sweep (its fields: flt_diag.config.grid_options.SweepGrid) and the config its cells share.
 
     `base` is the config of cell 0 (the first variant, loop count, seed and lr scale); every other
     cell differs from it only in those four fields. Construction validates every field (pydantic)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, ContextManager, Protocol
 
 from flt_diag.storage.folders import PROGRESS, MetricsWriter, write_json
-from flt_diag.vocab.config import RunConfig
+from flt_diag.config.run_config import RunConfig
 
 if TYPE_CHECKING:  # (types only: this base imports no torch)
     import torch

@@ -26,7 +26,7 @@ from flt_diag.instruments.callbacks import Callback
 from flt_diag.instruments.diagnostics import should_record
 from flt_diag.instruments import loop_dynamics as D
 from flt_diag.model.transformer import norm
-from flt_diag.vocab.config import DiagnosticsConfig
+from flt_diag.config.run_config import DiagnosticsConfig
 
 
 def due(step: int, every: int) -> bool:

@@ -15,7 +15,7 @@ from flt_diag.storage.cells import Cell
 from flt_diag.storage.file_models import MapSpecFile, Summary
 from flt_diag.storage.folders import CELLS, ERROR, StorageError, load_spec, load_summary
 from flt_diag.storage.predictor_names import COLLAPSE
-from flt_diag.vocab.variants import VARIANTS
+from flt_diag.config.variants import VARIANTS
 
 
 AXES = {"lr": "lr scale", "depth": "depth L"}

@@ -52,7 +52,7 @@ from flt_diag.storage import archive, metric_names as M
 from flt_diag.storage.file_models import RunConfigFile, Summary
 from flt_diag.storage.folders import (SUMMARY, load_config, load_metrics, load_summary, rewrite_record_summary, series,
                                      write_json)
-from flt_diag.vocab.config import RunConfig, VerdictConfig, with_overrides
+from flt_diag.config.run_config import RunConfig, VerdictConfig, with_overrides
 
 OSC_INDICES = ("cv", "mean_abs_dlog", "sign_alternation", "neg_cosine_share")
 

@@ -25,8 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from flt_diag.vocab.config import ModelConfig  # noqa: F401 (re-exported)
-from flt_diag.vocab.variants import VARIANTS  # noqa: F401 (re-exported)
+from flt_diag.config.run_config import ModelConfig  # noqa: F401 (re-exported)
+from flt_diag.config.variants import VARIANTS  # noqa: F401 (re-exported)
 
 
 

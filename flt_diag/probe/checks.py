@@ -18,8 +18,8 @@ import torch
 from flt_diag.storage.folders import CONFIG
 from flt_diag.instruments.callbacks import Callback
 from flt_diag.instruments.diagnostics import ProbeError
-from flt_diag.vocab.config import MAX_SEED, MAX_VOCAB, DiagnosticsConfig
-from flt_diag.vocab.variants import VARIANTS
+from flt_diag.config.run_config import MAX_SEED, MAX_VOCAB, DiagnosticsConfig
+from flt_diag.config.variants import VARIANTS
 
 # A step number is stored as a 64-bit integer and read back into float64 columns by the judges and the
 # figures: exact up to 2**53, so no step above it is taken (watch(steps=), step(step=)).
@@ -93,7 +93,7 @@ def check_watch(model, folder, *, loss, optimizer, callbacks, loop_boundary, dia
             or isinstance(loop_boundary, str) and loop_boundary == "manual"):
         raise ProbeError(f"loop_boundary= is a module whose forward ends each loop, or 'manual'; not {loop_boundary!r}")
     if diagnostics is not None and not isinstance(diagnostics, DiagnosticsConfig):
-        raise ProbeError(f"diagnostics= is a flt_diag.vocab.config.DiagnosticsConfig, not {_kind(diagnostics)}")
+        raise ProbeError(f"diagnostics= is a flt_diag.config.run_config.DiagnosticsConfig, not {_kind(diagnostics)}")
     if steps is not None:
         _whole("steps", steps, 1, MAX_STEP)
     _whole("seed", seed, 0, MAX_SEED)

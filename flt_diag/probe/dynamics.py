@@ -30,7 +30,7 @@ from flt_diag.instruments import loop_dynamics as D
 from flt_diag.instruments.callbacks import Callback
 from flt_diag.instruments.diagnostics import should_record
 from flt_diag.instruments.dynamics_callback import due
-from flt_diag.vocab.config import DiagnosticsConfig
+from flt_diag.config.run_config import DiagnosticsConfig
 
 LOOP_MAP = (M.LOOP_GAIN, M.LOOP_SPECTRAL_RADIUS, M.LOOP_SPECTRAL_RESIDUAL, M.LOOP_MEAN_GAIN)
 

@@ -14,7 +14,7 @@ from flt_diag.storage.folders import CONFIG, write_json
 from flt_diag.instruments.diagnostics import ProbeError
 from flt_diag.probe.model import head_count_of, vocab_size_of
 from flt_diag.instruments.records import StepLog, environment
-from flt_diag.vocab.config import ModelConfig, RunConfig, TrainConfig
+from flt_diag.config.run_config import ModelConfig, RunConfig, TrainConfig
 
 HYPERPARAMETERS = ("lr", "betas", "weight_decay", "momentum")
 MODEL_FIELDS = ("vocab_size", "n_layer", "n_embd", "n_head", "sequence_len", "variant", "loops")

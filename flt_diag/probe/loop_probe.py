@@ -29,7 +29,7 @@ from flt_diag.storage.file_models import Summary
 from flt_diag.instruments.diagnostics import DiagnosticsCallback, ProbeError, should_record
 from flt_diag.probe.model import called_blocks, check_untied, default_head, parameter_groups_of, resolve_blocks
 from flt_diag.instruments.warning_callback import CollapseWarning, predictor
-from flt_diag.vocab.config import DiagnosticsConfig
+from flt_diag.config.run_config import DiagnosticsConfig
 
 Blocks = Union[str, nn.Module, Sequence[nn.Module]]  # "auto", a module-path pattern, the modules, one module
 Head = Union[nn.Module, Callable[[Tensor], Tensor]]

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from flt_diag.instruments.callbacks import Callback
 from flt_diag.probe.loop_probe import Blocks, Head, LoopProbe
-from flt_diag.vocab.config import DiagnosticsConfig
+from flt_diag.config.run_config import DiagnosticsConfig
 
 __all__ = ["LoopProbe", "WatchOptions", "watch"]
 

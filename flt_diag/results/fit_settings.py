@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from flt_diag.storage.predictor_names import CLASS_WEIGHTS, FEATURES, TARGETS
-from flt_diag.vocab.option_fields import Items, Options, opt
+from flt_diag.config.option_fields import Items, Options, opt
 
 
 class FitSettings(Options):

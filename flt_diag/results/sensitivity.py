@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from flt_diag.judge.verdict import judged, residual_explosion, stored_config
-from flt_diag.vocab.config import with_overrides
+from flt_diag.config.run_config import with_overrides
 from flt_diag.results.tables import seed_table
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import load_config, load_metrics, load_summary, run_dirs, series

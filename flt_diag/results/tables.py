@@ -36,7 +36,7 @@ from flt_diag.storage.folders import (COLUMNS, CELLS, ERROR, METRICS, StorageErr
                       load_eval_loops, load_metrics, load_spec, load_summary, run_dirs, run_label, series)
 from flt_diag.storage.pooling import check_poolable
 from flt_diag.judge.summary_table import SUMMARY_COLUMNS, sweep_summary
-from flt_diag.vocab.variants import VARIANTS
+from flt_diag.config.variants import VARIANTS
 
 VARIANT_ORDER = list(VARIANTS)
 VERDICT_ORDER = ["stable", "unstable", "stalled", "collapsed", "diverged"]  # by severity (ties in a majority go to the worse)

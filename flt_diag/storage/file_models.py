@@ -1,7 +1,7 @@
 """What each kind of file flt-diag reads may hold, as pydantic models (flt_diag.storage.files loads with
 them). A field that is an option of the typed config is the config's own field (`like`), so a size read
 from a file obeys the same bounds as the command line; the config sections themselves are models too
-(flt_diag.vocab.config). Strict types, finite floats (unless a figure a run computed: a diverged run's
+(flt_diag.config.run_config). Strict types, finite floats (unless a figure a run computed: a diverged run's
 loss is NaN) and no unknown key, unless the model says `extra="allow"` (free-form metadata).
 
 Files whose content depends on the run that reads them (resume.pt, checkpoint.pt: the weights' shapes,
@@ -17,11 +17,11 @@ from pydantic import ConfigDict, Field, create_model, field_validator, model_val
 from pydantic_core import PydanticUndefined
 
 from flt_diag.storage.predictor_names import CLASS_WEIGHTS, FEATURES, TARGETS
-from flt_diag.vocab import option_fields
-from flt_diag.vocab.config import DiagnosticsConfig, ModelConfig, Preset, RunConfig, TrainConfig, VerdictConfig
-from flt_diag.vocab.grid_options import MAX_GRID, MapAxes, SweepAxes
-from flt_diag.vocab.option_fields import MAX_ITEMS, Ascending, Distinct, Items, Option, Options
-from flt_diag.vocab.variants import MAX_LOOPS
+from flt_diag.config import option_fields
+from flt_diag.config.run_config import DiagnosticsConfig, ModelConfig, Preset, RunConfig, TrainConfig, VerdictConfig
+from flt_diag.config.grid_options import MAX_GRID, MapAxes, SweepAxes
+from flt_diag.config.option_fields import MAX_ITEMS, Ascending, Distinct, Items, Option, Options
+from flt_diag.config.variants import MAX_LOOPS
 
 Verdict = Literal["stable", "unstable", "stalled", "collapsed", "diverged"]  # verdict v3 (flt_diag.judge.verdict)
 VERDICTS = get_args(Verdict)

@@ -1,7 +1,7 @@
 """Every kind of file flt-diag reads, and its one validating loader. A file may come from anywhere (a
 colleague's run folder, a downloaded checkpoint), so each is checked before anything is allocated or
 trained from it: its types, ranges and required fields, by its pydantic model (flt_diag.storage.file_models)
-whose fields that are options of the typed config (flt_diag.vocab.config) are the config's own fields.
+whose fields that are options of the typed config (flt_diag.config.run_config) are the config's own fields.
 A bad file is one `BadFile` line naming the file and the field; nothing is written.
 
     kind               file                          loader (its readers call it)
@@ -33,7 +33,7 @@ from flt_diag.storage import file_models as F
 from flt_diag.storage.file_models import EXAMPLE_IDENTITY, META_LOOP_KEYS, META_VARIANT_KEYS  # noqa: F401 (re-exported)
 from flt_diag.storage.predictor_names import PACKAGED
 from flt_diag.storage.schema import MAX_ITEMS, BadFile, bad, checked, dotted, one_line, read_json, read_text
-from flt_diag.vocab.config import ModelConfig, RunConfig
+from flt_diag.config.run_config import ModelConfig, RunConfig
 from flt_diag.storage.safe_files import regular_file
 
 # --------------------------------------------------------------------------- run config

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from flt_diag.storage.file_models import MapSpecFile
 from flt_diag.storage.folders import StorageError, is_sweep, load_spec
-from flt_diag.vocab.grid_options import SWEEP_GRID_FIELDS
+from flt_diag.config.grid_options import SWEEP_GRID_FIELDS
 
 
 def without_grid_fields(base, grid_fields: dict):

@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from flt_diag.vocab.config import TrainConfig
+from flt_diag.config.run_config import TrainConfig
 from flt_diag.model.transformer import LoopedTransformer, parameter_groups
 
 BETAS, EPS = (0.8, 0.95), 1e-10

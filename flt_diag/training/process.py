@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from flt_diag.vocab.config import RunConfig
+from flt_diag.config.run_config import RunConfig
 
 
 def start_process(cfg: RunConfig) -> tuple[torch.device, int, int]:

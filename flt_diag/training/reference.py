@@ -35,7 +35,7 @@ import torch
 
 from flt_diag.model.transformer import VARIANTS, LoopedTransformer, ModelConfig
 from flt_diag.training.checkpoint import save_weights
-from flt_diag.vocab.config import RunConfig, TrainConfig, padded_vocab
+from flt_diag.config.run_config import RunConfig, TrainConfig, padded_vocab
 from flt_diag.storage.files import META_LOOP_KEYS as LOOP_KEYS, META_VARIANT_KEYS as VARIANT_KEYS, check_reference_meta
 from flt_diag.storage.folders import CHECKPOINT, CONFIG, StorageError, read_json, write_json
 from flt_diag.storage.safe_files import open_regular

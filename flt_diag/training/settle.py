@@ -24,9 +24,9 @@ import re
 from pathlib import Path
 
 from flt_diag.instruments.warning_callback import predictor
-from flt_diag.vocab.config import (TASK_DIALS, TASKS, DiagnosticsConfig, RunConfig, TrainConfig, build_config,
+from flt_diag.config.run_config import (TASK_DIALS, TASKS, DiagnosticsConfig, RunConfig, TrainConfig, build_config,
                                    padded_vocab, sections_from, with_overrides)
-from flt_diag.vocab.option_fields import with_fact
+from flt_diag.config.option_fields import with_fact
 from flt_diag.data.corpus import DataError, get_tokenizer
 from flt_diag.data.sources import check_source
 

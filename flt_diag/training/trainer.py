@@ -29,7 +29,7 @@ from flt_diag.storage import metric_names as M
 from flt_diag.judge.verdict import summarize, tokens_per_step
 from flt_diag.instruments.callbacks import Callback, MetricsTable, Progress
 from flt_diag.training.checkpoint import Checkpoints, restore
-from flt_diag.vocab.config import RunConfig
+from flt_diag.config.run_config import RunConfig
 from flt_diag.data.batches import batch_generator, get_batch, stream_batch
 from flt_diag.data.corpus import DataError, TokenData
 from flt_diag.data.sources import describe, load_split

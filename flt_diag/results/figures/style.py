@@ -21,7 +21,7 @@ from matplotlib.lines import Line2D  # noqa: E402
 
 from flt_diag.results.tables import variant_rank  # noqa: E402
 from flt_diag.storage.folders import StorageError  # noqa: E402
-from flt_diag.vocab.variants import VARIANT_COLORS  # noqa: E402
+from flt_diag.config.variants import VARIANT_COLORS  # noqa: E402
 
 OTHER_COLOR = "#7f7f7f"
 VERDICT_COLORS = {"stable": "#a6d96a", "unstable": "#fee08b", "stalled": "#c2a5cf", "collapsed": "#fdae61",

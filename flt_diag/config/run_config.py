@@ -1,9 +1,9 @@
 """Every option of flt-diag, once: typed config sections (pydantic models) whose fields carry their
 help text, their bounds, their name on the command line where it is not the field's (an alias:
 `n_layer` is `--depth`), their choices (a Literal type) and the facts other layers read (set by
-settling, set per cell by a grid, volatile on resume), declared with `opt` (flt_diag.vocab.option_fields).
+settling, set per cell by a grid, volatile on resume), declared with `opt` (flt_diag.config.option_fields).
 
-The grids' own options (what a sweep or map runs over) are beside it in flt_diag.vocab.grid_options.
+The grids' own options (what a sweep or map runs over) are beside it in flt_diag.config.grid_options.
 The command line (flt_diag.cli, which also decides which command takes which option), the sweep and
 map specs and the study files are generated from these fields (`OPTIONS`). `build_config` builds a
 config and `replaced` changes one: a bad value raises one ConfigError (a ValueError) line naming the
@@ -21,9 +21,9 @@ from typing import Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from flt_diag.vocab.option_fields import (ConfigError, Option, Options, dotted, one_line, opt,  # noqa: F401
+from flt_diag.config.option_fields import (ConfigError, Option, Options, dotted, one_line, opt,  # noqa: F401
                                          options_of)
-from flt_diag.vocab.variants import MAX_LOOPS, Variant
+from flt_diag.config.variants import MAX_LOOPS, Variant
 
 
 # The synthetic tasks `--data` accepts beside corpora (flt_diag.data.tasks), each with the difficulty

@@ -1,4 +1,4 @@
-"""The options of the grids, beside flt_diag.vocab.config: what a sweep (`run-ablation`) and a stability map
+"""The options of the grids, beside flt_diag.config.run_config: what a sweep (`run-ablation`) and a stability map
 (`map`) run over, with their help, bounds and choices, declared once.
 
 The command line, the study files and the loaders of a grid folder's sweep.json (flt_diag.storage.files)
@@ -13,9 +13,9 @@ from typing import Annotated, Literal, get_args
 
 from pydantic import Field
 
-from flt_diag.vocab.option_fields import Ascending, Distinct, Items, Options, opt, with_fact
-from flt_diag.vocab.config import MAX_SEED, ModelConfig, TrainConfig
-from flt_diag.vocab.variants import MAX_LOOPS, VARIANTS, Variant
+from flt_diag.config.option_fields import Ascending, Distinct, Items, Options, opt, with_fact
+from flt_diag.config.run_config import MAX_SEED, ModelConfig, TrainConfig
+from flt_diag.config.variants import MAX_LOOPS, VARIANTS, Variant
 
 MapAxis = Literal["lr", "depth"]  # what a map varies: the lr scale, or the number L of distinct blocks
 Criterion = Literal["training", "collapse", "explosion"]  # how a probe counts as broken (judge.map_boundaries)
