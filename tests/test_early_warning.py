@@ -217,6 +217,14 @@ def test_predict_command_on_a_sweep(tmp_path, capsys):
     from flt_diag.storage.predictor_names import PACKAGED
     assert main(["predict", str(tmp_path / "sw"), "--at", "100", "--predictor", str(PACKAGED)]) == 0
     assert "not shown to beat a prior" in capsys.readouterr().out  # the packaged file named explicitly
+    # --at past every run (40 steps here): nothing left to predict, said with the longest run and a step to try
+    assert main(["predict", str(tmp_path / "sw"), "--at", "40", "--predictor", str(pred)]) == 0
+    out = capsys.readouterr().out
+    fitted = max(int(k) for k in json.loads(pred.read_text())["models"] if int(k) < 40)  # (the toy's last step)
+    assert "step 40: no finished cell has more than 40 steps" in out and \
+        f"longest finished one has 40: try --at {fitted})" in out
+    assert main(["predict", str(tmp_path / "sw"), "--at", str(fitted), "--predictor", str(pred)]) == 0
+    assert f"step {fitted}: agreement" in capsys.readouterr().out
 
 
 @pytest.fixture(scope="module")

@@ -252,3 +252,16 @@ def test_a_corpus_parquet_that_is_not_parquet_is_one_line_without_library_logs(t
     err = _stderr_lines(capsys)
     assert code == 2 and len(err) == 1 and err[0].startswith(f"error: data file {tmp_path / 'bad.parquet'} is not a "
                                                              "readable Parquet file"), err
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):
+    """`flt-diag ... | head -1`: the pipe closes under the command; it stops with no error line (141, as a
+    command killed by SIGPIPE), not 'error: Broken pipe'."""
+    import subprocess
+    import sys
+    script = ("import sys\nfrom flt_diag.cli.app import main\n"
+              "sys.exit(main(['variants']))\n")
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # (the reader is gone before the command writes)
+    err = p.stderr.read().decode()
+    assert p.wait() == 141 and "error" not in err, err

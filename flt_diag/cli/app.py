@@ -203,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
             sys.modules["flt_diag.cli.console"].progress_bar.close()
         print("interrupted; finished work is kept (re-run the same command to resume)", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except (UserError, ValueError, FileNotFoundError, PermissionError) as e:  # (StorageError, DataError: ValueErrors)
         if os.environ.get("FLT_DIAG_DEBUG"):
             raise

@@ -93,7 +93,8 @@ class StudyOptions(FolderOptions):
 
 class SummaryOptions(Given):
     paths: list[Path] = arg("A sweep or run folder; or several sweep folders of one setting, pooled (e.g. more "
-                            "seeds run later into folders of their own).", many=True)
+                            "seeds run later into folders of their own); or several run folders, side by side (a "
+                            "row each).", many=True)
     recompute: bool = opt(False, "Recompute every finished run's verdict and figures from its stored metrics (e.g. "
                           "with new verdict thresholds).")
     sensitivity: bool = opt(False, "Print the verdict's sensitivity table: on the stored runs, each threshold x0.5 "
@@ -159,13 +160,15 @@ class ArchiveOptions(Options):
 
 
 class ReportOptions(Options):
-    paths: list[Path] = arg("A sweep or map folder; or several sweep folders of one setting, pooled.", many=True)
+    paths: list[Path] = arg("A sweep or map folder; or several sweep folders of one setting, pooled; or several run "
+                            "folders, side by side.", many=True)
     out: Optional[Path] = opt(None, "HTML file [default: <sweep>/report.html].")
 
 
 class PlotOptions(Options):
     paths: list[Path] = arg(RUN_OR_SWEEP + " Several sweep folders of one setting are pooled (more seeds run later "
-                            "into folders of their own).", many=True)
+                            "into folders of their own); several run folders are drawn side by side (a line each).",
+                            many=True)
     out: Optional[Path] = opt(None, "Folder for the figures [default: <path>/figures, of the first path].")
     format: Items[Literal["png", "pdf", "svg"]] = opt(["png", "pdf"], "Formats.")
     figure: str = "all"  # (not an option: the `plot` subcommand's name)

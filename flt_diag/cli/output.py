@@ -66,10 +66,14 @@ def _agreement_text(a: dict, target: str) -> str:
             f"{a['false_alarms']} false alarms, {a['misses']} misses")
 
 
-def print_predictions_at(table: pd.DataFrame, step: int, target: str) -> None:
-    """`predict --at`: each cell's prediction at `step` beside its final verdict, and the agreement."""
+def print_predictions_at(table: pd.DataFrame, step: int, target: str, longest: int = 0,
+                         try_at: int | None = None) -> None:
+    """`predict --at`: each cell's prediction at `step` beside its final verdict, and the agreement; with no
+    cell that ran past `step` (nothing left to predict there), the longest finished cell's steps and `try_at`,
+    the predictor's last fitted step before it."""
     if table.empty:
-        print(f"step {step}: no finished cell has more than {step} steps")
+        hint = f" (the longest finished one has {longest}" + (f": try --at {try_at})" if try_at else ")") if longest else ""
+        print(f"step {step}: no finished cell has more than {step} steps, so there is nothing left to predict{hint}")
         return
     for r in table.itertuples():
         print(f"{r.cell:28s} step {step}: P({target}) {r.p_collapse:.2f} -> {'WARN' if r.predicted else 'ok':4s} | "

@@ -6,6 +6,7 @@ below are what the sweep's summary.csv, the CLI, the report, the figures and ana
     SUMMARY_COLUMNS   the one list of summary columns (summary.json keys, per run)
     sweep_summary     one row per finished cell (the sweep's summary.csv)
     pooled_summary    sweep_summary of several sweeps of one setting (more seeds run later), as one table
+    side_by_side_summary  the same rows for several run folders given side by side (a row each)
     summary_table     one row per (lr scale, variant, loops, depth) cell of the grid, seeds aggregated
     seed_table        the same from sweep_summary's rows (finished runs only; what `summary` prints)
     results_table     summary_table as the report's text table (TABLE_COLUMNS: display name -> column)
@@ -20,6 +21,7 @@ Works on a sweep still in progress: unfinished runs have `summary` None and stat
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -147,8 +149,14 @@ def collect(path, metrics: list[str] | None = None) -> Study:
     one setting is pooled (`check_poolable`): a cell and seed run in two of them counts once, the first
     folder's; the study's path and spec are the first folder's.
 
+    Several run folders (or run records), e.g. flt_diag.watch runs of two configurations, are laid side by
+    side instead (`side_by_side`): every run its own cell, labelled as `_labelled` says.
+
     Raises StorageError for a path that is neither, or one with no metrics recorded yet."""
     if isinstance(path, (list, tuple)):
+        if side_by_side(path):
+            runs = [run for p in path for run in collect(p, metrics).runs]
+            return Study(Path(path[0]), sorted(_labelled(runs), key=Run.sort_key))
         if len(path) > 1:
             return _pooled_study([Path(p) for p in path], metrics)
         path = path[0]
@@ -177,6 +185,39 @@ def _pooled_study(paths: list[Path], metrics) -> Study:
                 seen.add(key)
                 runs.append(run)
     return Study(paths[0], sorted(runs, key=Run.sort_key), load_spec(paths[0]))
+
+
+def side_by_side(paths) -> bool:
+    """Whether several paths are run folders (or run records) to lay side by side, rather than sweeps to pool;
+    a mix of the two is refused (StorageError, one line)."""
+    paths = [Path(p) for p in paths]
+    if missing := next((p for p in paths if not p.exists()), None):
+        raise StorageError(f"no such folder: {missing}")
+    runs = [not is_sweep(p) and (is_run(p) or archive.is_record(p)) for p in paths]
+    if len(paths) > 1 and any(runs) and not all(runs):
+        raise StorageError(f"{paths[runs.index(True)]} is a run folder and {paths[runs.index(False)]} is not: give run "
+                           "folders (laid side by side) or sweep folders of one setting (pooled), not both")
+    return len(paths) > 1 and all(runs)
+
+
+def _labelled(runs: list[Run]) -> list[Run]:
+    """Runs given side by side, each labelled (its `variant`, the colour and row it gets) by its variant, or by
+    its folder's name where the variant says nothing (a model of one's own: "own") or would not tell it from
+    another run given (the same variant, K, depth, width, seed and lr scale); by its path where names repeat."""
+    def identity(r: Run) -> tuple:
+        return r.variant, r.loops, r.depth, r.width, r.seed, r.lr_scale
+
+    same, names = Counter(map(identity, runs)), Counter(r.name for r in runs)
+    return [r if r.variant != "own" and same[identity(r)] == 1 else
+            dataclasses.replace(r, variant=r.name if names[r.name] == 1 else str(r.path)) for r in runs]
+
+
+def side_by_side_summary(paths) -> pd.DataFrame:
+    """sweep_summary's rows for run folders given side by side: one per finished run, labelled as in `collect`,
+    compared with the others as a sweep's runs are."""
+    rows = [{**s.model_dump(), "cell": r.name, "variant": r.variant, "depth": r.depth, "width": r.width}
+            for r in collect(list(paths), []).runs if (s := r.summary) is not None]
+    return compare_runs(pd.DataFrame(rows, columns=SUMMARY_COLUMNS + ["depth", "width"]))
 
 
 def concat(frames: list[pd.DataFrame], columns: list[str]) -> pd.DataFrame:

@@ -46,8 +46,17 @@ def style():
         yield
 
 
+# Colours of labels that are no variant (runs laid side by side, labelled by folder: results.tables._labelled),
+# none of VARIANT_COLORS' (seaborn's "dark" palette but its grey, which reads as FLT's black); each new label
+# takes the next, in the order first drawn.
+LABEL_COLORS = [c for c in sns.color_palette("dark").as_hex() if c != "#3c3c3c"]
+_LABELS: dict[str, str] = {}
+
+
 def variant_color(variant: str) -> str:
-    return VARIANT_COLORS.get(variant, OTHER_COLOR)
+    if variant in VARIANT_COLORS:
+        return VARIANT_COLORS[variant]
+    return _LABELS.setdefault(variant, LABEL_COLORS[len(_LABELS) % len(LABEL_COLORS)])
 
 
 def variants(df: pd.DataFrame) -> list[str]:
