@@ -208,3 +208,21 @@ def test_many_seeds_are_drawn_solid_and_never_dotted_like_sigma_max(tmp_path):
     assert sorted(v for line in dotted for v in line.get_ydata()) == sorted(sigma.value)
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
     assert f"{len(seeds)} seeds, one solid line each" in labels and not any(t.startswith("seed ") for t in labels)
+
+
+def test_a_figure_left_out_of_a_watched_run_names_what_watch_takes_not_a_flag(tmp_path):
+    """The hints of figures without data name CLI flags (--attention-stats, eval-loops) that a flt_diag.watch
+    user cannot set: for runs of flt_diag.watch (config.json's `probe` entry) they say what applies there."""
+    import json
+    from flt_diag.results.figures import render
+    cli_run, watched = make_run(tmp_path / "cli", "lt", 3), make_run(tmp_path / "mine", "lt", 3)
+    cfg = json.loads((watched / "config.json").read_text())
+    (watched / "config.json").write_text(json.dumps({**cfg, "probe": {"model": "Looped"}}))
+    from flt_diag.results.figures import FIGURES
+    cli_study, watched_study = collect(cli_run), collect(watched)
+    skipped_cli, skipped_watched = render(cli_study, ["loops"])[1], render(watched_study, ["loops"])[1]
+    assert "eval-loops` first" in skipped_cli["loops"] and "flt-diag's own models only" in skipped_watched["loops"]
+    attention = FIGURES["attention"]
+    assert "--attention-stats" in attention.why_empty(cli_study)
+    assert "does not record attention" in attention.why_empty(watched_study)
+    assert "--" not in attention.why_empty(watched_study)

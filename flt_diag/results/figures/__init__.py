@@ -40,13 +40,18 @@ class Figure:
     empty: str = "no data"  # why there is nothing to draw, when `data` returns an empty table
     order: int = 100
     applies: Callable[[Study], bool] = lambda study: True
+    empty_watched: str | None = None  # the same for runs of flt_diag.watch, where `empty` names flags they lack
+
+    def why_empty(self, study: Study) -> str:
+        watched = bool(study.runs) and all(r.config.probe is not None for r in study.runs)
+        return self.empty_watched if watched and self.empty_watched else self.empty
 
     def table(self, study: Study) -> pd.DataFrame:
         if not self.applies(study):
-            raise NoData(f"{self.name}: {self.empty}")
+            raise NoData(f"{self.name}: {self.why_empty(study)}")
         df = self.data(study)
         if df.empty:
-            raise NoData(f"{self.name}: nothing to draw ({self.empty})")
+            raise NoData(f"{self.name}: nothing to draw ({self.why_empty(study)})")
         return df
 
     def figure(self, study: Study):

@@ -102,4 +102,5 @@ register(Figure("weights", "parameter norms and update ratios per group kind aga
                 empty="no param_norm or update_ratio recorded", order=82))
 register(Figure("attention", "attention entropy by (loop, layer) at the last recorded step, per run",
                 (M.ATTN_ENTROPY,), attention_data, draw_attention,
-                empty="no attn_entropy recorded (train with --attention-stats)", order=83))
+                empty="no attn_entropy recorded (train with --attention-stats)", order=83,
+                empty_watched="no attn_entropy recorded: flt_diag.watch does not record attention statistics"))
