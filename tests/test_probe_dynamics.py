@@ -1,6 +1,7 @@
 """The loop dynamics through flt_diag.watch on a looped model flt-diag did not write
 (flt_diag.probe.dynamics): each record against an independent computation from the loop-end
 streams a separate forward hook captures, and the training trajectory unchanged by them."""
+import json
 import numpy as np
 import pytest
 import torch
@@ -210,3 +211,52 @@ def test_a_stream_that_is_not_batch_seq_dim_skips_those_records(tmp_path, capsys
     assert (df.metric == M.FIXED_POINT_RESIDUAL).any()
     assert not (df.metric == M.TOKEN_COSINE).any() and not (df.metric == M.EXIT_LOSS).any()
     assert capsys.readouterr().err.count("is not (batch, seq, dim)") == 1
+
+
+class AttentionCell(nn.Module):
+    """A loop map through torch's own attention layer, whose fast CPU kernel has no forward-mode AD."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(D, 2, 2 * D, dropout=0.0, batch_first=True)
+
+    def forward(self, h):
+        return self.layer(h)
+
+
+def test_spectral_radius_through_torchs_attention_layer_against_the_jacobian(tmp_path):
+    """torch.func's jvp fails on the fast CPU attention kernel (forward-mode AD not implemented): the probe
+    computes the records under math attention, and the radius equals the exact Jacobian's."""
+    torch.manual_seed(0)
+    model = PlainLoop(loops=3)
+    model.cell = AttentionCell()
+    weights = []
+    orig = model.forward
+
+    def forward(x):
+        weights.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        return orig(x)
+    model.forward = forward
+    _, streams = run(tmp_path / "a", model, steps=1, loop_step=model.step)
+    df = load_metrics(tmp_path / "a")
+    check = PlainLoop(loops=3)
+    check.cell = AttentionCell()
+    check.load_state_dict(weights[0])
+    h = streams[0][0][:1]
+    J = torch.autograd.functional.jacobian(check.step, h).reshape(h.numel(), h.numel())
+    assert value(df, 0, M.LOOP_SPECTRAL_RADIUS, 2) == pytest.approx(float(torch.linalg.eigvals(J.double()).abs().max()),
+                                                                   rel=1e-3)
+
+
+def test_a_loop_step_that_fails_is_said_once_and_the_training_goes_on(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = PlainLoop(loops=3)
+
+    def broken(h):
+        raise RuntimeError("shapes do not match\nmore detail")
+    losses, _ = run(tmp_path / "b", model, steps=3, loop_step=broken)
+    err = capsys.readouterr().err
+    assert len(losses) == 3 and err.count("loop_step= failed") == 1 and "RuntimeError: shapes do not match" in err
+    df = load_metrics(tmp_path / "b")
+    assert not (df.metric == M.LOOP_GAIN).any() and (df.metric == M.FIXED_POINT_RESIDUAL).any()
+    assert json.loads((tmp_path / "b" / "summary.json").read_text())["steps_done"] == 3

@@ -135,13 +135,20 @@ class ProbeDynamics(Callback):
         device = states[0].device
         gen = torch.Generator(device=device).manual_seed(step)
         devices = [device.index or 0] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), torch.autocast(device.type, enabled=False), torch.no_grad():
-            rows = []
-            for h in states[:-1]:
-                rho, res = D.spectral_radius(self.loop_step, h, self.cfg.krylov_dim, gen)
-                rows.append((D.loop_map_gain(self.loop_step, h, self.cfg.dynamics_iters, gen), rho, res,
-                             D.mean_gain(self.loop_step, h, self.cfg.perturbation_dirs, gen)))
-            growth = D.perturbation_growth(self.loop_step, states, self.cfg.perturbation_dirs, gen)
+        try:  # (math attention etc.: D.transparent; torch's fast CPU attention has no forward-mode AD)
+            with torch.random.fork_rng(devices=devices), torch.autocast(device.type, enabled=False), \
+                    torch.no_grad(), D.transparent():
+                rows = []
+                for h in states[:-1]:
+                    rho, res = D.spectral_radius(self.loop_step, h, self.cfg.krylov_dim, gen)
+                    rows.append((D.loop_map_gain(self.loop_step, h, self.cfg.dynamics_iters, gen), rho, res,
+                                 D.mean_gain(self.loop_step, h, self.cfg.perturbation_dirs, gen)))
+                growth = D.perturbation_growth(self.loop_step, states, self.cfg.perturbation_dirs, gen)
+        except (RuntimeError, NotImplementedError) as e:  # the user's loop map failed under torch.func: say so once,
+            self.loop_step = None                          # record none from now on, and let the training go on
+            self._say("loop-map", f"loop_step= failed under torch.func jvp/vjp ({type(e).__name__}: "
+                      f"{(str(e).splitlines() or [''])[0][:160]}): no loop-map records from here on")
+            return
         loops = range(2, len(states) + 1)
         for i, metric in enumerate(LOOP_MAP):
             trainer.log.add_vector([(metric, t, M.NONE) for t in loops],
