@@ -73,8 +73,7 @@ class SweepSpec(SweepGrid):
 def cell_config(base: RunConfig, cell: Cell, **train_overrides) -> RunConfig:
     """The base config with the cell's variant, loops, seed and lr scale (and any extra train fields)."""
     model = dict(variant=cell.variant, loops=cell.loops, **({} if cell.depth is None else {"n_layer": cell.depth}))
-    cfg = with_overrides(base, model=model,
-                         train=dict(seed=cell.seed, lr_scale=cell.lr_scale, **train_overrides))
+    cfg = with_overrides(base, model=model, train=dict(seed=cell.seed, lr_scale=cell.lr_scale, **train_overrides))
     validate(cfg)
     return cfg
 
@@ -92,11 +91,11 @@ def prepare_spec_folder(out: Path, new: dict, what: str, grid_fields: dict) -> N
         old = load_folder_spec(out).as_written()  # checked: a damaged spec is one line, never compared field by field
         refuse_links(out / CELLS, out)  # a linked cells/ would train every cell elsewhere
 
-        def same(k):
-            return without_grid_fields(old.get(k), grid_fields) == without_grid_fields(new[k], grid_fields) if k == "base" \
-                else old.get(k) == new[k]
-        if not all(same(k) for k in new):
-            keys = [k for k in new if not same(k)]
+        def differs(k):
+            return without_grid_fields(old.get(k), grid_fields) != without_grid_fields(new[k], grid_fields) if k == "base" \
+                else old.get(k) != new[k]
+        keys = [k for k in new if differs(k)]
+        if keys:
             raise StorageError(f"{out} holds a {'map' if old.get('kind') == 'map' else 'sweep'} with a different "
                                f"spec (differs in: {', '.join(keys)}); use another --out, or the original options")
         return

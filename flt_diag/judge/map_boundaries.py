@@ -76,12 +76,8 @@ def bracket(known: dict[int, bool], n: int) -> tuple[int, int, bool]:
 
 def probe_outcomes(spec: MapLines, out: Path, line: Line, criterion: str) -> dict[int, bool]:
     """Outcomes of the line's finished probes under one criterion, from their summary.json."""
-    known = {}
-    for i, value in enumerate(spec.grid):
-        s = load_summary(Path(out) / CELLS / spec.cell(line, value).name)
-        if s is not None:
-            known[i] = CRITERIA[criterion](s)
-    return known
+    summaries = {i: load_summary(Path(out) / CELLS / spec.cell(line, value).name) for i, value in enumerate(spec.grid)}
+    return {i: CRITERIA[criterion](s) for i, s in summaries.items() if s is not None}
 
 
 def spec_from_folder(out: Path) -> MapSpecFile:

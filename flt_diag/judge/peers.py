@@ -76,10 +76,8 @@ def peer_flags(df: pd.DataFrame, peers: list[str], noise: pd.Series, n: pd.Serie
     same = [k for k in peers if k != "loops"]
     one = df.assign(_v=finite, _n=n)[df.loops == 1].drop_duplicates(["variant", *same]).set_index(["variant", *same])
     at_one = pd.MultiIndex.from_frame(df[["variant", *same]])
-    val_one = one._v.reindex(at_one).to_numpy()
     n_one = one._n.reindex(at_one).to_numpy()
-    gain = pd.Series(val_one, index=df.index) - finite
-    gain = gain.where(df.loops != 1)
+    gain = (pd.Series(one._v.reindex(at_one).to_numpy(), index=df.index) - finite).where(df.loops != 1)
     one_margin = pd.Series([peer_margin(s, a, b, scale) for s, a, b in zip(noise, n, n_one)], index=df.index)
     return pd.DataFrame(dict(behind_margin=margin, behind=behind, loop_gain=gain,
                              no_loop_gain=(gain <= one_margin).fillna(False).astype(bool)), index=df.index)

@@ -104,16 +104,13 @@ def dense_oscillation(grad_norm: pd.Series, cosine: pd.Series | None, dense_step
 
 @quiet
 def windowed_oscillation(grad_norm: pd.Series, cosine: pd.Series | None, window: int) -> pd.DataFrame:
-    """Oscillation indices per window of steps [start, start + window)."""
-    if grad_norm.empty:
-        return pd.DataFrame(columns=["start", "end", *OSC_INDICES])
+    """Oscillation indices per window of steps [start, start + window) (each holds a stored step)."""
     rows = []
     for start in window_starts(grad_norm.index.to_numpy(), window):
         g = grad_norm[(grad_norm.index >= start) & (grad_norm.index < start + window)]
         c = cosine[(cosine.index >= start) & (cosine.index < start + window)] if cosine is not None else None
-        if len(g):
-            rows.append(dict(start=start, end=start + window - 1, **oscillation_indices(g, c)))
-    return pd.DataFrame(rows)
+        rows.append(dict(start=start, end=start + window - 1, **oscillation_indices(g, c)))
+    return pd.DataFrame(rows, columns=["start", "end", *OSC_INDICES])
 
 
 def window_starts(steps, window: int, end: int | None = None) -> list[int]:
