@@ -73,10 +73,8 @@ class HFTokenizer:
             raise DataError("Hugging Face tokenizers need `pip install tokenizers`") from e
         self.name = name_or_path
         try:
-            if Path(name_or_path).exists():
-                self.tok = Tokenizer.from_file(name_or_path)
-            else:
-                self.tok = Tokenizer.from_file(_hub_file(name_or_path, "tokenizer.json"))
+            local = Path(name_or_path).exists()
+            self.tok = Tokenizer.from_file(name_or_path if local else _hub_file(name_or_path, "tokenizer.json"))
         except Exception as e:
             raise DataError(f"cannot load tokenizer {name_or_path!r}: {str(e).splitlines()[0]}") from e
         self.vocab_size = self.tok.get_vocab_size()
@@ -147,13 +145,9 @@ HUB_CORPORA = {
 }
 
 
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
 def stdlib_files(split: str) -> list[Path]:
     """The interpreter's standard-library .py files (site-packages excluded), split by file."""
-    root = stdlib_root()
+    root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts)
     return [p for p in files if _in_split(str(p.relative_to(root)), split)]
 
@@ -222,10 +216,7 @@ def iter_documents(spec: CorpusSpec, split: str) -> Iterator[str]:
     if spec.data_files:
         kwargs["data_files"] = spec.data_files
     try:
-        if spec.splits is not None:
-            ds = datasets.load_dataset(spec.path, split=spec.splits[split], **kwargs)
-        else:
-            ds = datasets.load_dataset(spec.path, split="train", **kwargs)
+        ds = datasets.load_dataset(spec.path, split="train" if spec.splits is None else spec.splits[split], **kwargs)
     except Exception as e:
         raise DataError(f"cannot load {spec.path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
     n = 0
@@ -245,10 +236,6 @@ def iter_documents(spec: CorpusSpec, split: str) -> Iterator[str]:
 
 
 # --------------------------------------------------------------------------- token cache
-
-def cache_root() -> Path:
-    return Path(os.environ.get("FLT_DIAG_CACHE", Path.home() / ".cache" / "flt-diag"))
-
 
 @dataclass
 class TokenData:
@@ -284,8 +271,7 @@ def _documents(data: str, split: str) -> Iterator[str]:
         yield from iter_documents(spec, split)
 
 
-def _tokenize_to_file(data: str, tok, split: str, out: Path, max_tokens: int | None) -> int:
-    dtype = np.uint8 if tok.vocab_size <= 256 else np.uint16 if tok.vocab_size <= 65536 else np.uint32
+def _tokenize_to_file(data: str, tok, split: str, out: Path, max_tokens: int | None, dtype) -> int:
     n = 0
     with atomic_path(out) as tmp, open(tmp, "wb") as f:
         for doc in _documents(data, split):
@@ -307,17 +293,18 @@ def load_tokens(data: str = "stdlib", tokenizer: str = "bytes", split: str = "tr
     if split not in ("train", "val"):
         raise DataError(f"split must be train or val, got {split!r}")
     tok = get_tokenizer(tokenizer)
-    folder = cache_root() / "tokens" / _cache_key(data, tokenizer, max_tokens)
+    cache = Path(os.environ.get("FLT_DIAG_CACHE", Path.home() / ".cache" / "flt-diag"))
+    folder = cache / "tokens" / _cache_key(data, tokenizer, max_tokens)
     meta_path = folder / "meta.json"
     if not meta_path.exists():
         folder.mkdir(parents=True, exist_ok=True)
+        dtype = np.uint8 if tok.vocab_size <= 256 else np.uint16 if tok.vocab_size <= 65536 else np.uint32
         meta = {"data": data, "tokenizer": tokenizer, "vocab_size": tok.vocab_size}
         for s in ("train", "val"):
             meta[f"{s}_tokens"] = _tokenize_to_file(data, tok, s, folder / f"{s}.bin",
-                                                    max_tokens if s == "train" else None)
+                                                    max_tokens if s == "train" else None, dtype)
             if meta[f"{s}_tokens"] < 2:
                 raise DataError(f"{data}: the {s} split has no text")
-        dtype = np.uint8 if tok.vocab_size <= 256 else np.uint16 if tok.vocab_size <= 65536 else np.uint32
         meta["dtype"] = np.dtype(dtype).name
         train = np.memmap(folder / "train.bin", dtype=dtype, mode="r")
         meta["unigram_entropy"] = unigram_entropy(train, tok.vocab_size)

@@ -21,9 +21,8 @@ def check_source(data: str, tokenizer: str, cfg=None) -> None:
     """DataError (one line) when `data` cannot be read as configured, found before anything runs;
     with the run's config, a task's dials are checked against its sequence length too."""
     if data in TASKS:
-        train = replaced(cfg.train, data=data, sampling="random") if cfg is not None else None
-        if train is not None:
-            make_task(train, cfg.model.sequence_len)
+        if cfg is not None:
+            make_task(replaced(cfg.train, data=data, sampling="random"), cfg.model.sequence_len)
         elif tokenizer != "bytes":
             raise DataError(f"--data {data} is written in bytes; use --tokenizer bytes (got {tokenizer})")
         return

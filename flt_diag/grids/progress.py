@@ -37,11 +37,9 @@ class SweepMonitor:
         self.out, self.steps, self.enabled = out, steps, enabled
         self.weight = {c: c.loops * (c.depth or 1) * steps for c in cells}
         self.estimated, self.first = False, None  # first: (elapsed s, work) at the first progress reported
-        self.done_work = sum(self.weight[c] for c in cells if cell_status(out, c) == "done")
+        done = [c for c in cells if cell_status(out, c) == "done"]
+        self.done_work, self.n_done, self.n_cells = sum(self.weight[c] for c in done), len(done), len(cells)
         self.running: dict[Cell, int] = {}
-        self.results: dict[Cell, str] = {}
-        self.n_done = len(cells) - sum(cell_status(out, c) != "done" for c in cells)
-        self.n_cells = len(cells)
         self.bar = None
         if enabled:
             self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[cells]}"),
@@ -73,7 +71,6 @@ class SweepMonitor:
 
     def finish(self, cell: Cell, result: str) -> None:
         self.running.pop(cell, None)
-        self.results[cell] = result
         self.done_work += self.weight[cell]
         self.n_done += 1
         if self.bar is not None:

@@ -61,10 +61,6 @@ class MapSpec(MapLinesGrid, MapLines):
             raise ValueError(f"the map implements the axes {', '.join(AXES)} and criteria {', '.join(CRITERIA)}")
         return self
 
-    @property
-    def base_lr_scale(self) -> float:
-        return float(self.base.train.lr_scale)
-
     def to_dict(self) -> dict:
         return dict(kind="map", variants=self.variants, loops=self.loops, seeds=self.seeds, axis=self.axis,
                     grid=list(self.grid), criteria=self.criteria, base=comparable(self.base.to_dict()))
@@ -136,14 +132,11 @@ def prepare_map_folder(spec: MapSpec, out: Path) -> None:
 
 def _line_search_worker(spec_dict: dict, line: Line, out: str, probe_ends: bool = False) -> str:
     with task():
-        spec = _spec_from_dict(spec_dict, RunConfig.from_dict(spec_dict["base_full"]))
+        spec = MapSpec(RunConfig.from_dict(spec_dict["base_full"]),
+                       *(spec_dict[k] for k in ("variants", "loops", "seeds", "axis", "grid", "criteria")))
         search_line(spec, Path(out), line, run_cell, report=lambda text: print(text, flush=True),
                     probe_ends=probe_ends)
     return line.name
-
-
-def _spec_from_dict(d: dict, base) -> MapSpec:
-    return MapSpec(base, d["variants"], d["loops"], d["seeds"], d["axis"], d["grid"], d["criteria"])
 
 
 def run_map(spec: MapSpec, out: Path, workers: int = 1, only_line: int | None = None,
@@ -156,25 +149,21 @@ def run_map(spec: MapSpec, out: Path, workers: int = 1, only_line: int | None = 
     if out.exists() and not out.is_dir():
         raise StorageError(f"{out} exists and is a file, not a map folder; use another --out")
     with (folder_lock(out, "map", root=out) if only_line is None else nullcontext()):  # (out may be a link)
-        return _run_map(spec, out, workers, only_line, runner, report, probe_ends)
-
-
-def _run_map(spec, out, workers, only_line, runner, report, probe_ends=False) -> pd.DataFrame:
-    prepare_map_folder(spec, out)
-    lines = only(spec.lines(), only_line, " (one per line)")
-    if runner is not None or workers <= 1 or len(lines) <= 1:
-        for line in lines:
-            search_line(spec, out, line, runner or run_cell, report, probe_ends)
-    else:
-        spec_dict = {**spec.to_dict(), "base_full": spec.base.to_dict()}
-        pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=worker_setup,
-                                   initargs=(os.getpid(),))
-        with interruptible(pool):  # Ctrl-C (or kill -INT of this process alone) stops the workers too
-            for name in pool.map(_line_search_worker, [spec_dict] * len(lines), lines, [str(out)] * len(lines),
-                                 [probe_ends] * len(lines)):
-                report(f"{name}: searched")
-    write_summary(out)
-    table = boundaries(out)
-    with atomic_path(out / MAP_CSV) as tmp:
-        table.to_csv(tmp, index=False)
-    return table
+        prepare_map_folder(spec, out)
+        lines = only(spec.lines(), only_line, " (one per line)")
+        if runner is not None or workers <= 1 or len(lines) <= 1:
+            for line in lines:
+                search_line(spec, out, line, runner or run_cell, report, probe_ends)
+        else:
+            spec_dict = {**spec.to_dict(), "base_full": spec.base.to_dict()}
+            pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=worker_setup,
+                                       initargs=(os.getpid(),))
+            with interruptible(pool):  # Ctrl-C (or kill -INT of this process alone) stops the workers too
+                for name in pool.map(_line_search_worker, [spec_dict] * len(lines), lines, [str(out)] * len(lines),
+                                     [probe_ends] * len(lines)):
+                    report(f"{name}: searched")
+        write_summary(out)
+        table = boundaries(out)
+        with atomic_path(out / MAP_CSV) as tmp:
+            table.to_csv(tmp, index=False)
+        return table

@@ -73,8 +73,7 @@ class SweepSpec(SweepGrid):
 def cell_config(base: RunConfig, cell: Cell, **train_overrides) -> RunConfig:
     """The base config with the cell's variant, loops, seed and lr scale (and any extra train fields)."""
     model = dict(variant=cell.variant, loops=cell.loops, **({} if cell.depth is None else {"n_layer": cell.depth}))
-    cfg = with_overrides(base, model=model,
-                         train=dict(seed=cell.seed, lr_scale=cell.lr_scale, **train_overrides))
+    cfg = with_overrides(base, model=model, train=dict(seed=cell.seed, lr_scale=cell.lr_scale, **train_overrides))
     validate(cfg)
     return cfg
 
@@ -92,11 +91,11 @@ def prepare_spec_folder(out: Path, new: dict, what: str, grid_fields: dict) -> N
         old = load_folder_spec(out).as_written()  # checked: a damaged spec is one line, never compared field by field
         refuse_links(out / CELLS, out)  # a linked cells/ would train every cell elsewhere
 
-        def same(k):
-            return without_grid_fields(old.get(k), grid_fields) == without_grid_fields(new[k], grid_fields) if k == "base" \
-                else old.get(k) == new[k]
-        if not all(same(k) for k in new):
-            keys = [k for k in new if not same(k)]
+        def differs(k):
+            return without_grid_fields(old.get(k), grid_fields) != without_grid_fields(new[k], grid_fields) if k == "base" \
+                else old.get(k) != new[k]
+        keys = [k for k in new if differs(k)]
+        if keys:
             raise StorageError(f"{out} holds a {'map' if old.get('kind') == 'map' else 'sweep'} with a different "
                                f"spec (differs in: {', '.join(keys)}); use another --out, or the original options")
         return
@@ -162,7 +161,30 @@ def run_sweep(spec: SweepSpec, out: Path, workers: int = 1, only_cell: int | Non
         raise StorageError(f"{out} exists and is a file, not a sweep folder; use another --out")
     # (`out` is the user's own choice and may be a link; a link below it is refused)
     with (folder_lock(out, "sweep", root=out) if only_cell is None else contextlib.nullcontext()):
-        return _run_sweep(spec, out, workers, only_cell, show_progress)
+        prepare_folder(spec, out)
+        cells = only(spec.cells(), only_cell)
+        for cell in cells:  # a cell that is a link is refused before anything trains (one line)
+            refuse_links(out / CELLS / cell.name, out)
+        todo = [c for c in cells if cell_status(out, c) != "done"]
+        base = spec.base.to_dict()
+        if workers <= 0:
+            workers = auto_workers(base["train"]["device"])
+        monitor = SweepMonitor(out, cells, spec.base.train.steps, show_progress)
+        try:
+            if workers <= 1 or len(todo) <= 1:
+                for cell in todo:
+                    monitor.start(cell)
+                    result = run_cell(base, cell, str(out), progress=lambda info, c=cell: monitor.update(c, info))
+                    monitor.finish(cell, result)
+                    if only_cell is not None and result.startswith(BUSY_RESULT):
+                        raise StorageError(f"cell {cell.index} ({cell.name}) is already being run by another "
+                                           "process; wait for it to finish or stop it")
+                    write_summary(out)
+            else:
+                run_parallel(base, longest_first(todo), out, workers, monitor, run_cell, lambda: write_summary(out))
+        finally:
+            monitor.close()
+        return write_summary(out)
 
 
 def only(items: list, index: int | None, what: str = "") -> list:
@@ -172,33 +194,6 @@ def only(items: list, index: int | None, what: str = "") -> list:
     if not 0 <= index < len(items):
         raise ValueError(f"--cell must be in 0..{len(items) - 1}{what}, got {index}")
     return [items[index]]
-
-
-def _run_sweep(spec, out, workers, only_cell, show_progress) -> pd.DataFrame:
-    prepare_folder(spec, out)
-    cells = only(spec.cells(), only_cell)
-    for cell in cells:  # a cell that is a link is refused before anything trains (one line)
-        refuse_links(out / CELLS / cell.name, out)
-    todo = [c for c in cells if cell_status(out, c) != "done"]
-    base = spec.base.to_dict()
-    if workers <= 0:
-        workers = auto_workers(base["train"]["device"])
-    monitor = SweepMonitor(out, cells, spec.base.train.steps, show_progress)
-    try:
-        if workers <= 1 or len(todo) <= 1:
-            for cell in todo:
-                monitor.start(cell)
-                result = run_cell(base, cell, str(out), progress=lambda info, c=cell: monitor.update(c, info))
-                monitor.finish(cell, result)
-                if only_cell is not None and result.startswith(BUSY_RESULT):
-                    raise StorageError(f"cell {cell.index} ({cell.name}) is already being run by another process; "
-                                       "wait for it to finish or stop it")
-                write_summary(out)
-        else:
-            run_parallel(base, longest_first(todo), out, workers, monitor, run_cell, lambda: write_summary(out))
-    finally:
-        monitor.close()
-    return write_summary(out)
 
 
 def longest_first(cells: list[Cell]) -> list[Cell]:

@@ -57,16 +57,13 @@ def _interrupt_once(signum, frame):
     raise KeyboardInterrupt
 
 
-def worker_setup(parent_pid: int) -> None:
-    """In a worker process of a grid's pool: die with the parent, handle an interrupt once."""
+def worker_setup(parent_pid: int, gpu_queue=None) -> None:
+    """In a worker process of a grid's pool: die with the parent, handle an interrupt once, take a GPU
+    from `gpu_queue` (where given)."""
     die_with_parent(parent_pid)
     if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # (a parent started with SIGINT ignored, as `cmd &`
         # in a non-interactive shell or under `trap '' INT` does: its workers ignore it too)
         signal.signal(signal.SIGINT, _interrupt_once)
-
-
-def _worker_init(gpu_queue, parent_pid):
-    worker_setup(parent_pid)
     if gpu_queue is not None:
         os.environ["FLT_DIAG_DEVICE"] = f"cuda:{gpu_queue.get()}"
 
@@ -97,7 +94,7 @@ def run_parallel(base, todo, out, workers, monitor, run_cell: Callable, on_cell_
         threads = None
     else:
         threads = max(1, (os.cpu_count() or 1) // workers)
-    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=(gpu_queue, os.getpid()))
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=worker_setup, initargs=(os.getpid(), gpu_queue))
     with interruptible(pool):
         pending = {}
         queue = list(todo)

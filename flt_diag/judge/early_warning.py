@@ -35,7 +35,6 @@ flt_diag/judge/early_warning.json ships with the package.
 from __future__ import annotations
 
 import math
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +44,7 @@ from flt_diag.storage.predictor_names import FEATURES, PACKAGED, TARGETS  # noqa
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.file_models import Summary
 from flt_diag.storage.folders import load_config, load_metrics, load_summary, run_dirs, series
+from flt_diag.judge.verdict import quiet
 
 SMOOTH = 50
 
@@ -91,15 +91,10 @@ def features(df: pd.DataFrame, at: int, loops: int, n_layer: int, d_model: int) 
     return features_at(RunSeries(df, loops, n_layer), at, d_model)
 
 
+@quiet
 def features_at(run: RunSeries, at: int, d_model: int) -> dict:
     """The features at step `at` (from rows with step < at) of a run's pre-indexed series; a value that
     overflows (a metric of 1e308) is NaN, without numpy's warnings."""
-    with warnings.catch_warnings(), np.errstate(all="ignore"):
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return _features_at(run, at, d_model)
-
-
-def _features_at(run: RunSeries, at: int, d_model: int) -> dict:
     W = max(2, min(100, at // 2))
     lo = at - W
     final, first = _window(run.final, lo, at), _window(run.first, lo, at)
@@ -133,7 +128,6 @@ def run_features(run_dir: Path, at: int) -> dict:
     return features(load_metrics(run_dir), at, m.loops, m.n_layer, m.n_embd)
 
 
-
 def label(summary: Summary, kind: str = "fails") -> int:
     verdicts, rebound = TARGETS[kind]
     return int(summary.verdict in verdicts or rebound and bool(summary.evidence.transient_rebound))
@@ -151,15 +145,10 @@ def sigmoid(z):
     return 1.0 / (1.0 + np.exp(-np.clip(z, -60, 60)))
 
 
+@quiet  # an all-NaN column, a +-1e308 one: no numpy noise
 def design(rows: list[dict], features: list[str], mean=None,
            std=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     X = np.array([[r.get(f, math.nan) for f in features] for r in rows], dtype=float).reshape(len(rows), len(features))
-    with warnings.catch_warnings(), np.errstate(all="ignore"):  # an all-NaN column, a +-1e308 one: no numpy noise
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return _standardised(X, features, mean, std)
-
-
-def _standardised(X, features, mean, std):
     if mean is None:
         mean = np.nanmean(np.where(np.isfinite(X), X, np.nan), axis=0) if len(X) else np.zeros(len(features))
         mean = np.where(np.isfinite(mean), mean, 0.0)
@@ -172,25 +161,16 @@ def _standardised(X, features, mean, std):
 
 def labelled_runs(sources) -> list[Path]:
     """Finished runs (summary.json) of the given run or sweep folders."""
-    out = []
-    for src in sources:
-        out += [d for d in run_dirs(Path(src)) if load_summary(d) is not None]
-    return out
-
-
-def model_at(predictor: dict, step: int) -> tuple[int, dict] | None:
-    fitted = sorted(int(s) for s in predictor["models"])
-    usable = [s for s in fitted if s <= step]
-    return (usable[-1], predictor["models"][str(usable[-1])]) if usable else None
+    return [d for src in sources for d in run_dirs(Path(src)) if load_summary(d) is not None]
 
 
 def probability(predictor: dict, feats: dict, step: int) -> tuple[float, list[tuple[str, float]]]:
     """P(collapse) at `step` and each feature's contribution to the logit (largest first)."""
-    found = model_at(predictor, step)
-    if found is None:
+    usable = [s for s in sorted(map(int, predictor["models"])) if s <= step]
+    if not usable:
         raise ValueError(f"the predictor is fitted from step {min(map(int, predictor['models']))} on; "
                          f"step {step} is too early")
-    _, m = found
+    m = predictor["models"][str(usable[-1])]
     names = predictor["features"]
     Z, _, _ = design([feats], names, np.array(m["mean"]), np.array(m["std"]))
     contrib = Z[0] * np.array(m["coef"])
@@ -240,13 +220,12 @@ def first_warning(df: pd.DataFrame, predictor: dict, loops: int, n_layer: int, d
     from the predictor's first fitted step), the first step where P reaches the threshold (None if
     never), that P and its evidence, and the largest P of all checks."""
     threshold = predictor.get("threshold", 0.5) if threshold is None else threshold
-    first = min(int(s) for s in predictor["models"])
-    start = -(-first // every) * every  # the first multiple of `every` at or after the first fitted step
+    fitted = [int(s) for s in predictor["models"]]
+    start = -(-min(fitted) // every) * every  # the first multiple of `every` at or after the first fitted step
     run = RunSeries(df, loops, n_layer)
     # bounded by the metrics stored (a summary's steps_done may say anything): no check past the last row,
     # and only the checks whose windows differ from the check before are computed
     checks = range(start, min(int(steps_done), run.last_step + 1) + 1, every)
-    fitted = [int(s) for s in predictor["models"]]
     p_max, out = 0.0, dict(warned_at=None, p_warn=math.nan, evidence="")
     for at in changing_checks(run, checks, fitted):
         feats = features_at(run, at, d_model)

@@ -48,6 +48,10 @@ class MapLines:
     """The lines and probe cells of a map (variants, loops, seeds, axis and grid given by the class
     that uses it: grids.stability_map.MapSpec, or a spec read back from a folder)."""
 
+    @property
+    def base_lr_scale(self) -> float:
+        return float(self.base.train.lr_scale)
+
     def lines(self) -> list[Line]:
         grid = [(k, s, v) for s in self.seeds for k in self.loops for v in self.variants]
         return [Line(i, v, k, s) for i, (k, s, v) in enumerate(grid)]
@@ -72,12 +76,8 @@ def bracket(known: dict[int, bool], n: int) -> tuple[int, int, bool]:
 
 def probe_outcomes(spec: MapLines, out: Path, line: Line, criterion: str) -> dict[int, bool]:
     """Outcomes of the line's finished probes under one criterion, from their summary.json."""
-    known = {}
-    for i, value in enumerate(spec.grid):
-        s = load_summary(Path(out) / CELLS / spec.cell(line, value).name)
-        if s is not None:
-            known[i] = CRITERIA[criterion](s)
-    return known
+    summaries = {i: load_summary(Path(out) / CELLS / spec.cell(line, value).name) for i, value in enumerate(spec.grid)}
+    return {i: CRITERIA[criterion](s) for i, s in summaries.items() if s is not None}
 
 
 def spec_from_folder(out: Path) -> MapSpecFile:
@@ -144,10 +144,6 @@ class _FolderSpec(MapLines):
         self.base, self.variants, self.loops, self.seeds = d.base, d.variants, d.loops, d.seeds
         self.axis, self.grid, self.criteria = d.axis, d.grid, d.criteria
 
-    @property
-    def base_lr_scale(self) -> float:
-        return float(self.base.train.lr_scale)
-
 
 def critical_values(out: Path) -> pd.DataFrame:
     """Per (criterion, variant, loops): the boundary over seeds (median, min, max) as a table row,
@@ -165,9 +161,8 @@ def critical_values(out: Path) -> pd.DataFrame:
             text = f"< {g.first_broken.min():g}"
         else:
             text = ", ".join(f"{bd:.3g}" if st == "found" else st for st, bd in zip(g.status, g.boundary))
-        rows.append(dict(criterion=criterion, variant=variant, loops=loops, median=found.median() if len(found) else math.nan,
-                         low=found.min() if len(found) else math.nan, high=found.max() if len(found) else math.nan,
-                         seeds=len(g), text=text))
+        rows.append(dict(criterion=criterion, variant=variant, loops=loops, median=found.median(), low=found.min(),
+                         high=found.max(), seeds=len(g), text=text))  # (NaN where none was found)
     return pd.DataFrame(rows)
 
 

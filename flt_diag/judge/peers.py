@@ -76,10 +76,8 @@ def peer_flags(df: pd.DataFrame, peers: list[str], noise: pd.Series, n: pd.Serie
     same = [k for k in peers if k != "loops"]
     one = df.assign(_v=finite, _n=n)[df.loops == 1].drop_duplicates(["variant", *same]).set_index(["variant", *same])
     at_one = pd.MultiIndex.from_frame(df[["variant", *same]])
-    val_one = one._v.reindex(at_one).to_numpy()
     n_one = one._n.reindex(at_one).to_numpy()
-    gain = pd.Series(val_one, index=df.index) - finite
-    gain = gain.where(df.loops != 1)
+    gain = (pd.Series(one._v.reindex(at_one).to_numpy(), index=df.index) - finite).where(df.loops != 1)
     one_margin = pd.Series([peer_margin(s, a, b, scale) for s, a, b in zip(noise, n, n_one)], index=df.index)
     return pd.DataFrame(dict(behind_margin=margin, behind=behind, loop_gain=gain,
                              no_loop_gain=(gain <= one_margin).fillna(False).astype(bool)), index=df.index)
@@ -105,17 +103,14 @@ def compare_variants(df: pd.DataFrame, peers: list[str], noise: pd.Series | None
     return pd.concat([df, peer_flags(df, peers, noise, n, margin_scale)], axis=1)
 
 
-def _move_after(df: pd.DataFrame, anchor: str, column: str, kind: str = "Int64") -> pd.DataFrame:
-    values = df.pop(column).astype(kind)
-    df.insert(df.columns.get_loc(anchor) + 1, column, values)
-    return df
-
-
 def compare_runs(df: pd.DataFrame, margin_scale: float = 1.0) -> pd.DataFrame:
     """Per-run rows (`depth` and `width` columns anywhere) compared per run: same loops, depth, width, seed
     and lr scale; the seed noise is pooled over the seeds of the other variants' cells in the table.
     depth and width are moved after loops."""
-    df = _move_after(_move_after(df.copy(), "loops", "depth"), "depth", "width").reset_index(drop=True)
+    df = df.copy()
+    for anchor, column in (("loops", "depth"), ("depth", "width")):
+        _insert_after(df, anchor, column, df.pop(column).astype("Int64"))
+    df = df.reset_index(drop=True)
     cell = ["variant", *[k for k in RUN_PEERS if k != "seed"]]
     val = pd.to_numeric(df.val_loss, errors="coerce").astype(float)
     val = val.where(np.isfinite(val))

@@ -30,20 +30,10 @@ def sweep_summary(out: Path) -> pd.DataFrame:
         s = load_summary(d)
         if s is None:
             continue
-        row = s.model_dump()  # (a field an older summary lacks: None)
-        rows.append({"cell": name, **{k: row[k] for k in SUMMARY_COLUMNS if k != "cell"}, "depth": run_depth(d),
-                     "width": run_width(d)})
+        row, model = s.model_dump(), load_config(d).model  # (a field an older summary lacks: None)
+        rows.append({"cell": name, **{k: row[k] for k in SUMMARY_COLUMNS if k != "cell"}, "depth": model.n_layer,
+                     "width": model.n_embd})  # the run's number of blocks L and its width d
     return compare_runs(pd.DataFrame(rows, columns=SUMMARY_COLUMNS + ["depth", "width"]))
-
-
-def run_depth(run_dir: Path) -> int | None:
-    """The run's number of blocks L (n_layer of its config.json)."""
-    return load_config(run_dir).model.n_layer
-
-
-def run_width(run_dir: Path) -> int | None:
-    """The run's width d (n_embd of its config.json)."""
-    return load_config(run_dir).model.n_embd
 
 
 def write_summary(out: Path) -> pd.DataFrame:

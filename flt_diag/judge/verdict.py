@@ -104,16 +104,13 @@ def dense_oscillation(grad_norm: pd.Series, cosine: pd.Series | None, dense_step
 
 @quiet
 def windowed_oscillation(grad_norm: pd.Series, cosine: pd.Series | None, window: int) -> pd.DataFrame:
-    """Oscillation indices per window of steps [start, start + window)."""
-    if grad_norm.empty:
-        return pd.DataFrame(columns=["start", "end", *OSC_INDICES])
+    """Oscillation indices per window of steps [start, start + window) (each holds a stored step)."""
     rows = []
     for start in window_starts(grad_norm.index.to_numpy(), window):
         g = grad_norm[(grad_norm.index >= start) & (grad_norm.index < start + window)]
         c = cosine[(cosine.index >= start) & (cosine.index < start + window)] if cosine is not None else None
-        if len(g):
-            rows.append(dict(start=start, end=start + window - 1, **oscillation_indices(g, c)))
-    return pd.DataFrame(rows)
+        rows.append(dict(start=start, end=start + window - 1, **oscillation_indices(g, c)))
+    return pd.DataFrame(rows, columns=["start", "end", *OSC_INDICES])
 
 
 def window_starts(steps, window: int, end: int | None = None) -> list[int]:
@@ -188,11 +185,6 @@ def stall_evidence(final: float, unigram_entropy: float | None, recovery_abs: fl
 MIN_DIFFERENCES = 20  # a window with fewer recorded consecutive-step differences is not judged
 
 
-def oscillation_span_end(steps: int, warmdown_frac: float) -> int:
-    """The first step the oscillation index leaves out: the warm-down start, steps - round(frac * steps)."""
-    return steps - round(warmdown_frac * steps)
-
-
 def log_differences(grad_norm: pd.Series, end: int) -> pd.Series:
     """log g(t+1) - log g(t), indexed by t, for each pair of recorded consecutive steps t, t+1 < end with a
     finite positive gradient norm at both."""
@@ -236,16 +228,12 @@ def warmdown_start(steps: int, warmdown_frac: float) -> int:
     return min(steps - round(warmdown_frac * steps), steps - 1)
 
 
-def milestone_steps(steps: int, warmdown_frac: float) -> list[int]:
-    """Steps at which the reference logs train/loss_std and train/grad_norm_std (see the module doc)."""
-    return sorted({0, warmdown_start(steps, warmdown_frac), steps - 1})
-
-
 def milestone_stds(loss: pd.Series, grad_norm: pd.Series, steps: int, warmdown_frac: float) -> list[dict]:
     """[{step, loss_std, grad_norm_std}] per milestone reached: population std (ddof 0) of the
-    series over (previous milestone, this milestone]; NaN where a window holds a non-finite value."""
+    series over (previous milestone, this milestone]; NaN where a window holds a non-finite value. The
+    milestones are the steps at which the reference logs train/loss_std and train/grad_norm_std."""
     out, prev = [], -1
-    for m in milestone_steps(steps, warmdown_frac):
+    for m in sorted({0, warmdown_start(steps, warmdown_frac), steps - 1}):
         lw = loss[(loss.index > prev) & (loss.index <= m)].to_numpy(dtype=float)
         gw = grad_norm[(grad_norm.index > prev) & (grad_norm.index <= m)].to_numpy(dtype=float)
         if not len(lw) or int(loss.index.max()) < m:
@@ -285,8 +273,8 @@ def judged(df: pd.DataFrame, cfg, unigram_entropy: float | None, prediction: dic
     v = cfg.verdict
     name, evidence = verdict(series(df, M.LOSS), unigram_entropy, v.smooth_window, v.rebound_abs, v.rebound_rel,
                              v.recovery_abs, v.recovery_rel, stall_scale)
-    index = oscillation_index(series(df, M.GRAD_NORM), oscillation_span_end(cfg.train.steps, cfg.train.warmdown_frac),
-                              v.osc_window, v.osc_dlog_threshold)
+    span_end = cfg.train.steps - round(cfg.train.warmdown_frac * cfg.train.steps)  # the warm-down start
+    index = oscillation_index(series(df, M.GRAD_NORM), span_end, v.osc_window, v.osc_dlog_threshold)
     windows = index.pop("osc_dlog_windows")
     evidence = {**evidence, **{k: x for k, x in index.items() if k != "oscillating"}}
     if prediction is not None:  # the run was ended early by the collapse predictor (--stop-on-collapse)
