@@ -1,6 +1,10 @@
-"""The public API is typed (flt_diag/py.typed): mypy finds no error in typed user code written against it
-(tests/typing/user_code.py: watch, LoopProbe, the results, the callbacks), and reports each misuse in
-tests/typing/misuse.py (a keyword of the wrong type), so that the check can fail."""
+"""The public API is typed (flt_diag/py.typed), checked by mypy in one run (one subprocess, its cache in a
+temporary folder): no error in flt-diag's own public modules (the package's __init__, probe/, integrations/,
+the callback moments and the step record of instruments/: PUBLIC), nor in typed user code written against it
+(tests/typing/user_code.py: watch, LoopProbe, the results, the callbacks), nor in tests/typing/hosts.py (flt-diag's
+Trainer and the probe's stand-in are each the callbacks' Host); and each misuse in tests/typing/misuse.py (a
+keyword of the wrong type) is reported, so that the check can fail. --follow-imports=silent: what the checked
+files import is read for its types, its own errors are not reported."""
 import os
 import re
 import subprocess
@@ -11,6 +15,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 HERE = REPO / "tests" / "typing"
+PUBLIC = ("flt_diag/__init__.py", "flt_diag/probe/", "flt_diag/integrations/", "flt_diag/instruments/callbacks.py",
+          "flt_diag/instruments/records.py")
 
 
 @pytest.fixture(scope="session")
@@ -19,14 +25,24 @@ def mypy_report(tmp_path_factory) -> str:
     cache = tmp_path_factory.mktemp("mypy-cache")
     env = {**os.environ, "MYPYPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-m", "mypy", "--follow-imports=silent", "--cache-dir", str(cache),
-                           "--no-error-summary", "--show-error-codes", str(HERE / "user_code.py"),
-                           str(HERE / "misuse.py")], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+                           "--no-error-summary", "--show-error-codes", *PUBLIC,
+                           *(str(HERE / name) for name in ("user_code.py", "hosts.py", "misuse.py"))],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode in (0, 1), proc.stderr
     return proc.stdout
 
 
 def test_typed_user_code_has_no_error(mypy_report):
     assert "user_code.py" not in mypy_report, mypy_report
+
+
+def test_the_public_modules_have_no_error(mypy_report):
+    errors = [line for line in mypy_report.splitlines() if line.startswith("flt_diag") and ": error:" in line]
+    assert not errors, "\n".join(errors)
+
+
+def test_the_trainer_and_the_probe_are_the_callbacks_host(mypy_report):
+    assert "hosts.py" not in mypy_report, mypy_report
 
 
 def test_each_misuse_is_reported(mypy_report):

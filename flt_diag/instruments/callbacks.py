@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, ContextManager, Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from flt_diag.storage.folders import PROGRESS, MetricsWriter, write_json
 from flt_diag.config.run_config import RunConfig
@@ -25,45 +26,50 @@ from flt_diag.config.run_config import RunConfig
 if TYPE_CHECKING:  # (types only: this base imports no torch)
     import torch
 
+    from flt_diag.instruments.records import StepLog
+    from flt_diag.storage.file_models import Summary
 
-class Trainer(Protocol):
-    """What a callback may use of the running flt_diag.training.trainer.Trainer, which has all of it. A
-    Protocol: the Trainer imports its callbacks, so importing it here, even for types only, would close
-    an import circle (tests/test_layers.py)."""
 
-    cfg: RunConfig
-    run_dir: Path
-    model: "torch.nn.Module"
-    optimizers: "list[torch.optim.Optimizer]"
-    device: "torch.device"
-    log: object  # the step's metric log (flt_diag.instruments.records.StepLog: add, add_vector)
-    val_data: object
-    callbacks: list["Callback"]
-    is_main: bool
-    start_step: int
-    steps_done: int
-    wall_time: float
-    last_loss: float
-    stop_reason: str | None
-    prediction: dict | None
+class Host(Protocol):
+    """What the shared callbacks (flt_diag.instruments: diagnostics, loop dynamics, early warning) read of the
+    loop they run in: flt-diag's Trainer (flt_diag.training.trainer.Trainer) and the probe's stand-in
+    (flt_diag.probe.folder.Host) both are one, structurally (tests/typing/hosts.py). A Protocol: instruments
+    import nothing of training/ or probe/, even for types only (tests/test_layers.py). Read-only: a callback
+    reads these, and asks for the end of the run only through `request_stop`. The callbacks only the Trainer
+    runs (MetricsTable, Progress, ExternalSinks, evaluation, checkpoints) read more of it (steps_done, elapsed,
+    optimizers, ...): their `trainer` is left unannotated (a wider type there would not override these moments).
+
+    `cfg` is None on the probe until its first step has been recorded (the run's shape is known then): a
+    callback reading it before on_start checks for None (LoopDynamicsCallback; DiagnosticsCallback is given
+    its grad_scale by the probe)."""
+
+    @property
+    def model(self) -> "torch.nn.Module": ...
+    @property
+    def cfg(self) -> RunConfig | None: ...
+    @property
+    def run_dir(self) -> Path: ...
+    @property
+    def log(self) -> "StepLog": ...  # the step's metric log (add, add_vector), collected into rows
+    @property
+    def is_main(self) -> bool: ...  # rank 0 (the probe: always)
+    @property
+    def start_step(self) -> int: ...  # the first step of this session (> 0: a resumed run)
 
     def request_stop(self, reason: str, prediction: dict | None = None) -> None: ...
-    def elapsed(self) -> float: ...
-    def emit(self, step: int, rows: list[tuple]) -> None: ...
-    def autocast(self) -> ContextManager: ...
 
 
 class Callback:
-    def on_start(self, trainer: "Trainer") -> None: ...
-    def before_step(self, trainer: "Trainer", step: int) -> None: ...
-    def after_backward(self, trainer: "Trainer", step: int) -> None: ...
-    def after_clip(self, trainer: "Trainer", step: int) -> None: ...
-    def after_step(self, trainer: "Trainer", step: int) -> None: ...
-    def on_rows(self, trainer: "Trainer", step: int, rows: list[tuple]) -> None: ...
-    def on_step_end(self, trainer: "Trainer", step: int) -> None: ...
-    def on_finish(self, trainer: "Trainer", step: int) -> None: ...
-    def on_end(self, trainer: "Trainer") -> None: ...
-    def on_summary(self, trainer: "Trainer", summary: dict) -> None: ...
+    def on_start(self, trainer: Host) -> None: ...
+    def before_step(self, trainer: Host, step: int) -> None: ...
+    def after_backward(self, trainer: Host, step: int) -> None: ...
+    def after_clip(self, trainer: Host, step: int) -> None: ...
+    def after_step(self, trainer: Host, step: int) -> None: ...
+    def on_rows(self, trainer: Host, step: int, rows: Sequence[tuple]) -> None: ...
+    def on_step_end(self, trainer: Host, step: int) -> None: ...
+    def on_finish(self, trainer: Host, step: int) -> None: ...
+    def on_end(self, trainer: Host) -> None: ...
+    def on_summary(self, trainer: Host, summary: "Summary") -> None: ...
     def state_dict(self) -> dict: return {}
     def load_state_dict(self, state: dict) -> None: ...
 
@@ -78,7 +84,7 @@ class MetricsTable(Callback):
     `flush_every` steps and before each resume checkpoint (so that resume.pt never points past the
     stored rows), and at the end. A resumed run first drops the rows after its checkpoint."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.writer: MetricsWriter | None = None
 
     def on_start(self, trainer) -> None:

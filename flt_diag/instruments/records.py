@@ -11,7 +11,7 @@ from importlib.metadata import version
 from typing import NamedTuple
 
 import numpy
-import pandas
+import pandas  # type: ignore[import-untyped]  # (pandas ships no types; pandas-stubs is no dependency)
 import torch
 
 from flt_diag.storage import metric_names as M
@@ -43,7 +43,7 @@ def environment(device: torch.device) -> dict:
 class StepLog:
     """Scalars of one step, kept on the device until `collect` (one host transfer)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.keys: list[tuple[str, int, int]] = []
         self.values: list[torch.Tensor] = []
 

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from flt_diag.probe.watch import WatchOptions
 
 try:
-    import accelerate  # noqa: F401  (the Trainer needs it)
+    import accelerate  # type: ignore[import-untyped]  # noqa: F401  (the Trainer needs it; accelerate ships no types)
     from transformers import TrainerCallback
 except ImportError:
     raise needs_extra("hf", "hf-trainer", "transformers>=4.40 and accelerate") from None

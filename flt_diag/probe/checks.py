@@ -37,7 +37,7 @@ def _real(x) -> bool:
 
 
 def _whole(name: str, x, low: int, high: int) -> None:
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or not low <= x <= high:
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or not low <= int(x) <= high:
         raise ProbeError(f"watch({name}={x!r}): an integer from {low} to {high:,} is expected"
                          if isinstance(x, numbers.Integral) and not isinstance(x, bool)
                          else f"watch({name}=...): an integer is expected, not {_kind(x)}")
@@ -54,7 +54,7 @@ def learning_rate(optimizer) -> float:
     lr = groups[0].get("lr") if isinstance(groups[0], Mapping) else None
     if torch.is_tensor(lr) and lr.numel() == 1 and not lr.is_complex() and not lr.is_meta:
         lr = float(lr)
-    if not _real(lr):
+    if lr is None or not _real(lr):
         raise ProbeError(f"optimizer= ({type(optimizer).__name__}): its first parameter group holds no learning rate "
                          f"(a number under 'lr', found {_kind(lr)})")
     return float(lr)

@@ -30,6 +30,7 @@ from flt_diag.instruments import loop_dynamics as D
 from flt_diag.instruments.callbacks import Callback
 from flt_diag.instruments.diagnostics import should_record
 from flt_diag.instruments.dynamics_callback import due
+from flt_diag.instruments.records import StepLog
 from flt_diag.config.run_config import DiagnosticsConfig
 
 LOOP_MAP = (M.LOOP_GAIN, M.LOOP_SPECTRAL_RADIUS, M.LOOP_SPECTRAL_RESIDUAL, M.LOOP_MEAN_GAIN)
@@ -44,7 +45,7 @@ class ProbeDynamics(Callback):
         self.cfg, self.head, self.loop_step, self.targets_of = cfg, head, loop_step, targets
         self.said: set[str] = set()
         self.recording = self.exit = self.costly = False
-        self.log = None
+        self.log: StepLog | None = None  # the step's, from before_step on
         self._reset()
 
     def _reset(self) -> None:
@@ -86,11 +87,13 @@ class ProbeDynamics(Callback):
             self._say("targets", f"targets of shape {tuple(targets.shape)} do not fit the loop-end stream "
                                  f"{tuple(h.shape)} (one target per position): exit_loss is not recorded")
             return
+        assert self.log is not None and self.head is not None  # (scored only with head=, while recording)
         self.log.add(M.EXIT_LOSS, D.exit_loss(h, self.head, targets.to(h.device)), loop, M.NONE)
 
     def _loop_end(self, loop: int, stream: torch.Tensor) -> None:
         if not self.recording:
             return
+        assert self.log is not None  # (recording: before_step set it)
         h = stream.detach()
         with torch.no_grad():
             if self.h_prev is not None:
@@ -127,6 +130,7 @@ class ProbeDynamics(Callback):
         states, self.states = self.states, []
         if not (self.costly and len(states) >= 2):
             return
+        assert self.loop_step is not None  # (costly: only with loop_step=)
         if len({s.shape for s in states}) > 1:
             self._say("loop-map", "the loop-end streams change shape from loop to loop: no loop-map records")
             return

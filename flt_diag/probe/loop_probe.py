@@ -26,7 +26,7 @@ from flt_diag.probe.folder import Host, probe_run_config, recipe, write_probe_co
 from flt_diag.probe.checks import check_watch, leave_no_trace, lets_go_on_refusal, one_loss, step_arguments
 from flt_diag.probe.results import EarlyWarning
 from flt_diag.storage.file_models import Summary
-from flt_diag.instruments.diagnostics import DiagnosticsCallback, ProbeError, should_record
+from flt_diag.instruments.diagnostics import DiagnosticsCallback, LoopHooks, ProbeError, should_record
 from flt_diag.probe.model import called_blocks, check_untied, default_head, parameter_groups_of, resolve_blocks
 from flt_diag.instruments.warning_callback import CollapseWarning, predictor
 from flt_diag.config.run_config import DiagnosticsConfig
@@ -37,6 +37,10 @@ Head = Union[nn.Module, Callable[[Tensor], Tensor]]
 
 class LoopProbe:
     """Diagnostics attached from outside to `model` (see the module docstring and `watch`)."""
+
+    hooks: LoopHooks | None  # the diagnostics' hooks on the blocks (None: not attached yet, or let go)
+    shape: tuple[int, ...] | None  # the first recorded stream's shape (None before the first training forward)
+    loops_seen: Counter[int]  # loop count -> the training forwards that ran it
 
     def __init__(self, model: nn.Module, blocks: Blocks = "auto", folder: str | os.PathLike[str] = "runs/probe", *,
                  head: Head | None = None, loss: Callable[[Any], Any] | None = None,
@@ -103,7 +107,7 @@ class LoopProbe:
         self.hooks = self.diag.hooks
         self.hooks.listeners.append(self._first_shape)
         self.hooks.on_forward_end.append(self._count_loops)
-        self.hooks.refuse = lambda error: self.__exit__(type(error), error, None) or error  # (let go, then raise)
+        self.hooks.refuse = self._let_go  # (let go, then raise)
         if self.own_dynamics is not None:
             self.own_dynamics.attach(self.hooks)
         if self.grad_hooks:
@@ -170,6 +174,11 @@ class LoopProbe:
                 self.writer.flush()
             self._detach()
 
+    def _let_go(self, error: BaseException) -> BaseException:
+        """A refusal raised inside the model's forward (LoopHooks.refuse): the probe lets go first."""
+        self.__exit__(type(error), error, None)
+        return error
+
     # ------------------------------------------------------------------ hooks
     def _reset_step(self) -> None:
         self._began = self._backward_done = False
@@ -196,6 +205,7 @@ class LoopProbe:
             if self.own_dynamics is not None:
                 self.own_dynamics.begin(args, kwargs)
             if found:  # (the LoopHooks' own pre-hook came too late for this forward)
+                assert self.hooks is not None  # (_find_blocks attached them)
                 self.hooks._start(module, args)
 
     @lets_go_on_refusal
@@ -236,6 +246,7 @@ class LoopProbe:
             pre = torch.stack([self._pre[i] if i in self._pre else torch.linalg.vector_norm(p.grad.detach()).float()
                                for i, p in enumerate(self.params) if p.grad is not None])
             pre = torch.linalg.vector_norm(pre)
+            assert norm is not None  # (grads: their norm)
             self.diag.unclip = pre / norm.float().clamp_min(1e-30)
             norm = pre
         self.diag.after_backward(self.host, self.step_index)
