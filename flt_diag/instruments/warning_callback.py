@@ -78,10 +78,10 @@ class CollapseWarning(Callback):
         df = pd.DataFrame(self.rows, columns=["step", "metric", "loop", "layer", "value"])
         feats = features(df, done, self.loops, self.n_layer, self.d)
         p, contrib = probability(self.predictor, feats, done)
-        self.last = dict(step=done, p_collapse=p, threshold=self.threshold, evidence=evidence_text(feats, contrib))
+        text = evidence_text(feats, contrib)
+        self.last = dict(step=done, p_collapse=p, threshold=self.threshold, evidence=text)
         if p >= self.threshold:
             self.warned_at = done
-            text = evidence_text(feats, contrib)
             self.say(f"warning: {self.label}: collapse predicted at step {done} (P={p:.2f}; {text})")
             if self.stop:
                 trainer.request_stop(f"collapse predicted at step {done}",

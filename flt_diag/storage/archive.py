@@ -50,11 +50,6 @@ def records_in(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if is_record(p))
 
 
-def is_archive_folder(folder: Path) -> bool:
-    """A folder whose runs are records (an archived sweep or map, or a set of archived runs)."""
-    return bool(records_in(folder))
-
-
 def _parquet_file(path: Path):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -11,7 +11,7 @@ with `.shape` and `.dtype`.
 from __future__ import annotations
 
 import functools
-from typing import Annotated, Any, Literal, Optional, get_args
+from typing import Annotated, Any, Literal, Optional
 
 from pydantic import ConfigDict, Field, create_model, field_validator, model_validator
 from pydantic_core import PydanticUndefined
@@ -24,7 +24,6 @@ from flt_diag.config.option_fields import MAX_ITEMS, Ascending, Distinct, Items,
 from flt_diag.config.variants import MAX_LOOPS
 
 Verdict = Literal["stable", "unstable", "stalled", "collapsed", "diverged"]  # verdict v3 (flt_diag.judge.verdict)
-VERDICTS = get_args(Verdict)
 FREE = ConfigDict(extra="allow")
 
 

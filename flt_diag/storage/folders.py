@@ -366,7 +366,7 @@ def cell_names(sweep: Path) -> list[str]:
 def is_archive(path: Path) -> bool:
     """An archive record, or a folder of records (an archived sweep or map, or a set of archived runs)."""
     return archive.is_record(path) or (Path(path).is_dir() and not (Path(path) / CELLS).is_dir()
-                                       and archive.is_archive_folder(path))
+                                       and bool(archive.records_in(path)))
 
 
 def run_dirs(path: Path) -> list[Path]:

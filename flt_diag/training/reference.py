@@ -42,6 +42,7 @@ from flt_diag.storage.safe_files import open_regular
 
 REFERENCE_VARIANTS: dict[str, str] = {"LT": "lt", "LT_i": "lt-ii", "LT_ia": "lt-ai", "FLT_res": "fla", "FLT": "flt"}
 PREFIXES = ("_orig_mod.", "module.")
+_PREFIXES = re.compile(f"^(?:{'|'.join(map(re.escape, PREFIXES))})+")
 DEFAULT_SEQUENCE_LEN = 1024  # nanochat's GPTConfig default, used when neither meta nor caller says
 
 # per-block names: reference suffix -> flt-diag suffix
@@ -72,13 +73,7 @@ def variant_name(name: str) -> str:
 
 def strip_prefixes(key: str) -> str:
     """'_orig_mod.module.lm_head.weight' -> 'lm_head.weight' (prefixes may be stacked)."""
-    changed = True
-    while changed:
-        changed = False
-        for p in PREFIXES:
-            if key.startswith(p):
-                key, changed = key[len(p):], True
-    return key
+    return _PREFIXES.sub("", key)
 
 
 def _few(keys, n: int = 3) -> str:
