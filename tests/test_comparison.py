@@ -276,7 +276,7 @@ def test_sweeps_of_different_settings_are_not_pooled(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "cannot be pooled" in err and "Traceback" not in err
     assert main(["summary", str(first), str(first / CELLS / "lt_K03_seed0_lr1")]) == 2
-    assert "not a sweep folder" in capsys.readouterr().err
+    assert "is a run folder and" in (err := capsys.readouterr().err) and "not both" in err  # (runs: side by side)
 
 
 def test_the_failure_rate_script_counts_failed_seeds_with_an_exact_interval(tmp_path, capsys):
@@ -314,4 +314,4 @@ def test_the_collapse_grid_and_report_of_pooled_sweeps_count_every_folders_seeds
     assert main(["report", str(first), str(more), "--out", str(tmp_path / "r.html")]) == 0
     assert "2/3" in (tmp_path / "r.html").read_text()
     assert main(["plot", "collapse", str(first), str(first / CELLS / "lt_K03_seed0_lr1")]) == 2
-    assert "not a sweep folder" in capsys.readouterr().err
+    assert "is a run folder and" in (err := capsys.readouterr().err) and "not both" in err  # (runs: side by side)
