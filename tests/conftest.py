@@ -1,3 +1,4 @@
+import contextlib
 import os
 import signal
 import sys
@@ -59,3 +60,18 @@ def tiny_config(**model_and_train):
     train.setdefault("eval_batches", 1)
     train.setdefault("device", "cpu")
     return build_config("tiny", model=model, train=train, diagnostics=model_and_train.get("diagnostics"))
+
+
+@contextlib.contextmanager
+def within(seconds: int):
+    """Fails (TimeoutError), not hangs, when the block takes longer than `seconds` (SIGALRM): a command blocked
+    on a FIFO, a training loop that never ends."""
+    def late(*_):
+        raise TimeoutError(f"took more than {seconds} s")
+    old = signal.signal(signal.SIGALRM, late)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)

@@ -36,6 +36,38 @@ def batches(n: int, seed: int = 0):
     return [torch.randint(0, V, (4, T), generator=g) for _ in range(n)]
 
 
+def lightning_module(loops: int = 3, skip: int | None = None):
+    """A LightningModule of a UniversalTransformer (`net`) trained on lm_loss with AdamW; batch `skip`'s
+    training_step returns None (Lightning's own way to skip a batch). Imports lightning: importorskip first."""
+    import lightning as L
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = UniversalTransformer(loops=loops)
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, x, batch_idx):
+            loss = lm_loss(self(x), x)
+            return None if batch_idx == skip else loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), 1e-3)
+    return Module()
+
+
+def lightning_fit(module, callback, steps: int, n_batches: int, **trainer_options):
+    """Lightning's Trainer on the CPU, quiet (no logger, checkpoints, bar or summary), `steps` steps over
+    `n_batches` batches; returns the Trainer."""
+    import lightning as L
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback], **trainer_options)
+    trainer.fit(module, torch.utils.data.DataLoader(batches(n_batches), batch_size=None))
+    return trainer
+
+
 def looped_gpt2(loops: int = 3):
     """The decoder blocks of a GPT-2 built from a config (width 64, 2 layers; nothing downloaded) run
     `loops` times; forward(input_ids, labels) returns {"loss", "logits"} as a Hugging Face model does."""

@@ -3,15 +3,14 @@ folders or devices where files belong: every command that writes refuses a link 
 folder it was given, every reader refuses what is not a regular file (one line, never blocking), and
 nothing outside the named folder changes. Files flt-diag writes honour the umask. Each test is generated
 over a list of cases: a new command or file kind is covered by adding it to the list."""
-import contextlib
 import os
 import shutil
-import signal
 import stat
 from pathlib import Path
 
 import pytest
 
+from conftest import within
 from flt_diag.cli import main
 from flt_diag.storage import safe_files
 
@@ -43,20 +42,6 @@ def _snapshot(folder: Path) -> dict:
 
 def _error_lines(capsys) -> list[str]:
     return [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
-
-
-@contextlib.contextmanager
-def _deadline(seconds: int = 60):
-    """A command blocked on a FIFO is interrupted (SIGALRM) instead of hanging the suite."""
-    def expired(*_):
-        raise TimeoutError(f"blocked for {seconds} s")
-    old = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 # ------------------------------------------------------------------ links at any depth below the folder given
@@ -158,7 +143,7 @@ def test_what_is_not_a_regular_file_is_refused_before_it_is_opened(trained, tmp_
     _put(path, kind)
     (tmp_path / "keep.txt").write_text("x")
     before = _snapshot(tmp_path)
-    with _deadline():
+    with within(60):
         code = main([filled(a) for a in command])
     errors = _error_lines(capsys)
     assert code != 0 and len(errors) == 1, errors
@@ -170,7 +155,7 @@ def test_what_is_not_a_regular_file_is_refused_before_it_is_opened(trained, tmp_
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_one_check_names_the_kind_and_never_blocks(tmp_path, kind):
     _put(tmp_path / "x", kind)
-    with _deadline(10), pytest.raises(safe_files.BadFile, match="FIFO" if kind == "fifo" else "folder"):
+    with within(10), pytest.raises(safe_files.BadFile, match="FIFO" if kind == "fifo" else "folder"):
         safe_files.read_bytes(tmp_path / "x")
     with pytest.raises(safe_files.StorageError, match="missing"):
         safe_files.read_bytes(tmp_path / "absent")

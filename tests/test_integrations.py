@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from probe_models import UniversalTransformer, batches, check_folder, lm_loss, looped_gpt2
+from probe_models import check_folder, lightning_fit, lightning_module, looped_gpt2
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import load_config, load_metrics, load_summary
 
@@ -36,30 +36,13 @@ def test_hugging_face_trainer(tmp_path):
 
 
 def test_lightning(tmp_path):
-    L = pytest.importorskip("lightning")
+    pytest.importorskip("lightning")
     from flt_diag.integrations.lightning import FltDiagCallback
 
-    class Module(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = UniversalTransformer(loops=3)
-
-        def forward(self, x):
-            return self.net(x)
-
-        def training_step(self, x, batch_idx):
-            return lm_loss(self(x), x)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), 1e-3)
-
     torch.manual_seed(0)
-    module = Module()
+    module = lightning_module(loops=3)
     callback = FltDiagCallback(blocks="net.layer", folder=tmp_path / "pl")
-    trainer = L.Trainer(max_steps=5, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
-                        gradient_clip_val=0.05)
-    trainer.fit(module, torch.utils.data.DataLoader(batches(5), batch_size=None))
+    lightning_fit(module, callback, steps=5, n_batches=5, gradient_clip_val=0.05)
     df = load_metrics(tmp_path / "pl")
     assert sorted(set(df[df.metric == M.LOSS].step)) == [0, 1, 2, 3, 4]
     assert set(df[df.metric == M.RESID_NORM].loop) == {1, 2, 3}
@@ -125,30 +108,14 @@ def test_hugging_face_options_and_the_gradient_before_clipping(tmp_path):
 
 def test_lightning_options_win(tmp_path):
     """steps= and optimizer= given to the callback are watch()'s, not a TypeError."""
-    L = pytest.importorskip("lightning")
+    pytest.importorskip("lightning")
     from flt_diag.integrations.lightning import FltDiagCallback
 
-    class Module(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = UniversalTransformer(loops=2)
-
-        def forward(self, x):
-            return self.net(x)
-
-        def training_step(self, x, batch_idx):
-            return lm_loss(self(x), x)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), 1e-3)
-
     torch.manual_seed(0)
-    module = Module()
+    module = lightning_module(loops=2)
     recorded = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.125)
     callback = FltDiagCallback(blocks="net.layer", folder=tmp_path / "pl", steps=9, optimizer=recorded)
-    L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, enable_model_summary=False, callbacks=[callback]).fit(
-        module, torch.utils.data.DataLoader(batches(3), batch_size=None))
+    lightning_fit(module, callback, steps=3, n_batches=3)
     assert load_config(tmp_path / "pl").train.steps == 9
     df = load_metrics(tmp_path / "pl")
     assert (df[df.metric == M.LR].value == 0.125).all() and len(df[df.metric == M.LR]) == 3

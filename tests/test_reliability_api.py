@@ -4,11 +4,9 @@ replays follow the rows stored; the analysis scripts write as flt-diag does; and
 (pooling a map, a refused output, a refused resume, Lightning's skipped batch, a second step(), huge
 losses, a linked top folder). Each one is one ProbeError line (API) or one `error:` line and a non-zero
 exit (CLI), and leaves what was already written as it was."""
-import contextlib
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import types
@@ -22,9 +20,9 @@ import torch
 import torch.nn as nn
 
 import flt_diag
-from conftest import tiny_config
+from conftest import tiny_config, within
 from fake_runs import make_run, make_sweep
-from probe_models import D, T, UniversalTransformer, batches, lm_loss
+from probe_models import D, T, UniversalTransformer, batches, lightning_fit, lightning_module, lm_loss
 from flt_diag.cli import main
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import CONFIG, SUMMARY, MetricsWriter, StorageError, folder_lock, load_metrics, write_json
@@ -53,20 +51,6 @@ def _hooks(model: nn.Module) -> int:
     found = [h for m in model.modules() for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())]
     found += [h for p in model.parameters() for h in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()]
     return sum(getattr(h, "__module__", "").startswith("flt_diag") for h in found)
-
-
-@contextlib.contextmanager
-def _within(seconds: int):
-    """Fails (not hangs) when the block takes longer than `seconds`."""
-    def late(*_):
-        raise TimeoutError(f"took more than {seconds} s")
-    old = signal.signal(signal.SIGALRM, late)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def _train(model, folder, steps=3, loss_of=None, step_of=None, **options):
@@ -322,29 +306,11 @@ def test_the_hugging_face_callback_closes_a_probe_left_open(tmp_path):
 # ---------------------------------------------------------------- Lightning: a skipped batch
 
 def test_lightning_skips_a_batch_whose_training_step_returns_none(tmp_path):
-    L = pytest.importorskip("lightning")
+    pytest.importorskip("lightning")
     from flt_diag.integrations.lightning import FltDiagCallback
-
-    class Module(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = UniversalTransformer(loops=3)
-
-        def forward(self, x):
-            return self.net(x)
-
-        def training_step(self, x, batch_idx):
-            loss = lm_loss(self(x), x)
-            return None if batch_idx == 1 else loss  # Lightning's own way to skip a batch
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), 1e-3)
-
     torch.manual_seed(0)
     callback = FltDiagCallback(blocks="net.layer", folder=tmp_path / "pl")
-    trainer = L.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
-    trainer.fit(Module(), torch.utils.data.DataLoader(batches(5), batch_size=None))
+    lightning_fit(lightning_module(loops=3, skip=1), callback, steps=4, n_batches=5)  # batch 1: None
     df = load_metrics(tmp_path / "pl")
     recorded = sorted(set(df[df.metric == M.LOSS].step))
     assert len(recorded) == 3 and callback.summary is not None  # the fit went on; the skipped batch is no step
@@ -373,7 +339,7 @@ def test_predict_online_follows_the_rows_stored(tmp_path, capsys):
     stored = load_metrics(run)
     last = int(stored.step.max())
     _claims(run, 10**12)
-    with _within(120):
+    with within(120):
         assert main(["predict", str(run), "--online", "--csv", str(tmp_path / "b.csv")]) == 0
     got = pd.read_csv(tmp_path / "b.csv").warned_at.iloc[0]
     # by hand: every check up to 200 steps past the stored run (after it, the windows are empty until 10**12)
@@ -409,7 +375,7 @@ def test_summary_recompute_follows_the_rows_stored(tmp_path, capsys):
     run = make_run(tmp_path / "run", "lt", 3)
     before = resummarize(run)
     _claims(run, 10**12)
-    with _within(120):
+    with within(120):
         assert main(["summary", str(run), "--recompute"]) == 0
     after = json.loads((run / SUMMARY).read_text())
     assert after["oscillation_windows"][:-1] == before["oscillation_windows"]  # the stored windows, and one more
