@@ -1,6 +1,6 @@
 """What flt_diag.watch costs a training step of a looped model of one's own, paired in one process.
 
-    python benchmarks/probe_overhead.py [--steps-per-sample 20] [--repeats 10] [--out r.json]
+    python benchmarks/probe_overhead.py [--steps-per-sample 20] [--repeats 10] [--width 64] [--out r.json]
 
 The model is Huginn-style (issue 42): a prelude block, a recurrent core (a concat adapter of the stream and
 the embedded input, then one transformer layer) run r times, r drawn per forward from 4..8, a coda block and
@@ -43,13 +43,13 @@ class Huginn(nn.Module):
     """Prelude, a recurrent core of r loops (r drawn per forward from `R`, by the model's own generator),
     coda, head: the shape of the recurrent-depth models the probe is meant for."""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, width: int = WIDTH):
         super().__init__()
         def layer():
-            return nn.TransformerEncoderLayer(WIDTH, 2, 2 * WIDTH, dropout=0.0, batch_first=True)
-        self.embed, self.prelude, self.coda = nn.Embedding(VOCAB, WIDTH), layer(), layer()
-        self.adapter, self.core = nn.Linear(2 * WIDTH, WIDTH), layer()
-        self.head = nn.Linear(WIDTH, VOCAB)
+            return nn.TransformerEncoderLayer(width, 2, 2 * width, dropout=0.0, batch_first=True)
+        self.embed, self.prelude, self.coda = nn.Embedding(VOCAB, width), layer(), layer()
+        self.adapter, self.core = nn.Linear(2 * width, width), layer()
+        self.head = nn.Linear(width, VOCAB)
         self.draws = random.Random(seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps-per-sample", type=int, default=20)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--width", type=int, default=WIDTH, help="the model's width d (heads: 2, MLP: 2d)")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -95,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     steps = 1 + args.steps_per_sample * args.repeats
     batches = [(x, torch.roll(x, 1, dims=1)) for x in torch.randint(0, VOCAB, (steps, BATCH, SEQ), generator=gen)]
-    plain = Huginn(seed=1)
-    watched = Huginn(seed=1)
+    plain = Huginn(seed=1, width=args.width)
+    watched = Huginn(seed=1, width=args.width)
     watched.load_state_dict(plain.state_dict())
     with tempfile.TemporaryDirectory() as tmp:
         arms = {"plain": Arm(plain, batches)}
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     plain_step = stats(cpu["plain"])["median"]
     every_n = max(0.0, first["watched"] - first["plain"] - (ratio["median"] - 1) * plain_step)
     result = dict(env=environment("cpu"), matmul_peak_gflops=matmul_peak(512, "cpu")["peak"] / 1e9,
-                  steps_per_sample=args.steps_per_sample, repeats=args.repeats, cpu_ratio=ratio,
+                  width=args.width, steps_per_sample=args.steps_per_sample, repeats=args.repeats, cpu_ratio=ratio,
                   wall_ratio=paired(wall["watched"], wall["plain"]), plain_step_s=plain_step,
                   every_500_record_s=every_n, overhead_at_defaults=ratio["median"] - 1 + every_n / plain_step / 500,
                   verdict=verdict)

@@ -127,17 +127,18 @@ def test_loop_map_stats_names_and_shapes():
 
 
 # ----------------------------------------------------------------------------- the degenerate fixed point
-def test_stream_similarity_against_numpy():
+@pytest.mark.parametrize("T, d", [(5, 7), (7, 5)])  # (either side of the Gram matrix)
+def test_stream_similarity_against_numpy(T, d):
     g = torch.Generator().manual_seed(0)
-    h = torch.randn(3, 5, 7, generator=g)
-    h[1] = h[1, :1] + 1e-3 * torch.randn(5, 7, generator=g)  # sequence 1: every position nearly the same vector
+    h = torch.randn(3, T, d, generator=g)
+    h[1] = h[1, :1] + 1e-3 * torch.randn(T, d, generator=g)  # sequence 1: every position nearly the same vector
     cosine, rank = D.stream_similarity(h)
     x = h.double().numpy()
     cos_want, rank_want = [], []
     for s in x:
         u = s / np.linalg.norm(s, axis=1, keepdims=True)
         c = u @ u.T
-        cos_want.append(c[~np.eye(5, dtype=bool)].mean())
+        cos_want.append(c[~np.eye(T, dtype=bool)].mean())
         sv = np.linalg.svd(s, compute_uv=False)
         p = sv / sv.sum()
         rank_want.append(np.exp(-(p * np.log(p)).sum()))

@@ -21,7 +21,7 @@ import torch
 
 from flt_diag.storage import metric_names as M
 from flt_diag.instruments.callbacks import Callback
-from flt_diag.instruments.gradient_pairs import consecutive_stats, pair_sums, segment_sums
+from flt_diag.instruments.gradient_pairs import consecutive_stats, pair_sums, segment_squares
 from flt_diag.config.run_config import DiagnosticsConfig
 from flt_diag.model.transformer import LoopedTransformer, detached_loops, parameter_groups
 
@@ -288,7 +288,12 @@ class DiagnosticsCallback(Callback):
         self.given_groups, self.hook_options, self.grad_scale = groups, dict(hooks or {}), grad_scale
         self.prev: dict[str, torch.Tensor] = {}  # previous step's flat gradient per group
         self.prev_step = -2
-        self.before: list[torch.Tensor] = []  # the parameters before the optimizer step
+        self.prev_flat: torch.Tensor | None = None  # the same, laid end to end (one of `buffers`)
+        self.buffers: list[torch.Tensor] = []  # the flat gradients of this step and the previous one
+        self.work: torch.Tensor | None = None
+        self.before: list[torch.Tensor] = []  # the parameters before the optimizer step (kept buffers)
+        self.have_before = False
+        self.before_given = False  # (the probe) `before` was filled by keep_before() at the end of the last step
         self.recording = False
         self.unclip: torch.Tensor | None = None  # (the probe) gradients clipped before after_backward: x this undoes it
 
@@ -327,16 +332,18 @@ class DiagnosticsCallback(Callback):
         if not names:
             return
         sizes = [sum(g.numel() for g in grads[name]) for name in names]
-        flat = torch.cat([g.detach().flatten().float() for name in names for g in grads[name]])
+        flat = self._flat_buffer(sum(sizes), grads[names[0]][0].device)
+        torch.cat([g.detach().reshape(-1) for name in names for g in grads[name]], out=flat)
         if self.unclip is not None:
-            flat = flat * self.unclip
+            flat.mul_(self.unclip)
         if self.recording:
             log = trainer.log
             prev = self.prev
             have_prev = self.prev_step == step - 1 and list(prev) == names and \
                 [prev[name].numel() for name in names] == sizes  # (a resumed state of another model: not used)
             if have_prev:
-                sums = pair_sums(flat, torch.cat([prev[name] for name in names]), sizes)  # (5, groups)
+                before = torch.cat([prev[name] for name in names]) if self.prev_flat is None else self.prev_flat
+                sums = pair_sums(flat, before, sizes, work=self._work(flat))  # (5, groups)
                 log.add_vector(self._keys(M.GRAD_NORM, names), sums[1].sqrt())
                 cos, flip = consecutive_stats(sums)
                 log.add_vector(self._keys(M.GRAD_COSINE, names), cos)
@@ -345,12 +352,36 @@ class DiagnosticsCallback(Callback):
                 log.add(M.GRAD_COSINE, cos)
                 log.add(M.SIGN_FLIP, flip)
             else:
-                log.add_vector(self._keys(M.GRAD_NORM, names), segment_sums(flat.square(), sizes).sqrt())
-            self.before = [p.detach().clone() for p in self.params]
-        if need_next:
-            self.prev, self.prev_step = dict(zip(names, flat.split(sizes))), step
+                log.add_vector(self._keys(M.GRAD_NORM, names), segment_squares(flat, sizes).sqrt())
+            if not self.before_given:
+                self.keep_before()
+        if need_next:  # this step's flat gradient is the next one's previous: the two buffers swap
+            self.prev, self.prev_step, self.prev_flat = dict(zip(names, flat.split(sizes))), step, flat
+            self.buffers.reverse()
         else:
-            self.prev, self.prev_step = {}, -2
+            self.prev, self.prev_step, self.prev_flat = {}, -2, None
+
+    def _flat_buffer(self, n: int, device: torch.device) -> torch.Tensor:
+        """The flat gradient's buffer: two kept from step to step (this step's and the previous one's), so that
+        a recorded step allocates no parameter-sized tensor (see gradient_pairs)."""
+        if not self.buffers or self.buffers[0].numel() != n or self.buffers[0].device != device:
+            self.buffers = [torch.empty(n, device=device) for _ in range(2)]
+            self.prev_flat = None  # (a previous gradient in another buffer: taken from self.prev)
+        return self.buffers[0]
+
+    def _work(self, like: torch.Tensor) -> torch.Tensor:
+        if self.work is None or self.work.shape != like.shape or self.work.device != like.device:
+            self.work = torch.empty_like(like)
+        return self.work
+
+    def keep_before(self) -> None:
+        """The parameters as they are now (before the optimizer step), into buffers kept from step to step; after_step
+        takes the update ratio against them."""
+        if len(self.before) != len(self.params) or any(b.shape != p.shape or b.device != p.device
+                                                       for b, p in zip(self.before, self.params)):
+            self.before = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in self.params]
+        torch._foreach_copy_(self.before, [p.detach() for p in self.params])
+        self.have_before = True
 
     def after_clip(self, trainer, step: int) -> None:
         """Per-group gradient norms after clipping (the reference's grad_norm/block_XX/attn|mlp,
@@ -367,24 +398,26 @@ class DiagnosticsCallback(Callback):
         trainer.log.add_vector(self._keys(M.GRAD_NORM_CLIPPED, [names[i] for i in present]), norms[present])
 
     def after_step(self, trainer, step: int) -> None:
-        if not self.recording or not self.before:
+        if not self.recording or not self.have_before:
             return
-        delta = self._group_norms(torch._foreach_sub(self.params, self.before))
         weight = self._group_norms(self.before)
+        torch._foreach_sub_(self.before, [p.detach() for p in self.params])  # (before - after: the update's norm)
+        delta = self._group_norms(self.before)
         trainer.log.add_vector(self._keys(M.UPDATE_RATIO, self.groups), delta / weight.clamp_min(1e-30))
         trainer.log.add_vector(self._keys(M.PARAM_NORM, self.groups), weight)
-        self.before = []
+        self.have_before = False
 
     def on_end(self, trainer) -> None:
         self.hooks.__exit__(None, None, None)
 
     def state_dict(self) -> dict:
-        return {"prev": {k: v.cpu() for k, v in self.prev.items()}, "prev_step": self.prev_step}
+        return {"prev": {k: v.to("cpu", copy=True) for k, v in self.prev.items()},  # (views of a reused buffer)
+                "prev_step": self.prev_step}
 
     def load_state_dict(self, state: dict) -> None:
         prev, prev_step = state["prev"], state["prev_step"]
         if not (isinstance(prev, dict) and all(torch.is_tensor(v) and v.dim() == 1 for v in prev.values())
                 and isinstance(prev_step, int)):
             raise ValueError("the diagnostics state holds no flat gradient per group and step")
-        self.prev, self.prev_step = prev, prev_step
+        self.prev, self.prev_step, self.prev_flat = prev, prev_step, None
 

@@ -1,22 +1,32 @@
 """Two consecutive steps' gradients compared in a few vector operations, per parameter group laid end to end
-(the cosine and sign-flip records of flt_diag.instruments.diagnostics)."""
+(the cosine and sign-flip records of flt_diag.instruments.diagnostics).
+
+A recorded step runs these on every parameter: no full-size temporary is allocated (a dot or norm reads its
+views; the sign flips use one work buffer of the caller's, kept from step to step), since a fresh
+parameter-sized tensor costs a page fault per page on a CPU and doubled the probe's cost on a small batch."""
 from __future__ import annotations
 
 import torch
 
 
-def segment_sums(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """Sums of the consecutive segments of x (lengths `sizes`) along its last dim: (..., len(sizes))."""
-    return torch.stack([part.sum(-1) for part in x.split(sizes, -1)], -1)
+def segment_squares(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """Squared Euclidean norm of each consecutive segment of the flat x: (len(sizes),)."""
+    return torch.stack([torch.dot(part, part) for part in x.split(sizes)])
 
 
-def pair_sums(g: torch.Tensor, prev: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
+def pair_sums(g: torch.Tensor, prev: torch.Tensor, sizes: list[int] | None = None,
+              work: torch.Tensor | None = None) -> torch.Tensor:
     """[g.prev, |g|^2, |prev|^2, flipped coordinates, coordinates] of two flat gradients: shape (5,),
-    or (5, len(sizes)) with one column per segment of `sizes` (the parameter groups, laid end to end)."""
+    or (5, len(sizes)) with one column per segment of `sizes` (the parameter groups, laid end to end).
+    `work`: a buffer of g's size and dtype to hold g * prev (else one is allocated)."""
     parts = [g.numel()] if sizes is None else sizes
-    prod = g * prev
-    sums = torch.stack([segment_sums(x, parts) for x in (prod, g.square(), prev.square(), (prod < 0).float())])
-    out = torch.cat([sums, torch.tensor([[float(k) for k in parts]], device=g.device)])
+    work = torch.empty_like(g) if work is None else work
+    columns = []
+    for gs, ps, ws in zip(g.split(parts), prev.split(parts), work.split(parts)):
+        torch.mul(gs, ps, out=ws).clamp_(max=0).sign_()  # -1 where the signs differ (neither zero), else 0
+        columns.append(torch.stack([torch.dot(gs, ps), torch.dot(gs, gs), torch.dot(ps, ps), -ws.sum()]))
+    sums = torch.stack(columns, -1)
+    out = torch.cat([sums, torch.tensor([[float(k) for k in parts]], device=g.device, dtype=sums.dtype)])
     return out[:, 0] if sizes is None else out
 
 

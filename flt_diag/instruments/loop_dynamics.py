@@ -6,7 +6,7 @@ a loop-step callable `step(h_prev) -> h_next`, a head callable `head(h) -> logit
   * `fixed_point_residual(h, h_prev)`: mean over tokens of ||h(t) - h(t-1)|| / ||h(t-1)||;
   * `exit_loss(h, head, targets)`: cross-entropy of the head applied to h(t), no gradient;
   * `loop_map_gain(step, h, iters, generator)`: largest singular value of the Jacobian J of `step` at
-    h (power iteration on J^T J by torch.func.jvp and vjp): the worst one-loop stretch, not contraction;
+    h (power iteration on J^T J by Jacobian-vector products): the worst one-loop stretch, not contraction;
   * `spectral_radius(step, h, dim, generator)`: rho(J) by Arnoldi, with the residual of its Ritz pair;
   * `mean_gain` (||Jv|| over random v) and `perturbation_growth` (a perturbation carried through the
     loops: the local Lyapunov exponent), which say whether the loop contracts along its own path;
@@ -105,26 +105,49 @@ def _unit(v: Tensor) -> Tensor:
     return v / torch.linalg.vector_norm(v).clamp_min(1e-30)
 
 
-def _jvp(step: Callable[[Tensor], Tensor], h: Tensor, v: Tensor) -> Tensor:
-    return torch.func.jvp(step, (h,), (v,))[1]
+class Linearized:
+    """The Jacobian J of `step` at h as two linear maps, from one forward and one backward kept as graphs:
+    `vjp(u)` = J^T u (a backward through the forward's graph) and `jvp(v)` = J v (a backward through the graph
+    of g(w) = J^T w, which is linear in w: d<g(w), v>/dw = J v, the double-backward form of forward mode).
+    Every product after the first reuses them; torch.func.jvp would run the forward again for each one and
+    costs ~5x a forward here (a Huginn-style core: 1.2 ms per product against 5.4 ms; benchmarks/README.md).
+    Needs a step that double backward differentiates (run it inside `transparent()`)."""
+
+    def __init__(self, step: Callable[[Tensor], Tensor], h: Tensor):
+        self.h = h.detach().requires_grad_()
+        with torch.enable_grad():
+            self.y = step(self.h)
+            self.w = torch.zeros_like(self.y, requires_grad=True)
+            g = torch.autograd.grad(self.y, self.h, self.w, create_graph=True, allow_unused=True)[0]
+        self.g = g if g is not None and g.requires_grad else None  # None: J (or J^T w's dependence on w) is 0
+
+    def jvp(self, v: Tensor) -> Tensor:
+        if self.g is None:
+            return torch.zeros_like(self.y)
+        return torch.autograd.grad(self.g, self.w, v, retain_graph=True)[0].detach()
+
+    def vjp(self, u: Tensor) -> Tensor:
+        if not self.y.requires_grad:
+            return torch.zeros_like(self.h)
+        g = torch.autograd.grad(self.y, self.h, u, retain_graph=True, allow_unused=True)[0]
+        return torch.zeros_like(self.h) if g is None else g.detach()
 
 
 def loop_map_gain(step: Callable[[Tensor], Tensor], h: Tensor, iters: int,
                   generator: torch.Generator | None = None) -> Tensor:
     """sigma_max of the Jacobian J of `step` at h (the whole tensor as one vector): power iteration on J^T J
-    (v <- J^T J v / ||.||, each a torch.func.jvp then a vjp), reported as ||J v|| of the last unit v, a lower
+    (v <- J^T J v / ||.||, each a jvp then a vjp of `Linearized`), reported as ||J v|| of the last unit v, a lower
     bound that converges to the largest singular value. It bounds how much any direction can grow in one
     loop; it is NOT whether the loop contracts (a non-normal map can have sigma_max > 1 and converge):
     that is the spectral radius and the perturbation growth below. Cost: iters jvp + iters vjp."""
-    h = h.detach()
-    with torch.no_grad():  # torch.func differentiates inside; nothing records a graph over the weights
-        _, vjp_fn = torch.func.vjp(step, h)
+    J = Linearized(step, h)
+    with torch.no_grad():
         v = _unit(torch.randn(h.shape, generator=generator, device=h.device, dtype=h.dtype))
         sigma = torch.zeros((), device=h.device)
         for _ in range(iters):
-            jv = _jvp(step, h, v)
+            jv = J.jvp(v)
             sigma = torch.linalg.vector_norm(jv)
-            v = _unit(vjp_fn(jv)[0])
+            v = _unit(J.vjp(jv))
     return sigma
 
 
@@ -141,11 +164,12 @@ def spectral_radius(step: Callable[[Tensor], Tensor], h: Tensor, dim: int,
     h = h.detach()
     n = h.numel()
     m = min(dim, n)
+    J = Linearized(step, h)
     with torch.no_grad():
         q = _unit(torch.randn(h.shape, generator=generator, device=h.device, dtype=h.dtype)).flatten()
         Q, H = [q], torch.zeros(m + 1, m, dtype=torch.float64)
         for j in range(m):
-            w = _jvp(step, h, Q[j].view_as(h)).flatten()
+            w = J.jvp(Q[j].view_as(h)).flatten()
             scale = torch.linalg.vector_norm(w)
             for _ in range(2):  # twice is enough (Kahan's rule)
                 for i, qi in enumerate(Q):
@@ -172,8 +196,9 @@ def mean_gain(step: Callable[[Tensor], Tensor], h: Tensor, dirs: int,
     """Mean of ||J v|| over `dirs` random unit directions v at h (E||Jv||^2 = ||J||_F^2 / n: the root-mean-square
     singular value). What a typical perturbation does in one loop, where sigma_max is the worst one."""
     h = h.detach()
+    J = Linearized(step, h)
     with torch.no_grad():
-        gains = [torch.linalg.vector_norm(_jvp(step, h, _unit(torch.randn(
+        gains = [torch.linalg.vector_norm(J.jvp(_unit(torch.randn(
             h.shape, generator=generator, device=h.device, dtype=h.dtype)))) for _ in range(dirs)]
     return torch.stack(gains).mean()
 
@@ -189,14 +214,15 @@ def perturbation_growth(step: Callable[[Tensor], Tensor], states: Sequence[Tenso
         return torch.zeros(0, device=states[0].device if states else None)
     logs = torch.zeros(dirs, len(states) - 1, device=states[0].device)
     with torch.no_grad():
-        for r in range(dirs):
-            d = _unit(torch.randn(states[0].shape, generator=generator, device=states[0].device,
-                                  dtype=states[0].dtype))
-            for t, h in enumerate(states[:-1]):
-                jd = _jvp(step, h.detach(), d)
+        d = [_unit(torch.randn(states[0].shape, generator=generator, device=states[0].device,
+                               dtype=states[0].dtype)) for _ in range(dirs)]
+        for t, h in enumerate(states[:-1]):  # (one loop's linear maps alive at a time)
+            J = Linearized(step, h)
+            for r in range(dirs):
+                jd = J.jvp(d[r])
                 n = torch.linalg.vector_norm(jd)
                 logs[r, t] = torch.log(n.clamp_min(1e-30))
-                d = jd / n.clamp_min(1e-30)
+                d[r] = jd / n.clamp_min(1e-30)
     return torch.exp(logs.mean(0))
 
 
@@ -229,7 +255,9 @@ def stream_similarity(h: Tensor) -> tuple[Tensor, Tensor]:
     token_cosine: the mean over position pairs i != j of cos(h_i, h_j) (1: every position holds the same
     vector, the stream has forgotten its tokens). effective_rank: exp(-sum p log p) of the singular values
     of the (T, d) matrix normalised to p = sigma / sum(sigma) (Roy and Vetterli 2007): 1 for a rank-one
-    stream, min(T, d) for a flat spectrum. Cost: one (T x T) Gram matrix and one SVD of (T, d) per sequence."""
+    stream, min(T, d) for a flat spectrum. Cost: one (T x T) Gram matrix of the unit rows, and the eigenvalues
+    of the smaller Gram matrix of h (sigma^2, in float64: cheaper than an SVD of (T, d), to ~1e-7 of sigma_max)
+    per sequence."""
     h = h.detach().float()
     if h.dim() == 2:
         h = h[None]
@@ -238,10 +266,12 @@ def stream_similarity(h: Tensor) -> tuple[Tensor, Tensor]:
     u = h / torch.linalg.vector_norm(h, dim=-1, keepdim=True).clamp_min(1e-30)
     gram = u @ u.transpose(-1, -2)
     off = (gram.sum((-1, -2)) - gram.diagonal(dim1=-2, dim2=-1).sum(-1)) / max(T * (T - 1), 1)
-    sv = torch.linalg.svdvals(h)
+    hd = h.double()
+    small = hd @ hd.transpose(-1, -2) if T <= h.shape[-1] else hd.transpose(-1, -2) @ hd
+    sv = torch.linalg.eigvalsh(small).clamp_min(0).sqrt()
     p = sv / sv.sum(-1, keepdim=True).clamp_min(1e-30)
     erank = torch.exp(-(p * torch.log(p.clamp_min(1e-30))).sum(-1))
-    return off.mean(), erank.mean()
+    return off.mean(), erank.mean().float()
 
 
 # ----------------------------------------------------------------------------- per-loop gradient agreement

@@ -113,7 +113,8 @@ class LoopProbe:
         if self.grad_hooks:
             self._handles += [p.register_post_accumulate_grad_hook(self._read_grad(i))
                               for i, p in enumerate(self.params)]
-        self._snapshot = self._copy_params() if should_record(0, self.dcfg) else []
+        if should_record(0, self.dcfg):  # (the update ratio of a step without after_backward(): against these)
+            self.diag.keep_before()
 
     def _find_blocks(self, module, args, kwargs) -> None:
         """blocks="auto": the blocks this forward reuses (probe/model.py, called_blocks), said on stderr; a model
@@ -228,9 +229,6 @@ class LoopProbe:
             self.hooks.end_loop(stream)
 
     # ------------------------------------------------------------------ moments
-    def _copy_params(self) -> list[torch.Tensor]:
-        return [p.detach().clone() for p in self.params]
-
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None]
 
@@ -267,9 +265,10 @@ class LoopProbe:
                                       self._began)  # checked before anything of the step is recorded
         self.step_index = s
         late = not self._backward_done  # no after_backward() this step: the moments are read now
-        if late:
+        if late:  # (the parameters before this step's update were kept at the end of the last one)
+            self.diag.before_given = True
             self.after_backward()
-            self.diag.before = self._snapshot if self.diag.recording else []
+            self.diag.before_given = False
         self.diag.after_clip(self.host, s)
         self.diag.after_step(self.host, s)
         for cb in self.callbacks:
@@ -293,7 +292,8 @@ class LoopProbe:
             cb.on_step_end(self.host, s)
         if (s + 1) % self.dcfg.flush_every == 0:
             self.writer.flush()
-        self._snapshot = self._copy_params() if late and should_record(s + 1, self.dcfg) else []
+        if late and should_record(s + 1, self.dcfg):
+            self.diag.keep_before()
         self.step_index = s + 1
         self._reset_step()
         return rows
