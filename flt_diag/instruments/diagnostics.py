@@ -293,6 +293,7 @@ class DiagnosticsCallback(Callback):
         self.work: torch.Tensor | None = None
         self.before: list[torch.Tensor] = []  # the parameters before the optimizer step (kept buffers)
         self.have_before = False
+        self.key_lists: dict[tuple, list[tuple[str, int, int]]] = {}
         self.before_given = False  # (the probe) `before` was filled by keep_before() at the end of the last step
         self.recording = False
         self.unclip: torch.Tensor | None = None  # (the probe) gradients clipped before after_backward: x this undoes it
@@ -314,7 +315,10 @@ class DiagnosticsCallback(Callback):
         self.hooks.arm(self.recording)
 
     def _keys(self, metric: str, names) -> list[tuple[str, int, int]]:
-        return [(m, M.NONE, layer) for m, layer in (M.group_key(metric, name) for name in names)]
+        key = (metric, tuple(names))  # (the same few lists every recorded step: built once)
+        if key not in self.key_lists:
+            self.key_lists[key] = [(m, M.NONE, layer) for m, layer in (M.group_key(metric, name) for name in names)]
+        return self.key_lists[key]
 
     def _group_norms(self, tensors: list[torch.Tensor], group_of: torch.Tensor | None = None) -> torch.Tensor:
         """Euclidean norm of each group's tensors (one per parameter, in `self.params` order; with
@@ -345,12 +349,9 @@ class DiagnosticsCallback(Callback):
                 before = torch.cat([prev[name] for name in names]) if self.prev_flat is None else self.prev_flat
                 sums = pair_sums(flat, before, sizes, work=self._work(flat))  # (5, groups)
                 log.add_vector(self._keys(M.GRAD_NORM, names), sums[1].sqrt())
-                cos, flip = consecutive_stats(sums)
-                log.add_vector(self._keys(M.GRAD_COSINE, names), cos)
-                log.add_vector(self._keys(M.SIGN_FLIP, names), flip)
-                cos, flip = consecutive_stats(sums.sum(1))
-                log.add(M.GRAD_COSINE, cos)
-                log.add(M.SIGN_FLIP, flip)
+                cos, flip = consecutive_stats(torch.cat([sums, sums.sum(1, keepdim=True)], 1))  # (the groups, all)
+                log.add_vector(self._keys(M.GRAD_COSINE, names) + [(M.GRAD_COSINE, M.NONE, M.NONE)], cos)
+                log.add_vector(self._keys(M.SIGN_FLIP, names) + [(M.SIGN_FLIP, M.NONE, M.NONE)], flip)
             else:
                 log.add_vector(self._keys(M.GRAD_NORM, names), segment_squares(flat, sizes).sqrt())
             if not self.before_given:
