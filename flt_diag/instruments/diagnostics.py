@@ -289,8 +289,7 @@ class DiagnosticsCallback(Callback):
         self.prev: dict[str, torch.Tensor] = {}  # previous step's flat gradient per group
         self.prev_step = -2
         self.prev_flat: torch.Tensor | None = None  # the same, laid end to end (one of `buffers`)
-        self.buffers: list[torch.Tensor] = []  # the flat gradients of this step and the previous one
-        self.work: torch.Tensor | None = None
+        self.buffers: list[torch.Tensor] = []  # the flat gradients of this step and the previous one, a work buffer
         self.before: list[torch.Tensor] = []  # the parameters before the optimizer step (kept buffers)
         self.have_before = False
         self.key_lists: dict[tuple, list[tuple[str, int, int]]] = {}
@@ -336,7 +335,7 @@ class DiagnosticsCallback(Callback):
         if not names:
             return
         sizes = [sum(g.numel() for g in grads[name]) for name in names]
-        flat = self._flat_buffer(sum(sizes), grads[names[0]][0].device)
+        flat, _, work = self._buffers(sum(sizes), grads[names[0]][0].device)
         torch.cat([g.detach().reshape(-1) for name in names for g in grads[name]], out=flat)
         if self.unclip is not None:
             flat.mul_(self.unclip)
@@ -347,7 +346,7 @@ class DiagnosticsCallback(Callback):
                 [prev[name].numel() for name in names] == sizes  # (a resumed state of another model: not used)
             if have_prev:
                 before = torch.cat([prev[name] for name in names]) if self.prev_flat is None else self.prev_flat
-                sums = pair_sums(flat, before, sizes, work=self._work(flat))  # (5, groups)
+                sums = pair_sums(flat, before, sizes, work=work)  # (5, groups)
                 log.add_vector(self._keys(M.GRAD_NORM, names), sums[1].sqrt())
                 cos, flip = consecutive_stats(torch.cat([sums, sums.sum(1, keepdim=True)], 1))  # (the groups, all)
                 log.add_vector(self._keys(M.GRAD_COSINE, names) + [(M.GRAD_COSINE, M.NONE, M.NONE)], cos)
@@ -358,22 +357,16 @@ class DiagnosticsCallback(Callback):
                 self.keep_before()
         if need_next:  # this step's flat gradient is the next one's previous: the two buffers swap
             self.prev, self.prev_step, self.prev_flat = dict(zip(names, flat.split(sizes))), step, flat
-            self.buffers.reverse()
+            self.buffers[:2] = self.buffers[1::-1]
         else:
             self.prev, self.prev_step, self.prev_flat = {}, -2, None
 
-    def _flat_buffer(self, n: int, device: torch.device) -> torch.Tensor:
-        """The flat gradient's buffer: two kept from step to step (this step's and the previous one's), so that
-        a recorded step allocates no parameter-sized tensor (see gradient_pairs)."""
+    def _buffers(self, n: int, device: torch.device) -> list[torch.Tensor]:
+        """Three flat buffers kept from step to step, so that a recorded step allocates no parameter-sized tensor
+        (see gradient_pairs). A new size drops the previous gradient's buffer (self.prev still holds it)."""
         if not self.buffers or self.buffers[0].numel() != n or self.buffers[0].device != device:
-            self.buffers = [torch.empty(n, device=device) for _ in range(2)]
-            self.prev_flat = None  # (a previous gradient in another buffer: taken from self.prev)
-        return self.buffers[0]
-
-    def _work(self, like: torch.Tensor) -> torch.Tensor:
-        if self.work is None or self.work.shape != like.shape or self.work.device != like.device:
-            self.work = torch.empty_like(like)
-        return self.work
+            self.buffers, self.prev_flat = [torch.empty(n, device=device) for _ in range(3)], None
+        return self.buffers
 
     def keep_before(self) -> None:
         """The parameters as they are now (before the optimizer step), into buffers kept from step to step; after_step

@@ -106,12 +106,9 @@ def _unit(v: Tensor) -> Tensor:
 
 
 class Linearized:
-    """The Jacobian J of `step` at h as two linear maps, from one forward and one backward kept as graphs:
-    `vjp(u)` = J^T u (a backward through the forward's graph) and `jvp(v)` = J v (a backward through the graph
-    of g(w) = J^T w, which is linear in w: d<g(w), v>/dw = J v, the double-backward form of forward mode).
-    Every product after the first reuses them; torch.func.jvp would run the forward again for each one and
-    costs ~5x a forward here (a Huginn-style core: 1.2 ms per product against 5.4 ms; benchmarks/README.md).
-    Needs a step that double backward differentiates (run it inside `transparent()`)."""
+    """The Jacobian J of `step` at h from one forward and one backward kept as graphs: `vjp(u)` = J^T u, and
+    `jvp(v)` = J v by double backward (g(w) = J^T w is linear in w, so d<g(w), v>/dw = J v). Every product
+    reuses them (torch.func.jvp reruns the forward: ~4x the cost; DESIGN.md §3). Run inside `transparent()`."""
 
     def __init__(self, step: Callable[[Tensor], Tensor], h: Tensor):
         self.h = h.detach().requires_grad_()
