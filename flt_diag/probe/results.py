@@ -7,7 +7,7 @@ from __future__ import annotations
 from flt_diag.storage.file_models import FileModel
 
 
-class EarlyWarning(FileModel, frozen=True, allow_inf_nan=True):
+class EarlyWarning(FileModel, allow_inf_nan=True):
     """The early warning's check at `step` (steps done): P(collapse), the threshold it is held against, and the
     evidence (the features that weigh most, or the non-finite loss)."""
 
