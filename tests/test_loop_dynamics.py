@@ -95,7 +95,8 @@ def hooked_forward(model, idx, targets, cfg=DiagnosticsConfig()):
     model(idx, targets)  # a second forward (a further micro-batch): not armed, records nothing
     for cb in callbacks:
         cb.on_end(trainer)
-    rows = [r for r in log.collect(0) if r[1] in (M.EXIT_LOSS, M.FIXED_POINT_RESIDUAL, M.TOKEN_COSINE, M.EFFECTIVE_RANK)]
+    dynamics = (M.EXIT_LOSS, M.FIXED_POINT_RESIDUAL, M.TOKEN_COSINE, M.EFFECTIVE_RANK)
+    rows = [r for r in log.collect(0) if r[1] in dynamics]
     return {(m, lp): v for _, m, lp, ly, v in rows}, len(rows)
 
 

@@ -129,7 +129,8 @@ class StepLoopMap:
             return
         loops = range(2, len(states) + 1)
         for i, metric in enumerate(LOOP_MAP):
-            host.log.add_vector([(metric, t, M.NONE) for t in loops], torch.stack([r[i].to(device).float() for r in rows]))
+            host.log.add_vector([(metric, t, M.NONE) for t in loops],
+                                torch.stack([r[i].to(device).float() for r in rows]))
         host.log.add_vector([(M.LOOP_PERTURBATION_GROWTH, t, M.NONE) for t in loops], growth.float())
 
 

@@ -4,9 +4,9 @@ The loop: for each step, `step()` (forward/backward per micro-batch, clipping, o
 step's scalars collected in one host transfer), then the callbacks' `on_rows` and `on_step_end`.
 Side concerns are callbacks (flt_diag.instruments.callbacks for the moments): the instruments (diagnostics, loop
 dynamics: flt_diag.instruments.dynamics_callback.instruments, as for flt_diag.watch), the caller's, the collapse
-warning, then evaluation (flt_diag.training.evaluation), the metrics table (flt_diag.instruments.callbacks.MetricsTable),
-TensorBoard / W&B mirrors (flt_diag.instruments.external), resume.pt / checkpoint.pt (flt_diag.training.checkpoint)
-and progress (flt_diag.instruments.callbacks.Progress).
+warning, then evaluation (flt_diag.training.evaluation), the metrics table (flt_diag.instruments.callbacks.
+MetricsTable), TensorBoard / W&B mirrors (flt_diag.instruments.external), resume.pt / checkpoint.pt
+(flt_diag.training.checkpoint) and progress (flt_diag.instruments.callbacks.Progress).
 The Trainer itself owns the run folder's config.json (written first) and summary.json (written last).
 
 Every scalar of a step goes into a StepLog as a device tensor; the StepLog moves them to the
