@@ -1,4 +1,5 @@
-"""Looped models flt-diag did not write, for the probe's tests (tests/test_probe.py, test_integrations.py),
+"""Looped models flt-diag did not write, for the probe's tests (tests/test_probe.py, test_integrations.py), the
+Hugging Face and Lightning trainers they run under,
 and the CLI check every probe run folder must pass."""
 import torch
 import torch.nn as nn
@@ -66,6 +67,19 @@ def lightning_fit(module, callback, steps: int, n_batches: int, **trainer_option
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback], **trainer_options)
     trainer.fit(module, torch.utils.data.DataLoader(batches(n_batches), batch_size=None))
     return trainer
+
+
+def hf_fit(model, callbacks, out, steps: int, **args_options) -> None:
+    """transformers' Trainer on the CPU, quiet (no report, checkpoint, bar or log unless `args_options` say), `steps`
+    steps of 4 sequences of 16 tokens (input_ids = labels, seeded). Imports transformers: importorskip first."""
+    import transformers
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 64, (4 * steps, 16), generator=g)]
+    args = transformers.TrainingArguments(**{**dict(
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=4, learning_rate=1e-3, report_to=[],
+        save_strategy="no", use_cpu=True, disable_tqdm=True, logging_strategy="no", dataloader_num_workers=0),
+        **args_options})
+    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks).train()
 
 
 def looped_gpt2(loops: int = 3):

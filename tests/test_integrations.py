@@ -6,24 +6,19 @@ import sys
 import pytest
 import torch
 
-from probe_models import check_folder, lightning_fit, lightning_module, looped_gpt2
+from probe_models import check_folder, hf_fit, lightning_fit, lightning_module, looped_gpt2
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import load_config, load_metrics, load_summary
 
 
 def test_hugging_face_trainer(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     pytest.importorskip("accelerate")  # (the Trainer needs it; the hf-trainer extra installs it)
     from flt_diag.integrations.hf import FltDiagCallback
     torch.manual_seed(0)
     model = looped_gpt2(loops=2)
-    g = torch.Generator().manual_seed(0)
-    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 64, (20, 16), generator=g)]
     callback = FltDiagCallback(blocks="gpt.transformer.h.*", folder=tmp_path / "hf", head=model.gpt.lm_head)
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=5, per_device_train_batch_size=4,
-                                          learning_rate=1e-3, report_to=[], save_strategy="no", use_cpu=True,
-                                          disable_tqdm=True, logging_strategy="no", dataloader_num_workers=0)
-    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
+    hf_fit(model, [callback], tmp_path / "out", steps=5)
     df = load_metrics(tmp_path / "hf")
     assert sorted(set(df[df.metric == M.LOSS].step)) == [0, 1, 2, 3, 4]
     assert set(df[df.metric == M.RESID_NORM].loop) == {1, 2} and set(df[df.metric == M.RESID_NORM].layer) == {1, 2}
@@ -85,14 +80,9 @@ def test_hugging_face_options_and_the_gradient_before_clipping(tmp_path):
 
     torch.manual_seed(0)
     model = looped_gpt2(loops=2)
-    g = torch.Generator().manual_seed(0)
-    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 64, (16, 16), generator=g)]
     callback, logs = FltDiagCallback(blocks="gpt.transformer.h.*", folder=tmp_path / "hf", seed=7), Logs()
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=4,
-                                          learning_rate=1e-3, report_to=[], save_strategy="no", use_cpu=True,
-                                          disable_tqdm=True, logging_strategy="steps", logging_steps=1,
-                                          dataloader_num_workers=0, max_grad_norm=0.1)
-    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback, logs]).train()
+    hf_fit(model, [callback, logs], tmp_path / "out", steps=4, logging_strategy="steps", logging_steps=1,
+           max_grad_norm=0.1)
     assert load_config(tmp_path / "hf").train.seed == 7
     df = load_metrics(tmp_path / "hf")
     assert sorted(logs.grad_norm) == [0, 1, 2, 3]

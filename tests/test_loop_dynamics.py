@@ -16,7 +16,7 @@ from flt_diag.model.transformer import LoopedTransformer, ModelConfig, norm
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import load_metrics
 from flt_diag.instruments import loop_dynamics as D
-from flt_diag.instruments.dynamics_callback import LoopDynamicsCallback
+from flt_diag.instruments.dynamics_callback import instruments, own_model_dynamics
 from flt_diag.instruments.records import StepLog
 from flt_diag.training.trainer import train
 from flt_diag.config.run_config import DiagnosticsConfig
@@ -83,16 +83,20 @@ def hand_residual(h, h_prev):
 
 
 def hooked_forward(model, idx, targets, cfg=DiagnosticsConfig()):
-    """The callback's hooks during one armed model forward, with a stand-in trainer."""
+    """The Trainer's instruments during one armed model forward, with a stand-in trainer: the loop dynamics' rows."""
     log = StepLog()
     trainer = type("T", (), {"model": model, "log": log, "cfg": tiny_config(), "is_main": True})()
-    cb = LoopDynamicsCallback(cfg)
-    cb.on_start(trainer)
-    cb.before_step(trainer, 0)
+    callbacks = instruments(cfg, own_model_dynamics(cfg, model))
+    for cb in callbacks:
+        cb.on_start(trainer)
+    for cb in callbacks:
+        cb.before_step(trainer, 0)
     model(idx, targets)
     model(idx, targets)  # a second forward (a further micro-batch): not armed, records nothing
-    cb.on_end(trainer)
-    rows = log.collect(0)
+    for cb in callbacks:
+        cb.on_end(trainer)
+    dynamics = (M.EXIT_LOSS, M.FIXED_POINT_RESIDUAL, M.TOKEN_COSINE, M.EFFECTIVE_RANK)
+    rows = [r for r in log.collect(0) if r[1] in dynamics]
     return {(m, lp): v for _, m, lp, ly, v in rows}, len(rows)
 
 

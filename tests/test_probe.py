@@ -142,6 +142,8 @@ class ProbeBridge(Callback):
 
     def on_end(self, trainer):
         self.probe.close()
+        m = trainer.model  # every hook of the probe gone (the Trainer's own diagnostics are off)
+        assert not (m._forward_pre_hooks or m._forward_hooks or m.loop_end._forward_hooks)
 
 
 @pytest.mark.parametrize("boundary", ["calls", "loop_end"])

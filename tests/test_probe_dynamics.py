@@ -1,5 +1,5 @@
 """The loop dynamics through flt_diag.watch on a looped model flt-diag did not write
-(flt_diag.probe.dynamics): each record against an independent computation from the loop-end
+(flt_diag.instruments.dynamics_callback): each record against an independent computation from the loop-end
 streams a separate forward hook captures, and the training trajectory unchanged by them."""
 import json
 import numpy as np

@@ -22,7 +22,7 @@ import torch.nn as nn
 import flt_diag
 from conftest import tiny_config, within
 from fake_runs import make_run, make_sweep
-from probe_models import D, T, UniversalTransformer, batches, lightning_fit, lightning_module, lm_loss
+from probe_models import D, T, UniversalTransformer, batches, hf_fit, lightning_fit, lightning_module, lm_loss
 from flt_diag.cli import main
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import CONFIG, SUMMARY, MetricsWriter, StorageError, folder_lock, load_metrics, write_json
@@ -246,16 +246,6 @@ class Raising(nn.Module):
         return self.inner(input_ids, labels)
 
 
-def _hf_train(model, callback, tmp_path, steps=5):
-    transformers = pytest.importorskip("transformers")
-    g = torch.Generator().manual_seed(0)
-    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 64, (4 * steps, 16), generator=g)]
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=4,
-                                          learning_rate=1e-3, report_to=[], save_strategy="no", use_cpu=True,
-                                          disable_tqdm=True, logging_strategy="no", dataloader_num_workers=0)
-    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
-
-
 def test_the_hugging_face_callback_lets_go_when_the_model_raises(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
@@ -264,14 +254,14 @@ def test_the_hugging_face_callback_lets_go_when_the_model_raises(tmp_path):
     model = Raising(at=4)
     cb = FltDiagCallback(blocks="inner.gpt.transformer.h.*", folder=tmp_path / "hf", head=model.inner.gpt.lm_head)
     with pytest.raises(RuntimeError, match="the model broke"):
-        _hf_train(model, cb, tmp_path)
+        hf_fit(model, [cb], tmp_path / "out", steps=5)
     assert _hooks(model) == 0 and "forward" not in model.__dict__  # every hook gone, the forward its own again
     with folder_lock(tmp_path / "hf"):  # the lock is free
         pass
     assert sorted(set(load_metrics(tmp_path / "hf").step)) == [0, 1, 2] and not (tmp_path / "hf" / SUMMARY).exists()
     model.at = 0  # the notebook's next train(), with the same callback: into a new folder, recorded in full
     cb.folder = tmp_path / "hf2"
-    _hf_train(model, cb, tmp_path, steps=2)
+    hf_fit(model, [cb], tmp_path / "out", steps=2)
     assert sorted(set(load_metrics(tmp_path / "hf2").step)) == [0, 1] and cb.summary is not None
     assert _hooks(model) == 0 and "forward" not in model.__dict__
 
@@ -289,12 +279,8 @@ def test_the_hugging_face_callback_closes_a_probe_left_open(tmp_path):
     torch.manual_seed(0)
     model = Raising(at=0)
     cb = FltDiagCallback(blocks="inner.gpt.transformer.h.*", folder=tmp_path / "hf", head=model.inner.gpt.lm_head)
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,
-                                          report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
-                                          logging_strategy="no", dataloader_num_workers=0)
-    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 64, (12, 16))]
     with pytest.raises(ValueError, match="elsewhere"):
-        transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[cb, Boom()]).train()
+        hf_fit(model, [cb, Boom()], tmp_path / "out", steps=3)
     assert _hooks(model) > 0  # (no callback heard of it)
     cb.close()
     assert _hooks(model) == 0 and "forward" not in model.__dict__

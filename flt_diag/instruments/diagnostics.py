@@ -87,7 +87,7 @@ class LoopHooks:
     that they are gradients of the micro-batch's mean loss). `listeners` are called as
     fn(loop, layer, stream) for every recorded block output, `on_loop_end` as fn(loop, stream) with the
     loop-end stream of every recorded loop, and `on_forward_end` as fn(loops) at the end of each recorded
-    forward (hook points for further records, e.g. the loop dynamics of flt_diag.probe.dynamics)."""
+    forward (hook points for further records, e.g. the loop dynamics of flt_diag.instruments.dynamics_callback)."""
 
     def __init__(self, model, log, act_grads: bool = True, attention: bool = False, *, blocks=None,
                  boundary=BUILTIN, names: list[str] | None = None, require_repeat: bool = False):
@@ -280,11 +280,12 @@ class DiagnosticsCallback(Callback):
     handful of kernel launches whatever the number of groups."""
 
     def __init__(self, cfg: DiagnosticsConfig, groups: dict[str, list] | None = None, hooks: dict | None = None,
-                 grad_scale: float | None = None):
+                 grad_scale: float | None = None, loop_end: tuple | list = ()):
         """`groups` (default: flt-diag's own model's parameter_groups), `hooks` (LoopHooks keyword
         arguments: blocks, boundary, names, ...) and `grad_scale` (default the run's grad_accum) let the
-        same records be taken on any looped model (flt_diag.probe.watch)."""
-        self.cfg = cfg
+        same records be taken on any looped model (flt_diag.probe.watch). `loop_end`: fn(loop, stream), fed each
+        recorded loop-end stream (LoopHooks.on_loop_end; the loop dynamics, flt_diag.instruments.dynamics_callback)."""
+        self.cfg, self.loop_end = cfg, list(loop_end)
         self.given_groups, self.hook_options, self.grad_scale = groups, dict(hooks or {}), grad_scale
         self.prev: dict[str, torch.Tensor] = {}  # previous step's flat gradient per group
         self.prev_step = -2
@@ -303,6 +304,7 @@ class DiagnosticsCallback(Callback):
         # position of every parameter's group, to sum per-parameter norms into group norms
         self.group_of = torch.tensor([i for i, ps in enumerate(self.groups.values()) for _ in ps])
         self.hooks = LoopHooks(trainer.model, trainer.log.add, attention=self.cfg.attention, **self.hook_options)
+        self.hooks.on_loop_end += self.loop_end
         self.hooks.grad_scale = trainer.cfg.train.grad_accum if self.grad_scale is None else self.grad_scale
         model_cfg = getattr(trainer.model, "cfg", None)
         if model_cfg is not None and hasattr(trainer.model, "grad_loops"):

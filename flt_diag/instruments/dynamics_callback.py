@@ -1,32 +1,44 @@
-"""The loop-dynamics records of a training run (flt_diag.instruments.loop_dynamics), attached from outside
-the model. Definitions, cost and switches: DESIGN.md §3, "Loop dynamics".
+"""The loop-dynamics records (flt_diag.instruments.loop_dynamics), one instrument that flt-diag's Trainer and
+flt_diag.watch both stand on. Definitions, cost and switches: DESIGN.md §3, "Loop dynamics"; on a model flt-diag
+did not write: docs/api.md, "Loop dynamics on your own model".
 
-On recorded steps (flt_diag.instruments.diagnostics.should_record) and with `--loop-dynamics`: the
-fixed-point residual of every loop, and on those that are multiples of `--exit-loss-every` (10) the
-exit loss of every loop, computed in a forward hook on `model.loop_end` from the loop-end states the training
-forward computes anyway (a second forward with keep="all" would cost a third of a step; the hook costs
-one norm per loop, and one head matmul per loop where the exit loss is due). Only the first forward of
-a step is armed, as for LoopHooks: further micro-batches, evaluation and the recomputation of
-activation checkpointing (which runs `_loop`, not the model's forward) record nothing.
+`instruments()` builds what both run on every step: the diagnostics (flt_diag.instruments.diagnostics), whose
+LoopHooks feed each recorded loop-end stream (`on_loop_end`: flt-diag's `model.loop_end`, a `loop_boundary=`
+module, `probe.end_loop`, or the last block's output) to LoopDynamicsCallback.loop_end. A new record per loop is
+one function (loop_dynamics.py), its metric name (storage/metric_names.py) and one call in `loop_end`.
 
-Every `--dynamics-every` steps: loop-map gain and spectral radius, and the per-loop gradient agreement;
-every `--sharpness-every` steps: the sharpness; all on the first `--dynamics-batch` sequences of the
-step's first micro-batch, after the backward (the weights the step's gradient was taken at), on rank 0
-only (the rank that writes; no collective is involved), eagerly (compiled blocks run under
-torch.compiler's force_eager stance) and in fp32 outside autocast. They use a generator of their own
-(seeded by the step), leave nothing on any .grad and do not change the model's mode, so the training
-trajectory is the same with or without them (tested).
+On recorded steps (should_record) with loop_dynamics, in that hook, from the streams the training forward
+computes anyway (no extra forward; only the first forward of a step, as for LoopHooks): the fixed-point
+residual of loop t >= 2; on those that are multiples of exit_loss_every, token_cosine and effective_rank of every
+loop, and with a head and the step's targets its exit loss (one head matmul per loop). The every-N records go
+through a loop map, after the backward (the weights the step's gradient was taken at), on rank 0 only (no
+collective), in fp32 outside autocast, with a generator of their own (seeded by the step), leaving nothing on
+any .grad: the training trajectory is the same with or without them (tested).
+
+Deliberate differences, by the model (`own_model_dynamics`, `watched_model_dynamics`):
+  * flt-diag's model: h(t) = norm(stream) (its final norm, as forward_loops applies it), its softcapped head,
+    the forward's targets; ModelLoopMap (its own loop map at the batch, every dynamics_every steps, recorded
+    or not; the per-loop gradient agreement; the sharpness every sharpness_every steps);
+  * any other model: the raw stream (a `head=` applies the user's final norm), head= and targets= as given,
+    else the streams kept for `probe.step(targets=)`; StepLoopMap (the user's `loop_step=` at the recorded
+    loop-end streams, on recorded steps that are multiples of dynamics_every). A stream that is not
+    (batch, seq, dim) skips the records that need that shape, said once on stderr.
 """
 from __future__ import annotations
+
+import sys
+from typing import Callable
 
 import torch
 
 from flt_diag.storage import metric_names as M
-from flt_diag.instruments.callbacks import Callback
-from flt_diag.instruments.diagnostics import should_record
+from flt_diag.instruments.callbacks import Callback, Host
+from flt_diag.instruments.diagnostics import DiagnosticsCallback, should_record
 from flt_diag.instruments import loop_dynamics as D
-from flt_diag.model.transformer import norm
+from flt_diag.model.transformer import LoopedTransformer, norm
 from flt_diag.config.run_config import DiagnosticsConfig
+
+LOOP_MAP = (M.LOOP_GAIN, M.LOOP_SPECTRAL_RADIUS, M.LOOP_SPECTRAL_RESIDUAL, M.LOOP_MEAN_GAIN)
 
 
 def due(step: int, every: int) -> bool:
@@ -34,83 +46,224 @@ def due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
 
 
-class LoopDynamicsCallback(Callback):
-    def __init__(self, cfg: DiagnosticsConfig):
-        self.cfg = cfg
-        self.handles: list = []
-        self._armed = self._active = False
-        self.batch: tuple | None = None
+class ModelLoopMap:
+    """flt-diag's own model: loop_map_stats at its own states of the step's first micro-batch (`begin`: the
+    forward's idx, targets), the per-loop gradient agreement, and the sharpness."""
 
-    def on_start(self, trainer) -> None:
-        model = trainer.model
-        self.head = D.model_head(model)
-        self.handles = [model.register_forward_pre_hook(self._start, with_kwargs=True),
-                        model.register_forward_hook(self._stop),
-                        model.loop_end.register_forward_hook(self._loop_end)]
+    def __init__(self, model: LoopedTransformer):
+        self.model, self.batch = model, None
 
-    def on_end(self, trainer) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
-        self._armed = self._active = False
+    def due(self, step: int, cfg: DiagnosticsConfig, recording: bool) -> bool:
+        return due(step, cfg.dynamics_every) or due(step, cfg.sharpness_every)
 
-    def _costly(self, step: int) -> bool:
-        return due(step, self.cfg.dynamics_every) or due(step, self.cfg.sharpness_every)
-
-    def before_step(self, trainer, step: int) -> None:
-        self.log = trainer.log
-        self.cheap = self.cfg.loop_dynamics and should_record(step, self.cfg)
-        self.exit = self.cheap and due(step, self.cfg.exit_loss_every)
-        self._armed = self.cheap or (self._costly(step) and trainer.is_main)
-        self.batch = None
-
-    def _start(self, module, args, kwargs):
-        self._active, self._armed = self._armed, False
-        if not self._active:
-            return
+    def begin(self, args: tuple, kwargs: dict) -> None:
         idx = args[0] if args else kwargs.get("idx")
         targets = args[1] if len(args) > 1 else kwargs.get("targets")
-        self.targets = targets.detach() if torch.is_tensor(targets) else None
-        self.batch = (idx.detach(), self.targets)
-        self.loop, self.h_prev = 0, None
+        self.batch = (idx.detach(), targets.detach()) if torch.is_tensor(targets) else None
 
-    def _stop(self, module, args, output):
-        self._active, self.h_prev = False, None
+    def loop_end(self, h: torch.Tensor) -> None: ...
 
-    def _loop_end(self, module, args, output):
-        if not (self._active and self.cheap):
+    def record(self, host: Host, step: int, cfg: DiagnosticsConfig, say: Callable[[str, str], None]) -> None:
+        batch, self.batch = self.batch, None
+        if batch is None:
             return
-        self.loop += 1
-        with torch.no_grad():
-            h = norm(output.detach().float())
-            if self.exit and self.targets is not None:
-                self.log.add(M.EXIT_LOSS, D.exit_loss(h, self.head, self.targets), self.loop, M.NONE)
-            if self.exit:
-                cosine, rank = D.stream_similarity(h)
-                self.log.add(M.TOKEN_COSINE, cosine, self.loop, M.NONE)
-                self.log.add(M.EFFECTIVE_RANK, rank, self.loop, M.NONE)
-            if self.h_prev is not None:
-                self.log.add(M.FIXED_POINT_RESIDUAL, D.fixed_point_residual(h, self.h_prev), self.loop, M.NONE)
-        self.h_prev = h
-
-    def after_backward(self, trainer, step: int) -> None:
-        if not (trainer.is_main and self.batch is not None and self._costly(step)) or self.batch[1] is None:
-            return
-        b = self.cfg.dynamics_batch
-        idx, targets = self.batch[0][:b], self.batch[1][:b]
-        model, log = trainer.model, trainer.log
-        loss_on = trainer.cfg.train.loss_on if getattr(trainer, "cfg", None) is not None else "end"  # (a probe: the end loop)
+        b, model, log = cfg.dynamics_batch, self.model, host.log
+        idx, targets = batch[0][:b], batch[1][:b]
+        loss_on = host.cfg.train.loss_on if host.cfg is not None else "end"  # (a probe: the end loop)
         gen = torch.Generator(device=idx.device).manual_seed(step)
         with torch.autocast(idx.device.type, enabled=False):
-            if due(step, self.cfg.dynamics_every) and model.cfg.loops > 1:
-                stats = D.loop_map_stats(model, idx, self.cfg.dynamics_iters, self.cfg.krylov_dim,
-                                         self.cfg.perturbation_dirs, gen)
+            if due(step, cfg.dynamics_every) and model.cfg.loops > 1:
+                stats = D.loop_map_stats(model, idx, cfg.dynamics_iters, cfg.krylov_dim, cfg.perturbation_dirs, gen)
                 loops = range(2, model.cfg.loops + 1)
                 for metric, values in stats.items():
                     log.add_vector([(metric, t, M.NONE) for t in loops], values)
                 cos = D.loop_gradient_agreement(model, idx, targets, loss_on)  # (K, L)
                 log.add_vector([(M.LOOP_GRAD_COSINE, t + 1, layer + 1) for t in range(cos.shape[0])
                                 for layer in range(cos.shape[1])], cos.flatten())
-            if due(step, self.cfg.sharpness_every):
-                log.add(M.SHARPNESS, D.sharpness(model, idx, targets, self.cfg.dynamics_iters, loss_on, gen))
-        self.batch = None
+            if due(step, cfg.sharpness_every):
+                log.add(M.SHARPNESS, D.sharpness(model, idx, targets, cfg.dynamics_iters, loss_on, gen))
+
+
+class StepLoopMap:
+    """A model flt-diag did not write: the user's `loop_step` (h(t-1) -> h(t)) at the step's recorded loop-end
+    streams, under torch.no_grad, the global random state restored after (a loop_step that draws, e.g. dropout,
+    leaves the training's draws unchanged). One that fails under torch.func is said once, and records no more."""
+
+    def __init__(self, loop_step: Callable[[torch.Tensor], torch.Tensor]):
+        self.loop_step: Callable | None = loop_step
+        self.states: list[torch.Tensor] = []
+
+    def due(self, step: int, cfg: DiagnosticsConfig, recording: bool) -> bool:
+        return recording and self.loop_step is not None and due(step, cfg.dynamics_every)
+
+    def begin(self, args: tuple, kwargs: dict) -> None:
+        self.states = []
+
+    def loop_end(self, h: torch.Tensor) -> None:
+        self.states.append(h)
+
+    def record(self, host: Host, step: int, cfg: DiagnosticsConfig, say: Callable[[str, str], None]) -> None:
+        states, self.states = self.states, []
+        if len(states) < 2 or self.loop_step is None:
+            return
+        if len({s.shape for s in states}) > 1:
+            say("loop-map", "the loop-end streams change shape from loop to loop: no loop-map records")
+            return
+        states = [s[:cfg.dynamics_batch] if s.dim() == 3 else s for s in states]
+        device = states[0].device
+        gen = torch.Generator(device=device).manual_seed(step)
+        devices = [device.index or 0] if device.type == "cuda" else []
+        try:  # (math attention etc.: D.transparent; torch's fast CPU attention has no forward-mode AD)
+            with torch.random.fork_rng(devices=devices), torch.autocast(device.type, enabled=False), \
+                    torch.no_grad(), D.transparent():
+                rows = []
+                for h in states[:-1]:
+                    rho, res = D.spectral_radius(self.loop_step, h, cfg.krylov_dim, gen)
+                    rows.append((D.loop_map_gain(self.loop_step, h, cfg.dynamics_iters, gen), rho, res,
+                                 D.mean_gain(self.loop_step, h, cfg.perturbation_dirs, gen)))
+                growth = D.perturbation_growth(self.loop_step, states, cfg.perturbation_dirs, gen)
+        except (RuntimeError, NotImplementedError) as e:  # the user's loop map failed under torch.func: say so once,
+            self.loop_step = None                          # record none from now on, and let the training go on
+            say("loop-map", f"loop_step= failed under torch.func jvp/vjp ({type(e).__name__}: "
+                f"{(str(e).splitlines() or [''])[0][:160]}): no loop-map records from here on")
+            return
+        loops = range(2, len(states) + 1)
+        for i, metric in enumerate(LOOP_MAP):
+            host.log.add_vector([(metric, t, M.NONE) for t in loops],
+                                torch.stack([r[i].to(device).float() for r in rows]))
+        host.log.add_vector([(M.LOOP_PERTURBATION_GROWTH, t, M.NONE) for t in loops], growth.float())
+
+
+LoopMap = ModelLoopMap | StepLoopMap
+
+
+class LoopDynamicsCallback(Callback):
+    """The records of the module docstring: `loop_end(loop, stream)` is fed each recorded loop-end stream; a
+    forward pre-hook on the model (from on_start) reads the step's targets and the loop map's inputs off the
+    first forward after before_step; `at_step(targets)` (probe.step(targets=)) scores the streams kept for it."""
+
+    def __init__(self, cfg: DiagnosticsConfig, loop_map: LoopMap | None = None, head: Callable | None = None,
+                 targets: Callable | None = None, final: Callable[[torch.Tensor], torch.Tensor] = lambda h: h):
+        self.cfg, self.loop_map, self.head, self.targets_of, self.final = cfg, loop_map, head, targets, final
+        self.handles: list = []
+        self.said: set[str] = set()
+        self.recording = self.exit = self.mapping = self._armed = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.h_prev: torch.Tensor | None = None
+        self.kept: list[tuple[int, torch.Tensor]] = []  # (loop, stream) awaiting step(targets=) for the exit loss
+        self.targets: torch.Tensor | None = None
+
+    def on_start(self, trainer: Host) -> None:
+        self.handles = [trainer.model.register_forward_pre_hook(self._begin, with_kwargs=True)]
+
+    def on_end(self, trainer: Host) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        self._armed = False
+
+    def _say(self, what: str, text: str) -> None:
+        if what not in self.said:
+            self.said.add(what)
+            print(f"flt_diag.watch: {text}", file=sys.stderr, flush=True)
+
+    def before_step(self, trainer: Host, step: int) -> None:
+        self.log = trainer.log
+        self.recording = self.cfg.loop_dynamics and should_record(step, self.cfg)
+        self.exit = self.recording and due(step, self.cfg.exit_loss_every)
+        self.mapping = self.loop_map is not None and trainer.is_main and self.loop_map.due(step, self.cfg,
+                                                                                          self.recording)
+        self._armed = self.mapping or (self.exit and self.head is not None and self.targets_of is not None)
+        self._reset()
+
+    def _begin(self, module, args, kwargs) -> None:
+        if not self._armed:
+            return
+        self._armed = False
+        if self.exit and self.head is not None and self.targets_of is not None:
+            t = self.targets_of(*args, **kwargs)
+            self.targets = t.detach() if torch.is_tensor(t) else None
+        if self.mapping:
+            assert self.loop_map is not None  # (mapping: there is one)
+            self.loop_map.begin(args, kwargs)
+
+    def _fits(self, h: torch.Tensor) -> bool:
+        if h.dim() == 3:
+            return True
+        self._say("shape", f"a loop-end stream of shape {tuple(h.shape)} is not (batch, seq, dim): token_cosine, "
+                           "effective_rank and exit_loss are not recorded for it")
+        return False
+
+    def _exit_loss(self, loop: int, h: torch.Tensor, targets: torch.Tensor) -> None:
+        if tuple(targets.shape) != tuple(h.shape[:-1]):
+            self._say("targets", f"targets of shape {tuple(targets.shape)} do not fit the loop-end stream "
+                                 f"{tuple(h.shape)} (one target per position): exit_loss is not recorded")
+            return
+        assert self.head is not None  # (scored only with a head)
+        self.log.add(M.EXIT_LOSS, D.exit_loss(h, self.head, targets.to(h.device)), loop, M.NONE)
+
+    def loop_end(self, loop: int, stream: torch.Tensor) -> None:
+        """The records of one recorded loop's end (LoopHooks.on_loop_end)."""
+        if not self.recording:
+            return
+        with torch.no_grad():
+            h = self.final(stream.detach())
+            if self.exit and self._fits(h):
+                if self.head is not None and self.targets is not None:
+                    self._exit_loss(loop, h, self.targets)
+                elif self.head is not None and self.targets_of is None:
+                    self.kept.append((loop, h))
+                cosine, rank = D.stream_similarity(h)
+                self.log.add(M.TOKEN_COSINE, cosine, loop, M.NONE)
+                self.log.add(M.EFFECTIVE_RANK, rank, loop, M.NONE)
+            if self.h_prev is not None and self.h_prev.shape == h.shape:
+                self.log.add(M.FIXED_POINT_RESIDUAL, D.fixed_point_residual(h, self.h_prev), loop, M.NONE)
+            elif self.h_prev is not None:
+                self._say("residual", f"the loop-end stream changed shape ({tuple(self.h_prev.shape)} -> "
+                                      f"{tuple(h.shape)}): no fixed_point_residual there")
+        self.h_prev = h
+        if self.mapping:
+            assert self.loop_map is not None  # (mapping: there is one)
+            self.loop_map.loop_end(h)
+
+    def at_step(self, targets: torch.Tensor | None = None) -> None:
+        """probe.step(targets=): the exit loss of the streams kept for it."""
+        if self.kept and torch.is_tensor(targets):
+            with torch.no_grad():
+                for loop, h in self.kept:
+                    self._exit_loss(loop, h, targets.detach())
+        elif self.kept and targets is None:
+            self._say("no-targets", "head= is given but no targets: give probe.step(targets=) or watch(targets=) "
+                                    "for exit_loss")
+        self._reset()
+
+    def after_backward(self, trainer: Host, step: int) -> None:
+        if self.mapping:
+            assert self.loop_map is not None  # (mapping: there is one)
+            self.mapping = False
+            self.loop_map.record(trainer, step, self.cfg, self._say)
+
+
+def own_model_dynamics(cfg: DiagnosticsConfig, model: LoopedTransformer) -> LoopDynamicsCallback:
+    """flt-diag's own model (the module docstring's first case)."""
+    def targets(idx, targets=None, *args, **kwargs):
+        return targets
+    return LoopDynamicsCallback(cfg, ModelLoopMap(model), D.model_head(model), targets, lambda h: norm(h.float()))
+
+
+def watched_model_dynamics(cfg: DiagnosticsConfig, model: torch.nn.Module, head: Callable | None = None,
+                           loop_step: Callable | None = None, targets: Callable | None = None) -> LoopDynamicsCallback:
+    """flt_diag.watch: flt-diag's own model as in its runs (with loop_dynamics on: off, nothing is recorded at all);
+    any other model, the module docstring's second case."""
+    if isinstance(model, LoopedTransformer) and cfg.loop_dynamics:
+        return own_model_dynamics(cfg, model)
+    return LoopDynamicsCallback(cfg, StepLoopMap(loop_step) if loop_step is not None else None, head, targets)
+
+
+def instruments(cfg: DiagnosticsConfig, dynamics: LoopDynamicsCallback,
+                **diagnostics) -> tuple[DiagnosticsCallback, LoopDynamicsCallback]:
+    """The instruments of every step, in the order they run: the diagnostics (`diagnostics`: DiagnosticsCallback's
+    groups, hooks, grad_scale, for a model flt-diag did not write), whose hooks feed the loop dynamics."""
+    return DiagnosticsCallback(cfg, loop_end=[dynamics.loop_end], **diagnostics), dynamics

@@ -17,16 +17,14 @@ from flt_diag.judge.verdict import summarize, tokens_per_step
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import (SUMMARY, MetricsWriter, StorageError, folder_lock, has_content,
                                       load_metrics, write_json)
-from flt_diag.model.transformer import LoopedTransformer
 from flt_diag.instruments.callbacks import Callback
-from flt_diag.instruments.dynamics_callback import LoopDynamicsCallback
+from flt_diag.instruments.dynamics_callback import instruments, watched_model_dynamics
 from flt_diag.instruments.records import Row
-from flt_diag.probe.dynamics import ProbeDynamics
 from flt_diag.probe.folder import Host, probe_run_config, recipe, write_probe_config
 from flt_diag.probe.checks import check_watch, leave_no_trace, lets_go_on_refusal, one_loss, step_arguments
 from flt_diag.probe.results import EarlyWarning
 from flt_diag.storage.file_models import Summary
-from flt_diag.instruments.diagnostics import DiagnosticsCallback, LoopHooks, ProbeError, should_record
+from flt_diag.instruments.diagnostics import LoopHooks, ProbeError, should_record
 from flt_diag.probe.model import called_blocks, check_untied, default_head, parameter_groups_of, resolve_blocks
 from flt_diag.instruments.warning_callback import CollapseWarning, predictor
 from flt_diag.config.run_config import DiagnosticsConfig
@@ -74,18 +72,12 @@ class LoopProbe:
                                          "predictor": predictor_path})
         self.grad_scale = grad_scale
         self.host = Host(model, self.folder)
+        # the loop dynamics as flt-diag's runs take them (flt-diag's model), or from head=, targets=, loop_step=
+        self.dynamics = watched_model_dynamics(self.dcfg, model, head, loop_step, targets)
         self._build()
         self.warning_cb = CollapseWarning(predictor(predictor_path), stop=stop_on_collapse,
                                           say=None if warn else (lambda text: None))  # prints only with warn
-        self.callbacks = list(callbacks or [])
-        self.dynamics = isinstance(model, LoopedTransformer) and self.dcfg.loop_dynamics  # its loop map is known:
-        if self.dynamics:  # the same loop-dynamics records as a run of flt-diag's own (first of the callbacks)
-            self.callbacks.insert(0, LoopDynamicsCallback(self.dcfg))
-        # any other model: the loop dynamics from the loop-end streams the hooks see (probe/dynamics.py), with
-        # exit_loss where head= is given (and targets), the loop-map records where loop_step= is
-        self.own_dynamics = None if self.dynamics else ProbeDynamics(self.dcfg, head, loop_step, targets)
-        if self.own_dynamics is not None:
-            self.callbacks.insert(0, self.own_dynamics)
+        self.callbacks = [self.dynamics, *(callbacks or [])]  # (the loop dynamics first)
         self.step_index, self.shape, self.loops_seen = 0, None, Counter()
         self.grad_hooks = grad_hooks  # each gradient read as the backward accumulates it: before any clipping
         self.oscillation_unjudged: str | None = None  # why the gradient norms read are after clipping, if they are
@@ -98,8 +90,9 @@ class LoopProbe:
         check_untied(self.blocks, self.names)
         self.groups = parameter_groups_of(self.model, self.blocks, self.head)
         self.params = [p for ps in self.groups.values() for p in ps]
-        self.diag = DiagnosticsCallback(self.dcfg, groups=self.groups, grad_scale=self.grad_scale, hooks=dict(
-            blocks=self.blocks, boundary=self.boundary, names=self.names, require_repeat=self.boundary is None))
+        self.diag, _ = instruments(self.dcfg, self.dynamics, groups=self.groups, grad_scale=self.grad_scale,
+                                   hooks=dict(blocks=self.blocks, boundary=self.boundary, names=self.names,
+                                              require_repeat=self.boundary is None))
 
     def _attach(self) -> None:
         """The hooks on the blocks (at watch(), or for blocks="auto" at the first training forward)."""
@@ -108,8 +101,6 @@ class LoopProbe:
         self.hooks.listeners.append(self._first_shape)
         self.hooks.on_forward_end.append(self._count_loops)
         self.hooks.refuse = self._let_go  # (let go, then raise)
-        if self.own_dynamics is not None:
-            self.own_dynamics.attach(self.hooks)
         if self.grad_hooks:
             self._handles += [p.register_post_accumulate_grad_hook(self._read_grad(i))
                               for i, p in enumerate(self.params)]
@@ -146,8 +137,7 @@ class LoopProbe:
             self.hooks = None
             self._handles = [self.model.register_forward_pre_hook(self._begin_forward, with_kwargs=True),
                              self.model.register_forward_hook(self._end_forward)]
-            for cb in self.callbacks[:1] if self.dynamics else ():  # hooks needed from the first forward on
-                cb.on_start(self.host)
+            self.dynamics.on_start(self.host)  # its hook, needed from the first forward on (after the probe's)
             if not self.auto:
                 self._attach()
         except BaseException:
@@ -158,6 +148,7 @@ class LoopProbe:
         for h in getattr(self, "_handles", []):
             h.remove()
         self._handles = []
+        self.dynamics.on_end(self.host)
         if getattr(self, "hooks", None) is not None:
             self.diag.on_end(self.host)
             self.hooks = None
@@ -203,8 +194,6 @@ class LoopProbe:
             self._began = True
             for cb in (self.diag, *self.callbacks):
                 cb.before_step(self.host, self.step_index)
-            if self.own_dynamics is not None:
-                self.own_dynamics.begin(args, kwargs)
             if found:  # (the LoopHooks' own pre-hook came too late for this forward)
                 assert self.hooks is not None  # (_find_blocks attached them)
                 self.hooks._start(module, args)
@@ -281,8 +270,7 @@ class LoopProbe:
                 self._check_finite(s, value)
         if lr is not None:
             self.host.log.add(M.LR, lr)
-        if self.own_dynamics is not None:  # the exit loss of the kept loop-end streams (head= without targets=)
-            self.own_dynamics.at_step(self.host.log, targets)
+        self.dynamics.at_step(targets)  # the exit loss of the kept loop-end streams (head= without targets=)
         rows = self.host.log.collect(s)
         if self.host.cfg is None:
             self._start_run(s)
@@ -338,7 +326,7 @@ class LoopProbe:
     def _start_run(self, s: int) -> None:
         self.host.cfg = probe_run_config(self, self.steps or s + 1)
         write_probe_config(self, self.host.cfg)
-        for cb in (self.warning_cb, *self.callbacks[1 if self.dynamics else 0:]):
+        for cb in (self.warning_cb, *self.callbacks[1:]):  # (the loop dynamics: started at watch())
             cb.on_start(self.host)
 
     def _summarize(self) -> Summary:

@@ -10,10 +10,11 @@ by any loop (docs/api.md).
             optimizer.zero_grad()
     print(probe.summary["verdict"])
 
-The probe is a small stand-in for flt-diag's Trainer: the same DiagnosticsCallback (flt_diag.instruments.
-diagnostics, its LoopHooks on the given blocks), the same metrics table (MetricsWriter), the same online
-early warning (CollapseWarning) and the same summary (judge.verdict.summarize), so the run folder it
-writes is read by `flt-diag summary`, `plot`, `report`, `predict` and `summary --recompute` as any other.
+The probe is a small stand-in for flt-diag's Trainer: the same instruments (flt_diag.instruments.dynamics_callback.
+instruments: the diagnostics, their LoopHooks on the given blocks, and the loop dynamics), the same metrics table
+(MetricsWriter), the same online early warning (CollapseWarning) and the same summary (judge.verdict.summarize), so
+the run folder it writes is read by `flt-diag summary`, `plot`, `report`, `predict` and `summary --recompute` as
+any other.
 
 Moments of one step: the first training forward (grad enabled, module in training mode) after the
 previous step arms the hooks on a recorded step (should_record); `after_backward()` (optional: gradients
@@ -22,9 +23,9 @@ gradients if they are still there, update ratios, the loss; then the rows). With
 `step()` reads the gradients it finds and takes the update ratio against a copy of the parameters kept
 at the end of the previous step.
 
-Further records (e.g. the loop dynamics) plug in as training callbacks (`callbacks=`): they get the
-Trainer's moments with this probe's stand-in trainer (`.model`, `.log`, `.cfg`, `.run_dir`), and
-`probe.hooks` (LoopHooks) offers `listeners` and `on_forward_end`.
+Further records plug in as training callbacks (`callbacks=`): they get the Trainer's moments with this probe's
+stand-in trainer (`.model`, `.log`, `.cfg`, `.run_dir`), and `probe.hooks` (LoopHooks) offers `listeners`,
+`on_loop_end` and `on_forward_end`.
 """
 from __future__ import annotations
 

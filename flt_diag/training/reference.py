@@ -34,11 +34,10 @@ from pathlib import Path
 import torch
 
 from flt_diag.model.transformer import VARIANTS, LoopedTransformer, ModelConfig
-from flt_diag.training.checkpoint import save_weights
+from flt_diag.training.checkpoint import load, save_weights
 from flt_diag.config.run_config import RunConfig, TrainConfig, padded_vocab
 from flt_diag.storage.files import META_LOOP_KEYS as LOOP_KEYS, META_VARIANT_KEYS as VARIANT_KEYS, check_reference_meta
 from flt_diag.storage.folders import CHECKPOINT, CONFIG, StorageError, read_json, write_json
-from flt_diag.storage.safe_files import open_regular
 
 REFERENCE_VARIANTS: dict[str, str] = {"LT": "lt", "LT_i": "lt-ii", "LT_ia": "lt-ai", "FLT_res": "fla", "FLT": "flt"}
 PREFIXES = ("_orig_mod.", "module.")
@@ -200,12 +199,9 @@ def _checkpoint_file(path: Path) -> Path:
 def _load_checkpoint(path: Path) -> dict:
     """The state dict of a checkpoint file."""
     try:
-        with open_regular(path) as f:  # a FIFO in its place: one line, never blocks
-            obj = torch.load(f, map_location="cpu", weights_only=True)
+        obj = load(path)  # (weights only; a FIFO in its place, a corrupt file: one line)
     except StorageError as e:
         raise ReferenceImportError(str(e)) from None
-    except Exception as e:
-        raise ReferenceImportError(f"cannot read {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     for wrapper in ("model", "state_dict", "model_state_dict"):  # some scripts wrap the state dict
         if isinstance(obj, dict) and isinstance(obj.get(wrapper), dict):
             obj = obj[wrapper]

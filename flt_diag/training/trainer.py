@@ -2,10 +2,11 @@
 
 The loop: for each step, `step()` (forward/backward per micro-batch, clipping, optimizer step; the
 step's scalars collected in one host transfer), then the callbacks' `on_rows` and `on_step_end`.
-Side concerns are callbacks (flt_diag.instruments.callbacks for the moments): diagnostics
-(flt_diag.instruments.diagnostics), the caller's, the collapse warning, then evaluation (flt_diag.training.evaluation),
-the metrics table (flt_diag.instruments.callbacks.MetricsTable), TensorBoard / W&B mirrors (flt_diag.instruments.external),
-resume.pt / checkpoint.pt (flt_diag.training.checkpoint) and progress (flt_diag.instruments.callbacks.Progress).
+Side concerns are callbacks (flt_diag.instruments.callbacks for the moments): the instruments (diagnostics, loop
+dynamics: flt_diag.instruments.dynamics_callback.instruments, as for flt_diag.watch), the caller's, the collapse
+warning, then evaluation (flt_diag.training.evaluation), the metrics table (flt_diag.instruments.callbacks.
+MetricsTable), TensorBoard / W&B mirrors (flt_diag.instruments.external), resume.pt / checkpoint.pt
+(flt_diag.training.checkpoint) and progress (flt_diag.instruments.callbacks.Progress).
 The Trainer itself owns the run folder's config.json (written first) and summary.json (written last).
 
 Every scalar of a step goes into a StepLog as a device tensor; the StepLog moves them to the
@@ -39,8 +40,7 @@ from flt_diag.instruments.external import ExternalSinks
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig, count_parameters
 from flt_diag.instruments.records import StepLog, environment
 from flt_diag.training.process import start_process
-from flt_diag.instruments.diagnostics import DiagnosticsCallback
-from flt_diag.instruments.dynamics_callback import LoopDynamicsCallback
+from flt_diag.instruments.dynamics_callback import instruments, own_model_dynamics
 from flt_diag.instruments.warning_callback import CollapseWarning
 from flt_diag.training.compile_precision import compile_blocks, compile_wanted, reference_precision
 from flt_diag.training.optim import build_optimizers, lr_multiplier, muon_momentum, set_lr, set_momentum
@@ -91,7 +91,7 @@ class Trainer:
         self.log = StepLog()
         self.callbacks: list[Callback] = list(callbacks or [])
         if diagnostics if diagnostics is not None else cfg.diagnostics.enabled:
-            self.callbacks[:0] = [DiagnosticsCallback(cfg.diagnostics), LoopDynamicsCallback(cfg.diagnostics)]
+            self.callbacks[:0] = instruments(cfg.diagnostics, own_model_dynamics(cfg.diagnostics, self.model))
         if cfg.diagnostics.warn or cfg.diagnostics.stop_on_collapse:
             self.callbacks.append(CollapseWarning(predictor(cfg.diagnostics.predictor),
                                                   stop=cfg.diagnostics.stop_on_collapse))
