@@ -23,7 +23,7 @@ from flt_diag.storage import metric_names as M
 from flt_diag.instruments.callbacks import Callback
 from flt_diag.instruments.gradient_pairs import consecutive_stats, pair_sums, segment_squares
 from flt_diag.config.run_config import DiagnosticsConfig
-from flt_diag.model.transformer import LoopedTransformer, detached_loops, parameter_groups
+from flt_diag.model.transformer import detached_loops, parameter_groups
 
 
 def should_record(step: int, cfg: DiagnosticsConfig) -> bool:

@@ -38,7 +38,6 @@ from flt_diag.instruments import loop_dynamics as D
 from flt_diag.model.transformer import LoopedTransformer, norm
 from flt_diag.config.run_config import DiagnosticsConfig
 
-LOOP_MAP = (M.LOOP_GAIN, M.LOOP_SPECTRAL_RADIUS, M.LOOP_SPECTRAL_RESIDUAL, M.LOOP_MEAN_GAIN)
 
 
 def due(step: int, every: int) -> bool:
@@ -87,7 +86,7 @@ class ModelLoopMap:
 class StepLoopMap:
     """A model flt-diag did not write: the user's `loop_step` (h(t-1) -> h(t)) at the step's recorded loop-end
     streams, under torch.no_grad, the global random state restored after (a loop_step that draws, e.g. dropout,
-    leaves the training's draws unchanged). One that fails under torch.func is said once, and records no more."""
+    leaves the training's draws unchanged). One that fails there is said once, and records no more."""
 
     def __init__(self, loop_step: Callable[[torch.Tensor], torch.Tensor]):
         self.loop_step: Callable | None = loop_step
@@ -113,25 +112,19 @@ class StepLoopMap:
         device = states[0].device
         gen = torch.Generator(device=device).manual_seed(step)
         devices = [device.index or 0] if device.type == "cuda" else []
-        try:  # (math attention etc.: D.transparent; torch's fast CPU attention has no forward-mode AD)
+        try:  # (math attention etc.: D.transparent; the fused kernels are not differentiated twice)
             with torch.random.fork_rng(devices=devices), torch.autocast(device.type, enabled=False), \
                     torch.no_grad(), D.transparent():
-                rows = []
-                for h in states[:-1]:
-                    rho, res = D.spectral_radius(self.loop_step, h, cfg.krylov_dim, gen)
-                    rows.append((D.loop_map_gain(self.loop_step, h, cfg.dynamics_iters, gen), rho, res,
-                                 D.mean_gain(self.loop_step, h, cfg.perturbation_dirs, gen)))
-                growth = D.perturbation_growth(self.loop_step, states, cfg.perturbation_dirs, gen)
-        except (RuntimeError, NotImplementedError) as e:  # the user's loop map failed under torch.func: say so once,
+                stats = D.loop_map_records(self.loop_step, states, cfg.dynamics_iters, cfg.krylov_dim,
+                                           cfg.perturbation_dirs, gen)
+        except (RuntimeError, NotImplementedError) as e:  # the user's loop map failed under autograd: say so once,
             self.loop_step = None                          # record none from now on, and let the training go on
-            say("loop-map", f"loop_step= failed under torch.func jvp/vjp ({type(e).__name__}: "
+            say("loop-map", f"loop_step= failed under double backward ({type(e).__name__}: "
                 f"{(str(e).splitlines() or [''])[0][:160]}): no loop-map records from here on")
             return
         loops = range(2, len(states) + 1)
-        for i, metric in enumerate(LOOP_MAP):
-            host.log.add_vector([(metric, t, M.NONE) for t in loops],
-                                torch.stack([r[i].to(device).float() for r in rows]))
-        host.log.add_vector([(M.LOOP_PERTURBATION_GROWTH, t, M.NONE) for t in loops], growth.float())
+        for metric, values in stats.items():
+            host.log.add_vector([(metric, t, M.NONE) for t in loops], values)
 
 
 LoopMap = ModelLoopMap | StepLoopMap

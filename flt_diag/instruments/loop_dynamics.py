@@ -225,23 +225,28 @@ def perturbation_growth(step: Callable[[Tensor], Tensor], states: Sequence[Tenso
 
 def loop_map_stats(model: LoopedTransformer, idx: Tensor, iters: int, krylov_dim: int = 24, dirs: int = 4,
                    generator: torch.Generator | None = None) -> dict[str, Tensor]:
-    """The loop map at h(t-1), t = 2..K, of a batch: metric name -> tensor of K-1 (loop_gain, loop_spectral_radius,
-    loop_spectral_residual, loop_mean_gain, loop_perturbation_growth; flt_diag.storage.metric_names)."""
+    """The loop map of flt-diag's model at h(t-1), t = 2..K, of a batch: `loop_map_records` of its loop states."""
     states = loop_states(model, idx)
     emb, cos, sin = loop_inputs(model, idx)
-    step = loop_step(model, emb, cos, sin)
+    with transparent():
+        return loop_map_records(loop_step(model, emb, cos, sin), states, iters, krylov_dim, dirs, generator)
+
+
+def loop_map_records(step: Callable[[Tensor], Tensor], states: Sequence[Tensor], iters: int, krylov_dim: int,
+                     dirs: int, generator: torch.Generator | None = None) -> dict[str, Tensor]:
+    """The loop map `step` at h(t-1), t = 2..K, of a trajectory h(1..K): metric name -> tensor of K-1 (loop_gain,
+    loop_spectral_radius, loop_spectral_residual, loop_mean_gain, loop_perturbation_growth; metric_names)."""
     names = (M.LOOP_GAIN, M.LOOP_SPECTRAL_RADIUS, M.LOOP_SPECTRAL_RESIDUAL, M.LOOP_MEAN_GAIN)
+    device = states[0].device
     if len(states) < 2:
-        empty = torch.zeros(0, device=idx.device)
+        empty = torch.zeros(0, device=device)
         return {n: empty for n in names + (M.LOOP_PERTURBATION_GROWTH,)}
     rows = []
-    with transparent():
-        for h in states[:-1]:
-            rho, res = spectral_radius(step, h, krylov_dim, generator)
-            rows.append((loop_map_gain(step, h, iters, generator), rho, res, mean_gain(step, h, dirs, generator)))
-        growth = perturbation_growth(step, states, dirs, generator)
-    out = {n: torch.stack([r[i].to(idx.device).float() for r in rows]) for i, n in enumerate(names)}
-    out[M.LOOP_PERTURBATION_GROWTH] = growth
+    for h in states[:-1]:
+        rho, res = spectral_radius(step, h, krylov_dim, generator)
+        rows.append((loop_map_gain(step, h, iters, generator), rho, res, mean_gain(step, h, dirs, generator)))
+    out = {n: torch.stack([r[i].to(device).float() for r in rows]) for i, n in enumerate(names)}
+    out[M.LOOP_PERTURBATION_GROWTH] = perturbation_growth(step, states, dirs, generator).float()
     return out
 
 
