@@ -251,27 +251,27 @@ def cmd_predict(o: PredictOptions) -> int:
     return 0
 
 
-def _predict_at(paths, model: dict, steps):
+def _predict_at(paths, model, steps):
     import pandas as pd
     from flt_diag.cli.output import print_predictions_at
     from flt_diag.judge import early_warning as EW
     from flt_diag.storage.folders import load_summary, run_dirs
     frames = []
     longest = max((x.steps_done for path in paths for d in run_dirs(path) if (x := load_summary(d))), default=0)
-    fitted = [k for k in sorted(map(int, model["models"])) if k < longest]  # (steps the predictor has a model at)
+    fitted = [k for k in sorted(model.models) if k < longest]  # (steps the predictor has a model at)
     for s in steps:
         table = pd.concat([EW.predict_sweep(path, s, model) for path in paths], ignore_index=True)
-        print_predictions_at(table, s, model.get("target", "collapse"), longest, fitted[-1] if fitted else None)
+        print_predictions_at(table, s, model.target, longest, fitted[-1] if fitted else None)
         frames.append(table.assign(step=s))
     return pd.concat(frames, ignore_index=True)
 
 
-def _predict_online(paths, model: dict):
+def _predict_online(paths, model):
     import pandas as pd
     from flt_diag.cli.output import print_online
     from flt_diag.judge import early_warning as EW
     table = pd.concat([EW.online_sweep(path, model) for path in paths], ignore_index=True)
-    print_online(table, model.get("target", "collapse"))
+    print_online(table, model.target)
     return table
 
 

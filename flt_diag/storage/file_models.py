@@ -338,8 +338,8 @@ class PredictorFile(FileModel, **FREE):
 
     features: Items[Literal[tuple(FEATURES)]]
     models: dict[Annotated[int, Field(ge=1)], LogisticModel] = Field(min_length=1, max_length=MAX_ITEMS)
-    threshold: float = Field(None, gt=0, lt=1)
-    target: Literal[tuple(TARGETS)] = None
+    threshold: float = Field(0.5, gt=0, lt=1)
+    target: Literal[tuple(TARGETS)] = "collapse"  # (a predictor of before the targets)
     class_weight: Literal[CLASS_WEIGHTS] = None
     l2: float = Field(None, gt=0)
 

@@ -145,7 +145,7 @@ def load_examples(path: Path) -> list[F.ExampleRow]:
     return checked(path, F.ExamplesTable, rows)
 
 
-def load_predictor(path=None) -> dict:
+def load_predictor(path=None) -> F.PredictorFile:
     """A predictor JSON (None: the packaged one), checked field by field: a predictor without means,
     with a text coefficient or a threshold outside (0, 1) is one line. An empty name is an error, not
     the packaged predictor."""
@@ -153,9 +153,12 @@ def load_predictor(path=None) -> dict:
         path = PACKAGED
     if str(path) in ("", "."):
         raise BadFile("the predictor file name is empty (leave --predictor out for the packaged predictor)")
-    model = read_json(path)
-    checked(path, F.PredictorFile, model)
-    return model
+    return checked(path, F.PredictorFile, read_json(path))
+
+
+def predictor_of(predictor: dict | F.PredictorFile) -> F.PredictorFile:
+    """A predictor as its model: a loaded one as it is, a fitted one (fit-predictor's JSON object) checked."""
+    return predictor if isinstance(predictor, F.PredictorFile) else checked("the predictor", F.PredictorFile, predictor)
 
 
 # --------------------------------------------------------------------------- study files
@@ -199,11 +202,10 @@ def _is_list(hint) -> bool:
 
 # --------------------------------------------------------------------------- reference meta json
 
-def check_reference_meta(meta, path) -> dict:
+def check_reference_meta(meta, path) -> F.ReferenceMeta:
     """nanochat's meta_<step>.json: the model sizes (top level or under model_config), K and the variant
     under the names the reference uses; the sizes obey the command line's bounds."""
-    checked(path, F.ReferenceMeta, meta)
-    return meta
+    return checked(path, F.ReferenceMeta, meta)
 
 
 # --------------------------------------------------------------------------- torch files
@@ -231,6 +233,12 @@ class Tensors(F.FileModel, extra="allow"):
         return x
 
 
+def _as_given(cls, x, handler):
+    """Checked by the field's model, kept as the dicts torch loads (weights, optimizer states)."""
+    handler(x)
+    return x
+
+
 class ParamGroup(F.FreeFileModel):
     params: list[Annotated[int, Field(ge=0, le=MAX_ITEMS)]] = Field(min_length=1, max_length=MAX_ITEMS)
 
@@ -251,6 +259,8 @@ class ResumeState(F.FileModel):
     optimizers: list[OptimizerState] = Field(max_length=MAX_ITEMS, json_schema_extra=dict(count="optimizers"))
     callbacks: dict | list[dict]
 
+    _as_torch_loads_them = field_validator("model", "optimizers", mode="wrap")(_as_given)
+
     @field_validator("step")
     @classmethod
     def _at_most_the_steps(cls, x, info):
@@ -268,11 +278,12 @@ class ResumeState(F.FileModel):
         return x
 
 
-def check_resume_state(state, path, model_shapes: dict, steps: int, optimizer_shapes: list[list[tuple]]) -> dict:
+def check_resume_state(state, path, model_shapes: dict, steps: int, optimizer_shapes: list[list[tuple]]) -> ResumeState:
     """resume.pt checked against the run that resumes it (shapes of its weights and of its optimizers'
     parameters) before any of it is loaded."""
-    checked(path, ResumeState, state, context=dict(shapes=model_shapes, steps=steps, optimizers=len(optimizer_shapes)))
-    for i, (saved, shapes) in enumerate(zip(state["optimizers"], optimizer_shapes)):
+    state = checked(path, ResumeState, state, context=dict(shapes=model_shapes, steps=steps,
+                                                           optimizers=len(optimizer_shapes)))
+    for i, (saved, shapes) in enumerate(zip(state.optimizers, optimizer_shapes)):
         where = f"optimizers[{i}]"
         params = [p for g in saved["param_groups"] for p in g["params"]]
         if len(params) != len(shapes):
@@ -300,12 +311,13 @@ class Checkpoint(F.FileModel):
     model: Tensors
     step: int = Field(None, ge=0)
 
+    _as_torch_loads_them = field_validator("model", mode="wrap")(_as_given)
 
-def check_checkpoint(obj, path, model_shapes: dict | None = None) -> dict:
+
+def check_checkpoint(obj, path, model_shapes: dict | None = None) -> Checkpoint:
     """checkpoint.pt checked: its model config first (it sizes the model), then, given the shapes of the
     model built from it, its weights."""
-    checked(path, Checkpoint, obj, context=dict(shapes=model_shapes))
-    return obj
+    return checked(path, Checkpoint, obj, context=dict(shapes=model_shapes))
 
 
 FILE_KINDS = ("run config", "sweep spec", "map spec", "summary", "metrics part", "resume state", "checkpoint",
