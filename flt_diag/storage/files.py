@@ -33,7 +33,7 @@ from flt_diag.storage import file_models as F
 from flt_diag.storage.file_models import EXAMPLE_IDENTITY, META_LOOP_KEYS, META_VARIANT_KEYS  # noqa: F401 (re-exported)
 from flt_diag.storage.predictor_names import PACKAGED
 from flt_diag.storage.schema import MAX_ITEMS, BadFile, bad, checked, dotted, one_line, read_json, read_text
-from flt_diag.config.run_config import ModelConfig, RunConfig
+from flt_diag.config.variants import Variant
 from flt_diag.storage.safe_files import regular_file
 
 # --------------------------------------------------------------------------- run config
@@ -300,7 +300,7 @@ def check_resume_state(state, path, model_shapes: dict, steps: int, optimizer_sh
 
 
 class ModelInCheckpoint(F.ModelInFile):
-    variant: str = F.like(F.ModelConfig, "variant")  # flt-diag's own model: never null (a watch run's is)
+    variant: Variant  # flt-diag's own model: never null (a watch run's is)
 
 
 class Checkpoint(F.FileModel):
