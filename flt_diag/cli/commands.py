@@ -16,7 +16,7 @@ from typing import Callable
 from flt_diag.cli.options import (FOLDER_OPTIONS, ArchiveOptions, EvalLoopsOptions, FitPredictorOptions,
                                   ImportReferenceOptions, MapOptions, Options, PlotOptions, PredictOptions,
                                   ReportOptions, RunAblationOptions, StudyOptions, SummaryOptions, TrainOptions,
-                                  UserError, VariantsOptions, config_options)
+                                  UserError, VariantsOptions)
 from flt_diag.config.variants import VARIANT_DESCRIPTIONS
 
 # Each command imports what it needs (torch, pandas, matplotlib, the layers below) when it runs, so that
@@ -121,7 +121,7 @@ def cmd_summary(o: SummaryOptions) -> int:
     from flt_diag.judge.verdict import resummarize
     from flt_diag.results.tables import pooled_summary, side_by_side, side_by_side_summary
     from flt_diag.storage.folders import is_archive, is_sweep, load_summary, run_dirs
-    overrides = {x.name: o.config[x.dest] for x in config_options("summary") if x.dest in o.config}
+    overrides = o.config.verdict.model_dump(exclude_none=True)
     if overrides and not (o.recompute or o.sensitivity):
         raise UserError("verdict thresholds need --recompute or --sensitivity")
     if o.sensitivity_csv is not None and not o.sensitivity:
