@@ -58,16 +58,7 @@ def load_study(path: Path, **folder) -> tuple[str, RunAblationOptions | MapOptio
     from flt_diag.storage.files import load_study as load_checked
     table, values = load_checked(path, study_tables())
     command = STUDY_TABLES[table]
-    kinds = {o.dest: o for o in study_options(command)}
-    values = {k: _as_kind(kinds[k], x) for k, x in values.items()}
+    paths = {o.dest: o.many for o in study_options(command) if o.kind is Path}  # (text in the file)
+    values = {k: x if k not in paths or x is None else [Path(v) for v in x] if paths[k] else Path(x)
+              for k, x in values.items()}
     return command, command_args(command, {**values, **folder})
-
-
-def _as_kind(o, x):
-    """A study value as the command line parses it: a path as a Path, a number of a float option as a float,
-    one value of a list option as a list of one."""
-    def one(v):
-        return Path(v) if o.kind is Path else float(v) if o.kind is float else v
-    if x is None:
-        return x
-    return [one(v) for v in (x if isinstance(x, list) else [x])] if o.many else one(x)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import io
 import re
-import typing
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -31,6 +30,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from flt_diag.storage import file_models as F
 from flt_diag.storage.file_models import EXAMPLE_IDENTITY, META_LOOP_KEYS, META_VARIANT_KEYS  # noqa: F401 (re-exported)
+from flt_diag.config.option_fields import Option
 from flt_diag.storage.predictor_names import PACKAGED
 from flt_diag.storage.schema import MAX_ITEMS, BadFile, bad, checked, dotted, one_line, read_json, read_text
 from flt_diag.config.variants import Variant
@@ -185,7 +185,7 @@ def load_study(path: Path, tables: dict[str, Any]) -> tuple[str, dict]:
     if unknown is not None:
         raise BadFile(f"{path}: unknown option {unknown!r} in [{table}]")
     values = {key.replace("-", "_"): x for key, x in spec[table].items()}
-    values = {k: [x] if _is_list(model.model_fields[k].annotation) and not isinstance(x, list) else x
+    values = {k: [x] if Option("", k, model.model_fields[k]).many and not isinstance(x, list) else x
               for k, x in values.items()}  # one value of a list option is a list of one
     try:
         given = model.model_validate(values)
@@ -194,10 +194,6 @@ def load_study(path: Path, tables: dict[str, Any]) -> tuple[str, dict]:
     except RecursionError:  # a value nested too deep for the validator
         raise BadFile(f"{path}: [{table}] holds a value nested too deep to be an option") from None
     return table, {k: getattr(given, k) for k in values}
-
-
-def _is_list(hint) -> bool:
-    return list in {typing.get_origin(h) for h in (hint, *typing.get_args(hint))}
 
 
 # --------------------------------------------------------------------------- reference meta json
