@@ -17,7 +17,7 @@ overridden.
 from __future__ import annotations
 
 import math
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import Field, ValidationError, create_model, model_validator
 
@@ -258,11 +258,11 @@ def _given(cls) -> type[Options]:
 ModelGiven, TrainGiven, DiagnosticsGiven, VerdictGiven = map(_given, SECTIONS.values())
 
 
-class GivenConfig(Options):
-    """The config options a command, a study file or a Python call gives (None: not given), by section and
-    field as the RunConfig names them (`config.model.n_layer`, given as --depth): what settling builds on."""
+class GivenConfig(_given(PresetOption)):
+    """The config options a command, a study file or a Python call gives (None: not given): the preset, and
+    each section's fields as the RunConfig names them (`config.model.n_layer`, given as --depth): what
+    settling builds on."""
 
-    preset: Optional[Literal[Preset, "auto"]] = None
     model: ModelGiven = Field(default_factory=ModelGiven)
     train: TrainGiven = Field(default_factory=TrainGiven)
     diagnostics: DiagnosticsGiven = Field(default_factory=DiagnosticsGiven)
