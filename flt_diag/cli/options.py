@@ -16,12 +16,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal, Optional
 
-from pydantic import Field, create_model
+from pydantic import Field
 
 from flt_diag.results.fit_settings import FitSettings
 from flt_diag.config.run_config import OPTIONS, PRESETS, GivenConfig, Option, options_of
 from flt_diag.config.grid_options import Loops, MapAxes, MapGrid, SweepAxes
-from flt_diag.config.option_fields import Items, Options, arg, fact, like, opt
+from flt_diag.config.option_fields import Items, Options, arg, fact, opt
 
 SECTION_TITLES = {"run": "preset", "model": "model", "train": "training", "diagnostics": "diagnostics",
                   "verdict": "verdict thresholds", "sweep": "sweep grid", "map": "map grid", "cli": "this command"}
@@ -197,15 +197,6 @@ POSITIONALS: dict[str, list[Option]] = {c: ps for c, cls in ARGS.items()
 def command_options(command: str) -> list[Option]:
     """Every option of a command in help order: its grid's, the config's, then its own."""
     return GRID_OPTIONS.get(command, []) + config_options(command) + own_options(command)
-
-
-def given_model(options: tuple[Option, ...], text_paths: bool = False) -> type[Options]:
-    """A pydantic model of `options` (fields named as users type them), each optional (None: not given),
-    with its field's bounds and choices; `text_paths`: a path is text (as a study file holds it)."""
-    def field(o: Option) -> tuple:
-        kind, info = like(o.info, required=False)
-        return Optional[(list[str] if o.many else str) if text_paths and o.kind is Path else kind], info
-    return create_model("Given", __base__=Options, **{o.dest: field(o) for o in options})
 
 
 def command_args(command: str, values: dict) -> Options:

@@ -9,9 +9,12 @@ its fields' (flt_diag.config.grid_options), never repeated here.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
-from flt_diag.cli.options import (FOLDER_OPTIONS, MapOptions, RunAblationOptions, command_args, command_options,
-                                  given_model)
+from pydantic import create_model
+
+from flt_diag.cli.options import FOLDER_OPTIONS, MapOptions, RunAblationOptions, command_args, command_options
+from flt_diag.config.option_fields import Option, Options, like
 from flt_diag.grids.stability_map import MapSpec
 from flt_diag.grids.sweep import SweepSpec, cell_config
 from flt_diag.training.settle import run_config, unsettled_config
@@ -46,8 +49,13 @@ def study_options(command: str) -> list:
 
 
 def study_tables() -> dict[str, type]:
-    """A study file's tables and the model of the options each takes (a path is text in a TOML file)."""
-    return {table: given_model(tuple(study_options(command)), text_paths=True) for table, command in STUDY_TABLES.items()}
+    """A study file's tables and the model of the options each takes: named as users type them, each optional
+    (None: not given), with its field's bounds and choices; a path is text (as a TOML file holds it)."""
+    def field(o: Option) -> tuple:
+        kind, info = like(o.info, required=False)
+        return Optional[(list[str] if o.many else str) if o.kind is Path else kind], info
+    return {table: create_model("Given", __base__=Options, **{o.dest: field(o) for o in study_options(command)})
+            for table, command in STUDY_TABLES.items()}
 
 
 def load_study(path: Path, **folder) -> tuple[str, RunAblationOptions | MapOptions]:

@@ -165,7 +165,7 @@ def predictor_of(predictor: dict | F.PredictorFile) -> F.PredictorFile:
 
 def load_study(path: Path, tables: dict[str, Any]) -> tuple[str, dict]:
     """A study file -> (its table's name, option values keyed by Option.dest): exactly one of `tables`
-    ({"ablation": model, ...}: the pydantic model of the options each takes, flt_diag.cli.options.given_model),
+    ({"ablation": model, ...}: the pydantic model of the options each takes, flt_diag.cli.specs.study_tables),
     whose keys are those options' names, checked like the command line; other keys (description, gpu) are free."""
     try:
         import tomllib
