@@ -150,8 +150,8 @@ def test_cli_feature_choices_are_the_computed_features():
 
 def test_packaged_predictor_loads():
     pred = load_predictor()
-    assert set(pred["features"]) <= set(EW.FEATURES) and set(pred["models"]) >= {"100", "200", "300"}
-    assert pred["target"] == "fails" and pred["command"].startswith("flt-diag fit-predictor")
+    assert set(pred.features) <= set(EW.FEATURES) and set(pred.models) >= {100, 200, 300}
+    assert pred.target == "fails" and pred.command.startswith("flt-diag fit-predictor")
 
 
 def test_bad_predictor_file_is_one_line(tmp_path, capsys):
@@ -249,8 +249,8 @@ def test_fit_predictor_command_writes_a_loadable_model(labelled, tmp_path, capsy
     code = main(["fit-predictor", str(labelled / "sw"), "--at", "10", "20", "--out", str(tmp_path / "m.json")])
     assert code == 0, capsys.readouterr().err
     m = load_predictor(tmp_path / "m.json")
-    assert set(m["models"]) == {"10", "20"} and m["models"]["20"]["runs"] == 4
-    assert m["command"].startswith("flt-diag fit-predictor") and "cross_validation" not in m
+    assert set(m.models) == {10, 20} and m.models[20].runs == 4
+    assert m.command.startswith("flt-diag fit-predictor") and "cross_validation" not in m.model_extra
 
 
 def test_fit_predictor_features_and_class_weight_reach_the_model(labelled, tmp_path, capsys):
@@ -262,15 +262,15 @@ def test_fit_predictor_features_and_class_weight_reach_the_model(labelled, tmp_p
                  "--class-weight", "none", "--out", str(out)])
     assert code == 0, capsys.readouterr().err
     m = load_predictor(out)
-    assert m["features"] == ["grad_cos", "loss_climb"] and m["class_weight"] == "none"
-    assert len(m["models"]["20"]["coef"]) == 2
-    assert "--features grad_cos loss_climb" in m["command"] and "--class-weight none" in m["command"]
+    assert m.features == ["grad_cos", "loss_climb"] and m.class_weight == "none"
+    assert len(m.models[20].coef) == 2
+    assert "--features grad_cos loss_climb" in m.command and "--class-weight none" in m.command
     runs = FIT.training_runs([labelled / "sw"])
     X = np.array([[EW.run_features(d, 20)[f] for f in ("grad_cos", "loss_climb")] for d in runs])
     y = np.array([EW.label(load_summary(d)) for d in runs], dtype=float)
     std = np.where(X.std(axis=0) > 1e-12, X.std(axis=0), 1.0)
     w, b = FIT.fit_logistic((X - X.mean(axis=0)) / std, y, 1.0)
-    assert np.allclose(m["models"]["20"]["coef"], w, atol=1e-6) and m["models"]["20"]["intercept"] == pytest.approx(b, abs=1e-6)
+    assert np.allclose(m.models[20].coef, w, atol=1e-6) and m.models[20].intercept == pytest.approx(b, abs=1e-6)
 
 
 def test_cross_validation_predicts_each_run_from_the_other_cells_only(labelled):
@@ -309,9 +309,9 @@ def test_fit_predictor_cross_validate_reports_and_stores_agreement(labelled, tmp
     text = capsys.readouterr().out
     assert code == 0
     m = load_predictor(out)
-    assert m["command"].endswith("--cross-validate") and set(m["cross_validation"]) == {"10", "20"}
+    assert m.command.endswith("--cross-validate") and set(m.cross_validation) == {"10", "20"}
     table = FIT.cross_validate([labelled / "sw"], steps=[10, 20])
-    for s, cv in m["cross_validation"].items():
+    for s, cv in m.cross_validation.items():
         t = table[table.step == int(s)]
         assert cv["cells"] == 4 and cv["accuracy"] == pytest.approx(t.agree.mean())
         assert len(cv["false_alarm"]) == cv["false_alarms"] and len(cv["miss"]) == cv["misses"]

@@ -93,13 +93,21 @@ def samples(tmp_path_factory):
     prepare_folder(SweepSpec(cfg, ["lt", "flt"], [2, 3], [0], [1.0]), root / "sweep")
     prepare_map_folder(MapSpec(cfg, ["lt"], [2], [0], "lr", geometric_grid(0.5, 4, 2), ["training"]), root / "map")
     shutil.copy(REPO / "flt_diag" / "judge" / "early_warning.json", root / "predictor.json")
-    (root / "predicted").mkdir()
-    shutil.copy(run / "config.json", root / "predicted")
+    (root / "predicted").mkdir()  # a run of every optional field: an imported, predicted, diverged one's
+    config = json.loads((run / "config.json").read_text())
+    config |= {"verdict": config["verdict"] | {"osc_cv_threshold": 0.5}, "corpus": config["corpus"] | {"task": "phop"},
+               "imported_from": "model_000004.pt", "note": "a note", "probe": {"model": "MyModel"}}
+    (root / "predicted" / "config.json").write_text(json.dumps(config))
     for table in ("ablation", "map"):
         _write(root / f"study-{table}.toml", {"description": "every option", table: _every_option(table)})
     summary = json.loads((run / "summary.json").read_text())
     prediction = {"step": 2, "p_collapse": 0.9, "evidence": "loss_climb 0.6 (+1.2)", "features": {}}
-    (root / "predicted" / "summary.json").write_text(json.dumps(summary | {"prediction": prediction}))
+    evidence = summary["evidence"] | {"nonfinite_step": 3, "osc_dlog_window": [0, 3], "predicted_at": 2,
+                                      "oscillation": "gradients clipped", "warmdown": "none",
+                                      "not_recorded": {"attention": "no hook"}}
+    windows = [{"start": 0, "end": 3, "differences": 3, "median_abs_dlog": 0.1, "alternation": 0.5}]
+    (root / "predicted" / "summary.json").write_text(json.dumps(summary | {"prediction": prediction, "evidence": evidence,
+                                                                           "osc_dlog_windows": windows}))
     reference = _reference_export(run, root / "reference")
     trainer = Trainer(cfg, root / "interrupted")  # resume.pt is restored into it
     return dict(root=root, run=run, reference=reference, trainer=trainer)
@@ -305,7 +313,7 @@ def _resume_entry():
 
 # kind -> (its entry, the sample file, the reader that uses it)
 KINDS = {
-    "run config": (lambda: _model(F.RunConfigFile), "run/config.json", _read_config),
+    "run config": (lambda: _model(F.RunConfigFile), "predicted/config.json", _read_config),
     "summary": (lambda: _model(F.Summary), "predicted/summary.json", _read_summary),
     "sweep spec": (lambda: _model(F.SweepSpecFile), "sweep/sweep.json", _read_sweep),
     "map spec": (lambda: _model(F.map_spec_model("lr")), "map/sweep.json", _read_map),
@@ -408,7 +416,7 @@ def _mutations(entry, original, in_record: bool) -> list[tuple[str, object, bool
     if isinstance(entry, Table):
         key = next(iter(original))
         out += [("wrong type", ["text"], True), ("empty", {}, entry.min_items > 0),
-                ("a key that is not a number", {"abc": original[key]}, True)]
+                ("a key that is not a number", {"abc": original[key]}, entry.key.kind is not str)]
         if entry.key.low is not None and entry.key.low > 0:
             out.append(("a key below its low", {type(key)(entry.key.low - 1): original[key]}, True))
         return out
@@ -598,7 +606,7 @@ def test_a_metrics_part_with_a_name_that_is_not_a_part_name_is_one_line(samples,
 
 def _cli(samples, kind: str, file: Path) -> list[str]:
     run, root = samples["run"], samples["root"]
-    return {"run config": ["summary", str(run), "--recompute"], "summary": ["summary", str(file.parent)],
+    return {"run config": ["summary", str(file.parent), "--recompute"], "summary": ["summary", str(file.parent)],
             "sweep spec": ["summary", str(root / "sweep")], "map spec": ["summary", str(root / "map")],
             "resume state": [*TRAIN, "--out", str(root / "interrupted")],
             "predictor": ["predict", str(run), "--at", "2", "--predictor", str(file)],

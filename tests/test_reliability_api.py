@@ -330,10 +330,10 @@ def test_predict_online_follows_the_rows_stored(tmp_path, capsys):
     got = pd.read_csv(tmp_path / "b.csv").warned_at.iloc[0]
     # by hand: every check up to 200 steps past the stored run (after it, the windows are empty until 10**12)
     m, pred = json.loads((run / CONFIG).read_text())["model"], load_predictor()
-    series, start = EW.RunSeries(stored, m["loops"], m["n_layer"]), min(map(int, pred["models"]))
+    series, start = EW.RunSeries(stored, m["loops"], m["n_layer"]), min(pred.models)
     p = {at: EW.probability(pred, EW.features_at(series, at, m["n_embd"]), at)[0]
          for at in range(-(-start // 25) * 25, last + 200, 25)}
-    first = next((at for at, v in p.items() if v >= pred["threshold"]), None)
+    first = next((at for at, v in p.items() if v >= pred.threshold), None)
     assert got == first if first is not None else (pd.isna(got) or got >= 10**12 - 100)
 
 

@@ -12,6 +12,7 @@ from conftest import tiny_config
 from flt_diag.training import settle as S
 from flt_diag.instruments import warning_callback as W
 from flt_diag.judge.early_warning import PACKAGED
+from flt_diag.storage.file_models import PredictorFile
 
 
 def test_settling_a_run_config_from_options_imports_no_torch():
@@ -51,13 +52,13 @@ def test_the_predictor_is_read_once_per_version_of_its_file(tmp_path, monkeypatc
     path = tmp_path / "p.json"
     path.write_text(PACKAGED.read_text())
     reads = []
-    monkeypatch.setattr(W, "load_predictor", lambda p: reads.append(p) or json.loads(path.read_text()))
+    monkeypatch.setattr(W, "load_predictor", lambda p: reads.append(p) or PredictorFile.model_validate(json.loads(path.read_text())))
     S.settle(tiny_config(loops=2, diagnostics=dict(warn=True, predictor=str(path))))
-    assert S.predictor(str(path))["features"] and len(reads) == 1  # the run's warning uses the settled copy
+    assert S.predictor(str(path)).features and len(reads) == 1  # the run's warning uses the settled copy
     model = json.loads(path.read_text())
     model["threshold"] = 0.25
     path.write_text(json.dumps(model))  # a new version of the file is read again
-    assert S.predictor(str(path))["threshold"] == 0.25 and len(reads) == 2
+    assert S.predictor(str(path)).threshold == 0.25 and len(reads) == 2
 
 
 def test_only_the_fields_that_decide_a_run_are_compared():

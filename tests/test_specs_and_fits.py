@@ -53,7 +53,7 @@ def _predictor_and_examples(tmp_path):
     assert main(["fit-predictor", str(sweep), "--at", "20", "40", "--out", str(tmp_path / "p.json"),
                  "--examples-out", str(tmp_path / "e.csv")]) == 0
     rows = load_examples(tmp_path / "e.csv")
-    return load_predictor(tmp_path / "p.json")["features"] and len(rows) == len(pd.read_csv(tmp_path / "e.csv"))
+    return load_predictor(tmp_path / "p.json").features and len(rows) == len(pd.read_csv(tmp_path / "e.csv"))
 
 
 WRITERS = {"sweep spec": _sweep_spec, "map spec": _map_spec, "predictor and fit examples": _predictor_and_examples}

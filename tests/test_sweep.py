@@ -185,6 +185,15 @@ def test_a_study_file_is_the_same_spec_as_its_command_line(tmp_path):
             cfg.model.sequence_len) == ("flt", 3, 1, 2.0, 7, 32)
 
 
+def test_one_value_of_a_list_option_in_a_study_file_is_a_list_of_one(tmp_path):
+    """As on the command line (--loops 4): a study's `loops = 4` is the list [4], a path is a Path."""
+    from flt_diag.cli.specs import load_study
+    (tmp_path / "s.toml").write_text('[ablation]\nvariants = "lt"\nloops = 4\nlr_scale = 2\nout = "o"\n')
+    _, args = load_study(tmp_path / "s.toml")
+    assert (args.variants, args.loops, args.lr_scales, args.out) == (["lt"], [4], [2.0], Path("o"))
+    assert isinstance(args.lr_scales[0], float)
+
+
 @pytest.mark.parametrize("text, message", [
     ('[ablation]\nstep = 3\n', "unknown option 'step'"),
     ('[ablation]\nsteps = 0\n', "[ablation] steps must be >= 1"),

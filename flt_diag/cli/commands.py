@@ -16,7 +16,7 @@ from typing import Callable
 from flt_diag.cli.options import (FOLDER_OPTIONS, ArchiveOptions, EvalLoopsOptions, FitPredictorOptions,
                                   ImportReferenceOptions, MapOptions, Options, PlotOptions, PredictOptions,
                                   ReportOptions, RunAblationOptions, StudyOptions, SummaryOptions, TrainOptions,
-                                  UserError, VariantsOptions, config_options)
+                                  UserError, VariantsOptions)
 from flt_diag.config.variants import VARIANT_DESCRIPTIONS
 
 # Each command imports what it needs (torch, pandas, matplotlib, the layers below) when it runs, so that
@@ -121,7 +121,7 @@ def cmd_summary(o: SummaryOptions) -> int:
     from flt_diag.judge.verdict import resummarize
     from flt_diag.results.tables import pooled_summary, side_by_side, side_by_side_summary
     from flt_diag.storage.folders import is_archive, is_sweep, load_summary, run_dirs
-    overrides = {x.name: o.config[x.dest] for x in config_options("summary") if x.dest in o.config}
+    overrides = o.config.verdict.model_dump(exclude_none=True)
     if overrides and not (o.recompute or o.sensitivity):
         raise UserError("verdict thresholds need --recompute or --sensitivity")
     if o.sensitivity_csv is not None and not o.sensitivity:
@@ -251,27 +251,27 @@ def cmd_predict(o: PredictOptions) -> int:
     return 0
 
 
-def _predict_at(paths, model: dict, steps):
+def _predict_at(paths, model, steps):
     import pandas as pd
     from flt_diag.cli.output import print_predictions_at
     from flt_diag.judge import early_warning as EW
     from flt_diag.storage.folders import load_summary, run_dirs
     frames = []
     longest = max((x.steps_done for path in paths for d in run_dirs(path) if (x := load_summary(d))), default=0)
-    fitted = [k for k in sorted(map(int, model["models"])) if k < longest]  # (steps the predictor has a model at)
+    fitted = [k for k in sorted(model.models) if k < longest]  # (steps the predictor has a model at)
     for s in steps:
         table = pd.concat([EW.predict_sweep(path, s, model) for path in paths], ignore_index=True)
-        print_predictions_at(table, s, model.get("target", "collapse"), longest, fitted[-1] if fitted else None)
+        print_predictions_at(table, s, model.target, longest, fitted[-1] if fitted else None)
         frames.append(table.assign(step=s))
     return pd.concat(frames, ignore_index=True)
 
 
-def _predict_online(paths, model: dict):
+def _predict_online(paths, model):
     import pandas as pd
     from flt_diag.cli.output import print_online
     from flt_diag.judge import early_warning as EW
     table = pd.concat([EW.online_sweep(path, model) for path in paths], ignore_index=True)
-    print_online(table, model.get("target", "collapse"))
+    print_online(table, model.target)
     return table
 
 

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from flt_diag.judge import peers as comparison
 from flt_diag.results.tables import seed_table
+from flt_diag.storage.file_models import Summary
 
 
 class _ConsoleProgress:
@@ -42,13 +43,12 @@ def console_progress(total: int, label: str) -> _ConsoleProgress:
     return progress_bar
 
 
-def print_run_summary(out: Path, s: dict) -> None:
-    ev = s.get("evidence", {})
-    verdict = s["verdict"] + (f" (predicted at step {s['prediction']['step']})" if s.get("prediction") else "")
-    print(f"{out}: {verdict} ({ev.get('reason', '')}); final loss {s['final_loss']:.3f}, best "
-          f"{s['best_loss']:.3f}, val {s['val_loss']:.3f}; peak final-loop residual norm {s['peak_resid_norm']:.1f}"
-          f"{' (EXPLODED)' if s['residual_explosion'] else ''}; median |dlog g| {_number(s.get('osc_dlog_median'), '{:.3f}')}"
-          + (f"; val accuracy {s['val_accuracy']:.3f}" if _finite(s.get("val_accuracy")) else ""))
+def print_run_summary(out: Path, s: Summary) -> None:
+    verdict = s.verdict + (f" (predicted at step {s.prediction.step})" if s.prediction else "")
+    print(f"{out}: {verdict} ({s.evidence.reason or ''}); final loss {s.final_loss:.3f}, best "
+          f"{s.best_loss:.3f}, val {s.val_loss:.3f}; peak final-loop residual norm {s.peak_resid_norm:.1f}"
+          f"{' (EXPLODED)' if s.residual_explosion else ''}; median |dlog g| {_number(s.osc_dlog_median, '{:.3f}')}"
+          + (f"; val accuracy {s.val_accuracy:.3f}" if _finite(s.val_accuracy) else ""))
 
 
 def _finite(x) -> bool:

@@ -4,8 +4,9 @@ Every training option is a field of a config section (flt_diag.config.run_config
 of SweepAxes, MapAxes or MapGrid (flt_diag.config.grid_options), each with its help, flag, bounds and
 choices. Each command's typed options are a pydantic model here (`TrainOptions`, `MapOptions`, ...): its
 own options (output folders, workers, ...) declared with `opt`, its positional arguments with `arg`, a
-grid command's grid inherited from the grid's model, and `config`, the config options given (flag dest ->
-value), which the config sections validate when the command builds its config. `command_options(command)`
+grid command's grid inherited from the grid's model, and `config`, the config options given (a GivenConfig:
+`o.config.model.loops`, by section and field, None where not given), which settling builds its config on
+(flt_diag.training.settle.run_config). `command_options(command)`
 lists a command's options in help order: the typer command line (flt_diag.cli.app), the study files
 (flt_diag.cli.specs) and the option table (docs/cli.md, flt_diag.cli.table) are generated from it;
 `command_args` validates parsed values into the command's options model (one line naming the flag).
@@ -15,12 +16,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal, Optional
 
-from pydantic import Field, create_model
+from pydantic import Field
 
 from flt_diag.results.fit_settings import FitSettings
-from flt_diag.config.run_config import OPTIONS, PRESETS, Option, options_of
+from flt_diag.config.run_config import OPTIONS, PRESETS, GivenConfig, Option, options_of
 from flt_diag.config.grid_options import Loops, MapAxes, MapGrid, SweepAxes
-from flt_diag.config.option_fields import Items, Options, arg, fact, like, opt
+from flt_diag.config.option_fields import Items, Options, arg, fact, opt
 
 SECTION_TITLES = {"run": "preset", "model": "model", "train": "training", "diagnostics": "diagnostics",
                   "verdict": "verdict thresholds", "sweep": "sweep grid", "map": "map grid", "cli": "this command"}
@@ -56,9 +57,9 @@ RUNS = "Sweep or run folders of finished runs."
 
 
 class Given(Options):
-    """Options of a command that may hold config options too: `config`, those given (dest -> value)."""
+    """Options of a command that may hold config options too: `config`, those given."""
 
-    config: dict = {}
+    config: GivenConfig = Field(default_factory=GivenConfig)
 
 
 class FolderOptions(Options):
@@ -198,22 +199,12 @@ def command_options(command: str) -> list[Option]:
     return GRID_OPTIONS.get(command, []) + config_options(command) + own_options(command)
 
 
-def given_model(options: tuple[Option, ...], text_paths: bool = False) -> type[Options]:
-    """A pydantic model of `options` (fields named as users type them), each optional (None: not given),
-    with its field's bounds and choices; `text_paths`: a path is text (as a study file holds it)."""
-    def field(o: Option) -> tuple:
-        kind, info = like(o.info, required=False)
-        return Optional[(list[str] if o.many else str) if text_paths and o.kind is Path else kind], info
-    return create_model("Given", __base__=Options, **{o.dest: field(o) for o in options})
-
-
 def command_args(command: str, values: dict) -> Options:
     """The typed options of `command` from parsed values (dest -> value; None: not given; and fields of
-    the model that are no option, such as plot's figure): the config options checked by their fields, then
-    the command's model built (a bad value: one ConfigError line naming the flag)."""
+    the model that are no option, such as plot's figure): the config options it takes checked into `config`
+    (a GivenConfig), then the command's model built (a bad value: one ConfigError line naming the flag)."""
     cls, config = ARGS[command], config_options(command)
-    given = {o.dest: values[o.dest] for o in config if values.get(o.dest) is not None}
-    given_model(tuple(config)).of(**given)
+    given = GivenConfig.of_values({o.dest: values.get(o.dest) for o in config})
     own = {o.dest: values[o.dest] for o in options_of(cls, "cli") if values.get(o.dest) is not None}
     fixed = {k: values[k] for k in cls.model_fields if values.get(k) is not None and k not in own and k != "config"}
     return cls.of(**own, **fixed, **({"config": given} if config else {}))

@@ -9,9 +9,12 @@ its fields' (flt_diag.config.grid_options), never repeated here.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
-from flt_diag.cli.options import (FOLDER_OPTIONS, MapOptions, RunAblationOptions, command_args, command_options,
-                                  given_model)
+from pydantic import create_model
+
+from flt_diag.cli.options import FOLDER_OPTIONS, MapOptions, RunAblationOptions, command_args, command_options
+from flt_diag.config.option_fields import Option, Options, like
 from flt_diag.grids.stability_map import MapSpec
 from flt_diag.grids.sweep import SweepSpec, cell_config
 from flt_diag.training.settle import run_config, unsettled_config
@@ -46,8 +49,13 @@ def study_options(command: str) -> list:
 
 
 def study_tables() -> dict[str, type]:
-    """A study file's tables and the model of the options each takes (a path is text in a TOML file)."""
-    return {table: given_model(tuple(study_options(command)), text_paths=True) for table, command in STUDY_TABLES.items()}
+    """A study file's tables and the model of the options each takes: named as users type them, each optional
+    (None: not given), with its field's bounds and choices; a path is text (as a TOML file holds it)."""
+    def field(o: Option) -> tuple:
+        kind, info = like(o.info, required=False)
+        return Optional[(list[str] if o.many else str) if o.kind is Path else kind], info
+    return {table: create_model("Given", __base__=Options, **{o.dest: field(o) for o in study_options(command)})
+            for table, command in STUDY_TABLES.items()}
 
 
 def load_study(path: Path, **folder) -> tuple[str, RunAblationOptions | MapOptions]:
@@ -58,16 +66,7 @@ def load_study(path: Path, **folder) -> tuple[str, RunAblationOptions | MapOptio
     from flt_diag.storage.files import load_study as load_checked
     table, values = load_checked(path, study_tables())
     command = STUDY_TABLES[table]
-    kinds = {o.dest: o for o in study_options(command)}
-    values = {k: _as_kind(kinds[k], x) for k, x in values.items()}
+    paths = {o.dest: o.many for o in study_options(command) if o.kind is Path}  # (text in the file)
+    values = {k: x if k not in paths or x is None else [Path(v) for v in x] if paths[k] else Path(x)
+              for k, x in values.items()}
     return command, command_args(command, {**values, **folder})
-
-
-def _as_kind(o, x):
-    """A study value as the command line parses it: a path as a Path, a number of a float option as a float,
-    one value of a list option as a list of one."""
-    def one(v):
-        return Path(v) if o.kind is Path else float(v) if o.kind is float else v
-    if x is None:
-        return x
-    return [one(v) for v in (x if isinstance(x, list) else [x])] if o.many else one(x)

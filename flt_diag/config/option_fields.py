@@ -255,10 +255,11 @@ def dotted(loc: tuple) -> str:
 
 
 def by_flag(cls) -> Callable[[tuple], str]:
-    """Names a field of `cls` by its flag (--depth for n_layer), an item of a list by the list's."""
+    """Names a field of `cls` (or of a section in it) by its flag (--depth for n_layer), an item of a list by
+    the list's."""
     def name(loc: tuple) -> str:
-        found = _field(cls, loc[0]) if loc else None
-        return "--" + Option("", *found).dest.replace("_", "-") if found else dotted(loc)
+        o = _field_at(cls, loc)
+        return "--" + o.dest.replace("_", "-") if o is not None else dotted(loc)
     return name
 
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, create_model, model_validator
 
-from flt_diag.config.option_fields import (ConfigError, Option, Options, dotted, one_line, opt,  # noqa: F401
+from flt_diag.config.option_fields import (ConfigError, Option, Options, dotted, like, one_line, opt,  # noqa: F401
                                          options_of)
 from flt_diag.config.variants import MAX_LOOPS, Variant
 
@@ -249,13 +249,37 @@ SECTIONS = {"model": ModelConfig, "train": TrainConfig, "diagnostics": Diagnosti
 OPTIONS: list[Option] = [*options_of(PresetOption, "run"), *(o for s, cls in SECTIONS.items() for o in options_of(cls, s))]
 
 
-def sections_from(values: dict) -> dict[str, dict]:
-    """Flat option values keyed by `Option.dest` (None = not given) -> build_config's keyword
-    arguments: {"preset": ..., "model": {...}, "train": {...}, ...}. Unknown keys are ignored."""
-    out: dict = {section: {} for section in SECTIONS}
-    for o in (o for o in OPTIONS if values.get(o.dest) is not None):
-        (out if o.section == "run" else out[o.section])[o.name] = values[o.dest]
-    return out
+def _given(cls) -> type[Options]:
+    """Section `cls` as options given: each field optional (None: not given), named as the section names it."""
+    return create_model(f"{cls.__name__}Given", __base__=Options,
+                        **{n: like(f, required=False) for n, f in cls.model_fields.items()})
+
+
+ModelGiven, TrainGiven, DiagnosticsGiven, VerdictGiven = map(_given, SECTIONS.values())
+
+
+class GivenConfig(_given(PresetOption)):
+    """The config options a command, a study file or a Python call gives (None: not given): the preset, and
+    each section's fields as the RunConfig names them (`config.model.n_layer`, given as --depth): what
+    settling builds on."""
+
+    model: ModelGiven = Field(default_factory=ModelGiven)
+    train: TrainGiven = Field(default_factory=TrainGiven)
+    diagnostics: DiagnosticsGiven = Field(default_factory=DiagnosticsGiven)
+    verdict: VerdictGiven = Field(default_factory=VerdictGiven)
+
+    @classmethod
+    def of_values(cls, values: dict) -> "GivenConfig":
+        """Of flat option values keyed by `Option.dest` (None: not given; other keys are ignored), checked
+        (a bad value: one ConfigError line naming the flag)."""
+        out: dict = {section: {} for section in SECTIONS}
+        for o in (o for o in OPTIONS if values.get(o.dest) is not None):
+            (out if o.section == "run" else out[o.section])[o.name] = values[o.dest]
+        return cls.of(**out)
+
+    def sections(self) -> dict[str, dict]:
+        """The fields given, by section: build_config's keyword arguments."""
+        return {section: getattr(self, section).model_dump(exclude_none=True) for section in SECTIONS}
 
 
 # Train fields that run folders written before the field existed were trained without: an old

@@ -12,11 +12,12 @@ import pandas as pd
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import load_metrics
 from flt_diag.judge.early_warning import CHECK_EVERY, PACKAGED, evidence_text, features, probability
-from flt_diag.storage.files import load_predictor
+from flt_diag.storage.file_models import PredictorFile
+from flt_diag.storage.files import load_predictor, predictor_of
 from flt_diag.instruments.callbacks import Callback
 
 
-def predictor(path: str | None) -> dict:
+def predictor(path: str | None) -> PredictorFile:
     """The early-warning predictor at `path` (None: the packaged one), checked. Read once per
     process and version of the file: settling checks it, the run's warning uses the same copy."""
     try:
@@ -28,7 +29,7 @@ def predictor(path: str | None) -> dict:
 
 
 @functools.lru_cache(maxsize=8)
-def _load_predictor(path: str | None, version) -> dict:
+def _load_predictor(path: str | None, version) -> PredictorFile:
     return load_predictor(path)
 
 
@@ -42,15 +43,15 @@ class CollapseWarning(Callback):
 
     GLOBAL = (M.LOSS, M.GRAD_NORM, M.GRAD_COSINE)
 
-    def __init__(self, predictor: dict, stop: bool = False, threshold: float | None = None, every: int = CHECK_EVERY,
+    def __init__(self, predictor: dict | PredictorFile, stop: bool = False, threshold: float | None = None, every: int = CHECK_EVERY,
                  say=None):
-        self.predictor, self.stop, self.every = predictor, stop, every
-        self.threshold = predictor.get("threshold", 0.5) if threshold is None else threshold
+        self.predictor, self.stop, self.every = predictor_of(predictor), stop, every
+        self.threshold = self.predictor.threshold if threshold is None else threshold
         self.rows: list[tuple] = []
         self.warned_at: int | None = None
         self.last: dict | None = None  # the latest check: step, p_collapse, threshold, evidence
         self.say = say or (lambda text: print(text, file=sys.stderr, flush=True))
-        self.first = min(int(s) for s in predictor["models"])
+        self.first = min(self.predictor.models)
         self.restored = False
 
     def on_start(self, trainer) -> None:

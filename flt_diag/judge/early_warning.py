@@ -42,7 +42,8 @@ import pandas as pd
 
 from flt_diag.storage.predictor_names import FEATURES, PACKAGED, TARGETS  # noqa: F401 (re-exported)
 from flt_diag.storage import metric_names as M
-from flt_diag.storage.file_models import Summary
+from flt_diag.storage.file_models import PredictorFile, Summary
+from flt_diag.storage.files import predictor_of
 from flt_diag.storage.folders import load_config, load_metrics, load_summary, run_dirs, series
 from flt_diag.judge.verdict import quiet
 
@@ -164,17 +165,16 @@ def labelled_runs(sources) -> list[Path]:
     return [d for src in sources for d in run_dirs(Path(src)) if load_summary(d) is not None]
 
 
-def probability(predictor: dict, feats: dict, step: int) -> tuple[float, list[tuple[str, float]]]:
+def probability(predictor: dict | PredictorFile, feats: dict, step: int) -> tuple[float, list[tuple[str, float]]]:
     """P(collapse) at `step` and each feature's contribution to the logit (largest first)."""
-    usable = [s for s in sorted(map(int, predictor["models"])) if s <= step]
+    predictor = predictor_of(predictor)
+    usable = [s for s in sorted(predictor.models) if s <= step]
     if not usable:
-        raise ValueError(f"the predictor is fitted from step {min(map(int, predictor['models']))} on; "
-                         f"step {step} is too early")
-    m = predictor["models"][str(usable[-1])]
-    names = predictor["features"]
-    Z, _, _ = design([feats], names, np.array(m["mean"]), np.array(m["std"]))
-    contrib = Z[0] * np.array(m["coef"])
-    p = float(sigmoid(contrib.sum() + m["intercept"]))
+        raise ValueError(f"the predictor is fitted from step {min(predictor.models)} on; step {step} is too early")
+    m, names = predictor.models[usable[-1]], predictor.features
+    Z, _, _ = design([feats], names, np.array(m.mean), np.array(m.std))
+    contrib = Z[0] * np.array(m.coef)
+    p = float(sigmoid(contrib.sum() + m.intercept))
     return p, sorted(zip(names, contrib.tolist()), key=lambda t: -abs(t[1]))
 
 
@@ -187,24 +187,25 @@ COLUMNS = ["cell", "variant", "loops", "seed", "lr_scale", "p_collapse", "predic
            "false_alarm", "miss", "evidence"]
 
 
-def _scored(run_dir: Path, summary: Summary, predictor: dict, predicted: bool) -> dict:
+def _scored(run_dir: Path, summary: Summary, predictor: PredictorFile, predicted: bool) -> dict:
     """The fields every row of a prediction table has: the cell, its final verdict, and how the
     prediction fares against the predictor's target."""
-    actual = bool(label(summary, predictor.get("target", "collapse")))
+    actual = bool(label(summary, predictor.target))
     return dict(cell=run_dir.name, variant=summary.variant, loops=summary.loops, seed=summary.seed,
                 lr_scale=summary.lr_scale, verdict=summary.verdict, actual=actual, agree=predicted == actual, false_alarm=predicted and not actual,
                 miss=actual and not predicted)
 
 
-def prediction_row(run_dir: Path, summary: Summary, predictor: dict, feats: dict, at: int) -> dict:
+def prediction_row(run_dir: Path, summary: Summary, predictor: dict | PredictorFile, feats: dict, at: int) -> dict:
     """One run's prediction at `at` beside its final verdict (a row of `predict` / `cross_validate`)."""
+    predictor = predictor_of(predictor)
     p, contrib = probability(predictor, feats, at)
-    predicted = bool(p >= predictor.get("threshold", 0.5))
+    predicted = bool(p >= predictor.threshold)
     return _scored(run_dir, summary, predictor, predicted) | dict(
         p_collapse=p, predicted=predicted, evidence=evidence_text(feats, contrib))
 
 
-def predict_sweep(path, at: int, predictor: dict) -> pd.DataFrame:
+def predict_sweep(path, at: int, predictor: dict | PredictorFile) -> pd.DataFrame:
     """Per finished cell: P(collapse) at step `at`, the prediction, the final verdict, agreement."""
     rows = [prediction_row(d, s, predictor, run_features(d, at), at)
             for d in labelled_runs([path]) if (s := load_summary(d)).steps_done > at]
@@ -214,13 +215,14 @@ def predict_sweep(path, at: int, predictor: dict) -> pd.DataFrame:
 CHECK_EVERY = 25  # steps between two online checks (CollapseWarning and its replay, `first_warning`)
 
 
-def first_warning(df: pd.DataFrame, predictor: dict, loops: int, n_layer: int, d_model: int, steps_done: int,
+def first_warning(df: pd.DataFrame, predictor: dict | PredictorFile, loops: int, n_layer: int, d_model: int, steps_done: int,
                   every: int = CHECK_EVERY, threshold: float | None = None) -> dict:
     """Replay of the online warning on a recorded run: the checks `--warn` makes (every `every` steps
     from the predictor's first fitted step), the first step where P reaches the threshold (None if
     never), that P and its evidence, and the largest P of all checks."""
-    threshold = predictor.get("threshold", 0.5) if threshold is None else threshold
-    fitted = [int(s) for s in predictor["models"]]
+    predictor = predictor_of(predictor)
+    threshold = predictor.threshold if threshold is None else threshold
+    fitted = list(predictor.models)
     start = -(-min(fitted) // every) * every  # the first multiple of `every` at or after the first fitted step
     run = RunSeries(df, loops, n_layer)
     # bounded by the metrics stored (a summary's steps_done may say anything): no check past the last row,
@@ -258,11 +260,11 @@ def changing_checks(run: RunSeries, checks: range, fitted: list[int]) -> list[in
     return sorted(picked)
 
 
-def online_sweep(path, predictor: dict) -> pd.DataFrame:
+def online_sweep(path, predictor: dict | PredictorFile) -> pd.DataFrame:
     """Per finished cell: what `--warn` would have said over the whole run (first warning step, its P and
     evidence, the largest P), beside the final verdict; `onset` is the step of the smoothed loss's minimum
     before a collapse (collapsed runs), so `onset - warned_at` is the warning's lead."""
-    rows = []
+    rows, predictor = [], predictor_of(predictor)
     for d in labelled_runs([path]):
         s, m = load_summary(d), load_config(d).model
         w = first_warning(load_metrics(d), predictor, m.loops, m.n_layer, m.n_embd, s.steps_done)

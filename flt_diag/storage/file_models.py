@@ -145,10 +145,7 @@ class RunConfigFile(FileModel):
 # summary.json, the one definition of a run's summary: flt_diag.judge.verdict.summarize builds a Summary, the
 # storage layer writes `Summary.as_written()` and reads the file back into a Summary. A field missing from a
 # file is None (the fields marked "since v3", "since ..." are absent from older summaries); a key no version
-# wrote is refused. Every key an earlier verdict (v1, v2) wrote is still a field, so LEGACY_SUMMARY_KEYS
-# (read and dropped) is empty; a key a later version stops writing goes there.
-
-LEGACY_SUMMARY_KEYS: tuple[str, ...] = ()
+# wrote is refused (every key an earlier verdict, v1 or v2, wrote is still a field).
 
 
 class Evidence(FileModel):
@@ -279,13 +276,6 @@ class Summary(FileModel):
     prediction: Optional[Prediction] = None  # the alarm that ended it (--stop-on-collapse)
     tokens_per_s: Optional[float] = Field(None, ge=0, allow_inf_nan=True)  # training throughput
 
-    @model_validator(mode="before")
-    @classmethod
-    def _legacy_dropped(cls, x):
-        return {k: v for k, v in x.items() if k not in LEGACY_SUMMARY_KEYS} if isinstance(x, dict) else x
-
-
-
 # --------------------------------------------------------------------------- sweep and map specs
 
 class BaseInSpec(FileModel, **FREE):
@@ -338,8 +328,8 @@ class PredictorFile(FileModel, **FREE):
 
     features: Items[Literal[tuple(FEATURES)]]
     models: dict[Annotated[int, Field(ge=1)], LogisticModel] = Field(min_length=1, max_length=MAX_ITEMS)
-    threshold: float = Field(None, gt=0, lt=1)
-    target: Literal[tuple(TARGETS)] = None
+    threshold: float = Field(0.5, gt=0, lt=1)
+    target: Literal[tuple(TARGETS)] = "collapse"  # (a predictor of before the targets)
     class_weight: Literal[CLASS_WEIGHTS] = None
     l2: float = Field(None, gt=0)
 

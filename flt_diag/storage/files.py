@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import io
 import re
-import typing
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -31,9 +30,10 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from flt_diag.storage import file_models as F
 from flt_diag.storage.file_models import EXAMPLE_IDENTITY, META_LOOP_KEYS, META_VARIANT_KEYS  # noqa: F401 (re-exported)
+from flt_diag.config.option_fields import Option
 from flt_diag.storage.predictor_names import PACKAGED
 from flt_diag.storage.schema import MAX_ITEMS, BadFile, bad, checked, dotted, one_line, read_json, read_text
-from flt_diag.config.run_config import ModelConfig, RunConfig
+from flt_diag.config.variants import Variant
 from flt_diag.storage.safe_files import regular_file
 
 # --------------------------------------------------------------------------- run config
@@ -145,7 +145,7 @@ def load_examples(path: Path) -> list[F.ExampleRow]:
     return checked(path, F.ExamplesTable, rows)
 
 
-def load_predictor(path=None) -> dict:
+def load_predictor(path=None) -> F.PredictorFile:
     """A predictor JSON (None: the packaged one), checked field by field: a predictor without means,
     with a text coefficient or a threshold outside (0, 1) is one line. An empty name is an error, not
     the packaged predictor."""
@@ -153,16 +153,19 @@ def load_predictor(path=None) -> dict:
         path = PACKAGED
     if str(path) in ("", "."):
         raise BadFile("the predictor file name is empty (leave --predictor out for the packaged predictor)")
-    model = read_json(path)
-    checked(path, F.PredictorFile, model)
-    return model
+    return checked(path, F.PredictorFile, read_json(path))
+
+
+def predictor_of(predictor: dict | F.PredictorFile) -> F.PredictorFile:
+    """A predictor as its model: a loaded one as it is, a fitted one (fit-predictor's JSON object) checked."""
+    return predictor if isinstance(predictor, F.PredictorFile) else checked("the predictor", F.PredictorFile, predictor)
 
 
 # --------------------------------------------------------------------------- study files
 
 def load_study(path: Path, tables: dict[str, Any]) -> tuple[str, dict]:
     """A study file -> (its table's name, option values keyed by Option.dest): exactly one of `tables`
-    ({"ablation": model, ...}: the pydantic model of the options each takes, flt_diag.cli.options.given_model),
+    ({"ablation": model, ...}: the pydantic model of the options each takes, flt_diag.cli.specs.study_tables),
     whose keys are those options' names, checked like the command line; other keys (description, gpu) are free."""
     try:
         import tomllib
@@ -182,7 +185,7 @@ def load_study(path: Path, tables: dict[str, Any]) -> tuple[str, dict]:
     if unknown is not None:
         raise BadFile(f"{path}: unknown option {unknown!r} in [{table}]")
     values = {key.replace("-", "_"): x for key, x in spec[table].items()}
-    values = {k: [x] if _is_list(model.model_fields[k].annotation) and not isinstance(x, list) else x
+    values = {k: [x] if Option("", k, model.model_fields[k]).many and not isinstance(x, list) else x
               for k, x in values.items()}  # one value of a list option is a list of one
     try:
         given = model.model_validate(values)
@@ -193,17 +196,12 @@ def load_study(path: Path, tables: dict[str, Any]) -> tuple[str, dict]:
     return table, {k: getattr(given, k) for k in values}
 
 
-def _is_list(hint) -> bool:
-    return list in {typing.get_origin(h) for h in (hint, *typing.get_args(hint))}
-
-
 # --------------------------------------------------------------------------- reference meta json
 
-def check_reference_meta(meta, path) -> dict:
+def check_reference_meta(meta, path) -> F.ReferenceMeta:
     """nanochat's meta_<step>.json: the model sizes (top level or under model_config), K and the variant
     under the names the reference uses; the sizes obey the command line's bounds."""
-    checked(path, F.ReferenceMeta, meta)
-    return meta
+    return checked(path, F.ReferenceMeta, meta)
 
 
 # --------------------------------------------------------------------------- torch files
@@ -231,6 +229,12 @@ class Tensors(F.FileModel, extra="allow"):
         return x
 
 
+def _as_given(cls, x, handler):
+    """Checked by the field's model, kept as the dicts torch loads (weights, optimizer states)."""
+    handler(x)
+    return x
+
+
 class ParamGroup(F.FreeFileModel):
     params: list[Annotated[int, Field(ge=0, le=MAX_ITEMS)]] = Field(min_length=1, max_length=MAX_ITEMS)
 
@@ -251,6 +255,8 @@ class ResumeState(F.FileModel):
     optimizers: list[OptimizerState] = Field(max_length=MAX_ITEMS, json_schema_extra=dict(count="optimizers"))
     callbacks: dict | list[dict]
 
+    _as_torch_loads_them = field_validator("model", "optimizers", mode="wrap")(_as_given)
+
     @field_validator("step")
     @classmethod
     def _at_most_the_steps(cls, x, info):
@@ -268,11 +274,12 @@ class ResumeState(F.FileModel):
         return x
 
 
-def check_resume_state(state, path, model_shapes: dict, steps: int, optimizer_shapes: list[list[tuple]]) -> dict:
+def check_resume_state(state, path, model_shapes: dict, steps: int, optimizer_shapes: list[list[tuple]]) -> ResumeState:
     """resume.pt checked against the run that resumes it (shapes of its weights and of its optimizers'
     parameters) before any of it is loaded."""
-    checked(path, ResumeState, state, context=dict(shapes=model_shapes, steps=steps, optimizers=len(optimizer_shapes)))
-    for i, (saved, shapes) in enumerate(zip(state["optimizers"], optimizer_shapes)):
+    state = checked(path, ResumeState, state, context=dict(shapes=model_shapes, steps=steps,
+                                                           optimizers=len(optimizer_shapes)))
+    for i, (saved, shapes) in enumerate(zip(state.optimizers, optimizer_shapes)):
         where = f"optimizers[{i}]"
         params = [p for g in saved["param_groups"] for p in g["params"]]
         if len(params) != len(shapes):
@@ -289,7 +296,7 @@ def check_resume_state(state, path, model_shapes: dict, steps: int, optimizer_sh
 
 
 class ModelInCheckpoint(F.ModelInFile):
-    variant: str = F.like(F.ModelConfig, "variant")  # flt-diag's own model: never null (a watch run's is)
+    variant: Variant  # flt-diag's own model: never null (a watch run's is)
 
 
 class Checkpoint(F.FileModel):
@@ -300,12 +307,13 @@ class Checkpoint(F.FileModel):
     model: Tensors
     step: int = Field(None, ge=0)
 
+    _as_torch_loads_them = field_validator("model", mode="wrap")(_as_given)
 
-def check_checkpoint(obj, path, model_shapes: dict | None = None) -> dict:
+
+def check_checkpoint(obj, path, model_shapes: dict | None = None) -> Checkpoint:
     """checkpoint.pt checked: its model config first (it sizes the model), then, given the shapes of the
     model built from it, its weights."""
-    checked(path, Checkpoint, obj, context=dict(shapes=model_shapes))
-    return obj
+    return checked(path, Checkpoint, obj, context=dict(shapes=model_shapes))
 
 
 FILE_KINDS = ("run config", "sweep spec", "map spec", "summary", "metrics part", "resume state", "checkpoint",

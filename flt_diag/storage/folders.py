@@ -30,7 +30,7 @@ from pathlib import Path
 import pandas as pd
 
 from flt_diag.storage import archive, files
-from flt_diag.storage.safe_files import file_mode, open_regular, regular_file
+from flt_diag.storage.safe_files import file_mode, open_regular
 from flt_diag.storage.schema import BadFile, StorageError, read_json  # noqa: F401  (re-exported: one error type)
 
 CONFIG, SUMMARY, PROGRESS, METRICS = "config.json", "summary.json", "progress.json", "metrics"

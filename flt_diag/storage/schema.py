@@ -53,13 +53,13 @@ def read_json(path: Path):
         raise BadFile(f"unreadable {path}: {type(e).__name__}: {str(e)[:100]}") from None
 
 
-def checked(path, model, obj, where: str = "", context: dict | None = None):
+def checked(path, model, obj, context: dict | None = None):
     """`obj` (read from `path`) validated by `model` (with `context` for its validators); a misfit is one
-    BadFile line naming the field (after `where`, a prefix such as "model_config")."""
+    BadFile line naming the field by its dotted path."""
     try:
         if isinstance(model, type) and issubclass(model, BaseModel):
             return model.model_validate(obj, context=context)
         return (model if isinstance(model, TypeAdapter) else TypeAdapter(model)).validate_python(obj, context=context)
     except ValidationError as e:
         cls = model if isinstance(model, type) else None
-        raise bad(path, one_line(e, lambda loc: ".".join(x for x in (where, dotted(loc)) if x), cls)) from None
+        raise bad(path, one_line(e, dotted, cls)) from None

@@ -83,17 +83,17 @@ def restore(trainer) -> None:
         state = check_resume_state(state, path, shapes, trainer.cfg.train.steps, params)
     except StorageError as e:
         raise StorageError(f"{e}; delete it to restart the run from step 0") from None
-    saved = state["callbacks"]
+    saved = state.callbacks
     if isinstance(saved, list):  # older files: by position
         saved = dict(zip(callback_names(trainer.callbacks), saved))
     try:
-        trainer.model.load_state_dict(state["model"])
-        for opt, s in zip(trainer.optimizers, state["optimizers"], strict=True):
+        trainer.model.load_state_dict(state.model)
+        for opt, s in zip(trainer.optimizers, state.optimizers, strict=True):
             opt.load_state_dict(s)
         for name, cb in zip(callback_names(trainer.callbacks), trainer.callbacks):
             if name in saved:
                 cb.load_state_dict(saved[name])
-        trainer.start_step, trainer.wall_time = int(state["step"]), float(state["wall_time"])
+        trainer.start_step, trainer.wall_time = state.step, state.wall_time
     except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as e:
         raise StorageError(f"{path} does not fit this run ({str(e).splitlines()[0][:200]}); "
                            "delete it to restart the run from step 0") from None

@@ -128,14 +128,15 @@ def _final_model(run_dir: Path, device: str):
     if not ckpt_path.exists():
         raise StorageError(f"{run_dir} has no {CHECKPOINT} (has the run finished?)")
     from flt_diag.storage.files import check_checkpoint
-    ckpt = check_checkpoint(load(ckpt_path, map_location=device), ckpt_path)  # sizes bounded before the model is built
+    raw = load(ckpt_path, map_location=device)
+    ckpt = check_checkpoint(raw, ckpt_path)  # sizes bounded before the model is built
     try:
-        model = LoopedTransformer(ModelConfig(**ckpt["model_config"])).to(device)
+        model = LoopedTransformer(ModelConfig(**ckpt.model_config_.model_dump())).to(device)
     except (TypeError, ValueError, RuntimeError, MemoryError) as e:
         raise StorageError(f"{ckpt_path}: cannot build its model: {str(e).splitlines()[0]}") from None
-    check_checkpoint(ckpt, ckpt_path, {k: tuple(v.shape) for k, v in model.state_dict().items()})  # every weight
+    check_checkpoint(raw, ckpt_path, {k: tuple(v.shape) for k, v in model.state_dict().items()})  # every weight
     try:
-        model.load_state_dict(ckpt["model"])
+        model.load_state_dict(ckpt.model)
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise StorageError(f"{ckpt_path} is not a checkpoint of this model: {str(e).splitlines()[0]}") from None
     return model

@@ -37,6 +37,7 @@ from flt_diag.model.transformer import VARIANTS, LoopedTransformer, ModelConfig
 from flt_diag.training.checkpoint import load, save_weights
 from flt_diag.config.run_config import RunConfig, TrainConfig, padded_vocab
 from flt_diag.storage.files import META_LOOP_KEYS as LOOP_KEYS, META_VARIANT_KEYS as VARIANT_KEYS, check_reference_meta
+from flt_diag.storage.file_models import ReferenceMeta
 from flt_diag.storage.folders import CHECKPOINT, CONFIG, StorageError, read_json, write_json
 
 REFERENCE_VARIANTS: dict[str, str] = {"LT": "lt", "LT_i": "lt-ii", "LT_ia": "lt-ai", "FLT_res": "fla", "FLT": "flt"}
@@ -209,27 +210,23 @@ def _load_checkpoint(path: Path) -> dict:
     return obj
 
 
-def _load_meta(meta, checkpoint_path: Path | None) -> tuple[dict, str]:
-    """(the meta dict, what it is called in messages): given, read from a path, or meta_<step>.json beside
-    model_<step>.pt; checked (flt_diag.storage.files: sizes within the command line's bounds) before
+def _load_meta(meta, checkpoint_path: Path | None) -> tuple[ReferenceMeta, str]:
+    """(the meta json's model, empty without one; what it is called in messages): given, read from a path, or
+    meta_<step>.json beside model_<step>.pt; checked (flt_diag.storage.files: sizes within the command line's bounds) before
     anything is allocated."""
     if meta is None and checkpoint_path is not None:
         m = re.fullmatch(r"model_(.+)\.pt", checkpoint_path.name)
         guess = checkpoint_path.with_name(f"meta_{m.group(1)}.json") if m else None
         meta = guess if guess is not None and guess.exists() else None
     if meta is None:
-        return {}, "meta"
+        return ReferenceMeta(), "meta"
     if isinstance(meta, dict):
         return check_reference_meta(meta, "the meta dict"), "the meta dict"
     return check_reference_meta(read_json(meta), meta), str(meta)  # unreadable: one StorageError line
 
 
-def _pick(sources: list[dict], keys: tuple[str, ...]):
-    for src in sources:
-        for k in keys:
-            if src.get(k) is not None:
-                return src[k]
-    return None
+def _pick(sources: list[ReferenceMeta], keys: tuple[str, ...]):
+    return next((getattr(src, k) for src in sources for k in keys if getattr(src, k) is not None), None)
 
 
 def import_reference(checkpoint, variant: str | None = None, loops: int | None = None,
@@ -248,8 +245,7 @@ def import_reference(checkpoint, variant: str | None = None, loops: int | None =
     path = _checkpoint_file(Path(checkpoint)) if isinstance(checkpoint, (str, Path)) else None
     info, meta_name = _load_meta(meta, path)  # checked before the weights are read
     sd = _load_checkpoint(path) if path is not None else checkpoint
-    mc = info.get("model_config") if isinstance(info.get("model_config"), dict) else {}
-    sources = [mc, info]
+    sources = [s for s in (info.sizes, info) if s is not None]  # model_config's sizes first
 
     vocab_size = vocab_size if vocab_size is not None else _pick(sources, ("vocab_size",))
     state, dims = convert_state_dict(sd, vocab_size=vocab_size)

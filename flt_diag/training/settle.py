@@ -24,8 +24,8 @@ import re
 from pathlib import Path
 
 from flt_diag.instruments.warning_callback import predictor
-from flt_diag.config.run_config import (TASK_DIALS, TASKS, DiagnosticsConfig, RunConfig, TrainConfig, build_config,
-                                   padded_vocab, sections_from, with_overrides)
+from flt_diag.config.run_config import (SECTIONS, TASK_DIALS, TASKS, DiagnosticsConfig, GivenConfig, RunConfig,
+                                        TrainConfig, build_config, padded_vocab, with_overrides)
 from flt_diag.config.option_fields import with_fact
 from flt_diag.data.corpus import DataError, get_tokenizer
 from flt_diag.data.sources import check_source
@@ -37,21 +37,25 @@ VOLATILE_TRAIN_FIELDS, VOLATILE_DIAGNOSTICS_FIELDS = with_fact(TrainConfig, "vol
 DEVICE = re.compile(r"auto|cpu(?::\d+)?|cuda(?::(\d+))?")
 
 
-def run_config(values: dict, **grid) -> RunConfig:
-    """The settled RunConfig of flat option values (`Option.dest` -> value, None = not given), with
-    the fields a grid sets per cell (variant, loops, seed, lr_scale) where given."""
-    return settle(unsettled_config(values, **grid))
+def run_config(given: GivenConfig | dict, **grid) -> RunConfig:
+    """The settled RunConfig of the config options given (a GivenConfig, or flat option values keyed by
+    `Option.dest`, None = not given), with the fields a grid sets per cell (variant, loops, seed, lr_scale)
+    where given."""
+    return settle(unsettled_config(given, **grid))
 
 
-def unsettled_config(values: dict, **grid) -> RunConfig:
+def unsettled_config(given: GivenConfig | dict, **grid) -> RunConfig:
     """The same config, checked field by field but not settled (a grid's `--list` runs nothing, so it
     needs no tokenizer): the preset is decided, the device and the vocabulary are not."""
-    values = {**values, **{k: v for k, v in grid.items() if v is not None}}
-    if values.get("stop_on_collapse"):
-        values["warn"] = True
-    sections = sections_from(values)
-    cuda = choose_device(values.get("device") or "auto").startswith("cuda")
-    return build_config(sections.pop("preset", "auto"), cuda, **sections)
+    given = given if isinstance(given, GivenConfig) else GivenConfig.of_values(given)
+    sections = given.sections()
+    for name, value in grid.items():
+        if value is not None:
+            sections[next(s for s, cls in SECTIONS.items() if name in cls.model_fields)][name] = value
+    if sections["diagnostics"].get("stop_on_collapse"):
+        sections["diagnostics"]["warn"] = True
+    cuda = choose_device(sections["train"].get("device") or "auto").startswith("cuda")
+    return build_config(given.preset or "auto", cuda, **sections)
 
 
 def settle(cfg: RunConfig) -> RunConfig:
