@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import BENCH_PRESETS, StepJob, bench_config, environment, paired, stats, time_interleaved  # noqa: E402
 from flt_diag.instruments import loop_dynamics as D  # noqa: E402
+from flt_diag.instruments.sharpness import sharpness  # noqa: E402
 from flt_diag.config.run_config import DiagnosticsConfig, with_overrides  # noqa: E402
 
 
@@ -48,7 +49,7 @@ def _every_n_job(job: StepJob, what: str):
             D.loop_map_stats(trainer.model, idx, d.dynamics_iters, d.krylov_dim, d.perturbation_dirs, gen)
             D.loop_gradient_agreement(trainer.model, idx, targets)
         else:
-            D.sharpness(trainer.model, idx, targets, d.dynamics_iters, generator=gen)
+            sharpness(trainer.model, idx, targets, d.dynamics_iters, generator=gen)
     return run
 
 

@@ -9,6 +9,7 @@ from flt_diag.storage import metric_names as M
 
 from conftest import tiny_config
 from flt_diag.instruments.diagnostics import LoopHooks
+from flt_diag.instruments.sharpness import sharpness
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig
 from flt_diag.training.compile_precision import compile_blocks, cpu_compiler_available
 
@@ -96,7 +97,7 @@ def test_costly_loop_dynamics_records_on_compiled_blocks_equal_eager_and_leave_t
         stats = D.loop_map_stats(model, idx, 6, 8, 2, gen())
         sigma, rho = stats[M.LOOP_GAIN], stats[M.LOOP_SPECTRAL_RADIUS]
         cos = D.loop_gradient_agreement(model, idx, targets)
-        lam = D.sharpness(model, idx, targets, 6, generator=gen())
+        lam = sharpness(model, idx, targets, 6, generator=gen())
         records[name] = (sigma, rho, cos, lam)
         assert all(p.grad is None for p in model.parameters())
     for a, b in zip(records["eager"], records["compiled"]):

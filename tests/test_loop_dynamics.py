@@ -16,6 +16,7 @@ from flt_diag.model.transformer import LoopedTransformer, ModelConfig, norm
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import load_metrics
 from flt_diag.instruments import loop_dynamics as D
+from flt_diag.instruments.sharpness import sharpness
 from flt_diag.instruments.dynamics_callback import instruments, own_model_dynamics
 from flt_diag.instruments.records import StepLog
 from flt_diag.training.trainer import train
@@ -168,7 +169,7 @@ def test_sharpness_against_the_exact_hessian():
     eig = torch.linalg.eigvalsh((H + H.T) / 2)
     top = eig.max().item()
     assert eig.min().item() < -top  # a saddle whose largest-magnitude eigenvalue is negative
-    got = D.sharpness(model, idx, targets, iters=100, generator=torch.Generator().manual_seed(0))
+    got = sharpness(model, idx, targets, iters=100, generator=torch.Generator().manual_seed(0))
     assert got.item() == pytest.approx(top, rel=2e-3)
     assert all(p.grad is None for p in model.parameters())
 

@@ -35,6 +35,7 @@ from flt_diag.storage import metric_names as M
 from flt_diag.instruments.callbacks import Callback, Host
 from flt_diag.instruments.diagnostics import DiagnosticsCallback, should_record
 from flt_diag.instruments import loop_dynamics as D
+from flt_diag.instruments.sharpness import sharpness
 from flt_diag.model.transformer import LoopedTransformer, norm
 from flt_diag.config.run_config import DiagnosticsConfig
 
@@ -80,7 +81,7 @@ class ModelLoopMap:
                 log.add_vector([(M.LOOP_GRAD_COSINE, t + 1, layer + 1) for t in range(cos.shape[0])
                                 for layer in range(cos.shape[1])], cos.flatten())
             if due(step, cfg.sharpness_every):
-                log.add(M.SHARPNESS, D.sharpness(model, idx, targets, cfg.dynamics_iters, loss_on, gen))
+                log.add(M.SHARPNESS, sharpness(model, idx, targets, cfg.dynamics_iters, loss_on, gen))
 
 
 class StepLoopMap:

@@ -14,10 +14,9 @@ a loop-step callable `step(h_prev) -> h_next`, a head callable `head(h) -> logit
     the degenerate fixed point that forgets the tokens;
   * `per_loop_gradients` / `gradient_agreement`: each loop's own contribution to the gradient of the
     shared weights (every loop's call of them gets its own alias), and its cosine with their sum;
-  * `top_hessian_eigenvalue(loss_fn, params, iters, generator)`: the sharpness, by Hessian-vector products.
 
 For a LoopedTransformer: `loop_inputs`, `loop_states`, `loop_step`, `model_head`, `looped_loss` (the
-training loss with one alias of the block weights per loop) and `model_loss`. Everything that
+training loss with one alias of the block weights per loop). Everything that
 differentiates runs inside `transparent()`: the written-out norm, the math attention kernel and
 compiled blocks run eagerly, since torch.func and double backward need ops they can differentiate
 (the fast CPU norm's hand-written backward and the fused attention kernels are not). Random start
@@ -361,55 +360,3 @@ def loop_gradient_agreement(model: LoopedTransformer, idx: Tensor, targets: Tens
     with transparent():
         per_loop = per_loop_gradients(looped_loss(model, idx, targets, loss_on), shared, model.cfg.loops)
     return gradient_agreement(per_loop, groups)
-
-
-# ----------------------------------------------------------------------------- sharpness
-def _power_iteration(hvp: Callable[[list[Tensor]], list[Tensor]], v: list[Tensor], iters: int,
-                     shift: Tensor | float = 0.0) -> Tensor:
-    """Rayleigh quotient v.(H - shift)v of the power iteration v <- (H - shift) v / ||.|| from v."""
-    lam = torch.zeros(())
-    for _ in range(iters):
-        n = torch.sqrt(sum(x.square().sum() for x in v)).clamp_min(1e-30)
-        v = [x / n for x in v]
-        hv = [a - shift * b for a, b in zip(hvp(v), v)]
-        lam = sum((a * b).sum() for a, b in zip(v, hv))
-        v = [x.detach() for x in hv]
-    return lam.detach()
-
-
-def top_hessian_eigenvalue(loss_fn: Callable[[list[Tensor]], Tensor], params: Sequence[Tensor], iters: int,
-                           generator: torch.Generator | None = None) -> Tensor:
-    """The largest Hessian eigenvalue of loss_fn at params (the sharpness), by power iteration with
-    Hessian-vector products (double backward: torch.autograd.grad of g.v, the gradient taken with
-    create_graph), reported as the Rayleigh quotient v.Hv. Power iteration finds the eigenvalue of
-    largest magnitude; where that one is negative (a saddle), a second run on H - lambda_min I finds
-    lambda_max - lambda_min. Cost: one forward + backward with graph, then `iters` double backwards
-    (2 * iters where the first run finds a negative eigenvalue)."""
-    ps = [p.detach().requires_grad_() for p in params]
-    grads = torch.autograd.grad(loss_fn(ps), ps, create_graph=True)
-
-    def hvp(v: list[Tensor]) -> list[Tensor]:
-        return list(torch.autograd.grad(grads, ps, grad_outputs=v, retain_graph=True))
-    start = [torch.randn(p.shape, generator=generator, device=p.device, dtype=p.dtype) for p in ps]
-    lam = _power_iteration(hvp, start, iters)
-    if lam < 0:
-        lam = _power_iteration(hvp, start, iters, shift=lam) + lam
-    return lam
-
-
-def model_loss(model: LoopedTransformer, idx: Tensor, targets: Tensor, loss_on: str = "end"):
-    """(loss_fn(params), params) for `top_hessian_eigenvalue`: the training loss as a function of all
-    the model's parameters (torch.func.functional_call, parameters in named_parameters order)."""
-    names = [n for n, _ in model.named_parameters()]
-
-    def loss_fn(ps: list[Tensor]) -> Tensor:
-        return torch.func.functional_call(model, dict(zip(names, ps)), (idx, targets), {"loss_on": loss_on})[1]
-    return loss_fn, [p for _, p in model.named_parameters()]
-
-
-def sharpness(model: LoopedTransformer, idx: Tensor, targets: Tensor, iters: int, loss_on: str = "end",
-              generator: torch.Generator | None = None) -> Tensor:
-    """Top Hessian eigenvalue of the training loss of a batch w.r.t. all parameters."""
-    loss_fn, params = model_loss(model, idx, targets, loss_on)
-    with transparent():
-        return top_hessian_eigenvalue(loss_fn, params, iters, generator)
