@@ -125,5 +125,4 @@ def draw(df: pd.DataFrame):
     return finish(fig, "Verdict by variant and " + ("loops" if column == "loops" else "depth"))
 
 
-register(Figure("collapse", "variant x loops (x depth) grid coloured by verdict, annotated with the gap to the best val loss",
-                (), data, draw, empty="no runs", order=50))
+register(Figure("collapse", (), data, draw, empty="no runs"))

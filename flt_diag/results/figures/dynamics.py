@@ -145,12 +145,10 @@ def draw_dynamics(df: pd.DataFrame):
     return finish(fig, "Loop dynamics: fixed-point residual, contraction and the degenerate fixed point")
 
 
-register(Figure("exit-loss", "loss of the head at every loop's exit, at a few steps, a panel per loops K",
-                (M.EXIT_LOSS,), exit_data, draw_exit, empty="no exit_loss recorded (--loop-dynamics)", order=80,
+register(Figure("exit-loss", (M.EXIT_LOSS,), exit_data, draw_exit, empty="no exit_loss recorded (--loop-dynamics)",
                 empty_watched="no exit_loss recorded: flt_diag.watch records it with head= and targets (docs/api.md, "
                 "Loop dynamics on your own model)"))
-register(Figure("loop-dynamics", "fixed-point residual, contraction (spectral radius, perturbation growth) and "
-                "token cosine by step and by loop", DRAWN, dynamics_data, draw_dynamics,
-                empty="no fixed_point_residual or loop_gain recorded (--loop-dynamics, --dynamics-every)", order=81,
+register(Figure("loop-dynamics", DRAWN, dynamics_data, draw_dynamics,
+                empty="no fixed_point_residual or loop_gain recorded (--loop-dynamics, --dynamics-every)",
                 empty_watched="no fixed_point_residual or loop_gain recorded: flt_diag.watch records them from the loop "
                 "ends, the gain with loop_step= (docs/api.md, Loop dynamics on your own model)"))

@@ -64,5 +64,4 @@ def draw(df: pd.DataFrame):
     return finish(fig, "Training loss (the verdict's smoothing)")
 
 
-register(Figure("loss", "smoothed training loss (as the verdict sees it) per loops K, collapse marked",
-                (M.LOSS, M.VAL_LOSS), data, draw, empty="no loss recorded", order=40))
+register(Figure("loss", (M.LOSS, M.VAL_LOSS), data, draw, empty="no loss recorded"))

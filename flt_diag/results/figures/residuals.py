@@ -40,5 +40,4 @@ def draw(df: pd.DataFrame):
     return finish(fig, "Residual norm of the final loop")
 
 
-register(Figure("residuals", "final-loop residual norm over steps, a panel per loops K, a line per variant",
-                (M.RESID_NORM_LOOP_END,), data, draw, empty="no resid_norm_loop_end recorded", order=10))
+register(Figure("residuals", (M.RESID_NORM_LOOP_END,), data, draw, empty="no resid_norm_loop_end recorded"))
