@@ -6,7 +6,7 @@ below are what the sweep's summary.csv, the CLI, the report, the figures and ana
     SUMMARY_COLUMNS   the one list of summary columns (summary.json keys, per run)
     sweep_summary     one row per finished cell (the sweep's summary.csv)
     pooled_summary    sweep_summary of several sweeps of one setting (more seeds run later), as one table
-    side_by_side_summary  the same rows for several run folders given side by side (a row each)
+    folders_summary   pooled_summary, or the same rows for run folders given side by side (a row each)
     summary_table     one row per (lr scale, variant, loops, depth) cell of the grid, seeds aggregated
     seed_table        the same from sweep_summary's rows (finished runs only; what `summary` prints)
     results_table     summary_table as the report's text table (TABLE_COLUMNS: display name -> column)
@@ -37,7 +37,7 @@ from flt_diag.judge.verdict import OSC_INDICES, dense_oscillation, smoothed
 from flt_diag.storage.folders import (COLUMNS, CELLS, ERROR, METRICS, StorageError, cell_names, is_run, is_sweep, load_config,
                       load_eval_loops, load_metrics, load_spec, load_summary, run_dirs, run_label, series)
 from flt_diag.storage.pooling import check_poolable
-from flt_diag.judge.summary_table import SUMMARY_COLUMNS, sweep_summary
+from flt_diag.judge.summary_table import SUMMARY_COLUMNS, summary_frame, summary_row, sweep_summary
 from flt_diag.config.variants import VARIANTS
 
 VARIANT_ORDER = list(VARIANTS)
@@ -155,8 +155,7 @@ def collect(path, metrics: list[str] | None = None) -> Study:
     Raises StorageError for a path that is neither, or one with no metrics recorded yet."""
     if isinstance(path, (list, tuple)):
         if side_by_side(path):
-            runs = [run for p in path for run in collect(p, metrics).runs]
-            return Study(Path(path[0]), sorted(_labelled(runs), key=Run.sort_key))
+            return _side_by_side_study(path, metrics)
         if len(path) > 1:
             return _pooled_study([Path(p) for p in path], metrics)
         path = path[0]
@@ -212,12 +211,19 @@ def _labelled(runs: list[Run]) -> list[Run]:
             dataclasses.replace(r, variant=r.name if names[r.name] == 1 else str(r.path)) for r in runs]
 
 
-def side_by_side_summary(paths) -> pd.DataFrame:
-    """sweep_summary's rows for run folders given side by side: one per finished run, labelled as in `collect`,
+def _side_by_side_study(paths, metrics) -> Study:
+    runs = [run for p in paths for run in collect(p, metrics).runs]
+    return Study(Path(paths[0]), sorted(_labelled(runs), key=Run.sort_key))
+
+
+def folders_summary(paths) -> pd.DataFrame:
+    """sweep_summary's rows of several folders, checked once (`side_by_side`): sweeps of one setting pooled
+    (`pooled_summary`), or run folders laid side by side: one row per finished run, labelled as in `collect`,
     compared with the others as a sweep's runs are."""
-    rows = [{**s.model_dump(), "cell": r.name, "variant": r.variant, "depth": r.depth, "width": r.width}
-            for r in collect(list(paths), []).runs if (s := r.summary) is not None]
-    return compare_runs(pd.DataFrame(rows, columns=SUMMARY_COLUMNS + ["depth", "width"]))
+    if not side_by_side(paths):
+        return pooled_summary(paths)
+    return summary_frame([summary_row(r.name, r.summary, r.config.model, variant=r.variant)
+                          for r in _side_by_side_study(paths, []).runs if r.summary is not None])
 
 
 def concat(frames: list[pd.DataFrame], columns: list[str]) -> pd.DataFrame:
