@@ -32,11 +32,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from flt_diag.judge.early_warning import features, probability, sigmoid
-from flt_diag.judge.spike_detectors import kill_loss_spike, lightning_spike
+from flt_diag.judge.early_warning import features, labelled_runs, probability, sigmoid
+from flt_diag.judge.spike_detectors import dense_series, kill_loss_spike, lightning_spike
 from flt_diag.results.predictor_fit import class_weights, fit_logistic
 from flt_diag.storage import metric_names as M
-from flt_diag.storage.folders import load_config, load_metrics, load_summary, run_dirs, series
+from flt_diag.storage.folders import load_config, load_metrics, load_summary
 
 CONFIG = ["variant", "loops", "depth", "width", "lr_scale"]
 SCALED = {"lightning": dict(window=50), "kill_loss_spike": dict(window=200)}  # the plan's scaled windows
@@ -79,14 +79,6 @@ def olmo_spike_score(loss: np.ndarray, grad: np.ndarray, at: int, window: int = 
     return float(any_spike.sum() / n)
 
 
-def _dense(df: pd.DataFrame, metric: str) -> np.ndarray:
-    s = series(df, metric).sort_index()
-    steps = s.index.to_numpy()
-    gaps = np.flatnonzero(np.diff(steps) != 1)
-    end = gaps[0] + 1 if len(gaps) else len(steps)
-    return s.to_numpy(dtype=float)[:end] if len(steps) and steps[0] == 0 else np.array([])
-
-
 def _latest(sel: pd.DataFrame, at: int) -> pd.DataFrame:
     """The rows of the latest recorded step <= at."""
     sel = sel[sel.step <= at]
@@ -119,7 +111,7 @@ def run_rows(run_dir: Path, steps: list[int], packaged: dict) -> list[dict]:
     cfg, summary = load_config(run_dir), load_summary(run_dir)
     m, t = cfg.model, cfg.train
     df = load_metrics(run_dir)
-    loss, grad = _dense(df, M.LOSS), _dense(df, M.GRAD_NORM)
+    loss, grad = dense_series(df, M.LOSS), dense_series(df, M.GRAD_NORM)
     total = t.steps
     fired = {"lightning": lightning_spike(loss), "kill_loss_spike": kill_loss_spike(loss, total_steps=total)[0],
              "lightning_scaled": lightning_spike(loss, **SCALED["lightning"]),
@@ -137,12 +129,7 @@ def run_rows(run_dir: Path, steps: list[int], packaged: dict) -> list[dict]:
 
 def evaluation_table(sources, steps: list[int], packaged: dict) -> pd.DataFrame:
     """Every finished run of the given run or sweep folders, one row per (run, step)."""
-    rows = []
-    for src in sources:
-        for d in run_dirs(Path(src)):
-            if load_summary(d) is not None:
-                rows += run_rows(d, steps, packaged)
-    return pd.DataFrame(rows)
+    return pd.DataFrame([row for d in labelled_runs(sources) for row in run_rows(d, steps, packaged)])
 
 
 # --------------------------------------------------------------------------- models under grouped CV
