@@ -44,7 +44,7 @@ from flt_diag.storage.predictor_names import FEATURES, PACKAGED, TARGETS  # noqa
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.file_models import Summary
 from flt_diag.storage.folders import load_config, load_metrics, load_summary, run_dirs, series
-from flt_diag.judge.verdict import quiet
+from flt_diag.judge.verdict import coefficient_of_variation, mean_abs_dlog, quiet
 
 SMOOTH = 50
 
@@ -113,8 +113,8 @@ def features_at(run: RunSeries, at: int, d_model: int) -> dict:
         resid_level=log_mean(final) - 0.5 * math.log10(d_model) if len(final) else math.nan,
         resid_growth=_slope_per_100(np.log10(final.clip(lower=1e-30))) if len(final) else math.nan,
         loop_ratio=log_mean(final) - log_mean(first) if len(final) and len(first) else math.nan,
-        grad_cv=float(g.std(ddof=0) / g.mean()) if len(g) > 1 else math.nan,  # population std, as osc cv
-        grad_dlog=float(np.abs(np.diff(np.log(g.to_numpy()))).mean()) if len(g) > 1 else math.nan,
+        grad_cv=coefficient_of_variation(g) if len(g) > 1 else math.nan,  # as the oscillation index cv
+        grad_dlog=mean_abs_dlog(g),
         grad_cos=float(cos.mean()) if len(cos) else math.nan,
         act_grad_decay=log_mean(a_first) - log_mean(a_last) if len(a_first) and len(a_last) else math.nan,
         loss_slope=_slope_per_100(_window(run.loss, lo, at)),
