@@ -50,16 +50,12 @@ def exit_data(study: Study) -> pd.DataFrame:
 
 def draw_exit(df: pd.DataFrame):
     with style():
-        fig, axes, cells = panels(df, sharey=True)
+        fig, axes, cells = panels(df, "loop t (head applied to h(t))", "exit loss (nats)", sharey=True)
         for ax, cell in filled(cells):
             for (run, step), g in cell.groupby(["run", "step"], sort=False):
                 ax.plot(g.loop, g.value, color=variant_color(g.variant.iloc[0]), marker="o", ms=2.5,
                         alpha=0.25 + 0.75 * g.snapshot.iloc[0], lw=1.2)
             ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
-        for ax in axes[-1]:
-            ax.set_xlabel("loop t (head applied to h(t))")
-        for ax in axes[:, 0]:
-            ax.set_ylabel("exit loss (nats)")
         auto_yscale(axes[0, 0], df.value)
         steps = sorted(df.step.unique())
         legend(fig, df, [(Line2D([], [], color="0.3", alpha=0.3), f"early step (from {steps[0]})"),
