@@ -159,9 +159,9 @@ def design(rows: list[dict], features: list[str], mean=None,
     return Z, np.asarray(mean, float), np.asarray(std, float)
 
 
-def labelled_runs(sources) -> list[Path]:
-    """Finished runs (summary.json) of the given run or sweep folders."""
-    return [d for src in sources for d in run_dirs(Path(src)) if load_summary(d) is not None]
+def finished_runs(sources) -> list[tuple[Path, Summary]]:
+    """The finished runs of the given run or sweep folders, each with its summary (summary.json)."""
+    return [(d, s) for src in sources for d in run_dirs(Path(src)) if (s := load_summary(d)) is not None]
 
 
 def probability(predictor: dict, feats: dict, step: int) -> tuple[float, list[tuple[str, float]]]:
@@ -207,7 +207,7 @@ def prediction_row(run_dir: Path, summary: Summary, predictor: dict, feats: dict
 def predict_sweep(path, at: int, predictor: dict) -> pd.DataFrame:
     """Per finished cell: P(collapse) at step `at`, the prediction, the final verdict, agreement."""
     rows = [prediction_row(d, s, predictor, run_features(d, at), at)
-            for d in labelled_runs([path]) if (s := load_summary(d)).steps_done > at]
+            for d, s in finished_runs([path]) if s.steps_done > at]
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
@@ -263,8 +263,8 @@ def online_sweep(path, predictor: dict) -> pd.DataFrame:
     evidence, the largest P), beside the final verdict; `onset` is the step of the smoothed loss's minimum
     before a collapse (collapsed runs), so `onset - warned_at` is the warning's lead."""
     rows = []
-    for d in labelled_runs([path]):
-        s, m = load_summary(d), load_config(d).model
+    for d, s in finished_runs([path]):
+        m = load_config(d).model
         w = first_warning(load_metrics(d), predictor, m.loops, m.n_layer, m.n_embd, s.steps_done)
         onset = s.evidence.min_step if s.verdict == "collapsed" else None
         rows.append(_scored(d, s, predictor, w["warned_at"] is not None) | dict(

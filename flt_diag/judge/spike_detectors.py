@@ -25,10 +25,10 @@ from collections import deque
 import numpy as np
 import pandas as pd
 
-from flt_diag.judge.early_warning import labelled_runs
+from flt_diag.judge.early_warning import finished_runs
 from flt_diag.judge.verdict import quiet
 from flt_diag.storage import metric_names as M
-from flt_diag.storage.folders import load_config, load_metrics, load_summary, series
+from flt_diag.storage.folders import load_config, load_metrics, series
 
 DETECTORS = ("lightning", "kill_loss_spike")
 
@@ -101,8 +101,7 @@ def detector_sweep(path) -> pd.DataFrame:
     verdict (`fails`: not stable), whether it warned on a failing run (`*_caught`) or a stable one
     (`*_false_alarm`)."""
     rows = []
-    for d in labelled_runs([path]):
-        s = load_summary(d)
+    for d, s in finished_runs([path]):
         w = first_warnings(dense_series(load_metrics(d, [M.LOSS]), M.LOSS), load_config(d).train.steps)
         fails = s.verdict != "stable"
         rows.append(dict(cell=d.name, variant=s.variant, loops=s.loops, seed=s.seed, lr_scale=s.lr_scale,

@@ -18,6 +18,8 @@ SUMMARY_COLUMNS = ["cell", "variant", "loops", "seed", "lr_scale", "verdict", "r
                    "best_loss", "val_loss", "val_ppl", "val_accuracy", "peak_resid_norm", "osc_cv", "osc_mean_abs_dlog",
                    "osc_sign_alternation", "osc_neg_cosine_share", "osc_dlog_median", "osc_alternation", "loss_std",
                    "grad_norm_std", "steps_done", "wall_time", "verdict_version"]
+# what makes two runs the same experiment: several folders pooled count a run of these once
+RUN_IDENTITY = ("variant", "loops", "depth", "width", "seed", "lr_scale")
 
 
 def summary_row(cell: str, summary: Summary, model, **labels) -> dict:

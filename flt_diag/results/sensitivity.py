@@ -15,12 +15,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from flt_diag.judge.early_warning import labelled_runs
+from flt_diag.judge.early_warning import finished_runs
+from flt_diag.judge.summary_table import RUN_IDENTITY
 from flt_diag.judge.verdict import judged, residual_explosion, stored_config
 from flt_diag.config.run_config import with_overrides
 from flt_diag.results.tables import seed_table
 from flt_diag.storage import metric_names as M
-from flt_diag.storage.folders import load_config, load_metrics, load_summary
+from flt_diag.storage.file_models import Summary
+from flt_diag.storage.folders import load_config, load_metrics
 
 THRESHOLDS = ("rebound_abs", "rebound_rel", "recovery_abs", "recovery_rel", "stall_margin", "osc_dlog_threshold",
               "explosion_ratio", "behind_margin")
@@ -35,9 +37,9 @@ COLUMNS = ["threshold", "factor", "runs", "verdicts_changed", "changes", "explos
 class StoredRun:
     """A finished run's stored metrics and config, judged again under moved thresholds."""
 
-    def __init__(self, run_dir: Path, overrides: dict | None):
+    def __init__(self, run_dir: Path, summary: Summary, overrides: dict | None):
         stored = load_config(run_dir)
-        self.summary = load_summary(run_dir)
+        self.summary = summary
         self.cfg = stored_config(stored, overrides)
         self.unigram_entropy = stored.unigram_entropy
         self.metrics = load_metrics(run_dir, METRICS)
@@ -61,8 +63,8 @@ class StoredRun:
 def stored_runs(paths, overrides: dict | None = None) -> list[StoredRun]:
     """Every finished run under the folders (a run and seed in two folders counts once, the first's)."""
     runs = {}
-    for run in (StoredRun(d, overrides) for d in labelled_runs(paths)):
-        runs.setdefault(tuple(run.row[k] for k in ("variant", "loops", "depth", "width", "seed", "lr_scale")), run)
+    for run in (StoredRun(d, s, overrides) for d, s in finished_runs(paths)):
+        runs.setdefault(tuple(run.row[k] for k in RUN_IDENTITY), run)
     return list(runs.values())
 
 

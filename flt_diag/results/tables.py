@@ -34,10 +34,10 @@ from flt_diag.storage import archive, metric_names as M
 from flt_diag.storage.file_models import MapSpecFile, RunConfigFile, Summary, SweepSpecFile
 from flt_diag.judge.peers import compare_cells, compare_runs, failed_text, flags_text, gap_text, ratio_text
 from flt_diag.judge.verdict import OSC_INDICES, dense_oscillation, smoothed
-from flt_diag.storage.folders import (COLUMNS, CELLS, ERROR, METRICS, StorageError, cell_names, is_run, is_sweep, load_config,
-                      load_eval_loops, load_metrics, load_spec, load_summary, run_dirs, run_label, series)
+from flt_diag.storage.folders import (COLUMNS, ERROR, METRICS, StorageError, is_run, is_sweep, load_config,
+                                     load_eval_loops, load_metrics, load_spec, load_summary, run_dirs, run_label, series)
 from flt_diag.storage.pooling import check_poolable
-from flt_diag.judge.summary_table import SUMMARY_COLUMNS, summary_frame, summary_row, sweep_summary
+from flt_diag.judge.summary_table import RUN_IDENTITY, SUMMARY_COLUMNS, summary_frame, summary_row, sweep_summary
 from flt_diag.config.variants import VARIANTS
 
 VARIANT_ORDER = list(VARIANTS)
@@ -98,6 +98,11 @@ class Run:
     @property
     def width(self) -> int | None:
         return self.config.model.n_embd
+
+    @property
+    def identity(self) -> tuple:
+        """RUN_IDENTITY's values: variant, loops, depth, width, seed, lr scale."""
+        return tuple(getattr(self, k) for k in RUN_IDENTITY)
 
     @property
     def smooth_window(self) -> int:
@@ -177,13 +182,10 @@ def collect(path, metrics: list[str] | None = None) -> Study:
 
 def _pooled_study(paths: list[Path], metrics) -> Study:
     check_poolable(paths)
-    seen, runs = set(), []
-    for path in paths:
-        for run in collect(path, metrics).runs:
-            if (key := (run.variant, run.loops, run.depth, run.width, run.seed, run.lr_scale)) not in seen:
-                seen.add(key)
-                runs.append(run)
-    return Study(paths[0], sorted(runs, key=Run.sort_key), load_spec(paths[0]))
+    runs: dict[tuple, Run] = {}  # (the first folder's run of an identity)
+    for run in (run for path in paths for run in collect(path, metrics).runs):
+        runs.setdefault(run.identity, run)
+    return Study(paths[0], sorted(runs.values(), key=Run.sort_key), load_spec(paths[0]))
 
 
 def side_by_side(paths) -> bool:
@@ -202,12 +204,9 @@ def side_by_side(paths) -> bool:
 def _labelled(runs: list[Run]) -> list[Run]:
     """Runs given side by side, each labelled (its `variant`, the colour and row it gets) by its variant, or by
     its folder's name where the variant says nothing (a model of one's own: "own") or would not tell it from
-    another run given (the same variant, K, depth, width, seed and lr scale); by its path where names repeat."""
-    def identity(r: Run) -> tuple:
-        return r.variant, r.loops, r.depth, r.width, r.seed, r.lr_scale
-
-    same, names = Counter(map(identity, runs)), Counter(r.name for r in runs)
-    return [r if r.variant != "own" and same[identity(r)] == 1 else
+    another run given (the same RUN_IDENTITY); by its path where names repeat."""
+    same, names = Counter(r.identity for r in runs), Counter(r.name for r in runs)
+    return [r if r.variant != "own" and same[r.identity] == 1 else
             dataclasses.replace(r, variant=r.name if names[r.name] == 1 else str(r.path)) for r in runs]
 
 
@@ -261,9 +260,6 @@ def oscillation(run: Run) -> dict:
 
 # --------------------------------------------------------------------------- summary tables
 
-CELL_KEY = ["variant", "loops", "depth", "width", "seed", "lr_scale"]
-
-
 def pooled_summary(paths: list[Path]) -> pd.DataFrame:
     """sweep_summary of several sweeps of one setting as one table: e.g. more seeds of some cells, run
     later into folders of their own (`check_poolable`). A cell and seed finished in two folders counts
@@ -272,7 +268,7 @@ def pooled_summary(paths: list[Path]) -> pd.DataFrame:
     check_poolable(paths)
     frames = [sweep_summary(Path(path)) for path in paths]
     df = pd.concat([f for f in frames if len(f)] or frames[:1], ignore_index=True)
-    df = df.drop_duplicates(subset=CELL_KEY, keep="first").reset_index(drop=True)
+    df = df.drop_duplicates(subset=list(RUN_IDENTITY), keep="first").reset_index(drop=True)
     return compare_runs(df)
 
 

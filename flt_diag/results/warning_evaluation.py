@@ -32,11 +32,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from flt_diag.judge.early_warning import features, labelled_runs, probability, sigmoid
+from flt_diag.judge.early_warning import features, finished_runs, probability, sigmoid
 from flt_diag.judge.spike_detectors import dense_series, kill_loss_spike, lightning_spike
 from flt_diag.results.predictor_fit import class_weights, fit_logistic
 from flt_diag.storage import metric_names as M
-from flt_diag.storage.folders import load_config, load_metrics, load_summary
+from flt_diag.storage.file_models import Summary
+from flt_diag.storage.folders import load_config, load_metrics
 
 CONFIG = ["variant", "loops", "depth", "width", "lr_scale"]
 SCALED = {"lightning": dict(window=50), "kill_loss_spike": dict(window=200)}  # the plan's scaled windows
@@ -106,10 +107,10 @@ def scored_steps(steps: list[int], total: int, done: int) -> list[int]:
     return [s for s in steps if s < done and 2 * s <= total]
 
 
-def run_rows(run_dir: Path, steps: list[int], packaged: dict) -> list[dict]:
-    """One row per step s < the run's length: identity, label, features, detector scores, P(packaged)."""
-    cfg, summary = load_config(run_dir), load_summary(run_dir)
-    m, t = cfg.model, cfg.train
+def run_rows(run_dir: Path, summary: Summary, steps: list[int], packaged: dict) -> list[dict]:
+    """One finished run's rows, one per step s < its length: identity, label, features, detector scores,
+    P(packaged)."""
+    m, t = (cfg := load_config(run_dir)).model, cfg.train
     df = load_metrics(run_dir)
     loss, grad = dense_series(df, M.LOSS), dense_series(df, M.GRAD_NORM)
     total = t.steps
@@ -129,7 +130,7 @@ def run_rows(run_dir: Path, steps: list[int], packaged: dict) -> list[dict]:
 
 def evaluation_table(sources, steps: list[int], packaged: dict) -> pd.DataFrame:
     """Every finished run of the given run or sweep folders, one row per (run, step)."""
-    return pd.DataFrame([row for d in labelled_runs(sources) for row in run_rows(d, steps, packaged)])
+    return pd.DataFrame([row for d, s in finished_runs(sources) for row in run_rows(d, s, steps, packaged)])
 
 
 # --------------------------------------------------------------------------- models under grouped CV
