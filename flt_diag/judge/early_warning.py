@@ -145,17 +145,27 @@ def sigmoid(z):
     return 1.0 / (1.0 + np.exp(-np.clip(z, -60, 60)))
 
 
+def feature_matrix(rows: list[dict], features: list[str]) -> np.ndarray:
+    """The rows' values of `features` (NaN where a row has none), one row each."""
+    return np.array([[r.get(f, math.nan) for f in features] for r in rows], dtype=float).reshape(len(rows), len(features))
+
+
+def design(rows: list[dict], features: list[str], mean=None, std=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return standardised(feature_matrix(rows, features), mean, std)
+
+
 @quiet  # an all-NaN column, a +-1e308 one: no numpy noise
-def design(rows: list[dict], features: list[str], mean=None,
-           std=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    X = np.array([[r.get(f, math.nan) for f in features] for r in rows], dtype=float).reshape(len(rows), len(features))
+def standardised(X: np.ndarray, mean=None, std=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(Z, mean, std): the columns of X standardised with `mean` and `std`, by default X's own (of its finite
+    values: a column with none has mean 0; one without spread, std 1). A missing (or infinite) value counts
+    as the mean: its Z is 0."""
     if mean is None:
-        mean = np.nanmean(np.where(np.isfinite(X), X, np.nan), axis=0) if len(X) else np.zeros(len(features))
+        mean = np.nanmean(np.where(np.isfinite(X), X, np.nan), axis=0) if len(X) else np.zeros(X.shape[1])
         mean = np.where(np.isfinite(mean), mean, 0.0)
-        std = np.nanstd(X, axis=0) if len(X) else np.ones(len(features))
+        std = np.nanstd(X, axis=0) if len(X) else np.ones(X.shape[1])
         std = np.where(np.isfinite(std) & (std > 1e-12), std, 1.0)
     Z = (X - mean) / std
-    Z = np.where(np.isfinite(Z), Z, 0.0)  # a missing feature counts as the training mean
+    Z = np.where(np.isfinite(Z), Z, 0.0)
     return Z, np.asarray(mean, float), np.asarray(std, float)
 
 

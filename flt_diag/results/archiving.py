@@ -150,9 +150,9 @@ def archive_sources(sources: list[Path], to: Path, report=print) -> list[Archive
         dirs = run_dirs(src)  # a clear error for a path that is neither a run nor a sweep
         if to.resolve() == src.resolve() or src.resolve() in to.resolve().parents:
             raise StorageError(f"--to {to} is inside {src}; archive into a folder of its own")
+        make_folder(to, to.parent)
         if is_sweep(src):
             dest = to / src.name
-            make_folder(to, to.parent)
             with folder_lock(dest, "archive", root=to):
                 load_spec(src)  # checked before it is copied
                 write_json(dest / SWEEP_SPEC, read_json(src / SWEEP_SPEC), root=to)
@@ -163,7 +163,6 @@ def archive_sources(sources: list[Path], to: Path, report=print) -> list[Archive
                     out.append(archive_run(d, dest / (d.name + archive.SUFFIX), f"{src.name}/{d.name}", to))
                     report(out[-1].line())
         else:
-            make_folder(to, to.parent)
             record = to / (src.name + archive.SUFFIX)
             refuse_links(record, to)
             out.append(archive_run(src, record, src.name, to))

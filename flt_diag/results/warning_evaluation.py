@@ -26,13 +26,12 @@ together; `variant` leaves out every run of one variant.
 from __future__ import annotations
 
 import math
-import warnings
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from flt_diag.judge.early_warning import features, finished_runs, probability, sigmoid
+from flt_diag.judge.early_warning import feature_matrix, features, finished_runs, probability, sigmoid, standardised
 from flt_diag.judge.spike_detectors import dense_series, kill_loss_spike, lightning_spike
 from flt_diag.results.predictor_fit import class_weights, fit_logistic
 from flt_diag.storage import metric_names as M
@@ -153,29 +152,21 @@ def group_keys(table: pd.DataFrame, by: str) -> pd.Series:
 
 def _fit_predict(X_train, y_train, X_test, l2: float = 1.0) -> np.ndarray:
     """Class-balanced, L2-penalised (1.0) logistic regression on standardised columns: fit-predictor's fitter
-    with the packaged predictor's settings. The column means and spreads are the training rows' only (of the
-    values present), and a missing (or infinite) value on either side counts as the training rows' mean:
-    nothing of the held-out rows enters their own fit."""
-    with np.errstate(all="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # an all-missing column
-        finite = np.where(np.isfinite(X_train), X_train, np.nan)
-        mean = np.nan_to_num(np.nanmean(finite, axis=0)) if len(X_train) else np.zeros(X_train.shape[1])
-        std = np.nanstd(finite, axis=0) if len(X_train) else np.ones(X_train.shape[1])  # of the values present
-        X_train = np.where(np.isfinite(X_train), X_train, mean)
-        X_test = np.where(np.isfinite(X_test), X_test, mean)
-    std = np.where(np.isfinite(std) & (std > 1e-12), std, 1.0)
+    with the packaged predictor's settings. The column means and spreads are the training rows' only
+    (`standardised`), and a missing value on either side counts as the training rows' mean: nothing of the
+    held-out rows enters their own fit."""
+    Z, mean, std = standardised(X_train)
     if y_train.min() == y_train.max():  # one class only: its frequency is all a fit can say
         return np.full(len(X_test), float(y_train[0]))
-    w, b = fit_logistic((X_train - mean) / std, y_train, l2, class_weights(y_train))
-    return sigmoid(((X_test - mean) / std) @ w + b)
+    w, b = fit_logistic(Z, y_train, l2, class_weights(y_train))
+    return sigmoid(standardised(X_test, mean, std)[0] @ w + b)
 
 
 def cross_validated(table: pd.DataFrame, model: str, by: str, feature_names: list[str] | None = None) -> np.ndarray:
     """Out-of-fold P(fail) of every row (one step's rows), each group's from a fit on the other groups:
     `model` "refit" (the early-warning features) or "prior" (the configuration)."""
     if model == "refit":  # raw values; _fit_predict standardises and fills them from each fold's training rows
-        X = np.array([[r.get(f, math.nan) for f in feature_names] for r in table.to_dict("records")],
-                     dtype=float).reshape(len(table), len(feature_names))
+        X = feature_matrix(table.to_dict("records"), feature_names)
     else:
         X = prior_matrix(table, sorted(table.variant.unique()))
     y = table.failed.to_numpy(float)

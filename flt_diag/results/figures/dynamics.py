@@ -27,12 +27,6 @@ SNAPSHOTS = 4  # recorded steps drawn in exit-loss: the first, the last and even
 GAIN_FLOOR = 1e-6
 
 
-def _metric_rows(study: Study, metrics) -> pd.DataFrame:
-    frames = [run.tag(pd.concat([run.select(m) for m in metrics])[["metric", "step", "loop", "value"]])
-              for run in study.runs]
-    return concat(frames, ["metric", "step", "loop", "value"])
-
-
 def exit_data(study: Study) -> pd.DataFrame:
     """run, ..., step, loop, value: exit_loss of every loop at up to SNAPSHOTS recorded steps per run
     (evenly spaced by position among its recorded steps), with `snapshot` 0 (first) .. 1 (last)."""
@@ -65,7 +59,9 @@ def draw_exit(df: pd.DataFrame):
 
 def dynamics_data(study: Study) -> pd.DataFrame:
     """run, ..., metric, step, loop, value: the rows of DRAWN."""
-    return _metric_rows(study, DRAWN)
+    frames = [run.tag(pd.concat([run.select(m) for m in DRAWN])[["metric", "step", "loop", "value"]])
+              for run in study.runs]
+    return concat(frames, ["metric", "step", "loop", "value"])
 
 
 DRAWN = (M.FIXED_POINT_RESIDUAL, M.LOOP_GAIN, M.LOOP_SPECTRAL_RADIUS, M.LOOP_PERTURBATION_GROWTH, M.TOKEN_COSINE)
