@@ -26,9 +26,6 @@ which also holds the criteria and the lines; this module runs the search.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
@@ -42,7 +39,7 @@ from flt_diag.storage.folders import CELLS, StorageError, atomic_path, folder_lo
 from flt_diag.config.run_config import RunConfig
 from flt_diag.config.grid_options import MapLinesGrid
 from flt_diag.grids.sweep import only, prepare_spec_folder, run_cell, write_summary
-from flt_diag.grids.worker_pool import interruptible, task, worker_setup
+from flt_diag.grids.worker_pool import interruptible, spawn_pool, task
 from flt_diag.training.settle import comparable
 
 
@@ -162,8 +159,7 @@ def run_map(spec: MapSpec, out: Path, workers: int = 1, only_line: int | None = 
                 search_line(spec, out, line, runner or run_cell, report, probe_ends)
         else:
             spec_dict = {**spec.to_dict(), "base_full": spec.base.to_dict()}
-            pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=worker_setup,
-                                       initargs=(os.getpid(),))
+            pool = spawn_pool(workers)
             with interruptible(pool):  # Ctrl-C (or kill -INT of this process alone) stops the workers too
                 for name in pool.map(_line_search_worker, [spec_dict] * len(lines), lines, [str(out)] * len(lines),
                                      [probe_ends] * len(lines)):

@@ -89,16 +89,13 @@ def get(name: str) -> Figure:
     return FIGURES[name]
 
 
-def _needs(names) -> list[str] | None:
-    """The metrics to read for figures `names` (None: all of them)."""
-    needs = [FIGURES[n].needs for n in names]
-    if any(n is None for n in needs):
-        return None
-    return sorted({m for n in needs for m in n})
-
-
 def study_of(src, names) -> Study:
-    return src if isinstance(src, Study) else collect(src, _needs(names))
+    """The study figures `names` draw: `src` itself, or its folder(s) read with the metrics they need (all of
+    them when one needs every metric)."""
+    if isinstance(src, Study):
+        return src
+    needs = [FIGURES[n].needs for n in names]
+    return collect(src, None if None in needs else sorted({m for n in needs for m in n}))
 
 
 def figure_data(name: str, src) -> pd.DataFrame:
