@@ -63,6 +63,13 @@ def _window(s: pd.Series, lo: int, hi: int) -> pd.Series:
     return s.iloc[np.searchsorted(idx, lo, "left"):np.searchsorted(idx, hi, "left")]
 
 
+def loop_series(loops: int, n_layer: int) -> tuple[tuple[str, int, int], ...]:
+    """(metric, loop, layer) of the per-loop series the features read: the final and the first loop's
+    loop-end residual norm, the activation gradient of the first and of the last block."""
+    return ((M.RESID_NORM_LOOP_END, loops, M.NONE), (M.RESID_NORM_LOOP_END, 1, M.NONE), (M.ACT_GRAD_NORM, 1, 1),
+            (M.ACT_GRAD_NORM, loops, n_layer))
+
+
 class RunSeries:
     """The series the features read, taken once from a run's metrics table and sorted by step, with the
     smoothed loss and its running minimum over the whole run (both causal, so their value at a step is
@@ -70,12 +77,11 @@ class RunSeries:
     checks is linear in the series."""
 
     def __init__(self, df: pd.DataFrame, loops: int, n_layer: int):
-        def one(metric, **where):
-            x = series(df, metric, **where)
+        def one(metric, loop=M.NONE, layer=M.NONE):
+            x = series(df, metric, loop, layer)
             return x if x.index.is_monotonic_increasing else x.sort_index(kind="stable")
-        self.final, self.first = one(M.RESID_NORM_LOOP_END, loop=loops), one(M.RESID_NORM_LOOP_END, loop=1)
+        self.final, self.first, self.act_first, self.act_last = (one(*s) for s in loop_series(loops, n_layer))
         self.grad, self.cos = one(M.GRAD_NORM), one(M.GRAD_COSINE)
-        self.act_first, self.act_last = one(M.ACT_GRAD_NORM, loop=1, layer=1), one(M.ACT_GRAD_NORM, loop=loops, layer=n_layer)
         self.loss = one(M.LOSS)
         smooth = self.loss.rolling(SMOOTH, min_periods=1).mean()
         self.climb = (smooth - smooth.cummin()).to_numpy(dtype=float)

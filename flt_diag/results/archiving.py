@@ -54,20 +54,13 @@ class Archived:
         return f"{self.record}: {how}, {self.bytes / 1024:.1f} KB"
 
 
-def feature_rows(cfg: RunConfigFile) -> set[tuple[str, int, int]]:
-    """(metric, loop, layer) of the early-warning features' own series (flt_diag.judge.early_warning)."""
-    K, L = cfg.model.loops, cfg.model.n_layer
-    return {(M.RESID_NORM_LOOP_END, 1, M.NONE), (M.RESID_NORM_LOOP_END, K, M.NONE),
-            (M.ACT_GRAD_NORM, 1, 1), (M.ACT_GRAD_NORM, K, L)}
-
-
 def thin(df: pd.DataFrame, cfg: RunConfigFile, every: int = EVERY, sparse: int = SPARSE,
          features_whole: bool = False) -> pd.DataFrame:
     """The rows a record keeps (see the module's docstring)."""
     if not len(df):
         return df
     keep = np.zeros(len(df), dtype=bool)
-    full = feature_rows(cfg) if features_whole else set()
+    full = set(EW.loop_series(cfg.model.loops, cfg.model.n_layer)) if features_whole else set()  # (features' own)
     keyed = df.assign(_i=np.arange(len(df)))
     for (metric, loop, layer), g in keyed.groupby(["metric", "loop", "layer"], sort=False):
         idx = g._i.to_numpy()
