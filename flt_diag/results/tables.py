@@ -100,8 +100,7 @@ class Run:
         return self.config.model.n_embd
 
     @property
-    def identity(self) -> tuple:
-        """RUN_IDENTITY's values: variant, loops, depth, width, seed, lr scale."""
+    def identity(self) -> tuple:  # RUN_IDENTITY's values: variant, loops, depth, width, seed, lr scale
         return tuple(getattr(self, k) for k in RUN_IDENTITY)
 
     @property
