@@ -278,7 +278,7 @@ def test_verdicts_on_synthetic_curves():
     assert v == "diverged" and ev["nonfinite_step"] == 300
     # thresholds are options
     # (not collapsed with these; it ends at 3.3, above 3.2 - 0.16: verdict v3 calls it stalled, v2 stable)
-    assert X.verdict(rebound, 3.2, rebound_abs=1.0, rebound_rel=0.5)[0] == "stalled"
+    assert X.verdict(rebound, 3.2, VerdictConfig(rebound_abs=1.0, rebound_rel=0.5))[0] == "stalled"
 
 
 def test_a_loss_spike_that_recovers_is_unstable_and_says_how_far_it_climbed_and_recovered():

@@ -265,7 +265,7 @@ def test_fit_predictor_features_and_class_weight_reach_the_model(labelled, tmp_p
     assert m.features == ["grad_cos", "loss_climb"] and m.class_weight == "none"
     assert len(m.models[20].coef) == 2
     assert "--features grad_cos loss_climb" in m.command and "--class-weight none" in m.command
-    runs = FIT.training_runs([labelled / "sw"])
+    runs = [d for d, _ in FIT.training_runs([labelled / "sw"])]
     X = np.array([[EW.run_features(d, 20)[f] for f in ("grad_cos", "loss_climb")] for d in runs])
     y = np.array([EW.label(load_summary(d)) for d in runs], dtype=float)
     std = np.where(X.std(axis=0) > 1e-12, X.std(axis=0), 1.0)
@@ -297,7 +297,7 @@ def test_runs_stopped_by_a_prediction_are_not_training_labels(labelled, tmp_path
     stopped = tmp_path / "stopped"
     shutil.copytree(labelled / "lt-short", stopped)
     write_json(stopped / SUMMARY, load_summary(stopped).as_written() | {"verdict": "collapsed", "prediction": {"step": 20}})
-    assert EW.labelled_runs([stopped]) == [stopped] and FIT.training_runs([stopped]) == []
+    assert [d for d, _ in EW.finished_runs([stopped])] == [stopped] and FIT.training_runs([stopped]) == []
     with pytest.raises(ValueError, match="no finished runs"):
         FIT.fit([stopped], [10])
 

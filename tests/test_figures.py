@@ -67,21 +67,27 @@ def _draw_runs(df: pd.DataFrame) -> MplFigure:
     return fig
 
 
-def test_the_figure_table_the_command_line_reads_lists_every_registered_figure():
-    """flt_diag.results.figure_names (read by `flt-diag plot` without matplotlib) and the registry agree:
-    the same figures in the same order, each drawn by the module the table names, with its help."""
+def test_the_figure_table_the_command_line_reads_gives_every_registered_figure_its_help_and_place():
+    """flt_diag.results.figure_names (read by `flt-diag plot` without matplotlib) is the one place a figure's
+    help and order are written: the registry holds its figures in its order, each drawn by the module it
+    names, with its help; a listed figure with a help of its own, or drawn elsewhere, is refused, and a
+    figure it does not list needs a help."""
     from flt_diag.results.figure_names import FIGURE_NAMES
     assert list(FIGURES) == list(FIGURE_NAMES)
     for name, (module, help) in FIGURE_NAMES.items():
         assert (FIGURES[name].draw.__module__, FIGURES[name].help) == (f"flt_diag.results.figures.{module}", help)
-    with pytest.raises(ValueError, match="figure_names lists it"):  # a listed name with another help is refused
-        register(Figure("loss", "another help", (), _runs_table, _draw_runs))
-    assert FIGURES["loss"].help == FIGURE_NAMES["loss"][1]
+    with pytest.raises(ValueError, match="figure_names lists it"):  # a listed name with a help of its own
+        register(Figure("loss", (), FIGURES["loss"].data, FIGURES["loss"].draw, help="another help"))
+    with pytest.raises(ValueError, match="figure_names lists it"):  # a listed name drawn by another module
+        register(Figure("loss", (), _runs_table, _draw_runs))
+    with pytest.raises(ValueError, match="needs a help"):
+        register(Figure("unlisted", (), _runs_table, _draw_runs))
+    assert FIGURES["loss"].help == FIGURE_NAMES["loss"][1] and "unlisted" not in FIGURES
 
 
 @pytest.fixture
 def throwaway():
-    register(Figure("finished", "which runs finished", (), _runs_table, _draw_runs, order=65))
+    register(Figure("finished", (), _runs_table, _draw_runs, help="which runs finished", order=65))
     yield "finished"
     unregister("finished")
 

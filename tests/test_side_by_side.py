@@ -11,7 +11,7 @@ from fake_runs import make_run, make_sweep
 from flt_diag.cli.app import main
 from flt_diag.results.figures import figure_data, plot
 from flt_diag.results.figures.style import variant_color
-from flt_diag.results.tables import collect, side_by_side_summary
+from flt_diag.results.tables import collect, folders_summary
 
 
 def own(run_dir):
@@ -35,7 +35,7 @@ def verdict_on_disk(run_dir) -> str:
 
 
 def test_runs_side_by_side_are_a_row_each_labelled_by_folder_where_the_variant_says_nothing(runs):
-    df = side_by_side_summary(runs)
+    df = folders_summary(runs)
     assert sorted(df.cell) == ["bad", "flt", "good", "lt"]
     by_cell = df.set_index("cell")
     assert by_cell.variant.to_dict() == {"good": "good", "bad": "bad", "lt": "lt", "flt": "flt"}

@@ -119,7 +119,7 @@ def cmd_summary(o: SummaryOptions) -> int:
     from flt_diag.cli.console import print_run_summary, print_sweep_table
     from flt_diag.judge.summary_table import sweep_summary, write_summary
     from flt_diag.judge.verdict import resummarize
-    from flt_diag.results.tables import pooled_summary, side_by_side, side_by_side_summary
+    from flt_diag.results.tables import folders_summary
     from flt_diag.storage.folders import is_archive, is_sweep, load_summary, run_dirs
     overrides = o.config.verdict.model_dump(exclude_none=True)
     if overrides and not (o.recompute or o.sensitivity):
@@ -137,7 +137,7 @@ def cmd_summary(o: SummaryOptions) -> int:
             if is_sweep(path) and not is_archive(path):
                 write_summary(path)
     if len(paths) > 1:
-        print_sweep_table(side_by_side_summary(paths) if side_by_side(paths) else pooled_summary(paths))
+        print_sweep_table(folders_summary(paths))
         return 0
     path = paths[0]
     if is_sweep(path):

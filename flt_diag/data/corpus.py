@@ -53,10 +53,7 @@ class ByteTokenizer:
     vocab_size = 256
     bos_id = None  # all 256 ids are bytes: documents are concatenated without a separator
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8", errors="replace"))
-
-    def encode_array(self, text: str) -> np.ndarray:
+    def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8", errors="replace"), dtype=np.uint8)
 
     def decode(self, ids) -> str:
@@ -80,11 +77,8 @@ class HFTokenizer:
         self.vocab_size = self.tok.get_vocab_size()
         self.bos_id = next((i for t in BOS_TOKENS if (i := self.tok.token_to_id(t)) is not None), None)
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text).ids
-
-    def encode_array(self, text: str) -> np.ndarray:
-        return np.asarray(self.encode(text), dtype=np.int64)
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self.tok.encode(text).ids, dtype=np.int64)
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids])
@@ -275,7 +269,7 @@ def _tokenize_to_file(data: str, tok, split: str, out: Path, max_tokens: int | N
     n = 0
     with atomic_path(out) as tmp, open(tmp, "wb") as f:
         for doc in _documents(data, split):
-            ids = tok.encode_array(doc).astype(dtype)
+            ids = tok.encode(doc).astype(dtype)
             if tok.bos_id is not None:  # documents are delimited as the reference delimits them
                 ids = np.concatenate([np.asarray([tok.bos_id], dtype=dtype), ids])
             if max_tokens is not None:
@@ -320,5 +314,10 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
     counts = np.zeros(vocab_size, dtype=np.int64)
     for start in range(0, len(tokens), 1 << 24):
         counts += np.bincount(np.asarray(tokens[start:start + (1 << 24)]), minlength=vocab_size)[:vocab_size]
-    p = counts[counts > 0] / counts.sum()
+    return entropy(counts / counts.sum())
+
+
+def entropy(p: np.ndarray) -> float:
+    """Entropy (nats) of a distribution `p`."""
+    p = p[p > 0]
     return float(-(p * np.log(p)).sum())

@@ -4,8 +4,8 @@ check data here; batches of either kind come from flt_diag.data.batches.get_batc
 from __future__ import annotations
 
 from flt_diag.config.run_config import TASKS, replaced
-from flt_diag.data.corpus import DataError, TokenData, load_tokens, resolve_corpus
-from flt_diag.data.tasks import TaskData, load_task, make_task
+from flt_diag.data.corpus import TokenData, load_tokens, resolve_corpus
+from flt_diag.data.tasks import TaskData, bytes_only, load_task, make_task
 
 
 def load_split(train, seq_len: int, split: str, data: str | None = None) -> TokenData | TaskData:
@@ -20,13 +20,12 @@ def load_split(train, seq_len: int, split: str, data: str | None = None) -> Toke
 def check_source(data: str, tokenizer: str, cfg=None) -> None:
     """DataError (one line) when `data` cannot be read as configured, found before anything runs;
     with the run's config, a task's dials are checked against its sequence length too."""
-    if data in TASKS:
-        if cfg is not None:
-            make_task(replaced(cfg.train, data=data, sampling="random"), cfg.model.sequence_len)
-        elif tokenizer != "bytes":
-            raise DataError(f"--data {data} is written in bytes; use --tokenizer bytes (got {tokenizer})")
-        return
-    resolve_corpus(data)
+    if data not in TASKS:
+        resolve_corpus(data)
+    elif cfg is None:
+        bytes_only(data, tokenizer)
+    else:
+        make_task(replaced(cfg.train, data=data, sampling="random"), cfg.model.sequence_len)
 
 
 def describe(train_data: TokenData | TaskData, val_data: TokenData | TaskData) -> dict:

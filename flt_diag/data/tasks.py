@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from flt_diag.config.run_config import TASKS
-from flt_diag.data.corpus import DataError
+from flt_diag.data.corpus import DataError, entropy
 
 IGNORE_INDEX = -100  # a target that is not an answer token (F.cross_entropy's default ignore_index)
 NO_TARGET = " "  # in a problem's targets: nothing to predict at this position
@@ -66,11 +66,6 @@ def draws(key: str, n: int) -> np.ndarray:
 
 def held_out(problem: Problem) -> bool:
     return zlib.crc32(problem.text.encode()) % HELD_OUT_EVERY == 0
-
-
-def entropy(p: np.ndarray) -> float:
-    p = p[p > 0]
-    return float(-(p * np.log(p)).sum())
 
 
 class PHop:
@@ -156,11 +151,16 @@ class Addition:
         pass  # every draw is a problem; whether one fits the sequence is make_task's check
 
 
+def bytes_only(task: str, tokenizer: str) -> None:
+    """A task is written in bytes: DataError (one line) for another tokenizer."""
+    if tokenizer != "bytes":
+        raise DataError(f"--data {task} is written in bytes; use --tokenizer bytes (got {tokenizer})")
+
+
 def make_task(train, seq_len: int) -> PHop | Addition:
     """The task of a TrainConfig (`train.data` one of TASKS) at this sequence length; DataError
     (one line) when it cannot be used as configured."""
-    if train.tokenizer != "bytes":
-        raise DataError(f"--data {train.data} is written in bytes; use --tokenizer bytes (got {train.tokenizer})")
+    bytes_only(train.data, train.tokenizer)
     if train.data == "phop":
         task = PHop(train.hops, train.alphabet, seq_len)
     elif train.data == "addition":

@@ -26,9 +26,6 @@ which also holds the criteria and the lines; this module runs the search.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
@@ -36,17 +33,17 @@ from typing import Callable
 import pandas as pd
 from pydantic import model_validator
 
-from flt_diag.judge.map_boundaries import (AXES, CRITERIA, MAP_CSV, Line, MapLines, boundaries, bracket,
-                                           probe_outcomes)
+from flt_diag.judge.map_boundaries import (AXES, CRITERIA, MAP_CSV, Line, boundaries, bracket, map_lines,
+                                           probe_cell, probe_outcomes)
 from flt_diag.storage.folders import CELLS, StorageError, atomic_path, folder_lock, load_summary
 from flt_diag.config.run_config import RunConfig
 from flt_diag.config.grid_options import MapLinesGrid
 from flt_diag.grids.sweep import only, prepare_spec_folder, run_cell, write_summary
-from flt_diag.grids.worker_pool import interruptible, task, worker_setup
+from flt_diag.grids.worker_pool import interruptible, spawn_pool, task
 from flt_diag.training.settle import comparable
 
 
-class MapSpec(MapLinesGrid, MapLines):
+class MapSpec(MapLinesGrid):
     """What a map searches (its fields: flt_diag.config.grid_options.MapLinesGrid): lines (variants x loops x
     seeds), one axis and its grid, the criteria. `base` is the RunConfig of line 0 (the axis field and
     each line's fields are replaced per probe). Every field is validated (pydantic) when it is made."""
@@ -60,6 +57,12 @@ class MapSpec(MapLinesGrid, MapLines):
         if self.axis not in AXES or not set(self.criteria) <= set(CRITERIA):  # (the options offer these)
             raise ValueError(f"the map implements the axes {', '.join(AXES)} and criteria {', '.join(CRITERIA)}")
         return self
+
+    def lines(self) -> list[Line]:
+        return map_lines(self)
+
+    def cell(self, line: Line, value: float):
+        return probe_cell(self, line, value)
 
     def to_dict(self) -> dict:
         return dict(kind="map", variants=self.variants, loops=self.loops, seeds=self.seeds, axis=self.axis,
@@ -156,8 +159,7 @@ def run_map(spec: MapSpec, out: Path, workers: int = 1, only_line: int | None = 
                 search_line(spec, out, line, runner or run_cell, report, probe_ends)
         else:
             spec_dict = {**spec.to_dict(), "base_full": spec.base.to_dict()}
-            pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=worker_setup,
-                                       initargs=(os.getpid(),))
+            pool = spawn_pool(workers)
             with interruptible(pool):  # Ctrl-C (or kill -INT of this process alone) stops the workers too
                 for name in pool.map(_line_search_worker, [spec_dict] * len(lines), lines, [str(out)] * len(lines),
                                      [probe_ends] * len(lines)):

@@ -126,13 +126,9 @@ def run_cell(base: dict, cell: Cell, out: str, threads: int | None = None,
         if threads:
             torch.set_num_threads(threads)
         summary = train(cfg, run_dir, progress=progress, root=out)  # (refuses a link below `out`)
-    except KeyboardInterrupt:
-        raise
-    except StorageError as e:
-        if BUSY in str(e):  # another process (a second copy of this --cell task) is training it: not a failure
-            return f"{BUSY_RESULT}: {e}"
-        return _failed(run_dir, out, e)
-    except Exception as e:
+    except Exception as e:  # (a KeyboardInterrupt is not one: it stops the sweep)
+        if isinstance(e, StorageError) and BUSY in str(e):  # another process (a second copy of this --cell task)
+            return f"{BUSY_RESULT}: {e}"  # is training it: not a failure
         return _failed(run_dir, out, e)
     with contextlib.suppress(OSError, StorageError):  # an error.txt of an earlier failed attempt is stale now
         refuse_links(run_dir / ERROR, out)

@@ -68,6 +68,12 @@ def worker_setup(parent_pid: int, gpu_queue=None) -> None:
         os.environ["FLT_DIAG_DEVICE"] = f"cuda:{gpu_queue.get()}"
 
 
+def spawn_pool(workers: int, gpu_queue=None) -> ProcessPoolExecutor:
+    """A grid's pool: `workers` spawned processes, each set up by `worker_setup`."""
+    return ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=worker_setup,
+                               initargs=(os.getpid(), gpu_queue))
+
+
 def _run_cell_in_worker(run_cell, base, cell, out, threads):
     with task():
         return run_cell(base, cell, out, threads, os.environ.get("FLT_DIAG_DEVICE"))
@@ -84,17 +90,16 @@ def auto_workers(device: str) -> int:
 def run_parallel(base, todo, out, workers, monitor, run_cell: Callable, on_cell_done: Callable[[], None]):
     import torch  # (as in run_cell)
     n_gpu = torch.cuda.device_count() if base["train"]["device"] in ("auto", "cuda") else 0
-    ctx = mp.get_context("spawn")
     gpu_queue = None
     if n_gpu:
         workers = min(workers, n_gpu)
-        gpu_queue = ctx.Queue()
+        gpu_queue = mp.get_context("spawn").Queue()
         for i in range(workers):
             gpu_queue.put(i)
         threads = None
     else:
         threads = max(1, (os.cpu_count() or 1) // workers)
-    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=worker_setup, initargs=(os.getpid(), gpu_queue))
+    pool = spawn_pool(workers, gpu_queue)
     with interruptible(pool):
         pending = {}
         queue = list(todo)

@@ -45,7 +45,7 @@ from flt_diag.storage import metric_names as M
 from flt_diag.storage.file_models import PredictorFile, Summary
 from flt_diag.storage.files import predictor_of
 from flt_diag.storage.folders import load_config, load_metrics, load_summary, run_dirs, series
-from flt_diag.judge.verdict import quiet
+from flt_diag.judge.verdict import coefficient_of_variation, mean_abs_dlog, quiet
 
 SMOOTH = 50
 
@@ -64,6 +64,13 @@ def _window(s: pd.Series, lo: int, hi: int) -> pd.Series:
     return s.iloc[np.searchsorted(idx, lo, "left"):np.searchsorted(idx, hi, "left")]
 
 
+def loop_series(loops: int, n_layer: int) -> tuple[tuple[str, int, int], ...]:
+    """(metric, loop, layer) of the per-loop series the features read: the final and the first loop's
+    loop-end residual norm, the activation gradient of the first and of the last block."""
+    return ((M.RESID_NORM_LOOP_END, loops, M.NONE), (M.RESID_NORM_LOOP_END, 1, M.NONE), (M.ACT_GRAD_NORM, 1, 1),
+            (M.ACT_GRAD_NORM, loops, n_layer))
+
+
 class RunSeries:
     """The series the features read, taken once from a run's metrics table and sorted by step, with the
     smoothed loss and its running minimum over the whole run (both causal, so their value at a step is
@@ -71,12 +78,11 @@ class RunSeries:
     checks is linear in the series."""
 
     def __init__(self, df: pd.DataFrame, loops: int, n_layer: int):
-        def one(metric, **where):
-            x = series(df, metric, **where)
+        def one(metric, loop=M.NONE, layer=M.NONE):
+            x = series(df, metric, loop, layer)
             return x if x.index.is_monotonic_increasing else x.sort_index(kind="stable")
-        self.final, self.first = one(M.RESID_NORM_LOOP_END, loop=loops), one(M.RESID_NORM_LOOP_END, loop=1)
+        self.final, self.first, self.act_first, self.act_last = (one(*s) for s in loop_series(loops, n_layer))
         self.grad, self.cos = one(M.GRAD_NORM), one(M.GRAD_COSINE)
-        self.act_first, self.act_last = one(M.ACT_GRAD_NORM, loop=1, layer=1), one(M.ACT_GRAD_NORM, loop=loops, layer=n_layer)
         self.loss = one(M.LOSS)
         smooth = self.loss.rolling(SMOOTH, min_periods=1).mean()
         self.climb = (smooth - smooth.cummin()).to_numpy(dtype=float)
@@ -114,8 +120,8 @@ def features_at(run: RunSeries, at: int, d_model: int) -> dict:
         resid_level=log_mean(final) - 0.5 * math.log10(d_model) if len(final) else math.nan,
         resid_growth=_slope_per_100(np.log10(final.clip(lower=1e-30))) if len(final) else math.nan,
         loop_ratio=log_mean(final) - log_mean(first) if len(final) and len(first) else math.nan,
-        grad_cv=float(g.std(ddof=0) / g.mean()) if len(g) > 1 else math.nan,  # population std, as osc cv
-        grad_dlog=float(np.abs(np.diff(np.log(g.to_numpy()))).mean()) if len(g) > 1 else math.nan,
+        grad_cv=coefficient_of_variation(g) if len(g) > 1 else math.nan,  # as the oscillation index cv
+        grad_dlog=mean_abs_dlog(g),
         grad_cos=float(cos.mean()) if len(cos) else math.nan,
         act_grad_decay=log_mean(a_first) - log_mean(a_last) if len(a_first) and len(a_last) else math.nan,
         loss_slope=_slope_per_100(_window(run.loss, lo, at)),
@@ -146,23 +152,33 @@ def sigmoid(z):
     return 1.0 / (1.0 + np.exp(-np.clip(z, -60, 60)))
 
 
+def feature_matrix(rows: list[dict], features: list[str]) -> np.ndarray:
+    """The rows' values of `features` (NaN where a row has none), one row each."""
+    return np.array([[r.get(f, math.nan) for f in features] for r in rows], dtype=float).reshape(len(rows), len(features))
+
+
+def design(rows: list[dict], features: list[str], mean=None, std=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return standardised(feature_matrix(rows, features), mean, std)
+
+
 @quiet  # an all-NaN column, a +-1e308 one: no numpy noise
-def design(rows: list[dict], features: list[str], mean=None,
-           std=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    X = np.array([[r.get(f, math.nan) for f in features] for r in rows], dtype=float).reshape(len(rows), len(features))
+def standardised(X: np.ndarray, mean=None, std=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(Z, mean, std): the columns of X standardised with `mean` and `std`, by default X's own (of its finite
+    values: a column with none has mean 0; one without spread, std 1). A missing (or infinite) value counts
+    as the mean: its Z is 0."""
     if mean is None:
-        mean = np.nanmean(np.where(np.isfinite(X), X, np.nan), axis=0) if len(X) else np.zeros(len(features))
+        mean = np.nanmean(np.where(np.isfinite(X), X, np.nan), axis=0) if len(X) else np.zeros(X.shape[1])
         mean = np.where(np.isfinite(mean), mean, 0.0)
-        std = np.nanstd(X, axis=0) if len(X) else np.ones(len(features))
+        std = np.nanstd(X, axis=0) if len(X) else np.ones(X.shape[1])
         std = np.where(np.isfinite(std) & (std > 1e-12), std, 1.0)
     Z = (X - mean) / std
-    Z = np.where(np.isfinite(Z), Z, 0.0)  # a missing feature counts as the training mean
+    Z = np.where(np.isfinite(Z), Z, 0.0)
     return Z, np.asarray(mean, float), np.asarray(std, float)
 
 
-def labelled_runs(sources) -> list[Path]:
-    """Finished runs (summary.json) of the given run or sweep folders."""
-    return [d for src in sources for d in run_dirs(Path(src)) if load_summary(d) is not None]
+def finished_runs(sources) -> list[tuple[Path, Summary]]:
+    """The finished runs of the given run or sweep folders, each with its summary (summary.json)."""
+    return [(d, s) for src in sources for d in run_dirs(Path(src)) if (s := load_summary(d)) is not None]
 
 
 def probability(predictor: dict | PredictorFile, feats: dict, step: int) -> tuple[float, list[tuple[str, float]]]:
@@ -208,7 +224,7 @@ def prediction_row(run_dir: Path, summary: Summary, predictor: dict | PredictorF
 def predict_sweep(path, at: int, predictor: dict | PredictorFile) -> pd.DataFrame:
     """Per finished cell: P(collapse) at step `at`, the prediction, the final verdict, agreement."""
     rows = [prediction_row(d, s, predictor, run_features(d, at), at)
-            for d in labelled_runs([path]) if (s := load_summary(d)).steps_done > at]
+            for d, s in finished_runs([path]) if s.steps_done > at]
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
@@ -265,8 +281,8 @@ def online_sweep(path, predictor: dict | PredictorFile) -> pd.DataFrame:
     evidence, the largest P), beside the final verdict; `onset` is the step of the smoothed loss's minimum
     before a collapse (collapsed runs), so `onset - warned_at` is the warning's lead."""
     rows, predictor = [], predictor_of(predictor)
-    for d in labelled_runs([path]):
-        s, m = load_summary(d), load_config(d).model
+    for d, s in finished_runs([path]):
+        m = load_config(d).model
         w = first_warning(load_metrics(d), predictor, m.loops, m.n_layer, m.n_embd, s.steps_done)
         onset = s.evidence.min_step if s.verdict == "collapsed" else None
         rows.append(_scored(d, s, predictor, w["warned_at"] is not None) | dict(

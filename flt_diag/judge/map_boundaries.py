@@ -44,23 +44,17 @@ class Line:
         return f"{self.variant}_K{self.loops:02d}_seed{self.seed}"
 
 
-class MapLines:
-    """The lines and probe cells of a map (variants, loops, seeds, axis and grid given by the class
-    that uses it: grids.stability_map.MapSpec, or a spec read back from a folder)."""
+def map_lines(spec) -> list[Line]:
+    """The lines of a map (`spec`: grids.stability_map.MapSpec, or a map's sweep.json read back)."""
+    grid = [(k, s, v) for s in spec.seeds for k in spec.loops for v in spec.variants]
+    return [Line(i, v, k, s) for i, (k, s, v) in enumerate(grid)]
 
-    @property
-    def base_lr_scale(self) -> float:
-        return float(self.base.train.lr_scale)
 
-    def lines(self) -> list[Line]:
-        grid = [(k, s, v) for s in self.seeds for k in self.loops for v in self.variants]
-        return [Line(i, v, k, s) for i, (k, s, v) in enumerate(grid)]
-
-    def cell(self, line: Line, value: float) -> Cell:
-        """The sweep cell of a probe at one axis value."""
-        if self.axis == "lr":
-            return Cell(-1, line.variant, line.loops, line.seed, float(value))
-        return Cell(-1, line.variant, line.loops, line.seed, self.base_lr_scale, depth=int(value))
+def probe_cell(spec, line: Line, value: float) -> Cell:
+    """The sweep cell of a line's probe at one axis value."""
+    if spec.axis == "lr":
+        return Cell(-1, line.variant, line.loops, line.seed, float(value))
+    return Cell(-1, line.variant, line.loops, line.seed, float(spec.base.train.lr_scale), depth=int(value))
 
 
 def bracket(known: dict[int, bool], n: int) -> tuple[int, int, bool]:
@@ -74,9 +68,9 @@ def bracket(known: dict[int, bool], n: int) -> tuple[int, int, bool]:
     return a, b, monotone
 
 
-def probe_outcomes(spec: MapLines, out: Path, line: Line, criterion: str) -> dict[int, bool]:
+def probe_outcomes(spec, out: Path, line: Line, criterion: str) -> dict[int, bool]:
     """Outcomes of the line's finished probes under one criterion, from their summary.json."""
-    summaries = {i: load_summary(Path(out) / CELLS / spec.cell(line, value).name) for i, value in enumerate(spec.grid)}
+    summaries = {i: load_summary(Path(out) / CELLS / probe_cell(spec, line, value).name) for i, value in enumerate(spec.grid)}
     return {i: CRITERIA[criterion](s) for i, s in summaries.items() if s is not None}
 
 
@@ -95,12 +89,11 @@ def boundaries(out: Path) -> pd.DataFrame:
     spec = spec_from_folder(out)
     grid = spec.grid
     rows = []
-    fake = _FolderSpec(spec)
-    for line in fake.lines():
+    for line in map_lines(spec):
         for criterion in spec.criteria:
-            known = probe_outcomes(fake, out, line, criterion)
+            known = probe_outcomes(spec, out, line, criterion)
             a, b, monotone = bracket(known, len(grid))
-            failed = any((Path(out) / CELLS / fake.cell(line, v).name / ERROR).exists() for v in grid)
+            failed = any((Path(out) / CELLS / probe_cell(spec, line, v).name / ERROR).exists() for v in grid)
             if not monotone:
                 status = "non-monotone"
             elif b - a > 1:
@@ -132,17 +125,9 @@ def unfinished(out: Path, lines: list[Line] | None = None) -> str | None:
         names = [n for n in names if n in {line.name for line in lines}]
     if not names:
         return None
-    total = len(lines) if lines is not None else len(_FolderSpec(spec_from_folder(out)).lines())
+    total = len(lines) if lines is not None else len(map_lines(spec_from_folder(out)))
     return (f"{len(names)} of {total} map lines did not finish their search ({', '.join(names[:4])}"
             f"{', ...' if len(names) > 4 else ''}): a probe failed; see {out}/{CELLS}/<cell>/{ERROR} where it exists")
-
-
-class _FolderSpec(MapLines):
-    """A map's spec read back from sweep.json."""
-
-    def __init__(self, d: MapSpecFile):
-        self.base, self.variants, self.loops, self.seeds = d.base, d.variants, d.loops, d.seeds
-        self.axis, self.grid, self.criteria = d.axis, d.grid, d.criteria
 
 
 def critical_values(out: Path) -> pd.DataFrame:

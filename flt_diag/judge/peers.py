@@ -83,12 +83,12 @@ def peer_flags(df: pd.DataFrame, peers: list[str], noise: pd.Series, n: pd.Serie
                              no_loop_gain=(gain <= one_margin).fillna(False).astype(bool)), index=df.index)
 
 
-def compare_variants(df: pd.DataFrame, peers: list[str], noise: pd.Series | None = None, n: pd.Series | None = None,
+def compare_variants(df: pd.DataFrame, peers: list[str], noise: pd.Series, n: pd.Series | None = None,
                      margin_scale: float = 1.0) -> pd.DataFrame:
     """`df` (variant, val_loss, peak_resid_norm and the `peers` columns) with val_gap inserted after
     val_loss, resid_vs_flt after peak_resid_norm and the flags (behind_margin, behind, loop_gain,
     no_loop_gain) at the end, each computed over the rows sharing `peers`; `noise` and `n` as peer_flags's
-    (default: no seed noise known, one seed per row); `margin_scale` multiplies the flags' margins."""
+    (default n: one seed per row); `margin_scale` multiplies the flags' margins."""
     df = df.drop(columns=[c for c in COMPARISON_COLUMNS if c in df]).reset_index(drop=True)
     groups = [df[k] for k in peers]
     val = pd.to_numeric(df.val_loss, errors="coerce").astype(float)
@@ -98,7 +98,7 @@ def compare_variants(df: pd.DataFrame, peers: list[str], noise: pd.Series | None
     flt = peak.where(df.variant == BASELINE_VARIANT).groupby(groups, dropna=False).transform("first")
     _insert_after(df, "val_loss", "val_gap", val - best)
     _insert_after(df, "peak_resid_norm", "resid_vs_flt", peak / flt)
-    noise = pd.Series(math.nan, index=df.index) if noise is None else pd.Series(noise.to_numpy(), index=df.index)
+    noise = pd.Series(noise.to_numpy(), index=df.index)
     n = pd.Series(1.0, index=df.index) if n is None else pd.Series(n.to_numpy(dtype=float), index=df.index)
     return pd.concat([df, peer_flags(df, peers, noise, n, margin_scale)], axis=1)
 

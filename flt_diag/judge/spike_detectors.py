@@ -22,14 +22,13 @@ Both read the raw per-step loss (flt-diag records it at every step up to `--dens
 from __future__ import annotations
 
 from collections import deque
-from pathlib import Path
-
 import numpy as np
 import pandas as pd
 
+from flt_diag.judge.early_warning import finished_runs
 from flt_diag.judge.verdict import quiet
 from flt_diag.storage import metric_names as M
-from flt_diag.storage.folders import load_config, load_metrics, load_summary, run_dirs, series
+from flt_diag.storage.folders import load_config, load_metrics, series
 
 DETECTORS = ("lightning", "kill_loss_spike")
 
@@ -87,13 +86,14 @@ def first_warnings(loss, total_steps: int | None = None) -> dict:
     return dict(lightning=lightning_spike(loss), kill_loss_spike=step, kill_loss_spike_kind=kind)
 
 
-def _dense_loss(run_dir: Path) -> np.ndarray:
-    """The run's training loss at every step from 0 while it was recorded at every step (--dense-steps)."""
-    loss = series(load_metrics(run_dir, [M.LOSS]), M.LOSS).sort_index()
-    steps = loss.index.to_numpy()
+def dense_series(df: pd.DataFrame, metric: str) -> np.ndarray:
+    """A metric of a run's metrics table at every step from 0 while it was recorded at every step (the training
+    loss and the gradient norm are, up to --dense-steps); empty where step 0 was not recorded."""
+    s = series(df, metric).sort_index()
+    steps = s.index.to_numpy()
     gaps = np.flatnonzero(np.diff(steps) != 1)
     end = gaps[0] + 1 if len(gaps) else len(steps)
-    return loss.to_numpy()[:end] if len(steps) and steps[0] == 0 else np.array([])
+    return s.to_numpy(dtype=float)[:end] if len(steps) and steps[0] == 0 else np.array([])
 
 
 def detector_sweep(path) -> pd.DataFrame:
@@ -101,11 +101,8 @@ def detector_sweep(path) -> pd.DataFrame:
     verdict (`fails`: not stable), whether it warned on a failing run (`*_caught`) or a stable one
     (`*_false_alarm`)."""
     rows = []
-    for d in run_dirs(Path(path)):
-        s = load_summary(d)
-        if s is None:
-            continue
-        w = first_warnings(_dense_loss(d), load_config(d).train.steps)
+    for d, s in finished_runs([path]):
+        w = first_warnings(dense_series(load_metrics(d, [M.LOSS]), M.LOSS), load_config(d).train.steps)
         fails = s.verdict != "stable"
         rows.append(dict(cell=d.name, variant=s.variant, loops=s.loops, seed=s.seed, lr_scale=s.lr_scale,
                          verdict=s.verdict, fails=fails, **w,

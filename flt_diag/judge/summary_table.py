@@ -10,6 +10,7 @@ import pandas as pd
 
 from flt_diag.judge.peers import compare_runs
 from flt_diag.storage import archive
+from flt_diag.storage.file_models import Summary
 from flt_diag.storage.folders import SWEEP_SUMMARY, atomic_path, load_config, load_summary, run_dirs
 
 # summary.json keys shown per run; SUMMARY_NUMBERS (final_loss .. grad_norm_std) are averaged per grid cell
@@ -17,23 +18,27 @@ SUMMARY_COLUMNS = ["cell", "variant", "loops", "seed", "lr_scale", "verdict", "r
                    "best_loss", "val_loss", "val_ppl", "val_accuracy", "peak_resid_norm", "osc_cv", "osc_mean_abs_dlog",
                    "osc_sign_alternation", "osc_neg_cosine_share", "osc_dlog_median", "osc_alternation", "loss_std",
                    "grad_norm_std", "steps_done", "wall_time", "verdict_version"]
+# what makes two runs the same experiment: several folders pooled count a run of these once
+RUN_IDENTITY = ("variant", "loops", "depth", "width", "seed", "lr_scale")
+
+
+def summary_row(cell: str, summary: Summary, model, **labels) -> dict:
+    """One run's row of a summary table: its summary's fields, its cell (folder) name, and `depth` and `width`,
+    the run's number of blocks L and its width d (`model`: its config's model section); `labels` replace fields."""
+    return {**summary.model_dump(), "cell": cell, "depth": model.n_layer, "width": model.n_embd, **labels}
+
+
+def summary_frame(rows: list[dict]) -> pd.DataFrame:
+    """`summary_row`s as a summary table (SUMMARY_COLUMNS, `depth` and `width` after loops, a summary's field
+    that an older one lacks None), compared with their peers (the columns val_gap, resid_vs_flt and the flags
+    behind / no_loop_gain with their margins, per run)."""
+    return compare_runs(pd.DataFrame(rows, columns=SUMMARY_COLUMNS + ["depth", "width"]))
 
 
 def sweep_summary(out: Path) -> pd.DataFrame:
-    """One row per finished cell (SUMMARY_COLUMNS, `depth` and `width` after loops, and the comparison
-    columns val_gap, resid_vs_flt and the flags behind / no_loop_gain with their margins, per run), read from
-    the run folders (a pure function of the folder)."""
-    out = Path(out)
-    rows = []
-    for d in run_dirs(out):  # (a cell's folder, or its archive record)
-        name = d.stem if archive.is_record(d) else d.name
-        s = load_summary(d)
-        if s is None:
-            continue
-        row, model = s.model_dump(), load_config(d).model  # (a field an older summary lacks: None)
-        rows.append({"cell": name, **{k: row[k] for k in SUMMARY_COLUMNS if k != "cell"}, "depth": model.n_layer,
-                     "width": model.n_embd})  # the run's number of blocks L and its width d
-    return compare_runs(pd.DataFrame(rows, columns=SUMMARY_COLUMNS + ["depth", "width"]))
+    """One row per finished cell (`summary_frame`), read from the run folders (a pure function of the folder)."""
+    return summary_frame([summary_row(d.stem if archive.is_record(d) else d.name, s, load_config(d).model)
+                          for d in run_dirs(Path(out)) if (s := load_summary(d)) is not None])
 
 
 def write_summary(out: Path) -> pd.DataFrame:

@@ -126,36 +126,32 @@ def smoothed(loss: pd.Series, window: int) -> pd.Series:
     return loss.rolling(window, min_periods=min(window, len(loss))).mean()
 
 
-_DEFAULTS = VerdictConfig()  # the thresholds' defaults, written once (on VerdictConfig's fields)
-
-
-def verdict(loss: pd.Series, unigram_entropy: float | None, smooth_window: int = _DEFAULTS.smooth_window,
-            rebound_abs: float = _DEFAULTS.rebound_abs, rebound_rel: float = _DEFAULTS.rebound_rel,
-            recovery_abs: float = _DEFAULTS.recovery_abs, recovery_rel: float = _DEFAULTS.recovery_rel,
+def verdict(loss: pd.Series, unigram_entropy: float | None, v: VerdictConfig = VerdictConfig(),
             stall_scale: float = 1.0) -> tuple[str, dict]:
     """("diverged" | "collapsed" | "stalled" | "unstable" | "stable", evidence) for a step-indexed loss
-    series: rules 1-3 of verdict v3 and 4a (the loss spike); `summarize` adds 4b, the gradient
-    oscillation. `stall_scale` multiplies the stall margin tol(H1) (the sensitivity table moves it)."""
+    series under the thresholds `v` (default: VerdictConfig's): rules 1-3 of verdict v3 and 4a (the loss
+    spike); `judged` adds 4b, the gradient oscillation. `stall_scale` multiplies the stall margin tol(H1)
+    (the sensitivity table moves it)."""
     values = loss.to_numpy(dtype=float)
     bad = np.flatnonzero(~np.isfinite(values))
     if len(bad):
         return "diverged", dict(nonfinite_step=int(loss.index[bad[0]]), reason="non-finite loss")
     if len(values) == 0:
         return "diverged", dict(reason="no loss recorded")
-    s = smoothed(loss, smooth_window).dropna()
+    s = smoothed(loss, v.smooth_window).dropna()
     lo, final = float(s.min()), float(s.iloc[-1])
     rise = s - s.cummin()
     climb, gap = float(rise.max()), final - lo
-    threshold = max(rebound_abs, rebound_rel * lo)
-    tolerance = max(recovery_abs, recovery_rel * lo)
+    threshold = max(v.rebound_abs, v.rebound_rel * lo)
+    tolerance = max(v.recovery_abs, v.recovery_rel * lo)
     peak_at = rise.idxmax()
     ev = dict(min_smoothed_loss=lo, min_step=int(s.idxmin()), final_smoothed_loss=final, climb=climb,
               climb_step=int(peak_at), climb_start_step=int(s.loc[:peak_at].idxmin()),
               recovered=float(s.loc[peak_at] - final), rebound=gap, rebound_threshold=threshold,
               recovery_tolerance=tolerance,
               transient_rebound=bool(climb > threshold and gap <= tolerance),
-              unigram_entropy=unigram_entropy, smooth_window=smooth_window,
-              **stall_evidence(final, unigram_entropy, recovery_abs, recovery_rel, stall_scale))
+              unigram_entropy=unigram_entropy, smooth_window=v.smooth_window,
+              **stall_evidence(final, unigram_entropy, v, stall_scale))
     if climb > threshold and gap > tolerance:
         return "collapsed", {**ev, "reason": f"smoothed loss climbed {climb:.3f} above its running minimum "
                                              f"and ended {gap:.3f} above its best"}
@@ -170,14 +166,13 @@ def verdict(loss: pd.Series, unigram_entropy: float | None, smooth_window: int =
     return "stable", {**ev, "reason": "loss fell and stayed down"}
 
 
-def stall_evidence(final: float, unigram_entropy: float | None, recovery_abs: float, recovery_rel: float,
-                   stall_scale: float = 1.0) -> dict:
+def stall_evidence(final: float, unigram_entropy: float | None, v: VerdictConfig, stall_scale: float = 1.0) -> dict:
     """Rule 3: stalled if the final smoothed loss is above H1 - tol(H1), tol(x) = max(recovery_abs,
     recovery_rel * x) (the recovery tolerance of rule 2), H1 the training tokens' unigram entropy."""
     if unigram_entropy is None or not math.isfinite(unigram_entropy):
         return dict(stall_reference=None, stall_margin=None, stalled=False,
                     stall_judged="no: no unigram entropy recorded (an imported run)")
-    margin = stall_scale * max(recovery_abs, recovery_rel * unigram_entropy)
+    margin = stall_scale * max(v.recovery_abs, v.recovery_rel * unigram_entropy)
     return dict(stall_reference=float(unigram_entropy), stall_margin=margin,
                 stalled=bool(final > unigram_entropy - margin), stall_judged="yes: against the unigram entropy")
 
@@ -271,8 +266,7 @@ def judged(df: pd.DataFrame, cfg, unigram_entropy: float | None, prediction: dic
     """(verdict, evidence, oscillation index) of a run's metrics table under cfg.verdict: `verdict`'s loss
     rules, then rule 4b (gradient oscillation before the warm-down) for a run they call stable."""
     v = cfg.verdict
-    name, evidence = verdict(series(df, M.LOSS), unigram_entropy, v.smooth_window, v.rebound_abs, v.rebound_rel,
-                             v.recovery_abs, v.recovery_rel, stall_scale)
+    name, evidence = verdict(series(df, M.LOSS), unigram_entropy, v, stall_scale)
     span_end = cfg.train.steps - round(cfg.train.warmdown_frac * cfg.train.steps)  # the warm-down start
     index = oscillation_index(series(df, M.GRAD_NORM), span_end, v.osc_window, v.osc_dlog_threshold)
     windows = index.pop("osc_dlog_windows")

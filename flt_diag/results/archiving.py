@@ -54,20 +54,13 @@ class Archived:
         return f"{self.record}: {how}, {self.bytes / 1024:.1f} KB"
 
 
-def feature_rows(cfg: RunConfigFile) -> set[tuple[str, int, int]]:
-    """(metric, loop, layer) of the early-warning features' own series (flt_diag.judge.early_warning)."""
-    K, L = cfg.model.loops, cfg.model.n_layer
-    return {(M.RESID_NORM_LOOP_END, 1, M.NONE), (M.RESID_NORM_LOOP_END, K, M.NONE),
-            (M.ACT_GRAD_NORM, 1, 1), (M.ACT_GRAD_NORM, K, L)}
-
-
 def thin(df: pd.DataFrame, cfg: RunConfigFile, every: int = EVERY, sparse: int = SPARSE,
          features_whole: bool = False) -> pd.DataFrame:
     """The rows a record keeps (see the module's docstring)."""
     if not len(df):
         return df
     keep = np.zeros(len(df), dtype=bool)
-    full = feature_rows(cfg) if features_whole else set()
+    full = set(EW.loop_series(cfg.model.loops, cfg.model.n_layer)) if features_whole else set()  # (features' own)
     keyed = df.assign(_i=np.arange(len(df)))
     for (metric, loop, layer), g in keyed.groupby(["metric", "loop", "layer"], sort=False):
         idx = g._i.to_numpy()
@@ -150,9 +143,9 @@ def archive_sources(sources: list[Path], to: Path, report=print) -> list[Archive
         dirs = run_dirs(src)  # a clear error for a path that is neither a run nor a sweep
         if to.resolve() == src.resolve() or src.resolve() in to.resolve().parents:
             raise StorageError(f"--to {to} is inside {src}; archive into a folder of its own")
+        make_folder(to, to.parent)
         if is_sweep(src):
             dest = to / src.name
-            make_folder(to, to.parent)
             with folder_lock(dest, "archive", root=to):
                 load_spec(src)  # checked before it is copied
                 write_json(dest / SWEEP_SPEC, read_json(src / SWEEP_SPEC), root=to)
@@ -163,7 +156,6 @@ def archive_sources(sources: list[Path], to: Path, report=print) -> list[Archive
                     out.append(archive_run(d, dest / (d.name + archive.SUFFIX), f"{src.name}/{d.name}", to))
                     report(out[-1].line())
         else:
-            make_folder(to, to.parent)
             record = to / (src.name + archive.SUFFIX)
             refuse_links(record, to)
             out.append(archive_run(src, record, src.name, to))

@@ -1,7 +1,7 @@
 """The figures of flt_diag.results.figures in display order: name -> (the module that draws it, its one-line
-help), known without importing matplotlib or pandas, so that `flt-diag plot --help` lists them at once.
-Each figure module's `register` checks its figure against this table (a listed name, registered from
-another module or with another help, is refused)."""
+help). The one place each is written: known without importing matplotlib or pandas, so that `flt-diag plot
+--help` lists them at once, and read by `register` (flt_diag.results.figures), which gives each figure of
+the package its help and its place from here and refuses one drawn by another module."""
 
 FIGURE_NAMES: dict[str, tuple[str, str]] = {
     "residuals": ("residuals", "final-loop residual norm over steps, a panel per loops K, a line per variant"),

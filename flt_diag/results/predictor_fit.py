@@ -10,12 +10,12 @@ import numpy as np
 import pandas as pd
 from scipy.optimize import minimize
 
-from flt_diag.judge.early_warning import (COLUMNS, FEATURES, TARGETS, design, labelled_runs, label,
+from flt_diag.judge.early_warning import (COLUMNS, FEATURES, TARGETS, design, finished_runs, label,
                                              prediction_row, run_features, sigmoid, target_text)
 from flt_diag.judge.verdict import VERDICT_VERSION
 from flt_diag.storage.file_models import STALL_EVIDENCE, Evidence, ExampleRow, Summary
 from flt_diag.storage.files import EXAMPLE_IDENTITY, load_examples
-from flt_diag.storage.folders import BadFile, atomic_path, load_config, load_summary
+from flt_diag.storage.folders import BadFile, atomic_path, load_config
 from flt_diag.storage.schema import MAX_ITEMS
 
 from flt_diag.results.fit_settings import DEFAULTS
@@ -53,10 +53,10 @@ def class_weights(y: np.ndarray, kind: str = "balanced") -> np.ndarray:
     return np.where(y == 1, n / (2 * pos), n / (2 * (n - pos)))
 
 
-def training_runs(sources) -> list[Path]:
-    """Finished runs whose verdict is an outcome: a run ended by --stop-on-collapse carries a prediction
-    as its verdict, and fitting on it would teach the predictor its own guesses."""
-    return [d for d in labelled_runs(sources) if load_summary(d).prediction is None]
+def training_runs(sources) -> list[tuple[Path, Summary]]:
+    """Finished runs (with their summaries) whose verdict is an outcome: a run ended by --stop-on-collapse
+    carries a prediction as its verdict, and fitting on it would teach the predictor its own guesses."""
+    return [(d, s) for d, s in finished_runs(sources) if s.prediction is None]
 
 
 def cell_identity(run_dir: Path) -> tuple:
@@ -75,8 +75,7 @@ def training_examples(sources, steps, target: str = DEFAULTS.target) -> list[dic
     tables = [Path(s) for s in sources if Path(s).suffix == ".csv"]
     folders = [s for s in sources if Path(s).suffix != ".csv"]
     out = [e for t in tables for e in examples_from_rows(load_examples(t), steps, target)]
-    for d in training_runs(folders):
-        s = load_summary(d)
+    for d, s in training_runs(folders):
         out.append(dict(run=d, summary=s, y=label(s, target), identity=cell_identity(d),
                         feats={at: run_features(d, at) for at in steps if s.steps_done > at}))
     if not out:

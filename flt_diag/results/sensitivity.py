@@ -15,18 +15,21 @@ from pathlib import Path
 
 import pandas as pd
 
+from flt_diag.judge.early_warning import finished_runs
+from flt_diag.judge.summary_table import RUN_IDENTITY
 from flt_diag.judge.verdict import judged, residual_explosion, stored_config
 from flt_diag.config.run_config import with_overrides
 from flt_diag.results.tables import seed_table
 from flt_diag.storage import metric_names as M
-from flt_diag.storage.folders import load_config, load_metrics, load_summary, run_dirs, series
+from flt_diag.storage.file_models import Summary
+from flt_diag.storage.folders import load_config, load_metrics
 
 THRESHOLDS = ("rebound_abs", "rebound_rel", "recovery_abs", "recovery_rel", "stall_margin", "osc_dlog_threshold",
               "explosion_ratio", "behind_margin")
 VERDICT_FIELDS = ("rebound_abs", "rebound_rel", "recovery_abs", "recovery_rel", "osc_dlog_threshold",
                   "explosion_ratio")
 FACTORS = (0.5, 1.5)
-METRICS = [M.LOSS, M.GRAD_NORM, M.RESID_NORM, M.RESID_NORM_LOOP_END, M.VAL_LOSS]
+METRICS = [M.LOSS, M.GRAD_NORM, M.RESID_NORM, M.RESID_NORM_LOOP_END]
 COLUMNS = ["threshold", "factor", "runs", "verdicts_changed", "changes", "explosions_changed", "cells",
            "behind_changed", "no_loop_gain_changed"]
 
@@ -34,16 +37,15 @@ COLUMNS = ["threshold", "factor", "runs", "verdicts_changed", "changes", "explos
 class StoredRun:
     """A finished run's stored metrics and config, judged again under moved thresholds."""
 
-    def __init__(self, run_dir: Path, overrides: dict | None):
+    def __init__(self, run_dir: Path, summary: Summary, overrides: dict | None):
         stored = load_config(run_dir)
-        self.summary = load_summary(run_dir)
+        self.summary = summary
         self.cfg = stored_config(stored, overrides)
         self.unigram_entropy = stored.unigram_entropy
         self.metrics = load_metrics(run_dir, METRICS)
-        val = series(self.metrics, M.VAL_LOSS).dropna()
-        model, train = self.cfg.model, self.cfg.train
-        self.row = dict(variant=model.variant, loops=model.loops, depth=model.n_layer, width=model.n_embd,
-                        seed=train.seed, lr_scale=train.lr_scale, val_loss=float(val.iloc[-1]) if len(val) else None)
+        s, model = self.summary, stored.model  # (val_loss: the last recorded, which no threshold moves)
+        self.row = dict(variant=s.variant, loops=s.loops, depth=model.n_layer, width=model.n_embd, seed=s.seed,
+                        lr_scale=s.lr_scale, val_loss=s.val_loss)
 
     def judge(self, threshold: str | None = None, factor: float = 1.0) -> dict:
         """verdict and residual_explosion with `threshold` multiplied by `factor` (None: as configured)."""
@@ -60,17 +62,10 @@ class StoredRun:
 
 def stored_runs(paths, overrides: dict | None = None) -> list[StoredRun]:
     """Every finished run under the folders (a run and seed in two folders counts once, the first's)."""
-    runs, seen = [], set()
-    for path in paths:
-        for d in run_dirs(Path(path)):
-            if load_summary(d) is None:
-                continue
-            run = StoredRun(d, overrides)
-            key = tuple(run.row[k] for k in ("variant", "loops", "depth", "width", "seed", "lr_scale"))
-            if key not in seen:
-                seen.add(key)
-                runs.append(run)
-    return runs
+    runs = {}
+    for run in (StoredRun(d, s, overrides) for d, s in finished_runs(paths)):
+        runs.setdefault(tuple(run.row[k] for k in RUN_IDENTITY), run)
+    return list(runs.values())
 
 
 def _cells(runs: list[StoredRun], judgements: list[dict], margin_scale: float) -> pd.DataFrame:

@@ -6,7 +6,7 @@ below are what the sweep's summary.csv, the CLI, the report, the figures and ana
     SUMMARY_COLUMNS   the one list of summary columns (summary.json keys, per run)
     sweep_summary     one row per finished cell (the sweep's summary.csv)
     pooled_summary    sweep_summary of several sweeps of one setting (more seeds run later), as one table
-    side_by_side_summary  the same rows for several run folders given side by side (a row each)
+    folders_summary   pooled_summary, or the same rows for run folders given side by side (a row each)
     summary_table     one row per (lr scale, variant, loops, depth) cell of the grid, seeds aggregated
     seed_table        the same from sweep_summary's rows (finished runs only; what `summary` prints)
     results_table     summary_table as the report's text table (TABLE_COLUMNS: display name -> column)
@@ -34,10 +34,10 @@ from flt_diag.storage import archive, metric_names as M
 from flt_diag.storage.file_models import MapSpecFile, RunConfigFile, Summary, SweepSpecFile
 from flt_diag.judge.peers import compare_cells, compare_runs, failed_text, flags_text, gap_text, ratio_text
 from flt_diag.judge.verdict import OSC_INDICES, dense_oscillation, smoothed
-from flt_diag.storage.folders import (COLUMNS, CELLS, ERROR, METRICS, StorageError, cell_names, is_run, is_sweep, load_config,
-                      load_eval_loops, load_metrics, load_spec, load_summary, run_dirs, run_label, series)
+from flt_diag.storage.folders import (COLUMNS, ERROR, METRICS, StorageError, is_run, is_sweep, load_config,
+                                     load_eval_loops, load_metrics, load_spec, load_summary, run_dirs, run_label, series)
 from flt_diag.storage.pooling import check_poolable
-from flt_diag.judge.summary_table import SUMMARY_COLUMNS, sweep_summary
+from flt_diag.judge.summary_table import RUN_IDENTITY, SUMMARY_COLUMNS, summary_frame, summary_row, sweep_summary
 from flt_diag.config.variants import VARIANTS
 
 VARIANT_ORDER = list(VARIANTS)
@@ -100,6 +100,10 @@ class Run:
         return self.config.model.n_embd
 
     @property
+    def identity(self) -> tuple:  # RUN_IDENTITY's values: variant, loops, depth, width, seed, lr scale
+        return tuple(getattr(self, k) for k in RUN_IDENTITY)
+
+    @property
     def smooth_window(self) -> int:
         return self.config.run_config().verdict.smooth_window
 
@@ -155,8 +159,7 @@ def collect(path, metrics: list[str] | None = None) -> Study:
     Raises StorageError for a path that is neither, or one with no metrics recorded yet."""
     if isinstance(path, (list, tuple)):
         if side_by_side(path):
-            runs = [run for p in path for run in collect(p, metrics).runs]
-            return Study(Path(path[0]), sorted(_labelled(runs), key=Run.sort_key))
+            return _side_by_side_study(path, metrics)
         if len(path) > 1:
             return _pooled_study([Path(p) for p in path], metrics)
         path = path[0]
@@ -178,13 +181,10 @@ def collect(path, metrics: list[str] | None = None) -> Study:
 
 def _pooled_study(paths: list[Path], metrics) -> Study:
     check_poolable(paths)
-    seen, runs = set(), []
-    for path in paths:
-        for run in collect(path, metrics).runs:
-            if (key := (run.variant, run.loops, run.depth, run.width, run.seed, run.lr_scale)) not in seen:
-                seen.add(key)
-                runs.append(run)
-    return Study(paths[0], sorted(runs, key=Run.sort_key), load_spec(paths[0]))
+    runs: dict[tuple, Run] = {}  # (the first folder's run of an identity)
+    for run in (run for path in paths for run in collect(path, metrics).runs):
+        runs.setdefault(run.identity, run)
+    return Study(paths[0], sorted(runs.values(), key=Run.sort_key), load_spec(paths[0]))
 
 
 def side_by_side(paths) -> bool:
@@ -203,21 +203,25 @@ def side_by_side(paths) -> bool:
 def _labelled(runs: list[Run]) -> list[Run]:
     """Runs given side by side, each labelled (its `variant`, the colour and row it gets) by its variant, or by
     its folder's name where the variant says nothing (a model of one's own: "own") or would not tell it from
-    another run given (the same variant, K, depth, width, seed and lr scale); by its path where names repeat."""
-    def identity(r: Run) -> tuple:
-        return r.variant, r.loops, r.depth, r.width, r.seed, r.lr_scale
-
-    same, names = Counter(map(identity, runs)), Counter(r.name for r in runs)
-    return [r if r.variant != "own" and same[identity(r)] == 1 else
+    another run given (the same RUN_IDENTITY); by its path where names repeat."""
+    same, names = Counter(r.identity for r in runs), Counter(r.name for r in runs)
+    return [r if r.variant != "own" and same[r.identity] == 1 else
             dataclasses.replace(r, variant=r.name if names[r.name] == 1 else str(r.path)) for r in runs]
 
 
-def side_by_side_summary(paths) -> pd.DataFrame:
-    """sweep_summary's rows for run folders given side by side: one per finished run, labelled as in `collect`,
+def _side_by_side_study(paths, metrics) -> Study:
+    runs = [run for p in paths for run in collect(p, metrics).runs]
+    return Study(Path(paths[0]), sorted(_labelled(runs), key=Run.sort_key))
+
+
+def folders_summary(paths) -> pd.DataFrame:
+    """sweep_summary's rows of several folders, checked once (`side_by_side`): sweeps of one setting pooled
+    (`pooled_summary`), or run folders laid side by side: one row per finished run, labelled as in `collect`,
     compared with the others as a sweep's runs are."""
-    rows = [{**s.model_dump(), "cell": r.name, "variant": r.variant, "depth": r.depth, "width": r.width}
-            for r in collect(list(paths), []).runs if (s := r.summary) is not None]
-    return compare_runs(pd.DataFrame(rows, columns=SUMMARY_COLUMNS + ["depth", "width"]))
+    if not side_by_side(paths):
+        return pooled_summary(paths)
+    return summary_frame([summary_row(r.name, r.summary, r.config.model, variant=r.variant)
+                          for r in _side_by_side_study(paths, []).runs if r.summary is not None])
 
 
 def concat(frames: list[pd.DataFrame], columns: list[str]) -> pd.DataFrame:
@@ -255,9 +259,6 @@ def oscillation(run: Run) -> dict:
 
 # --------------------------------------------------------------------------- summary tables
 
-CELL_KEY = ["variant", "loops", "depth", "width", "seed", "lr_scale"]
-
-
 def pooled_summary(paths: list[Path]) -> pd.DataFrame:
     """sweep_summary of several sweeps of one setting as one table: e.g. more seeds of some cells, run
     later into folders of their own (`check_poolable`). A cell and seed finished in two folders counts
@@ -266,7 +267,7 @@ def pooled_summary(paths: list[Path]) -> pd.DataFrame:
     check_poolable(paths)
     frames = [sweep_summary(Path(path)) for path in paths]
     df = pd.concat([f for f in frames if len(f)] or frames[:1], ignore_index=True)
-    df = df.drop_duplicates(subset=CELL_KEY, keep="first").reset_index(drop=True)
+    df = df.drop_duplicates(subset=list(RUN_IDENTITY), keep="first").reset_index(drop=True)
     return compare_runs(df)
 
 

@@ -26,17 +26,17 @@ together; `variant` leaves out every run of one variant.
 from __future__ import annotations
 
 import math
-import warnings
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from flt_diag.judge.early_warning import features, probability, sigmoid
-from flt_diag.judge.spike_detectors import kill_loss_spike, lightning_spike
+from flt_diag.judge.early_warning import feature_matrix, features, finished_runs, probability, sigmoid, standardised
+from flt_diag.judge.spike_detectors import dense_series, kill_loss_spike, lightning_spike
 from flt_diag.results.predictor_fit import class_weights, fit_logistic
 from flt_diag.storage import metric_names as M
-from flt_diag.storage.folders import load_config, load_metrics, load_summary, run_dirs, series
+from flt_diag.storage.file_models import Summary
+from flt_diag.storage.folders import load_config, load_metrics
 
 CONFIG = ["variant", "loops", "depth", "width", "lr_scale"]
 SCALED = {"lightning": dict(window=50), "kill_loss_spike": dict(window=200)}  # the plan's scaled windows
@@ -79,14 +79,6 @@ def olmo_spike_score(loss: np.ndarray, grad: np.ndarray, at: int, window: int = 
     return float(any_spike.sum() / n)
 
 
-def _dense(df: pd.DataFrame, metric: str) -> np.ndarray:
-    s = series(df, metric).sort_index()
-    steps = s.index.to_numpy()
-    gaps = np.flatnonzero(np.diff(steps) != 1)
-    end = gaps[0] + 1 if len(gaps) else len(steps)
-    return s.to_numpy(dtype=float)[:end] if len(steps) and steps[0] == 0 else np.array([])
-
-
 def _latest(sel: pd.DataFrame, at: int) -> pd.DataFrame:
     """The rows of the latest recorded step <= at."""
     sel = sel[sel.step <= at]
@@ -114,12 +106,12 @@ def scored_steps(steps: list[int], total: int, done: int) -> list[int]:
     return [s for s in steps if s < done and 2 * s <= total]
 
 
-def run_rows(run_dir: Path, steps: list[int], packaged: dict) -> list[dict]:
-    """One row per step s < the run's length: identity, label, features, detector scores, P(packaged)."""
-    cfg, summary = load_config(run_dir), load_summary(run_dir)
-    m, t = cfg.model, cfg.train
+def run_rows(run_dir: Path, summary: Summary, steps: list[int], packaged: dict) -> list[dict]:
+    """One finished run's rows, one per step s < its length: identity, label, features, detector scores,
+    P(packaged)."""
+    m, t = (cfg := load_config(run_dir)).model, cfg.train
     df = load_metrics(run_dir)
-    loss, grad = _dense(df, M.LOSS), _dense(df, M.GRAD_NORM)
+    loss, grad = dense_series(df, M.LOSS), dense_series(df, M.GRAD_NORM)
     total = t.steps
     fired = {"lightning": lightning_spike(loss), "kill_loss_spike": kill_loss_spike(loss, total_steps=total)[0],
              "lightning_scaled": lightning_spike(loss, **SCALED["lightning"]),
@@ -137,12 +129,7 @@ def run_rows(run_dir: Path, steps: list[int], packaged: dict) -> list[dict]:
 
 def evaluation_table(sources, steps: list[int], packaged: dict) -> pd.DataFrame:
     """Every finished run of the given run or sweep folders, one row per (run, step)."""
-    rows = []
-    for src in sources:
-        for d in run_dirs(Path(src)):
-            if load_summary(d) is not None:
-                rows += run_rows(d, steps, packaged)
-    return pd.DataFrame(rows)
+    return pd.DataFrame([row for d, s in finished_runs(sources) for row in run_rows(d, s, steps, packaged)])
 
 
 # --------------------------------------------------------------------------- models under grouped CV
@@ -165,29 +152,21 @@ def group_keys(table: pd.DataFrame, by: str) -> pd.Series:
 
 def _fit_predict(X_train, y_train, X_test, l2: float = 1.0) -> np.ndarray:
     """Class-balanced, L2-penalised (1.0) logistic regression on standardised columns: fit-predictor's fitter
-    with the packaged predictor's settings. The column means and spreads are the training rows' only (of the
-    values present), and a missing (or infinite) value on either side counts as the training rows' mean:
-    nothing of the held-out rows enters their own fit."""
-    with np.errstate(all="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # an all-missing column
-        finite = np.where(np.isfinite(X_train), X_train, np.nan)
-        mean = np.nan_to_num(np.nanmean(finite, axis=0)) if len(X_train) else np.zeros(X_train.shape[1])
-        std = np.nanstd(finite, axis=0) if len(X_train) else np.ones(X_train.shape[1])  # of the values present
-        X_train = np.where(np.isfinite(X_train), X_train, mean)
-        X_test = np.where(np.isfinite(X_test), X_test, mean)
-    std = np.where(np.isfinite(std) & (std > 1e-12), std, 1.0)
+    with the packaged predictor's settings. The column means and spreads are the training rows' only
+    (`standardised`), and a missing value on either side counts as the training rows' mean: nothing of the
+    held-out rows enters their own fit."""
+    Z, mean, std = standardised(X_train)
     if y_train.min() == y_train.max():  # one class only: its frequency is all a fit can say
         return np.full(len(X_test), float(y_train[0]))
-    w, b = fit_logistic((X_train - mean) / std, y_train, l2, class_weights(y_train))
-    return sigmoid(((X_test - mean) / std) @ w + b)
+    w, b = fit_logistic(Z, y_train, l2, class_weights(y_train))
+    return sigmoid(standardised(X_test, mean, std)[0] @ w + b)
 
 
 def cross_validated(table: pd.DataFrame, model: str, by: str, feature_names: list[str] | None = None) -> np.ndarray:
     """Out-of-fold P(fail) of every row (one step's rows), each group's from a fit on the other groups:
     `model` "refit" (the early-warning features) or "prior" (the configuration)."""
     if model == "refit":  # raw values; _fit_predict standardises and fills them from each fold's training rows
-        X = np.array([[r.get(f, math.nan) for f in feature_names] for r in table.to_dict("records")],
-                     dtype=float).reshape(len(table), len(feature_names))
+        X = feature_matrix(table.to_dict("records"), feature_names)
     else:
         X = prior_matrix(table, sorted(table.variant.unique()))
     y = table.failed.to_numpy(float)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import logging
 import pkgutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -30,17 +30,19 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Figure:
     """One registered figure. `needs`: the metric names `data` reads (None: every metric; empty: none,
-    it reads summaries only); `order`: its place in FIGURES; `applies`: whether "all" includes it for a
-    study (asked for by name on a study it does not apply to, it raises StorageError `empty`)."""
+    it reads summaries only); `applies`: whether "all" includes it for a study (asked for by name on a
+    study it does not apply to, it raises StorageError `empty`). A figure of the package takes its help
+    and its place in FIGURES from flt_diag.results.figure_names (`register` fills them in); any other
+    gives its `help`, and its `order` (the package's figures stand at 10, 20, ...; default: after them)."""
     name: str
-    help: str
     needs: tuple[str, ...] | None
     data: Callable[[Study], pd.DataFrame]
     draw: Callable[[pd.DataFrame], object]
     empty: str = "no data"  # why there is nothing to draw, when `data` returns an empty table
-    order: int = 100
     applies: Callable[[Study], bool] = lambda study: True
     empty_watched: str | None = None  # the same for runs of flt_diag.watch, where `empty` names flags they lack
+    help: str = ""
+    order: int = 10 * (len(FIGURE_NAMES) + 1)
 
     def why_empty(self, study: Study) -> str:
         watched = bool(study.runs) and all(r.config.probe is not None for r in study.runs)
@@ -63,10 +65,14 @@ FIGURES: dict[str, Figure] = {}  # name -> Figure, in display order
 
 def register(figure: Figure) -> Figure:
     """Add (or replace) a figure; FIGURES stays in display order (by `order`, then name). A figure that
-    flt_diag.results.figure_names lists must be drawn by the module it names, with the help it gives."""
-    listed = FIGURE_NAMES.get(figure.name)
-    if listed and (f"{__name__}.{listed[0]}", listed[1]) != (figure.draw.__module__, figure.help):
-        raise ValueError(f"figure {figure.name!r}: flt_diag.results.figure_names lists it as {listed}")
+    flt_diag.results.figure_names lists gets its help and order from there, and must be drawn by the
+    module it names, without a help of its own."""
+    if listed := FIGURE_NAMES.get(figure.name):
+        if (figure.draw.__module__, figure.help) != (f"{__name__}.{listed[0]}", ""):
+            raise ValueError(f"figure {figure.name!r}: flt_diag.results.figure_names lists it as {listed}")
+        figure = replace(figure, help=listed[1], order=10 * (list(FIGURE_NAMES).index(figure.name) + 1))
+    elif not figure.help:
+        raise ValueError(f"figure {figure.name!r} needs a help")
     entries = {**FIGURES, figure.name: figure}
     FIGURES.clear()
     FIGURES.update(sorted(entries.items(), key=lambda item: (item[1].order, item[0])))
@@ -83,16 +89,13 @@ def get(name: str) -> Figure:
     return FIGURES[name]
 
 
-def _needs(names) -> list[str] | None:
-    """The metrics to read for figures `names` (None: all of them)."""
-    needs = [FIGURES[n].needs for n in names]
-    if any(n is None for n in needs):
-        return None
-    return sorted({m for n in needs for m in n})
-
-
 def study_of(src, names) -> Study:
-    return src if isinstance(src, Study) else collect(src, _needs(names))
+    """The study figures `names` draw: `src` itself, or its folder(s) read with the metrics they need (all of
+    them when one needs every metric)."""
+    if isinstance(src, Study):
+        return src
+    needs = [FIGURES[n].needs for n in names]
+    return collect(src, None if None in needs else sorted({m for n in needs for m in n}))
 
 
 def figure_data(name: str, src) -> pd.DataFrame:

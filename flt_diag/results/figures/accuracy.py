@@ -49,6 +49,5 @@ def draw(df: pd.DataFrame):
     return finish(fig, "Task accuracy by variant and loops")
 
 
-register(Figure("accuracy", "held-out task accuracy against the training loops K, one line per variant",
-                (), data, draw, empty="no accuracy: only runs of a synthetic task (--data phop, addition) have one",
-                order=75, applies=on_a_task))
+register(Figure("accuracy", (), data, draw, applies=on_a_task,
+                empty="no accuracy: only runs of a synthetic task (--data phop, addition) have one"))

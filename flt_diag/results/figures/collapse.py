@@ -34,17 +34,11 @@ def data(study: Study) -> pd.DataFrame:
     return summary_table(study)[GRID_COLUMNS + ["final_loss", "val_loss", "val_gap", "behind", "no_loop_gain"]]
 
 
-def _loss_text(row) -> str:
-    if math.isfinite(row.val_loss):
-        return f"{row.val_loss:.2f}"
-    return f"train {row.final_loss:.2f}"
-
-
 def cell_text(row, multi_seed: bool) -> str:
     """The text of one grid cell (a row of `data`)."""
     if row.verdict in NOT_DONE:
         return row.verdict
-    lines = [_loss_text(row)]
+    lines = [f"{row.val_loss:.2f}" if math.isfinite(row.val_loss) else f"train {row.final_loss:.2f}"]
     if math.isfinite(row.val_gap):
         lines.insert(0, gap_text(row.val_gap, 2))
     lines[0] += "*" if row.residual_explosion else ""
@@ -125,5 +119,4 @@ def draw(df: pd.DataFrame):
     return finish(fig, "Verdict by variant and " + ("loops" if column == "loops" else "depth"))
 
 
-register(Figure("collapse", "variant x loops (x depth) grid coloured by verdict, annotated with the gap to the best val loss",
-                (), data, draw, empty="no runs", order=50))
+register(Figure("collapse", (), data, draw, empty="no runs"))

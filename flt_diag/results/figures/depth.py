@@ -70,5 +70,4 @@ def draw(df: pd.DataFrame):
     return finish(fig, "Residual norm by loop index, at the first, middle and last step")
 
 
-register(Figure("depth", "residual norm by loop index (and layer) at the first, middle and last step",
-                (M.RESID_NORM,), data, draw, empty="no resid_norm recorded", order=20))
+register(Figure("depth", (M.RESID_NORM,), data, draw, empty="no resid_norm recorded"))

@@ -27,12 +27,6 @@ SNAPSHOTS = 4  # recorded steps drawn in exit-loss: the first, the last and even
 GAIN_FLOOR = 1e-6
 
 
-def _metric_rows(study: Study, metrics) -> pd.DataFrame:
-    frames = [run.tag(pd.concat([run.select(m) for m in metrics])[["metric", "step", "loop", "value"]])
-              for run in study.runs]
-    return concat(frames, ["metric", "step", "loop", "value"])
-
-
 def exit_data(study: Study) -> pd.DataFrame:
     """run, ..., step, loop, value: exit_loss of every loop at up to SNAPSHOTS recorded steps per run
     (evenly spaced by position among its recorded steps), with `snapshot` 0 (first) .. 1 (last)."""
@@ -50,16 +44,12 @@ def exit_data(study: Study) -> pd.DataFrame:
 
 def draw_exit(df: pd.DataFrame):
     with style():
-        fig, axes, cells = panels(df, sharey=True)
+        fig, axes, cells = panels(df, "loop t (head applied to h(t))", "exit loss (nats)", sharey=True)
         for ax, cell in filled(cells):
             for (run, step), g in cell.groupby(["run", "step"], sort=False):
                 ax.plot(g.loop, g.value, color=variant_color(g.variant.iloc[0]), marker="o", ms=2.5,
                         alpha=0.25 + 0.75 * g.snapshot.iloc[0], lw=1.2)
             ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
-        for ax in axes[-1]:
-            ax.set_xlabel("loop t (head applied to h(t))")
-        for ax in axes[:, 0]:
-            ax.set_ylabel("exit loss (nats)")
         auto_yscale(axes[0, 0], df.value)
         steps = sorted(df.step.unique())
         legend(fig, df, [(Line2D([], [], color="0.3", alpha=0.3), f"early step (from {steps[0]})"),
@@ -69,7 +59,9 @@ def draw_exit(df: pd.DataFrame):
 
 def dynamics_data(study: Study) -> pd.DataFrame:
     """run, ..., metric, step, loop, value: the rows of DRAWN."""
-    return _metric_rows(study, DRAWN)
+    frames = [run.tag(pd.concat([run.select(m) for m in DRAWN])[["metric", "step", "loop", "value"]])
+              for run in study.runs]
+    return concat(frames, ["metric", "step", "loop", "value"])
 
 
 DRAWN = (M.FIXED_POINT_RESIDUAL, M.LOOP_GAIN, M.LOOP_SPECTRAL_RADIUS, M.LOOP_PERTURBATION_GROWTH, M.TOKEN_COSINE)
@@ -145,12 +137,10 @@ def draw_dynamics(df: pd.DataFrame):
     return finish(fig, "Loop dynamics: fixed-point residual, contraction and the degenerate fixed point")
 
 
-register(Figure("exit-loss", "loss of the head at every loop's exit, at a few steps, a panel per loops K",
-                (M.EXIT_LOSS,), exit_data, draw_exit, empty="no exit_loss recorded (--loop-dynamics)", order=80,
+register(Figure("exit-loss", (M.EXIT_LOSS,), exit_data, draw_exit, empty="no exit_loss recorded (--loop-dynamics)",
                 empty_watched="no exit_loss recorded: flt_diag.watch records it with head= and targets (docs/api.md, "
                 "Loop dynamics on your own model)"))
-register(Figure("loop-dynamics", "fixed-point residual, contraction (spectral radius, perturbation growth) and "
-                "token cosine by step and by loop", DRAWN, dynamics_data, draw_dynamics,
-                empty="no fixed_point_residual or loop_gain recorded (--loop-dynamics, --dynamics-every)", order=81,
+register(Figure("loop-dynamics", DRAWN, dynamics_data, draw_dynamics,
+                empty="no fixed_point_residual or loop_gain recorded (--loop-dynamics, --dynamics-every)",
                 empty_watched="no fixed_point_residual or loop_gain recorded: flt_diag.watch records them from the loop "
                 "ends, the gain with loop_step= (docs/api.md, Loop dynamics on your own model)"))

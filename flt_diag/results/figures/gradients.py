@@ -95,5 +95,5 @@ def draw(df: pd.DataFrame):
     return finish(fig, "Gradients and their oscillation")
 
 
-register(Figure("gradients", "gradient-norm and cosine series per loops K, with the oscillation indices",
-                (M.GRAD_NORM, M.GRAD_COSINE, M.ACT_GRAD_NORM), data, draw, empty="no grad_norm recorded", order=30))
+register(Figure("gradients", (M.GRAD_NORM, M.GRAD_COSINE, M.ACT_GRAD_NORM), data, draw,
+                empty="no grad_norm recorded"))

@@ -55,6 +55,5 @@ def draw(df: pd.DataFrame):
     return finish(fig, "Test-time loops")
 
 
-register(Figure("loops", "validation loss (and task accuracy) against inference loops (after `flt-diag eval-loops`)",
-                (), data, draw, empty="no eval_loops.csv; run `flt-diag eval-loops` first", order=60,
+register(Figure("loops", (), data, draw, empty="no eval_loops.csv; run `flt-diag eval-loops` first",
                 empty_watched="no eval_loops.csv: `flt-diag eval-loops` evaluates flt-diag's own models only"))

@@ -45,17 +45,13 @@ def data(study: Study) -> pd.DataFrame:
 
 def draw(df: pd.DataFrame):
     with style():
-        fig, axes, cells = panels(df, sharey=True)
+        fig, axes, cells = panels(df, "step", "loss (nats/token)", sharey=True)
         for ax, cell in filled(cells):
             lines_by_run(ax, cell[cell.metric == SMOOTHED], "step", lw=1.4)
             for r in cell[cell.metric != SMOOTHED].itertuples():
                 style_ = MARKS.get(r.metric, dict(marker="o", ms=4))
                 ax.plot(r.step, r.value, ls="none", color=variant_color(r.variant), mec="black" if r.metric in MARKS
                         else "white", mew=0.8, zorder=4, **style_)
-        for ax in axes[-1]:
-            ax.set_xlabel("step")
-        for ax in axes[:, 0]:
-            ax.set_ylabel("loss (nats/token)")
         auto_yscale(axes[0, 0], df.value)
         extra = [(Line2D([], [], ls="none", marker="o", color="0.4", ms=4), "validation")]
         extra += [(Line2D([], [], ls="none", color="0.4", mec="black", **MARKS[m]), m)
@@ -64,5 +60,4 @@ def draw(df: pd.DataFrame):
     return finish(fig, "Training loss (the verdict's smoothing)")
 
 
-register(Figure("loss", "smoothed training loss (as the verdict sees it) per loops K, collapse marked",
-                (M.LOSS, M.VAL_LOSS), data, draw, empty="no loss recorded", order=40))
+register(Figure("loss", (M.LOSS, M.VAL_LOSS), data, draw, empty="no loss recorded"))

@@ -120,10 +120,5 @@ def draw(df: pd.DataFrame):
     return finish(fig, "Stability map")
 
 
-def _is_map(study: Study) -> bool:
-    return study.kind == "map"
-
-
-register(Figure("map", "stability map: where each variant's training breaks, per loops K (map folders only)",
-                (), map_data, draw, empty="not a stability map (made by `flt-diag map`)", order=70,
-                applies=_is_map))
+register(Figure("map", (), map_data, draw, empty="not a stability map (made by `flt-diag map`)",
+                applies=lambda study: study.kind == "map"))

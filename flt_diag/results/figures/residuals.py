@@ -25,20 +25,15 @@ def data(study: Study) -> pd.DataFrame:
 def draw(df: pd.DataFrame):
     final = df[df.loop == df.loops]
     with style():
-        fig, axes, cells = panels(final, sharex=True, sharey=True)
+        fig, _, cells = panels(final, "step", "‖h‖ at the final loop's end", sharex=True, sharey=True)
         for ax, cell, title in cells:
             ax.set_title(title)
             lines_by_run(ax, cell, "step", lw=1.3)
             for threshold in cell.threshold.dropna().unique():
                 ax.axhline(threshold, color="0.35", ls="--", lw=0.9)
             log_y(ax)
-        for ax in axes[-1]:
-            ax.set_xlabel("step")
-        for ax in axes[:, 0]:
-            ax.set_ylabel("‖h‖ at the final loop's end")
         legend(fig, final, [(Line2D([], [], color="0.35", ls="--", lw=0.9), "explosion threshold")])
     return finish(fig, "Residual norm of the final loop")
 
 
-register(Figure("residuals", "final-loop residual norm over steps, a panel per loops K, a line per variant",
-                (M.RESID_NORM_LOOP_END,), data, draw, empty="no resid_norm_loop_end recorded", order=10))
+register(Figure("residuals", (M.RESID_NORM_LOOP_END,), data, draw, empty="no resid_norm_loop_end recorded"))

@@ -73,11 +73,15 @@ def _title(k: int, lr: float, multi_lr: bool) -> str:
     return f"K={k}" + (f", lr×{lr:g}" if multi_lr else "")
 
 
-def panels(df: pd.DataFrame, panel=(3.6, 2.7), **kw):
-    """A grid of panels, one row per lr scale and one column per loops K: (fig, axes, cells), cells a
-    list of (ax, rows of df in that panel, title)."""
+def panels(df: pd.DataFrame, xlabel: str, ylabel: str, panel=(3.6, 2.7), **kw):
+    """A grid of panels, one row per lr scale and one column per loops K, `xlabel` below the bottom row and
+    `ylabel` beside the first column: (fig, axes, cells), cells a list of (ax, rows of df in that panel, title)."""
     lrs, ks = sorted(df.lr_scale.unique()), sorted(df.loops.unique())
     fig, axes = new_figure(len(lrs), len(ks), panel, **kw)
+    for ax in axes[-1]:
+        ax.set_xlabel(xlabel)
+    for ax in axes[:, 0]:
+        ax.set_ylabel(ylabel)
     cells = [(axes[i, j], df[(df.lr_scale == lr) & (df.loops == k)], _title(k, lr, len(lrs) > 1))
              for i, lr in enumerate(lrs) for j, k in enumerate(ks)]
     return fig, axes, cells

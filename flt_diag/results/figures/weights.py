@@ -97,10 +97,8 @@ def draw_attention(df: pd.DataFrame):
     return finish(fig, "Attention entropy by loop and layer")
 
 
-register(Figure("weights", "parameter norms and update ratios per group kind against step",
-                tuple(f"{m}/{k}" for m, _ in QUANTITIES for k in KINDS), weights_data, draw_weights,
-                empty="no param_norm or update_ratio recorded", order=82))
-register(Figure("attention", "attention entropy by (loop, layer) at the last recorded step, per run",
-                (M.ATTN_ENTROPY,), attention_data, draw_attention,
-                empty="no attn_entropy recorded (train with --attention-stats)", order=83,
+register(Figure("weights", tuple(f"{m}/{k}" for m, _ in QUANTITIES for k in KINDS), weights_data, draw_weights,
+                empty="no param_norm or update_ratio recorded"))
+register(Figure("attention", (M.ATTN_ENTROPY,), attention_data, draw_attention,
+                empty="no attn_entropy recorded (train with --attention-stats)",
                 empty_watched="no attn_entropy recorded: flt_diag.watch does not record attention statistics"))
