@@ -66,7 +66,7 @@ def _fraction(name: str, x, high: float) -> None:
 
 
 def check_watch(model, folder, *, loss, optimizer, callbacks, loop_boundary, diagnostics, steps, seed, vocab_size,
-                grad_scale, unigram_entropy, note, variant, warmdown, grad_clip) -> None:
+                grad_scale, unigram_entropy, note, variant, warmdown, grad_clip, **_) -> None:
     """watch()'s arguments, each of the kind docs/api.md names (one ProbeError line for the first that is not)."""
     if not isinstance(model, torch.nn.Module):
         raise ProbeError(f"watch() diagnoses an nn.Module, not {_kind(model)}")
