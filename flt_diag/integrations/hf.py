@@ -32,7 +32,7 @@ except ImportError:
 
 
 def warmdown(args, steps: int | None) -> float | None:
-    """The final share of the steps the Trainer's schedule decays the lr over (module docstring), or None."""
+    """The final share of the steps the Trainer's schedule decays the lr over (docs/api.md), or None."""
     kind = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
     if not steps or kind not in ("linear", "cosine", "polynomial", "cosine_with_min_lr", "warmup_stable_decay"):
         return None
@@ -42,7 +42,7 @@ def warmdown(args, steps: int | None) -> float | None:
 
 
 def labels_of(causal: bool, *args, **kwargs) -> torch.Tensor | None:
-    """The exit loss's targets from the forward's `labels` (module docstring); None without labels."""
+    """The exit loss's targets from the forward's `labels` (shifted by one for a causal LM), or None."""
     labels = kwargs.get("labels")
     if not torch.is_tensor(labels) or not causal:
         return labels if torch.is_tensor(labels) else None

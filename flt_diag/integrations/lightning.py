@@ -30,7 +30,7 @@ except ImportError:
 
 
 def batch_target(batch) -> torch.Tensor | None:
-    """The exit loss's targets in a Lightning batch (module docstring), or None."""
+    """The exit loss's targets in a Lightning batch (docs/api.md, "Lightning"), or None."""
     if isinstance(batch, (tuple, list)) and len(batch) >= 2:
         found = batch[1]
     elif isinstance(batch, Mapping):

@@ -25,7 +25,7 @@ from flt_diag.probe.checks import check_watch, leave_no_trace, lets_go_on_refusa
 from flt_diag.probe.results import EarlyWarning
 from flt_diag.storage.file_models import Summary
 from flt_diag.instruments.diagnostics import LoopHooks, ProbeError, should_record
-from flt_diag.probe.model import called_blocks, check_untied, default_head, parameter_groups_of, resolve_blocks
+from flt_diag.probe.model import auto_blocks, called_blocks, check_untied, default_head, parameter_groups_of, resolve_blocks
 from flt_diag.instruments.warning_callback import CollapseWarning, predictor
 from flt_diag.config.run_config import DiagnosticsConfig
 
@@ -132,7 +132,7 @@ class LoopProbe:
         found, loops = called_blocks(module, args, kwargs)
         how = f"called {loops} times in the first training forward"
         if not found:
-            found, how = list(zip(*reversed(resolve_blocks(module, "auto")))), "no module was called twice in the first training forward; the " \
+            found, how = auto_blocks(module), "no module was called twice in the first training forward; the " \
                                               "largest ModuleList"
         self.blocks, self.names = [m for _, m in found], [n for n, _ in found]
         if self.given_head is None:  # (the head is outside the blocks)
@@ -237,15 +237,12 @@ class LoopProbe:
             self.hooks.end_loop(stream)
 
     # ------------------------------------------------------------------ moments
-    def _grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.params if p.grad is not None]
-
     def after_backward(self) -> None:
         """After the backward of a step, before clipping and the optimizer step (optional)."""
         if self.hooks is None or self._backward_done:
             return
         self._backward_done = True
-        grads = self._grads()
+        grads = [p.grad for p in self.params if p.grad is not None]
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else None
         self.diag.unclip = None
         if grads and self._pre:  # grad_hooks: the norm before clipping; the per-group figures scaled back to it

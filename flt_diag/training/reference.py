@@ -239,9 +239,7 @@ def import_reference(checkpoint, variant: str | None = None, loops: int | None =
     default (forward(loops=k) still chooses any k). Each of variant, loops, n_head, vocab_size and
     sequence_len falls back to the meta json (`meta`: dict or path; by default meta_<step>.json beside
     the checkpoint). n_head is required one way or the other: the weights alone do not fix it.
-    Without a vocab size the padded rows are kept. The model is built with rotary_dtype="bfloat16",
-    as the reference's rotary tables are bfloat16 (the one deliberate difference from flt-diag's
-    default float32 tables)."""
+    Without a vocab size the padded rows are kept; rotary_dtype="bfloat16" (module docstring)."""
     path = _checkpoint_file(Path(checkpoint)) if isinstance(checkpoint, (str, Path)) else None
     info, meta_name = _load_meta(meta, path)  # checked before the weights are read
     sd = _load_checkpoint(path) if path is not None else checkpoint
