@@ -2,16 +2,8 @@
 state-dict conversion both ways, the reading of a nanochat checkpoint folder, and the run folder an
 imported model is written to (`flt-diag import-reference`, read back by `flt-diag eval-loops`).
 
-Reference layout (DESIGN.md §2)               flt-diag
-    transformer.wte.weight        (Vp, d)     embed.weight          (V, d)
-    transformer.h.{i}.attn.c_q    (d, d)      blocks.{i}.attn.q
-    transformer.h.{i}.attn.c_k    (d, d)      blocks.{i}.attn.k
-    transformer.h.{i}.attn.c_v    (d, d)      blocks.{i}.attn.v
-    transformer.h.{i}.attn.c_proj (d, d)      blocks.{i}.attn.o
-    transformer.h.{i}.mlp.c_fc    (4d, d)     blocks.{i}.mlp.up
-    transformer.h.{i}.mlp.c_proj  (d, 4d)     blocks.{i}.mlp.down
-    lm_head.weight                (Vp, d)     head.weight           (V, d)
-
+The reference names its parameters transformer.wte, transformer.h.{i}.attn.c_q|c_k|c_v|c_proj,
+transformer.h.{i}.mlp.c_fc|c_proj and lm_head (DESIGN.md §2); flt-diag's names: `_TOP_NAMES`, `_BLOCK_NAMES`.
 The reference pads its vocabulary to a multiple of 64 (Vp >= V) and slices the logits back to V;
 here the padded rows are dropped instead, which gives the same logits. Keys may carry the prefixes
 `_orig_mod.` (torch.compile) or `module.` (DDP). Its variants are named LT, LT_i, LT_ia, FLT_res, FLT.
