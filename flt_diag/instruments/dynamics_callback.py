@@ -117,7 +117,7 @@ LoopMap = ModelLoopMap | StepLoopMap
 
 
 class LoopDynamicsCallback(Callback):
-    """The records of the module docstring: `loop_end(loop, stream)` is fed each recorded loop-end stream; a
+    """The records of DESIGN.md §3, "Loop dynamics": `loop_end(loop, stream)` is fed each recorded loop-end stream; a
     forward pre-hook on the model (from on_start) reads the step's targets and the loop map's inputs off the
     first forward after before_step; `at_step(targets)` (probe.step(targets=)) scores the streams kept for it."""
 

@@ -310,9 +310,8 @@ class LoopProbe:
             self._reset_step()
 
     def _check_finite(self, s: int, value) -> None:
-        """With warn / stop_on_collapse: a loss that is not finite is the early warning's latest check at once
-        (P(collapse) 1, the evidence naming it), printed, and with stop_on_collapse it ends the run (the verdict
-        stays the loss rules' own: diverged)."""
+        """With warn / stop_on_collapse: a non-finite loss is the early warning's latest check at once (P(collapse)
+        1), printed; with stop_on_collapse it ends the run (the verdict stays the loss rules' own: diverged)."""
         v = float(value.detach().float()) if torch.is_tensor(value) else float(value)
         if math.isfinite(v):
             return
