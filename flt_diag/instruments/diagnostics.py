@@ -82,12 +82,11 @@ class LoopHooks:
     A block called twice within one loop raises BlockCalledTwice; with `require_repeat`, a first
     recorded forward in which no block ran twice raises NotLooped.
 
-    `log(metric, value_tensor, loop, layer)` receives every record (values stay on the device).
-    `grad_scale` multiplies the recorded activation gradients (the trainer passes grad_accum so
-    that they are gradients of the micro-batch's mean loss). `listeners` are called as
-    fn(loop, layer, stream) for every recorded block output, `on_loop_end` as fn(loop, stream) with the
-    loop-end stream of every recorded loop, and `on_forward_end` as fn(loops) at the end of each recorded
-    forward (hook points for further records, e.g. the loop dynamics of flt_diag.instruments.dynamics_callback)."""
+    `log(metric, value_tensor, loop, layer)` receives every record (values stay on the device); `grad_scale`
+    multiplies the recorded activation gradients (the trainer's grad_accum: the micro-batch's mean loss).
+    Hook points for further records (e.g. the loop dynamics): `listeners` fn(loop, layer, stream) at every
+    recorded block output, `on_loop_end` fn(loop, stream) at every recorded loop's end, `on_forward_end`
+    fn(loops) at the end of each recorded forward."""
 
     def __init__(self, model, log, act_grads: bool = True, attention: bool = False, *, blocks=None,
                  boundary=BUILTIN, names: list[str] | None = None, require_repeat: bool = False):

@@ -87,12 +87,14 @@ class FltDiagCallback(TrainerCallback):
             try:
                 return forward(*args, **kwargs)
             except BaseException as e:
-                self._let_go(e)
+                self.close(e)
                 raise
         model.forward = guarded
         self._guarded = (model, own, guarded)
 
-    def _let_go(self, error: BaseException | None = None) -> None:
+    def close(self, error: BaseException | None = None) -> None:
+        """Let go of the model and the folder now (after a train() that raised: its rows stay, no summary);
+        nothing to do after a train() that finished."""
         if self._guarded is not None:
             model, own, guarded = self._guarded
             self._guarded = None
@@ -105,11 +107,6 @@ class FltDiagCallback(TrainerCallback):
         if probe is not None and (probe.hooks is not None or probe._handles):  # still watching
             error = error or RuntimeError("train() did not reach on_train_end")
             probe.__exit__(type(error), error, None)  # hooks removed, lock freed, rows kept, no summary
-
-    def close(self) -> None:
-        """Let go of the model and the folder now (after a train() that raised: its rows stay, no summary);
-        nothing to do after a train() that finished."""
-        self._let_go()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.probe.after_backward()
@@ -124,4 +121,4 @@ class FltDiagCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.probe is not None:
             self.summary = self.probe.close()
-        self._let_go()
+        self.close()
