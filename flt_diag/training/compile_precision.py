@@ -2,7 +2,7 @@
 
 `compile_blocks` compiles the two residual halves of each block, not the whole model: the loop over K stays
 in Python and every diagnostic hook runs outside the compiled region, so the diagnostics record the same
-(loop, layer) values (DESIGN.md §4, "Compilation"). When to compile (`compile_wanted`, the `--compile`
+(loop, layer) values (DESIGN.md §3, "Compilation"). When to compile (`compile_wanted`, the `--compile`
 default): always on CUDA; on a CPU for runs of at least COMPILE_MIN_STEPS_CPU steps and only with a C++
 compiler (compiling costs seconds before the first step: benchmarks/README.md, "Compilation cost").
 """
