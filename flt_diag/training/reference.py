@@ -63,11 +63,6 @@ def variant_name(name: str) -> str:
                                f"(reference) or {', '.join(VARIANTS)}")
 
 
-def strip_prefixes(key: str) -> str:
-    """'_orig_mod.module.lm_head.weight' -> 'lm_head.weight' (prefixes may be stacked)."""
-    return _PREFIXES.sub("", key)
-
-
 def _few(keys, n: int = 3) -> str:
     keys = sorted(keys)
     return ", ".join(keys[:n]) + (f" (+{len(keys) - n} more)" if len(keys) > n else "")
@@ -79,7 +74,7 @@ def _flatten(sd: dict) -> dict:
         raise ReferenceImportError("reference checkpoint: expected a non-empty state dict")
     flat: dict[str, torch.Tensor] = {}
     for key, value in sd.items():
-        k = strip_prefixes(str(key))
+        k = _PREFIXES.sub("", str(key))  # (stacked: _orig_mod.module.lm_head.weight -> lm_head.weight)
         if k in flat:
             raise ReferenceImportError(f"reference checkpoint: key {k!r} appears twice once prefixes are stripped")
         flat[k] = value
