@@ -5,10 +5,9 @@ loop-step callable `step(h_prev) -> h_next`, a head callable `head(h) -> logits`
 residual, the exit loss, the loop map's gain and spectral radius (by Jacobian-vector products), its mean gain
 and perturbation growth, the streams' similarity, each loop's own gradient and its agreement, and the sharpness.
 For a LoopedTransformer: `loop_inputs`, `loop_states`, `loop_step`, `model_head`, `looped_loss` (one alias of
-the block weights per loop) and `model_loss`. Everything that differentiates runs inside `transparent()` (the
-written-out norm, the math attention kernel, compiled blocks run eagerly: torch.func and double backward need
-ops they can differentiate). Random start vectors come from the caller's generator, never the global RNG;
-nothing is left on any `.grad`. The training callback that records them: flt_diag.instruments.dynamics_callback.
+the block weights per loop) and `model_loss`. Everything that differentiates runs inside `transparent()`; random
+start vectors come from the caller's generator, never the global RNG; nothing is left on any `.grad`. The training
+callback that records them: flt_diag.instruments.dynamics_callback.
 """
 from __future__ import annotations
 
