@@ -56,6 +56,7 @@ def test_the_callbacks_options_are_watchs_keywords():
     import inspect
 
     from flt_diag.probe.watch import LoopProbe, WatchOptions, watch
-    keywords = [{n for n, p in inspect.signature(f).parameters.items() if p.kind is p.KEYWORD_ONLY}
-                for f in (watch, LoopProbe.__init__)]
-    assert keywords[0] == keywords[1] == set(WatchOptions.__annotations__)
+    keywords = {n for n, p in inspect.signature(watch).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    assert keywords == set(WatchOptions.__annotations__)
+    options = inspect.signature(LoopProbe.__init__).parameters["options"]  # (LoopProbe takes them once)
+    assert options.kind is options.VAR_KEYWORD and "Unpack[WatchOptions]" in str(options.annotation)

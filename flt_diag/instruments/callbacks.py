@@ -31,17 +31,11 @@ if TYPE_CHECKING:  # (types only: this base imports no torch)
 
 
 class Host(Protocol):
-    """What the shared callbacks (flt_diag.instruments: diagnostics, loop dynamics, early warning) read of the
-    loop they run in: flt-diag's Trainer (flt_diag.training.trainer.Trainer) and the probe's stand-in
-    (flt_diag.probe.folder.Host) both are one, structurally (tests/typing/hosts.py). A Protocol: instruments
-    import nothing of training/ or probe/, even for types only (tests/test_layers.py). Read-only: a callback
-    reads these, and asks for the end of the run only through `request_stop`. The callbacks only the Trainer
-    runs (MetricsTable, Progress, ExternalSinks, evaluation, checkpoints) read more of it (steps_done, elapsed,
-    optimizers, ...): their `trainer` is left unannotated (a wider type there would not override these moments).
-
-    `cfg` is None on the probe until its first step has been recorded (the run's shape is known then): a
-    callback reading it before on_start checks for None (LoopDynamicsCallback; DiagnosticsCallback is given
-    its grad_scale by the probe)."""
+    """What the shared callbacks (diagnostics, loop dynamics, early warning) read of the loop they run in:
+    flt-diag's Trainer and the probe's stand-in (flt_diag.probe.folder.Host) both are one, structurally
+    (tests/typing/hosts.py); a Protocol, so that instruments import nothing of training/ or probe/. Read-only:
+    a callback asks for the end of the run only through `request_stop`. `cfg` is None on the probe until its
+    first step is recorded (a callback reading it before on_start checks for None)."""
 
     @property
     def model(self) -> "torch.nn.Module": ...

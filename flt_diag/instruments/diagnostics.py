@@ -1,16 +1,11 @@
-"""Diagnostics attached from outside the model: forward hooks, tensor (backward) hooks, and a
-training callback. Definitions: DESIGN.md §3 and flt_diag.storage.metric_names.
-
-`LoopHooks` is a context manager that always removes its hooks. A forward of the model arms it
-once (`arm()`); during that forward every block output is recorded under (loop, layer), where
-the loop counter advances at `model.loop_end`. A block reused K times therefore yields K records.
-Forwards that were not armed - further micro-batches, evaluation, and the recomputation that
-activation checkpointing runs during backward - record nothing, so nothing is counted twice.
-
-Supported: eager CPU/GPU, activation checkpointing (non-reentrant; under a reentrant one the blocks' forward
-runs without gradient: the activation gradients are not recorded, said once and listed in `not_recorded`), torch.compile of the blocks
-(flt_diag.training.compile_precision.compile_blocks keeps hooks outside compiled code), and DDP (hooks see the
-local micro-batch of each rank; parameter gradients are read after the all-reduce; rank 0 writes).
+"""Diagnostics attached from outside the model: forward hooks, tensor (backward) hooks, and a training callback
+(definitions: DESIGN.md §3 and flt_diag.storage.metric_names). `LoopHooks` always removes its hooks; a forward
+it was armed for (`arm()`) records every block output under (loop, layer), so a block reused K times yields K
+records, and unarmed forwards (further micro-batches, evaluation, an activation checkpoint's recomputation)
+record nothing. Supported: eager CPU/GPU, non-reentrant activation checkpointing (under a reentrant one the
+activation gradients are not recorded: said once, listed in `not_recorded`), torch.compile of the blocks
+(compile_blocks keeps the hooks outside compiled code), and DDP (hooks see each rank's micro-batch; parameter
+gradients are read after the all-reduce; rank 0 writes).
 """
 from __future__ import annotations
 
@@ -70,9 +65,8 @@ def first_tensor(output):
 class LoopHooks:
     """Per-(loop, layer) residual norms, gradients w.r.t. block outputs, attention statistics.
 
-    `root` is the module whose forward is one pass of the model; `blocks` (default `root.blocks`)
-    are the blocks it reuses, layer i + 1 being blocks[i]. The loop counter is one of three
-    strategies (`boundary`):
+    `root` is the module whose forward is one pass of the model; `blocks` (default `root.blocks`) are the blocks
+    it reuses, layer i + 1 being blocks[i]. The loop counter is one of four strategies (`boundary`):
       * BUILTIN (default): `root.loop_end` ends each loop (flt-diag's own model);
       * a module: its forward ends each loop, its output is the loop-end stream;
       * MANUAL: the loop ends where `end_loop(stream)` is called;
@@ -82,12 +76,11 @@ class LoopHooks:
     A block called twice within one loop raises BlockCalledTwice; with `require_repeat`, a first
     recorded forward in which no block ran twice raises NotLooped.
 
-    `log(metric, value_tensor, loop, layer)` receives every record (values stay on the device).
-    `grad_scale` multiplies the recorded activation gradients (the trainer passes grad_accum so
-    that they are gradients of the micro-batch's mean loss). `listeners` are called as
-    fn(loop, layer, stream) for every recorded block output, `on_loop_end` as fn(loop, stream) with the
-    loop-end stream of every recorded loop, and `on_forward_end` as fn(loops) at the end of each recorded
-    forward (hook points for further records, e.g. the loop dynamics of flt_diag.instruments.dynamics_callback)."""
+    `log(metric, value_tensor, loop, layer)` receives every record (values stay on the device); `grad_scale`
+    multiplies the recorded activation gradients (the trainer's grad_accum: the micro-batch's mean loss).
+    Hook points for further records (e.g. the loop dynamics): `listeners` fn(loop, layer, stream) at every
+    recorded block output, `on_loop_end` fn(loop, stream) at every recorded loop's end, `on_forward_end`
+    fn(loops) at the end of each recorded forward."""
 
     def __init__(self, model, log, act_grads: bool = True, attention: bool = False, *, blocks=None,
                  boundary=BUILTIN, names: list[str] | None = None, require_repeat: bool = False):
@@ -106,9 +99,7 @@ class LoopHooks:
         self.on_loop_end: list = []  # fn(loop, stream) with each loop's loop-end stream (the probe's loop dynamics)
         self.handles: list = []
         self.not_recorded: dict[str, str] = {}  # metric -> why the hooks could not record it
-        self._armed = False
-        self._active = False
-        self._checked = False
+        self._armed = self._active = self._checked = False
         self.loop = 0
         self.calls = [0] * len(self.blocks)
 
@@ -118,10 +109,9 @@ class LoopHooks:
 
     def __enter__(self) -> "LoopHooks":
         m = self.model
-        self.handles.append(m.register_forward_pre_hook(self._start))
-        self.handles.append(m.register_forward_hook(self._stop))
+        self.handles += [m.register_forward_pre_hook(self._start), m.register_forward_hook(self._stop)]
         if isinstance(self.boundary, torch.nn.Module):
-            self.handles.append(self.boundary.register_forward_hook(self._loop_end))
+            self.handles.append(self.boundary.register_forward_hook(lambda module, args, out: self.end_loop(out)))
         for i, block in enumerate(self.blocks):
             self.handles.append(block.register_forward_pre_hook(self._count_hook(i)))
             self.handles.append(block.register_forward_hook(self._block_hook(i + 1)))
@@ -167,9 +157,6 @@ class LoopHooks:
             for fn in self.on_loop_end:
                 fn(self.loop, stream)
             self.loop += 1
-
-    def _loop_end(self, module, args, output):
-        self.end_loop(output)
 
     def _count_hook(self, i: int):
         """Forward pre-hook of block i: its loop (counted from calls, or the boundary's), checked."""
@@ -217,12 +204,9 @@ class LoopHooks:
         return hook
 
     def _output_grad_hook(self, metrics: tuple[str, ...], layer: int):
-        """Forward hook that records ||d(loss)/d(output)|| under (loop, layer) during backward, under each
-        name of `metrics`.
-
-        Read on the residual stream, outside the compiled halves of a block: the stream after the
-        attention add, h = x + a, has d(loss)/d(h) = d(loss)/d(a) exactly (an add passes its gradient
-        through unchanged), and likewise the block output for the MLP output."""
+        """Forward hook recording ||d(loss)/d(output)|| under (loop, layer), under each name of `metrics`. Read on
+        the residual stream, outside the compiled halves: h = x + a has d(loss)/d(h) = d(loss)/d(a) exactly (an
+        add passes its gradient through), and likewise the block output for the MLP output."""
         def hook(module, args, output):
             if self._active and self._grad and not torch.is_grad_enabled():
                 self._without_grad(metrics, layer)
@@ -273,18 +257,15 @@ class LoopHooks:
 
 
 class DiagnosticsCallback(Callback):
-    """Records everything of DESIGN.md §3 on recorded steps (see `should_record`).
-
-    The per-group figures are computed on one flat gradient (the groups laid end to end) with a few
-    vector operations, not a loop of small operations per group: a recorded step costs the same
+    """Records everything of DESIGN.md §3 on recorded steps (`should_record`). The per-group figures come from
+    one flat gradient (the groups laid end to end) by a few vector operations: a recorded step costs the same
     handful of kernel launches whatever the number of groups."""
 
     def __init__(self, cfg: DiagnosticsConfig, groups: dict[str, list] | None = None, hooks: dict | None = None,
                  grad_scale: float | None = None, loop_end: tuple | list = ()):
-        """`groups` (default: flt-diag's own model's parameter_groups), `hooks` (LoopHooks keyword
-        arguments: blocks, boundary, names, ...) and `grad_scale` (default the run's grad_accum) let the
-        same records be taken on any looped model (flt_diag.probe.watch). `loop_end`: fn(loop, stream), fed each
-        recorded loop-end stream (LoopHooks.on_loop_end; the loop dynamics, flt_diag.instruments.dynamics_callback)."""
+        """`groups` (default: flt-diag's model's parameter_groups), `hooks` (LoopHooks keyword arguments) and
+        `grad_scale` (default the run's grad_accum) take the same records on any looped model (flt_diag.watch);
+        `loop_end`: fn(loop, stream), fed each recorded loop-end stream (LoopHooks.on_loop_end: the loop dynamics)."""
         self.cfg, self.loop_end = cfg, list(loop_end)
         self.given_groups, self.hook_options, self.grad_scale = groups, dict(hooks or {}), grad_scale
         self.prev: dict[str, torch.Tensor] = {}  # previous step's flat gradient per group

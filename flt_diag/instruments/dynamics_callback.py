@@ -1,28 +1,14 @@
-"""The loop-dynamics records (flt_diag.instruments.loop_dynamics), one instrument that flt-diag's Trainer and
-flt_diag.watch both stand on. Definitions, cost and switches: DESIGN.md §3, "Loop dynamics"; on a model flt-diag
-did not write: docs/api.md, "Loop dynamics on your own model".
+"""The loop-dynamics records (flt_diag.instruments.loop_dynamics) as one instrument that flt-diag's Trainer and
+flt_diag.watch both stand on. What is recorded when, its cost and switches: DESIGN.md §3, "Loop dynamics"; on a
+model flt-diag did not write: docs/api.md, "Loop dynamics on your own model".
 
-`instruments()` builds what both run on every step: the diagnostics (flt_diag.instruments.diagnostics), whose
-LoopHooks feed each recorded loop-end stream (`on_loop_end`: flt-diag's `model.loop_end`, a `loop_boundary=`
-module, `probe.end_loop`, or the last block's output) to LoopDynamicsCallback.loop_end. A new record per loop is
-one function (loop_dynamics.py), its metric name (storage/metric_names.py) and one call in `loop_end`.
-
-On recorded steps (should_record) with loop_dynamics, in that hook, from the streams the training forward
-computes anyway (no extra forward; only the first forward of a step, as for LoopHooks): the fixed-point
-residual of loop t >= 2; on those that are multiples of exit_loss_every, token_cosine and effective_rank of every
-loop, and with a head and the step's targets its exit loss (one head matmul per loop). The every-N records go
-through a loop map, after the backward (the weights the step's gradient was taken at), on rank 0 only (no
-collective), in fp32 outside autocast, with a generator of their own (seeded by the step), leaving nothing on
-any .grad: the training trajectory is the same with or without them (tested).
-
-Deliberate differences, by the model (`own_model_dynamics`, `watched_model_dynamics`):
-  * flt-diag's model: h(t) = norm(stream) (its final norm, as forward_loops applies it), its softcapped head,
-    the forward's targets; ModelLoopMap (its own loop map at the batch, every dynamics_every steps, recorded
-    or not; the per-loop gradient agreement; the sharpness every sharpness_every steps);
-  * any other model: the raw stream (a `head=` applies the user's final norm), head= and targets= as given,
-    else the streams kept for `probe.step(targets=)`; StepLoopMap (the user's `loop_step=` at the recorded
-    loop-end streams, on recorded steps that are multiples of dynamics_every). A stream that is not
-    (batch, seq, dim) skips the records that need that shape, said once on stderr.
+`instruments()` builds what both run on every step: the diagnostics, whose LoopHooks feed each recorded
+loop-end stream to LoopDynamicsCallback.loop_end (a new record per loop: its function in loop_dynamics.py, its
+metric name, one call in `loop_end`). The every-N records go through a loop map after the backward, on rank 0,
+in fp32 outside autocast, with a generator of their own, leaving nothing on any .grad (the training trajectory
+is the same with or without them). By the model: ModelLoopMap for flt-diag's (h(t) = its final norm of the
+stream, its head, the forward's targets); StepLoopMap for any other (the raw stream, head= and targets= as
+given, the user's loop_step=).
 """
 from __future__ import annotations
 
@@ -132,7 +118,7 @@ LoopMap = ModelLoopMap | StepLoopMap
 
 
 class LoopDynamicsCallback(Callback):
-    """The records of the module docstring: `loop_end(loop, stream)` is fed each recorded loop-end stream; a
+    """The records of DESIGN.md §3, "Loop dynamics": `loop_end(loop, stream)` is fed each recorded loop-end stream; a
     forward pre-hook on the model (from on_start) reads the step's targets and the loop map's inputs off the
     first forward after before_step; `at_step(targets)` (probe.step(targets=)) scores the streams kept for it."""
 

@@ -12,8 +12,7 @@ from flt_diag.storage.metric_names import NONE
 
 
 def tag(metric: str, loop: int, layer: int) -> str:
-    parts = [metric] + ([f"loop{loop}"] if loop != NONE else []) + ([f"layer{layer}"] if layer != NONE else [])
-    return "/".join(parts)
+    return "/".join([metric] + ([f"loop{loop}"] if loop != NONE else []) + ([f"layer{layer}"] if layer != NONE else []))
 
 
 class TensorBoardSink:

@@ -1,27 +1,13 @@
 """Loop dynamics: the loop seen as a map h(t-1) -> h(t), measured from outside the model.
 
-Pure functions (definitions and cost: DESIGN.md §3, "Loop dynamics"), usable on any looped model given
-a loop-step callable `step(h_prev) -> h_next`, a head callable `head(h) -> logits` and a loss:
-
-  * `fixed_point_residual(h, h_prev)`: mean over tokens of ||h(t) - h(t-1)|| / ||h(t-1)||;
-  * `exit_loss(h, head, targets)`: cross-entropy of the head applied to h(t), no gradient;
-  * `loop_map_gain(step, h, iters, generator)`: largest singular value of the Jacobian J of `step` at
-    h (power iteration on J^T J by Jacobian-vector products): the worst one-loop stretch, not contraction;
-  * `spectral_radius(step, h, dim, generator)`: rho(J) by Arnoldi, with the residual of its Ritz pair;
-  * `mean_gain` (||Jv|| over random v) and `perturbation_growth` (a perturbation carried through the
-    loops: the local Lyapunov exponent), which say whether the loop contracts along its own path;
-  * `stream_similarity(h)`: how alike the positions' streams are (mean pairwise cosine, effective rank):
-    the degenerate fixed point that forgets the tokens;
-  * `per_loop_gradients` / `gradient_agreement`: each loop's own contribution to the gradient of the
-    shared weights (every loop's call of them gets its own alias), and its cosine with their sum;
-
-For a LoopedTransformer: `loop_inputs`, `loop_states`, `loop_step`, `model_head`, `looped_loss` (the
-training loss with one alias of the block weights per loop). Everything that
-differentiates runs inside `transparent()`: the written-out norm, the math attention kernel and
-compiled blocks run eagerly, since torch.func and double backward need ops they can differentiate
-(the fast CPU norm's hand-written backward and the fused attention kernels are not). Random start
-vectors come from the caller's generator, never the global RNG; nothing is left on any `.grad`.
-The training callback that records them is flt_diag.instruments.dynamics_callback.
+Pure functions (definitions and cost: DESIGN.md §3, "Loop dynamics"), usable on any looped model given a
+loop-step callable `step(h_prev) -> h_next`, a head callable `head(h) -> logits` and a loss: the fixed-point
+residual, the exit loss, the loop map's gain and spectral radius (by Jacobian-vector products), its mean gain
+and perturbation growth, the streams' similarity, each loop's own gradient and its agreement (the sharpness:
+flt_diag.instruments.sharpness). For a LoopedTransformer: `loop_inputs`, `loop_states`, `loop_step`,
+`model_head`, `looped_loss` (one alias of the block weights per loop). Everything that differentiates runs inside
+`transparent()`; random start vectors come from the caller's generator, never the global RNG; nothing is left on
+any `.grad`. The training callback that records them: flt_diag.instruments.dynamics_callback.
 """
 from __future__ import annotations
 

@@ -1,28 +1,11 @@
-"""flt-diag's probe as a Hugging Face `transformers` TrainerCallback (extra: hf-trainer).
+"""flt-diag's probe as a Hugging Face `transformers` TrainerCallback (extra: hf-trainer; usage, the gradients
+read before the Trainer's clip, the recipe and the exit loss's targets: docs/api.md, "Hugging Face Trainer").
 
-    from flt_diag.integrations.hf import FltDiagCallback
-    trainer = Trainer(model=model, args=args, train_dataset=data,
-                      callbacks=[FltDiagCallback(blocks="model.layers.*", folder="runs/hf")])
-
-At on_train_begin it watches the Trainer's model; where the Trainer clips (max_grad_norm > 0, its default
-1.0) each gradient's norm is read as the backward accumulates it (watch(grad_hooks=True)), before the
-clipping; with fp16 (a scaled loss) it is not, and the verdict says the oscillation was not judged. At
-on_pre_optimizer_step it reads the gradients, at on_optimizer_step (before the Trainer's
-zero_grad) it records the step, whose loss is the mean of the loss in the step's model outputs; at
-on_train_end it writes summary.json (`self.summary`). With stop_on_collapse=True a predicted collapse sets
-control.should_training_stop.
-
-The Trainer tells its callbacks of no exception, so the model's forward is wrapped while the probe watches
-it: an exception in the forward (the model's own, or a refusal of the probe) removes the hooks and frees the
-folder's lock before it leaves train(), the rows already taken staying (no summary: the run did not
-finish). After an exception elsewhere (the backward, the data, Ctrl-C between forwards) the next train()
-with this callback, or `close()`, does the same.
-
-The recipe stored is the Trainer's: its optimizer and lr scheduler, max_steps, max_grad_norm, and the warm-down
-read off its schedule (lr_scheduler_type linear / cosine / polynomial: the steps after the warm-up;
-warmup_stable_decay: its num_decay_steps; any other: none). The exit loss's targets (with head=) are the batch's
-`labels`, shifted by one position for a causal language model (a class named ...ForCausalLM or ...LMHeadModel,
-whose loss shifts them too); give targets= to override.
+The moments: on_train_begin watches the Trainer's model (with grad_hooks=True where it clips, but not under
+fp16), on_pre_optimizer_step reads the gradients, on_optimizer_step (before the Trainer's zero_grad) records the
+step, with the mean of the loss in the step's model outputs; on_train_end writes summary.json. The Trainer tells
+its callbacks of no exception, so the model's forward is wrapped while the probe watches: a raise in it lets go
+of the hooks and the lock before it leaves train(); after one elsewhere, the next train() or close() does.
 """
 from __future__ import annotations
 
@@ -49,7 +32,7 @@ except ImportError:
 
 
 def warmdown(args, steps: int | None) -> float | None:
-    """The final share of the steps the Trainer's schedule decays the lr over (module docstring), or None."""
+    """The final share of the steps the Trainer's schedule decays the lr over (docs/api.md), or None."""
     kind = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
     if not steps or kind not in ("linear", "cosine", "polynomial", "cosine_with_min_lr", "warmup_stable_decay"):
         return None
@@ -59,7 +42,7 @@ def warmdown(args, steps: int | None) -> float | None:
 
 
 def labels_of(causal: bool, *args, **kwargs) -> torch.Tensor | None:
-    """The exit loss's targets from the forward's `labels` (module docstring); None without labels."""
+    """The exit loss's targets from the forward's `labels` (shifted by one for a causal LM), or None."""
     labels = kwargs.get("labels")
     if not torch.is_tensor(labels) or not causal:
         return labels if torch.is_tensor(labels) else None
@@ -104,12 +87,14 @@ class FltDiagCallback(TrainerCallback):
             try:
                 return forward(*args, **kwargs)
             except BaseException as e:
-                self._let_go(e)
+                self.close(e)
                 raise
         model.forward = guarded
         self._guarded = (model, own, guarded)
 
-    def _let_go(self, error: BaseException | None = None) -> None:
+    def close(self, error: BaseException | None = None) -> None:
+        """Let go of the model and the folder now (after a train() that raised: its rows stay, no summary);
+        nothing to do after a train() that finished."""
         if self._guarded is not None:
             model, own, guarded = self._guarded
             self._guarded = None
@@ -122,11 +107,6 @@ class FltDiagCallback(TrainerCallback):
         if probe is not None and (probe.hooks is not None or probe._handles):  # still watching
             error = error or RuntimeError("train() did not reach on_train_end")
             probe.__exit__(type(error), error, None)  # hooks removed, lock freed, rows kept, no summary
-
-    def close(self) -> None:
-        """Let go of the model and the folder now (after a train() that raised: its rows stay, no summary);
-        nothing to do after a train() that finished."""
-        self._let_go()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.probe.after_backward()
@@ -141,4 +121,4 @@ class FltDiagCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.probe is not None:
             self.summary = self.probe.close()
-        self._let_go()
+        self.close()

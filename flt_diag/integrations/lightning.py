@@ -1,17 +1,10 @@
-"""flt-diag's probe as a Lightning Callback (extra: lightning).
+"""flt-diag's probe as a Lightning Callback (extra: lightning; usage, the recipe stored and the exit loss's
+targets: docs/api.md, "Lightning").
 
-    from flt_diag.integrations.lightning import FltDiagCallback
-    L.Trainer(max_steps=1000, callbacks=[FltDiagCallback(blocks="net.layers.*", folder="runs/pl")]).fit(module)
-
-At on_train_start it watches the LightningModule (or `module(pl_module)`, the submodule whose forward runs
-the loop); at on_before_optimizer_step it reads the gradients (before Lightning clips them), at
-on_train_batch_end it records the step with the loss training_step returned (None: Lightning skipped the
-batch, and so does the probe); at on_train_end it writes summary.json (`self.summary`); on an exception the
-hooks are removed and the rows kept. With stop_on_collapse=True a predicted collapse sets trainer.should_stop.
-One recorded step per batch: without gradient accumulation. The recipe stored is the Trainer's: its first
-optimizer and lr scheduler, max_steps, gradient_clip_val (None: no clipping set); give warmdown= for the verdict.
-The exit loss's targets (with head=) come from the batch: a (input, target, ...) tuple or list: its second item;
-a dict: its "labels", "targets", "target" or "y"; each one per position of the loop-end stream, as given.
+The moments: on_train_start watches the LightningModule (or `module(pl_module)`), on_before_optimizer_step
+reads the gradients (before Lightning clips them), on_train_batch_end records the step with the loss
+training_step returned (None: Lightning skipped the batch, and so does the probe; one step per batch, no
+gradient accumulation), on_train_end writes summary.json; on an exception the hooks go, the rows stay.
 """
 from __future__ import annotations
 
@@ -37,7 +30,7 @@ except ImportError:
 
 
 def batch_target(batch) -> torch.Tensor | None:
-    """The exit loss's targets in a Lightning batch (module docstring), or None."""
+    """The exit loss's targets in a Lightning batch (docs/api.md, "Lightning"), or None."""
     if isinstance(batch, (tuple, list)) and len(batch) >= 2:
         found = batch[1]
     elif isinstance(batch, Mapping):

@@ -66,7 +66,7 @@ def _fraction(name: str, x, high: float) -> None:
 
 
 def check_watch(model, folder, *, loss, optimizer, callbacks, loop_boundary, diagnostics, steps, seed, vocab_size,
-                grad_scale, unigram_entropy, note, variant, warmdown, grad_clip) -> None:
+                grad_scale, unigram_entropy, note, variant, warmdown, grad_clip, **_) -> None:
     """watch()'s arguments, each of the kind docs/api.md names (one ProbeError line for the first that is not)."""
     if not isinstance(model, torch.nn.Module):
         raise ProbeError(f"watch() diagnoses an nn.Module, not {_kind(model)}")
@@ -131,9 +131,13 @@ def one_loss(value, where: str):
                      "or a float)")
 
 
-def step_number(step, last: int | None) -> int:
-    """step(step=...): an integer from 0 to MAX_STEP, after the last step recorded (`last`), or one line."""
-    try:
+def step_arguments(loss, step, optimizer, next_step: int, recorded: bool, forward_seen: bool):
+    """(the step's number, its loss, the optimizer's lr) of a step() call, each checked before anything of the
+    step is recorded, so that a refusal changes nothing: `next_step` is the default number, `recorded` whether
+    a step was recorded before (the last one is next_step - 1), `forward_seen` whether a training forward
+    came since (a second step() for one optimizer step would record it twice)."""
+    last, step = next_step - 1 if recorded else None, next_step if step is None else step
+    try:  # step(step=...): an integer from 0 to MAX_STEP, after the last step recorded
         s = operator.index(step) if not isinstance(step, bool) else None
     except TypeError:
         s = None
@@ -144,16 +148,6 @@ def step_number(step, last: int | None) -> int:
     if last is not None and s <= last:
         raise ProbeError(f"step(step={s}) comes after step {last} was recorded: each optimizer step is recorded "
                          "once, and its number only grows")
-    return s
-
-
-def step_arguments(loss, step, optimizer, next_step: int, recorded: bool, forward_seen: bool):
-    """(the step's number, its loss, the optimizer's lr) of a step() call, each checked before anything of the
-    step is recorded, so that a refusal changes nothing: `next_step` is the default number, `recorded` whether
-    a step was recorded before (the last one is next_step - 1), `forward_seen` whether a training forward
-    came since (a second step() for one optimizer step would record it twice)."""
-    last = next_step - 1 if recorded else None
-    s = step_number(next_step if step is None else step, last)
     if not forward_seen:
         raise ProbeError("step() came before any recorded training forward of the model: call it after each "
                          "optimizer step, with the model in training mode" if last is None else

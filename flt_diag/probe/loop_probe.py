@@ -8,7 +8,7 @@ import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, Union
 
 import torch
 from torch import Tensor, nn
@@ -25,12 +25,42 @@ from flt_diag.probe.checks import check_watch, leave_no_trace, lets_go_on_refusa
 from flt_diag.probe.results import EarlyWarning
 from flt_diag.storage.file_models import Summary
 from flt_diag.instruments.diagnostics import LoopHooks, ProbeError, should_record
-from flt_diag.probe.model import called_blocks, check_untied, default_head, parameter_groups_of, resolve_blocks
+from flt_diag.probe.model import auto_blocks, called_blocks, check_untied, default_head, parameter_groups_of, resolve_blocks
 from flt_diag.instruments.warning_callback import CollapseWarning, predictor
 from flt_diag.config.run_config import DiagnosticsConfig
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 Blocks = Union[str, nn.Module, Sequence[nn.Module]]  # "auto", a module-path pattern, the modules, one module
 Head = Union[nn.Module, Callable[[Tensor], Tensor]]
+
+
+class WatchOptions(TypedDict, total=False):
+    """watch()'s keyword options, for the callbacks that pass them on (**options: Unpack[WatchOptions])."""
+
+    head: Head | None
+    loss: Callable[[Any], Any] | None
+    loop_boundary: nn.Module | Literal["manual"] | None
+    optimizer: torch.optim.Optimizer | None
+    scheduler: object | None
+    warmdown: float | None
+    grad_clip: float | None
+    diagnostics: DiagnosticsConfig | None
+    steps: int | None
+    variant: str | None
+    seed: int
+    vocab_size: int | None
+    grad_scale: float
+    warn: bool
+    stop_on_collapse: bool
+    predictor_path: str | None
+    callbacks: list[Callback] | None
+    note: str | None
+    unigram_entropy: float | None
+    grad_hooks: bool
+    loop_step: Callable[[Tensor], Tensor] | None
+    targets: Callable[..., Tensor | None] | None
 
 
 class LoopProbe:
@@ -40,50 +70,39 @@ class LoopProbe:
     shape: tuple[int, ...] | None  # the first recorded stream's shape (None before the first training forward)
     loops_seen: Counter[int]  # loop count -> the training forwards that ran it
 
-    def __init__(self, model: nn.Module, blocks: Blocks = "auto", folder: str | os.PathLike[str] = "runs/probe", *,
-                 head: Head | None = None, loss: Callable[[Any], Any] | None = None,
-                 loop_boundary: nn.Module | Literal["manual"] | None = None,
-                 optimizer: torch.optim.Optimizer | None = None, scheduler: object | None = None,
-                 warmdown: float | None = None, grad_clip: float | None = None,
-                 diagnostics: DiagnosticsConfig | None = None, steps: int | None = None, variant: str | None = None,
-                 seed: int = 0, vocab_size: int | None = None, grad_scale: float = 1.0, warn: bool = False,
-                 stop_on_collapse: bool = False, predictor_path: str | None = None,
-                 callbacks: list[Callback] | None = None, note: str | None = None,
-                 unigram_entropy: float | None = None, grad_hooks: bool = False,
-                 loop_step: Callable[[Tensor], Tensor] | None = None,
-                 targets: Callable[..., Tensor | None] | None = None):
-        check_watch(model, folder, loss=loss, optimizer=optimizer, callbacks=callbacks, loop_boundary=loop_boundary,
-                    diagnostics=diagnostics, steps=steps, seed=seed, vocab_size=vocab_size, grad_scale=grad_scale,
-                    unigram_entropy=unigram_entropy, note=note, variant=variant, warmdown=warmdown,
-                    grad_clip=grad_clip)  # (probe/checks.py: one ProbeError line, nothing made)
+    def __init__(self, model: nn.Module, blocks: Blocks = "auto", folder: str | os.PathLike[str] = "runs/probe",
+                 **options: Unpack[WatchOptions]):
+        o: dict[str, Any] = {**dict.fromkeys(WatchOptions.__annotations__), "seed": 0, "grad_scale": 1.0,
+                             "warn": False, "stop_on_collapse": False, "grad_hooks": False, **options}
+        check_watch(model, folder, **o)  # (probe/checks.py: one ProbeError line, nothing made)
         self.model, self.folder = model, Path(folder)
         self.auto = isinstance(blocks, str) and blocks == "auto"  # found at the first training forward
         self.blocks, self.names = ([], []) if self.auto else resolve_blocks(model, blocks)
+        head, warn, stop = o["head"], o["warn"] or o["stop_on_collapse"], o["stop_on_collapse"]
         self.given_head = head if isinstance(head, nn.Module) else None  # (a callable head: no parameter group)
         self.head = self.given_head if self.given_head is not None else default_head(model, self.blocks)
-        self.loss_fn, self.optimizer, self.steps, self.variant, self.seed = loss, optimizer, steps, variant, seed
-        self.vocab_size, self.note, self.unigram_entropy = vocab_size, note, unigram_entropy
-        self.warmdown, self.grad_clip, self.warmdown_from = warmdown, grad_clip, "watch(warmdown=)"
-        self.recipe = recipe(optimizer, scheduler, steps, grad_clip, warmdown, variant)  # (as at the start)
-        self.boundary = "manual" if loop_boundary == "manual" else loop_boundary
-        warn = warn or stop_on_collapse
-        self.dcfg = diagnostics or DiagnosticsConfig()
-        self.dcfg = DiagnosticsConfig(**{**self.dcfg.__dict__, "warn": warn, "stop_on_collapse": stop_on_collapse,
-                                         "predictor": predictor_path})
-        self.grad_scale = grad_scale
+        self.loss_fn, self.optimizer, self.steps, self.variant, self.seed = (o[k] for k in (
+            "loss", "optimizer", "steps", "variant", "seed"))
+        self.vocab_size, self.note, self.unigram_entropy = o["vocab_size"], o["note"], o["unigram_entropy"]
+        self.warmdown, self.grad_clip, self.warmdown_from = o["warmdown"], o["grad_clip"], "watch(warmdown=)"
+        self.recipe = recipe(*(o[k] for k in ("optimizer", "scheduler", "steps", "grad_clip", "warmdown", "variant")))
+        self.boundary = "manual" if o["loop_boundary"] == "manual" else o["loop_boundary"]
+        self.dcfg = DiagnosticsConfig(**{**(o["diagnostics"] or DiagnosticsConfig()).__dict__, "warn": warn,
+                                         "stop_on_collapse": stop, "predictor": o["predictor_path"]})
+        self.grad_scale = o["grad_scale"]
         self.host = Host(model, self.folder)
         # the loop dynamics as flt-diag's runs take them (flt-diag's model), or from head=, targets=, loop_step=
-        self.dynamics = watched_model_dynamics(self.dcfg, model, head, loop_step, targets)
+        self.dynamics = watched_model_dynamics(self.dcfg, model, head, o["loop_step"], o["targets"])
         self._build()
-        self.warning_cb = CollapseWarning(predictor(predictor_path), stop=stop_on_collapse,
+        self.warning_cb = CollapseWarning(predictor(o["predictor_path"]), stop=stop,
                                           say=None if warn else (lambda text: None))  # prints only with warn
-        self.callbacks = [self.dynamics, *(callbacks or [])]  # (the loop dynamics first)
+        self.callbacks = [self.dynamics, *(o["callbacks"] or [])]  # (the loop dynamics first)
         self.step_index, self.shape, self.loops_seen = 0, None, Counter()
-        self.grad_hooks = grad_hooks  # each gradient read as the backward accumulates it: before any clipping
+        self.grad_hooks = o["grad_hooks"]  # each gradient read as the backward accumulates it: before any clipping
         self.oscillation_unjudged: str | None = None  # why the gradient norms read are after clipping, if they are
         self.summary: Summary | None = None
         self._reset_step()
-        self._open(steps)
+        self._open()
 
     # ------------------------------------------------------------------ attach / detach
     def _build(self) -> None:
@@ -113,7 +132,7 @@ class LoopProbe:
         found, loops = called_blocks(module, args, kwargs)
         how = f"called {loops} times in the first training forward"
         if not found:
-            found, how = list(zip(*reversed(resolve_blocks(module, "auto")))), "no module was called twice in the first training forward; the " \
+            found, how = auto_blocks(module), "no module was called twice in the first training forward; the " \
                                               "largest ModuleList"
         self.blocks, self.names = [m for _, m in found], [n for n, _ in found]
         if self.given_head is None:  # (the head is outside the blocks)
@@ -123,7 +142,7 @@ class LoopProbe:
         self._build()
         self._attach()
 
-    def _open(self, steps: int | None) -> None:
+    def _open(self) -> None:
         if self.folder.exists() and (not self.folder.is_dir() or has_content(self.folder)):
             raise ProbeError(f"{self.folder} exists and is not empty; give watch() a new folder")
         self._stack = contextlib.ExitStack()
@@ -218,15 +237,12 @@ class LoopProbe:
             self.hooks.end_loop(stream)
 
     # ------------------------------------------------------------------ moments
-    def _grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.params if p.grad is not None]
-
     def after_backward(self) -> None:
         """After the backward of a step, before clipping and the optimizer step (optional)."""
         if self.hooks is None or self._backward_done:
             return
         self._backward_done = True
-        grads = self._grads()
+        grads = [p.grad for p in self.params if p.grad is not None]
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else None
         self.diag.unclip = None
         if grads and self._pre:  # grad_hooks: the norm before clipping; the per-group figures scaled back to it
@@ -294,9 +310,8 @@ class LoopProbe:
             self._reset_step()
 
     def _check_finite(self, s: int, value) -> None:
-        """With warn / stop_on_collapse: a loss that is not finite is the early warning's latest check at once
-        (P(collapse) 1, the evidence naming it), printed, and with stop_on_collapse it ends the run (the verdict
-        stays the loss rules' own: diverged)."""
+        """With warn / stop_on_collapse: a non-finite loss is the early warning's latest check at once (P(collapse)
+        1), printed; with stop_on_collapse it ends the run (the verdict stays the loss rules' own: diverged)."""
         v = float(value.detach().float()) if torch.is_tensor(value) else float(value)
         if math.isfinite(v):
             return

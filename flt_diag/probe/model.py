@@ -37,7 +37,7 @@ def _matches(pattern: str, name: str) -> bool:
     return len(parts) == len(want) and all(fnmatch.fnmatchcase(p, w) for p, w in zip(parts, want))
 
 
-def _auto_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def auto_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The largest ModuleList whose modules are all of one class (a stack of blocks); a module listed twice
     (a repeated layer list) counts once, at its first place."""
     best: list[tuple[str, nn.Module]] = []
@@ -86,7 +86,7 @@ def resolve_blocks(model: nn.Module, blocks) -> tuple[list[nn.Module], list[str]
     """(blocks, their module paths) from "auto", a module-path pattern, a module list or one module."""
     named = list(model.named_modules())
     if isinstance(blocks, str):
-        found = _auto_blocks(model) if blocks == "auto" else [(n, m) for n, m in named if n and _matches(blocks, n)]
+        found = auto_blocks(model) if blocks == "auto" else [(n, m) for n, m in named if n and _matches(blocks, n)]
         if not found:
             raise BlocksNotFound(f"no module of {type(model).__name__} matches blocks={blocks!r} (module paths look "
                                  f"like {', '.join(n for n, _ in named[1:4]) or 'none: the model has no submodule'})")

@@ -1,16 +1,11 @@
-"""The torch files of a run folder, in one place: checkpoint.pt (final weights + model config) and
-resume.pt (mid-run state for exact resumption), written by the `Checkpoints` callback.
+"""The torch files of a run folder: checkpoint.pt (final weights + model config) and resume.pt (mid-run state
+for exact resumption), written by the `Checkpoints` callback. Torch files a user may have been sent are read
+`weights_only=True` (tensors, numbers, strings, containers: never code), any failure as one StorageError line.
 
-Reading torch files a user may have been sent (checkpoint.pt, resume.pt, reference checkpoints):
-always `weights_only=True` - tensors, numbers, strings and containers, never code - and any failure
-(missing, truncated, corrupt, crafted) as one StorageError line.
-
-resume.pt: {step (the next step to train), wall_time, model, optimizers: [state_dict per optimizer],
-callbacks: {name: state_dict} of the Trainer's callbacks}. It is checked against the run that resumes
-it (flt_diag.storage.files.check_resume_state: keys, shapes, the step) before any of it is loaded.
-Callbacks are matched by name (`callback_names`): a callback the resumed run adds (`--warn`, which may
-change on reuse) starts without state, one it drops is ignored. (Older files hold a list, matched by
-position.)
+resume.pt: {step (the next step to train), wall_time, model, optimizers: [state_dict per optimizer], callbacks:
+{name: state_dict}}, checked against the run that resumes it (flt_diag.storage.files.check_resume_state) before
+any of it is loaded. Callbacks are matched by name (`callback_names`): one the resumed run adds (`--warn`)
+starts without state, one it drops is ignored. (Older files hold a list, matched by position.)
 """
 from __future__ import annotations
 

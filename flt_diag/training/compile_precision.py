@@ -1,17 +1,10 @@
 """Cross-cutting concerns applied to a built model from outside: compilation, precision.
 
-`compile_blocks` compiles the two residual halves of each block (norms, attention or MLP, and the
-residual add: every elementwise op of a block fuses with its neighbours), not the whole model: the
-loop over K stays in Python (cheap calls at GPU scale), and every diagnostic hook - on the block, on
-`block.after_attn` between the halves, on `model.loop_end` - runs outside the compiled region and
-keeps firing once per (loop, layer), so diagnostics work unchanged under torch.compile.
-DDP is applied by the Trainer when launched with torchrun (WORLD_SIZE > 1).
-
-When to compile (`compile_wanted`, the `--compile` default): always on CUDA; on a CPU only for runs
-of at least COMPILE_MIN_STEPS_CPU steps, because compiling costs seconds before the first step and
-saves milliseconds on each (the timings and the steps after which it pays: benchmarks/README.md,
-"Compilation cost").
-A CPU without a C++ compiler (inductor's CPU backend needs one) trains eagerly.
+`compile_blocks` compiles the two residual halves of each block, not the whole model: the loop over K stays
+in Python and every diagnostic hook runs outside the compiled region, so the diagnostics record the same
+(loop, layer) values (DESIGN.md §3, "Compilation"). When to compile (`compile_wanted`, the `--compile`
+default): always on CUDA; on a CPU for runs of at least COMPILE_MIN_STEPS_CPU steps and only with a C++
+compiler (compiling costs seconds before the first step: benchmarks/README.md, "Compilation cost").
 """
 from __future__ import annotations
 
@@ -33,9 +26,8 @@ def compile_wanted(option: bool | None, device_type: str, steps: int) -> bool:
     """`--compile` resolved: the user's choice, else on CUDA always, on a CPU for long runs only."""
     if option is not None:
         return option
-    if device_type == "cuda":
-        return True
-    return device_type == "cpu" and steps >= COMPILE_MIN_STEPS_CPU and cpu_compiler_available()
+    return device_type == "cuda" or (device_type == "cpu" and steps >= COMPILE_MIN_STEPS_CPU
+                                      and cpu_compiler_available())
 
 
 def compile_blocks(model: LoopedTransformer, **compile_kwargs) -> LoopedTransformer:

@@ -1,22 +1,14 @@
-"""The reference training recipe (DESIGN.md §2) and plain AdamW.
-
-muon:  torch.optim.Muon on the block matrices (lr 0.02, Nesterov, no weight decay; momentum raised
-       linearly from 0.85 at step 0 to 0.95 at step 300, then constant: `muon_momentum`);
-       AdamW on the embedding (lr 0.2) and head (lr 0.004), betas (0.8, 0.95), eps 1e-10, no weight
-       decay, AdamW lrs scaled by (d/768)^-0.5.
-adamw: AdamW on every parameter (lr `adamw_lr`), same betas and eps.
-Both: every lr times `lr_scale`; constant, then linear warm-down to 0 over the final
+"""The reference training recipe (DESIGN.md §2: Muon on the block matrices, momentum warmed up by
+`muon_momentum`; AdamW on the embedding and head) and plain AdamW (`adamw_lr` on every parameter, the same
+betas and eps). Both: every lr times `lr_scale`; constant, then a linear warm-down to 0 over the final
 `warmdown_frac` of the steps.
 
-On CPU the Muon step is `BatchedMuon`: torch.optim.Muon's update (same momentum, Nesterov, quintic
-Newton-Schulz in bf16, lr adjustment, state), with two changes of *how* it is computed. (1) Every
-bf16 matmul of the Newton-Schulz iteration is done as an fp32 matmul of the bf16 values, rounded to
-bf16 (bf16 with fp32 accumulation, which is what a bf16 GEMM computes): CPUs without bf16 hardware
-(AMD EPYC/Zen 3, most laptops) run torch's bf16 matmuls an order of magnitude slower than fp32 ones
-(benchmarks/README.md, the AMD EPYC table); the emulation
-gives the same values up to the accumulation order, i.e. a bf16 rounding may differ in rare
-elements. (2) Matrices of the same (transposed) shape are orthogonalised together, as one batch.
-Runs stay deterministic. On GPUs torch.optim.Muon itself is used.
+On GPUs torch.optim.Muon itself is used; on a CPU `BatchedMuon` (DESIGN.md §4): torch.optim.Muon's update
+with two changes of *how* it is computed. (1) Every bf16 matmul of the Newton-Schulz iteration is an fp32
+matmul of the bf16 values, rounded to bf16 (bf16 with fp32 accumulation, what a bf16 GEMM computes): CPUs
+without bf16 hardware run torch's bf16 matmuls an order of magnitude slower (benchmarks/README.md); a bf16
+rounding may differ in rare elements. (2) Matrices of the same (transposed) shape are orthogonalised together,
+as one batch. Runs stay deterministic.
 """
 from __future__ import annotations
 

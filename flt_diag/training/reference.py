@@ -2,16 +2,8 @@
 state-dict conversion both ways, the reading of a nanochat checkpoint folder, and the run folder an
 imported model is written to (`flt-diag import-reference`, read back by `flt-diag eval-loops`).
 
-Reference layout (DESIGN.md §2)               flt-diag
-    transformer.wte.weight        (Vp, d)     embed.weight          (V, d)
-    transformer.h.{i}.attn.c_q    (d, d)      blocks.{i}.attn.q
-    transformer.h.{i}.attn.c_k    (d, d)      blocks.{i}.attn.k
-    transformer.h.{i}.attn.c_v    (d, d)      blocks.{i}.attn.v
-    transformer.h.{i}.attn.c_proj (d, d)      blocks.{i}.attn.o
-    transformer.h.{i}.mlp.c_fc    (4d, d)     blocks.{i}.mlp.up
-    transformer.h.{i}.mlp.c_proj  (d, 4d)     blocks.{i}.mlp.down
-    lm_head.weight                (Vp, d)     head.weight           (V, d)
-
+The reference names its parameters transformer.wte, transformer.h.{i}.attn.c_q|c_k|c_v|c_proj,
+transformer.h.{i}.mlp.c_fc|c_proj and lm_head (DESIGN.md §2); flt-diag's names: `_TOP_NAMES`, `_BLOCK_NAMES`.
 The reference pads its vocabulary to a multiple of 64 (Vp >= V) and slices the logits back to V;
 here the padded rows are dropped instead, which gives the same logits. Keys may carry the prefixes
 `_orig_mod.` (torch.compile) or `module.` (DDP). Its variants are named LT, LT_i, LT_ia, FLT_res, FLT.
@@ -71,11 +63,6 @@ def variant_name(name: str) -> str:
                                f"(reference) or {', '.join(VARIANTS)}")
 
 
-def strip_prefixes(key: str) -> str:
-    """'_orig_mod.module.lm_head.weight' -> 'lm_head.weight' (prefixes may be stacked)."""
-    return _PREFIXES.sub("", key)
-
-
 def _few(keys, n: int = 3) -> str:
     keys = sorted(keys)
     return ", ".join(keys[:n]) + (f" (+{len(keys) - n} more)" if len(keys) > n else "")
@@ -87,7 +74,7 @@ def _flatten(sd: dict) -> dict:
         raise ReferenceImportError("reference checkpoint: expected a non-empty state dict")
     flat: dict[str, torch.Tensor] = {}
     for key, value in sd.items():
-        k = strip_prefixes(str(key))
+        k = _PREFIXES.sub("", str(key))  # (stacked: _orig_mod.module.lm_head.weight -> lm_head.weight)
         if k in flat:
             raise ReferenceImportError(f"reference checkpoint: key {k!r} appears twice once prefixes are stripped")
         flat[k] = value
@@ -239,9 +226,7 @@ def import_reference(checkpoint, variant: str | None = None, loops: int | None =
     default (forward(loops=k) still chooses any k). Each of variant, loops, n_head, vocab_size and
     sequence_len falls back to the meta json (`meta`: dict or path; by default meta_<step>.json beside
     the checkpoint). n_head is required one way or the other: the weights alone do not fix it.
-    Without a vocab size the padded rows are kept. The model is built with rotary_dtype="bfloat16",
-    as the reference's rotary tables are bfloat16 (the one deliberate difference from flt-diag's
-    default float32 tables)."""
+    Without a vocab size the padded rows are kept; rotary_dtype="bfloat16" (module docstring)."""
     path = _checkpoint_file(Path(checkpoint)) if isinstance(checkpoint, (str, Path)) else None
     info, meta_name = _load_meta(meta, path)  # checked before the weights are read
     sd = _load_checkpoint(path) if path is not None else checkpoint

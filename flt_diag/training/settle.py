@@ -6,14 +6,8 @@ vocabulary is the tokenizer's (padded to a multiple of 64), the corpus and the t
 and the early-warning predictor loads when the run will use it. Every problem is one ValueError line
 (DataError for data). The Trainer, the sweeps and the maps take a settled config as given: they
 neither settle nor validate it again (the Trainer only refuses a config that did not come through
-here, `check_settled`).
-
-`comparable` and `differences` say which fields of a config decide what a run computes, so that a
-run, sweep or map folder can be checked against the config of a new command.
-
-This module imports no torch: the data layer it reads tokenizers and corpora from is torch-free, and
-torch is imported only to ask whether CUDA is there (`_cuda_devices`), when a device other than cpu
-is asked for.
+here, `check_settled`). `comparable` and `differences`: the fields that decide what a run computes, to
+check a run, sweep or map folder against a new command. No torch is imported but by `_cuda_devices`.
 
     from flt_diag.training.settle import run_config
     cfg = run_config(dict(preset="tiny", loops=6, steps=200, device="cpu"))  # then Trainer(cfg, "runs/x")
@@ -128,12 +122,10 @@ def comparable(cfg_dict: dict) -> dict:
     invalidating a run folder; folders written before the task dials existed still resume)."""
     d = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg_dict.items()
          if k not in ("env", "corpus", "verdict", "imported_from", "note", "n_params")}
-    for k in VOLATILE_TRAIN_FIELDS:
-        d["train"].pop(k, None)
+    for k in (*VOLATILE_TRAIN_FIELDS, *set(TASK_DIALS) - set(TASKS.get(d["train"].get("data"), ()))):
+        d["train"].pop(k, None)  # (and the dials of a task its data does not read)
     for k in VOLATILE_DIAGNOSTICS_FIELDS:
         d.get("diagnostics", {}).pop(k, None)
-    for k in set(TASK_DIALS) - set(TASKS.get(d["train"].get("data"), ())):  # dials its data does not read
-        d["train"].pop(k, None)
     return d
 
 

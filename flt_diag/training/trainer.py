@@ -1,19 +1,11 @@
 """Training: one run into one run folder. `Trainer` is the loop; everything else is a callback.
 
-The loop: for each step, `step()` (forward/backward per micro-batch, clipping, optimizer step; the
-step's scalars collected in one host transfer), then the callbacks' `on_rows` and `on_step_end`.
-Side concerns are callbacks (flt_diag.instruments.callbacks for the moments): the instruments (diagnostics, loop
-dynamics: flt_diag.instruments.dynamics_callback.instruments, as for flt_diag.watch), the caller's, the collapse
-warning, then evaluation (flt_diag.training.evaluation), the metrics table (flt_diag.instruments.callbacks.
-MetricsTable), TensorBoard / W&B mirrors (flt_diag.instruments.external), resume.pt / checkpoint.pt
-(flt_diag.training.checkpoint) and progress (flt_diag.instruments.callbacks.Progress).
-The Trainer itself owns the run folder's config.json (written first) and summary.json (written last).
-
-Every scalar of a step goes into a StepLog as a device tensor; the StepLog moves them to the
-host in one transfer per step.
-
-The Trainer takes a settled config (flt_diag.training.settle: device, vocabulary, data and predictor decided and
-checked) as given: it settles and validates nothing again, and refuses a config that was not settled.
+The loop: for each step, `train_step()` (forward/backward per micro-batch, clipping, optimizer step; the step's
+scalars kept in a StepLog as device tensors, moved to the host in one transfer), then the callbacks' `on_rows`
+and `on_step_end`. The callbacks, in order: the instruments (as for flt_diag.watch), the caller's, the collapse
+warning, evaluation, the metrics table, TensorBoard / W&B mirrors, resume.pt / checkpoint.pt and progress. The
+Trainer itself owns config.json (written first) and summary.json (written last). It takes a settled config
+(flt_diag.training.settle) as given, and refuses one that was not settled.
 """
 from __future__ import annotations
 
