@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from flt_diag.config.option_fields import MAX_ITEMS, MAX_TEXT, dotted, one_line  # noqa: F401 (re-exported)
+from flt_diag.config.option_fields import MAX_ITEMS, dotted, one_line  # noqa: F401 (re-exported)
 from flt_diag.storage.errors import BadFile, StorageError  # noqa: F401  (re-exported: one error type)
 from flt_diag.storage.safe_files import open_regular
 
