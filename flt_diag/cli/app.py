@@ -1,16 +1,7 @@
-"""The `flt-diag` command line, generated with typer from the options of flt_diag.cli.options (which
-come from the typed config): one typer command per command, its options in help panels by config
-section with their defaults, choices completed by the shell (`flt-diag --install-completion`).
-
-List options take `--loops 3 6 9 12`, `--loops 3,6`, `--loops 3 --loops 6` and `--loops=3`: click
-reads one value per flag, so `ListCommand.parse_args` first spreads each list option's values into
-repeated flags (a negative number is a value; `--` ends the options). The parsed values become the
-command's typed options (`command_args`: a pydantic model per command, flt_diag.cli.options) and are
-handed to the command's function (flt_diag.cli.commands) outside typer.
-
-Errors a user can cause print one line (`error: ...`) and exit with status 2; nothing already written
-is touched. Ctrl-C exits with 130. `main(argv) -> int` is the entry point (`flt-diag`, and `python -m
-flt_diag`: flt_diag/__main__.py, the one __main__).
+"""The `flt-diag` command line, generated with typer from the options of flt_diag.cli.options (how, and how
+list options are parsed: docs/DESIGN.md §7, "Options"). Errors a user can cause print one line (`error: ...`)
+and exit with status 2; Ctrl-C exits with 130. `main(argv) -> int` is the entry point (`flt-diag`, and
+`python -m flt_diag`: flt_diag/__main__.py, the one __main__).
 """
 from __future__ import annotations
 
@@ -38,8 +29,7 @@ METAVARS = {int: "N", float: "X", str: "TEXT", Path: "PATH"}
 
 
 def _is_value(arg: str) -> bool:
-    """Whether an argument after a list option is one of its values: anything but a flag (a
-    negative number is a value)."""
+    """Whether an argument after a list option is one of its values (a negative number is one)."""
     if not arg.startswith("-"):
         return True
     try:
@@ -165,9 +155,8 @@ def build_app() -> typer.Typer:
 
 @functools.cache
 def _command():
-    """The click command of the app, built once per process. Help is
-    drawn at least 100 columns wide (the terminal's width where wider; TERMINAL_WIDTH overrides): at
-    80, typer's tables cut long flags such as --no-checkpoint-loops short."""
+    """The click command of the app, built once per process. Help is drawn at least 100 columns wide
+    (TERMINAL_WIDTH overrides): at 80, typer's tables cut long flags such as --no-checkpoint-loops short."""
     if not os.environ.get("TERMINAL_WIDTH"):
         typer.rich_utils.MAX_WIDTH = max(shutil.get_terminal_size((100, 24)).columns, 100)
     return typer.main.get_command(build_app())

@@ -1,11 +1,6 @@
-"""The `flt-diag` commands: each a short function of its typed options (a pydantic model per command,
-flt_diag.cli.options: `TrainOptions`, `MapOptions`, ...) that calls into the layers below and prints
-through flt_diag.cli.console and .output.
-
-A training command settles its config once (flt_diag.training.settle, directly or through the grid specs of
-flt_diag.cli.specs) and hands it down; nothing below settles or validates it again. `COMMANDS` names
-each command's function; its arguments and options are flt_diag.cli.options', its parser
-flt_diag.cli.app's.
+"""The `flt-diag` commands (`COMMANDS`): each a short function of its typed options (flt_diag.cli.options)
+that calls into the layers below and prints through flt_diag.cli.console and .output. A training command
+settles its config once (docs/DESIGN.md §7, "Settling"); nothing below settles or validates it again.
 """
 from __future__ import annotations
 
@@ -72,8 +67,7 @@ def _listed_or_picked(items: list, o: RunAblationOptions | MapOptions, line) -> 
 
 
 def _failed_cells(out: Path, cells) -> int:
-    """Exit status 1, with one line, when a cell of the sweep failed (its error.txt says why) or has
-    no summary although the sweep ran it (a failure that could not even be recorded)."""
+    """Exit status 1, with one line, when a cell failed or has no summary although the sweep ran it."""
     from flt_diag.cli.output import print_failed_cells
     from flt_diag.grids.progress import cell_status
     status = {c.name: cell_status(out, c) for c in cells}
@@ -304,8 +298,8 @@ def cmd_fit_predictor(o: FitPredictorOptions) -> int:
 
 
 def _output_file(flag: str, path: Path | None) -> None:
-    """A file a command is to write, refused before any work and before any other output is written: a link,
-    a FIFO, a device, a folder, or no folder to hold it (one line each)."""
+    """A file a command is to write, refused (one line) before any work if it is a link, a FIFO, a device, a
+    folder, or has no folder to hold it."""
     from flt_diag.storage.folders import refuse_links
     from flt_diag.storage.safe_files import new_file
     if path is None:

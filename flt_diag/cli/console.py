@@ -1,5 +1,4 @@
-"""What the command line prints: the progress bar, a run's verdict line, a sweep's tables (per run and,
-with several seeds, per cell), each comparing the variants at the same K."""
+"""What the command line prints: the progress bar, a run's verdict line, a sweep's tables."""
 from __future__ import annotations
 
 import math

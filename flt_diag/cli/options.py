@@ -1,15 +1,7 @@
-"""Which command takes which option: the one place that knows the commands' names and arguments.
-
-Every training option is a field of a config section (flt_diag.config.run_config) and every grid option a field
-of SweepAxes, MapAxes or MapGrid (flt_diag.config.grid_options), each with its help, flag, bounds and
-choices. Each command's typed options are a pydantic model here (`TrainOptions`, `MapOptions`, ...): its
-own options (output folders, workers, ...) declared with `opt`, its positional arguments with `arg`, a
-grid command's grid inherited from the grid's model, and `config`, the config options given (a GivenConfig:
-`o.config.model.loops`, by section and field, None where not given), which settling builds its config on
-(flt_diag.training.settle.run_config). `command_options(command)`
-lists a command's options in help order: the typer command line (flt_diag.cli.app), the study files
-(flt_diag.cli.specs) and the option table (docs/cli.md, flt_diag.cli.table) are generated from it;
-`command_args` validates parsed values into the command's options model (one line naming the flag).
+"""Which command takes which option: the one place that knows the commands' names and arguments (docs/DESIGN.md
+§7, "Options"). Each command's typed options are a pydantic model here (`TrainOptions`, `MapOptions`, ...);
+`command_options(command)` lists them in help order (the typer command line, the study files and docs/cli.md
+are generated from it); `command_args` validates parsed values into the model (one line naming the flag).
 """
 from __future__ import annotations
 
@@ -39,9 +31,8 @@ GRID_OPTIONS = {"run-ablation": options_of(SweepAxes, "sweep"), "map": options_o
 
 
 def config_options(command: str) -> list[Option]:
-    """The config fields `command` takes: all of them for a training command, less those set by settling
-    (the vocabulary) and those its grid takes a list of instead (their fields' `grid`); the verdict
-    thresholds for `summary`; none for the others."""
+    """The config fields `command` takes: a training command all but the settled ones and its grid's; `summary`
+    the verdict thresholds; the others none."""
     if command == "summary":
         return [o for o in OPTIONS if o.section == "verdict"]
     if command not in TRAINING_COMMANDS:
@@ -200,9 +191,8 @@ def command_options(command: str) -> list[Option]:
 
 
 def command_args(command: str, values: dict) -> Options:
-    """The typed options of `command` from parsed values (dest -> value; None: not given; and fields of
-    the model that are no option, such as plot's figure): the config options it takes checked into `config`
-    (a GivenConfig), then the command's model built (a bad value: one ConfigError line naming the flag)."""
+    """The typed options of `command` from parsed values (dest -> value; None: not given; and fields of the
+    model that are no option, such as plot's figure), its config options in `config` (a GivenConfig)."""
     cls, config = ARGS[command], config_options(command)
     given = GivenConfig.of_values({o.dest: values.get(o.dest) for o in config})
     own = {o.dest: values[o.dest] for o in options_of(cls, "cli") if values.get(o.dest) is not None}

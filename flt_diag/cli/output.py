@@ -1,6 +1,5 @@
-"""What the commands print beyond the progress bar and the tables of flt_diag.cli.console: a map's
-boundaries, eval-loops' lines, the early-warning predictions and fits, and the command line a fitted
-predictor records."""
+"""What the commands print beyond flt_diag.cli.console: a map's boundaries, eval-loops' lines, the
+early-warning predictions and fits, and the command line a fitted predictor records."""
 from __future__ import annotations
 
 import sys

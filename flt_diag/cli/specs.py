@@ -1,10 +1,6 @@
 """A sweep's or a map's spec from the typed options of run-ablation or map (from the command line or a
-study file).
-
-The base config of the grid is settled once (flt_diag.training.settle.run_config) with the grid's first cell;
-SweepSpec and MapSpec take it as given and check every cell before anything runs. `settled=False`
-(for `--list`, which runs nothing) checks every option but loads no tokenizer. The grid's defaults are
-its fields' (flt_diag.config.grid_options), never repeated here.
+study file): the base config settled once with the grid's first cell (docs/DESIGN.md §7, "Settling");
+`settled=False` (for `--list`, which runs nothing) checks every option but loads no tokenizer.
 """
 from __future__ import annotations
 
@@ -49,8 +45,8 @@ def study_options(command: str) -> list:
 
 
 def study_tables() -> dict[str, type]:
-    """A study file's tables and the model of the options each takes: named as users type them, each optional
-    (None: not given), with its field's bounds and choices; a path is text (as a TOML file holds it)."""
+    """A study file's tables and the model of the options each takes, named as users type them, each optional;
+    a path is text (as a TOML file holds it)."""
     def field(o: Option) -> tuple:
         kind, info = like(o.info, required=False)
         return Optional[(list[str] if o.many else str) if o.kind is Path else kind], info
@@ -59,10 +55,8 @@ def study_tables() -> dict[str, type]:
 
 
 def load_study(path: Path, **folder) -> tuple[str, RunAblationOptions | MapOptions]:
-    """A study file -> (command, its typed options, with the `folder` options given beside the file): its
-    one [ablation] or [map] table, whose keys are the command's option names (`lr_scale`, `seq_len`, ...),
-    checked like command-line options (flt_diag.storage.files.load_study: a bad value is one line naming
-    the file and the key)."""
+    """A study file -> (command, its typed options, with the `folder` options given beside the file), checked
+    like command-line options (flt_diag.storage.files.load_study)."""
     from flt_diag.storage.files import load_study as load_checked
     table, values = load_checked(path, study_tables())
     command = STUDY_TABLES[table]

@@ -1,6 +1,6 @@
-"""docs/cli.md: the table of every option of train, run-ablation and map (and summary's
-thresholds), generated from the options the command line is generated from; a test keeps the file
-equal to it. Regenerate: `python -m flt_diag.cli.table` (writes docs/cli.md)."""
+"""docs/cli.md: the table of every option of train, run-ablation and map (and summary's thresholds),
+generated from the command line's options; a test keeps the file equal to it. Regenerate: `python -m
+flt_diag.cli.table`."""
 from __future__ import annotations
 
 import sys

@@ -1,9 +1,6 @@
-"""The options of the grids, beside flt_diag.config.run_config: what a sweep (`run-ablation`) and a stability map
-(`map`) run over, with their help, bounds and choices, declared once.
-
-The command line, the study files and the loaders of a grid folder's sweep.json (flt_diag.storage.files)
-read these classes; flt_diag.grids.sweep.SweepSpec and flt_diag.grids.stability_map.MapSpec add the
-behaviour (cells, probes, validation of every cell) without adding fields. Torch-free, like config.py.
+"""The options of the grids: what a sweep (`run-ablation`) and a stability map (`map`) run over, declared once
+(the CLI, study files and sweep.json's loader read them; flt_diag.grids.sweep.SweepSpec and
+flt_diag.grids.stability_map.MapSpec add behaviour, no fields). Torch-free.
 """
 from __future__ import annotations
 

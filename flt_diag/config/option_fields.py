@@ -1,17 +1,7 @@
-"""How an option is declared, validated by pydantic, and what a bad value says (one line).
-
-An option is a field of an `Options` model (a config section, a grid, a command's options) declared with
-`opt(default, help, ...)`: a pydantic Field whose description is the help, with pydantic's own bounds
-(ge/le/gt/lt), its name on the command line and in study files as a pydantic alias where it differs from
-the field's (`n_layer` is `--depth`: alias="depth"), and the facts about it that other layers read
-(`settled`, `grid`, `volatile`: see `opt`) in json_schema_extra. Choices are `Literal` types; a list is
-`Items[T]` (one to MAX_ITEMS distinct items, each a T: `Items[Loops]`, Loops an Annotated int with its
-bounds). `Options` are strict (no "3" for 3, no 1 for True), finite, with no unknown field.
-
-`Options.of(**values)` builds one and turns a ValidationError into one ConfigError line naming the flag
-("--loops must be in 1..1024, got 0"); `one_line` does so for any ValidationError, naming fields by
-flag or by dotted path ("model.loops"). `Option` is a field as the command line sees it: a view of the
-pydantic field (its flag, kind, choices, bounds read from the field), listed by `options_of`. Torch-free.
+"""How an option is declared (`opt`: a pydantic Field of an `Options` model, its help the description, its
+flag the alias where it differs: `n_layer` is `--depth`), validated (strict: no "3" for 3, no 1 for True;
+finite; no unknown field), and what a bad value says: one line naming the flag ("--loops must be in 1..1024,
+got 0": `one_line`). `Option` is a field as the command line sees it. Torch-free.
 """
 from __future__ import annotations
 
@@ -66,9 +56,8 @@ def arg(help: str, many: bool = False) -> Any:
 
 
 def like(info: FieldInfo, required: bool = True, alias: bool = True) -> tuple[Any, FieldInfo]:
-    """(type, field) of a copy of a pydantic field for create_model: its type with its bounds and validators,
-    its help, facts and (unless `alias` is False: a file holds an option under its field's name) its alias;
-    required or defaulting to None."""
+    """(type, field) of a copy of a pydantic field for create_model, required or defaulting to None (`alias`
+    False: a file holds an option under its field's name)."""
     kind = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
     return kind, Field(... if required else None, description=info.description, json_schema_extra=info.json_schema_extra,
                        alias=info.alias if alias else None)
@@ -124,8 +113,8 @@ def _bare(hint) -> tuple[Any, list]:
 
 @dataclass(frozen=True)
 class Option:
-    """One field as the command line sees it: a view of the pydantic field `info` (of type `hint`,
-    default the field's), every property read from it."""
+    """One field as the command line sees it: a view of the pydantic field `info` (of type `hint`, default
+    the field's)."""
 
     section: str  # "model", "train", "diagnostics", "verdict", "run", "sweep", "map" or "cli"
     name: str  # the field name
@@ -237,8 +226,8 @@ def _problem(err: dict, o: Option | None) -> str:
 
 
 def one_line(e: ValidationError, name: Callable[[tuple], str], cls=None) -> str:
-    """The first error of `e` as one line: "<name of the field> <problem>" (`name(loc)`; `cls`, the
-    model validated, says a field's bounds and choices: "must be in 1..1024")."""
+    """The first error of `e` as one line: "<name(loc)> <problem>" (`cls`, the model validated, gives the
+    field's bounds and choices)."""
     err = e.errors(include_url=False)[0]
     where, problem = name(tuple(err["loc"])), _problem(err, _field_at(cls, tuple(err["loc"])) if cls else None)
     return f"{where} {problem}" if where else problem
@@ -255,8 +244,7 @@ def dotted(loc: tuple) -> str:
 
 
 def by_flag(cls) -> Callable[[tuple], str]:
-    """Names a field of `cls` (or of a section in it) by its flag (--depth for n_layer), an item of a list by
-    the list's."""
+    """Names a field of `cls` (or of a section in it) by its flag, an item of a list by the list's."""
     def name(loc: tuple) -> str:
         o = _field_at(cls, loc)
         return "--" + o.dest.replace("_", "-") if o is not None else dotted(loc)

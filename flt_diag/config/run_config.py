@@ -1,18 +1,7 @@
-"""Every option of flt-diag, once: typed config sections (pydantic models) whose fields carry their
-help text, their bounds, their name on the command line where it is not the field's (an alias:
-`n_layer` is `--depth`), their choices (a Literal type) and the facts other layers read (set by
-settling, set per cell by a grid, volatile on resume), declared with `opt` (flt_diag.config.option_fields).
-
-The grids' own options (what a sweep or map runs over) are beside it in flt_diag.config.grid_options.
-The command line (flt_diag.cli, which also decides which command takes which option), the sweep and
-map specs and the study files are generated from these fields (`OPTIONS`). `build_config` builds a
-config and `replaced` changes one: a bad value raises one ConfigError (a ValueError) line naming the
-flag; a file's sections are validated by the same models (flt_diag.storage.files), their errors naming
-the file and the field. flt_diag.training.settle turns options into the one settled config a run takes.
-
-Size dial: `depth` (= L). Width is d = aspect * depth and heads are ceil(d / head_dim), as in the
-paper (aspect 64, head dim 128); presets fix the aspect and head dim, and any field can be
-overridden.
+"""Every option of flt-diag, once: typed config sections (pydantic models) whose fields, declared with `opt`
+(flt_diag.config.option_fields), carry their help, bounds, flag, choices and the facts other layers read. The
+CLI, the sweep and map specs and the study files are generated from them (`OPTIONS`); the grids' own options
+are in flt_diag.config.grid_options. A bad value is one ConfigError line naming the flag.
 """
 from __future__ import annotations
 
@@ -50,8 +39,8 @@ def padded_vocab(n: int) -> int:
 
 
 def shape(depth: int, aspect: int, head_dim: int) -> dict:
-    """The size dial: L = depth, d = aspect * depth, heads = ceil(d / head_dim) (as the reference:
-    max(1, (d + 127) // 128) for head_dim 128)."""
+    """The paper's size dial: L = depth, d = aspect * depth, heads = ceil(d / head_dim) (as the reference:
+    max(1, (d + 127) // 128) for head_dim 128); presets fix the aspect and head dim."""
     d = aspect * depth
     return dict(n_layer=depth, n_embd=d, n_head=max(1, -(-d // head_dim)))
 
@@ -229,8 +218,7 @@ class RunConfig(Options):
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunConfig":
-        """A config read back from config.json (as load_run_config checked it: its extra keys, such as
-        the Trainer's corpus figures, are left out); a dict that is not one raises ConfigError (one line)."""
+        """A config read back from config.json (its extra keys left out), or one ConfigError line."""
         missing = [k for k in ("model", "train", "diagnostics") if not isinstance(d, dict) or not isinstance(d.get(k), dict)]
         if missing:
             raise ConfigError(f"not an flt-diag config (no {missing[0]} section)")
@@ -259,9 +247,8 @@ ModelGiven, TrainGiven, DiagnosticsGiven, VerdictGiven = map(_given, SECTIONS.va
 
 
 class GivenConfig(_given(PresetOption)):
-    """The config options a command, a study file or a Python call gives (None: not given): the preset, and
-    each section's fields as the RunConfig names them (`config.model.n_layer`, given as --depth): what
-    settling builds on."""
+    """The config options a command, a study file or a Python call gives (None: not given), by section and
+    field name as in RunConfig: what settling builds on."""
 
     model: ModelGiven = Field(default_factory=ModelGiven)
     train: TrainGiven = Field(default_factory=TrainGiven)
@@ -270,8 +257,7 @@ class GivenConfig(_given(PresetOption)):
 
     @classmethod
     def of_values(cls, values: dict) -> "GivenConfig":
-        """Of flat option values keyed by `Option.dest` (None: not given; other keys are ignored), checked
-        (a bad value: one ConfigError line naming the flag)."""
+        """Of flat option values keyed by `Option.dest` (None: not given; other keys ignored), checked."""
         out: dict = {section: {} for section in SECTIONS}
         for o in (o for o in OPTIONS if values.get(o.dest) is not None):
             (out if o.section == "run" else out[o.section])[o.name] = values[o.dest]
@@ -301,11 +287,8 @@ def resolve_preset(name: str, cuda_available: bool) -> str:
 def build_config(preset: str = "auto", cuda_available: bool = False, model: dict | None = None,
                  train: dict | None = None, diagnostics: dict | None = None,
                  verdict: dict | None = None) -> RunConfig:
-    """A preset with overrides (None values are ignored). Raises ValueError (one line) on bad input.
-
-    Fields are named by field name or alias (`depth` is `n_layer`): `depth` without `width` scales the
-    width with the preset's aspect ratio (and the heads with its head dimension, unless given): the
-    paper's size dial."""
+    """A preset with overrides (None values are ignored; named by field or alias) or one ValueError line.
+    `depth` without `width` scales the width and heads with the preset's (`shape`)."""
     name = resolve_preset(preset, cuda_available)
     p = PRESETS[name]
 

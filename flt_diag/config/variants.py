@@ -1,9 +1,4 @@
-"""The five variants as data, importable without torch (the CLI, plots and reports use it).
-
-Loop 1 is a plain pass in every variant. For loops t >= 2 a variant is three rules: where the
-stream starts, whether h(t-1) is added before every block, and which blocks take their
-attention query from h(t-1) ("attention injection"). DESIGN.md §2 writes each one out.
-"""
+"""The five variants as data (DESIGN.md §2), importable without torch (the CLI, plots and reports use it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,19 +1,8 @@
 """Run archives: a finished run kept as one compact Parquet file (a "record"), read by the same loaders as a
-run folder (flt_diag.storage.folders dispatches on it), so that the runs behind docs/ travel with the
-repository and every table can be rebuilt from them.
-
-A record `<name>.parquet` is the run's long metrics table (step, metric, loop, layer, value), thinned
-where that changes nothing the verdict, the peer flags, the early warning or the figures read (the
-choice and its check: flt_diag.results.archive), with the run's config.json, summary.json and
-eval_loops.csv in the file's key-value metadata under `flt_diag.archive` (JSON). An archived sweep or
-map is a folder holding its sweep.json and one record per cell (named as the cell); a folder of
-records without a sweep.json is a set of single runs. A record is read-only for every command except
-`summary --recompute`, which re-judges it and rewrites its summary in place.
-
-Every record is validated as the files it stands for: its metadata by the loaders of config.json and
-summary.json (flt_diag.storage.files), its table's columns and types by the metrics part's rules; a
-crafted, truncated or foreign Parquet file is one BadFile line. Writing one is flt_diag.storage.folders'
-(`write_record`, `rewrite_record_summary`: the one way flt-diag writes a file). Torch-free.
+run folder (flt_diag.storage.folders dispatches on it). What a record holds and keeps: docs/DESIGN.md §9
+("Run archives"); the thinning and its check: flt_diag.results.archiving; writing one: folders.write_record.
+Its metadata is checked by the loaders of config.json and summary.json, its table like a metrics part; a
+crafted, truncated or foreign Parquet file is one BadFile line. Torch-free.
 """
 from __future__ import annotations
 
@@ -69,8 +58,7 @@ def _parquet_file(path: Path):
 
 
 class RecordMeta(FileModel):
-    """A record's metadata (its config and summary as config.json and summary.json are read; where it came
-    from, `source`, and how it was thinned, `kept`: flt_diag.results.archiving)."""
+    """A record's metadata (`source`: where it came from; `kept`: how it was thinned)."""
 
     format: int
     config: RunConfigFile
@@ -81,7 +69,6 @@ class RecordMeta(FileModel):
 
 
 def read_meta(path: Path) -> RecordMeta:
-    """The record's metadata, each part checked (config and summary as config.json and summary.json are)."""
     meta = (_parquet_file(path).schema_arrow.metadata or {}).get(META_KEY)
     if meta is None:
         raise BadFile(f"{path}: a Parquet file without flt-diag's archive metadata (not a run record)")
@@ -120,7 +107,7 @@ def row_count(path: Path) -> int:
 
 
 def load_metrics(path: Path, metrics: list[str] | None = None) -> pd.DataFrame:
-    """The record's metrics table (columns step, metric, loop, layer, value), checked as a metrics part is."""
+    """The record's metrics table (COLUMNS), checked as a metrics part is."""
     import pyarrow as pa
     pf = _parquet_file(path)
     names = pf.schema_arrow.names

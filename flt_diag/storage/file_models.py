@@ -1,12 +1,7 @@
 """What each kind of file flt-diag reads may hold, as pydantic models (flt_diag.storage.files loads with
-them). A field that is an option of the typed config is the config's own field (`like`), so a size read
-from a file obeys the same bounds as the command line; the config sections themselves are models too
-(flt_diag.config.run_config). Strict types, finite floats (unless a figure a run computed: a diverged run's
-loss is NaN) and no unknown key, unless the model says `extra="allow"` (free-form metadata).
-
-Files whose content depends on the run that reads them (resume.pt, checkpoint.pt: the weights' shapes,
-the number of steps and optimizers) take it as validation context. Torch-free: a tensor is anything
-with `.shape` and `.dtype`.
+them; docs/DESIGN.md §9). Strict types, finite floats (unless a figure a run computed: a diverged run's loss
+is NaN) and no unknown key, unless the model says `extra="allow"` (free-form metadata). Torch-free: a tensor
+is anything with `.shape` and `.dtype`.
 """
 from __future__ import annotations
 
@@ -33,12 +28,10 @@ class FileModel(Options):
     model_config = ConfigDict(protected_namespaces=())
 
     def as_written(self) -> dict:
-        """The JSON object of the file: the fields it was given (all, for one flt-diag built; those the file
-        held, for one read back), in the model's order, under the file's names."""
+        """The JSON object of the file: the fields it was given (or held), in the model's order."""
         return self.model_dump(exclude_unset=True, by_alias=False)  # (field names: an option's alias is the CLI's)
 
-    # Read-only mapping access (`summary["verdict"]`, `.get`, `.keys`, `dict(summary)`): the compatibility
-    # path for scripts written when the loaders and the probe handed out dicts; flt-diag reads the attributes.
+    # Read-only mapping access: the compatibility path for scripts written when loaders handed out dicts.
     def __getitem__(self, key: str):
         if key not in self.model_fields_set:
             raise KeyError(key)
@@ -142,10 +135,8 @@ class RunConfigFile(FileModel):
 
 
 # --------------------------------------------------------------------------- summary
-# summary.json, the one definition of a run's summary: flt_diag.judge.verdict.summarize builds a Summary, the
-# storage layer writes `Summary.as_written()` and reads the file back into a Summary. A field missing from a
-# file is None (the fields marked "since v3", "since ..." are absent from older summaries); a key no version
-# wrote is refused (every key an earlier verdict, v1 or v2, wrote is still a field).
+# summary.json, the one definition of a run's summary (flt_diag.judge.verdict.summarize builds it; DESIGN.md §9).
+# A field missing from a file is None (those marked "since ..." are absent from older summaries).
 
 
 class Evidence(FileModel):
@@ -226,10 +217,7 @@ _SEED, _LR_SCALE, _STEPS = (like_type(TrainConfig, n) for n in ("seed", "lr_scal
 
 
 class Summary(FileModel):
-    """A run's summary.json: the verdict, its evidence and the run's key figures (in the order written).
-
-    Read-only mapping access (`summary["verdict"]`, `.get`, `.keys`) is the compatibility path for scripts
-    written when summaries were dicts; flt-diag itself reads the attributes."""
+    """A run's summary.json: the verdict, its evidence and the run's key figures (in the order written)."""
 
     model_config = ConfigDict(frozen=True)
 

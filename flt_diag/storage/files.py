@@ -1,22 +1,6 @@
-"""Every kind of file flt-diag reads, and its one validating loader. A file may come from anywhere (a
-colleague's run folder, a downloaded checkpoint), so each is checked before anything is allocated or
-trained from it: its types, ranges and required fields, by its pydantic model (flt_diag.storage.file_models)
-whose fields that are options of the typed config (flt_diag.config.run_config) are the config's own fields.
-A bad file is one `BadFile` line naming the file and the field; nothing is written.
-
-    kind               file                          loader (its readers call it)
-    run config         <run>/config.json             load_run_config   (storage.load_config)
-    sweep / map spec   <sweep>/sweep.json            load_spec         (storage.load_spec)
-    summary            <run>/summary.json            load_summary      (storage.load_summary)
-    metrics part       <run>/metrics/part-*.parquet  check_metrics_part (storage.load_metrics)
-    resume state       <run>/resume.pt               check_resume_state (training.checkpoint.restore)
-    final checkpoint   <run>/checkpoint.pt           check_checkpoint  (training.evaluation)
-    predictor          fit-predictor's JSON          load_predictor    (settle, the predict command)
-    fit examples       fit-predictor's --examples-out load_examples     (predictor_fit.training_examples)
-    study              experiments/*.toml            load_study        (the `study` command)
-    reference meta     meta_<step>.json              check_reference_meta (model.reference)
-
-The generated tests (tests/test_file_loaders.py) mutate every field of each model. Torch-free.
+"""Every kind of file flt-diag reads, and its one validating loader (the table of kinds, loaders and
+what each checks: docs/DESIGN.md §9). Models: flt_diag.storage.file_models. A bad file is one `BadFile`
+line naming the file and the field; nothing is written. Torch-free.
 """
 from __future__ import annotations
 
@@ -40,8 +24,6 @@ from flt_diag.storage.safe_files import regular_file
 
 
 def load_run_config(path: Path) -> F.RunConfigFile:
-    """config.json checked field by field, and by the typed config's rules across fields (the width
-    splits into heads)."""
     return check_run_config(read_json(path), path)
 
 
@@ -62,7 +44,6 @@ def load_summary(path: Path) -> F.Summary:
 
 
 def check_summary(summary, path) -> F.Summary:
-    """A summary read from `path` (summary.json, or an archive record's metadata), checked."""
     return checked(path, F.Summary, summary)
 
 
@@ -165,8 +146,7 @@ def predictor_of(predictor: dict | F.PredictorFile) -> F.PredictorFile:
 
 def load_study(path: Path, tables: dict[str, Any]) -> tuple[str, dict]:
     """A study file -> (its table's name, option values keyed by Option.dest): exactly one of `tables`
-    ({"ablation": model, ...}: the pydantic model of the options each takes, flt_diag.cli.specs.study_tables),
-    whose keys are those options' names, checked like the command line; other keys (description, gpu) are free."""
+    (flt_diag.cli.specs.study_tables), checked like the command line; other keys (description, gpu) are free."""
     try:
         import tomllib
     except ImportError:  # Python 3.10
@@ -199,8 +179,6 @@ def load_study(path: Path, tables: dict[str, Any]) -> tuple[str, dict]:
 # --------------------------------------------------------------------------- reference meta json
 
 def check_reference_meta(meta, path) -> F.ReferenceMeta:
-    """nanochat's meta_<step>.json: the model sizes (top level or under model_config), K and the variant
-    under the names the reference uses; the sizes obey the command line's bounds."""
     return checked(path, F.ReferenceMeta, meta)
 
 
@@ -275,8 +253,7 @@ class ResumeState(F.FileModel):
 
 
 def check_resume_state(state, path, model_shapes: dict, steps: int, optimizer_shapes: list[list[tuple]]) -> ResumeState:
-    """resume.pt checked against the run that resumes it (shapes of its weights and of its optimizers'
-    parameters) before any of it is loaded."""
+    """resume.pt checked against the run that resumes it, before any of it is loaded."""
     state = checked(path, ResumeState, state, context=dict(shapes=model_shapes, steps=steps,
                                                            optimizers=len(optimizer_shapes)))
     for i, (saved, shapes) in enumerate(zip(state.optimizers, optimizer_shapes)):
@@ -311,10 +288,8 @@ class Checkpoint(F.FileModel):
 
 
 def check_checkpoint(obj, path, model_shapes: dict | None = None) -> Checkpoint:
-    """checkpoint.pt checked: its model config first (it sizes the model), then, given the shapes of the
-    model built from it, its weights."""
     return checked(path, Checkpoint, obj, context=dict(shapes=model_shapes))
 
 
 FILE_KINDS = ("run config", "sweep spec", "map spec", "summary", "metrics part", "resume state", "checkpoint",
-              "predictor", "study", "reference meta")  # the table above (the generated tests cover each)
+              "predictor", "study", "reference meta")  # DESIGN.md §9 (the generated tests cover each)

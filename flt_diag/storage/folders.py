@@ -1,21 +1,6 @@
-"""Run and sweep folders: the only thing plots, reports and analysis scripts read.
-
-A run folder:
-    config.json        resolved configuration, versions, device, seed (written first)
-    metrics/part-*.parquet
-                       long table (step, metric, loop, layer, value), appended in parts while
-                       training; each part is written to a temporary name and renamed, so a crash
-                       or kill -9 leaves only complete parts
-    progress.json      step, loss, steps/s of a run in progress (for progress bars)
-    summary.json       verdict, evidence and key figures; present only once the run finished
-    checkpoint.pt      final weights (+ model config)
-    resume.pt          mid-run state (weights, optimizers, diagnostics), for exact resumption
-    eval_loops.csv     held-out loss per inference loop count (`flt-diag eval-loops`)
-
-A sweep folder holds sweep.json (its spec), one run folder per cell under cells/, and
-summary.csv / summary.parquet.
-
-This module imports no torch: analysis scripts use it without the training code.
+"""Run and sweep folders (what each holds: docs/guide.md "What a run folder holds"): the only thing plots,
+reports and analysis scripts read. Each metrics part is written to a temporary name and renamed, so a crash
+or kill -9 leaves only complete parts. Imports no torch: analysis scripts use it without the training code.
 """
 from __future__ import annotations
 
@@ -43,18 +28,17 @@ COLUMNS = ["step", "metric", "loop", "layer", "value"]
 
 
 def refuse_symlink(path: Path, what: str = "write") -> None:
-    """A symlink inside a run, sweep or map folder was not made by flt-diag (which never makes one):
-    writing through it would change a file elsewhere, so every write refuses it (one line)."""
+    """flt-diag never makes a symlink: writing through one would change a file elsewhere, so every write
+    refuses it (one line)."""
     if Path(path).is_symlink():
         raise StorageError(f"{path} is a symbolic link; flt-diag does not {what} through links "
                            f"(a folder from elsewhere may point anywhere): remove the link or use the real path")
 
 
 def refuse_links(path: Path, root: Path | None = None, what: str = "write") -> None:
-    """No part of `path` below `root` (the folder a command was given; default: `path`'s own folder, so
-    only `path` itself) is a symbolic link: each part is lstat'ed in turn, so a linked `figures/`, `cells/`
-    or cell folder deep inside a sweep is refused like a linked file (one StorageError line). `root`
-    itself is the user's own choice and may be a link; `path` outside `root` is checked alone."""
+    """No part of `path` below `root` (the folder a command was given; default: `path`'s own folder) is a
+    symbolic link, each part lstat'ed in turn. `root` itself may be a link; `path` outside `root` is checked
+    alone."""
     path = Path(path)
     root = Path(root) if root is not None else path.parent
     try:
@@ -78,12 +62,9 @@ def make_folder(folder: Path, root: Path | None = None) -> Path:
 
 @contextlib.contextmanager
 def atomic_path(path: Path, root: Path | None = None):
-    """The one way flt-diag writes a file: yields a temporary name beside `path` to write to; on
-    success it is renamed over `path` (readers see the old file or the new one, never half of one),
-    on any failure (an exception, a full disk, Ctrl-C) it is removed. The temporary file is created
-    exclusively (never an existing file or link), and a link at any depth of `path` below `root`
-    (refuse_links) is refused, so no write follows a link to a file outside the folder. The file gets
-    the mode an ordinary open() would (0o666 less the umask), not mkstemp's 0600."""
+    """The one way flt-diag writes a file: yields a temporary name beside `path` (created exclusively),
+    renamed over `path` on success and removed on any failure (an exception, a full disk, Ctrl-C). Links
+    below `root` are refused (refuse_links). The file gets open()'s mode (0o666 less the umask), not 0600."""
     path = Path(path)
     refuse_links(path, root)
     if path.is_dir():
@@ -115,12 +96,10 @@ def atomic_write_text(path: Path, text: str, root: Path | None = None) -> None:
 
 @contextlib.contextmanager
 def folder_lock(folder: Path, kind: str = "run", root: Path | None = None):
-    """Own a run or sweep folder while writing it: a second writer gets one StorageError line. The
-    lock is an flock on <folder>/.lock, so the kernel drops it when its process dies (kill -9
-    included) and a dead process never holds a folder. Creates the folder. The lock file is opened
-    without following links (a `.lock` that is a link is refused: nothing outside the folder is
-    touched, nor is a link at any depth of `folder` below `root`) and removed on the way out, with the folder itself if this call created it and left it
-    empty: a refused command leaves nothing behind. (No-op without fcntl.)"""
+    """Own a run or sweep folder while writing it (creating it): a second writer gets one StorageError line.
+    An flock on <folder>/.lock, which the kernel drops when its process dies (kill -9 included). The lock file
+    is opened without following links and removed on the way out, with the folder if this call created it
+    and left it empty: a refused command leaves nothing behind. (No-op without fcntl.)"""
     folder = Path(folder)
     try:
         import fcntl
@@ -198,8 +177,8 @@ def _json_default(o):
 # --------------------------------------------------------------------------- writing archive records
 
 def write_record(path: Path, table: pd.DataFrame, meta: dict, root: Path | None = None) -> None:
-    """Write one archive record (flt_diag.storage.archive) atomically: a link is refused, a failed write
-    leaves the old file. `meta` holds config, summary, eval_loops, source and kept."""
+    """Write one archive record (flt_diag.storage.archive) atomically. `meta` holds config, summary,
+    eval_loops, source and kept."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     df = table[archive.COLUMNS].astype({"step": "int32", "metric": "string", "loop": "int16", "layer": "int16",
@@ -274,7 +253,6 @@ def is_sweep(path: Path) -> bool:
 
 
 def load_config(run_dir: Path) -> files.F.RunConfigFile:
-    """A run's config.json, checked (flt_diag.storage.files: a bad one is one BadFile line)."""
     if archive.is_record(run_dir):
         return archive.load_config(run_dir)
     return files.load_run_config(Path(run_dir) / CONFIG)
@@ -303,9 +281,7 @@ def load_progress(run_dir: Path) -> dict | None:
 
 
 def load_metrics(run_dir: Path, metrics: list[str] | None = None) -> pd.DataFrame:
-    """The long metrics table of a run: columns step, metric, loop, layer, value.
-
-    Works on a run still in progress (it reads the parts written so far). `metrics`
+    """The long metrics table of a run (COLUMNS), of a run in progress the parts written so far; `metrics`
     keeps only those metric names."""
     if archive.is_record(run_dir):
         return archive.load_metrics(run_dir, metrics)

@@ -36,8 +36,8 @@ def _differences(a: dict, b: dict, prefix: str = "") -> list[str]:
 
 
 def check_poolable(paths) -> None:
-    """Several folders can be pooled (as more seeds of one experiment) when every one is a sweep (not a map) whose
-    shared config equals the first's, the grid fields aside; else StorageError naming what differs."""
+    """Every folder is a sweep (not a map) whose shared config equals the first's, grid fields aside; else
+    StorageError naming what differs."""
     first = None
     for path in map(Path, paths):
         if not path.exists():

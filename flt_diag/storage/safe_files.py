@@ -1,8 +1,6 @@
-"""Files of a folder from elsewhere, opened safely: a FIFO, a folder, a device or a socket where flt-diag
-expects a file is refused with one line before anything would block on it (`regular_file`, `open_regular`,
-`read_bytes`), and the mode a new file gets honours the umask as an ordinary open() does (`file_mode`).
-Every reader of a file in a run, sweep or map folder (and of a predictor, fit table, study file) goes
-through here. Torch-free."""
+"""Files of a folder from elsewhere, opened safely (docs/guide.md, "What a folder from elsewhere may contain"):
+a FIFO, folder, device or socket where a file belongs is one line before anything would block on it. Every
+reader of a file flt-diag reads goes through here. Torch-free."""
 from __future__ import annotations
 
 import errno
@@ -59,9 +57,8 @@ def open_regular(path, text: bool = False):
 
 
 def new_file(path) -> Path:
-    """A path a file is about to be written to (folders.atomic_path renames it into place): one that exists as
-    something other than a file (a FIFO, a device, a socket, a folder) is refused with one line, as renaming over
-    it would replace it and open() would block on a FIFO. A link is left to atomic_path, which refuses it."""
+    """A path a file is about to be written to: one that exists as something other than a file is refused
+    (renaming over it would replace it; open() would block on a FIFO). A link is left to atomic_path."""
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:

@@ -1,9 +1,5 @@
-"""Reading a file, and checking what it holds against its pydantic model (flt_diag.storage.file_models).
-
-`read_text` and `read_json`: a missing, malformed, huge or deeply nested file is one line. `checked(path,
-model, obj)`: `obj` validated by `model` (a pydantic model, or any type pydantic validates), or one
-`BadFile` line "<file>: <field> <problem>" naming the field by its dotted path ("model.loops",
-"models.100.coef[2]"). Torch-free, and no config at import.
+"""Reading a file (a missing, malformed, huge or deeply nested one is one line), and checking what it holds
+against its pydantic model (flt_diag.storage.file_models). Torch-free, and no config at import.
 """
 from __future__ import annotations
 
@@ -13,7 +9,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from flt_diag.config.option_fields import MAX_ITEMS, MAX_TEXT, dotted, one_line  # noqa: F401 (re-exported)
+from flt_diag.config.option_fields import MAX_ITEMS, dotted, one_line  # noqa: F401 (re-exported)
 from flt_diag.storage.errors import BadFile, StorageError  # noqa: F401  (re-exported: one error type)
 from flt_diag.storage.safe_files import open_regular
 
@@ -43,7 +39,6 @@ def read_text(path: Path) -> str:
 
 
 def read_json(path: Path):
-    """A JSON file's content; a missing, unreadable or malformed file is one line."""
     text = read_text(path)
     try:
         return json.loads(text)
@@ -54,8 +49,8 @@ def read_json(path: Path):
 
 
 def checked(path, model, obj, context: dict | None = None):
-    """`obj` (read from `path`) validated by `model` (with `context` for its validators); a misfit is one
-    BadFile line naming the field by its dotted path."""
+    """`obj` (read from `path`) validated by `model` (a pydantic model or any type; `context` for its
+    validators); a misfit is one BadFile line "<file>: <field> <problem>", the field dotted ("models.100.coef[2]")."""
     try:
         if isinstance(model, type) and issubclass(model, BaseModel):
             return model.model_validate(obj, context=context)
