@@ -44,7 +44,7 @@ def held_out(problem: Problem) -> bool:
 
 
 class PHop:
-    """p-hop induction over a context of `context` letters, a target at every position (module docstring)."""
+    """p-hop induction over a context of `context` letters, a target at every position (DESIGN section 8)."""
 
     name = "phop"
     answer_len = 1
@@ -92,7 +92,7 @@ class PHop:
 
 
 class Addition:
-    """n-operand addition of d-digit numbers, least significant digit first (module docstring)."""
+    """n-operand addition of d-digit numbers, least significant digit first (DESIGN section 8)."""
 
     name = "addition"
 
