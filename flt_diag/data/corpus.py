@@ -1,23 +1,11 @@
 """Corpora, tokenizers, an on-disk token cache, and deterministic batches.
 
-Corpora (`--data`):
-  stdlib        the Python standard-library sources of the running interpreter (offline default,
-                ~30 MB of real text), split into train/val by file
-  fineweb-edu   HuggingFaceFW/fineweb-edu "sample-10BT", streamed (what the paper trains on)
-  wikitext2     wikitext-2-raw-v1 (its own train/validation splits; used for perplexity)
-  PATH          a local .txt / .jsonl / .parquet file, or a folder of them
-  phop, addition  synthetic tasks with answers (flt_diag.data.tasks; loaded through flt_diag.data.sources)
-
-Every corpus except stdlib goes through one function, `iter_documents`, which calls
-`datasets.load_dataset`: hub names and local files take the same code path.
-
-Tokenizers (`--tokenizer`): "bytes" (vocab 256, offline default) or any Hugging Face tokenizer,
-by hub name or by the path of a tokenizer.json (needs the `tokenizers` package).
-
-Tokens are cached as flat memory-mapped arrays under $FLT_DIAG_CACHE (default
-~/.cache/flt-diag) and reused by every later run. Batches of them are flt_diag.data.batches (torch);
-this module imports no torch, so that settling a config (flt_diag.training.settle) can read tokenizers and
-check corpora without it.
+Corpora (`--data`): stdlib (the running interpreter's standard-library sources, split by file; the offline
+default), fineweb-edu, wikitext2, a local file or folder (docs/guide.md); phop and addition are
+flt_diag.data.tasks. Every corpus except stdlib goes through `iter_documents` (`datasets.load_dataset`: hub
+names and local files take the same code path). Tokenizers (`--tokenizer`): "bytes" or any Hugging Face one.
+Tokens are cached as memory-mapped arrays under $FLT_DIAG_CACHE (default ~/.cache/flt-diag). This module
+imports no torch (batches are flt_diag.data.batches), so settling a config can check corpora without it.
 """
 from __future__ import annotations
 

@@ -1,35 +1,10 @@
 """Synthetic tasks with answers (`--data phop`, `--data addition`): small problems that need depth,
 generated on the fly, offline and deterministically, and fed to the Trainer like a corpus.
 
-A task is written in bytes (one character = one token of the `bytes` tokenizer, the only one a task
-accepts). A problem is a text (what the model reads) and its targets (aligned with the text: the
-token to predict at each position, or none); a row of a batch is as many problems as fit side by
-side in --seq-len tokens, then "." up to that length: x = the text, y = the targets, IGNORE_INDEX
-where there is none, so the training loss, the validation loss and the accuracy are over answer
-tokens only (docs/DESIGN.md, Synthetic tasks). An answer is `answer_len` consecutive targets.
-
-p-hop induction (`--data phop`, dials `--hops` p and `--alphabet` a; Sanford et al. 2024, the task
-of Saunshi et al., ICLR 2025), one problem per row:
-    text     c_1 ... c_T, T = --seq-len letters from the first a of a, b, c, ...; no two neighbours equal
-    targets  at every position i, hop_p(i): one hop from i goes to j + 1, where j is the last position
-             before i with c_j = c_i; the target is the letter p hops from i, none where a hop finds no
-             earlier occurrence. Each target is one answer. Contexts whose last position has no
-             complete chain are redrawn (every row holds answers).
-    example  (p = 2) text "cabacb": from 6 (b) back to 3, on to 4 (a); back to 2, on to 3: the target
-             at 6 is "b"; from 5 (c) back to 1, on to 2 (a), then a has no earlier occurrence: none.
-n-operand addition (`--data addition`, dials `--operands` n and `--digits` d):
-    text     o_1 "+" o_2 "+" ... "+" o_n "=" s, every number least significant digit first: o_k
-             uniform below 10^d with d digits, s their sum with w digits (w = digits of n * (10^d - 1))
-    targets  s, each digit predicted at the position before it ("=" predicts the first); one answer
-             of w tokens (exact match: all w digits right)
-    example  (n = 2, d = 2) "74+58=231" is 47 + 85 = 132.
-
-The held-out split shares no problem with training by construction: a problem whose text hashes
-(crc32) to 0 modulo HELD_OUT_EVERY belongs to the held-out split, every other one to training, and
-each split keeps only its own draws. Every random number comes from SHAKE-256 of a key naming the
-task, its dials, the split, the row, the problem in the row and the attempt, so a row is the same on
-every machine and Python; a batch is the rows its torch generator names
-(flt_diag.data.batches.batch_generator), hence resuming at any step is exact.
+The token layout, the two tasks (with examples), the answer-only loss, the held-out split (crc32 of a problem's
+text % HELD_OUT_EVERY == 0) and the SHAKE-256 draws that make every row the same on every machine (so resuming
+at any step is exact): docs/DESIGN.md section 8. A problem is a text and its targets (aligned with the text:
+the token to predict at each position, or NO_TARGET); an answer is `answer_len` consecutive targets.
 """
 from __future__ import annotations
 
@@ -69,7 +44,7 @@ def held_out(problem: Problem) -> bool:
 
 
 class PHop:
-    """p-hop induction over a context of `context` letters, a target at every position (module docstring)."""
+    """p-hop induction over a context of `context` letters, a target at every position (DESIGN section 8)."""
 
     name = "phop"
     answer_len = 1
@@ -117,7 +92,7 @@ class PHop:
 
 
 class Addition:
-    """n-operand addition of d-digit numbers, least significant digit first (module docstring)."""
+    """n-operand addition of d-digit numbers, least significant digit first (DESIGN section 8)."""
 
     name = "addition"
 

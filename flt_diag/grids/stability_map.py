@@ -1,28 +1,13 @@
 """The stability map: for every variant and loop count, where training breaks along one axis.
 
-A *line* is one (variant, loops K, seed). Along it, the axis (the lr scale, or the depth L) takes
-the values of a geometric grid lo, lo*r, lo*r^2, ... <= hi; the map looks for the first grid value at
-which a *criterion* breaks, by bisection: with a = the highest index known to hold and b = the lowest
-known to break (initially -1 and n), it probes (a + b) // 2 until b - a = 1. A boundary therefore
-costs about log2(n + 1) runs and is known to within one grid ratio r: it lies in (grid[a], grid[b]]
-and is reported as their geometric mean. Outcomes are assumed monotone along the axis; a line whose
-finished probes contradict that is reported as "non-monotone" rather than hidden. Bisection alone
-can miss such a line (it starts in the middle and never looks below a value that held); with
-`--probe-ends` each line first probes both ends of the grid.
+A *line* is one (variant, loops K, seed); along it the map bisects a geometric grid of one axis (the lr scale,
+or the depth L) for the first value at which a criterion breaks (`search`). The criteria, the bracket, the
+resumable search and `--probe-ends`: docs/DESIGN.md section 5. Every probe is an ordinary run folder in the
+sweep folder's cells/ (named like a sweep cell, with `_L<depth>` on the depth axis). Lines are independent:
+`--workers` runs lines in parallel and a job array gives each task one line (`--cell I`).
 
-Criteria (from each probe's summary.json):
-    training   the verdict is not `stable` (unstable, stalled, collapsed or diverged)
-    collapse   the verdict is `stalled`, `collapsed` or `diverged` (the run did not train)
-    explosion  a residual norm of any loop exploded (`residual_explosion_any`), or the run diverged
-
-Every probe is an ordinary run folder in the sweep folder's cells/ (named like a sweep cell, with
-`_L<depth>` on the depth axis), so `summary`, `report`, `plot` and resuming all work on it. The
-search state is never stored: it is replayed from the finished cells, so a killed map resumes where
-it stopped and no probe runs twice. Lines are independent: `--workers` runs lines in parallel and a
-job array gives each task one line (`--cell I`).
-
-The boundary tables are pure functions of the folder: flt_diag/judge/map_boundaries.py (torch-free),
-which also holds the criteria and the lines; this module runs the search.
+The boundary tables, the criteria and the lines: flt_diag/judge/map_boundaries.py (torch-free); this module
+runs the search.
 """
 from __future__ import annotations
 

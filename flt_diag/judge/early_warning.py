@@ -15,22 +15,9 @@ recorded steps before s (numpy/scipy/pandas only; no torch):
     loss_slope      slope of the training loss per 100 steps
     loss_climb      trailing-mean loss minus its running minimum so far
 
-The target (what "collapse" means for a predictor) is stored with it: "fails" (the final verdict is
-unstable, stalled, collapsed or diverged; the packaged predictor's), "collapse" (stalled, collapsed or
-diverged) or
-"climbs" (fails, or the loss climbed above the verdict's rebound threshold and recovered).
-A predictor names the features it uses (a subset of FEATURES; `fit-predictor --features`).
-This module: the features, the target, reading a predictor and predicting with it (offline, over
-run folders). flt_diag/results/predictor_fit.py fits one; instruments/warning_callback.py checks it online (`--warn`);
-figures/agreement.py draws the agreement.
-Features are standardised with the training set's mean and std (a missing feature, e.g. a run
-recorded without diagnostics, counts as the mean); the fit maximises the L2-penalised likelihood
-(scipy L-BFGS), by default with class-balanced weights (each class weighs half, whatever share of
-the training runs fail: that share is an artefact of which sweeps were run, not a prior). One model
-per fitted step s (100, 200, 300, 500 by default); at another step the model of the largest fitted
-s at or below it is used. The fitted model is plain JSON (features, means, stds, coefficients,
-intercept, class weights, what it was fitted on and the command that refits it):
-flt_diag/judge/early_warning.json ships with the package.
+The target, the fit (standardised features, L2-penalised, class-balanced logistic regression, one model per
+fitted step) and the packaged predictor (early_warning.json): docs/DESIGN.md section 6. This module: the
+features, the target, reading a predictor and predicting with it offline; results/predictor_fit.py fits one.
 """
 from __future__ import annotations
 

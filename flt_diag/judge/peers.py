@@ -1,29 +1,8 @@
 """How a sweep's variants compare with each other (numpy/pandas only; never torch).
 
-A single run's verdict cannot say that a variant trains worse than the others at the same loop count,
-so every row of the sweep tables (flt_diag/results/tables.py) is compared with its *peers*, the rows of the
-other variants that share its loops K, depth L, width d and lr scale (and seed, for a run):
-
-    val_gap       its final validation loss minus the lowest among its peers and itself, in nats:
-                  0 for the best; NaN for a row without a finite val loss, and for a row with no
-                  peer that has one (a lone probe of a map, a one-variant sweep: nothing to be behind)
-    resid_vs_flt  its peak final-loop residual norm over FLT's among its peers (1 for FLT itself;
-                  NaN where the sweep has no finished FLT there)
-    behind_margin max(0.02, 2 s_p sqrt(1/n_row + 1/n_best)): s_p the pooled within-cell standard deviation
-                  (ddof 1) of the final val loss over the *other* cells of the peer group with at least
-                  2 finished seeds (the peers' seed noise), n the seeds with a val loss; 0.10 nats where no
-                  such cell exists (one seed everywhere)
-    behind        val_gap > behind_margin: the row is behind the best peer by more than the seed noise
-    loop_gain     the val loss of the same variant, depth, width and lr scale (and seed) at K = 1 minus
-                  the row's (NaN where the folder holds no such K = 1 row, and for K = 1 itself)
-    no_loop_gain  loop_gain <= the margin computed as behind_margin's with n_best the K = 1 row's seeds:
-                  the loops did not help
-
-Per run (summary.csv) the numbers compare runs of one seed (n_row = n_best = 1, s_p from the seeds of
-the other variants' cells in the table); per cell (summary_table, the grid, the report) they compare the
-cells' means over their finished seeds. Both come from the stored summaries alone, so `summary
---recompute` and folders written before these columns existed show them. The rules are verdict v3's
-flags (docs/DESIGN.md §3), fixed before the runs they judge.
+Every row of the sweep tables (flt_diag/results/tables.py) is compared with its *peers*, the other variants' rows
+sharing its loops, depth, width and lr scale (and seed, for a run): COMPARISON_COLUMNS, defined in docs/DESIGN.md
+section 3, "Comparing variants", with the reasons for the flags' numbers. Computed from the stored summaries alone.
 """
 from __future__ import annotations
 

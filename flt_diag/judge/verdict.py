@@ -1,42 +1,8 @@
 """Derived metrics and the verdict, computed from stored series only (numpy/pandas, no torch).
 
-Oscillation indices of a gradient-norm series g_1..g_n (one definition each, used everywhere):
-  cv               std(g) / mean(g)                           (population std)
-  mean_abs_dlog    mean_i |log g_{i+1} - log g_i|
-  sign_alternation share of i with (g_{i+1} - g_i) * (g_{i+2} - g_{i+1}) < 0
-  neg_cosine_share share of recorded consecutive-gradient cosines that are < 0
-Each is computed per window of `osc_window` recorded steps and over the whole run. A series
-recorded every N steps gives indices over N-step differences.
-
-Verdict v3 (thresholds in VerdictConfig; the rules were fixed before the runs they judge:
-docs/plans/2026-12-01-verdict-v3-and-warning-evaluation.md, rationale in docs/DESIGN.md §3). s = the loss
-smoothed by a trailing mean over `smooth_window` steps; climb = max over t of (s_t - min_{u<=t} s_u),
-the largest rise above the running minimum; gap = s_final - min(s); tol(x) = max(recovery_abs,
-recovery_rel * x); H1 = the unigram entropy of the training tokens. In this order:
-  diverged   a non-finite training loss
-  collapsed  climb > max(rebound_abs, rebound_rel * min(s)) and gap > tol(min s): it did not recover
-  stalled    s_final > H1 - tol(H1): the run ends where a model of token frequencies alone would be
-             (not judged without a recorded H1: the evidence says so)
-  unstable   a loss spike (the same climb, recovered: `transient_rebound`), or gradient oscillation:
-             in a window of `osc_window` steps before the warm-down start (steps - round(warmdown_frac
-             * steps)), the median of |log g(t+1) - log g(t)| over recorded consecutive steps exceeds
-             osc_dlog_threshold (log 1.5); windows with fewer than 20 differences are not judged
-             (`oscillation_index`; `osc_alternation` is that window's share of sign changes)
-  stable     otherwise: the loss fell and stayed down
-The v2 indices above (cv etc., dense steps) are still reported; no rule reads them.
-Residual explosion (reported beside the verdict): the peak over steps of the final loop's
-loop-end residual norm exceeds explosion_ratio * sqrt(d) (a normalised stream has norm sqrt(d)).
-`residual_explosion_any` applies the same test to every (loop, layer) and loop end: FLA can
-explode its first loop while its final loop stays bounded. `peak_resid_loop` names the loop.
-
-The reference's milestone statistics (scripts/base_check.py), same definitions: at the end of the
-warm-up (step 0: the recipe has no lr warm-up), at the start of the warm-down (step
-steps - round(warmdown_frac * steps)) and at the last step, the population std of the training
-loss and of the pre-clipping global gradient norm over the steps since the previous milestone
-(the milestone's own step included). The summary's `loss_std` / `grad_norm_std` are those of the
-warm-down milestone (the constant-lr phase, steps 1 .. steps - warmdown); `loss_std_warmdown` /
-`grad_norm_std_warmdown` those of the last step (the warm-down itself). (The reference's own
-last-step milestone never fires: its loop breaks before training when step == num_iterations.)
+The oscillation indices (OSC_INDICES, per window of `osc_window` recorded steps and over the whole run; a series
+recorded every N steps gives indices over N-step differences), the reference's milestone statistics, verdict v3's
+rules in the order applied (thresholds in VerdictConfig) and residual explosion: docs/DESIGN.md section 3.
 """
 from __future__ import annotations
 

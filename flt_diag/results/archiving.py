@@ -1,19 +1,9 @@
 """Writing run archives (`flt-diag archive RUN_OR_SWEEP... --to DIR`): each finished run as one compact
 Parquet record (format and reading: flt_diag.storage.archive), thinned, and checked against the full run.
 
-What a record keeps (DESIGN.md §9, "Run archives"):
-  * every stored step of the series the verdict and the oscillation indices read: loss, grad_norm,
-    grad_cosine, val_loss, val_accuracy, loops_run;
-  * of every other series (per loop, per layer, per parameter group, lr): the steps that are multiples of
-    `every` (25), its first and last step, the steps of its largest and smallest value (so every peak the
-    residual-explosion flags read is kept exactly) and any non-finite value;
-  * series with at most `sparse` (250) stored steps (the every-N loop-dynamics records) whole.
-The check: the run's summary is recomputed from the kept rows and from all rows (verdict v3 with the
-run's own thresholds) and the two must agree in every field, and the early-warning features must agree
-at every step the evaluation scores (100, 200, 300, 500 where the run is at least twice as long). Where
-they do not, the early-warning features' own series (the loop-end residual norm of the first and final
-loop, the activation gradient of the first and the last block) are kept whole and the check is made
-again; a run that still fails it is archived with every row, and the report says so.
+What a record keeps (every stored step of what the verdict reads; of other series the multiples of `every`,
+the ends, the extremes and the non-finite values; short series whole) and the check against the full run:
+DESIGN.md section 9, "Run archives".
 """
 from __future__ import annotations
 

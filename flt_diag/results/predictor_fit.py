@@ -85,9 +85,8 @@ def training_examples(sources, steps, target: str = DEFAULTS.target) -> list[dic
 
 # --------------------------------------------------------------------------- fit-examples tables
 
-# A fit set as one small file: per run and fitted step, the run's identity, what labels it (its verdict and
-# the loss-climb evidence of that verdict) and the features. It refits and audits a predictor without the
-# run folders, and a run judged before a verdict change is relabelled from its evidence (relabelled()).
+# A fit set as one small file (`--examples-out`; docs/DESIGN.md section 6): refits and audits a predictor without
+# the run folders; a run judged before a verdict change is relabelled from its evidence (relabelled()).
 EXAMPLE_COLUMNS = list(ExampleRow.model_fields)  # the file model's fields, in its order
 
 
@@ -127,11 +126,9 @@ def judged_before_v3(row: ExampleRow | Summary) -> bool:
 
 
 def relabelled(row: ExampleRow) -> str:
-    """The run's verdict by the current rule (v3), as far as its row allows. A row judged by v3 keeps its
-    verdict. An older one gets the one later rule its evidence carries: a loss climb that recovered
-    (transient_rebound), `stable` before commit bcf10c4, is `unstable`. v3's stall and oscillation rules need
-    evidence such a row does not have (the run's metrics): `summary --recompute` on the folders (the table
-    keeps the stall evidence from v3 on, for whatever rule comes next)."""
+    """The run's verdict by the current rule (v3), as far as its row allows (docs/DESIGN.md section 6): an older
+    row's `stable` with a loss climb that recovered (transient_rebound) is `unstable`; v3's stall and
+    oscillation rules need the run's metrics (`summary --recompute` on the folders)."""
     if not judged_before_v3(row):
         return row.verdict
     return "unstable" if row.verdict == "stable" and row.transient_rebound else row.verdict

@@ -1,9 +1,6 @@
 """A self-contained HTML report of a sweep (or a run folder), from its folder alone (no torch).
 
-One file, no external resources: the results table (variant x loops: verdict, the peer flags behind
-and no loop gain (a stable cell that is behind is amber, not green), seeds failed, final
-and validation loss with the gap to the best variant, validation perplexity, peak residual norm and
-its ratio to FLT's, an oscillation index), every figure with data as an
+One file, no external resources: the results table (tables.results_table), every figure with data as an
 embedded base64 PNG, the sweep's spec (sweep.json) and the environment of its first run.
 """
 from __future__ import annotations

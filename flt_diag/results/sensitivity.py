@@ -1,12 +1,8 @@
 """Verdict v3's sensitivity table: on the stored runs of the given folders, each threshold multiplied by
 0.5 and by 1.5 one at a time, and how many verdicts and flags change (numpy/pandas only; never torch).
 
-The thresholds (THRESHOLDS): the verdict's rebound_abs, rebound_rel, recovery_abs, recovery_rel, the
-stall margin tol(H1) (moved alone; recovery_abs and recovery_rel move it too, as they define it),
-osc_dlog_threshold, the residual explosion's explosion_ratio, and the peer flags' margin (behind and
-no_loop_gain). Each run is judged from its stored metrics with its own config.json's thresholds (the
-baseline), so the table does not depend on whether `summary --recompute` has been run; nothing is
-written to the folders. Cells are the summary table's (lr scale, variant, K, depth, width).
+The thresholds moved (THRESHOLDS), the baseline (each run's own config.json thresholds) and what is counted:
+docs/DESIGN.md section 3, "Sensitivity". Nothing is written to the folders. Cells are the summary table's.
 """
 from __future__ import annotations
 

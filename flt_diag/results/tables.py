@@ -1,23 +1,10 @@
 """The study layer: run and sweep folders read back as tables (numpy/pandas only; never torch).
 
-`collect(path)` reads a sweep (or one run folder) into a `Study` of `Run`s; the summary tables
-below are what the sweep's summary.csv, the CLI, the report, the figures and analysis/ all show:
-
-    SUMMARY_COLUMNS   the one list of summary columns (summary.json keys, per run)
-    sweep_summary     one row per finished cell (the sweep's summary.csv)
-    pooled_summary    sweep_summary of several sweeps of one setting (more seeds run later), as one table
-    folders_summary   pooled_summary, or the same rows for run folders given side by side (a row each)
-    summary_table     one row per (lr scale, variant, loops, depth) cell of the grid, seeds aggregated
-    seed_table        the same from sweep_summary's rows (finished runs only; what `summary` prints)
-    results_table     summary_table as the report's text table (TABLE_COLUMNS: display name -> column)
-
-Per-run and per-cell tables both compare the variants (flt_diag.judge.peers): val_gap, the
-nats between a row's val loss and the lowest among the variants at the same loops, depth and lr scale
-(and seed, per run), and resid_vs_flt, its peak residual norm over FLT's there.
-
-Derived series come from flt_diag.judge.verdict, the module that owns the verdict: `smoothed_loss` is the
-verdict's smoothed loss and `oscillation` the summary's oscillation indices (dense steps only).
-Works on a sweep still in progress: unfinished runs have `summary` None and status "running".
+`collect(path)` reads a sweep (or one run folder) into a `Study` of `Run`s; the summary tables below
+(SUMMARY_COLUMNS, sweep_summary, pooled_summary, folders_summary, summary_table, seed_table, results_table) are
+what the sweep's summary.csv, the CLI, the report, the figures and analysis/ all show. Per-run and per-cell
+tables compare the variants (flt_diag.judge.peers: val_gap, resid_vs_flt). Derived series come from
+flt_diag.judge.verdict. Works on a sweep still in progress: unfinished runs have `summary` None.
 """
 from __future__ import annotations
 

@@ -2,26 +2,8 @@
 against baselines that read no training signal, under cross-validation that never lets a sibling seed of
 a held-out configuration into the training set, with AUROC and intervals. Torch-free.
 
-A run's label is its verdict at full length (failed = not `stable`). At each step s a run has the early
-warning's features (flt_diag.judge.early_warning.features, from rows before s) and each score:
-
-    packaged     the packaged predictor as shipped (no refit)
-    refit        the same logistic model (the packaged predictor's features) refitted on the other runs
-                 (grouped cross-validation); "refit, 8 features": fit-predictor's default feature set
-    prior        a logistic model on the configuration alone: one-hot variant, K, depth, log2 lr scale
-    olmo         OLMo-core's SpikeScore (total): the share of steps so far whose loss or gradient norm
-                 exceeded the mean + 6 std of the previous 128 values (its defaults), ranked as a number;
-    olmo fired   the same as a detector "fired before step s" (a share > 0), as the plan scores detectors
-    lightning / kill_loss_spike (and *_scaled)
-                 the replayed detectors (flt_diag.judge.spike_detectors) as "fired before step s":
-                 at their defaults and at the plan's windows scaled to a 2,000-step run
-    RECORD_SCORES
-                 a loop-dynamics record alone (plan 2026-12-01 14:21 UTC): the final loop's loop-map gain and
-                 fixed-point residual, the exit-loss gap; read at the latest recorded step <= s (as the plan
-                 fixed it: unlike the features, step s itself counts), NaN without the record
-
-Cross-validation groups: `config` leaves out every seed of one (variant, K, depth, width, lr scale)
-together; `variant` leaves out every run of one variant.
+Labels, scores, folds and statistics: docs/DESIGN.md section 6, "The evaluation against baselines". At each
+step s a run has the early warning's features (from rows before s) and the scores named in `scores_at`.
 """
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """Figures of a run or a sweep, drawn from its folder alone (numpy/pandas/matplotlib; never torch).
 
-Every figure is one module of this package that ends with `register(Figure(...))`: its name, a
-one-line help, the metrics it reads, `data(study) -> DataFrame` (the exact table it draws, a pure
-function of the folder) and `draw(df) -> matplotlib Figure` (that table and nothing else). The
-package imports its modules itself, so adding a figure is adding one file; `FIGURES` (display
-order), `plot`, `render`, `figure_data` and `flt-diag plot <name>` all follow the registry.
-Figures work on a sweep still in progress: unfinished runs appear in the traces and as "running"
-in the collapse grid.
+Every figure is one module of this package ending with `register(Figure(...))` (docs/guide.md): `data(study)`
+is the exact table it draws, a pure function of the folder, and `draw(df)` draws that table and nothing else.
+Figures work on a sweep still in progress (unfinished runs are "running" in the collapse grid).
 """
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """The variant x loops grid coloured by verdict (majority over finished seeds, "running" while none
-finished, "pending" before a cell starts). Each cell reads, top to bottom: its gap to the best
-variant's final validation loss at the same K, in nats ("best" for the lowest, which is also outlined
-in black; * marks a residual explosion), its val loss (its final training loss, marked "train", when it
-has none) and, with several seeds, k/n failed: k of its n finished seeds ended with a verdict other
-than stable (unfinished seeds are not in n). A cell `behind` the best peer by more than the seed noise
-(flt_diag.judge.peers) is hatched, and a stable one is amber, never green; "no loop gain" marks a cell
-no better than the same setting at K = 1. Numbers are means over finished seeds; one grid per lr
-scale. Where the folder holds several depths L (a depth-axis map, or sweeps of several depths pooled),
-the columns are L and there is one grid per loop count K (and lr scale): the ablation along depth."""
+finished, "pending" before a cell starts), one grid per lr scale; a depth-axis map's columns are the depths L,
+one grid per K. What a cell reads, and how `behind` and "no loop gain" cells look: docs/DESIGN.md section 3,
+"Comparing variants" (* marks a residual explosion).
+"""
 from __future__ import annotations
 
 import math

@@ -5,9 +5,8 @@ residual ||h(t) - h(t-1)|| / ||h(t-1)||; whether the loop contracts: the spectra
 h(t-1) -> h(t) (lines; Arnoldi, or the 8-step power estimate of runs recorded before it), the growth of a
 perturbation carried through the loops (crosses) and, faint and dotted, the largest singular value (the
 worst one-loop stretch, which exceeds 1 on loops that contract), 1 marked; and the mean cosine between
-positions' streams (the degenerate fixed point: 1 = every position holds the same vector). Values <= 0,
-and gains <= GAIN_FLOOR (a zero up to round-off: at initialisation the blocks' output projections start
-at zero), cannot sit on the log axis: they are left out and the panel says how many."""
+positions' streams (the degenerate fixed point: 1 = every position holds the same vector). Values <= 0
+and gains <= GAIN_FLOOR cannot sit on the log axis: they are left out and the panel says how many."""
 from __future__ import annotations
 
 import numpy as np
