@@ -26,7 +26,6 @@ from flt_diag.model.transformer import LoopedTransformer, norm
 from flt_diag.config.run_config import DiagnosticsConfig
 
 
-
 def due(step: int, every: int) -> bool:
     """Whether an every-N record is taken at `step` (0 = never)."""
     return every > 0 and step % every == 0

@@ -1,9 +1,6 @@
-"""Two consecutive steps' gradients compared in a few vector operations, per parameter group laid end to end
-(the cosine and sign-flip records of flt_diag.instruments.diagnostics).
-
-A recorded step runs these on every parameter: no full-size temporary is allocated (a dot or norm reads its
-views; the sign flips use one work buffer of the caller's, kept from step to step), since a fresh
-parameter-sized tensor costs a page fault per page on a CPU and doubled the probe's cost on a small batch."""
+"""Two consecutive steps' gradients compared per parameter group laid end to end (the cosine and sign-flip records
+of flt_diag.instruments.diagnostics), with no parameter-sized temporary: a fresh one costs a page fault per page
+on a CPU (the probe's step at d=256: 29 ms with them, 9 ms without; benchmarks/README.md)."""
 from __future__ import annotations
 
 import torch

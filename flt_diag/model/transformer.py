@@ -29,8 +29,6 @@ from flt_diag.config.run_config import ModelConfig  # noqa: F401 (re-exported)
 from flt_diag.config.variants import VARIANTS  # noqa: F401 (re-exported)
 
 
-
-
 def _inv_rms(x: torch.Tensor) -> torch.Tensor:
     return torch.rsqrt(x.square().mean(-1, keepdim=True) + torch.finfo(x.dtype).eps)
 
