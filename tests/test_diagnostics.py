@@ -159,7 +159,7 @@ def test_attention_statistics_against_manual_softmax():
 
 def test_cosine_and_sign_flips_on_hand_made_gradients():
     g, prev = torch.tensor([1.0, -1.0, 0.0, 2.0]), torch.tensor([1.0, 1.0, 1.0, -2.0])
-    cos, flip = consecutive_stats(pair_sums(g, prev))
+    cos, flip = consecutive_stats(pair_sums(g, prev, None, torch.empty(4)))
     assert cos.item() == pytest.approx(-4 / math.sqrt(6 * 7))
     assert flip.item() == pytest.approx(2 / 4)  # coordinates 2 and 4; a zero is not a flip
 
@@ -229,6 +229,41 @@ def test_callback_update_ratios_and_clipped_norms_per_group():
         assert rows[M.group_key(M.PARAM_NORM, name)] == pytest.approx(norm, rel=8 * U32)
         assert rows[M.group_key(M.GRAD_NORM_CLIPPED, name)] == pytest.approx(grads[name].norm().item(), rel=8 * U32)
         assert rows[M.group_key(M.GRAD_NORM, name)] == pytest.approx(grads[name].norm().item(), rel=8 * U32)
+
+
+def test_a_saved_state_outlives_the_steps_after_it_and_resumes_the_cosine():
+    """state_dict() copies the previous gradient out of the buffers the next steps overwrite (two buffers swap:
+    step 2 writes where step 0's gradient was), and a callback loaded from it takes the next step's cosine
+    against that gradient (torch's cosine_similarity of the two flat gradients)."""
+    model = make("lt", 1)
+    params = list(model.parameters())
+    cb, trainer, _ = started_callback(model)
+    gen = torch.Generator().manual_seed(3)
+    grads = [[torch.randn(p.shape, generator=gen) for p in params] for _ in range(3)]
+    for step, gs in enumerate(grads):
+        for p, g in zip(params, gs):
+            p.grad = g.clone()
+        cb.before_step(trainer, step)
+        cb.after_backward(trainer, step)
+        cb.after_step(trainer, step)
+        if step == 0:
+            saved = cb.state_dict()
+    cb.on_end(trainer)
+    groups = parameter_groups(model)
+    index = {id(p): i for i, p in enumerate(params)}
+    for name, ps in groups.items():
+        assert torch.equal(saved["prev"][name], torch.cat([grads[0][index[id(p)]].flatten() for p in ps]))
+    fresh, trainer, log = started_callback(model)
+    fresh.load_state_dict(saved)
+    for p, g in zip(params, grads[1]):
+        p.grad = g.clone()
+    fresh.before_step(trainer, 1)
+    fresh.after_backward(trainer, 1)
+    fresh.on_end(trainer)
+    rows = {(m, ly): v for _, m, lp, ly, v in log.collect(1)}
+    flat = lambda gs: torch.cat([gs[index[id(p)]].flatten() for ps in groups.values() for p in ps]).double()
+    assert rows[(M.GRAD_COSINE, M.NONE)] == pytest.approx(
+        torch.nn.functional.cosine_similarity(flat(grads[0]), flat(grads[1]), 0).item(), rel=1e-5)
 
 
 def test_recording_schedule():

@@ -258,8 +258,9 @@ class LoopHooks:
 
 class DiagnosticsCallback(Callback):
     """Records everything of DESIGN.md §3 on recorded steps (`should_record`). The per-group figures come from
-    one flat gradient (the groups laid end to end) by a few vector operations: a recorded step costs the same
-    handful of kernel launches whatever the number of groups."""
+    flat buffers (the groups' gradients, or parameters, laid end to end) by a few vector operations: a recorded
+    step costs the same handful of kernel launches whatever the number of groups or parameters, and allocates
+    no parameter-sized tensor (gradient_pairs)."""
 
     def __init__(self, cfg: DiagnosticsConfig, groups: dict[str, list] | None = None, hooks: dict | None = None,
                  grad_scale: float | None = None, loop_end: tuple | list = ()):
@@ -268,22 +269,23 @@ class DiagnosticsCallback(Callback):
         `loop_end`: fn(loop, stream), fed each recorded loop-end stream (LoopHooks.on_loop_end: the loop dynamics)."""
         self.cfg, self.loop_end = cfg, list(loop_end)
         self.given_groups, self.hook_options, self.grad_scale = groups, dict(hooks or {}), grad_scale
-        self.prev: dict[str, torch.Tensor] = {}  # previous step's flat gradient per group
+        self.prev_flat: torch.Tensor | None = None  # the previous step's flat gradient (one of `buffers`, or loaded)
+        self.prev_layout: tuple[list[str], list[int]] = ([], [])  # its groups and their sizes
         self.prev_step = -2
-        self.prev_flat: torch.Tensor | None = None  # the same, laid end to end (one of `buffers`)
         self.buffers: list[torch.Tensor] = []  # the flat gradients of this step and the previous one, a work buffer
-        self.before: list[torch.Tensor] = []  # the parameters before the optimizer step (kept buffers)
+        self.before_flat: torch.Tensor | None = None  # the parameters before the optimizer step, laid end to end
+        self.before: list[torch.Tensor] = []  # its views, shaped as the parameters
         self.have_before = False
         self.key_lists: dict[tuple, list[tuple[str, int, int]]] = {}
-        self.before_given = False  # (the probe) `before` was filled by keep_before() at the end of the last step
         self.recording = False
-        self.unclip: torch.Tensor | None = None  # (the probe) gradients clipped before after_backward: x this undoes it
+        self.unclipped_norm: torch.Tensor | None = None  # (the probe) the step's total gradient norm before clipping
+        self.grad_norm: torch.Tensor | None = None  # the total gradient norm after_backward read (before clipping)
+        self._seen: tuple[list, list[int], torch.Tensor] | None = None  # its gradients, their versions, group squares
 
     def on_start(self, trainer) -> None:
         self.groups = self.given_groups if self.given_groups is not None else parameter_groups(trainer.model)
         self.params = [p for ps in self.groups.values() for p in ps]
-        # position of every parameter's group, to sum per-parameter norms into group norms
-        self.group_of = torch.tensor([i for i, ps in enumerate(self.groups.values()) for _ in ps])
+        self.param_sizes = [sum(p.numel() for p in ps) for ps in self.groups.values()]
         self.hooks = LoopHooks(trainer.model, trainer.log.add, attention=self.cfg.attention, **self.hook_options)
         self.hooks.on_loop_end += self.loop_end
         self.hooks.grad_scale = trainer.cfg.train.grad_accum if self.grad_scale is None else self.grad_scale
@@ -302,84 +304,107 @@ class DiagnosticsCallback(Callback):
             self.key_lists[key] = [(m, M.NONE, layer) for m, layer in (M.group_key(metric, name) for name in names)]
         return self.key_lists[key]
 
-    def _group_norms(self, tensors: list[torch.Tensor], group_of: torch.Tensor | None = None) -> torch.Tensor:
-        """Euclidean norm of each group's tensors (one per parameter, in `self.params` order; with
-        `group_of`, a subset of them and the group index of each)."""
-        sq = torch.stack(torch._foreach_norm(tensors)).float().square()
-        index = (self.group_of if group_of is None else group_of).to(sq.device)
-        return torch.zeros(len(self.groups), device=sq.device).index_add_(0, index, sq).sqrt()
+    def _gradients(self) -> tuple[list, list[str], list[int]]:
+        """The gradients there are, in group order; the groups that have any, and their sizes."""
+        grads, names, sizes = [], [], []
+        for name, ps in self.groups.items():
+            gs = [p.grad for p in ps if p.grad is not None]
+            if gs:
+                grads += gs
+                names.append(name)
+                sizes.append(sum(g.numel() for g in gs))
+        return grads, names, sizes
 
     def after_backward(self, trainer, step: int) -> None:
+        self.grad_norm = self._seen = None
         need_next = should_record(step + 1, self.cfg)
         if not (self.recording or need_next):
             return
-        grads = {name: [p.grad for p in ps if p.grad is not None] for name, ps in self.groups.items()}
-        names = [name for name, gs in grads.items() if gs]
-        if not names:
+        grads, names, sizes = self._gradients()
+        if not grads:
             return
-        sizes = [sum(g.numel() for g in grads[name]) for name in names]
-        flat, _, work = self._buffers(sum(sizes), grads[names[0]][0].device)
-        torch.cat([g.detach().reshape(-1) for name in names for g in grads[name]], out=flat)
-        if self.unclip is not None:
-            flat.mul_(self.unclip)
+        flat, _, work = self._buffers(sum(sizes), grads[0].device, flat_dtype(grads))
+        with torch.no_grad():
+            torch.cat([g.reshape(-1) for g in grads], out=flat)
+        layout = (names, sizes)
+        have_prev = self.recording and self.prev_step == step - 1 and self.prev_layout == layout \
+            and self.prev_flat is not None  # (a resumed state of another model: not used)
+        if have_prev:
+            assert self.prev_flat is not None  # (have_prev)
+            sums = pair_sums(flat, self.prev_flat.to(flat.device, flat.dtype), sizes, work)  # (5, groups)
+            squares = sums[1]
+        else:
+            squares = segment_squares(flat, sizes)
+        self._seen = grads, [g._version for g in grads], squares  # (after_clip: the same gradients, unclipped?)
+        total = squares.sum().sqrt()
+        scale = None if self.unclipped_norm is None else self.unclipped_norm / total.clamp_min(1e-30)
+        self.grad_norm = total if scale is None else self.unclipped_norm
         if self.recording:
             log = trainer.log
-            prev = self.prev
-            have_prev = self.prev_step == step - 1 and list(prev) == names and \
-                [prev[name].numel() for name in names] == sizes  # (a resumed state of another model: not used)
-            if have_prev:
-                before = torch.cat([prev[name] for name in names]) if self.prev_flat is None else self.prev_flat
-                sums = pair_sums(flat, before, sizes, work=work)  # (5, groups)
-                log.add_vector(self._keys(M.GRAD_NORM, names), sums[1].sqrt())
+            log.add_vector(self._keys(M.GRAD_NORM, names), squares.sqrt() if scale is None else squares.sqrt() * scale)
+            if have_prev:  # (cosines and sign flips do not change with the gradient's scale)
                 cos, flip = consecutive_stats(torch.cat([sums, sums.sum(1, keepdim=True)], 1))  # (the groups, all)
                 log.add_vector(self._keys(M.GRAD_COSINE, names) + [(M.GRAD_COSINE, M.NONE, M.NONE)], cos)
                 log.add_vector(self._keys(M.SIGN_FLIP, names) + [(M.SIGN_FLIP, M.NONE, M.NONE)], flip)
-            else:
-                log.add_vector(self._keys(M.GRAD_NORM, names), segment_squares(flat, sizes).sqrt())
-            if not self.before_given:
+            if not self.have_before:  # (the probe keeps them at the end of the step before, when it must)
                 self.keep_before()
         if need_next:  # this step's flat gradient is the next one's previous: the two buffers swap
-            self.prev, self.prev_step, self.prev_flat = dict(zip(names, flat.split(sizes))), step, flat
+            self.prev_flat, self.prev_layout, self.prev_step = flat, layout, step
             self.buffers[:2] = self.buffers[1::-1]
         else:
-            self.prev, self.prev_step, self.prev_flat = {}, -2, None
+            self.prev_flat, self.prev_layout, self.prev_step = None, ([], []), -2
 
-    def _buffers(self, n: int, device: torch.device) -> list[torch.Tensor]:
+    def _buffers(self, n: int, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
         """Three flat buffers kept from step to step, so that a recorded step allocates no parameter-sized tensor
-        (see gradient_pairs). A new size drops the previous gradient's buffer (self.prev still holds it)."""
-        if not self.buffers or self.buffers[0].numel() != n or self.buffers[0].device != device:
-            self.buffers, self.prev_flat = [torch.empty(n, device=device) for _ in range(3)], None
+        (see gradient_pairs); made anew for another size, device or dtype (the previous gradient, if one of them,
+        stays in prev_flat)."""
+        if not self.buffers or (self.buffers[0].numel(), self.buffers[0].device, self.buffers[0].dtype) != \
+                (n, device, dtype):
+            self.buffers = [torch.empty(n, device=device, dtype=dtype) for _ in range(3)]
         return self.buffers
 
     def keep_before(self) -> None:
-        """The parameters as they are now (before the optimizer step), into buffers kept from step to step; after_step
-        takes the update ratio against them."""
-        if len(self.before) != len(self.params) or any(b.shape != p.shape or b.device != p.device
-                                                       for b, p in zip(self.before, self.params)):
-            self.before = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in self.params]
-        torch._foreach_copy_(self.before, [p.detach() for p in self.params])
+        """The parameters as they are now (before the optimizer step), into a flat buffer kept from step to step
+        (`before`: its views, shaped as the parameters); after_step takes the update ratio against them."""
+        params = self.params
+        if not params:
+            return
+        if self.before_flat is None or self.before_flat.dtype != flat_dtype(params) or len(self.before) != len(
+                params) or any(b.shape != p.shape or b.device != p.device for b, p in zip(self.before, params)):
+            self.before_flat = torch.empty(sum(p.numel() for p in params), device=params[0].device,
+                                           dtype=flat_dtype(params))
+            self.before = [v.view_as(p) for v, p in zip(self.before_flat.split([p.numel() for p in params]), params)]
+        with torch.no_grad():
+            torch._foreach_copy_(self.before, params)
         self.have_before = True
 
     def after_clip(self, trainer, step: int) -> None:
         """Per-group gradient norms after clipping (the reference's grad_norm/block_XX/attn|mlp,
-        grad_norm/embed, grad_norm/lm_head), beside the pre-clipping ones of `after_backward`."""
+        grad_norm/embed, grad_norm/lm_head), beside the pre-clipping ones of `after_backward`. The squares
+        after_backward took, if the gradients are the same tensors, unchanged since (no clipping happened)."""
         if not self.recording:
             return
-        have = [i for i, p in enumerate(self.params) if p.grad is not None]  # all, unless some are frozen
-        if not have:
+        grads, names, sizes = self._gradients()
+        if not grads:
             return
-        group_of = self.group_of[have]
-        norms = self._group_norms([self.params[i].grad for i in have], group_of)
-        present = sorted(set(group_of.tolist()))  # the groups with at least one gradient
-        names = list(self.groups)
-        trainer.log.add_vector(self._keys(M.GRAD_NORM_CLIPPED, [names[i] for i in present]), norms[present])
+        seen = self._seen
+        if seen is not None and len(seen[0]) == len(grads) and all(
+                a is b and a._version == v for a, b, v in zip(seen[0], grads, seen[1])):
+            squares = seen[2]
+        else:
+            flat = self._buffers(sum(sizes), grads[0].device, flat_dtype(grads))[2]
+            with torch.no_grad():
+                torch.cat([g.reshape(-1) for g in grads], out=flat)
+            squares = segment_squares(flat, sizes)
+        trainer.log.add_vector(self._keys(M.GRAD_NORM_CLIPPED, names), squares.sqrt())
 
     def after_step(self, trainer, step: int) -> None:
-        if not self.recording or not self.have_before:
+        if not self.recording or not self.have_before or self.before_flat is None:
             return
-        weight = self._group_norms(self.before)
-        torch._foreach_sub_(self.before, [p.detach() for p in self.params])  # (before - after: the update's norm)
-        delta = self._group_norms(self.before)
+        weight = segment_squares(self.before_flat, self.param_sizes).sqrt()
+        with torch.no_grad():
+            torch._foreach_sub_(self.before, self.params)  # (before - after: the update, whose norm is taken)
+        delta = segment_squares(self.before_flat, self.param_sizes).sqrt()
         trainer.log.add_vector(self._keys(M.UPDATE_RATIO, self.groups), delta / weight.clamp_min(1e-30))
         trainer.log.add_vector(self._keys(M.PARAM_NORM, self.groups), weight)
         self.have_before = False
@@ -388,13 +413,21 @@ class DiagnosticsCallback(Callback):
         self.hooks.__exit__(None, None, None)
 
     def state_dict(self) -> dict:
-        return {"prev": {k: v.to("cpu", copy=True) for k, v in self.prev.items()},  # (views of a reused buffer)
-                "prev_step": self.prev_step}
+        names, sizes = self.prev_layout
+        prev = {} if self.prev_flat is None else \
+            {k: v.to("cpu", copy=True) for k, v in zip(names, self.prev_flat.split(sizes))}  # (views of a buffer)
+        return {"prev": prev, "prev_step": self.prev_step}
 
     def load_state_dict(self, state: dict) -> None:
         prev, prev_step = state["prev"], state["prev_step"]
         if not (isinstance(prev, dict) and all(torch.is_tensor(v) and v.dim() == 1 for v in prev.values())
                 and isinstance(prev_step, int)):
             raise ValueError("the diagnostics state holds no flat gradient per group and step")
-        self.prev, self.prev_step, self.prev_flat = prev, prev_step, None
+        self.prev_flat = torch.cat(list(prev.values())) if prev else None  # (moved to the gradients' device on use)
+        self.prev_layout = (list(prev), [v.numel() for v in prev.values()])
+        self.prev_step = prev_step if prev else -2
 
+
+def flat_dtype(tensors) -> torch.dtype:
+    """The dtype of a flat buffer of `tensors`: float32, or float64 where one of them is."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32

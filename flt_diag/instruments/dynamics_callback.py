@@ -194,7 +194,7 @@ class LoopDynamicsCallback(Callback):
                     self._exit_loss(loop, h, self.targets)
                 elif self.head is not None and self.targets_of is None:
                     self.kept.append((loop, h))
-                cosine, rank = D.stream_similarity(h)
+                cosine, rank = D.stream_similarity(h[:self.cfg.dynamics_batch])  # (the loop map's sequences)
                 self.log.add(M.TOKEN_COSINE, cosine, loop, M.NONE)
                 self.log.add(M.EFFECTIVE_RANK, rank, loop, M.NONE)
             if self.h_prev is not None and self.h_prev.shape == h.shape:

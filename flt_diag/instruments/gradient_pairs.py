@@ -11,20 +11,18 @@ def segment_squares(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     return torch.stack([torch.dot(part, part) for part in x.split(sizes)])
 
 
-def pair_sums(g: torch.Tensor, prev: torch.Tensor, sizes: list[int] | None = None,
-              work: torch.Tensor | None = None) -> torch.Tensor:
+def pair_sums(g: torch.Tensor, prev: torch.Tensor, sizes: list[int] | None, work: torch.Tensor) -> torch.Tensor:
     """[g.prev, |g|^2, |prev|^2, flipped coordinates, coordinates] of two flat gradients: shape (5,),
     or (5, len(sizes)) with one column per segment of `sizes` (the parameter groups, laid end to end).
-    `work`: a buffer of g's size and dtype to hold g * prev (else one is allocated)."""
+    `work`: a buffer of g's size and dtype, overwritten (it holds g * prev, then its signs)."""
     parts = [g.numel()] if sizes is None else sizes
-    work = torch.empty_like(g) if work is None else work
-    columns = []
-    for gs, ps, ws in zip(g.split(parts), prev.split(parts), work.split(parts)):
-        torch.mul(gs, ps, out=ws).clamp_(max=0).sign_()  # -1 where the signs differ (neither zero), else 0
-        columns.append(torch.stack([torch.dot(gs, ps), torch.dot(gs, gs), torch.dot(ps, ps), -ws.sum()]))
-    sums = torch.stack(columns, -1)
-    out = torch.cat([sums, torch.tensor([[float(k) for k in parts]], device=g.device, dtype=sums.dtype)])
-    return out[:, 0] if sizes is None else out
+    torch.mul(g, prev, out=work)
+    dots = [w.sum() for w in work.split(parts)]
+    work.clamp_(max=0).sign_()  # -1 where the signs differ (neither zero), else 0
+    flips = [-w.sum() for w in work.split(parts)]
+    sums = torch.stack([torch.stack(dots), segment_squares(g, parts), segment_squares(prev, parts), torch.stack(flips),
+                        torch.tensor([float(k) for k in parts], device=g.device, dtype=g.dtype)])
+    return sums[:, 0] if sizes is None else sums
 
 
 def consecutive_stats(sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

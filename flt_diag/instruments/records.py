@@ -62,8 +62,11 @@ class StepLog:
         if not self.values:
             return []
         devices = {v.device for v in self.values}
-        target = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
-        vals = torch.cat([v.to(target, torch.float32) for v in self.values]).tolist()  # the one sync
+        if len(devices) == 1:  # (cat promotes the dtypes; float32 after, as each value would be)
+            vals = torch.cat(self.values).to(torch.float32).tolist()  # the one sync
+        else:
+            target = next(d for d in devices if d.type != "cpu")
+            vals = torch.cat([v.to(target, torch.float32) for v in self.values]).tolist()
         rows = [Row(step, m, lp, ly, v) for (m, lp, ly), v in zip(self.keys, vals)]
         self.keys, self.values = [], []
         return rows

@@ -243,16 +243,16 @@ class LoopProbe:
             return
         self._backward_done = True
         grads = [p.grad for p in self.params if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else None
-        self.diag.unclip = None
+        pre = None
         if grads and self._pre:  # grad_hooks: the norm before clipping; the per-group figures scaled back to it
-            pre = torch.stack([self._pre[i] if i in self._pre else torch.linalg.vector_norm(p.grad.detach()).float()
-                               for i, p in enumerate(self.params) if p.grad is not None])
-            pre = torch.linalg.vector_norm(pre)
-            assert norm is not None  # (grads: their norm)
-            self.diag.unclip = pre / norm.float().clamp_min(1e-30)
-            norm = pre
+            pre = torch.linalg.vector_norm(torch.stack([
+                self._pre[i] if i in self._pre else torch.linalg.vector_norm(p.grad.detach()).float()
+                for i, p in enumerate(self.params) if p.grad is not None]))
+        self.diag.unclipped_norm = pre
         self.diag.after_backward(self.host, self.step_index)
+        norm = self.diag.grad_norm  # (read by after_backward on its steps; the same gradients)
+        if norm is None and grads:
+            norm = pre if pre is not None else torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
         if norm is not None:
             self.host.log.add(M.GRAD_NORM, norm)
         for cb in self.callbacks:
@@ -271,9 +271,7 @@ class LoopProbe:
         self.step_index = s
         late = not self._backward_done  # no after_backward() this step: the moments are read now
         if late:  # (the parameters before this step's update were kept at the end of the last one)
-            self.diag.before_given = True
             self.after_backward()
-            self.diag.before_given = False
         self.diag.after_clip(self.host, s)
         self.diag.after_step(self.host, s)
         for cb in self.callbacks:
