@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import environment, paired, stats, time_interleaved  # noqa: E402
-from flt_diag.instruments.diagnostics import ProbeError  # noqa: E402,F401  (the package imports as users do)
+from flt_diag.instruments.loop_hooks import ProbeError  # noqa: E402,F401  (the package imports as users do)
 from flops import matmul_peak  # noqa: E402
 import flt_diag  # noqa: E402
 

@@ -10,7 +10,8 @@ from equations import forward as eq_forward, randomize
 from flt_diag.storage import metric_names as M
 from flt_diag.judge import verdict as X
 from flt_diag.config.run_config import DiagnosticsConfig, VerdictConfig
-from flt_diag.instruments.diagnostics import DiagnosticsCallback, LoopHooks, should_record
+from flt_diag.instruments.diagnostics import DiagnosticsCallback, should_record
+from flt_diag.instruments.loop_hooks import LoopHooks
 from flt_diag.instruments.gradient_pairs import consecutive_stats, pair_sums
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig, parameter_groups
 from flt_diag.storage.folders import load_metrics, load_summary, series

@@ -16,7 +16,7 @@ from flt_diag.data import corpus as D
 from flt_diag.storage import metric_names as M
 from flt_diag.judge import verdict as X
 from flt_diag.config.run_config import RunConfig, build_config, padded_vocab
-from flt_diag.instruments.diagnostics import LoopHooks
+from flt_diag.instruments.loop_hooks import LoopHooks
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig, count_parameters
 from flt_diag.training.optim import muon_momentum
 from flt_diag.storage.folders import load_metrics, read_json, series

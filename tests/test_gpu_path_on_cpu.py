@@ -8,7 +8,7 @@ import torch
 from flt_diag.storage import metric_names as M
 
 from conftest import tiny_config
-from flt_diag.instruments.diagnostics import LoopHooks
+from flt_diag.instruments.loop_hooks import LoopHooks
 from flt_diag.instruments.sharpness import sharpness
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig
 from flt_diag.training.compile_precision import compile_blocks, cpu_compiler_available

@@ -10,8 +10,9 @@ own layer and any layer below, never one above):
                 the early warning's features and probability, the other detectors, map boundaries
     3 model     flt_diag/model/ - the looped transformer, reference checkpoints <-> state dicts
     4 data      flt_diag/data/ - corpora, tokenizers, token cache, synthetic tasks, batches
-    5 instruments flt_diag/instruments/ - model-agnostic, what every run records: the hooks and their callback
-                (diagnostics), the loop dynamics, the callback moments, the step record, the online early warning
+    5 instruments flt_diag/instruments/ - model-agnostic, what every run records: the hooks (loop_hooks) and
+                their callback (diagnostics), the loop dynamics, the callback moments, the step record, the online
+                early warning
     6 training  flt_diag/training/ - flt-diag's own Trainer: settle (options -> one run config), the Trainer,
                 optimizer, checkpoints, evaluation, the process, compilation, reference checkpoints
     6 probe     flt_diag/probe/ - the public `watch` API on a researcher's own looped model; beside the

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import torch
 
-from flt_diag.instruments.diagnostics import ProbeError
+from flt_diag.instruments.loop_hooks import ProbeError
 
 
 def needs_extra(module: str, extra: str, package: str) -> ImportError:

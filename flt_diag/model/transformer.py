@@ -8,7 +8,7 @@ Loop 1 is a plain pass in every variant. For loops t >= 2 a variant is three rul
 and which blocks take their attention query from h(t-1) ("attention injection").
 
 The model has no diagnostic code. It exposes hook points that diagnostics attach to
-from outside (flt_diag.instruments.diagnostics):
+from outside (flt_diag.instruments.loop_hooks):
   * every block's forward output is the residual stream after that block, and
     `block.after_attn` (an identity) sees the stream after its attention add;
   * `model.loop_end` (an identity) sees the residual stream at the end of each loop;

@@ -17,7 +17,7 @@ import torch
 
 from flt_diag.storage.folders import CONFIG
 from flt_diag.instruments.callbacks import Callback
-from flt_diag.instruments.diagnostics import ProbeError
+from flt_diag.instruments.loop_hooks import ProbeError
 from flt_diag.config.run_config import MAX_SEED, MAX_VOCAB, DiagnosticsConfig
 from flt_diag.config.variants import VARIANTS
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from flt_diag.storage.folders import CONFIG, write_json
-from flt_diag.instruments.diagnostics import ProbeError
+from flt_diag.instruments.loop_hooks import ProbeError
 from flt_diag.probe.model import head_count_of, vocab_size_of
 from flt_diag.instruments.records import StepLog, environment
 from flt_diag.config.run_config import ModelConfig, RunConfig, TrainConfig

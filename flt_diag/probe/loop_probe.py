@@ -24,7 +24,8 @@ from flt_diag.probe.folder import Host, probe_run_config, recipe, write_probe_co
 from flt_diag.probe.checks import check_watch, leave_no_trace, lets_go_on_refusal, one_loss, step_arguments
 from flt_diag.probe.results import EarlyWarning
 from flt_diag.storage.file_models import Summary
-from flt_diag.instruments.diagnostics import LoopHooks, ProbeError, should_record
+from flt_diag.instruments.diagnostics import should_record
+from flt_diag.instruments.loop_hooks import LoopHooks, ProbeError
 from flt_diag.probe.model import auto_blocks, called_blocks, check_untied, default_head, parameter_groups_of, resolve_blocks
 from flt_diag.instruments.warning_callback import CollapseWarning, predictor
 from flt_diag.config.run_config import DiagnosticsConfig

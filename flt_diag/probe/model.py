@@ -23,7 +23,7 @@ import fnmatch
 import torch
 import torch.nn as nn
 
-from flt_diag.instruments.diagnostics import BlocksNotFound, ProbeError
+from flt_diag.instruments.loop_hooks import BlocksNotFound, ProbeError
 
 HEAD_COUNTS = ("num_heads", "n_head", "num_attention_heads", "nhead", "n_heads")
 QKV = ({"q", "k", "v"}, {"q_proj", "k_proj", "v_proj"}, {"query", "key", "value"}, {"wq", "wk", "wv"})

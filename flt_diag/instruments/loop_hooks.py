@@ -1,0 +1,247 @@
+"""The loop hooks, attached from outside any looped model: module forward hooks and tensor (backward)
+hooks (definitions: DESIGN.md §3 and flt_diag.storage.metric_names). `LoopHooks` always removes its hooks; a
+forward it was armed for (`arm()`) records every block output under (loop, layer), so a block reused K times
+yields K records, and unarmed forwards (further micro-batches, evaluation, an activation checkpoint's
+recomputation) record nothing. Supported: eager CPU/GPU, non-reentrant activation checkpointing (under a
+reentrant one the activation gradients are not recorded: said once, listed in `not_recorded`), torch.compile of
+the blocks (compile_blocks keeps the hooks outside compiled code), and DDP (hooks see each rank's micro-batch).
+The errors a model the hooks cannot diagnose raises are here too (ProbeError and its kinds).
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from flt_diag.storage import metric_names as M
+
+
+def token_norm(x: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of the L2 norm of x's last dim (the residual-stream norm of DESIGN.md §3)."""
+    return torch.linalg.vector_norm(x.detach(), dim=-1).mean()
+
+
+class ProbeError(ValueError):
+    """A model the loop hooks cannot diagnose as given (one line, naming what to change)."""
+
+
+class BlocksNotFound(ProbeError):
+    """The block list is empty, or names modules that are not in the model."""
+
+
+class NotLooped(ProbeError):
+    """No block was called more than once in a forward: nothing is looped."""
+
+
+class BlockCalledTwice(ProbeError):
+    """A block ran twice within one loop (called from two places), or out of the blocks' order."""
+
+
+BUILTIN = "loop_end"  # the boundary of flt-diag's own model: `model.loop_end`
+MANUAL = "manual"  # the loop ends where the user calls `LoopHooks.end_loop(stream)`
+
+
+def first_tensor(output):
+    """The residual stream in a block's output: the tensor itself, or the first tensor of a tuple
+    (a Hugging Face layer may return (hidden_states, attention weights, ...))."""
+    if torch.is_tensor(output):
+        return output
+    if isinstance(output, (tuple, list)) and output and torch.is_tensor(output[0]):
+        return output[0]
+    raise ProbeError(f"a block returned {type(output).__name__}; a block must return the residual stream "
+                     "(a tensor, or a tuple whose first item is one)")
+
+
+class LoopHooks:
+    """Per-(loop, layer) residual norms, gradients w.r.t. block outputs, attention statistics.
+
+    `root` is the module whose forward is one pass of the model; `blocks` (default `root.blocks`) are the blocks
+    it reuses, layer i + 1 being blocks[i]. The loop counter is one of four strategies (`boundary`):
+      * BUILTIN (default): `root.loop_end` ends each loop (flt-diag's own model);
+      * a module: its forward ends each loop, its output is the loop-end stream;
+      * MANUAL: the loop ends where `end_loop(stream)` is called;
+      * None: counted from the blocks' own calls: the k-th call of block i in one forward is loop k
+        (the blocks must run in their list's order, once per loop); the loop-end stream is the output
+        of the last block.
+    A block called twice within one loop raises BlockCalledTwice; with `require_repeat`, a first
+    recorded forward in which no block ran twice raises NotLooped.
+
+    `log(metric, value_tensor, loop, layer)` receives every record (values stay on the device); `grad_scale`
+    multiplies the recorded activation gradients (the trainer's grad_accum: the micro-batch's mean loss).
+    Hook points for further records (e.g. the loop dynamics): `listeners` fn(loop, layer, stream) at every
+    recorded block output, `on_loop_end` fn(loop, stream) at every recorded loop's end, `on_forward_end`
+    fn(loops) at the end of each recorded forward."""
+
+    def __init__(self, model, log, act_grads: bool = True, attention: bool = False, *, blocks=None,
+                 boundary=BUILTIN, names: list[str] | None = None, require_repeat: bool = False):
+        self.model, self.log = model, log
+        self.blocks = list(model.blocks if blocks is None else blocks)
+        if not self.blocks:
+            raise BlocksNotFound("the block list is empty; give the blocks the model's forward reuses")
+        self.boundary = model.loop_end if isinstance(boundary, str) and boundary == BUILTIN else boundary
+        self.names = names or [f"block {i + 1}" for i in range(len(self.blocks))]
+        self.act_grads, self.attention, self.require_repeat = act_grads, attention, require_repeat
+        self.grad_scale = 1.0
+        self.detached = 0  # loops 1..detached send no gradient (truncated backpropagation): recorded as 0
+        self.listeners: list = []
+        self.on_forward_end: list = []
+        self.refuse = lambda error: error  # each refusal raised inside the forward goes through (the probe lets go)
+        self.on_loop_end: list = []  # fn(loop, stream) with each loop's loop-end stream (the probe's loop dynamics)
+        self.handles: list = []
+        self.not_recorded: dict[str, str] = {}  # metric -> why the hooks could not record it
+        self._armed = self._active = self._checked = False
+        self.loop = 0
+        self.calls = [0] * len(self.blocks)
+
+    def arm(self, on: bool = True) -> None:
+        """Record during the next forward of the model only."""
+        self._armed = on
+
+    def __enter__(self) -> "LoopHooks":
+        m = self.model
+        self.handles += [m.register_forward_pre_hook(self._start), m.register_forward_hook(self._stop)]
+        if isinstance(self.boundary, torch.nn.Module):
+            self.handles.append(self.boundary.register_forward_hook(lambda module, args, out: self.end_loop(out)))
+        for i, block in enumerate(self.blocks):
+            self.handles.append(block.register_forward_pre_hook(self._count_hook(i)))
+            self.handles.append(block.register_forward_hook(self._block_hook(i + 1)))
+            if self.act_grads and isinstance(getattr(block, "after_attn", None), torch.nn.Module):
+                # the reference's per-loop attention output gradient, read where it is added
+                self.handles.append(block.after_attn.register_forward_hook(
+                    self._output_grad_hook((M.ACT_GRAD_NORM_ATTN,), i + 1)))
+            if self.attention:
+                self.handles.append(block.register_forward_hook(self._attn_hook(i + 1)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        self._active = self._armed = False
+
+    def _start(self, module, args):
+        self._active, self._armed = self._armed, False
+        self._grad = torch.is_grad_enabled()
+        self.loop = 1
+        self.calls = [0] * len(self.blocks)
+        self.seen: set[tuple[int, int]] = set()
+
+    def _stop(self, module, args, output):
+        if not self._active:
+            return
+        self._active = False
+        loops = self.calls[-1] if self.boundary is None else self.loop - 1
+        if self.require_repeat and not self._checked and max(self.calls) < 2:
+            raise self.refuse(NotLooped(f"no block of {type(module).__name__} was called more than once in a forward "
+                            f"({', '.join(self.names[:3])}{', ...' if len(self.names) > 3 else ''}): a looped "
+                            "model calls the same blocks several times; check blocks=, or give loop_boundary="))
+        self._checked = True
+        for fn in self.on_forward_end:
+            fn(loops)
+
+    def end_loop(self, stream: torch.Tensor) -> None:
+        """The end of a loop (MANUAL boundary): records the loop-end stream, then counts the next loop."""
+        if self._active:
+            stream = first_tensor(stream)
+            self.log(M.RESID_NORM_LOOP_END, token_norm(stream), self.loop, M.NONE)
+            for fn in self.on_loop_end:
+                fn(self.loop, stream)
+            self.loop += 1
+
+    def _count_hook(self, i: int):
+        """Forward pre-hook of block i: its loop (counted from calls, or the boundary's), checked."""
+        def hook(module, args):
+            if not self._active:
+                return
+            if self.boundary is None:
+                expected = self.calls[i - 1] if i else self.calls[-1] + 1  # (before this call is counted)
+                self.calls[i] += 1
+                if self.calls[i] != expected:
+                    raise self.refuse(BlockCalledTwice(
+                        f"{self.names[i]} ran {self.calls[i]} times while {self.names[i - 1]} ran {self.calls[i - 1]} "
+                        "times: counted from calls, the blocks must run in their list's order, once per loop (a "
+                        "block called from two places? give loop_boundary=)"))
+                self.loop = self.calls[i]
+                return
+            self.calls[i] += 1
+            if (self.loop, i) in self.seen:
+                raise self.refuse(BlockCalledTwice(f"{self.names[i]} was called twice in loop {self.loop} (from two "
+                                                    "places?); each block may run once per loop"))
+            self.seen.add((self.loop, i))
+        return hook
+
+    def _block_hook(self, layer: int):
+        # The block's output is x + a + m (a, m: attention and MLP outputs), so d(loss)/d(output) is also
+        # d(loss)/d(m): one norm, recorded under both names.
+        record_grad = self._output_grad_hook((M.ACT_GRAD_NORM, M.ACT_GRAD_NORM_MLP), layer)
+
+        last = layer == len(self.blocks)
+
+        def hook(module, args, output):
+            if not self._active:
+                return
+            stream = first_tensor(output)
+            norm = token_norm(stream)
+            self.log(M.RESID_NORM, norm, self.loop, layer)
+            if last and self.boundary is None:  # counted from calls: the last block's output ends the loop
+                self.log(M.RESID_NORM_LOOP_END, norm, self.loop, M.NONE)
+                for fn in self.on_loop_end:
+                    fn(self.loop, stream)
+            for fn in self.listeners:
+                fn(self.loop, layer, stream)
+            if self.act_grads:
+                record_grad(module, args, stream)
+        return hook
+
+    def _output_grad_hook(self, metrics: tuple[str, ...], layer: int):
+        """Forward hook recording ||d(loss)/d(output)|| under (loop, layer), under each name of `metrics`. Read on
+        the residual stream, outside the compiled halves: h = x + a has d(loss)/d(h) = d(loss)/d(a) exactly (an
+        add passes its gradient through), and likewise the block output for the MLP output."""
+        def hook(module, args, output):
+            if self._active and self._grad and not torch.is_grad_enabled():
+                self._without_grad(metrics, layer)
+            if not self._active or not output.requires_grad:
+                return
+            loop, scale = self.loop, self.grad_scale
+            if loop <= self.detached:  # no gradient reaches a detached loop: its activation gradient is 0
+                zero = torch.zeros((), device=output.device)
+                for metric in metrics:
+                    self.log(metric, zero, loop, layer)
+                return
+
+            def record(g):
+                norm = torch.linalg.vector_norm(g.detach())
+                norm = norm if scale == 1 else norm * scale  # (x 1 would be a kernel launch)
+                for metric in metrics:
+                    self.log(metric, norm, loop, layer)
+            output.register_hook(record)
+        return hook
+
+    def _without_grad(self, metrics: tuple[str, ...], layer: int) -> None:
+        """A block of a forward with gradient ran without (a reentrant activation checkpoint): no gradient of its
+        output is seen; its backward recomputes it outside the recorded forward."""
+        why = (f"{self.names[layer - 1]} ran without gradient inside a forward with gradient (a reentrant activation "
+               "checkpoint, torch.utils.checkpoint(..., use_reentrant=True)?): use use_reentrant=False")
+        if not any(m in self.not_recorded for m in metrics):
+            print(f"flt_diag: {', '.join(metrics)} not recorded: {why}", file=sys.stderr, flush=True)
+        self.not_recorded.update(dict.fromkeys(metrics, why))
+
+    def _attn_hook(self, layer: int):
+        """Forward hook on a block: recomputes its attention scores from the block's inputs."""
+        def hook(module, args, output):
+            if not self._active:
+                return
+            x, cos, sin, *rest = args
+            query = rest[0] if rest else None
+            with torch.no_grad():
+                q, k = module.attn.query_key(*module.attention_sources(x, query), cos, sin)  # (B, T, H, D)
+                scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) / math.sqrt(q.shape[-1])
+                T = scores.shape[-1]
+                causal = torch.ones(T, T, dtype=torch.bool, device=scores.device).tril()
+                scores = scores.masked_fill(~causal, float("-inf"))  # (B, H, T, T)
+                p = scores.softmax(-1)
+                entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1).mean()
+            self.log(M.ATTN_MAX_LOGIT, scores.amax(), self.loop, layer)
+            self.log(M.ATTN_ENTROPY, entropy, self.loop, layer)
+        return hook
