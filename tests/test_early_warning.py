@@ -341,6 +341,35 @@ def test_online_replay_warns_where_the_callback_warns():
     assert replay["checks"] == 16 and replay["p_max"] >= replay["p_warn"]
 
 
+def test_every_online_check_reads_what_the_whole_table_gives_and_keeps_a_bounded_window():
+    """The live CollapseWarning keeps only the rows its features read, and forgets the windowed series' rows
+    older than the window: each check's features equal those of the whole metrics table at that step
+    (EW.features on every row, per-group rows included), and what it keeps is the loss plus one window."""
+    from types import SimpleNamespace
+    rng = np.random.default_rng(1)
+    g, c = rng.lognormal(0, 0.5, 700), rng.uniform(-1, 1, 700)
+    df = _rows(700, resid=lambda s, k: 8.0 * 10 ** (s / 300) if k == 3 else 8.0, grad=lambda s: g[s],
+               loss=lambda s: 3 - 0.004 * s if s < 350 else 1.6 + 0.01 * (s - 350), cos=lambda s: c[s])
+    df = pd.concat([df, pd.DataFrame([(s, M.GRAD_NORM, -1, 2, 5.0) for s in range(700)],  # a group's norm
+                                     columns=df.columns)], ignore_index=True).sort_values("step", kind="stable")
+    pred = dict(features=EW.FEATURES, threshold=0.99, models={"20": dict(  # (never warns: every check is made)
+        mean=[0.0] * len(EW.FEATURES), std=[1.0] * len(EW.FEATURES), coef=[0.1] * len(EW.FEATURES), intercept=-30.0)})
+    cb = CollapseWarning(pred, say=lambda text: None)
+    cb.on_start(SimpleNamespace(cfg=SimpleNamespace(model=SimpleNamespace(loops=3, n_layer=2, n_embd=64, variant="lt"))))
+    checked = []
+    for step, rows in df.groupby("step"):
+        cb.on_rows(None, int(step), list(rows.itertuples(index=False, name=None)))
+        if cb.last is not None and cb.last["step"] == step + 1:
+            whole = EW.features(df, step + 1, 3, 2, 64)
+            checked.append(step + 1)
+            assert cb.last["p_collapse"] == pytest.approx(EW.probability(pred, whole, step + 1)[0], rel=1e-12)
+            assert cb.last["evidence"] == EW.evidence_text(whole, EW.probability(pred, whole, step + 1)[1])
+    assert checked == list(range(25, 701, 25))
+    kept = pd.DataFrame(cb.rows, columns=df.columns)
+    assert (kept.metric == M.LOSS).sum() == 700 and kept[kept.metric != M.LOSS].step.min() >= 700 - EW.WINDOW
+    assert not ((kept.metric == M.GRAD_NORM) & (kept.layer != -1)).any()
+
+
 def test_predict_online_on_a_sweep(labelled, tmp_path, capsys):
     from flt_diag.cli import main
     pred = _toy_predictor(tmp_path, coef_climb=0.0, intercept=5.0)  # fires at the first check (25)

@@ -37,6 +37,8 @@ class DiagnosticsCallback(Callback):
         self.prev_flat: torch.Tensor | None = None  # the previous step's flat gradient (one of `buffers`, or loaded)
         self.prev_layout: tuple[list[str], list[int]] = ([], [])  # its groups and their sizes
         self.prev_step = -2
+        self.prev_squares: torch.Tensor | None = None  # prev_flat's squared norm per group (this step's, then)
+        self.views: dict[tuple, list[torch.Tensor]] = {}  # (_flatten) a buffer's views shaped as the gradients
         self.buffers: list[torch.Tensor] = []  # the flat gradients of this step and the previous one, a work buffer
         self.before_flat: torch.Tensor | None = None  # the parameters before the optimizer step, laid end to end
         self.before: list[torch.Tensor] = []  # its views, shaped as the parameters
@@ -89,14 +91,15 @@ class DiagnosticsCallback(Callback):
         if not grads:
             return
         flat, _, work = self._buffers(sum(sizes), grads[0].device, flat_dtype(grads))
-        with torch.no_grad():
-            torch.cat([g.reshape(-1) for g in grads], out=flat)
+        self._flatten(grads, flat)
         layout = (names, sizes)
         have_prev = self.recording and self.prev_step == step - 1 and self.prev_layout == layout \
             and self.prev_flat is not None  # (a resumed state of another model: not used)
         if have_prev:
             assert self.prev_flat is not None  # (have_prev)
-            sums = pair_sums(flat, self.prev_flat.to(flat.device, flat.dtype), sizes, work)  # (5, groups)
+            prev_squares = self.prev_squares if self.prev_squares is not None and \
+                self.prev_squares.device == flat.device else None  # (a loaded state: taken anew)
+            sums = pair_sums(flat, self.prev_flat.to(flat.device, flat.dtype), sizes, work, prev_squares)  # (5, groups)
             squares = sums[1]
         else:
             squares = segment_squares(flat, sizes)
@@ -114,10 +117,10 @@ class DiagnosticsCallback(Callback):
             if not self.have_before:  # (the probe keeps them at the end of the step before, when it must)
                 self.keep_before()
         if need_next:  # this step's flat gradient is the next one's previous: the two buffers swap
-            self.prev_flat, self.prev_layout, self.prev_step = flat, layout, step
+            self.prev_flat, self.prev_layout, self.prev_step, self.prev_squares = flat, layout, step, squares
             self.buffers[:2] = self.buffers[1::-1]
         else:
-            self.prev_flat, self.prev_layout, self.prev_step = None, ([], []), -2
+            self.prev_flat, self.prev_layout, self.prev_step, self.prev_squares = None, ([], []), -2, None
 
     def _buffers(self, n: int, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
         """Three flat buffers kept from step to step, so that a recorded step allocates no parameter-sized tensor
@@ -127,6 +130,18 @@ class DiagnosticsCallback(Callback):
                 (n, device, dtype):
             self.buffers = [torch.empty(n, device=device, dtype=dtype) for _ in range(3)]
         return self.buffers
+
+    def _flatten(self, grads: list, flat: torch.Tensor) -> None:
+        """The gradients laid end to end into `flat`: one foreach copy into views of it shaped as the gradients
+        (kept per buffer and shapes: a recorded step makes no view of its own)."""
+        key = (flat.data_ptr(), flat.numel(), tuple(g.shape for g in grads))
+        views = self.views.get(key)
+        if views is None:
+            if len(self.views) > 8:  # (buffers made anew: their views go)
+                self.views.clear()
+            views = self.views[key] = [v.view(g.shape) for v, g in zip(flat.split([g.numel() for g in grads]), grads)]
+        with torch.no_grad():
+            torch._foreach_copy_(views, grads)
 
     def keep_before(self) -> None:
         """The parameters as they are now (before the optimizer step), into a flat buffer kept from step to step
@@ -158,8 +173,7 @@ class DiagnosticsCallback(Callback):
             squares = seen[2]
         else:
             flat = self._buffers(sum(sizes), grads[0].device, flat_dtype(grads))[2]
-            with torch.no_grad():
-                torch.cat([g.reshape(-1) for g in grads], out=flat)
+            self._flatten(grads, flat)
             squares = segment_squares(flat, sizes)
         trainer.log.add_vector(self._keys(M.GRAD_NORM_CLIPPED, names), squares.sqrt())
 
@@ -191,6 +205,7 @@ class DiagnosticsCallback(Callback):
         self.prev_flat = torch.cat(list(prev.values())) if prev else None  # (moved to the gradients' device on use)
         self.prev_layout = (list(prev), [v.numel() for v in prev.values()])
         self.prev_step = prev_step if prev else -2
+        self.prev_squares = None
 
 
 def flat_dtype(tensors) -> torch.dtype:

@@ -11,16 +11,19 @@ def segment_squares(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     return torch.stack([torch.dot(part, part) for part in x.split(sizes)])
 
 
-def pair_sums(g: torch.Tensor, prev: torch.Tensor, sizes: list[int] | None, work: torch.Tensor) -> torch.Tensor:
+def pair_sums(g: torch.Tensor, prev: torch.Tensor, sizes: list[int] | None, work: torch.Tensor,
+              prev_squares: torch.Tensor | None = None) -> torch.Tensor:
     """[g.prev, |g|^2, |prev|^2, flipped coordinates, coordinates] of two flat gradients: shape (5,),
     or (5, len(sizes)) with one column per segment of `sizes` (the parameter groups, laid end to end).
-    `work`: a buffer of g's size and dtype, overwritten (it holds g * prev, then its signs)."""
+    `work`: a buffer of g's size and dtype, overwritten (it holds g * prev, then its signs). `prev_squares`:
+    |prev|^2 per segment if known already (the previous step's |g|^2), else taken here."""
     parts = [g.numel()] if sizes is None else sizes
     torch.mul(g, prev, out=work)
     dots = [w.sum() for w in work.split(parts)]
     work.clamp_(max=0).sign_()  # -1 where the signs differ (neither zero), else 0
     flips = [-w.sum() for w in work.split(parts)]
-    sums = torch.stack([torch.stack(dots), segment_squares(g, parts), segment_squares(prev, parts), torch.stack(flips),
+    sums = torch.stack([torch.stack(dots), segment_squares(g, parts),
+                        segment_squares(prev, parts) if prev_squares is None else prev_squares.to(g.dtype), torch.stack(flips),
                         torch.tensor([float(k) for k in parts], device=g.device, dtype=g.dtype)])
     return sums[:, 0] if sizes is None else sums
 

@@ -49,7 +49,10 @@ class StepLog:
 
     def add(self, metric: str, value: torch.Tensor | float, loop: int = M.NONE, layer: int = M.NONE) -> None:
         self.keys.append((metric, loop, layer))
-        self.values.append(value.detach().reshape(1) if torch.is_tensor(value) else torch.tensor([float(value)]))
+        if torch.is_tensor(value):
+            self.values.append((value.detach() if value.requires_grad else value).reshape(1))
+        else:
+            self.values.append(torch.tensor([float(value)]))
 
     def add_vector(self, keys: list[tuple[str, int, int]], values: torch.Tensor) -> None:
         """Several scalars at once: values[i] under keys[i] = (metric, loop, layer)."""

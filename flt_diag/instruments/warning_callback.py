@@ -7,11 +7,10 @@ import functools
 import sys
 from pathlib import Path
 
-import pandas as pd
-
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import load_metrics
-from flt_diag.judge.early_warning import CHECK_EVERY, PACKAGED, evidence_text, features, probability
+from flt_diag.judge.early_warning import (CHECK_EVERY, PACKAGED, WINDOW, RunSeries, evidence_text, features_at,
+                                         loop_series, probability)
 from flt_diag.storage.file_models import PredictorFile
 from flt_diag.storage.files import load_predictor, predictor_of
 from flt_diag.instruments.callbacks import Callback
@@ -65,19 +64,25 @@ class CollapseWarning(Callback):
                        stored.itertuples(index=False, name=None))
 
     def _keep(self, rows) -> None:
-        keep = {(M.RESID_NORM_LOOP_END, 1), (M.RESID_NORM_LOOP_END, self.loops)}
-        for r in rows:
-            if r[1] in self.GLOBAL or (r[1], r[2]) in keep or (
-                    r[1] == M.ACT_GRAD_NORM and (r[2], r[3]) in ((1, 1), (self.loops, self.n_layer))):
-                self.rows.append(tuple(r))
+        """Only the rows of the series the features read (features_at: loop_series and GLOBAL, each at its own
+        (loop, layer)), not the per-group gradient norms that share a metric name with them."""
+        keep = {(metric, M.NONE, M.NONE) for metric in self.GLOBAL} | set(loop_series(self.loops, self.n_layer))
+        self.rows += [tuple(r) for r in rows if (r[1], r[2], r[3]) in keep]
+
+    def _forget(self, done: int) -> None:
+        """Drop the rows no later check reads: every series but the loss is read over the WINDOW steps before
+        the check (the next one is later), the loss over the whole run (its running minimum). The kept rows, and
+        each check's cost, stay bounded by the window, not the run's length."""
+        oldest = done - WINDOW
+        self.rows = [r for r in self.rows if r[0] >= oldest or r[1] == M.LOSS]
 
     def on_rows(self, trainer, step: int, rows: list[tuple]) -> None:
         self._keep(rows)
         done = step + 1
         if self.warned_at is not None or done < self.first or done % self.every:
             return
-        df = pd.DataFrame(self.rows, columns=["step", "metric", "loop", "layer", "value"])
-        feats = features(df, done, self.loops, self.n_layer, self.d)
+        feats = features_at(RunSeries.of_rows(self.rows, self.loops, self.n_layer), done, self.d)
+        self._forget(done)
         p, contrib = probability(self.predictor, feats, done)
         text = evidence_text(feats, contrib)
         self.last = dict(step=done, p_collapse=p, threshold=self.threshold, evidence=text)

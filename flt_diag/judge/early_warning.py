@@ -35,6 +35,7 @@ from flt_diag.storage.folders import load_config, load_metrics, load_summary, ru
 from flt_diag.judge.verdict import coefficient_of_variation, mean_abs_dlog, quiet
 
 SMOOTH = 50
+WINDOW = 100  # the steps before a check that its windowed features read (all but the loss's climb)
 
 
 def _slope_per_100(s: pd.Series) -> float:
@@ -65,15 +66,36 @@ class RunSeries:
     checks is linear in the series."""
 
     def __init__(self, df: pd.DataFrame, loops: int, n_layer: int):
+        self._take(lambda metric, loop, layer: series(df, metric, loop, layer), loops, n_layer)
+        self.last_step = int(df.step.max()) if len(df) else -1
+
+    @classmethod
+    def of_rows(cls, rows, loops: int, n_layer: int) -> "RunSeries":
+        """The same from (step, metric, loop, layer, value) rows, grouped by key in one pass (no table: the
+        online warning's check)."""
+        by_key: dict[tuple, tuple[list, list]] = {}
+        for step, metric, loop, layer, value in rows:
+            steps, values = by_key.setdefault((metric, loop, layer), ([], []))
+            steps.append(step)
+            values.append(value)
+        run = cls.__new__(cls)
+
+        def one(metric, loop, layer):
+            steps, values = by_key.get((metric, loop, layer), ([], []))
+            return pd.Series(np.asarray(values, dtype=float), index=np.asarray(steps, dtype=np.int64), name=metric)
+        run._take(one, loops, n_layer)
+        run.last_step = max((max(steps) for steps, _ in by_key.values()), default=-1)
+        return run
+
+    def _take(self, get, loops: int, n_layer: int) -> None:
         def one(metric, loop=M.NONE, layer=M.NONE):
-            x = series(df, metric, loop, layer)
+            x = get(metric, loop, layer)
             return x if x.index.is_monotonic_increasing else x.sort_index(kind="stable")
         self.final, self.first, self.act_first, self.act_last = (one(*s) for s in loop_series(loops, n_layer))
         self.grad, self.cos = one(M.GRAD_NORM), one(M.GRAD_COSINE)
         self.loss = one(M.LOSS)
         smooth = self.loss.rolling(SMOOTH, min_periods=1).mean()
         self.climb = (smooth - smooth.cummin()).to_numpy(dtype=float)
-        self.last_step = int(df.step.max()) if len(df) else -1
 
     def climb_before(self, at: int) -> float:
         n = int(np.searchsorted(self.loss.index.to_numpy(), at, "left"))
@@ -89,7 +111,7 @@ def features(df: pd.DataFrame, at: int, loops: int, n_layer: int, d_model: int) 
 def features_at(run: RunSeries, at: int, d_model: int) -> dict:
     """The features at step `at` (from rows with step < at) of a run's pre-indexed series; a value that
     overflows (a metric of 1e308) is NaN, without numpy's warnings."""
-    W = max(2, min(100, at // 2))
+    W = max(2, min(WINDOW, at // 2))
     lo = at - W
     final, first = _window(run.final, lo, at), _window(run.first, lo, at)
     g = _window(run.grad, lo, at)
