@@ -23,7 +23,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmarks/bench.py` from a checkout
 
 from flt_diag.config.run_config import RunConfig, build_config  # noqa: E402
-from flt_diag.model.transformer import VARIANTS, Block, LoopedTransformer, ModelConfig, norm  # noqa: E402
+# (VARIANTS is imported from here by bench.py)
+from flt_diag.model.transformer import VARIANTS, Block, LoopedTransformer, ModelConfig, norm  # noqa: E402,F401
 from flt_diag.training.settle import settle  # noqa: E402
 from flt_diag.training.trainer import Trainer  # noqa: E402
 
@@ -276,10 +277,8 @@ def paired(a: list[float], b: list[float], op=lambda x, y: x / y) -> dict:
     return stats([op(x, y) for x, y in zip(a, b)])
 
 
-
 def _log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
 
 
 def environment(device: str) -> dict:
@@ -289,8 +288,6 @@ def environment(device: str) -> dict:
     if device == "cuda":
         env["gpu"] = torch.cuda.get_device_name()
     return env
-
-
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ from flt_diag.storage.files import load_predictor
 from flt_diag.judge import early_warning as EW
 from flt_diag.results import predictor_fit as FIT
 from flt_diag.storage import metric_names as M
-from flt_diag.storage.folders import load_summary
+from flt_diag.storage.folders import load_config, load_summary
 from flt_diag.instruments.warning_callback import CollapseWarning
 
 
@@ -251,6 +251,24 @@ def test_fit_predictor_command_writes_a_loadable_model(labelled, tmp_path, capsy
     m = load_predictor(tmp_path / "m.json")
     assert set(m.models) == {10, 20} and m.models[20].runs == 4
     assert m.command.startswith("flt-diag fit-predictor") and "cross_validation" not in m.model_extra
+
+
+def test_the_fit_set_reads_each_run_once_and_gives_each_steps_features_of_its_table(labelled, monkeypatch):
+    """training_examples: a run's features at every step of --at equal EW.features on its metrics table at that
+    step, and its metrics are read once for all the steps (not once per step)."""
+    from flt_diag.storage.folders import load_metrics
+    reads = []
+    monkeypatch.setattr(EW, "load_metrics", lambda d: reads.append(d) or load_metrics(d))
+    examples = FIT.training_examples([labelled / "sw"], [5, 10, 20])
+    assert len(reads) == len(examples) == 4 and len(set(reads)) == 4
+    for e in examples:
+        m = load_config(e["run"]).model
+        table = load_metrics(e["run"])
+        assert set(e["feats"]) == {5, 10, 20}
+        for at, feats in e["feats"].items():
+            by_hand = EW.features(table, at, m.loops, m.n_layer, m.n_embd)
+            assert feats.keys() == by_hand.keys() and all(
+                feats[k] == pytest.approx(by_hand[k], nan_ok=True) for k in feats), at
 
 
 def test_fit_predictor_features_and_class_weight_reach_the_model(labelled, tmp_path, capsys):

@@ -34,7 +34,6 @@ DELETE = object()
 
 def _interrupted_copy(run: Path, out: Path) -> None:
     """`out`: the run of `run`'s config stopped after step 3 (resume.pt at step 2), as a Ctrl-C leaves it."""
-    from flt_diag.config.run_config import RunConfig
     from flt_diag.storage.folders import load_config
     from flt_diag.instruments.callbacks import Callback
     from flt_diag.training.trainer import Trainer
@@ -79,7 +78,6 @@ def _reference_export(run: Path, folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def samples(tmp_path_factory):
     """One real file of each kind (and the folders around them), made by flt-diag itself."""
-    from flt_diag.config.run_config import RunConfig
     from flt_diag.storage.folders import load_config
     from flt_diag.config.grid_options import geometric_grid
     from flt_diag.grids.stability_map import MapSpec, prepare_map_folder

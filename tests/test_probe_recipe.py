@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import flt_diag
-from probe_models import D, T, V, UniversalTransformer, batches, check_folder, lm_loss
+from probe_models import D, V, UniversalTransformer, batches, check_folder, lm_loss
 from flt_diag.storage.folders import load_metrics
 
 

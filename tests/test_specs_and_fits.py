@@ -17,7 +17,7 @@ from flt_diag.cli import main
 from flt_diag.storage.cells import Cell
 from flt_diag.storage.files import load_examples, load_predictor, load_spec
 from flt_diag.storage import metric_names as M
-from flt_diag.storage.folders import LOCK, folder_lock
+from flt_diag.storage.folders import folder_lock
 
 
 def _one_error_line(capsys) -> str:

@@ -140,8 +140,17 @@ def features_at(run: RunSeries, at: int, d_model: int) -> dict:
 
 
 def run_features(run_dir: Path, at: int) -> dict:
+    return run_features_at(run_dir, [at])[at]
+
+
+def run_features_at(run_dir: Path, steps) -> dict[int, dict]:
+    """The features of a run folder at each of `steps`, its config and metrics read once (one RunSeries)."""
+    steps = list(steps)
+    if not steps:
+        return {}
     m = load_config(run_dir).model
-    return features(load_metrics(run_dir), at, m.loops, m.n_layer, m.n_embd)
+    run = RunSeries(load_metrics(run_dir), m.loops, m.n_layer)
+    return {at: features_at(run, at, m.n_embd) for at in steps}
 
 
 def label(summary: Summary, kind: str = "fails") -> int:

@@ -11,7 +11,7 @@ import pandas as pd
 from scipy.optimize import minimize
 
 from flt_diag.judge.early_warning import (COLUMNS, FEATURES, TARGETS, design, finished_runs, label,
-                                             prediction_row, run_features, sigmoid, target_text)
+                                             prediction_row, run_features_at, sigmoid, target_text)
 from flt_diag.judge.verdict import VERDICT_VERSION
 from flt_diag.storage.file_models import STALL_EVIDENCE, Evidence, ExampleRow, Summary
 from flt_diag.storage.files import EXAMPLE_IDENTITY, load_examples
@@ -77,7 +77,7 @@ def training_examples(sources, steps, target: str = DEFAULTS.target) -> list[dic
     out = [e for t in tables for e in examples_from_rows(load_examples(t), steps, target)]
     for d, s in training_runs(folders):
         out.append(dict(run=d, summary=s, y=label(s, target), identity=cell_identity(d),
-                        feats={at: run_features(d, at) for at in steps if s.steps_done > at}))
+                        feats=run_features_at(d, [at for at in steps if s.steps_done > at])))
     if not out:
         raise ValueError("no finished runs to fit on")
     return out
