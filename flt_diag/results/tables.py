@@ -158,10 +158,11 @@ def collect(path, metrics: list[str] | None = None) -> Study:
         raise StorageError(f"{path}: no metrics recorded yet")
     runs = []
     for d in dirs:
-        label = run_label(d)
+        cfg = load_config(d)
+        label = run_label(d, cfg)
         table = load_metrics(d, metrics) if metrics is None or metrics else NO_METRICS.copy()
         runs.append(Run(d, label["variant"], int(label["loops"]), int(label["seed"]), float(label["lr_scale"]),
-                        load_config(d), load_summary(d), table, load_eval_loops(d)))
+                        cfg, load_summary(d), table, load_eval_loops(d)))
     spec = load_spec(path) if is_sweep(path) else None
     return Study(path, sorted(runs, key=Run.sort_key), spec)
 

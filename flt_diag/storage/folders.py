@@ -366,9 +366,10 @@ def run_dirs(path: Path) -> list[Path]:
                        "archive (no run records)")
 
 
-def run_label(run_dir: Path) -> dict:
-    """Variant, loops, seed and lr scale of a run, read from its config (never from its name); a flt_diag.watch
-    run of a model that is none of flt-diag's variants (variant null) is labelled "own"."""
-    m, t = (cfg := load_config(run_dir)).model, cfg.train
+def run_label(run_dir: Path, cfg: "files.F.RunConfigFile | None" = None) -> dict:
+    """Variant, loops, seed and lr scale of a run, read from its config (never from its name; `cfg`: that config,
+    loaded already); a flt_diag.watch run of a model that is none of flt-diag's variants (variant null) is
+    labelled "own"."""
+    m, t = (cfg := load_config(run_dir) if cfg is None else cfg).model, cfg.train
     return {"variant": m.variant or "own", "loops": m.loops, "seed": t.seed, "lr_scale": t.lr_scale, "depth": m.n_layer,
             "run": str(run_dir)}
