@@ -129,6 +129,7 @@ class DiagnosticsCallback(Callback):
         if not self.buffers or (self.buffers[0].numel(), self.buffers[0].device, self.buffers[0].dtype) != \
                 (n, device, dtype):
             self.buffers = [torch.empty(n, device=device, dtype=dtype) for _ in range(3)]
+            self.views.clear()  # (their views would keep the old buffers alive)
         return self.buffers
 
     def _flatten(self, grads: list, flat: torch.Tensor) -> None:
@@ -137,7 +138,7 @@ class DiagnosticsCallback(Callback):
         key = (flat.data_ptr(), flat.numel(), tuple(g.shape for g in grads))
         views = self.views.get(key)
         if views is None:
-            if len(self.views) > 8:  # (buffers made anew: their views go)
+            if len(self.views) > 8:  # (a layout that changes from step to step: its views do not pile up)
                 self.views.clear()
             views = self.views[key] = [v.view(g.shape) for v, g in zip(flat.split([g.numel() for g in grads]), grads)]
         with torch.no_grad():
