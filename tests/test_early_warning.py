@@ -355,6 +355,7 @@ def test_online_replay_warns_where_the_callback_warns():
     for step, rows in df.groupby("step"):
         cb.on_rows(None, int(step), list(rows.itertuples(index=False, name=None)))
     assert replay["warned_at"] == cb.warned_at == by_hand and len(said) == 1
+    assert max(r[0] for r in cb.rows) == by_hand - 1  # (nothing kept once it has warned)
     assert replay["p_warn"] == pytest.approx(1 / (1 + math.exp(-(6 * climb[by_hand - 1] - 3))))
     assert replay["checks"] == 16 and replay["p_max"] >= replay["p_warn"]
 

@@ -77,9 +77,11 @@ class CollapseWarning(Callback):
         self.rows = [r for r in self.rows if r[0] >= oldest or r[1] == M.LOSS]
 
     def on_rows(self, trainer, step: int, rows: list[tuple]) -> None:
+        if self.warned_at is not None:  # (it warns once: no check reads rows after that)
+            return
         self._keep(rows)
         done = step + 1
-        if self.warned_at is not None or done < self.first or done % self.every:
+        if done < self.first or done % self.every:
             return
         feats = features_at(RunSeries.of_rows(self.rows, self.loops, self.n_layer), done, self.d)
         self._forget(done)
