@@ -22,8 +22,8 @@ def pair_sums(g: torch.Tensor, prev: torch.Tensor, sizes: list[int] | None, work
     dots = [w.sum() for w in work.split(parts)]
     work.clamp_(max=0).sign_()  # -1 where the signs differ (neither zero), else 0
     flips = [-w.sum() for w in work.split(parts)]
-    sums = torch.stack([torch.stack(dots), segment_squares(g, parts),
-                        segment_squares(prev, parts) if prev_squares is None else prev_squares.to(g.dtype), torch.stack(flips),
+    prev_sq = segment_squares(prev, parts) if prev_squares is None else prev_squares.to(g.dtype)
+    sums = torch.stack([torch.stack(dots), segment_squares(g, parts), prev_sq, torch.stack(flips),
                         torch.tensor([float(k) for k in parts], device=g.device, dtype=g.dtype)])
     return sums[:, 0] if sizes is None else sums
 

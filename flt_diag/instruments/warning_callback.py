@@ -71,8 +71,8 @@ class CollapseWarning(Callback):
 
     def _forget(self, done: int) -> None:
         """Drop the rows no later check reads: every series but the loss is read over the WINDOW steps before
-        the check (the next one is later), the loss over the whole run (its running minimum). The kept rows, and
-        each check's cost, stay bounded by the window, not the run's length."""
+        the check (the next one is later), the loss over the whole run (its running minimum). The kept rows beside
+        the loss stay bounded by the window, not the run's length."""
         oldest = done - WINDOW
         self.rows = [r for r in self.rows if r[0] >= oldest or r[1] == M.LOSS]
 
