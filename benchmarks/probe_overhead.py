@@ -1,6 +1,6 @@
 """What flt_diag.watch costs a training step of a looped model of one's own, paired in one process.
 
-    python benchmarks/probe_overhead.py [--steps-per-sample 20] [--repeats 10] [--width 64] [--out r.json]
+    python benchmarks/probe_overhead.py [--steps-per-sample 20] [--repeats 10] [--width 64] [--ablate] [--out r.json]
 
 The model is Huginn-style (issue 42): a prelude block, a recurrent core (a concat adapter of the stream and
 the embedded input, then one transformer layer) run r times, r drawn per forward from 4..8, a coda block and
@@ -12,7 +12,9 @@ a shuffled order, `--repeats` rounds, after one warm-up step each (step 0, where
 (loop_step=: spectral radius, gains) falls: it is timed once on its own and amortised over 500 steps).
 Reported: the paired ratio watched / plain (process CPU time, one thread; wall too) and the overhead at the
 defaults = ratio - 1 + (the every-500 record's extra time) / plain step / 500, beside the matmul peak
-measured in the same run (flops.matmul_peak).
+measured in the same run (flops.matmul_peak). `--ablate` adds watched arms with one default changed each (ABLATIONS:
+what a piece's share of the step is, paired in the same rounds; their every-500 record is off, so compare their
+ratios with `watched`'s ratio, not with the overhead at the defaults).
 """
 from __future__ import annotations
 
@@ -35,8 +37,11 @@ from common import environment, paired, stats, time_interleaved  # noqa: E402
 from flt_diag.instruments.loop_hooks import ProbeError  # noqa: E402,F401  (the package imports as users do)
 from flops import matmul_peak  # noqa: E402
 import flt_diag  # noqa: E402
+from flt_diag.config.run_config import DiagnosticsConfig  # noqa: E402
 
 VOCAB, WIDTH, SEQ, BATCH, R = 256, 64, 64, 8, (4, 8)
+ABLATIONS = {"exit-loss-every-50": dict(exit_loss_every=50), "no-exit-loss": dict(exit_loss_every=0),
+             "no-loop-dynamics": dict(loop_dynamics=False)}  # (--ablate; each also with dynamics_every=0)
 
 
 class Huginn(nn.Module):
@@ -89,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps-per-sample", type=int, default=20)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--width", type=int, default=WIDTH, help="the model's width d (heads: 2, MLP: 2d)")
+    p.add_argument("--ablate", action="store_true", help="also the arms of ABLATIONS (one default changed each)")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -104,6 +110,14 @@ def main(argv: list[str] | None = None) -> int:
         probe = flt_diag.watch(watched, blocks=[watched.core], folder=Path(tmp) / "run", head=watched.head,
                                targets=lambda x: torch.roll(x, 1, dims=1), loop_step=watched.loop_step, steps=steps)
         arms["watched"] = Arm(watched, batches, probe)
+        probes = [probe]
+        for name, change in (ABLATIONS.items() if args.ablate else ()):
+            model = Huginn(seed=1, width=args.width)
+            model.load_state_dict(plain.state_dict())
+            probes.append(flt_diag.watch(model, blocks=[model.core], folder=Path(tmp) / name, head=model.head,
+                                         targets=lambda x: torch.roll(x, 1, dims=1), loop_step=model.loop_step,
+                                         steps=steps, diagnostics=DiagnosticsConfig(dynamics_every=0, **change)))
+            arms[name] = Arm(model, batches, probes[-1])
         first = {}
         for name, arm in arms.items():  # step 0: the every-500 record falls here for the watched arm
             t0 = time.process_time()
@@ -111,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             first[name] = time.process_time() - t0
         wall, cpu = time_interleaved({n: a.step for n, a in arms.items()}, args.repeats, args.steps_per_sample,
                                      warmup=0, device="cpu")
-        probe.close()
+        for each in probes:
+            each.close()
         verdict = probe.summary.verdict if probe.summary is not None else None
     ratio = paired(cpu["watched"], cpu["plain"])
     plain_step = stats(cpu["plain"])["median"]
@@ -120,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                   width=args.width, steps_per_sample=args.steps_per_sample, repeats=args.repeats, cpu_ratio=ratio,
                   wall_ratio=paired(wall["watched"], wall["plain"]), plain_step_s=plain_step,
                   every_500_record_s=every_n, overhead_at_defaults=ratio["median"] - 1 + every_n / plain_step / 500,
-                  verdict=verdict)
+                  verdict=verdict, ablations={n: paired(cpu[n], cpu["plain"]) for n in arms if n in ABLATIONS})
     print(json.dumps(result, indent=1))
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -467,3 +467,25 @@ def test_callback_with_a_parameter_without_gradient():
     assert rows[("grad_norm_clipped/mlp", 2)] == pytest.approx(mlp, rel=8 * U32)
     assert rows[("grad_norm/mlp", 2)] == pytest.approx(mlp, rel=8 * U32)
     assert rows[("update_ratio/head", M.NONE)] == 0.0  # the weights did not move
+
+
+def test_the_step_log_gives_every_value_in_the_order_added_through_float32():
+    """Numbers, 0-d tensors of several dtypes, one-element and longer vectors, interleaved: each row is the value
+    added at that place, rounded to float32 (written out with numpy, not the log's own cast)."""
+    log = StepLog()
+    added = [("a", torch.tensor(0.1, dtype=torch.float64)), ("b", 0.1), ("c", torch.tensor(3)), ("d", 1e40),
+             ("e", torch.tensor(2.5, requires_grad=True) * 2), ("f", torch.tensor([7.25])), ("g", True),
+             ("h", torch.tensor(-1e-3))]
+    expected = []
+    for i, (name, value) in enumerate(added):
+        log.add(name, value, loop=i, layer=-1)
+        plain = value.item() if torch.is_tensor(value) else float(value)
+        with np.errstate(over="ignore"):
+            expected.append((5, name, i, -1, float(np.float32(plain))))
+        if i == 3:
+            log.add_vector([("v", 0, 1), ("v", 0, 2)], torch.tensor([1 / 3, 2 / 3], dtype=torch.float64))
+            expected += [(5, "v", 0, 1, float(np.float32(1 / 3))), (5, "v", 0, 2, float(np.float32(2 / 3)))]
+    assert [tuple(r) for r in log.collect(5)] == expected
+    assert log.collect(6) == []  # (emptied by collect)
+    with pytest.raises(RuntimeError):
+        log.add("x", torch.ones(2))  # (one scalar a name)

@@ -98,8 +98,16 @@ def value(df, step, metric, loop):
     return float(sel.value.iloc[0])
 
 
-@pytest.mark.parametrize("boundary", ["module", "manual", None])
-def test_fixed_point_residual_and_stream_similarity_from_the_captured_streams(tmp_path, boundary):
+@pytest.mark.parametrize("boundary, keep, batch", [("module", None, None), ("manual", None, None), (None, None, None),
+                                                   ("module", 0, None), ("module", None, 2 * T * D)])
+def test_fixed_point_residual_and_stream_similarity_from_the_captured_streams(tmp_path, boundary, keep, batch,
+                                                                              monkeypatch):
+    """keep 0: each loop's similarity at its loop end; batch 2 T D: the loops' kept streams two at a time."""
+    from flt_diag.instruments import dynamics_callback
+    if keep is not None:
+        monkeypatch.setattr(dynamics_callback, "KEEP_FOR_SIMILARITY", keep)
+    if batch is not None:
+        monkeypatch.setattr(dynamics_callback, "BATCH_SIMILARITY", batch)
     torch.manual_seed(0)
     model = PlainLoop()
     _, streams = run(tmp_path / "r", model, boundary=boundary)
@@ -122,6 +130,50 @@ def test_fixed_point_residual_and_stream_similarity_from_the_captured_streams(tm
                 ranks.append(np.exp(-(p * np.log(p)).sum()))
             assert value(df, s, M.EFFECTIVE_RANK, t + 1) == pytest.approx(np.mean(ranks), rel=1e-5)
     assert not (df.metric == M.EXIT_LOSS).any() and not (df.metric == M.LOOP_GAIN).any()  # no head=, no loop_step=
+
+
+class ShrinkingLoop(PlainLoop):
+    """PlainLoop whose third loop drops the last position: the stream changes shape between loops 2 and 3."""
+
+    def forward(self, x):
+        h = self.embed(x)
+        for k in range(self.loops):
+            h = self.step(h)
+            h = self.end(h[:, :-1] if k == 2 else h)
+        return self.head(h)
+
+
+def test_fixed_point_residual_where_the_stream_changes_shape_between_loops(tmp_path, capsys):
+    """No residual across the change (said once); the loops before and after it, of two shapes, each against the
+    captured streams."""
+    torch.manual_seed(0)
+    model = ShrinkingLoop(loops=5)
+    streams = []
+    model.end.register_forward_hook(lambda m, a, out: streams[-1].append(out.detach().double().numpy()))
+    probe = flt_diag.watch(model, blocks=[model.cell], folder=tmp_path / "r", loop_boundary=model.end,
+                           diagnostics=DiagnosticsConfig(exit_loss_every=1, dynamics_batch=1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x in data(2):
+        streams.append([])
+        loss = F.cross_entropy(model(x).flatten(0, 1), x[:, :-1].flatten())
+        loss.backward()
+        opt.step()
+        probe.step(loss=loss)
+        opt.zero_grad()
+    probe.close()
+    df = load_metrics(tmp_path / "r")
+    assert capsys.readouterr().err.count("changed shape") == 1
+    for s, hs in enumerate(streams):
+        assert not ((df.metric == M.FIXED_POINT_RESIDUAL) & (df.step == s) & df.loop.isin([1, 3])).any()
+        for t in (2, 4, 5):  # (loop t against loop t - 1; 1-based)
+            a, b = hs[t - 1], hs[t - 2]
+            ratio = (np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)).mean()
+            assert value(df, s, M.FIXED_POINT_RESIDUAL, t) == pytest.approx(ratio, rel=1e-5)
+        for t, h in enumerate(hs, 1):  # (the shapes differ: the similarity taken in runs of one shape)
+            u = h[0] / np.linalg.norm(h[0], axis=-1, keepdims=True)  # (the first dynamics_batch (1) sequence)
+            n = len(u)
+            want = (u @ u.T)[~np.eye(n, dtype=bool)].mean()
+            assert value(df, s, M.TOKEN_COSINE, t) == pytest.approx(want, rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.parametrize("given", ["watch", "step"])

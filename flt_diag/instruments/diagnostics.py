@@ -28,11 +28,12 @@ class DiagnosticsCallback(Callback):
     no parameter-sized tensor (gradient_pairs)."""
 
     def __init__(self, cfg: DiagnosticsConfig, groups: dict[str, list] | None = None, hooks: dict | None = None,
-                 grad_scale: float | None = None, loop_end: tuple | list = ()):
+                 grad_scale: float | None = None, loop_end: tuple | list = (), forward_end: tuple | list = ()):
         """`groups` (default: flt-diag's model's parameter_groups), `hooks` (LoopHooks keyword arguments) and
         `grad_scale` (default the run's grad_accum) take the same records on any looped model (flt_diag.watch);
-        `loop_end`: fn(loop, stream), fed each recorded loop-end stream (LoopHooks.on_loop_end: the loop dynamics)."""
-        self.cfg, self.loop_end = cfg, list(loop_end)
+        `loop_end`: fn(loop, stream), fed each recorded loop-end stream (LoopHooks.on_loop_end: the loop dynamics);
+        `forward_end`: fn(loops) at the end of each recorded forward (LoopHooks.on_forward_end)."""
+        self.cfg, self.loop_end, self.forward_end = cfg, list(loop_end), list(forward_end)
         self.given_groups, self.hook_options, self.grad_scale = groups, dict(hooks or {}), grad_scale
         self.prev_flat: torch.Tensor | None = None  # the previous step's flat gradient (one of `buffers`, or loaded)
         self.prev_layout: tuple[list[str], list[int]] = ([], [])  # its groups and their sizes
@@ -55,6 +56,7 @@ class DiagnosticsCallback(Callback):
         self.param_sizes = [sum(p.numel() for p in ps) for ps in self.groups.values()]
         self.hooks = LoopHooks(trainer.model, trainer.log.add, attention=self.cfg.attention, **self.hook_options)
         self.hooks.on_loop_end += self.loop_end
+        self.hooks.on_forward_end += self.forward_end
         self.hooks.grad_scale = trainer.cfg.train.grad_accum if self.grad_scale is None else self.grad_scale
         model_cfg = getattr(trainer.model, "cfg", None)
         if model_cfg is not None and hasattr(trainer.model, "grad_loops"):

@@ -114,6 +114,8 @@ class StepLoopMap:
 
 
 LoopMap = ModelLoopMap | StepLoopMap
+KEEP_FOR_SIMILARITY = 1 << 20  # elements: a loop end's first dynamics_batch sequences up to this size are copied and
+BATCH_SIMILARITY = 1 << 22  # taken together at the forward's end, this many elements a call (larger: at the loop end)
 
 
 class LoopDynamicsCallback(Callback):
@@ -131,6 +133,9 @@ class LoopDynamicsCallback(Callback):
 
     def _reset(self) -> None:
         self.h_prev: torch.Tensor | None = None
+        self.prev_norms: torch.Tensor | None = None  # ||h_prev|| per token
+        self.steps: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (loop, ||h - h_prev||, ||h_prev||) per token
+        self.similar: list[tuple[int, torch.Tensor]] = []  # (loop, its first dynamics_batch sequences), copied
         self.kept: list[tuple[int, torch.Tensor]] = []  # (loop, stream) awaiting step(targets=) for the exit loss
         self.targets: torch.Tensor | None = None
 
@@ -194,18 +199,54 @@ class LoopDynamicsCallback(Callback):
                     self._exit_loss(loop, h, self.targets)
                 elif self.head is not None and self.targets_of is None:
                     self.kept.append((loop, h))
-                cosine, rank = D.stream_similarity(h[:self.cfg.dynamics_batch])  # (the loop map's sequences)
-                self.log.add(M.TOKEN_COSINE, cosine, loop, M.NONE)
-                self.log.add(M.EFFECTIVE_RANK, rank, loop, M.NONE)
+                first = h[:self.cfg.dynamics_batch]  # (the loop map's sequences)
+                if first.numel() <= KEEP_FOR_SIMILARITY:  # taken for all loops at once at the forward's end
+                    self.similar.append((loop, first.float().clone()))
+                else:
+                    cosine, rank = D.stream_similarity(first)
+                    self.log.add(M.TOKEN_COSINE, cosine, loop, M.NONE)
+                    self.log.add(M.EFFECTIVE_RANK, rank, loop, M.NONE)
+            norms = torch.linalg.vector_norm(h.float(), dim=-1)
             if self.h_prev is not None and self.h_prev.shape == h.shape:
-                self.log.add(M.FIXED_POINT_RESIDUAL, D.fixed_point_residual(h, self.h_prev), loop, M.NONE)
+                assert self.prev_norms is not None  # (kept with h_prev)
+                self.steps.append((loop, torch.linalg.vector_norm(h.float() - self.h_prev.float(), dim=-1),
+                                   self.prev_norms))
             elif self.h_prev is not None:
                 self._say("residual", f"the loop-end stream changed shape ({tuple(self.h_prev.shape)} -> "
                                       f"{tuple(h.shape)}): no fixed_point_residual there")
+            self.prev_norms = norms
         self.h_prev = h
         if self.mapping:
             assert self.loop_map is not None  # (mapping: there is one)
             self.loop_map.loop_end(h)
+
+    def forward_end(self, loops: int) -> None:
+        """The fixed-point residuals of the recorded forward (LoopHooks.on_forward_end), from the per-token norms
+        its loop ends left: D.fixed_point_residual of each pair of consecutive loop-end streams, the ratio and the
+        mean over tokens taken once for all loops (a few operations a forward, not a few a loop)."""
+        self._similarity()
+        steps, self.steps = self.steps, []
+        if not steps:
+            return
+        keys = [(M.FIXED_POINT_RESIDUAL, loop, M.NONE) for loop, _, _ in steps]
+        if len({num.shape for _, num, _ in steps}) == 1:
+            num, den = torch.stack([n for _, n, _ in steps]), torch.stack([d for _, _, d in steps])
+            self.log.add_vector(keys, (num / den.clamp_min(1e-30)).reshape(len(steps), -1).mean(1))
+        else:  # (the batch or the sequence changed between loops: one at a time)
+            self.log.add_vector(keys, torch.stack([(n / d.clamp_min(1e-30)).mean() for _, n, d in steps]))
+
+    def _similarity(self) -> None:
+        """Token cosine and effective rank of the loop ends kept for them: one D.similarity_per_sequence call for
+        each run of loops whose kept streams have one shape, up to BATCH_SIMILARITY elements at a time."""
+        kept, self.similar = self.similar, []
+        while kept:
+            shape, n = kept[0][1].shape, 0
+            while n < len(kept) and kept[n][1].shape == shape and (n + 1) * kept[0][1].numel() <= BATCH_SIMILARITY:
+                n += 1
+            chunk, kept = kept[:n], kept[n:]
+            cosine, rank = D.similarity_per_sequence(torch.cat([h for _, h in chunk]) if n > 1 else chunk[0][1])
+            for metric, values in ((M.TOKEN_COSINE, cosine), (M.EFFECTIVE_RANK, rank)):
+                self.log.add_vector([(metric, loop, M.NONE) for loop, _ in chunk], values.reshape(n, -1).mean(1))
 
     def at_step(self, targets: torch.Tensor | None = None) -> None:
         """probe.step(targets=): the exit loss of the streams kept for it."""
@@ -245,4 +286,5 @@ def instruments(cfg: DiagnosticsConfig, dynamics: LoopDynamicsCallback,
                 **diagnostics) -> tuple[DiagnosticsCallback, LoopDynamicsCallback]:
     """The instruments of every step, in the order they run: the diagnostics (`diagnostics`: DiagnosticsCallback's
     groups, hooks, grad_scale, for a model flt-diag did not write), whose hooks feed the loop dynamics."""
-    return DiagnosticsCallback(cfg, loop_end=[dynamics.loop_end], **diagnostics), dynamics
+    return DiagnosticsCallback(cfg, loop_end=[dynamics.loop_end], forward_end=[dynamics.forward_end],
+                               **diagnostics), dynamics

@@ -20,11 +20,11 @@ def pair_sums(g: torch.Tensor, prev: torch.Tensor, sizes: list[int] | None, work
     parts = [g.numel()] if sizes is None else sizes
     torch.mul(g, prev, out=work)
     dots = [w.sum() for w in work.split(parts)]
-    work.clamp_(max=0).sign_()  # -1 where the signs differ (neither zero), else 0
-    flips = [-w.sum() for w in work.split(parts)]
+    work.lt_(0)  # 1 where the signs differ (neither zero), else 0
+    flips = [w.sum() for w in work.split(parts)]
     prev_sq = segment_squares(prev, parts) if prev_squares is None else prev_squares.to(g.dtype)
     sums = torch.stack([torch.stack(dots), segment_squares(g, parts), prev_sq, torch.stack(flips),
-                        torch.tensor([float(k) for k in parts], device=g.device, dtype=g.dtype)])
+                        torch.tensor(parts, device=g.device, dtype=g.dtype)])
     return sums[:, 0] if sizes is None else sums
 
 

@@ -242,23 +242,30 @@ def stream_similarity(h: Tensor) -> tuple[Tensor, Tensor]:
     token_cosine: the mean over position pairs i != j of cos(h_i, h_j) (1: every position holds the same
     vector, the stream has forgotten its tokens). effective_rank: exp(-sum p log p) of the singular values
     of the (T, d) matrix normalised to p = sigma / sum(sigma) (Roy and Vetterli 2007): 1 for a rank-one
-    stream, min(T, d) for a flat spectrum. Cost: one (T x T) Gram matrix of the unit rows, and the eigenvalues
-    of the smaller Gram matrix of h (sigma^2, in float64: cheaper than an SVD of (T, d), to ~1e-7 of sigma_max)
-    per sequence."""
+    stream, min(T, d) for a flat spectrum. Per sequence: `similarity_per_sequence`."""
+    cosine, rank = similarity_per_sequence(h)
+    return cosine.mean(), rank.mean()
+
+
+def similarity_per_sequence(h: Tensor) -> tuple[Tensor, Tensor]:
+    """stream_similarity's two figures for each sequence of h (..., T, d), flattened to (N,) each (a (T, d) h: one
+    sequence). Cost: the unit rows' sum (the pairs' cosines add up to its squared norm less the diagonal: no
+    T x T product), and the eigenvalues of the smaller Gram matrix of h (sigma^2, in float64: cheaper than an SVD
+    of (T, d), to ~1e-7 of sigma_max), one batched call for all the sequences."""
     h = h.detach().float()
     if h.dim() == 2:
         h = h[None]
     h = h.flatten(0, -3)
     T = h.shape[-2]
     u = h / torch.linalg.vector_norm(h, dim=-1, keepdim=True).clamp_min(1e-30)
-    gram = u @ u.transpose(-1, -2)
-    off = (gram.sum((-1, -2)) - gram.diagonal(dim1=-2, dim2=-1).sum(-1)) / max(T * (T - 1), 1)
+    # sum over all pairs i, j of u_i . u_j = |sum_i u_i|^2; the pairs i = j add |u_i|^2 (1, or 0 for a zero row)
+    pairs = torch.linalg.vector_norm(u.sum(-2), dim=-1) ** 2 - (u * u).sum((-1, -2))
     hd = h.double()
     small = hd @ hd.transpose(-1, -2) if T <= h.shape[-1] else hd.transpose(-1, -2) @ hd
     sv = torch.linalg.eigvalsh(small).clamp_min(0).sqrt()
     p = sv / sv.sum(-1, keepdim=True).clamp_min(1e-30)
     erank = torch.exp(-(p * torch.log(p.clamp_min(1e-30))).sum(-1))
-    return off.mean(), erank.mean().float()
+    return pairs / max(T * (T - 1), 1), erank.float()
 
 
 # ----------------------------------------------------------------------------- per-loop gradient agreement

@@ -41,35 +41,56 @@ def environment(device: torch.device) -> dict:
 
 
 class StepLog:
-    """Scalars of one step, kept on the device until `collect` (one host transfer)."""
+    """Scalars of one step, kept on the device until `collect` (one host transfer). A recorded step adds a few
+    dozen scalars: a 0-d tensor is kept as it is (consecutive ones on one device are stacked at `collect`: no
+    view op each), a Python number as a number (no tensor made for it); all are stored through float32."""
 
     def __init__(self) -> None:
         self.keys: list[tuple[str, int, int]] = []
-        self.values: list[torch.Tensor] = []
+        self.values: list[list[torch.Tensor] | torch.Tensor | float] = []  # a run of 0-d tensors, a vector, a number
 
     def add(self, metric: str, value: torch.Tensor | float, loop: int = M.NONE, layer: int = M.NONE) -> None:
         self.keys.append((metric, loop, layer))
-        if torch.is_tensor(value):
-            self.values.append((value.detach() if value.requires_grad else value).reshape(1))
+        if not torch.is_tensor(value):
+            self.values.append(float(value))
+            return
+        v = value.detach() if value.requires_grad else value
+        last = self.values[-1] if self.values else None
+        if v.dim():
+            self.values.append(v.reshape(1))  # (one element, or the error of a value that is not one scalar)
+        elif isinstance(last, list) and last[0].device == v.device:
+            last.append(v)
         else:
-            self.values.append(torch.tensor([float(value)]))
+            self.values.append([v])
 
     def add_vector(self, keys: list[tuple[str, int, int]], values: torch.Tensor) -> None:
         """Several scalars at once: values[i] under keys[i] = (metric, loop, layer)."""
         if len(keys) != values.numel():
             raise ValueError(f"{len(keys)} keys for {values.numel()} values")
         self.keys.extend(keys)
-        self.values.append(values.detach().reshape(-1))
+        values = values.detach() if values.requires_grad else values
+        self.values.append(values if values.dim() == 1 else values.reshape(-1))
 
     def collect(self, step: int) -> list[Row]:
         if not self.values:
             return []
-        devices = {v.device for v in self.values}
-        if len(devices) == 1:  # (cat promotes the dtypes; float32 after, as each value would be)
-            vals = torch.cat(self.values).to(torch.float32).tolist()  # the one sync
-        else:
-            target = next(d for d in devices if d.type != "cpu")
-            vals = torch.cat([v.to(target, torch.float32) for v in self.values]).tolist()
+        parts = [torch.stack(v) if isinstance(v, list) else v for v in self.values if not isinstance(v, float)]
+        vals: list[float] = []
+        if parts:
+            devices = {v.device for v in parts}
+            if len(devices) > 1:  # (cat promotes the dtypes; float32 after, as each value would be)
+                target = next(d for d in devices if d.type != "cpu")
+                parts = [v.to(target) for v in parts]
+            vals = torch.cat(parts).to(torch.float32).tolist()  # the one sync
+        numbers = [v for v in self.values if isinstance(v, float)]
+        if numbers:  # each in its place, through float32 as the tensors are
+            tensors, floats = iter(vals), iter(torch.tensor(numbers, dtype=torch.float32).tolist())
+            vals = []
+            for v in self.values:
+                if isinstance(v, float):
+                    vals.append(next(floats))
+                else:
+                    vals.extend(next(tensors) for _ in range(len(v) if isinstance(v, list) else v.numel()))
         rows = [Row(step, m, lp, ly, v) for (m, lp, ly), v in zip(self.keys, vals)]
         self.keys, self.values = [], []
         return rows
