@@ -474,8 +474,9 @@ def test_the_step_log_gives_every_value_in_the_order_added_through_float32():
     added at that place, rounded to float32 (written out with numpy, not the log's own cast)."""
     log = StepLog()
     added = [("a", torch.tensor(0.1, dtype=torch.float64)), ("b", 0.1), ("c", torch.tensor(3)), ("d", 1e40),
-             ("e", torch.tensor(2.5, requires_grad=True) * 2), ("f", torch.tensor([7.25])), ("g", True),
-             ("h", torch.tensor(-1e-3))]
+             ("e", torch.tensor(2.5, requires_grad=True) * 2), ("f", torch.tensor([7.25])), ("h", torch.tensor(-1e-3)),
+             ("g", True), ("j", torch.tensor(1.5, dtype=torch.float16)), ("i", torch.tensor(70000)),
+             ("k", torch.tensor([70001])), ("l", torch.tensor([0.5], dtype=torch.float16))]  # (no int to float16)
     expected = []
     for i, (name, value) in enumerate(added):
         log.add(name, value, loop=i, layer=-1)
@@ -487,5 +488,8 @@ def test_the_step_log_gives_every_value_in_the_order_added_through_float32():
             expected += [(5, "v", 0, 1, float(np.float32(1 / 3))), (5, "v", 0, 2, float(np.float32(2 / 3)))]
     assert [tuple(r) for r in log.collect(5)] == expected
     assert log.collect(6) == []  # (emptied by collect)
+    log.add("a", 1.0)
     with pytest.raises(RuntimeError):
         log.add("x", torch.ones(2))  # (one scalar a name)
+    log.add("c", torch.tensor(3.0))
+    assert [(r.metric, r.value) for r in log.collect(7)] == [("a", 1.0), ("c", 3.0)]  # (the refused one left no key)

@@ -151,7 +151,7 @@ def test_fixed_point_residual_where_the_stream_changes_shape_between_loops(tmp_p
     streams = []
     model.end.register_forward_hook(lambda m, a, out: streams[-1].append(out.detach().double().numpy()))
     probe = flt_diag.watch(model, blocks=[model.cell], folder=tmp_path / "r", loop_boundary=model.end,
-                           diagnostics=DiagnosticsConfig(exit_loss_every=1, dynamics_batch=1))
+                           diagnostics=DiagnosticsConfig(exit_loss_every=1, dynamics_batch=2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for x in data(2):
         streams.append([])
@@ -170,10 +170,11 @@ def test_fixed_point_residual_where_the_stream_changes_shape_between_loops(tmp_p
             ratio = (np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)).mean()
             assert value(df, s, M.FIXED_POINT_RESIDUAL, t) == pytest.approx(ratio, rel=1e-5)
         for t, h in enumerate(hs, 1):  # (the shapes differ: the similarity taken in runs of one shape)
-            u = h[0] / np.linalg.norm(h[0], axis=-1, keepdims=True)  # (the first dynamics_batch (1) sequence)
-            n = len(u)
-            want = (u @ u.T)[~np.eye(n, dtype=bool)].mean()
-            assert value(df, s, M.TOKEN_COSINE, t) == pytest.approx(want, rel=1e-5, abs=1e-6)
+            want = []
+            for seq in h[:2]:  # (the first dynamics_batch (2) sequences: both of the B = 2)
+                u = seq / np.linalg.norm(seq, axis=-1, keepdims=True)
+                want.append((u @ u.T)[~np.eye(len(u), dtype=bool)].mean())
+            assert value(df, s, M.TOKEN_COSINE, t) == pytest.approx(np.mean(want), rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.parametrize("given", ["watch", "step"])

@@ -223,7 +223,8 @@ class LoopDynamicsCallback(Callback):
     def forward_end(self, loops: int) -> None:
         """The fixed-point residuals of the recorded forward (LoopHooks.on_forward_end), from the per-token norms
         its loop ends left: D.fixed_point_residual of each pair of consecutive loop-end streams, the ratio and the
-        mean over tokens taken once for all loops (a few operations a forward, not a few a loop)."""
+        mean over tokens taken once for all loops (a few operations a forward, not a few a loop); then the similarity
+        of the kept loop ends. A forward that raises before its end leaves none of these (cleared at the next step)."""
         self._similarity()
         steps, self.steps = self.steps, []
         if not steps:
@@ -241,7 +242,8 @@ class LoopDynamicsCallback(Callback):
         kept, self.similar = self.similar, []
         while kept:
             shape, n = kept[0][1].shape, 0
-            while n < len(kept) and kept[n][1].shape == shape and (n + 1) * kept[0][1].numel() <= BATCH_SIMILARITY:
+            while n < len(kept) and kept[n][1].shape == shape and (
+                    n == 0 or (n + 1) * kept[0][1].numel() <= BATCH_SIMILARITY):  # (one at least)
                 n += 1
             chunk, kept = kept[:n], kept[n:]
             cosine, rank = D.similarity_per_sequence(torch.cat([h for _, h in chunk]) if n > 1 else chunk[0][1])

@@ -42,26 +42,26 @@ def environment(device: torch.device) -> dict:
 
 class StepLog:
     """Scalars of one step, kept on the device until `collect` (one host transfer). A recorded step adds a few
-    dozen scalars: a 0-d tensor is kept as it is (consecutive ones on one device are stacked at `collect`: no
-    view op each), a Python number as a number (no tensor made for it); all are stored through float32."""
+    dozen scalars: a 0-d tensor is kept as it is (consecutive ones of one device and dtype are stacked at
+    `collect`: no view op each), a Python number as a number (no tensor made for it); all are stored through float32."""
 
     def __init__(self) -> None:
         self.keys: list[tuple[str, int, int]] = []
         self.values: list[list[torch.Tensor] | torch.Tensor | float] = []  # a run of 0-d tensors, a vector, a number
 
     def add(self, metric: str, value: torch.Tensor | float, loop: int = M.NONE, layer: int = M.NONE) -> None:
-        self.keys.append((metric, loop, layer))
         if not torch.is_tensor(value):
             self.values.append(float(value))
-            return
-        v = value.detach() if value.requires_grad else value
-        last = self.values[-1] if self.values else None
-        if v.dim():
-            self.values.append(v.reshape(1))  # (one element, or the error of a value that is not one scalar)
-        elif isinstance(last, list) and last[0].device == v.device:
-            last.append(v)
         else:
-            self.values.append([v])
+            v = value.detach() if value.requires_grad else value
+            last = self.values[-1] if self.values else None
+            if v.dim():
+                self.values.append(v.reshape(1))  # (one element, or the error of a value that is not one scalar)
+            elif isinstance(last, list) and last[0].device == v.device and last[0].dtype == v.dtype:
+                last.append(v)
+            else:
+                self.values.append([v])
+        self.keys.append((metric, loop, layer))  # (after the value: a refused one leaves no key behind)
 
     def add_vector(self, keys: list[tuple[str, int, int]], values: torch.Tensor) -> None:
         """Several scalars at once: values[i] under keys[i] = (metric, loop, layer)."""
@@ -78,10 +78,10 @@ class StepLog:
         vals: list[float] = []
         if parts:
             devices = {v.device for v in parts}
-            if len(devices) > 1:  # (cat promotes the dtypes; float32 after, as each value would be)
-                target = next(d for d in devices if d.type != "cpu")
-                parts = [v.to(target) for v in parts]
-            vals = torch.cat(parts).to(torch.float32).tolist()  # the one sync
+            target = next(d for d in devices if d.type != "cpu") if len(devices) > 1 else parts[0].device
+            parts = [v if v.dtype == torch.float32 and v.device == target else v.to(target, torch.float32)
+                     for v in parts]  # (each to float32 before the cat: an int next to a float16 stays exact)
+            vals = torch.cat(parts).tolist()  # the one sync
         numbers = [v for v in self.values if isinstance(v, float)]
         if numbers:  # each in its place, through float32 as the tensors are
             tensors, floats = iter(vals), iter(torch.tensor(numbers, dtype=torch.float32).tolist())
