@@ -137,8 +137,9 @@ def spectral_radius(step: Callable[[Tensor], Tensor], h: Tensor, dim: int,
                     generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
     """(rho, residual): the largest-magnitude eigenvalue of the Jacobian J of `step` at h, by Arnoldi.
 
-    `dim` Jacobian-vector products build an orthonormal Krylov basis Q of span{v, Jv, J^2 v, ...} (modified
-    Gram-Schmidt, done twice) and the Hessenberg matrix H = Q^T J Q; rho = max |eig(H)| (the Ritz values
+    `dim` Jacobian-vector products build an orthonormal Krylov basis Q of span{v, Jv, J^2 v, ...} (classical
+    Gram-Schmidt in matrix form, done twice: as orthogonal as modified Gram-Schmidt twice, and one host transfer a
+    product, not one per inner product) and the Hessenberg matrix H = Q^T J Q; rho = max |eig(H)| (the Ritz values
     tend to J's outer eigenvalues first). residual = ||J y - theta y|| / |theta| of that Ritz pair
     (= H[m+1, m] |s_m| / |theta|, s the unit eigenvector of H): 0 when the basis spans an invariant
     subspace (then rho is exact), below ~0.01 when the estimate has converged. In float64 on the host
@@ -148,24 +149,26 @@ def spectral_radius(step: Callable[[Tensor], Tensor], h: Tensor, dim: int,
     m = min(dim, n)
     J = Linearized(step, h)
     with torch.no_grad():
-        q = _unit(torch.randn(h.shape, generator=generator, device=h.device, dtype=h.dtype)).flatten()
-        Q, H = [q], torch.zeros(m + 1, m, dtype=torch.float64)
+        Q = torch.empty(m, n, device=h.device, dtype=h.dtype)  # the basis, one row a vector
+        Q[0] = _unit(torch.randn(h.shape, generator=generator, device=h.device, dtype=h.dtype)).flatten()
+        H = torch.zeros(m + 1, m, dtype=torch.float64)
         for j in range(m):
             w = J.jvp(Q[j].view_as(h)).flatten()
+            basis, coef = Q[:j + 1], torch.zeros(j + 1, device=h.device, dtype=h.dtype)
             scale = torch.linalg.vector_norm(w)
             for _ in range(2):  # twice is enough (Kahan's rule)
-                for i, qi in enumerate(Q):
-                    c = torch.dot(qi, w)
-                    H[i, j] += c.item()
-                    w = w - c * qi
-            H[j + 1, j] = torch.linalg.vector_norm(w).item()
+                c = basis @ w
+                w = w - basis.T @ c
+                coef += c
+            column = torch.cat([coef, torch.linalg.vector_norm(w)[None], scale[None]]).to("cpu", torch.float64)
+            H[:j + 2, j] = column[:-1]
             if not math.isfinite(H[j + 1, j].item()):
                 nan = torch.tensor(math.nan, device=h.device)
                 return nan, nan
-            if H[j + 1, j] <= 1e-7 * max(scale.item(), 1e-30) or j == m - 1:
+            if H[j + 1, j] <= 1e-7 * max(column[-1].item(), 1e-30) or j == m - 1:
                 m = j + 1
                 break
-            Q.append(w / H[j + 1, j].item())
+            Q[j + 1] = w / H[j + 1, j].item()
         evals, evecs = torch.linalg.eig(H[:m, :m])
         k = int(evals.abs().argmax())
         theta = evals[k].abs().item()
