@@ -201,16 +201,16 @@ class LoopDynamicsCallback(Callback):
                     self.kept.append((loop, h))
                 first = h[:self.cfg.dynamics_batch]  # (the loop map's sequences)
                 if first.numel() <= KEEP_FOR_SIMILARITY:  # taken for all loops at once at the forward's end
-                    self.similar.append((loop, first.float().clone()))
+                    self.similar.append((loop, first.to(torch.float32, copy=True)))  # (one copy, any dtype)
                 else:
                     cosine, rank = D.stream_similarity(first)
                     self.log.add(M.TOKEN_COSINE, cosine, loop, M.NONE)
                     self.log.add(M.EFFECTIVE_RANK, rank, loop, M.NONE)
-            norms = torch.linalg.vector_norm(h.float(), dim=-1)
+            hf = h.float()
+            norms = torch.linalg.vector_norm(hf, dim=-1)
             if self.h_prev is not None and self.h_prev.shape == h.shape:
                 assert self.prev_norms is not None  # (kept with h_prev)
-                self.steps.append((loop, torch.linalg.vector_norm(h.float() - self.h_prev.float(), dim=-1),
-                                   self.prev_norms))
+                self.steps.append((loop, torch.linalg.vector_norm(hf - self.h_prev.float(), dim=-1), self.prev_norms))
             elif self.h_prev is not None:
                 self._say("residual", f"the loop-end stream changed shape ({tuple(self.h_prev.shape)} -> "
                                       f"{tuple(h.shape)}): no fixed_point_residual there")
