@@ -33,7 +33,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import environment, paired, stats, time_interleaved  # noqa: E402
+from common import environment, paired, positive_int, stats, time_interleaved  # noqa: E402
 from flt_diag.instruments.loop_hooks import ProbeError  # noqa: E402,F401  (the package imports as users do)
 from flops import matmul_peak  # noqa: E402
 import flt_diag  # noqa: E402
@@ -94,12 +94,16 @@ class Arm:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps-per-sample", type=int, default=20)
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--width", type=int, default=WIDTH, help="the model's width d (heads: 2, MLP: 2d)")
+    p.add_argument("--steps-per-sample", type=positive_int, default=20)
+    p.add_argument("--repeats", type=positive_int, default=10, help="rounds (>= 2: the ratio's quartiles)")
+    p.add_argument("--width", type=positive_int, default=WIDTH, help="the model's width d, even (heads: 2, MLP: 2d)")
     p.add_argument("--ablate", action="store_true", help="also the arms of ABLATIONS (one default changed each)")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
+    if args.repeats < 2 or args.width % 2:
+        p.error("--repeats must be >= 2" if args.repeats < 2 else f"--width must be even (2 heads), got {args.width}")
+    if args.out is not None and not args.out.parent.is_dir():
+        p.error(f"--out: no folder {args.out.parent}")
     torch.set_num_threads(1)
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)

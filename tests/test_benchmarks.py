@@ -240,3 +240,31 @@ def test_the_loop_dynamics_benchmark_runs_and_its_overhead_adds_up(tmp_path):
     cheap = r["cheap"]["cpu"]["median"]
     expected = cheap - 1 + (r["exit"]["cpu"]["median"] - cheap) / e + r["gain+agreement"]["cpu"]["median"] / n
     assert r["overhead_at_defaults_cpu"]["median"] == pytest.approx(expected, rel=1e-6, abs=1e-9)  # one round
+
+
+def _probe_overhead():
+    spec = importlib.util.spec_from_file_location("flt_probe_overhead", BENCH.parent / "probe_overhead.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("argv", [["--repeats", "1"], ["--width", "3"], ["--steps-per-sample", "0"],
+                                  ["--out", "/nonexistent-folder/r.json"]])
+def test_the_probe_overhead_benchmark_refuses_bad_input_before_any_work(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _probe_overhead().main(argv)
+    assert exit_.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()[-1]) < 120
+
+
+def test_the_probe_overhead_benchmark_reports_its_ablations_and_adds_up(tmp_path, one_thread):
+    """benchmarks/probe_overhead.py --ablate at a toy width: one paired ratio per arm of ABLATIONS, and the overhead
+    at the defaults is the watched ratio - 1 plus the every-500 record over 500 plain steps."""
+    mod = _probe_overhead()
+    out = tmp_path / "r.json"
+    assert mod.main(["--repeats", "2", "--steps-per-sample", "1", "--width", "16", "--ablate", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert list(r["ablations"]) == list(mod.ABLATIONS)
+    assert all(math.isfinite(a["median"]) and a["median"] > 0 and a["n"] == 2 for a in r["ablations"].values())
+    want = r["cpu_ratio"]["median"] - 1 + r["every_500_record_s"] / r["plain_step_s"] / 500
+    assert r["overhead_at_defaults"] == pytest.approx(want)
