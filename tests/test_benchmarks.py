@@ -268,3 +268,44 @@ def test_the_probe_overhead_benchmark_reports_its_ablations_and_adds_up(tmp_path
     assert all(math.isfinite(a["median"]) and a["median"] > 0 and a["n"] == 2 for a in r["ablations"].values())
     want = r["cpu_ratio"]["median"] - 1 + r["every_500_record_s"] / r["plain_step_s"] / 500
     assert r["overhead_at_defaults"] == pytest.approx(want)
+
+
+def _probe_profile():
+    spec = importlib.util.spec_from_file_location("flt_probe_profile", BENCH.parent / "probe_profile.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_probe_profile_counts_only_the_timed_samples_and_splits_flt_diags_share(tmp_path, capsys):
+    """benchmarks/probe_profile.py --read on a hand-written py-spy raw file: samples outside timed_steps are not
+    counted; the flt_diag share and its pieces are the counts added by hand."""
+    raw = tmp_path / "raw.txt"
+    raw.write_text(
+        "0x1 (libc.so.6);<module> (probe_profile.py:9);run (probe_profile.py:50);Arm.step (x.py:1);mm 40\n"  # warm-up
+        "0x1 (libc.so.6);timed_steps (probe_profile.py:30);Arm.step (x.py:1);addmm 60\n"
+        "0x1 (libc.so.6);timed_steps (probe_profile.py:30);LoopProbe.step (/a/flt_diag/probe/loop_probe.py:9);"
+        "LoopProbe.after_backward (/a/flt_diag/probe/loop_probe.py:20);pair_sums (/a/flt_diag/x.py:3);mul 15\n"
+        "0x1 (libc.so.6);timed_steps (probe_profile.py:30);LoopProbe.step (/a/flt_diag/probe/loop_probe.py:9);"
+        "LoopProbe.after_backward (/a/flt_diag/probe/loop_probe.py:22);sum 5\n"
+        "0x1 (libc.so.6);timed_steps (probe_profile.py:30);hook (/a/flt_diag/instruments/loop_hooks.py:5);norm 20\n"
+        "\n")
+    mod = _probe_profile()
+    with raw.open() as f:
+        total, ours, pieces = mod.shares(f, depth=2)
+    assert (total, ours) == (100, 40)
+    assert pieces == {"LoopProbe.step > LoopProbe.after_backward": 20, "hook": 20}
+    with raw.open() as f:
+        assert mod.shares(f, depth=1)[2] == {"LoopProbe.step": 20, "hook": 20}
+    assert mod.main(["--read", str(raw)]) == 0
+    assert "40 (40.0 %, an overhead of +66.7 %" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content", [None, "0x1 (libc.so.6);run (p.py:1);mm 5\n"])
+def test_the_probe_profile_refuses_a_missing_or_foreign_file(tmp_path, content, capsys):
+    raw = tmp_path / "raw.txt"
+    if content is not None:
+        raw.write_text(content)
+    with pytest.raises(SystemExit) as exit_:
+        _probe_profile().main(["--read", str(raw)])
+    assert exit_.value.code == 2 and "--read:" in capsys.readouterr().err.strip().splitlines()[-1]
