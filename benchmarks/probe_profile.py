@@ -2,7 +2,7 @@
 frames (and the native operations they call), by the probe's entry point, on the Huginn-style toy of
 probe_overhead.py.
 
-    py-spy record -r 500 --native -f raw -o raw.txt -- python benchmarks/probe_profile.py --steps 300
+    py-spy record -r 100 --native -f raw -o raw.txt -- python benchmarks/probe_profile.py --steps 300
     python benchmarks/probe_profile.py --read raw.txt [--depth 2] [--top 25]
 
 The first line runs the watched arm of probe_overhead.py alone (two warm-up steps, step 0's every-500 record
@@ -11,6 +11,8 @@ dependency of the project). The second reads py-spy's raw output (one line a sta
 the sample count) and counts only the samples inside `timed_steps`: the share with a flt_diag frame on the
 stack, and that share split by the first `--depth` flt_diag frames (outermost first). A sampling profile, not a
 paired timing: it says which pieces to cut, the paired ratio of probe_overhead.py says whether a cut paid.
+At 500 samples a second with --native, py-spy falls minutes behind on 2 cores (it says so) and its counts
+are not to be trusted: keep -r at 100.
 """
 from __future__ import annotations
 
