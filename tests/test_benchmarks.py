@@ -309,3 +309,14 @@ def test_the_probe_profile_refuses_a_missing_or_foreign_file(tmp_path, content, 
     with pytest.raises(SystemExit) as exit_:
         _probe_profile().main(["--read", str(raw)])
     assert exit_.value.code == 2 and "--read:" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_the_probe_profile_runs_the_watched_arm_inside_timed_steps(monkeypatch, one_thread):
+    """The workload py-spy samples: the watched Huginn model's steps, the timed ones inside timed_steps (the frame
+    --read counts), two warm-up steps before them."""
+    mod = _probe_profile()
+    timed = []
+    real = mod.timed_steps
+    monkeypatch.setattr(mod, "timed_steps", lambda arm, steps: (timed.append((arm.i, steps)), real(arm, steps)))
+    assert mod.main(["--steps", "2"]) == 0
+    assert timed == [(2, 2)]
