@@ -314,3 +314,43 @@ def test_a_loop_step_that_fails_is_said_once_and_the_training_goes_on(tmp_path, 
     df = load_metrics(tmp_path / "b")
     assert not (df.metric == M.LOOP_GAIN).any() and (df.metric == M.FIXED_POINT_RESIDUAL).any()
     assert json.loads((tmp_path / "b" / "summary.json").read_text())["steps_done"] == 3
+
+
+def test_each_loop_end_is_normed_once_by_the_hooks_and_the_dynamics_together(tmp_path, monkeypatch):
+    """The block output, the loop boundary's output (the same tensor: nn.Identity) and the loop dynamics all need
+    the per-token norms of a loop end: one vector_norm over the last dim of it, plus one of each consecutive
+    difference (the fixed-point residual); the residual itself is checked against the captured streams above."""
+    calls = []
+    real = torch.linalg.vector_norm
+
+    def counted(x, *args, **kwargs):
+        if kwargs.get("dim") == -1 and tuple(x.shape) == (B, T, D):
+            calls.append(x)
+        return real(x, *args, **kwargs)
+    monkeypatch.setattr(torch.linalg, "vector_norm", counted)
+    model = PlainLoop(loops=4)
+    run(tmp_path / "r", model, steps=2)
+    assert len(calls) == 2 * (2 * model.loops - 1)
+
+
+def test_per_token_norms_against_numpy_kept_for_the_same_unchanged_tensor_only():
+    from flt_diag.instruments.loop_hooks import per_token_norms
+    x = torch.randn(2, 3, 5)
+    first = per_token_norms(x)
+    np.testing.assert_allclose(first.numpy(), np.linalg.norm(x.numpy().astype(np.float64), axis=-1), rtol=1e-6)
+    assert per_token_norms(x) is first  # the same tensor, unchanged: kept
+    x.mul_(2)  # changed in place: taken anew
+    np.testing.assert_allclose(per_token_norms(x).numpy(), 2 * first.numpy(), rtol=1e-6)
+    y = x.clone()  # equal values, another tensor: taken anew
+    assert per_token_norms(y) is not per_token_norms(x)
+    with torch.inference_mode():
+        z = torch.ones(1, 2, 4)
+        assert per_token_norms(z).tolist() == [[2.0, 2.0]]
+        z.mul_(3)
+        assert per_token_norms(z).tolist() == [[6.0, 6.0]]  # (no version counter: never kept)
+    import weakref
+    w = torch.randn(4, 4)
+    ref = weakref.ref(w)
+    per_token_norms(w)
+    del w
+    assert ref() is None  # not kept alive by the memo

@@ -21,9 +21,15 @@ from flt_diag.storage import metric_names as M
 from flt_diag.instruments.callbacks import Callback, Host
 from flt_diag.instruments.diagnostics import DiagnosticsCallback, should_record
 from flt_diag.instruments import loop_dynamics as D
+from flt_diag.instruments.loop_hooks import per_token_norms
 from flt_diag.instruments.sharpness import sharpness
 from flt_diag.model.transformer import LoopedTransformer, norm
 from flt_diag.config.run_config import DiagnosticsConfig
+
+
+def identity(h: torch.Tensor) -> torch.Tensor:
+    """h(t) = the loop-end stream itself (any model flt-diag did not write)."""
+    return h
 
 
 def due(step: int, every: int) -> bool:
@@ -124,8 +130,9 @@ class LoopDynamicsCallback(Callback):
     first forward after before_step; `at_step(targets)` (probe.step(targets=)) scores the streams kept for it."""
 
     def __init__(self, cfg: DiagnosticsConfig, loop_map: LoopMap | None = None, head: Callable | None = None,
-                 targets: Callable | None = None, final: Callable[[torch.Tensor], torch.Tensor] = lambda h: h):
-        self.cfg, self.loop_map, self.head, self.targets_of, self.final = cfg, loop_map, head, targets, final
+                 targets: Callable | None = None, final: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self.cfg, self.loop_map, self.head, self.targets_of = cfg, loop_map, head, targets
+        self.final = identity if final is None else final  # h(t) from the loop-end stream
         self.handles: list = []
         self.said: set[str] = set()
         self.recording = self.exit = self.mapping = self._armed = False
@@ -207,7 +214,8 @@ class LoopDynamicsCallback(Callback):
                     self.log.add(M.TOKEN_COSINE, cosine, loop, M.NONE)
                     self.log.add(M.EFFECTIVE_RANK, rank, loop, M.NONE)
             hf = h.float()
-            norms = torch.linalg.vector_norm(hf, dim=-1)
+            norms = per_token_norms(stream) if self.final is identity and stream.dtype == torch.float32 \
+                else torch.linalg.vector_norm(hf, dim=-1)  # (the hooks' own norms of this loop end, if taken)
             if self.h_prev is not None and self.h_prev.shape == h.shape:
                 assert self.prev_norms is not None  # (kept with h_prev)
                 self.steps.append((loop, torch.linalg.vector_norm(hf - self.h_prev.float(), dim=-1), self.prev_norms))

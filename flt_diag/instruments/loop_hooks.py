@@ -11,17 +11,34 @@ from __future__ import annotations
 
 import math
 import sys
+import weakref
 
 import torch
 
 from flt_diag.storage import metric_names as M
 
 
-def token_norm(x: torch.Tensor) -> torch.Tensor:
-    """Mean over tokens of the L2 norm of x's last dim (the residual-stream norm of DESIGN.md §3), outside
-    autograd by no_grad (not a detach: one dispatched operation fewer)."""
+_last_norms: tuple = (None, -1, None)  # (weakref to a tensor, its _version, its per-token norms)
+
+
+def per_token_norms(x: torch.Tensor) -> torch.Tensor:
+    """The L2 norm of x's last dim per token, outside autograd by no_grad (not a detach: one dispatched operation
+    fewer). The last tensor's norms are kept, by identity and version (a weak reference: the tensor is not kept
+    alive), so that the loop hooks and the loop dynamics take one norm per loop end, not one each."""
+    global _last_norms
+    ref, version, norms = _last_norms
+    if ref is not None and ref() is x and not x.is_inference() and x._version == version:
+        return norms
     with torch.no_grad():
-        return torch.linalg.vector_norm(x, dim=-1).mean()
+        norms = torch.linalg.vector_norm(x, dim=-1)
+    _last_norms = (None, -1, None) if x.is_inference() else (weakref.ref(x), x._version, norms)
+    return norms
+
+
+def token_norm(x: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of the L2 norm of x's last dim (the residual-stream norm of DESIGN.md §3)."""
+    with torch.no_grad():
+        return per_token_norms(x).mean()
 
 
 class ProbeError(ValueError):
