@@ -493,3 +493,18 @@ def test_the_step_log_gives_every_value_in_the_order_added_through_float32():
         log.add("x", torch.ones(2))  # (one scalar a name)
     log.add("c", torch.tensor(3.0))
     assert [(r.metric, r.value) for r in log.collect(7)] == [("a", 1.0), ("c", 3.0)]  # (the refused one left no key)
+
+
+def test_token_norm_means_in_runs_of_one_shape_against_numpy():
+    """token_norm_means: each tensor's mean per-token norm, whatever the runs of shapes (the resid_norm records
+    of a forward are taken together at its end)."""
+    from flt_diag.instruments.loop_hooks import per_token_norms, token_norm_means
+    gen = torch.Generator().manual_seed(3)
+    streams = [torch.randn(s, generator=gen) * (i + 1) for i, s in
+               enumerate([(2, 3, 4), (2, 3, 4), (1, 3, 4), (2, 3, 4), (2, 5, 4), (2, 5, 4), (2, 5, 4)])]
+    means = token_norm_means([per_token_norms(x) for x in streams])
+    assert len(means) == len(streams) and all(m.dim() == 0 for m in means)
+    for x, m in zip(streams, means):
+        want = np.linalg.norm(x.double().numpy(), axis=-1).mean()
+        assert float(m) == pytest.approx(want, rel=1e-6)
+    assert token_norm_means([]) == []

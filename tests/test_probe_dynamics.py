@@ -145,7 +145,7 @@ class ShrinkingLoop(PlainLoop):
 
 def test_fixed_point_residual_where_the_stream_changes_shape_between_loops(tmp_path, capsys):
     """No residual across the change (said once); the loops before and after it, of two shapes, each against the
-    captured streams."""
+    captured streams; the loop-end norms of both shapes too (their means taken in runs of one shape)."""
     torch.manual_seed(0)
     model = ShrinkingLoop(loops=5)
     streams = []
@@ -170,6 +170,8 @@ def test_fixed_point_residual_where_the_stream_changes_shape_between_loops(tmp_p
             ratio = (np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)).mean()
             assert value(df, s, M.FIXED_POINT_RESIDUAL, t) == pytest.approx(ratio, rel=1e-5)
         for t, h in enumerate(hs, 1):  # (the shapes differ: the similarity taken in runs of one shape)
+            assert value(df, s, M.RESID_NORM_LOOP_END, t) == pytest.approx(
+                np.linalg.norm(h, axis=-1).mean(), rel=1e-5)
             want = []
             for seq in h[:2]:  # (the first dynamics_batch (2) sequences: both of the B = 2)
                 u = seq / np.linalg.norm(seq, axis=-1, keepdims=True)

@@ -158,7 +158,7 @@ class DiagnosticsConfig(Options):
                           alias="attention_stats")
     loop_dynamics: bool = opt(True, "Also the fixed-point residual and exit loss per loop (DESIGN.md §3).",
                              volatile=True)
-    exit_loss_every: int = opt(10, "The exit loss of every loop on the recorded steps that are multiples of N (one "
+    exit_loss_every: int = opt(50, "The exit loss of every loop on the recorded steps that are multiples of N (one "
                                "head matmul per loop); 0 = never.", ge=0, volatile=True)
     dynamics_every: int = opt(500, "Every N steps, the loop-map gain and spectral radius and the per-loop gradient "
                               "agreement; 0 = never.", ge=0, volatile=True)

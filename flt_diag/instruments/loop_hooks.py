@@ -41,6 +41,21 @@ def token_norm(x: torch.Tensor) -> torch.Tensor:
         return per_token_norms(x).mean()
 
 
+def token_norm_means(norms: list[torch.Tensor]) -> list[torch.Tensor]:
+    """token_norm of each tensor whose per-token norms are `norms`, as 0-d tensors: one mean for each run of norms
+    of one shape (one operation a forward where the stream keeps its shape, not one a loop: inside a training
+    step each small reduction costs several times what it costs alone; benchmarks/README.md, seventh round)."""
+    out: list[torch.Tensor] = []
+    with torch.no_grad():
+        while len(out) < len(norms):
+            first, n = norms[len(out)], 1
+            while len(out) + n < len(norms) and norms[len(out) + n].shape == first.shape:
+                n += 1
+            run = norms[len(out):len(out) + n]
+            out += (torch.stack(run).flatten(1).mean(1) if n > 1 else first.mean()[None]).unbind()
+    return out
+
+
 class ProbeError(ValueError):
     """A model the loop hooks cannot diagnose as given (one line, naming what to change)."""
 
@@ -112,6 +127,7 @@ class LoopHooks:
         self._armed = self._active = self._checked = False
         self.loop = 0
         self.calls = [0] * len(self.blocks)
+        self.pending: list[tuple[list[tuple[str, int, int]], torch.Tensor]] = []  # (_log_norms)
 
     def arm(self, on: bool = True) -> None:
         """Record during the next forward of the model only."""
@@ -145,6 +161,7 @@ class LoopHooks:
         self.loop = 1
         self.calls = [0] * len(self.blocks)
         self.seen: set[tuple[int, int]] = set()
+        self.pending = []  # (keys, per-token norms) of this forward's block outputs and loop ends
 
     def _stop(self, module, args, output):
         if not self._active:
@@ -156,14 +173,23 @@ class LoopHooks:
                             f"({', '.join(self.names[:3])}{', ...' if len(self.names) > 3 else ''}): a looped "
                             "model calls the same blocks several times; check blocks=, or give loop_boundary="))
         self._checked = True
+        self._log_norms()
         for fn in self.on_forward_end:
             fn(loops)
+
+    def _log_norms(self) -> None:
+        """The forward's residual-stream norms (resid_norm, resid_norm_loop_end), from the per-token norms its block
+        outputs and loop ends left, their means taken together (token_norm_means)."""
+        pending, self.pending = self.pending, []
+        for (keys, _), mean in zip(pending, token_norm_means([norms for _, norms in pending])):
+            for metric, loop, layer in keys:
+                self.log(metric, mean, loop, layer)
 
     def end_loop(self, stream: torch.Tensor) -> None:
         """The end of a loop (MANUAL boundary): records the loop-end stream, then counts the next loop."""
         if self._active:
             stream = first_tensor(stream)
-            self.log(M.RESID_NORM_LOOP_END, token_norm(stream), self.loop, M.NONE)
+            self.pending.append(([(M.RESID_NORM_LOOP_END, self.loop, M.NONE)], per_token_norms(stream)))
             for fn in self.on_loop_end:
                 fn(self.loop, stream)
             self.loop += 1
@@ -201,10 +227,10 @@ class LoopHooks:
             if not self._active:
                 return
             stream = first_tensor(output)
-            norm = token_norm(stream)
-            self.log(M.RESID_NORM, norm, self.loop, layer)
+            keys = [(M.RESID_NORM, self.loop, layer)]
+            self.pending.append((keys, per_token_norms(stream)))  # (their means at the forward's end: _log_norms)
             if last and self.boundary is None:  # counted from calls: the last block's output ends the loop
-                self.log(M.RESID_NORM_LOOP_END, norm, self.loop, M.NONE)
+                keys.append((M.RESID_NORM_LOOP_END, self.loop, M.NONE))
                 for fn in self.on_loop_end:
                     fn(self.loop, stream)
             for fn in self.listeners:

@@ -132,6 +132,9 @@ def group_keys(table: pd.DataFrame, by: str) -> pd.Series:
     raise ValueError(f"cross-validation groups are config or variant, got {by!r}")
 
 
+SCORE_DECIMALS = 6  # cross-validated P(fail) to 1e-6 (cross_validated)
+
+
 def _fit_predict(X_train, y_train, X_test, l2: float = 1.0) -> np.ndarray:
     """Class-balanced, L2-penalised (1.0) logistic regression on standardised columns: fit-predictor's fitter
     with the packaged predictor's settings. The column means and spreads are the training rows' only
@@ -146,7 +149,9 @@ def _fit_predict(X_train, y_train, X_test, l2: float = 1.0) -> np.ndarray:
 
 def cross_validated(table: pd.DataFrame, model: str, by: str, feature_names: list[str] | None = None) -> np.ndarray:
     """Out-of-fold P(fail) of every row (one step's rows), each group's from a fit on the other groups:
-    `model` "refit" (the early-warning features) or "prior" (the configuration)."""
+    `model` "refit" (the early-warning features) or "prior" (the configuration). Rounded to SCORE_DECIMALS:
+    probabilities that differ only by rounding (the prior gives several configurations P ~ 1e-17) tie on every CPU
+    rather than rank by its float rounding (since 2026-12-04; DESIGN.md §6)."""
     if model == "refit":  # raw values; _fit_predict standardises and fills them from each fold's training rows
         X = feature_matrix(table.to_dict("records"), feature_names)
     else:
@@ -159,7 +164,7 @@ def cross_validated(table: pd.DataFrame, model: str, by: str, feature_names: lis
         if (~test).sum() == 0:
             continue
         out[test] = _fit_predict(X[~test], y[~test], X[test])
-    return out
+    return np.round(out, SCORE_DECIMALS)
 
 
 # --------------------------------------------------------------------------- statistics
