@@ -78,6 +78,21 @@ def test_summary_of_a_sweep_whose_spec_is_empty_is_one_line(tmp_path, capsys):
     assert _stderr_lines(capsys) == [f"error: {tmp_path / 'sw' / 'sweep.json'}: variants is missing"]
 
 
+def test_summary_of_a_run_whose_config_is_half_written_is_one_line_and_leaves_the_folder(tmp_path, capsys):
+    run = make_run(tmp_path / "r", "flt", 3)
+    text = (run / "config.json").read_text()
+    (run / "config.json").write_text(text[:len(text) // 2])
+    before = {p.name: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+    assert main(["summary", str(run)]) == 2
+    err = _stderr_lines(capsys)
+    assert len(err) == 1 and err[0].startswith("error: ") and "config.json" in err[0]
+    assert {p.name: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == before
+    (run / "config.json").write_text(text)  # whole again: the summary is printed
+    assert main(["summary", str(run)]) == 0
+    printed = capsys.readouterr()
+    assert str(run) in printed.out and not printed.err.strip()
+
+
 # ------------------------------------------------------------------ a full disk (a small tmpfs)
 
 @contextlib.contextmanager

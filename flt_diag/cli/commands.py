@@ -114,7 +114,7 @@ def cmd_summary(o: SummaryOptions) -> int:
     from flt_diag.judge.summary_table import sweep_summary, write_summary
     from flt_diag.judge.verdict import resummarize
     from flt_diag.results.tables import folders_summary
-    from flt_diag.storage.folders import is_archive, is_sweep, load_summary, run_dirs
+    from flt_diag.storage.folders import is_archive, is_sweep, load_config, load_summary, run_dirs
     overrides = o.config.verdict.model_dump(exclude_none=True)
     if overrides and not (o.recompute or o.sensitivity):
         raise UserError("verdict thresholds need --recompute or --sensitivity")
@@ -142,6 +142,7 @@ def cmd_summary(o: SummaryOptions) -> int:
         if s is None:
             print(f"{d}: not finished")
         else:
+            load_config(d)  # (a half-written config.json is one error line, as every other command says it)
             print_run_summary(d, s)
     return 0
 
