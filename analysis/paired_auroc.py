@@ -49,7 +49,7 @@ CONFIG = ["variant", "loops", "depth", "width", "lr_scale"]
 RECIPE = ["grad_dlog", "loss_climb"]  # the packaged predictor's features (docs/data/early_warning_v4.json)
 L2 = 1.0
 EXACT_LIMIT = 2_000_000  # labelings enumerated at most
-SCORE_DECIMALS = 6  # out-of-fold probabilities to 1e-6: closer ones tie (out_of_fold)
+TIE_BITS = 40  # out-of-fold probabilities to 40 mantissa bits (~1e-12 relative): closer ones tie (out_of_fold)
 
 
 # --------------------------------------------------------------------------- statistics
@@ -121,16 +121,17 @@ def prior_matrix(table: pd.DataFrame) -> np.ndarray:
 
 
 def out_of_fold(table: pd.DataFrame, X: np.ndarray) -> np.ndarray:
-    """Every row's P(fail) from a fit on the other configurations (one step's rows), to SCORE_DECIMALS: probabilities
-    that differ only by rounding (the config-only fit gives several configurations P ~ 1e-17, ordered one way on one
-    CPU and the other way on another) tie on every machine, as in flt_diag.results.warning_evaluation."""
+    """Every row's P(fail) from a fit on the other configurations (one step's rows), its mantissa to TIE_BITS bits:
+    probabilities equal but for their last bits (1-2 ulp apart: ordered one way on one CPU and the other way on
+    another) tie on every machine, as in flt_diag.results.warning_evaluation."""
     y, keys = table.failed.to_numpy(float), config_keys(table)
     out = np.full(len(table), math.nan)
     for key in np.unique(keys):
         test = keys == key
         if (~test).any():
             out[test] = fit_predict(X[~test], y[~test], X[test])
-    return np.round(out, SCORE_DECIMALS)
+    mantissa, exponent = np.frexp(out)
+    return np.ldexp(np.round(mantissa * 2.0 ** TIE_BITS) / 2.0 ** TIE_BITS, exponent)
 
 
 def scores(table: pd.DataFrame, features: list[str]) -> tuple[np.ndarray, np.ndarray]:

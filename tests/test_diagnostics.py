@@ -501,9 +501,11 @@ def test_token_norm_means_in_runs_of_one_shape_against_numpy():
     from flt_diag.instruments.loop_hooks import per_token_norms, token_norm_means
     gen = torch.Generator().manual_seed(3)
     streams = [torch.randn(s, generator=gen) * (i + 1) for i, s in
-               enumerate([(2, 3, 4), (2, 3, 4), (1, 3, 4), (2, 3, 4), (2, 5, 4), (2, 5, 4), (2, 5, 4)])]
+               enumerate([(2, 3, 4), (2, 3, 4), (1, 3, 4), (2, 3, 4), (2, 5, 4), (2, 5, 4), (2, 5, 4), (4,), (4,)])]
+    streams[3:5] = [streams[3].double(), streams[4].double()]  # (a run of another dtype: kept apart, its dtype kept)
     means = token_norm_means([per_token_norms(x) for x in streams])
     assert len(means) == len(streams) and all(m.dim() == 0 for m in means)
+    assert [m.dtype for m in means] == [x.dtype for x in streams]
     for x, m in zip(streams, means):
         want = np.linalg.norm(x.double().numpy(), axis=-1).mean()
         assert float(m) == pytest.approx(want, rel=1e-6)

@@ -277,3 +277,16 @@ def test_the_ablation_adds_the_loop_dynamics_records_as_a_group_on_the_runs_that
     expected = W.auroc(sub.failed, W.cross_validated(sub, "refit", "config", ["resid_level", "grad_cv"]))
     assert rec.loc["loop dynamics", "auroc"] == pytest.approx(expected)
     assert (out[out.subset == "all"].runs == 18).all()
+
+
+def test_tie_rounded_ties_values_equal_but_for_their_last_bits_and_keeps_small_ones_apart():
+    """Two fits that agree up to float rounding tie on every CPU; distinct probabilities stay distinct, however
+    small or however close to 1."""
+    from flt_diag.results.warning_evaluation import auroc, tie_rounded
+    p = np.array([0.3, 0.1, 2.4e-10, 1.3e-8, 1 - 1e-7, 1 - 2e-7, 0.0])
+    jittered = np.nextafter(np.nextafter(p, 1), 1)  # two ulp up
+    assert (tie_rounded(jittered[:6]) == tie_rounded(p[:6])).all() and tie_rounded(p)[-1] == 0
+    assert len(set(tie_rounded(p).tolist())) == len(p)
+    y = np.array([1, 0])  # a failing and a stable run whose scores differ by one ulp: a tie, AUROC 0.5 either way
+    for a, b in ((0.1, np.nextafter(0.1, 0)), (np.nextafter(0.1, 0), 0.1)):
+        assert auroc(y, tie_rounded(np.array([a, b]))) == 0.5

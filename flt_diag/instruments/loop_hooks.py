@@ -46,13 +46,14 @@ def token_norm_means(norms: list[torch.Tensor]) -> list[torch.Tensor]:
     of one shape (one operation a forward where the stream keeps its shape, not one a loop: inside a training
     step each small reduction costs several times what it costs alone; benchmarks/README.md, seventh round)."""
     out: list[torch.Tensor] = []
+    kind = [(x.shape, x.device, x.dtype) for x in norms]  # (a run: one shape, device and dtype)
     with torch.no_grad():
         while len(out) < len(norms):
             first, n = norms[len(out)], 1
-            while len(out) + n < len(norms) and norms[len(out) + n].shape == first.shape:
+            while len(out) + n < len(norms) and kind[len(out) + n] == kind[len(out)]:
                 n += 1
             run = norms[len(out):len(out) + n]
-            out += (torch.stack(run).flatten(1).mean(1) if n > 1 else first.mean()[None]).unbind()
+            out += (torch.stack(run).reshape(n, -1).mean(1) if n > 1 else first.mean()[None]).unbind()
     return out
 
 
@@ -154,6 +155,7 @@ class LoopHooks:
             h.remove()
         self.handles.clear()
         self._active = self._armed = False
+        self.pending = []
 
     def _start(self, module, args):
         self._active, self._armed = self._armed, False
@@ -169,6 +171,7 @@ class LoopHooks:
         self._active = False
         loops = self.calls[-1] if self.boundary is None else self.loop - 1
         if self.require_repeat and not self._checked and max(self.calls) < 2:
+            self.pending = []
             raise self.refuse(NotLooped(f"no block of {type(module).__name__} was called more than once in a forward "
                             f"({', '.join(self.names[:3])}{', ...' if len(self.names) > 3 else ''}): a looped "
                             "model calls the same blocks several times; check blocks=, or give loop_boundary="))

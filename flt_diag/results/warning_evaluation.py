@@ -132,7 +132,15 @@ def group_keys(table: pd.DataFrame, by: str) -> pd.Series:
     raise ValueError(f"cross-validation groups are config or variant, got {by!r}")
 
 
-SCORE_DECIMALS = 6  # cross-validated P(fail) to 1e-6 (cross_validated)
+TIE_BITS = 40  # cross-validated P(fail) to 40 of float64's 52 mantissa bits, ~1e-12 relative (cross_validated)
+
+
+def tie_rounded(p: np.ndarray) -> np.ndarray:
+    """p with its mantissa rounded to TIE_BITS bits: values equal but for their last bits (two fits that agree up to
+    float rounding) become equal, on every CPU, while distinct values stay distinct however small (a relative,
+    not an absolute, rounding)."""
+    mantissa, exponent = np.frexp(np.asarray(p, float))
+    return np.ldexp(np.round(mantissa * 2.0 ** TIE_BITS) / 2.0 ** TIE_BITS, exponent)
 
 
 def _fit_predict(X_train, y_train, X_test, l2: float = 1.0) -> np.ndarray:
@@ -149,9 +157,10 @@ def _fit_predict(X_train, y_train, X_test, l2: float = 1.0) -> np.ndarray:
 
 def cross_validated(table: pd.DataFrame, model: str, by: str, feature_names: list[str] | None = None) -> np.ndarray:
     """Out-of-fold P(fail) of every row (one step's rows), each group's from a fit on the other groups:
-    `model` "refit" (the early-warning features) or "prior" (the configuration). Rounded to SCORE_DECIMALS:
-    probabilities that differ only by rounding (the prior gives several configurations P ~ 1e-17) tie on every CPU
-    rather than rank by its float rounding (since 2026-12-04; DESIGN.md §6)."""
+    `model` "refit" (the early-warning features) or "prior" (the configuration). Through `tie_rounded`:
+    probabilities equal but for their last bits (the prior's of two configurations it cannot tell apart, or of
+    the seeds of one, 1-2 ulp apart) tie on every CPU rather than rank by its float rounding (since 2026-12-04;
+    DESIGN.md §6)."""
     if model == "refit":  # raw values; _fit_predict standardises and fills them from each fold's training rows
         X = feature_matrix(table.to_dict("records"), feature_names)
     else:
@@ -164,7 +173,7 @@ def cross_validated(table: pd.DataFrame, model: str, by: str, feature_names: lis
         if (~test).sum() == 0:
             continue
         out[test] = _fit_predict(X[~test], y[~test], X[test])
-    return np.round(out, SCORE_DECIMALS)
+    return tie_rounded(out)
 
 
 # --------------------------------------------------------------------------- statistics
