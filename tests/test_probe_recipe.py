@@ -193,6 +193,31 @@ def test_parameter_groups_and_the_head_are_found_by_structure(tmp_path):
     probe.close()
 
 
+class FlatBlock(nn.Module):
+    """Attention and MLP as the block's own children (qkv, proj beside fc1, fc2 and the norms)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(D), nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.ln2, self.fc1, self.fc2 = nn.LayerNorm(D), nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+
+    def forward(self, h):
+        q, k, v = self.qkv(self.ln1(h)).chunk(3, -1)
+        h = h + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        return h + self.fc2(F.gelu(self.fc1(self.ln2(h))))
+
+
+def test_a_flat_blocks_attention_is_its_qkv_and_output_projection(tmp_path):
+    model = Nested()
+    model.blocks = nn.ModuleList([FlatBlock(), FlatBlock()])
+    probe = flt_diag.watch(model, blocks="blocks.*", folder=tmp_path / "g")
+    ids = lambda *ms: {id(p) for m in ms for p in m.parameters()}  # noqa: E731
+    for i, b in enumerate(model.blocks):
+        assert {id(p) for p in probe.groups[f"block{i}.attn"]} == ids(b.qkv, b.proj)
+        assert {id(p) for p in probe.groups[f"block{i}.mlp"]} == ids(b.ln1, b.ln2, b.fc1, b.fc2)
+    probe.close()
+
+
 def test_the_results_are_typed_and_read_only_mappings(tmp_path):
     probe = run(UniversalTransformer(), tmp_path / "t", warn=True)
     on_disk = json.loads((tmp_path / "t" / "summary.json").read_text())

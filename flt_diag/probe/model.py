@@ -9,8 +9,10 @@ Parameter groups, in the order of flt-diag's own model (flt_diag.model.transform
                  at any depth; else the last module named `lm_head` or `head`, at any depth
   block<i>.attn  block i's attention modules, found by structure: every nn.MultiheadAttention, and every module
                  whose children compute the queries, keys and values (children q/k/v, q_proj/k_proj/v_proj,
-                 query/key/value, or a fused qkv / c_attn / Wqkv / query_key_value / in_proj); only in a block
-                 with none of these, the parameters whose path names attention (`attn` or `attention`)
+                 query/key/value, or a fused qkv / c_attn / Wqkv / query_key_value / in_proj); in a flat block
+                 (the block's own children are those, beside its MLP) only those children and its output
+                 projection (o / wo / o_proj / out_proj / proj); only in a block with none of these, the
+                 parameters whose path names attention (`attn` or `attention`)
   block<i>.mlp   the rest of block i (its MLP, and its norms)
   other          every other trainable parameter
 A parameter shared by two places (tied embedding and head) counts once, in the first group. Empty
@@ -28,6 +30,8 @@ from flt_diag.instruments.loop_hooks import BlocksNotFound, ProbeError
 HEAD_COUNTS = ("num_heads", "n_head", "num_attention_heads", "nhead", "n_heads")
 QKV = ({"q", "k", "v"}, {"q_proj", "k_proj", "v_proj"}, {"query", "key", "value"}, {"wq", "wk", "wv"})
 FUSED_QKV = {"qkv", "c_attn", "wqkv", "query_key_value", "in_proj", "qkv_proj"}
+OUT_PROJ = {"o", "wo", "o_proj", "out_proj", "proj", "attn_proj", "c_proj_attn", "attn_out"}  # (a flat block's)
+ATTENTION_CHILDREN = set().union(*QKV, FUSED_QKV, OUT_PROJ)
 
 
 def _matches(pattern: str, name: str) -> bool:
@@ -128,12 +132,16 @@ def default_head(model: nn.Module, blocks: list[nn.Module]) -> nn.Module | None:
 
 
 def attention_modules(block: nn.Module) -> list[nn.Module]:
-    """The block's attention modules, by structure (module docstring)."""
+    """The block's attention modules, by structure (module docstring). In a flat block (the block's own children
+    compute the queries, keys and values, beside its MLP) those children and its output projection only."""
     found = []
     for m in block.modules():
-        children = {n.lower() for n, _ in m.named_children()}
-        if isinstance(m, nn.MultiheadAttention) or any(q <= children for q in QKV) or children & FUSED_QKV:
-            found.append(m)
+        children = {n.lower(): c for n, c in m.named_children()}
+        if isinstance(m, nn.MultiheadAttention) or any(q <= children.keys() for q in QKV) or children.keys() & FUSED_QKV:
+            if m is block and not isinstance(m, nn.MultiheadAttention):
+                found += [c for n, c in children.items() if n in ATTENTION_CHILDREN]
+            else:
+                found.append(m)
     return found
 
 
