@@ -2,6 +2,7 @@
 every reader reads new and old watch folders, and the leftovers of issue 42: targets from the batch's labels,
 a reentrant checkpoint said, tied blocks refused, parameter groups and the head found by structure."""
 import json
+import math
 
 import pytest
 import torch
@@ -243,3 +244,17 @@ def test_the_old_integration_paths_still_import_the_callbacks():
     import flt_diag.training.integrations.hf as old_hf
     import flt_diag.training.integrations.lightning as old_pl
     assert old_hf.FltDiagCallback is hf.FltDiagCallback and old_pl.FltDiagCallback is pl.FltDiagCallback
+
+
+def test_a_summary_whose_oscillation_could_not_be_judged_says_why(tmp_path):
+    """A warm-down over every step (an HF linear schedule), or too few steps for one window: the oscillation index is
+    NaN and the evidence says it was not judged, and why; a run long enough is judged and says nothing."""
+    everything = run(UniversalTransformer(), tmp_path / "w", steps=30, warmdown=1.0).summary
+    assert math.isnan(everything.osc_dlog_median) and everything.evidence.osc_windows_judged == 0
+    assert everything.evidence["oscillation"].startswith("not judged: no window of 20 consecutive") and \
+        "leaves too few before it" in everything.evidence["oscillation"]
+    short = run(UniversalTransformer(), tmp_path / "s", steps=12).summary
+    assert short.evidence.osc_windows_judged == 0 and "not judged" in short.evidence["oscillation"] and \
+        short.evidence["oscillation"].endswith("(too few recorded steps)")
+    judged = run(UniversalTransformer(), tmp_path / "j", steps=30).summary
+    assert judged.evidence.osc_windows_judged >= 1 and "oscillation" not in judged.evidence

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypedDict, Union
 import torch
 from torch import Tensor, nn
 
-from flt_diag.judge.verdict import summarize, tokens_per_step
+from flt_diag.judge.verdict import MIN_DIFFERENCES, summarize, tokens_per_step
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import (SUMMARY, MetricsWriter, StorageError, folder_lock, has_content,
                                       load_metrics, write_json)
@@ -352,6 +352,13 @@ class LoopProbe:
                                    "over every step (no warm-down is assumed; give watch(warmdown=) for one)"}
         if self.oscillation_unjudged:  # the gradient norms are after a clipping: their oscillation says nothing
             notes["oscillation"] = f"not judged: {self.oscillation_unjudged}"
+        elif not out.evidence.osc_windows_judged:  # (a warm-down over every step, or a run too short for one window)
+            notes["oscillation"] = (f"not judged: no window of {MIN_DIFFERENCES} consecutive recorded gradient norms "
+                                    f"before step {out.evidence.osc_span_end}, the warm-down's start" +
+                                    (f" (a warm-down of the last {self.warmdown:.0%} of the steps leaves too few before "
+                                     "it: give watch(warmdown=) a shorter one)" if self.warmdown and
+                                     (out.evidence.osc_span_end or 0) <= MIN_DIFFERENCES else
+                                     " (too few recorded steps)"))
         if self.not_recorded():
             notes["not_recorded"] = self.not_recorded()
         return Summary.model_validate({**out.as_written(), "evidence": {**out.evidence.as_written(), **notes}})

@@ -169,7 +169,7 @@ class Evidence(FileModel):
     osc_windows_judged: int = Field(None, ge=0)  # since v3: windows with enough differences to judge
     osc_span_end: int = Field(None)  # since v3: the warm-down start (the first step rule 4b leaves out)
     predicted_at: int = Field(None, ge=0)  # a run ended by the collapse predictor: the step it fired
-    oscillation: str = None  # a run of flt_diag.watch whose gradients are clipped: why 4b was not judged
+    oscillation: str = None  # a run of flt_diag.watch: why 4b was not judged (clipped gradients, or no window)
     warmdown: str = None  # a run of flt_diag.watch: the warm-down rule 4b leaves out (the user's), or none
     not_recorded: dict[str, str] = None  # a run of flt_diag.watch: records the hooks could not take (name -> why)
 
