@@ -12,6 +12,7 @@ import torch.utils.checkpoint
 
 import flt_diag
 from probe_models import D, V, UniversalTransformer, batches, check_folder, lm_loss
+from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import load_metrics
 
 
@@ -258,3 +259,29 @@ def test_a_summary_whose_oscillation_could_not_be_judged_says_why(tmp_path):
         short.evidence["oscillation"].endswith("(too few recorded steps)")
     judged = run(UniversalTransformer(), tmp_path / "j", steps=30).summary
     assert judged.evidence.osc_windows_judged >= 1 and "oscillation" not in judged.evidence
+
+
+class SampledLoops(nn.Module):
+    """A core run r times, r drawn per forward from a given sequence (the first forward draws 1)."""
+
+    def __init__(self, rs):
+        super().__init__()
+        self.embed, self.core, self.head, self.rs = nn.Embedding(V, D), nn.Linear(D, D), nn.Linear(D, V), iter(rs)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for _ in range(next(self.rs)):
+            h = h + torch.tanh(self.core(h))
+        return self.head(h)
+
+
+def test_a_first_forward_of_one_loop_is_recorded_not_refused(tmp_path, capsys):
+    """Given blocks, a sampled loop count of 1 at the first forward: said once, recorded as one loop, and the run
+    goes on to its summary (issue 42)."""
+    model = SampledLoops([1, 3, 2, 3, 3])
+    probe = run(model, tmp_path / "r", steps=5, blocks=[model.core])
+    assert probe.summary is not None and dict(probe.loops_seen) == {1: 1, 3: 3, 2: 1}
+    df = load_metrics(tmp_path / "r")
+    loops = {s: sorted(df[(df.step == s) & (df.metric == M.RESID_NORM)].loop) for s in range(5)}
+    assert loops == {0: [1], 1: [1, 2, 3], 2: [1, 2], 3: [1, 2, 3], 4: [1, 2, 3]}
+    assert capsys.readouterr().err.count("in the first recorded forward (a sampled loop count of 1?)") == 1

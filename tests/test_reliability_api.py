@@ -163,20 +163,43 @@ class Unlooped(nn.Module):
 
 @pytest.mark.parametrize("with_block", [True, False])
 def test_a_refusal_at_the_first_forward_leaves_no_folder_and_the_retry_works(tmp_path, with_block):
+    """blocks="auto" on a forward that reuses nothing: refused at once (it cannot say which blocks loop)."""
     folder, x = tmp_path / "run", batches(1)[0]
     model = Unlooped()
+    model.blocks = nn.ModuleList([model.layer])  # (the list auto falls back to)
     with pytest.raises(flt_diag.NotLooped):
         if with_block:
-            with flt_diag.watch(model, blocks=[model.layer], folder=folder):
+            with flt_diag.watch(model, folder=folder):
                 model(x)
         else:
-            flt_diag.watch(model, blocks=[model.layer], folder=folder)
+            flt_diag.watch(model, folder=folder)
             model(x)
     assert not folder.exists() and _hooks(model) == 0
     with folder_lock(folder):  # the lock is free
         pass
     probe = _train(UniversalTransformer(loops=3), folder, steps=2)  # the corrected retry, same folder
     assert probe.summary is not None and (folder / SUMMARY).exists()
+
+
+def test_given_blocks_that_never_loop_are_refused_at_the_tenth_recorded_forward_and_the_rows_stay(tmp_path, capsys):
+    """Given blocks: a first forward that reuses none (a sampled loop count of 1?) is said, not refused; none of
+    the first NOT_LOOPED_AFTER recorded forwards reusing one is refused, the hooks gone, the steps' rows kept."""
+    from flt_diag.instruments.loop_hooks import NOT_LOOPED_AFTER
+    model, folder = Unlooped(), tmp_path / "run"
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    done = 0
+    with pytest.raises(flt_diag.NotLooped, match=f"any of the first {NOT_LOOPED_AFTER} recorded forwards"):
+        with flt_diag.watch(model, blocks=[model.layer], folder=folder, optimizer=opt) as probe:
+            for x in batches(NOT_LOOPED_AFTER + 2):
+                loss = lm_loss(model(x), x)
+                loss.backward()
+                opt.step()
+                probe.step(loss=loss)
+                opt.zero_grad()
+                done += 1
+    assert done == NOT_LOOPED_AFTER - 1 and _hooks(model) == 0
+    assert capsys.readouterr().err.count("was called more than once in the first recorded forward") == 1
+    assert sorted(load_metrics(folder).step.unique()) == list(range(done)) and not (folder / SUMMARY).exists()
 
 
 def test_a_refusal_at_the_first_step_leaves_no_folder(tmp_path):

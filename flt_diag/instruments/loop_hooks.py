@@ -73,6 +73,7 @@ class BlockCalledTwice(ProbeError):
     """A block ran twice within one loop (called from two places), or out of the blocks' order."""
 
 
+NOT_LOOPED_AFTER = 10  # flt_diag.watch: refused as not looped when none of its first 10 recorded forwards reuses a block
 BUILTIN = "loop_end"  # the boundary of flt-diag's own model: `model.loop_end`
 MANUAL = "manual"  # the loop ends where the user calls `LoopHooks.end_loop(stream)`
 
@@ -99,8 +100,9 @@ class LoopHooks:
       * None: counted from the blocks' own calls: the k-th call of block i in one forward is loop k
         (the blocks must run in their list's order, once per loop); the loop-end stream is the output
         of the last block.
-    A block called twice within one loop raises BlockCalledTwice; with `require_repeat`, a first
-    recorded forward in which no block ran twice raises NotLooped.
+    A block called twice within one loop raises BlockCalledTwice; with `require_repeat` n, NotLooped is raised
+    when none of the first n recorded forwards ran a block twice (said on stderr at the first that did not: a
+    model that samples its loop count may draw one loop; True counts as 1).
 
     `log(metric, value_tensor, loop, layer)` receives every record (values stay on the device); `grad_scale`
     multiplies the recorded activation gradients (the trainer's grad_accum: the micro-batch's mean loss).
@@ -109,7 +111,7 @@ class LoopHooks:
     fn(loops) at the end of each recorded forward."""
 
     def __init__(self, model, log, act_grads: bool = True, attention: bool = False, *, blocks=None,
-                 boundary=BUILTIN, names: list[str] | None = None, require_repeat: bool = False):
+                 boundary=BUILTIN, names: list[str] | None = None, require_repeat: int = 0):
         self.model, self.log = model, log
         self.blocks = list(model.blocks if blocks is None else blocks)
         if not self.blocks:
@@ -126,6 +128,7 @@ class LoopHooks:
         self.handles: list = []
         self.not_recorded: dict[str, str] = {}  # metric -> why the hooks could not record it
         self._armed = self._active = self._checked = False
+        self._unlooped = 0  # recorded forwards so far in which no block ran twice (before the first that did)
         self.loop = 0
         self.calls = [0] * len(self.blocks)
         self.pending: list[tuple[list[tuple[str, int, int]], torch.Tensor]] = []  # (_log_norms)
@@ -171,14 +174,26 @@ class LoopHooks:
         self._active = False
         loops = self.calls[-1] if self.boundary is None else self.loop - 1
         if self.require_repeat and not self._checked and max(self.calls) < 2:
-            self.pending = []
-            raise self.refuse(NotLooped(f"no block of {type(module).__name__} was called more than once in a forward "
-                            f"({', '.join(self.names[:3])}{', ...' if len(self.names) > 3 else ''}): a looped "
-                            "model calls the same blocks several times; check blocks=, or give loop_boundary="))
-        self._checked = True
+            self._not_looped(type(module).__name__)
+        self._checked = self._checked or max(self.calls) >= 2 or not self.require_repeat
         self._log_norms()
         for fn in self.on_forward_end:
             fn(loops)
+
+    def _not_looped(self, model: str) -> None:
+        """A recorded forward in which no block ran twice, before any that did: refused at the require_repeat-th."""
+        self._unlooped += 1
+        n, blocks = int(self.require_repeat), f"{', '.join(self.names[:3])}{', ...' if len(self.names) > 3 else ''}"
+        if self._unlooped >= n:
+            self.pending = []
+            raise self.refuse(NotLooped(f"no block of {model} was called more than once in "
+                                        f"{'a forward' if n == 1 else f'any of the first {n} recorded forwards'} "
+                                        f"({blocks}): a looped model calls the same blocks several times; check "
+                                        "blocks=, or give loop_boundary="))
+        if self._unlooped == 1:
+            print(f"flt_diag: no block of {model} ({blocks}) was called more than once in the first recorded forward "
+                  f"(a sampled loop count of 1?): refused if none of the first {n} reuses one", file=sys.stderr,
+                  flush=True)
 
     def _log_norms(self) -> None:
         """The forward's residual-stream norms (resid_norm, resid_norm_loop_end), from the per-token norms its block

@@ -25,7 +25,7 @@ from flt_diag.probe.checks import check_watch, leave_no_trace, lets_go_on_refusa
 from flt_diag.probe.results import EarlyWarning
 from flt_diag.storage.file_models import Summary
 from flt_diag.instruments.diagnostics import should_record
-from flt_diag.instruments.loop_hooks import LoopHooks, ProbeError
+from flt_diag.instruments.loop_hooks import NOT_LOOPED_AFTER, LoopHooks, ProbeError
 from flt_diag.probe.model import auto_blocks, called_blocks, check_untied, default_head, parameter_groups_of, resolve_blocks
 from flt_diag.instruments.warning_callback import CollapseWarning, predictor
 from flt_diag.config.run_config import DiagnosticsConfig
@@ -112,7 +112,7 @@ class LoopProbe:
         self.params = [p for ps in self.groups.values() for p in ps]
         self.diag, _ = instruments(self.dcfg, self.dynamics, groups=self.groups, grad_scale=self.grad_scale,
                                    hooks=dict(blocks=self.blocks, boundary=self.boundary, names=self.names,
-                                              require_repeat=self.boundary is None))
+                                              require_repeat=NOT_LOOPED_AFTER if self.boundary is None else 0))
 
     def _attach(self) -> None:
         """The hooks on the blocks (at watch(), or for blocks="auto" at the first training forward)."""
@@ -129,12 +129,13 @@ class LoopProbe:
 
     def _find_blocks(self, module, args, kwargs) -> None:
         """blocks="auto": the blocks this forward reuses (probe/model.py, called_blocks), said on stderr; a model
-        whose forward reused nothing (a sampled loop count of 1?) falls back to its largest ModuleList."""
+        whose forward reused nothing (a sampled loop count of 1?) falls back to its largest ModuleList, refused at
+        once (NotLooped) if that forward did not reuse it: an unlooped first forward cannot say which blocks loop."""
         found, loops = called_blocks(module, args, kwargs)
-        how = f"called {loops} times in the first training forward"
-        if not found:
-            found, how = auto_blocks(module), "no module was called twice in the first training forward; the " \
-                                              "largest ModuleList"
+        how, fallback = f"called {loops} times in the first training forward", not found
+        if fallback:
+            found, how = auto_blocks(module), "no module was called twice in the first training forward (a sampled " \
+                                              "loop count of 1? give blocks=); the largest ModuleList"
         self.blocks, self.names = [m for _, m in found], [n for n, _ in found]
         if self.given_head is None:  # (the head is outside the blocks)
             self.head = default_head(self.model, self.blocks)
@@ -142,6 +143,8 @@ class LoopProbe:
               file=sys.stderr, flush=True)
         self._build()
         self._attach()
+        if fallback and self.hooks is not None:
+            self.hooks.require_repeat = 1
 
     def _open(self) -> None:
         if self.folder.exists() and (not self.folder.is_dir() or has_content(self.folder)):
