@@ -83,6 +83,11 @@ BAD_WATCH = {  # keyword -> (value, words of the one line)
     "grad_scale": (math.nan, "watch(grad_scale=nan)"),
     "diagnostics": ({"every": 3}, "diagnostics= is a flt_diag.config.run_config.DiagnosticsConfig"),
     "loop_boundary": ("end", "loop_boundary= is a module whose forward ends each loop, or 'manual'"),
+    "head": (3, "head= is a module or function of the loop-end stream"),
+    "loop_step": (3, "loop_step= is a function of one loop-end stream"),
+    "targets": ("y", "targets= is a function of the forward's arguments"),
+    "scheduler": (3, "scheduler= is a learning-rate scheduler"),
+    "predictor_path": ("/nonexistent/p.json", "predictor_path='/nonexistent/p.json': no such predictor file"),
 }
 
 

@@ -66,7 +66,8 @@ def _fraction(name: str, x, high: float) -> None:
 
 
 def check_watch(model, folder, *, loss, optimizer, callbacks, loop_boundary, diagnostics, steps, seed, vocab_size,
-                grad_scale, unigram_entropy, note, variant, warmdown, grad_clip, **_) -> None:
+                grad_scale, unigram_entropy, note, variant, warmdown, grad_clip, head=None, loop_step=None,
+                targets=None, scheduler=None, predictor_path=None, **_) -> None:
     """watch()'s arguments, each of the kind docs/api.md names (one ProbeError line for the first that is not)."""
     if not isinstance(model, torch.nn.Module):
         raise ProbeError(f"watch() diagnoses an nn.Module, not {_kind(model)}")
@@ -80,6 +81,16 @@ def check_watch(model, folder, *, loss, optimizer, callbacks, loop_boundary, dia
                          "or load the model's weights on a real device before watch()")
     if loss is not None and not callable(loss):
         raise ProbeError(f"loss= is a function of the model's output (output -> loss tensor), not {_kind(loss)}")
+    for name, value, what in (("head", head, "a module or function of the loop-end stream (stream -> logits)"),
+                              ("loop_step", loop_step, "a function of one loop-end stream (h(t-1) -> h(t))"),
+                              ("targets", targets, "a function of the forward's arguments (-> targets)")):
+        if value is not None and not callable(value):
+            raise ProbeError(f"{name}= is {what}, not {_kind(value)}")
+    if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+        raise ProbeError(f"scheduler= is a learning-rate scheduler (it has step()), not {_kind(scheduler)}")
+    if predictor_path is not None and not (isinstance(predictor_path, (str, os.PathLike))
+                                           and os.path.isfile(predictor_path)):
+        raise ProbeError(f"predictor_path={predictor_path!r}: no such predictor file (fit-predictor writes one)")
     if optimizer is not None:
         learning_rate(optimizer)
     if callbacks is not None:
