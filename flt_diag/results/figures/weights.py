@@ -2,7 +2,7 @@
 step (bottom row) against step, for the embedding, the head, and the blocks' attention and MLP (the
 blocks' groups pooled: the norm of all their weights, the mean ratio), a line per run.
 attention: the mean attention entropy (nats) at every (loop, layer), at each run's last recorded step,
-a heat map per run (recorded with --attention-stats, or DiagnosticsConfig(attention=True) under watch)."""
+a heat map per run (recorded with --attention-stats; flt_diag.watch does not record them)."""
 from __future__ import annotations
 
 import numpy as np
