@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from flt_diag.judge.verdict import MIN_DIFFERENCES
 from flt_diag.storage.folders import CONFIG, write_json
 from flt_diag.instruments.loop_hooks import ProbeError
 from flt_diag.probe.model import head_count_of, vocab_size_of
@@ -82,3 +83,23 @@ class Host:
 
     def request_stop(self, reason: str, prediction: dict | None = None) -> None:
         self.stop_requested, self.prediction = reason, prediction
+
+
+def evidence_notes(warmdown, warmdown_from: str, unjudged: str | None, evidence, not_recorded: dict) -> dict:
+    """What a watch run's summary adds to the verdict's evidence: the warm-down it assumed, why the oscillation was
+    not judged (gradients read after a clipping, or no window of rule 4b before the warm-down), the records the
+    hooks could not take."""
+    notes: dict = {"warmdown": f"the last {warmdown:.0%} of the steps ({warmdown_from}): the oscillation is judged "
+                               "before it" if warmdown else "none given: the oscillation is judged over every step "
+                               "(no warm-down is assumed; give watch(warmdown=) for one)"}
+    if unjudged:  # the gradient norms are after a clipping: their oscillation says nothing
+        notes["oscillation"] = f"not judged: {unjudged}"
+    elif not evidence.osc_windows_judged:  # (a warm-down over every step, or a run too short for one window)
+        notes["oscillation"] = (f"not judged: no window of {MIN_DIFFERENCES} consecutive recorded gradient norms "
+                                f"before step {evidence.osc_span_end}, the warm-down's start" +
+                                (f" (a warm-down of the last {warmdown:.0%} of the steps leaves too few before it: give "
+                                 "watch(warmdown=) a shorter one)" if warmdown and
+                                 (evidence.osc_span_end or 0) <= MIN_DIFFERENCES else " (too few recorded steps)"))
+    if not_recorded:
+        notes["not_recorded"] = not_recorded
+    return notes

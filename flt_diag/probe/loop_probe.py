@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Any, Literal, TypedDict, Union
 import torch
 from torch import Tensor, nn
 
-from flt_diag.judge.verdict import MIN_DIFFERENCES, summarize, tokens_per_step
+from flt_diag.judge.verdict import summarize, tokens_per_step
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import (SUMMARY, MetricsWriter, StorageError, folder_lock, has_content,
                                       load_metrics, write_json)
 from flt_diag.instruments.callbacks import Callback
 from flt_diag.instruments.dynamics_callback import instruments, watched_model_dynamics
 from flt_diag.instruments.records import Row
-from flt_diag.probe.folder import Host, probe_run_config, recipe, write_probe_config
+from flt_diag.probe.folder import Host, evidence_notes, probe_run_config, recipe, write_probe_config
 from flt_diag.probe.checks import check_watch, leave_no_trace, lets_go_on_refusal, one_loss, step_arguments
 from flt_diag.probe.results import EarlyWarning
 from flt_diag.storage.file_models import Summary
@@ -350,20 +350,8 @@ class LoopProbe:
         cfg = probe_run_config(self, self.steps or self.step_index)
         out = summarize(load_metrics(self.folder), cfg, unigram_entropy=self.unigram_entropy, stop_reason=self.host.stop_requested,
                         prediction=self.host.prediction, tokens_per_step=tokens_per_step(cfg))
-        notes: dict = {"warmdown": f"the last {self.warmdown:.0%} of the steps ({self.warmdown_from}): the oscillation "
-                                   "is judged before it" if self.warmdown else "none given: the oscillation is judged "
-                                   "over every step (no warm-down is assumed; give watch(warmdown=) for one)"}
-        if self.oscillation_unjudged:  # the gradient norms are after a clipping: their oscillation says nothing
-            notes["oscillation"] = f"not judged: {self.oscillation_unjudged}"
-        elif not out.evidence.osc_windows_judged:  # (a warm-down over every step, or a run too short for one window)
-            notes["oscillation"] = (f"not judged: no window of {MIN_DIFFERENCES} consecutive recorded gradient norms "
-                                    f"before step {out.evidence.osc_span_end}, the warm-down's start" +
-                                    (f" (a warm-down of the last {self.warmdown:.0%} of the steps leaves too few before "
-                                     "it: give watch(warmdown=) a shorter one)" if self.warmdown and
-                                     (out.evidence.osc_span_end or 0) <= MIN_DIFFERENCES else
-                                     " (too few recorded steps)"))
-        if self.not_recorded():
-            notes["not_recorded"] = self.not_recorded()
+        notes = evidence_notes(self.warmdown, self.warmdown_from, self.oscillation_unjudged, out.evidence,
+                               self.not_recorded())
         return Summary.model_validate({**out.as_written(), "evidence": {**out.evidence.as_written(), **notes}})
 
     def verdict(self) -> Summary:
