@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 import flt_diag
+from flt_diag.instruments.loop_hooks import NOT_LOOPED_AFTER
 from conftest import tiny_config
 from probe_models import D, T, V, UniversalTransformer, batches, check_folder, lm_loss, looped_gpt2
 from flt_diag.storage import metric_names as M
@@ -203,10 +204,12 @@ def test_wrong_use_is_one_clear_error(tmp_path):
     with pytest.raises(flt_diag.BlocksNotFound) as e:
         flt_diag.watch(model, blocks=[], folder=tmp_path / "c")
     one_line(e, flt_diag.BlocksNotFound, "empty")
-    with pytest.raises(flt_diag.NotLooped) as e:
-        with flt_diag.watch(unlooped := Unlooped(), folder=tmp_path / "e"):
-            unlooped(x)
+    with pytest.raises(flt_diag.NotLooped) as e:  # (auto: after NOT_LOOPED_AFTER training forwards reusing nothing)
+        with flt_diag.watch(unlooped := Unlooped(), folder=tmp_path / "e") as probe:
+            for _ in range(NOT_LOOPED_AFTER):
+                probe.step(loss=unlooped(x).mean())
     one_line(e, flt_diag.NotLooped, "no block of Unlooped was called more than once")
+    assert not (tmp_path / "e").exists()  # (the held rows were never written)
     assert not unlooped._forward_hooks and not unlooped.blocks[0]._forward_pre_hooks  # the hooks are gone
     with pytest.raises(flt_diag.BlockCalledTwice) as e:
         with flt_diag.watch(model, folder=tmp_path / "f"):

@@ -285,3 +285,35 @@ def test_a_first_forward_of_one_loop_is_recorded_not_refused(tmp_path, capsys):
     loops = {s: sorted(df[(df.step == s) & (df.metric == M.RESID_NORM)].loop) for s in range(5)}
     assert loops == {0: [1], 1: [1, 2, 3], 2: [1, 2], 3: [1, 2, 3], 4: [1, 2, 3]}
     assert capsys.readouterr().err.count("in the first recorded forward (a sampled loop count of 1?)") == 1
+
+
+class SampledCore(SampledLoops):
+    """SampledLoops with a prelude of two blocks in a ModuleList (what blocks="auto" fell back to)."""
+
+    def __init__(self, rs):
+        super().__init__(rs)
+        self.prelude = nn.ModuleList([nn.Linear(D, D), nn.Linear(D, D)])
+
+    def forward(self, x):
+        h = self.embed(x)
+        for layer in self.prelude:
+            h = h + torch.tanh(layer(h))
+        for _ in range(next(self.rs)):
+            h = h + torch.tanh(self.core(h))
+        return self.head(h)
+
+
+def test_auto_chooses_the_blocks_at_the_first_forward_that_reuses_one(tmp_path, capsys):
+    """blocks="auto", the first two forwards draw one loop: no choice yet (said once), those steps keep their loss and
+    gradient norm; the third reuses the core: chosen, the loop records from there on, the run to its summary."""
+    draws = [1, 1, 1, 1, 3, 3, 2, 3, 3, 3]  # (each training forward draws twice: auto's counting forward, then its own)
+    model = SampledCore(draws)
+    probe = run(model, tmp_path / "a", steps=4)
+    err = capsys.readouterr().err
+    assert err.count("no module was called twice in the first training forward") == 1 and "chose core" in err
+    assert probe.names == ["core"] and probe.summary is not None
+    df = load_metrics(tmp_path / "a")
+    for metric in (M.LOSS, M.GRAD_NORM):
+        assert sorted(df[(df.metric == metric) & (df.loop == M.NONE) & (df.layer == M.NONE)].step) == [0, 1, 2, 3]
+    assert sorted(df[df.metric == M.RESID_NORM].step.unique()) == [2, 3]
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["probe"]["blocks"] == ["core"]

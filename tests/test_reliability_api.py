@@ -168,17 +168,20 @@ class Unlooped(nn.Module):
 
 @pytest.mark.parametrize("with_block", [True, False])
 def test_a_refusal_at_the_first_forward_leaves_no_folder_and_the_retry_works(tmp_path, with_block):
-    """blocks="auto" on a forward that reuses nothing: refused at once (it cannot say which blocks loop)."""
+    """blocks="auto" on forwards that reuse nothing: refused at the NOT_LOOPED_AFTER-th, nothing written."""
+    from flt_diag.instruments.loop_hooks import NOT_LOOPED_AFTER
     folder, x = tmp_path / "run", batches(1)[0]
     model = Unlooped()
     model.blocks = nn.ModuleList([model.layer])  # (the list auto falls back to)
     with pytest.raises(flt_diag.NotLooped):
         if with_block:
-            with flt_diag.watch(model, folder=folder):
-                model(x)
+            with flt_diag.watch(model, folder=folder) as probe:
+                for _ in range(NOT_LOOPED_AFTER):
+                    probe.step(loss=lm_loss(model(x), x))
         else:
-            flt_diag.watch(model, folder=folder)
-            model(x)
+            probe = flt_diag.watch(model, folder=folder)
+            for _ in range(NOT_LOOPED_AFTER):
+                probe.step(loss=lm_loss(model(x), x))
     assert not folder.exists() and _hooks(model) == 0
     with folder_lock(folder):  # the lock is free
         pass

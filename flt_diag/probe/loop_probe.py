@@ -99,6 +99,7 @@ class LoopProbe:
                                           say=None if warn else (lambda text: None))  # prints only with warn
         self.callbacks = [self.dynamics, *(o["callbacks"] or [])]  # (the loop dynamics first)
         self.step_index, self.shape, self.loops_seen = 0, None, Counter()
+        self._auto_tries, self._held = 0, list[Row]()  # (blocks="auto") forwards that reused nothing; their steps' rows
         self.grad_hooks = o["grad_hooks"]  # each gradient read as the backward accumulates it: before any clipping
         self.oscillation_unjudged: str | None = None  # why the gradient norms read are after clipping, if they are
         self.summary: Summary | None = None
@@ -127,15 +128,21 @@ class LoopProbe:
         if should_record(0, self.dcfg):  # (the update ratio of a step without after_backward(): against these)
             self.diag.keep_before()
 
-    def _find_blocks(self, module, args, kwargs) -> None:
-        """blocks="auto": the blocks this forward reuses (probe/model.py, called_blocks), said on stderr; a model
-        whose forward reused nothing (a sampled loop count of 1?) falls back to its largest ModuleList, refused at
-        once (NotLooped) if that forward did not reuse it: an unlooped first forward cannot say which blocks loop."""
+    def _find_blocks(self, module, args, kwargs) -> bool:
+        """blocks="auto": the blocks this forward reuses (probe/model.py, called_blocks), said on stderr; none after
+        a forward that reused nothing (False: the next tries again); the largest ModuleList after NOT_LOOPED_AFTER."""
         found, loops = called_blocks(module, args, kwargs)
-        how, fallback = f"called {loops} times in the first training forward", not found
+        how, fallback = f"called {loops} times in a training forward", not found
+        if fallback and self._auto_tries < NOT_LOOPED_AFTER - 1:
+            self._auto_tries += 1
+            if self._auto_tries == 1:
+                print("flt_diag.watch: blocks='auto': no module was called twice in the first training forward (a "
+                      "sampled loop count of 1?): chosen at the first that reuses one (the steps before it without "
+                      "the loop records); give blocks= to choose", file=sys.stderr, flush=True)
+            return False
         if fallback:
-            found, how = auto_blocks(module), "no module was called twice in the first training forward (a sampled " \
-                                              "loop count of 1? give blocks=); the largest ModuleList"
+            found, how = auto_blocks(module), f"no module was called twice in {NOT_LOOPED_AFTER} training forwards; " \
+                                              "the largest ModuleList"
         self.blocks, self.names = [m for _, m in found], [n for n, _ in found]
         if self.given_head is None:  # (the head is outside the blocks)
             self.head = default_head(self.model, self.blocks)
@@ -145,6 +152,7 @@ class LoopProbe:
         self._attach()
         if fallback and self.hooks is not None:
             self.hooks.require_repeat = 1
+        return True
 
     def _open(self) -> None:
         if self.folder.exists() and (not self.folder.is_dir() or has_content(self.folder)):
@@ -212,10 +220,10 @@ class LoopProbe:
     def _begin_forward(self, module, args, kwargs):
         if self._training(module) and not self._began:
             found = self.hooks is None and self.auto  # blocks="auto", first training forward: find them now
-            if found:
-                self._find_blocks(module, args, kwargs)
+            if found and not self._find_blocks(module, args, kwargs):  # (none chosen yet: the step without hooks)
+                found = False
             self._began = True
-            for cb in (self.diag, *self.callbacks):
+            for cb in ((self.diag,) if self.hooks is not None else ()) + tuple(self.callbacks):
                 cb.before_step(self.host, self.step_index)
             if found:  # (the LoopHooks' own pre-hook came too late for this forward)
                 assert self.hooks is not None  # (_find_blocks attached them)
@@ -243,9 +251,13 @@ class LoopProbe:
     # ------------------------------------------------------------------ moments
     def after_backward(self) -> None:
         """After the backward of a step, before clipping and the optimizer step (optional)."""
-        if self.hooks is None or self._backward_done:
+        if not self._handles or self._backward_done:
             return
         self._backward_done = True
+        if self.hooks is None:  # (blocks="auto", none chosen yet) the step's total gradient norm only
+            if grads := [p.grad for p in self.model.parameters() if p.grad is not None]:
+                self.host.log.add(M.GRAD_NORM, torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
+            return
         grads = [p.grad for p in self.params if p.grad is not None]
         pre = None
         if grads and self._pre:  # grad_hooks: the norm before clipping; the per-group figures scaled back to it
@@ -268,7 +280,7 @@ class LoopProbe:
         watch() read off the step's forwards), writes its rows, checks the early warning. Returns the rows.
         `targets`: the step's targets, one per position of the loop-end stream, for the exit loss of watch(head=)
         (docs/api.md, "Loop dynamics on your own model")."""
-        if self.hooks is None:
+        if not self._handles:
             raise ProbeError("this probe is closed; watch() the model again")
         s, given, lr = step_arguments(loss, step, self.optimizer, self.step_index, self.host.cfg is not None,
                                       self._began)  # checked before anything of the step is recorded
@@ -290,8 +302,14 @@ class LoopProbe:
             self.host.log.add(M.LR, lr)
         self.dynamics.at_step(targets)  # the exit loss of the kept loop-end streams (head= without targets=)
         rows = self.host.log.collect(s)
+        if self.hooks is None:  # (blocks="auto", none chosen yet: held, written with the first step that has them)
+            self._held += rows
+            self.step_index = s + 1
+            self._reset_step()
+            return rows
         if self.host.cfg is None:
             self._start_run(s)
+        rows, self._held = self._held + rows, []
         self.writer.extend(rows)
         for cb in (self.warning_cb, *self.callbacks):
             cb.on_rows(self.host, s, rows)
@@ -307,7 +325,7 @@ class LoopProbe:
     def skip(self) -> None:
         """The step's batch was skipped, no optimizer step taken (a Lightning training_step that returned None):
         what its forwards recorded is dropped and the next training forward is recorded in its place."""
-        if self.hooks is not None:
+        if self._handles:
             self.host.log.collect(self.step_index)  # (dropped)
             self._reset_step()
 
