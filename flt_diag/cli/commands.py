@@ -136,14 +136,18 @@ def cmd_summary(o: SummaryOptions) -> int:
     path = paths[0]
     if is_sweep(path):
         print_sweep_table(sweep_summary(path))
-        return 0
-    for d in run_dirs(path):
-        s = load_summary(d)
-        if s is None:
-            print(f"{d}: not finished")
-        else:
-            load_config(d)  # (a half-written config.json is one error line, as every other command says it)
-            print_run_summary(d, s)
+    else:
+        for d in run_dirs(path):
+            s = load_summary(d)
+            if s is None:
+                print(f"{d}: not finished")
+            else:
+                load_config(d)  # (a half-written config.json is one error line, as every other command says it)
+                print_run_summary(d, s)
+    if is_archive(path):  # the code behind the records (issue 53: a result traced to its plan's commit)
+        from flt_diag.results.archiving import code_lines
+        for line in code_lines(path):
+            print(f"code: {line}")
     return 0
 
 

@@ -123,6 +123,8 @@ class TrainConfig(Options):
     grad_loops: int = opt(0, "Truncated backpropagation: the gradient flows through the last k loops only (the "
                           "stream is detached before them; the forward is unchanged; the embedding still gets "
                           "the gradient of its injections in those loops). 0, or k >= K: through every loop.", ge=0)
+    freeze_embedding: bool = opt(False, "Keep the token embedding at its initial values (no gradient, no update): "
+                                 "holds the embedding equal between runs whose gradient paths differ (--grad-loops).")
     threads: int | None = opt(None, "CPU threads [default: 1 per process on CPU; parallelise with sweep workers].",
                               ge=1, volatile=True)
     flush_denormal: bool = opt(True, "CPU: flush subnormal floats to zero (collapsed LT runs make many).")

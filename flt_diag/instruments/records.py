@@ -7,7 +7,6 @@ import platform
 import socket
 import sys
 import time
-from importlib.metadata import version
 from typing import NamedTuple
 
 import numpy
@@ -15,6 +14,7 @@ import pandas  # type: ignore[import-untyped]  # (pandas ships no types; pandas-
 import torch
 
 from flt_diag.storage import metric_names as M
+from flt_diag.storage.code_version import code_version
 
 
 class Row(NamedTuple):
@@ -33,10 +33,8 @@ def environment(device: torch.device) -> dict:
                started=time.strftime("%Y-%m-%dT%H:%M:%S"))
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
-    try:
-        env["flt_diag"] = version("flt-diag")
-    except Exception:
-        env["flt_diag"] = "unknown"
+    env["code"] = code_version()  # the version, commit and clean tree of the code that made the run
+    env["flt_diag"] = env["code"]["flt_diag"]
     return env
 
 

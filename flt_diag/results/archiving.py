@@ -22,6 +22,7 @@ from flt_diag.storage.folders import (EVAL_LOOPS, SWEEP_SPEC, StorageError, fold
                                       load_config, load_metrics, load_spec, load_summary, make_folder, read_json,
                                       refuse_links, run_dirs, write_json, write_record)
 from flt_diag.storage.safe_files import open_regular
+from flt_diag.storage.code_version import code_version, describe
 
 FULL = (M.LOSS, M.GRAD_NORM, M.GRAD_COSINE, M.VAL_LOSS, M.VAL_ACCURACY, M.LOOPS_RUN)
 EVERY, SPARSE = 25, 250
@@ -116,8 +117,10 @@ def archive_run(run_dir: Path, record: Path, source: str, root: Path) -> Archive
     else:
         table = full
     kept = dict(full=list(FULL), every=EVERY, sparse=SPARSE, features_whole=features_whole, thinned=not changed)
+    run_code = (cfg.env or {}).get("code")  # the code that made the run (config.json's env; none before 2026-12-04)
+    code = dict(run=run_code if isinstance(run_code, dict) else None, archive=code_version())
     write_record(record, table, dict(config=cfg, summary=summary, eval_loops=_eval_loops_text(run_dir),
-                                             source=source, kept=kept), root)
+                                     source=source, kept=kept, code=code), root)
     return Archived(run_dir, record, len(full), len(table), record.stat().st_size, bool(changed))
 
 
@@ -151,3 +154,17 @@ def archive_sources(sources: list[Path], to: Path, report=print) -> list[Archive
             out.append(archive_run(src, record, src.name, to))
             report(out[-1].line())
     return out
+
+
+def code_lines(path: Path) -> list[str]:
+    """What `flt-diag summary` of an archive says of its code: for each distinct code that made its runs, the
+    runs it made, and the code that archived them (flt_diag.storage.code_version)."""
+    made: dict[str, list[str]] = {}
+    archived: set[str] = set()
+    for record in ([Path(path)] if archive.is_record(path) else archive.records_in(path)):
+        code = archive.read_meta(record).code or {}
+        made.setdefault(describe(code.get("run")), []).append(record.stem)
+        archived.add(describe(code.get("archive")))
+    lines = [f"made by {who}: {len(names)} run(s)" + (f" ({', '.join(names)})" if len(names) <= 3 else "")
+             for who, names in made.items()]
+    return lines + [f"archived by {who}" for who in sorted(archived)]

@@ -66,6 +66,7 @@ class RecordMeta(FileModel):
     eval_loops: Optional[str]  # eval_loops.csv's text
     source: str
     kept: dict
+    code: Optional[dict] = None  # {"run": the code that made the run, "archive": the code that archived it}; none before
 
 
 def read_meta(path: Path) -> RecordMeta:
@@ -84,6 +85,10 @@ def read_meta(path: Path) -> RecordMeta:
             raise BadFile(f"{path}: archive metadata lacks {key!r}")
     config = files.check_run_config(doc["config"], f"{path} [config]")
     summary = None if doc["summary"] is None else files.check_summary(doc["summary"], f"{path} [summary]")
+    code = doc.get("code")
+    if code is not None and not (isinstance(code, dict) and all(v is None or isinstance(v, dict) for v in code.values())):
+        raise BadFile(f"{path}: archive metadata 'code' must map 'run' and 'archive' to the code's version, commit "
+                      "and clean state")
     if doc["eval_loops"] is not None and not isinstance(doc["eval_loops"], str):
         raise BadFile(f"{path}: archive metadata 'eval_loops' must be CSV text or null")
     return RecordMeta.model_construct(**{**doc, "config": config, "summary": summary})  # (each part checked above)

@@ -109,6 +109,7 @@ class Trainer:
             reference_precision(model)
         model.checkpoint_loops = t.checkpoint_loops
         model.grad_loops = t.grad_loops
+        model.embed.weight.requires_grad_(not t.freeze_embedding)  # frozen: no gradient, so no optimizer update
         if compile_wanted(t.compile, self.device.type, t.steps):
             compile_blocks(model)
         return model

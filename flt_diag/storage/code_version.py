@@ -1,0 +1,52 @@
+"""Which code made a record: flt-diag's version, and where it runs from a git checkout, the commit and whether
+the tracked files differed from it (`clean`). Stored in every run's config.json (`env.code`) and in every
+archive record's metadata (`code`: the code that made the run and the code that archived it), so a result can
+be traced to the commit of its plan from the records alone (docs/DESIGN.md §9). Torch-free.
+"""
+from __future__ import annotations
+
+import functools
+import subprocess
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding flt_diag/ (a checkout, or site-packages)
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", "-C", str(PACKAGE_ROOT), *args], capture_output=True, text=True, timeout=10,
+                              stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):  # no git, or it hung
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+@functools.lru_cache(maxsize=1)
+def code_version() -> dict:
+    """{"flt_diag": version, "commit": 40 hex digits or None, "clean": True / False / None}. None: not run from
+    a git checkout of flt-diag (an installed wheel), or git is missing. `clean` looks at tracked files only (an
+    untracked file is not code the run imported)."""
+    try:
+        ver = version("flt-diag")
+    except PackageNotFoundError:
+        ver = "unknown"
+    commit, clean = None, None
+    top = _git("rev-parse", "--show-toplevel")
+    if top is not None and Path(top.strip()).resolve() == PACKAGE_ROOT and (PACKAGE_ROOT / "flt_diag").is_dir():
+        head = (_git("rev-parse", "HEAD") or "").strip()
+        if len(head) == 40:
+            commit = head
+            status = _git("status", "--porcelain", "--untracked-files=no")
+            clean = None if status is None else status.strip() == ""
+    return {"flt_diag": ver, "commit": commit, "clean": clean}
+
+
+def describe(code: dict | None) -> str:
+    """One line: "flt-diag 0.1.0, commit 1a2b3c4d5e6f (clean)"; "not recorded" for a record made before."""
+    if not isinstance(code, dict):
+        return "not recorded"
+    commit = code.get("commit")
+    where = "not from a git checkout" if not commit else \
+        f"commit {str(commit)[:12]} ({ {True: 'clean', False: 'with uncommitted changes'}.get(code.get('clean'), 'state unknown')})"
+    return f"flt-diag {code.get('flt_diag', 'unknown')}, {where}"
