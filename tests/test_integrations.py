@@ -112,3 +112,101 @@ def test_lightning_options_win(tmp_path):
     assert load_config(tmp_path / "pl").train.steps == 9
     df = load_metrics(tmp_path / "pl")
     assert (df[df.metric == M.LR].value == 0.125).all() and len(df[df.metric == M.LR]) == 3
+
+
+def hooks_on(model) -> int:
+    """Every forward (pre-)hook on the model's modules and every post-accumulate hook on its parameters."""
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()) + \
+        sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+
+
+def hf_trainer(model, callbacks, out, raise_in: str, at_step: int = 2, steps: int = 4):
+    """transformers' Trainer on the CPU (as hf_fit) whose compute_loss or data collator raises at step `at_step`
+    (RuntimeError "boom"): outside the model's forward."""
+    import transformers
+
+    class Trainer(transformers.Trainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            if raise_in == "compute_loss" and self.state.global_step == at_step:
+                raise RuntimeError("boom")
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    batches_made = []
+
+    def collate(features):
+        batches_made.append(1)
+        if raise_in == "collator" and len(batches_made) == at_step + 1:
+            raise RuntimeError("boom")
+        return transformers.default_data_collator(features)
+
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 64, (4 * steps, 16), generator=g)]
+    args = transformers.TrainingArguments(output_dir=str(out), max_steps=steps, per_device_train_batch_size=4,
+                                          report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
+                                          logging_strategy="no", dataloader_num_workers=0)
+    return Trainer(model=model, args=args, train_dataset=data, data_collator=collate, callbacks=callbacks)
+
+
+def StepsDone():
+    """A TrainerCallback keeping the optimizer steps the Trainer finished (0, 1, ...)."""
+    import transformers
+
+    class Done(transformers.TrainerCallback):
+        def __init__(self):
+            self.steps = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.steps.append(state.global_step - 1)
+    return Done()
+
+
+@pytest.mark.parametrize("raise_in", ["compute_loss", "collator"])
+def test_hugging_face_exception_outside_the_forward_lets_go(tmp_path, raise_in):
+    """An exception in compute_loss or the data collator (outside the model's forward; the Trainer tells its
+    callbacks of none) leaves no hook on the model and the folder unlocked; the two steps before it stay."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from flt_diag.integrations.hf import FltDiagCallback
+    from flt_diag.storage.folders import folder_lock
+
+    torch.manual_seed(0)
+    model = looped_gpt2(loops=2)
+    before = hooks_on(model)
+    callback, done = FltDiagCallback(blocks="gpt.transformer.h.*", folder=tmp_path / "hf"), StepsDone()
+    with pytest.raises(RuntimeError, match="boom"):
+        hf_trainer(model, [callback, done], tmp_path / "out", raise_in).train()
+    assert hooks_on(model) == before == 0 and "forward" not in model.__dict__
+    assert not (tmp_path / "hf" / ".lock").exists()
+    with folder_lock(tmp_path / "hf"):  # (a second writer would be refused while the probe held it)
+        pass
+    assert done.steps and sorted(set(load_metrics(tmp_path / "hf").step)) == done.steps
+    assert not (tmp_path / "hf" / "summary.json").exists()
+
+
+def test_a_new_callback_lets_go_of_a_stale_probe(tmp_path, capfd):
+    """A callback added after the Trainer was built (its train() not wrapped) is left watching by an exception in
+    compute_loss; a new callback on the same model lets go of it (said once), and ends with no hook left."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from flt_diag.integrations.hf import FltDiagCallback
+    from flt_diag.storage.folders import folder_lock
+
+    torch.manual_seed(0)
+    model = looped_gpt2(loops=2)
+    old = FltDiagCallback(blocks="gpt.transformer.h.*", folder=tmp_path / "old")
+    trainer = hf_trainer(model, [], tmp_path / "out", "compute_loss")
+    trainer.add_callback(old)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.train()
+    assert hooks_on(model) > 0  # (stale: nothing told the callback)
+    capfd.readouterr()
+    new = FltDiagCallback(blocks="gpt.transformer.h.*", folder=tmp_path / "new")
+    hf_trainer(model, [new], tmp_path / "out2", "nowhere").train()
+    err = capfd.readouterr().err
+    assert err.count("still carried the hooks of the probe writing") == 1 and str(tmp_path / "old") in err
+    assert hooks_on(model) == 0
+    with folder_lock(tmp_path / "old"):
+        pass
+    assert sorted(set(load_metrics(tmp_path / "old").step)) == [0, 1]
+    assert sorted(set(load_metrics(tmp_path / "new").step)) == [0, 1, 2, 3]
+    assert new.summary is not None

@@ -4,13 +4,17 @@ read before the Trainer's clip, the recipe and the exit loss's targets: docs/api
 The moments: on_train_begin watches the Trainer's model (with grad_hooks=True where it clips, but not under
 fp16), on_pre_optimizer_step reads the gradients, on_optimizer_step (before the Trainer's zero_grad) records the
 step, with the mean of the loss in the step's model outputs; on_train_end writes summary.json. The Trainer tells
-its callbacks of no exception, so the model's forward is wrapped while the probe watches: a raise in it lets go
-of the hooks and the lock before it leaves train(); after one elsewhere, the next train() or close() does.
+its callbacks of no exception, so on_init_end wraps the train() of the Trainer being built (Trainer(callbacks=
+[...]): found up the call stack): an exception leaving it (the model, compute_loss, the data collator, Ctrl-C)
+lets go of the hooks and the folder's lock first. For a callback added later (add_callback), the model's forward
+is wrapped while the probe watches (a raise in it does the same); after one elsewhere, the next train(), close(),
+or watch() of the model does (probe/checks.py, release_stale_probes).
 """
 from __future__ import annotations
 
 import functools
 import os
+import sys
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,7 +30,7 @@ if TYPE_CHECKING:
 
 try:
     import accelerate  # type: ignore[import-untyped]  # noqa: F401  (the Trainer needs it; accelerate ships no types)
-    from transformers import TrainerCallback
+    from transformers import Trainer, TrainerCallback
 except ImportError:
     raise needs_extra("hf", "hf-trainer", "transformers>=4.40 and accelerate") from None
 
@@ -49,6 +53,20 @@ def labels_of(causal: bool, *args, **kwargs) -> torch.Tensor | None:
     return torch.cat([labels[..., 1:], torch.full_like(labels[..., :1], -100)], -1)
 
 
+def building_trainer() -> Trainer | None:
+    """The transformers Trainer whose __init__ calls its callbacks' on_init_end now (up the call stack), or None."""
+    frame = sys._getframe(1)
+    try:
+        while frame is not None:
+            found = frame.f_locals.get("self") if frame.f_code.co_name == "__init__" else None
+            if isinstance(found, Trainer):
+                return found
+            frame = frame.f_back
+        return None
+    finally:
+        del frame  # (no frame kept alive)
+
+
 class FltDiagCallback(TrainerCallback):
     """The run folder, verdict and early warning of flt-diag for a transformers Trainer (module docstring).
     `options` are watch()'s (head, loop_boundary, diagnostics, variant, warn, ...)."""
@@ -61,6 +79,24 @@ class FltDiagCallback(TrainerCallback):
         self.probe: LoopProbe | None = None
         self.summary: Summary | None = None
         self._guarded: tuple | None = None  # (model, its own forward attribute or None, the wrapper)
+
+    def on_init_end(self, args, state, control, **kwargs):
+        trainer = building_trainer()
+        if trainer is not None:
+            self._guard_train(trainer)
+
+    def _guard_train(self, trainer) -> None:
+        """Wrap the Trainer's train(): an exception leaving it lets go of the probe (module docstring), then goes on."""
+        train = trainer.train
+
+        @functools.wraps(train)
+        def guarded_train(*args, **kwargs):
+            try:
+                return train(*args, **kwargs)
+            except BaseException as e:
+                self.close(e)
+                raise
+        trainer.train = guarded_train
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
         self.close()  # a probe left open by a train() that raised outside the model's forward

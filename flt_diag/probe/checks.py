@@ -10,6 +10,7 @@ import math
 import numbers
 import operator
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -122,6 +123,24 @@ def check_watch(model, folder, *, loss, optimizer, callbacks, loop_boundary, dia
     _fraction("grad_clip", grad_clip, math.inf)
     if note is not None and not isinstance(note, str):
         raise ProbeError(f"watch(note=...): a text is expected, not {_kind(note)}")
+    release_stale_probes(model)  # (last: a refused watch() lets go of nothing)
+
+
+def release_stale_probes(model: torch.nn.Module) -> None:
+    """A probe still watching `model` (or a module inside it) when another watch() of it comes was not closed: its
+    run ended by an exception it was not told of (a Trainer's train() that raised outside the model's forward).
+    Two probes would record beside each other, the old one into memory for ever: the old one lets go (its hooks
+    and its folder's lock; its rows stay, no summary), said in one line on stderr. Found by its forward pre-hook,
+    a method wrapped by lets_go_on_refusal."""
+    for module in model.modules():
+        for hook in list(module._forward_pre_hooks.values()):
+            probe = getattr(hook, "__self__", None)
+            if getattr(getattr(hook, "__func__", None), "probe_hook", False) and probe._handles:
+                print(f"flt_diag.watch: {type(module).__name__} still carried the hooks of the probe writing "
+                      f"{probe.folder}, never closed (its run raised?): let go of (its rows stay, no summary)",
+                      file=sys.stderr, flush=True)
+                error = ProbeError(f"a new watch() of {type(module).__name__} let go of this probe")
+                probe.__exit__(type(error), error, None)
 
 
 def one_loss(value, where: str):
@@ -191,4 +210,5 @@ def lets_go_on_refusal(hook):
         except ProbeError as e:
             probe.__exit__(type(e), e, None)
             raise
+    guarded.probe_hook = True  # type: ignore[attr-defined]  # (release_stale_probes finds a probe by it)
     return guarded
