@@ -210,3 +210,92 @@ def test_a_new_callback_lets_go_of_a_stale_probe(tmp_path, capfd):
     assert sorted(set(load_metrics(tmp_path / "old").step)) == [0, 1]
     assert sorted(set(load_metrics(tmp_path / "new").step)) == [0, 1, 2, 3]
     assert new.summary is not None
+
+
+def lightning_losses_module(loops: int, manual: bool = False, steps_per_batch: int = 1, every: int = 1):
+    """A LightningModule of a UniversalTransformer (`net`) keeping each training_step's loss (`losses`). With
+    `manual`, automatic_optimization = False and training_step steps the optimizer itself: `steps_per_batch`
+    times a batch (a backward each), after every `every`-th batch's backward; it returns None."""
+    import lightning as L
+
+    from probe_models import UniversalTransformer, lm_loss
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net, self.losses = UniversalTransformer(loops=loops), []
+            self.automatic_optimization = not manual
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, x, batch_idx):
+            loss = lm_loss(self(x), x)
+            self.losses.append(float(loss))
+            if not manual:
+                return loss
+            opt = self.optimizers()
+            for i in range(steps_per_batch):
+                self.manual_backward(loss if i == 0 else lm_loss(self(x), x))
+                if (batch_idx + 1) % every == 0:
+                    opt.step()
+                    opt.zero_grad()
+            return None
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), 1e-3)
+    return Module()
+
+
+def test_lightning_gradient_accumulation(tmp_path):
+    """accumulate_grad_batches=2: one step per two batches, its loss the mean of the two training_step losses
+    (the module's own), the loops recorded at each step."""
+    pytest.importorskip("lightning")
+    from flt_diag.integrations.lightning import FltDiagCallback
+
+    torch.manual_seed(0)
+    module = lightning_losses_module(loops=3)
+    callback = FltDiagCallback(blocks="net.layer", folder=tmp_path / "pl")
+    lightning_fit(module, callback, steps=3, n_batches=6, accumulate_grad_batches=2)
+    df = load_metrics(tmp_path / "pl")
+    loss = df[df.metric == M.LOSS].sort_values("step")
+    assert list(loss.step) == [0, 1, 2] and len(module.losses) == 6
+    for step, value in zip(loss.step, loss.value):
+        assert value == pytest.approx((module.losses[2 * step] + module.losses[2 * step + 1]) / 2, rel=1e-5)
+    assert set(df[df.metric == M.RESID_NORM].loop) == {1, 2, 3}
+    assert sorted(set(df[df.metric == M.LOOPS_RUN].step)) == [0, 1, 2]
+    assert callback.summary is not None
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_lightning_manual_optimization(tmp_path, every):
+    """automatic_optimization = False: each optimizer step training_step takes is recorded, its loss the mean of
+    those given to manual_backward since the last one (the module's own losses); every=2: its own accumulation."""
+    pytest.importorskip("lightning")
+    from flt_diag.integrations.lightning import FltDiagCallback
+
+    torch.manual_seed(0)
+    module = lightning_losses_module(loops=2, manual=True, every=every)
+    callback = FltDiagCallback(blocks="net.layer", folder=tmp_path / "pl")
+    lightning_fit(module, callback, steps=3, n_batches=3 * every)
+    df = load_metrics(tmp_path / "pl")
+    loss = df[df.metric == M.LOSS].sort_values("step")
+    assert list(loss.step) == [0, 1, 2] and len(module.losses) == 3 * every
+    for step, value in zip(loss.step, loss.value):
+        assert value == pytest.approx(sum(module.losses[every * step:every * (step + 1)]) / every, rel=1e-5)
+    assert set(df[df.metric == M.RESID_NORM].loop) == {1, 2}
+    assert sorted(set(df[df.metric == M.GRAD_NORM].step)) == [0, 1, 2]
+    assert callback.summary is not None
+
+
+def test_lightning_two_manual_steps_a_batch_are_refused(tmp_path):
+    pytest.importorskip("lightning")
+    from flt_diag.integrations.lightning import FltDiagCallback
+
+    torch.manual_seed(0)
+    module = lightning_losses_module(loops=2, manual=True, steps_per_batch=2)
+    callback = FltDiagCallback(blocks="net.layer", folder=tmp_path / "pl")
+    with pytest.raises(Exception, match=r"^batch 0 took 2 optimizer steps \(automatic_optimization = False") as e:
+        lightning_fit(module, callback, steps=4, n_batches=2)
+    assert "\n" not in str(e.value)
+    assert hooks_on(module) == 0 and not (tmp_path / "pl" / ".lock").exists()
