@@ -98,6 +98,14 @@ def _help(o: Option) -> str:
     return escape(o.help + default_text(o) + ("" if named else f" Choices: {', '.join(map(str, o.choices))}."))
 
 
+def _path(text) -> Path:
+    """A path given on the command line; an empty one is refused (Path("") is the current folder: `--to ""` would
+    write into it)."""
+    if not str(text):
+        raise typer.BadParameter("an empty path; give the name of a file or folder")
+    return Path(text)
+
+
 def option_parameter(o: Option) -> inspect.Parameter:
     """The typer option of one Option: `--x/--no-x` for a config switch, a plain flag for a command's
     own switch, a list for a list option; None (not given) where the config or the command decides."""
@@ -105,14 +113,16 @@ def option_parameter(o: Option) -> inspect.Parameter:
     flag = f"{o.flag}/--no-{o.flag[2:]}" if o.kind is bool and not switch else o.flag
     kind = bool if switch else Optional[List[o.kind]] if o.many else Optional[o.kind]
     info = typer.Option(flag, help=_help(o), rich_help_panel=SECTION_TITLES[o.section], metavar=_metavar(o),
-                        show_default=False, autocompletion=_completer(o.choices) if o.choices else None)
+                        show_default=False, autocompletion=_completer(o.choices) if o.choices else None,
+                        parser=_path if o.kind is Path else None)
     required = not o.optional and o.default is None
     default = inspect.Parameter.empty if required else False if switch else None
     return inspect.Parameter(o.dest, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[kind, info])
 
 
 def argument_parameter(p: Option) -> inspect.Parameter:
-    info = typer.Argument(help=escape(p.help), metavar=p.name.upper() + ("..." if p.many else ""), show_default=False)
+    info = typer.Argument(help=escape(p.help), metavar=p.name.upper() + ("..." if p.many else ""), show_default=False,
+                          parser=_path if p.kind is Path else None)
     kind = List[p.kind] if p.many else p.kind
     return inspect.Parameter(p.name, inspect.Parameter.KEYWORD_ONLY, annotation=Annotated[kind, info])
 

@@ -340,6 +340,9 @@ def cmd_variants(o: VariantsOptions) -> int:
 def cmd_plot(o: PlotOptions) -> int:
     """Figures from run, sweep or map folders (PNG and PDF)."""
     from flt_diag.results.figures import plot
+    from flt_diag.storage.archive import is_record
+    if o.out is None and is_record(o.paths[0]):  # (its default, <path>/figures, cannot be below a file)
+        raise UserError(f"{o.paths[0]} is an archive record (a file); give --out, the folder for the figures")
     for p in plot(o.figure, o.paths, o.out, tuple(o.format)):
         print(p)
     return 0
@@ -348,7 +351,7 @@ def cmd_plot(o: PlotOptions) -> int:
 def cmd_archive(o: ArchiveOptions) -> int:
     """Keep finished runs as compact records (one Parquet file each) that every reading command reads."""
     from flt_diag.results.archiving import archive_sources
-    done = archive_sources(o.paths, o.to)
+    done = archive_sources(o.paths, o.to, replace=o.replace)
     total = sum(a.bytes for a in done)
     whole = sum(a.whole for a in done)
     print(f"{len(done)} run(s) archived into {o.to}: {total / 1024:.1f} KB"

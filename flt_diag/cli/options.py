@@ -148,7 +148,10 @@ class VariantsOptions(Options):
 class ArchiveOptions(Options):
     paths: list[Path] = arg("Finished run folders, or sweep or map folders (their finished cells).", many=True)
     to: Path = opt(..., "Archive folder: a sweep S becomes <to>/S/ (sweep.json + one .parquet record per cell), a "
-                   "run R becomes <to>/R.parquet.")
+                   "run R becomes <to>/R.parquet. Not inside a run, sweep or map folder or an archived sweep.")
+    replace: bool = opt(False, "Replace what another source archived there (another run of the same name, another "
+                        "sweep or map of the same name: its records are removed); without it that is refused. The "
+                        "same runs archived again refresh their own records either way.")
 
 
 class ReportOptions(Options):

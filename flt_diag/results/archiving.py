@@ -18,10 +18,11 @@ from flt_diag.judge import early_warning as EW
 from flt_diag.judge.verdict import stored_config, summarize, tokens_per_step
 from flt_diag.storage.file_models import RunConfigFile
 from flt_diag.storage import archive, metric_names as M
-from flt_diag.storage.folders import (EVAL_LOOPS, SWEEP_SPEC, StorageError, folder_lock, is_archive, is_sweep,
-                                      load_config, load_metrics, load_spec, load_summary, make_folder, read_json,
-                                      refuse_links, run_dirs, write_json, write_record)
-from flt_diag.storage.safe_files import open_regular
+from flt_diag.storage.folders import (EVAL_LOOPS, SWEEP_SPEC, StorageError, folder_lock, load_config, load_metrics,
+                                      load_summary, make_folder, write_json, write_record)
+from flt_diag.storage.safe_files import open_regular, stale_temporaries
+from flt_diag.storage.schema import BadFile
+from flt_diag.results.archive_checks import Plan, check_destination, plan_sources
 from flt_diag.storage.code_version import code_version, describe
 
 FULL = (M.LOSS, M.GRAD_NORM, M.GRAD_COSINE, M.VAL_LOSS, M.VAL_ACCURACY, M.LOOPS_RUN)
@@ -96,11 +97,20 @@ def differences(full: pd.DataFrame, kept: pd.DataFrame, stored: RunConfigFile) -
 
 
 def _eval_loops_text(run_dir: Path) -> str | None:
+    """eval_loops.csv's text, whole (a file over archive.MAX_EVAL_LOOPS_BYTES is one line, not archived)."""
     p = Path(run_dir) / EVAL_LOOPS
-    if not p.exists():
+    if not (p.exists() or p.is_symlink()):
         return None
-    with open_regular(p, text=True) as f:
-        return f.read(1 << 20)
+    limit = archive.MAX_EVAL_LOOPS_BYTES
+    with open_regular(p) as f:  # (a FIFO there: one line, never a read that blocks)
+        data = f.read(limit + 1)  # never more: a huge or growing file cannot fill the memory
+    if len(data) > limit:
+        raise BadFile(f"{p}: over {limit:,} bytes, more than a record keeps of an eval_loops.csv (a line per loop "
+                      "count); not archived")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadFile(f"{p}: not text (UTF-8); not archived") from None
 
 
 def archive_run(run_dir: Path, record: Path, source: str, root: Path) -> Archived:
@@ -124,35 +134,42 @@ def archive_run(run_dir: Path, record: Path, source: str, root: Path) -> Archive
     return Archived(run_dir, record, len(full), len(table), record.stat().st_size, bool(changed))
 
 
-def archive_sources(sources: list[Path], to: Path, report=print) -> list[Archived]:
+def archive_sources(sources: list[Path], to: Path, report=print, replace: bool = False) -> list[Archived]:
     """Archive run and sweep folders into `to`: a sweep or map S -> to/S.name/ (its sweep.json and one
-    record per finished cell), a run R -> to/R.name.parquet. Unfinished runs are skipped (reported)."""
+    record per finished cell), a run R -> to/R.name.parquet. Unfinished cells are skipped (reported). Every
+    source and the destination are checked first (flt_diag.results.archive_checks: nothing is written where one
+    is refused, and no folder is left behind); `replace`: records another source wrote there are replaced."""
     to = Path(to)
-    out: list[Archived] = []
-    for src in sources:
-        src = Path(src)
-        if is_archive(src):
-            raise StorageError(f"{src} is already an archive; copy it, or archive the run folders it came from")
-        dirs = run_dirs(src)  # a clear error for a path that is neither a run nor a sweep
-        if to.resolve() == src.resolve() or src.resolve() in to.resolve().parents:
-            raise StorageError(f"--to {to} is inside {src}; archive into a folder of its own")
-        make_folder(to, to.parent)
-        if is_sweep(src):
-            dest = to / src.name
-            with folder_lock(dest, "archive", root=to):
-                load_spec(src)  # checked before it is copied
-                write_json(dest / SWEEP_SPEC, read_json(src / SWEEP_SPEC), root=to)
-                for d in dirs:
-                    if load_summary(d) is None:
-                        report(f"{d}: not finished, not archived")
-                        continue
-                    out.append(archive_run(d, dest / (d.name + archive.SUFFIX), f"{src.name}/{d.name}", to))
-                    report(out[-1].line())
-        else:
-            record = to / (src.name + archive.SUFFIX)
-            refuse_links(record, to)
-            out.append(archive_run(src, record, src.name, to))
-            report(out[-1].line())
+    check_destination(to)
+    made = [f for f in (to, *to.parents) if not (f.exists() or f.is_symlink())]  # what mkdir -p makes
+    try:
+        with folder_lock(to, "archive", root=to):  # (removes `to` again if it made it and nothing was written)
+            return [a for plan in plan_sources(sources, to, replace) for a in _write(plan, to, report)]
+    except BaseException:
+        for folder in made[1:]:  # (`to` itself: folder_lock's)
+            try:
+                folder.rmdir()  # only if empty: a refused archive leaves no folder
+            except OSError:
+                break
+        raise
+
+
+def _write(plan: Plan, to: Path, report) -> list[Archived]:
+    for record in plan.foreign:  # --replace: what another source wrote here
+        record.unlink()
+    if plan.dest is not None:
+        make_folder(plan.dest, to)
+        for stale in stale_temporaries(plan.dest / SWEEP_SPEC):
+            stale.unlink()
+        write_json(plan.dest / SWEEP_SPEC, plan.spec, root=to)
+    for d in plan.skipped:
+        report(f"{d}: not finished, not archived")
+    out = []
+    for run_dir, record, label in plan.runs:
+        for stale in stale_temporaries(record):  # a killed archive's (we hold the lock: none is in flight)
+            stale.unlink()
+        out.append(archive_run(run_dir, record, label, to))
+        report(out[-1].line())
     return out
 
 

@@ -15,20 +15,27 @@ import pandas as pd
 
 from flt_diag.storage import files
 from flt_diag.storage.file_models import FileModel, RunConfigFile, Summary
+from flt_diag.storage.safe_files import is_temporary
 from flt_diag.storage.schema import MAX_FILE_BYTES, BadFile, StorageError
 
 SUFFIX = ".parquet"
 META_KEY = b"flt_diag.archive"
 FORMAT = 1
 COLUMNS = ["step", "metric", "loop", "layer", "value"]
+TYPES = {"step": "int64", "metric": "string", "loop": "int16", "layer": "int16", "value": "float64"}  # a metrics part's
 MAX_RECORD_BYTES = MAX_FILE_BYTES  # a record is tens of kilobytes; a bigger file is not one of them
+MAX_EVAL_LOOPS_BYTES = 16 << 20  # eval_loops.csv is a kilobyte (a line per loop count); kept whole up to this
+LINKED = ("is a symbolic link; flt-diag does not read archive records through links (a folder from elsewhere may "
+          "point anywhere): use the record's real path, or copy it there")
 
 
 def is_record(path: Path) -> bool:
     """Whether `path` names an archive record: a regular file (not a link) ending in .parquet that is not a
-    run folder's metrics part. Its content is checked when it is read."""
+    run folder's metrics part, nor a temporary file of a write (a hidden name: safe_files.is_temporary). Its
+    content is checked when it is read."""
     path = Path(path)
-    return path.suffix == SUFFIX and not path.is_symlink() and path.is_file() and path.parent.name != "metrics"
+    return (path.suffix == SUFFIX and not is_temporary(path) and not path.is_symlink() and path.is_file()
+            and path.parent.name != "metrics")
 
 
 def records_in(folder: Path) -> list[Path]:
@@ -37,6 +44,29 @@ def records_in(folder: Path) -> list[Path]:
     if not folder.is_dir():
         return []
     return sorted(p for p in folder.iterdir() if is_record(p))
+
+
+def refuse_linked(folder: Path) -> None:
+    """A link named like a record directly in `folder` (an archive from elsewhere) is one line, not a record
+    skipped in silence (a cell left out of a summary, or another cell's rows under its name)."""
+    folder = Path(folder)
+    if folder.is_dir():
+        for p in sorted(folder.iterdir()):
+            if p.suffix == SUFFIX and not is_temporary(p) and p.is_symlink():
+                raise StorageError(f"{p} {LINKED}")
+
+
+def why_not(path: Path) -> str | None:
+    """Why a path named like a record is not read as one (a link; a temporary file a killed write left), or None."""
+    path = Path(path)
+    if path.suffix != SUFFIX:
+        return None
+    if path.is_symlink():
+        return f"{path} {LINKED}"
+    if is_temporary(path) and path.is_file():
+        return (f"{path} is a temporary file that a write killed before it finished left behind (a hidden name), "
+                "not a record: remove it, or re-run the archive that left it")
+    return None
 
 
 def _parquet_file(path: Path):
@@ -124,7 +154,7 @@ def load_metrics(path: Path, metrics: list[str] | None = None) -> pd.DataFrame:
         raise BadFile(f"{path}: a damaged Parquet file ({' '.join(str(e).split())[:120] or type(e).__name__})") from None
     df = table.to_pandas()
     try:
-        df = df.astype({"step": "int64", "metric": "string", "loop": "int16", "layer": "int16", "value": "float64"})
+        df = df.astype(TYPES)
     except (ValueError, TypeError, OverflowError) as e:
         raise BadFile(f"{path}: a column of the wrong type ({str(e)[:100]})") from None
     if len(df) and (df.step.min() < 0 or df.metric.isna().any()):
@@ -132,3 +162,19 @@ def load_metrics(path: Path, metrics: list[str] | None = None) -> pd.DataFrame:
     if metrics:
         df = df[df.metric.isin(list(metrics))]
     return df.sort_values(["step", "metric", "loop", "layer"], kind="stable").reset_index(drop=True)
+
+
+def record_frame(table: pd.DataFrame, path: Path) -> pd.DataFrame:
+    """`table`'s COLUMNS in a record's types (TYPES, a metrics part's), or one StorageError line where a value
+    would not come back as it is (a step past int64, a loop or layer past int16): a record stores what the
+    run stored, or is not written."""
+    df = table[COLUMNS].reset_index(drop=True)
+    try:
+        out = df.astype(TYPES)
+        for column in ("step", "loop", "layer"):
+            if not (out[column].astype("int64").to_numpy() == df[column].to_numpy()).all():
+                bad = df[column][out[column].astype("int64").to_numpy() != df[column].to_numpy()].iloc[0]
+                raise StorageError(f"{path}: a {column} of {bad} does not fit a record's {TYPES[column]}; not archived")
+    except (ValueError, TypeError, OverflowError) as e:
+        raise StorageError(f"{path}: rows a record cannot hold ({' '.join(str(e).split())[:100]}); not archived") from None
+    return out

@@ -16,6 +16,7 @@ import pandas as pd
 
 from flt_diag.storage import archive, files
 from flt_diag.storage.safe_files import file_mode, open_regular
+from flt_diag.storage.safe_files import temporary_affixes  # (the names atomic_path writes through)
 from flt_diag.storage.schema import BadFile, StorageError, read_json  # noqa: F401  (re-exported: one error type)
 
 CONFIG, SUMMARY, PROGRESS, METRICS = "config.json", "summary.json", "progress.json", "metrics"
@@ -64,12 +65,15 @@ def make_folder(folder: Path, root: Path | None = None) -> Path:
 def atomic_path(path: Path, root: Path | None = None):
     """The one way flt-diag writes a file: yields a temporary name beside `path` (created exclusively),
     renamed over `path` on success and removed on any failure (an exception, a full disk, Ctrl-C). Links
-    below `root` are refused (refuse_links). The file gets open()'s mode (0o666 less the umask), not 0600."""
+    below `root` are refused (refuse_links). The file gets open()'s mode (0o666 less the umask), not 0600.
+    The name (.<name>.<random>.tmp, safe_files.temporary_affixes) has no suffix: write it with the format
+    given, not guessed from the name (matplotlib's savefig(format=...))."""
     path = Path(path)
     refuse_links(path, root)
     if path.is_dir():
         raise StorageError(f"{path} is a folder; give a file name")
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".tmp{path.suffix}", dir=path.parent)
+    prefix, suffix = temporary_affixes(path)  # hidden, no .parquet/.json: a file left by kill -9 is no data
+    fd, name = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=path.parent)
     try:
         os.fchmod(fd, file_mode())
     finally:
@@ -181,8 +185,7 @@ def write_record(path: Path, table: pd.DataFrame, meta: dict, root: Path | None 
     eval_loops, source and kept."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    df = table[archive.COLUMNS].astype({"step": "int32", "metric": "string", "loop": "int16", "layer": "int16",
-                                        "value": "float64"}).reset_index(drop=True)
+    df = archive.record_frame(table, Path(path))  # every value as the run stored it (a step of 2**53 too), or refused
     arrow = pa.Table.from_pandas(df, preserve_index=False)
     arrow = arrow.replace_schema_metadata({archive.META_KEY: json.dumps({"format": archive.FORMAT, **meta},
                                                                          allow_nan=True, default=_json_default)})
@@ -350,6 +353,8 @@ def run_dirs(path: Path) -> list[Path]:
     path = Path(path)
     if not path.exists():
         raise StorageError(f"no such folder: {path}")
+    if path.is_dir() and not is_run(path) and not (path / CELLS).is_dir():
+        archive.refuse_linked(path)  # an archive's linked record: one line, never a cell skipped in silence
     if is_sweep(path):
         out = []
         for name in cell_names(path):
@@ -362,6 +367,8 @@ def run_dirs(path: Path) -> list[Path]:
         return [path]
     if records := archive.records_in(path):  # a folder of archived runs
         return records
+    if why := archive.why_not(path):  # a linked record, a temporary file a killed write left
+        raise StorageError(why)
     raise StorageError(f"{path} is neither a run folder (no {CONFIG}), a sweep folder (no {SWEEP_SPEC}) nor an "
                        "archive (no run records)")
 

@@ -94,3 +94,35 @@ def umask() -> int:
 def file_mode() -> int:
     """The mode an ordinary open() gives a new file: 0o666 less the umask."""
     return 0o666 & ~umask()
+
+# --------------------------------------------------------------------------- temporary files of a write
+
+TEMPORARY = ".tmp"  # a temporary file's name: "." + the file's name + "." + random letters + ".tmp"
+
+
+def temporary_affixes(path) -> tuple[str, str]:
+    """The prefix and suffix of the temporary names folders.atomic_path writes `path` through (mkstemp adds the
+    random letters between them): hidden, and ending in neither .parquet nor .json nor any suffix a reader
+    looks for, so that a file left by a kill -9 is never taken for data."""
+    return f".{Path(path).name}.", TEMPORARY
+
+
+def is_temporary(path) -> bool:
+    """Whether `path` names no data: a hidden name (a leading "."), as every temporary file of a write has (the
+    names before 2026-12-04 ended in the file's own suffix, .x.parquet.<random>.tmp.parquet: hidden as well).
+    Every reader that lists a folder skips these."""
+    return Path(path).name.startswith(".")
+
+
+def stale_temporaries(path) -> list[Path]:
+    """The temporary files a write of `path` left behind (killed before it renamed or removed them): regular
+    files beside `path` named as atomic_path names them (before 2026-12-04 also with `path`'s suffix after
+    .tmp). For a writer that holds the folder's lock to remove: no other write of `path` is in flight."""
+    path = Path(path)
+    prefix, suffix = temporary_affixes(path)
+    try:
+        found = [p for p in path.parent.iterdir() if p.name.startswith(prefix)
+                 and p.name.endswith((suffix, suffix + path.suffix)) and not p.is_symlink() and p.is_file()]
+    except OSError:
+        return []
+    return sorted(found)

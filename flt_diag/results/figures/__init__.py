@@ -121,7 +121,7 @@ def save(fig, path, dpi: int = DPI, root=None) -> Path:
     path = Path(path)
     meta = {"CreationDate": None} if path.suffix == ".pdf" else None
     with style(), atomic_path(path, root) as tmp:
-        fig.savefig(tmp, dpi=dpi, bbox_inches="tight", metadata=meta)
+        fig.savefig(tmp, format=path.suffix[1:] or None, dpi=dpi, bbox_inches="tight", metadata=meta)
     return path
 
 
