@@ -21,11 +21,12 @@ groups are left out.
 from __future__ import annotations
 
 import fnmatch
+import sys
 
 import torch
 import torch.nn as nn
 
-from flt_diag.instruments.loop_hooks import BlocksNotFound, ProbeError
+from flt_diag.instruments.loop_hooks import BlockCalledTwice, BlocksNotFound, ProbeError
 
 HEAD_COUNTS = ("num_heads", "n_head", "num_attention_heads", "nhead", "n_heads")
 QKV = ({"q", "k", "v"}, {"q_proj", "k_proj", "v_proj"}, {"query", "key", "value"}, {"wq", "wk", "wv"})
@@ -60,18 +61,24 @@ def auto_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def called_blocks(model: nn.Module, args: tuple, kwargs: dict) -> tuple[list[tuple[str, nn.Module]], int]:
     """blocks="auto": (the blocks, the loops) that one forward of `model` on (args, kwargs) actually reuses - the
     outermost submodules with parameters called more than once, in the order of their first call (a prelude
-    or coda run once is left out; a layer list that repeats its layers gives each layer once). The forward
-    runs without gradient, its random draws undone (the training forward after it draws the same)."""
+    or coda run once is left out; a layer list that repeats its layers gives each layer once), less those whose
+    output is not the stream they are given (stream_blocks), refused if they run as separate loops (one_loop). The
+    forward runs without gradient, its random draws undone (the training forward after it draws the same)."""
     calls: dict[int, int] = {}
-    order: list[int] = []
+    sequence: list[int] = []  # every call, in order
+    shapes: dict[int, list] = {}  # its first call's [input stream's shape, output's shape]
     named = [(n, m) for n, m in model.named_modules() if n and next(m.parameters(), None) is not None]
 
-    def count(m, a):
-        if id(m) not in calls:
-            calls[id(m)] = 0
-            order.append(id(m))
-        calls[id(m)] += 1
-    handles = [m.register_forward_pre_hook(count) for _, m in named]
+    def count(m, a, kw):
+        calls[id(m)] = calls.get(id(m), 0) + 1
+        sequence.append(id(m))
+        shapes.setdefault(id(m), [first_shape([*a, *kw.values()]), "unset"])
+
+    def returned(m, a, kw, out):
+        if shapes[id(m)][1] == "unset":
+            shapes[id(m)][1] = first_shape([out[0] if isinstance(out, (tuple, list)) and out else out])
+    handles = [h for _, m in named for h in (m.register_forward_pre_hook(count, with_kwargs=True),
+                                             m.register_forward_hook(returned, with_kwargs=True))]
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
@@ -82,8 +89,59 @@ def called_blocks(model: nn.Module, args: tuple, kwargs: dict) -> tuple[list[tup
     repeated = [(n, m) for n, m in named if calls.get(id(m), 0) >= 2]
     names = [n for n, _ in repeated]
     outer = [(n, m) for n, m in repeated if not any(n.startswith(o + ".") for o in names)]
-    outer.sort(key=lambda nm: order.index(id(nm[1])))
+    outer.sort(key=lambda nm: sequence.index(id(nm[1])))
+    outer = stream_blocks(outer, shapes)
+    one_loop(outer, sequence, calls)
     return outer, max((calls[id(m)] for _, m in outer), default=1)
+
+
+def first_shape(values: list) -> tuple[int, ...] | None:
+    """The shape of the first tensor in `values`, or None."""
+    return next((tuple(v.shape) for v in values if torch.is_tensor(v)), None)
+
+
+def stream_blocks(found: list[tuple[str, nn.Module]], shapes: dict[int, list]) -> list[tuple[str, nn.Module]]:
+    """blocks="auto": the reused modules whose output has the loop's stream's shape - a shape the reused modules
+    both take (their first tensor argument) and return (a block of the loop maps the stream on). The others (a
+    halting unit nn.Linear(d, 1) read off the stream, a gate) are left out, said on stderr; none left is refused:
+    their records would read as a collapse that is not there. Not judged where none takes a tensor."""
+    given, out = ({shapes[id(m)][k] for _, m in found} - {None, "unset"} for k in (0, 1))
+    if not given:
+        return found
+    stream = given & out
+    kept = [(n, m) for n, m in found if shapes[id(m)][1] in stream]
+    left = [f"{n} ({shapes[id(m)][0]} -> {shapes[id(m)][1] or 'no tensor'})" for n, m in found if (n, m) not in kept]
+    if not kept:
+        raise BlocksNotFound(f"blocks='auto': no module the forward reuses returns a stream of a shape they take "
+                             f"({', '.join(left)}): none is a block of the loop; give blocks= the loop's blocks")
+    if left:
+        print(f"flt_diag.watch: blocks='auto' left out {', '.join(left)}: not of the stream's shape "
+              f"({' or '.join(map(str, sorted(stream)))}), so not a block of the loop (a halting unit, a gate?); give "
+              "blocks= to choose", file=sys.stderr, flush=True)
+    return kept
+
+
+def as_code(path: str) -> str:
+    """A module path as the expression that reaches it: 'enc.layers.0' -> 'model.enc.layers[0]'."""
+    return "model" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in path.split("."))
+
+
+def one_loop(found: list[tuple[str, nn.Module]], sequence: list[int], calls: dict[int, int]) -> None:
+    """blocks="auto": the chosen blocks run as one loop - refused (one line saying what to give) if they form
+    separate loops, one after the other (a block first called after every call of the blocks before it)."""
+    ids = [i for i in sequence if i in {id(m) for _, m in found}]
+    loops: list[list[tuple[str, nn.Module]]] = []
+    end = -1
+    for n, m in found:  # (in the order of their first call)
+        if not loops or ids.index(id(m)) > end:
+            loops.append([])
+        loops[-1].append((n, m))
+        end = max(end, len(ids) - 1 - ids[::-1].index(id(m)))
+    if len(loops) > 1:
+        runs = ", then ".join(f"{', '.join(n for n, _ in loop)} {calls[id(loop[0][1])]} times" for loop in loops)
+        options = " or ".join(f"blocks=[{', '.join(as_code(n) for n, _ in loop)}]" for loop in loops)
+        raise BlockCalledTwice(f"blocks='auto': the forward runs {len(loops)} separate loops ({runs}); the probe "
+                               f"records one: give blocks= the blocks of the one to record: {options}")
 
 
 def resolve_blocks(model: nn.Module, blocks) -> tuple[list[nn.Module], list[str]]:
@@ -106,6 +164,7 @@ def resolve_blocks(model: nn.Module, blocks) -> tuple[list[nn.Module], list[str]
         found = [(path[id(b)] or type(b).__name__, b) for b in given]
     if len({id(m) for _, m in found}) < len(found):
         raise ProbeError("blocks= names the same module twice; give each block once")
+    check_no_tied_copies(model, [m for _, m in found], [n for n, _ in found])
     return [m for _, m in found], [n for n, _ in found]
 
 
@@ -119,6 +178,21 @@ def check_untied(blocks: list[nn.Module], names: list[str]) -> None:
             if j != i:
                 raise ProbeError(f"blocks {names[j]} and {names[i]} share parameters (weights tied across two "
                                  "modules): give each shared block once - the module the forward reuses - or untie them")
+
+
+def check_no_tied_copies(model: nn.Module, blocks: list[nn.Module], names: list[str]) -> None:
+    """Refuses a block whose weights a module outside the blocks holds too (ALBERT-style copies of one layer, a
+    module object each loop, their weights tied): the hooks see module objects, so the block's records would be
+    of the loops that call it only - loop 1 of a loop_boundary= count, silently."""
+    inside = {id(m) for b in blocks for m in b.modules()}
+    owner = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
+    for path, m in model.named_modules():
+        tied = [owner[id(p)] for p in m.parameters(recurse=False) if id(p) in owner] if id(m) not in inside else []
+        if tied:
+            raise ProbeError(f"block {names[tied[0]]} shares its weights with {path}, a module outside the blocks "
+                             "(copies of one layer tied ALBERT-style, a module object each loop?): the hooks see "
+                             "module objects, so only the loops that call the block itself would be recorded; run "
+                             "every loop through one module object")
 
 
 def default_head(model: nn.Module, blocks: list[nn.Module]) -> nn.Module | None:
