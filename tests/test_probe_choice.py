@@ -179,3 +179,12 @@ def test_the_run_folder_may_be_a_link(tmp_path):
     probe = train(model, tmp_path / "link", loss=lambda out: lm_loss(out, x), blocks="layer")
     assert probe.summary is not None and (tmp_path / "target" / "summary.json").is_file()
     assert sorted(load_metrics(tmp_path / "target").step.unique()) == [0, 1]
+
+
+def test_two_separate_loops_given_as_blocks_are_refused_saying_what_to_give(tmp_path):
+    torch.manual_seed(0)
+    model = TwoLoops()
+    with pytest.raises(flt_diag.ProbeError, match=r"^enc ran 2 times while dec ran 0 times: .* two separate loops\? "
+                                                  r"give blocks= the blocks of one\)$"):
+        train(model, tmp_path / "two", loss=lambda out: out.mean(), blocks=[model.enc, model.dec])
+    assert hooks_on(model) == 0 and not (tmp_path / "two").exists()
