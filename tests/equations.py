@@ -44,38 +44,68 @@ def attention(block, q_src, x, n_head):
     return y @ W.o.weight.T
 
 
-def block_forward(block, x, n_head, query=None):
+def block_forward(block, x, n_head, query=None, scale=1.0, post_norm=False, alpha=1.0):
+    """x + s f(rms(x)) per half; post_norm: rms(alpha x + f(rms(x))) (Huginn's sandwich, DeepLoop's DeepNorm)."""
+    def add(x, branch):
+        return rms(alpha * x + scale * branch) if post_norm else x + scale * branch
     z = rms(x)
-    x = x + attention(block, z if query is None else rms(query), z, n_head)
+    x = add(x, attention(block, z if query is None else rms(query), z, n_head))
     u = rms(x) @ block.mlp.up.weight.T
-    return x + torch.relu(u).pow(2) @ block.mlp.down.weight.T
+    return add(x, torch.relu(u).pow(2) @ block.mlp.down.weight.T)
+
+
+PAPER = ("lt", "lt-ii", "lt-ai", "fla", "flt")
+
+
+def parts(variant):
+    """(base, stabiliser) of a variant name: "flt+loop-embed" -> ("flt", "loop-embed"); "parcae" -> ("lt", "parcae")."""
+    if variant in PAPER:
+        return variant, None
+    if "+" in variant:
+        return tuple(variant.split("+"))
+    return "lt", variant
 
 
 def forward(model, idx, variant, K, record=None, softcap=True):
     """Logits of the final loop (before the soft-cap if softcap=False). `record`, if a list, receives
     (loop, layer, stream) after every block and (loop, None, stream) at each loop's end (loops and
-    layers counted from 1). Computed in the dtype of the model's weights."""
+    layers counted from 1). Computed in the dtype of the model's weights. The stabilisers (issue 56) written out
+    from their equations (docs/DESIGN.md §2b), on their base's rules."""
     cfg = model.cfg
-    e = rms(model.embed.weight[idx])
-    h = None
+    base, stab = parts(variant)
+    L = cfg.n_layer
+    E = model.embed.weight[idx]
+    e = rms(E)
+    scale = 1.0 / (cfg.loops * math.sqrt(L)) if stab == "residual-scale" else 1.0
+    post_norm = stab in ("huginn", "deeploop")
+    alpha = math.sqrt(2 * cfg.loops * L) if stab == "deeploop" else 1.0
+    h = x = None
     for t in range(1, K + 1):
         if t == 1:
             x = e
-        elif variant == "lt":
+        elif stab == "parcae":
+            P = model.injection
+            dt = torch.log1p(torch.exp(P.dt))  # softplus
+            x = torch.exp(-dt * torch.exp(P.A_log)) * x + dt * (e @ P.B.weight.T)
+        elif stab == "huginn":
+            x = torch.cat([x, e], dim=-1) @ model.adapter.W.weight.T
+        elif base == "lt":
             x = h
-        elif variant == "lt-ii":
-            x = rms(model.embed.weight[idx] + h)
-        elif variant in ("lt-ai", "fla", "flt"):
+        elif base == "lt-ii":
+            x = rms(E + h)
+        elif base in ("lt-ai", "fla", "flt"):
             x = e
         else:
             raise ValueError(variant)
+        if stab == "loop-embed":
+            x = x + model.loop_embed.weight[t - 1]
         for i, block in enumerate(model.blocks):
             query = None
-            if t >= 2 and variant == "fla":
+            if t >= 2 and base == "fla":
                 x = rms(x + h)
-            if t >= 2 and (variant == "flt" or (variant == "lt-ai" and i == 0)):
+            if t >= 2 and (base == "flt" or (base == "lt-ai" and i == 0)):
                 query = rms(h)
-            x = block_forward(block, x, cfg.n_head, query)
+            x = block_forward(block, x, cfg.n_head, query, scale, post_norm, alpha)
             if record is not None:
                 record.append((t, i + 1, x))
         if record is not None:

@@ -113,9 +113,13 @@ def test_shell_completion_installs_and_completes_choices(tmp_path):
     assert done.returncode == 0, done.stderr
     script = tmp_path / ".bash_completions" / "flt-diag.sh"
     assert "_FLT_DIAG_COMPLETE" in script.read_text() and str(script) in (tmp_path / ".bashrc").read_text()
-    asked = {**env, "_FLT_DIAG_COMPLETE": "complete_bash", "COMP_WORDS": "flt-diag train --variant f", "COMP_CWORD": "3"}
+    asked = {**env, "_FLT_DIAG_COMPLETE": "complete_bash", "COMP_WORDS": "flt-diag train --variant fl", "COMP_CWORD": "3"}
     done = subprocess.run([sys.executable, "-m", "flt_diag"], env=asked, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.split() == ["fla", "flt"]
+    got = done.stdout.split()
+    assert done.returncode == 0 and got[:2] == ["fla", "flt"] and all(n.startswith(("fla+", "flt+")) for n in got[2:])
+    asked["COMP_WORDS"] = "flt-diag train --variant hu"
+    done = subprocess.run([sys.executable, "-m", "flt_diag"], env=asked, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["huginn"]
 
 
 def test_the_command_line_starts_without_the_heavy_libraries():

@@ -12,7 +12,7 @@ from pydantic import Field
 
 from flt_diag.config.option_fields import Ascending, Distinct, Items, Options, opt, with_fact
 from flt_diag.config.run_config import MAX_SEED, ModelConfig, TrainConfig
-from flt_diag.config.variants import MAX_LOOPS, VARIANTS, Variant
+from flt_diag.config.variants import MAX_LOOPS, PAPER_VARIANTS, Variant
 
 MapAxis = Literal["lr", "depth"]  # what a map varies: the lr scale, or the number L of distinct blocks
 Criterion = Literal["training", "collapse", "explosion"]  # how a probe counts as broken (judge.map_boundaries)
@@ -46,7 +46,7 @@ def geometric_grid(lo: float, hi: float, ratio: float, integer: bool = False) ->
 class SweepAxes(Options):
     """The grid of a sweep: every variant x loop count x seed x lr scale is one cell."""
 
-    variants: Items[Variant] = opt(list(VARIANTS), "Variants [default: all five].")
+    variants: Items[Variant] = opt(list(PAPER_VARIANTS), "Variants [default: the paper's five; all: flt-diag variants].")
     loops: Items[Loops] = opt([3, 6, 9, 12], "Loop counts K.")
     seeds: Items[Seed] = opt([0], "Seeds.")
     lr_scales: Items[Annotated[float, Field(gt=0)]] = opt([1.0], "Learning-rate multipliers (an lr x loops map).",
@@ -74,7 +74,7 @@ class MapGrid(Options):
 class MapAxes(Options):
     """What a map searches: lines (variants x loops x seeds), one axis, the criteria."""
 
-    variants: Items[Variant] = opt(list(VARIANTS), "Variants [default: all five].")
+    variants: Items[Variant] = opt(list(PAPER_VARIANTS), "Variants [default: the paper's five; all: flt-diag variants].")
     loops: Items[Loops] = opt([6, 12], "Loop counts K (the x axis of the map).")
     seeds: Items[Seed] = opt([0], "Seeds: each boundary is reported with its spread.")
     axis: MapAxis = opt("lr", "lr (lr scale) or depth (L blocks, width fixed).")

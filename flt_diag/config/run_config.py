@@ -74,7 +74,7 @@ class ModelConfig(Options):
     n_head: int = opt(2, "Attention heads (head dim = width / heads, even).", alias="heads", ge=1,
                       le=MAX_WIDTH // 2)
     sequence_len: int = opt(64, "Tokens per training sequence.", alias="seq_len", ge=2, le=MAX_SEQUENCE)
-    variant: Variant | None = opt("flt", "lt, lt-ii, lt-ai, fla or flt (DESIGN.md §2).",  # None: a flt_diag.watch
+    variant: Variant | None = opt("flt", "lt, lt-ii, lt-ai, fla, flt, a stabiliser or base+stabiliser (flt-diag variants; DESIGN.md §2).",  # None: a flt_diag.watch
                                   grid=("sweep", "map"))                                   # run of a model of its own
     loops: int = opt(12, "Loops K: how often the L blocks are reused per forward.", ge=1, le=MAX_LOOPS,
                      grid=("sweep", "map"))

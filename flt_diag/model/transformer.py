@@ -27,6 +27,10 @@ from torch.utils.checkpoint import checkpoint
 
 from flt_diag.config.run_config import ModelConfig  # noqa: F401 (re-exported)
 from flt_diag.config.variants import VARIANTS  # noqa: F401 (re-exported)
+from flt_diag.model.stabilisers import deeploop, huginn, residual_scale
+from flt_diag.model.stabilisers.huginn import Adapter
+from flt_diag.model.stabilisers.loop_embed import LoopEmbedding
+from flt_diag.model.stabilisers.parcae import ParcaeInjection
 
 
 def _inv_rms(x: torch.Tensor) -> torch.Tensor:
@@ -126,13 +130,26 @@ class Block(nn.Module):
     """Pre-norm block in two residual halves: x + attn(norm(x)), then x + mlp(norm(x)). With `query`
     given, attention takes its Q from norm(query). Each half is one unit for torch.compile
     (flt_diag.training.compile_precision.compile_blocks); `after_attn`, an identity between them, is the hook
-    point for the stream after the attention add (its gradient is the attention output's gradient)."""
+    point for the stream after the attention add (its gradient is the attention output's gradient).
 
-    def __init__(self, cfg: ModelConfig):
+    Three stabilisers change the add (every paper variant has scale = 1, post_norm = False):
+    x + scale * F(norm(x)) (residual_scale.py); norm(alpha * x + F(norm(x))) (post_norm: Huginn's sandwich norm
+    with alpha = 1, DeepLoop's DeepNorm with alpha = (2KL)^(1/2))."""
+
+    def __init__(self, cfg: ModelConfig, scale: float = 1.0, post_norm: bool = False, alpha: float = 1.0):
         super().__init__()
         self.attn = Attention(cfg)
         self.mlp = MLP(cfg)
         self.after_attn = nn.Identity()
+        self.scale, self.post_norm, self.alpha = scale, post_norm, alpha
+
+    def add(self, x, branch):
+        """The residual add of one half (x + branch for every paper variant)."""
+        if self.scale != 1.0:
+            branch = self.scale * branch
+        if self.post_norm:
+            return norm(x + branch if self.alpha == 1.0 else self.alpha * x + branch)
+        return x + branch
 
     @staticmethod
     def attention_sources(x, query=None):
@@ -141,10 +158,10 @@ class Block(nn.Module):
         return (z if query is None else norm(query)), z
 
     def attend(self, x, cos, sin, query=None):
-        return x + self.attn(*self.attention_sources(x, query), cos, sin)
+        return self.add(x, self.attn(*self.attention_sources(x, query), cos, sin))
 
     def feed(self, x):
-        return x + self.mlp(norm(x))
+        return self.add(x, self.mlp(norm(x)))
 
     def forward(self, x, cos, sin, query=None):
         return self.feed(self.after_attn(self.attend(x, cos, sin, query)))
@@ -154,12 +171,22 @@ class LoopedTransformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.rule = rule = VARIANTS[cfg.variant]
+        K, L, d = cfg.loops, cfg.n_layer, cfg.n_embd
+        scale = residual_scale.branch_scale(K, L) if rule.residual_scale else 1.0
+        alpha = deeploop.alpha(K, L) if rule.deepnorm else 1.0
+        self.embed = nn.Embedding(cfg.vocab_size, d)
+        self.blocks = nn.ModuleList(Block(cfg, scale, rule.post_norm, alpha) for _ in range(L))
+        # the stabilisers' own parameters (none for the paper's five): flt_diag.model.stabilisers
+        self.injection = ParcaeInjection(d) if rule.start == "parcae" else None
+        self.adapter = Adapter(d) if rule.start == "adapter" else None
+        self.loop_embed = LoopEmbedding(K if rule.loop_count == "fixed" else 2 * K, d) if rule.loop_embedding else None
         self.loop_end = nn.Identity()  # hook point: residual stream at each loop's end
-        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.head = nn.Linear(d, cfg.vocab_size, bias=False)
         self.checkpoint_loops = False  # activation checkpointing, one segment per loop
-        self.grad_loops = 0  # truncated backpropagation: gradient through the last k loops only (0 = all)
+        # truncated backpropagation: gradient through the last k loops only (0 = all; Huginn's default ceil(K/4))
+        self.grad_loops = huginn.truncated_loops(K) if rule.grad_loops == "quarter" else 0
+        self.penalty_inputs = None  # a loss-term variant's final state and loop inputs (stabilisers/penalty.py)
         self.table_dtype = torch.float32  # dtype the rotary tables are kept in (bf16 for reference precision)
         self._rotary(cfg.sequence_len)
         self.reset_parameters()
@@ -184,18 +211,36 @@ class LoopedTransformer(nn.Module):
                 nn.init.uniform_(lin.weight, -bound, bound)
             nn.init.zeros_(block.attn.o.weight)
             nn.init.zeros_(block.mlp.down.weight)
+        if self.rule.deepnorm:
+            deeploop.scale_init(self.blocks, deeploop.beta(self.cfg.loops, self.cfg.n_layer))
+        for part in (self.injection, self.adapter):
+            if part is not None:
+                part.reset_parameters()
+        if self.loop_embed is not None:
+            nn.init.zeros_(self.loop_embed.weight)
 
-    def _loop(self, x, h_prev, emb, cos, sin):
-        """One pass through the L blocks. h_prev is None in loop 1 (a plain pass);
-        emb is the raw embedding E[tokens]."""
-        rule = VARIANTS[self.cfg.variant]
+    def _loop(self, x, h_prev, emb, cos, sin, t: int | None = None):
+        """One pass through the L blocks. h_prev is None in loop 1 (a plain pass); x is the raw stream at the
+        previous loop's end (Parcae and Huginn start from it); emb is the raw embedding E[tokens]; t the loop's
+        index from 0 (needed by the loop embedding only)."""
+        rule = self.rule
         if h_prev is not None:
             if rule.start == "prev":
                 x = h_prev
             elif rule.start == "embed":
                 x = norm(emb)
-            else:  # "embed+prev": additive input injection
+            elif rule.start == "embed+prev":  # additive input injection
                 x = norm(emb + h_prev)
+            elif rule.start == "parcae":
+                x = self.injection(x, norm(emb))
+            elif rule.start == "adapter":
+                x = self.adapter(x, norm(emb))
+            else:
+                raise ValueError(f"variant {self.cfg.variant!r}: unknown loop start {rule.start!r}")
+        if self.loop_embed is not None:
+            if t is None:
+                raise ValueError("the loop embedding needs the loop's index: call _loop(..., t=...)")
+            x = self.loop_embed(x, t)
         for i, block in enumerate(self.blocks):
             query = None
             if h_prev is not None:
@@ -223,12 +268,14 @@ class LoopedTransformer(nn.Module):
             if t == cut and t > 0:  # truncated backpropagation: loops 1..cut send no gradient
                 x, h = x.detach(), h.detach()
             if self.checkpoint_loops and torch.is_grad_enabled():
-                x = checkpoint(self._loop, x, h, emb, cos, sin, use_reentrant=False)
+                x = checkpoint(self._loop, x, h, emb, cos, sin, t, use_reentrant=False)
             else:
-                x = self._loop(x, h, emb, cos, sin)
+                x = self._loop(x, h, emb, cos, sin, t)
             h = norm(x)  # h(t)
             if keep == "all" or t == K - 1:
                 outs.append(h)
+        if self.rule.loss_term != "none" and self.training and torch.is_grad_enabled():
+            self.penalty_inputs = (h.detach(), emb, cos, sin, K)  # the loss term's loop runs at h(K) (penalty.py)
         return [self.cfg.softcap * torch.tanh(self.head(h).float() / self.cfg.softcap) for h in outs]
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loops: int | None = None,
@@ -269,4 +316,20 @@ def parameter_groups(model: LoopedTransformer) -> dict[str, list[nn.Parameter]]:
     for i, block in enumerate(model.blocks):
         groups[f"block{i}.attn"] = list(block.attn.parameters())
         groups[f"block{i}.mlp"] = list(block.mlp.parameters())
+    extra = stabiliser_parameters(model)
+    if extra:
+        groups["stabiliser"] = extra
     return groups
+
+
+def stabiliser_parameters(model: LoopedTransformer) -> list[nn.Parameter]:
+    """The parameters a stabiliser adds (Parcae's A_log, dt, B; Huginn's adapter; the loop embedding): none for
+    the paper's five (FLT's point: its changes add no parameters)."""
+    return [p for part in (model.injection, model.adapter, model.loop_embed) if part is not None
+            for p in part.parameters()]
+
+
+def extra_parameters(cfg: ModelConfig) -> int:
+    """Parameters the variant adds to LT of the same shape, counted on the meta device."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in stabiliser_parameters(LoopedTransformer(cfg)))

@@ -24,7 +24,9 @@ SIGN_FLIP = "sign_flip"  # share of coordinates whose gradient sign flipped sinc
 UPDATE_RATIO = "update_ratio"  # ||W_after - W_before|| / ||W_before||, per group
 ATTN_MAX_LOGIT = "attn_max_logit"  # largest pre-softmax attention logit at (loop, layer)
 ATTN_ENTROPY = "attn_entropy"  # mean attention entropy (nats) at (loop, layer)
-LOOPS_RUN = "loops_run"  # loops the recorded forward ran (runs of flt_diag.watch: a model may sample its count)
+LOOPS_RUN = "loops_run"  # loops the recorded forward ran (runs of flt_diag.watch, and stabilisers that sample their count)
+STABILISER_PENALTY = "stabiliser_penalty"  # a loss-term stabiliser's penalty on the step's first micro-batch (stars, jacobian-fro)
+INJECTION_RHO = "injection_rho"  # Parcae: rho(Abar) = max over channels of the loop start's decay, every step
 PARAM_NORM = "param_norm"  # ||W|| per group, before the optimizer step (the weights the step's gradient was taken at)
 # Loop dynamics (flt_diag.instruments.loop_dynamics; DESIGN.md §3, "Loop dynamics"), h(t) = norm(stream at loop t's end):
 FIXED_POINT_RESIDUAL = "fixed_point_residual"  # mean over tokens of ||h(t) - h(t-1)|| / ||h(t-1)||, loop t >= 2

@@ -31,7 +31,8 @@ def build_optimizers(model: LoopedTransformer, cfg: TrainConfig, fused: bool = F
     scale = (model.cfg.n_embd / 768) ** -0.5
     adamw = torch.optim.AdamW(
         [dict(params=groups["embedding"], lr=cfg.embedding_lr * scale * cfg.lr_scale),
-         dict(params=groups["head"], lr=cfg.head_lr * scale * cfg.lr_scale)],
+         dict(params=groups["head"], lr=cfg.head_lr * scale * cfg.lr_scale)]
+        + ([dict(params=groups["stabiliser"], lr=cfg.adamw_lr * cfg.lr_scale)] if "stabiliser" in groups else []),
         **adam_kw,
     )
     muon_class = torch.optim.Muon if fused else BatchedMuon  # fused: the CUDA path

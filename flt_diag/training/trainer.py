@@ -35,6 +35,7 @@ from flt_diag.training.process import start_process
 from flt_diag.instruments.dynamics_callback import instruments, own_model_dynamics
 from flt_diag.instruments.warning_callback import CollapseWarning
 from flt_diag.training.compile_precision import compile_blocks, compile_wanted, reference_precision
+from flt_diag.training.stabiliser_step import objective, step_loops
 from flt_diag.training.optim import build_optimizers, lr_multiplier, muon_momentum, set_lr, set_momentum
 from flt_diag.storage.folders import (CONFIG, METRICS, RESUME, SUMMARY, StorageError, folder_lock, has_content, load_config, load_metrics,
                       load_summary, write_json)
@@ -108,7 +109,7 @@ class Trainer:
         if t.precision == "reference":
             reference_precision(model)
         model.checkpoint_loops = t.checkpoint_loops
-        model.grad_loops = t.grad_loops
+        model.grad_loops = t.grad_loops or model.grad_loops  # (Huginn's default: ceil(K/4); --grad-loops wins)
         model.embed.weight.requires_grad_(not t.freeze_embedding)  # frozen: no gradient, so no optimizer update
         if compile_wanted(t.compile, self.device.type, t.steps):
             compile_blocks(model)
@@ -227,13 +228,21 @@ class Trainer:
         for cb in self.callbacks:
             cb.before_step(self, step)
         total = torch.zeros((), device=self.device)
+        loops = step_loops(self.model, t.seed, step)  # a stabiliser's sampled loop count; None: K
         for micro in range(t.grad_accum):
             x, y = self.batch(step, micro)
             sync = self.world == 1 or micro == t.grad_accum - 1
             with (contextlib.nullcontext() if sync else self.ddp_model.no_sync()), self.autocast():
-                _, loss = self.ddp_model(x, y, loss_on=t.loss_on)
-            (loss / t.grad_accum).backward()
+                _, loss = self.ddp_model(x, y, loss_on=t.loss_on, loops=loops)
+                target, penalty = objective(self.model, loss, t.seed, step, micro, t.steps)
+            (target / t.grad_accum).backward()
             total += loss.detach() / t.grad_accum
+            if penalty is not None and micro == 0:
+                self.log.add(M.STABILISER_PENALTY, penalty)
+        if loops is not None:
+            self.log.add(M.LOOPS_RUN, float(loops))
+        if self.model.injection is not None:
+            self.log.add(M.INJECTION_RHO, self.model.injection.rho())
         if self.world > 1:  # every rank logs (and judges) the same, global mean loss
             torch.distributed.all_reduce(total)
             total /= self.world

@@ -1,0 +1,54 @@
+"""Huginn's loop start and loop count (Huginn, arXiv 2502.05171; `seal-rg/recurrent-pretraining`,
+raven_modeling_minimal.py).
+
+    x_start(t) = W [x(t-1); norm(E)]      (an adapter W in R^{d x 2d}, on the concatenation along channels)
+
+with the sandwich norm in every block (a norm after each residual add as well as before each sublayer: the
+block's `post_norm`, flt_diag.model.transformer.Block) and, per training step, a sampled loop count
+
+    r = Poisson(lambda) + 1,   lambda ~ LogNormal(ln K - sigma^2 / 2, sigma = 0.5),   clipped to [1, 2K]
+
+(E[lambda] = K, so E[r] is about K + 1 before clipping), with the gradient through the last k loops only: k =
+ceil(K / 4) unless `--grad-loops` says otherwise (the source: 8 of a mean 32). Validation runs K loops.
+
+flt-diag's choices: the norms are parameter-free (flt-diag's norm everywhere; the source's are learned); W is
+initialised as every block matrix (uniform, std 1 / sqrt(fan-in) = 1 / sqrt(2d)) and trained by AdamW at
+`--adamw-lr` x `--lr-scale`; x(t-1) is the raw stream at loop t-1's end (which the sandwich norm keeps normed).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+SIGMA = 0.5
+
+
+class Adapter(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.W = nn.Linear(2 * d, d, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        bound = math.sqrt(3.0 / self.W.in_features)
+        nn.init.uniform_(self.W.weight, -bound, bound)
+
+    def forward(self, x_prev: torch.Tensor, e_normed: torch.Tensor) -> torch.Tensor:
+        return self.W(torch.cat([x_prev, e_normed], dim=-1))  # (B, T, 2d) -> (B, T, d)
+
+
+def sample_loops(K: int, generator: torch.Generator) -> int:
+    """One training step's loop count r = Poisson(lambda) + 1, lambda ~ LogNormal(ln K - sigma^2/2, sigma),
+    clipped to [1, 2K]."""
+    z = torch.randn((), generator=generator, dtype=torch.float64)
+    lam = torch.exp(math.log(K) - SIGMA ** 2 / 2 + SIGMA * z)
+    r = int(torch.poisson(lam.reshape(1), generator=generator).item()) + 1
+    return min(max(r, 1), 2 * K)
+
+
+def truncated_loops(K: int) -> int:
+    """The loops Huginn backpropagates through by default: ceil(K / 4)."""
+    return math.ceil(K / 4)

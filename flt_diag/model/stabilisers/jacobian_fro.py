@@ -1,0 +1,35 @@
+"""The Jacobian penalty of deep equilibrium models (Bai et al., arXiv 2106.14342; `locuslab/deq`,
+lib/jacobian.py), at the looped model's final state.
+
+    loss = CE + gamma * |J_g(h)|_F^2 / n,   |J|_F^2 ~ (1/m) sum_i |v_i^T J|^2,  v_i ~ N(0, I),  m = 2 probes
+
+g one loop at the detached final state h = h(K) (penalty.py), n = the state's size (B x T x d), as the source
+normalises its Hutchinson estimate (an unbiased estimate of the Frobenius norm: E[|v^T J|^2] = |J|_F^2).
+
+flt-diag's choices: gamma = 0.1 (the source tunes it per task between 0.1 and a few; 0.1 keeps the term below a
+tenth of the CE at initialisation on the tiny preset); the probes come from a generator seeded by (seed, step).
+The recorded `loss` is the CE alone; the penalty is recorded as `stabiliser_penalty`. Zero strength: gamma = 0.
+"""
+from __future__ import annotations
+
+import torch
+
+from flt_diag.model.stabilisers.penalty import differentiable, final_loop_map, vjp
+
+GAMMA, PROBES = 0.1, 2
+
+
+def penalty(model, generator: torch.Generator, probes: int = PROBES) -> torch.Tensor:
+    """The Hutchinson estimate of |J|_F^2 / n at the last training forward's final state."""
+    g, h = final_loop_map(model)
+    with differentiable(), torch.enable_grad():
+        y = g(h)
+        total = torch.zeros((), device=h.device)
+        for _ in range(probes):
+            v = torch.randn(h.shape, generator=generator, dtype=h.dtype).to(h.device)
+            total = total + vjp(y, h, v, create_graph=True).square().sum()
+        return total / (probes * h.numel())
+
+
+def objective(ce: torch.Tensor, pen: torch.Tensor, step: int, steps: int) -> torch.Tensor:
+    return ce + GAMMA * pen

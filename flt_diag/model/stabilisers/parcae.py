@@ -1,0 +1,56 @@
+"""Parcae's loop start (Parcae, arXiv 2604.12946; `sandyresearch/parcae`, parcae_lm/modules/injection.py).
+
+    x_start(t) = Abar * x(t-1) + dt * (B norm(E)),   Abar = exp(-dt * exp(A_log)),   dt = softplus(dt_raw)
+
+per channel (Abar, dt in R^d, B in R^{d x d}); x(t-1) is the un-normalised stream at the end of loop t-1 (Parcae
+carries the raw state, where LT carries h(t-1) = norm(x(t-1))). Since exp(A_log) > 0 and dt > 0, every Abar is in
+(0, 1): the spectral radius of the state's linear part, rho(Abar) = max Abar, is below 1 by construction; the
+Trainer records it every step (metric `injection_rho`).
+
+Initialisation (the source's): A_log = 0 and dt_raw = softplus^-1(-ln 0.447), so Abar = 0.447 in every channel;
+B = I. The three take no weight decay (flt-diag's recipe has none anywhere) and are trained by AdamW at
+`--adamw-lr` x `--lr-scale` (flt-diag's choice: the source trains them with its AdamW groups; Muon would
+orthogonalise B's update away from the identity).
+
+Zero strength: with Abar = 1 and B = 0 the loop start is x(t-1) exactly (LT carrying the raw stream).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ABAR_INIT = 0.447
+
+
+class ParcaeInjection(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.A_log = nn.Parameter(torch.zeros(d))
+        self.dt = nn.Parameter(torch.zeros(d))
+        self.B = nn.Linear(d, d, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        dt = -math.log(ABAR_INIT)  # exp(-dt * exp(0)) = 0.447
+        self.A_log.zero_()
+        self.dt.fill_(math.log(math.expm1(dt)))  # softplus^-1(dt)
+        nn.init.eye_(self.B.weight)
+
+    def decay(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Abar, dt), each (d,)."""
+        dt = F.softplus(self.dt)
+        return torch.exp(-dt * torch.exp(self.A_log)), dt
+
+    def forward(self, x_prev: torch.Tensor, e_normed: torch.Tensor) -> torch.Tensor:
+        """x_prev: (B, T, d) raw stream; e_normed: (B, T, d) norm(E)."""
+        abar, dt = self.decay()
+        return abar * x_prev + dt * self.B(e_normed)
+
+    def rho(self) -> torch.Tensor:
+        """rho(Abar) = max over channels (the recurrence's spectral radius), no gradient."""
+        with torch.no_grad():
+            return self.decay()[0].max()

@@ -1,0 +1,17 @@
+"""Residual scaling by the unrolled depth (arXiv 2606.18524).
+
+    x <- x + s * F(norm(x)),   s = lambda / (K sqrt(L))     (every attention and MLP branch of every block)
+
+with K the loops and L the blocks: the update a loop adds shrinks with the depth it is repeated over, so the
+stream's growth over K loops stays bounded at initialisation. flt-diag's choice: lambda = 1; K is the configured
+loop count (also under a sampled loop count). Zero strength is s = 1 (the base variant bit for bit).
+"""
+from __future__ import annotations
+
+import math
+
+LAMBDA = 1.0
+
+
+def branch_scale(loops: int, n_layer: int, lam: float = LAMBDA) -> float:
+    return lam / (loops * math.sqrt(n_layer))
