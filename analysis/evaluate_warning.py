@@ -9,12 +9,11 @@ the current verdict). No torch.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]  # (a checkout)
 
 import numpy as np  # noqa: E402
 
@@ -24,15 +23,20 @@ from flt_diag.storage.files import load_predictor  # noqa: E402
 from flt_diag.storage.folders import atomic_write_text, make_folder, refuse_links  # noqa: E402
 from flt_diag.storage.safe_files import new_file  # noqa: E402
 from flt_diag.storage.predictor_names import PACKAGED  # noqa: E402
+from script_exit import Parser, guarded, whole  # noqa: E402  (analysis/script_exit.py: the one error path)
 
 
 def selector(conditions: list[str]):
     """The rows meeting every KEY=VALUE (KEY=V1,V2: any of the values) of `conditions`."""
+    if bad := [c for c in conditions if "=" not in c]:
+        raise ValueError(f"--set: {bad[0]!r} is not KEY=VALUE[,VALUE2]")
     pairs = [(key, values.split(",")) for key, values in (c.split("=", 1) for c in conditions)]
 
     def select(table):
         mask = np.ones(len(table), bool)
         for key, values in pairs:
+            if key not in table:
+                raise ValueError(f"--set: no column {key!r} (the columns: {', '.join(map(str, table.columns))})")
             column, any_of = table[key], np.zeros(len(table), bool)
             for value in values:
                 any_of |= (column.astype(str) == value) | (column.astype(float, errors="ignore") == _num(value))
@@ -48,14 +52,19 @@ def _num(value: str):
         return value
 
 
+@guarded
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("folders", nargs="+", type=Path)
-    ap.add_argument("--at", nargs="+", type=int, default=[100, 200, 300, 500])
+    ap.add_argument("--at", nargs="+", type=whole(1), default=[100, 200, 300, 500])
     ap.add_argument("--out", type=Path, required=True, help="folder for the CSV tables")
     ap.add_argument("--set", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"),
                     help="a within-variant set: its name, then conditions on the runs' columns")
     args = ap.parse_args(argv)
+    if short := [s[0] for s in args.set if len(s) < 2]:  # (checked before anything is read or written)
+        raise ValueError(f"--set {short[0]!r}: give the set's name, then KEY=VALUE conditions")
+    for s in args.set:
+        selector(s[1:])
     outputs = {name: args.out / name for name in ("rows.csv", "comparison.csv", "ablation.csv", "runs.json", "ship.json")}
     for path in outputs.values():  # refused before any run is read: a link, a FIFO, a folder (as flt-diag writes)
         refuse_links(new_file(path), args.out)
@@ -91,5 +100,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from script_exit import run  # analysis/script_exit.py, beside this script
-    run(main)
+    sys.exit(main())

@@ -11,12 +11,11 @@ summary.json verdicts (run `flt-diag summary --recompute` first if the verdict c
 """
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]  # (a checkout)
 
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
@@ -26,6 +25,7 @@ from flt_diag.judge.verdict import smoothed  # noqa: E402
 from flt_diag.results.report import markdown  # noqa: E402
 from flt_diag.storage import metric_names as M  # noqa: E402
 from flt_diag.storage.folders import StorageError, atomic_write_text, load_config, load_metrics, load_summary, run_dirs, series  # noqa: E402
+from script_exit import Parser, guarded  # noqa: E402  (analysis/script_exit.py: the one error path)
 
 FAILURES = ("collapsed", "stalled", "diverged")  # the plan's primary label
 DEGENERATE = 0.9  # final-loop token cosine at or above: "degenerate" (fixed in the plan)
@@ -177,19 +177,16 @@ def report(folders: list[Path]) -> str:
     return "\n".join(out)
 
 
+@guarded
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("folders", type=Path, nargs="+", help="sweep or archive folders of the factorial")
     parser.add_argument("--out", type=Path, help="also write the Markdown here")
     args = parser.parse_args(argv)
-    try:
-        text = report(args.folders)
-        print(text)
-        if args.out:
-            atomic_write_text(args.out, text + "\n")  # as flt-diag writes: never through a link, never half a file
-    except (StorageError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    text = report(args.folders)
+    print(text)
+    if args.out:
+        atomic_write_text(args.out, text + "\n")  # as flt-diag writes: never through a link, never half a file
     return 0
 
 

@@ -10,19 +10,19 @@ Markdown table. Imports only the torch-free layers of flt_diag (results, storage
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import pandas as pd
 from scipy.stats import binomtest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]  # (a checkout)
 
 from flt_diag.results.report import markdown  # noqa: E402
 from flt_diag.results.tables import pooled_summary, variant_rank  # noqa: E402
-from flt_diag.storage.folders import StorageError, atomic_path, refuse_links  # noqa: E402
+from flt_diag.storage.folders import atomic_path, refuse_links  # noqa: E402
 from flt_diag.storage.safe_files import new_file  # noqa: E402
+from script_exit import Parser, guarded  # noqa: E402  (analysis/script_exit.py: the one error path)
 
 SHORT = {"stable": "s", "unstable": "U", "stalled": "T", "collapsed": "C", "diverged": "D"}  # a seed's verdict in one letter (T: stalled)
 
@@ -68,30 +68,23 @@ def as_text(table: pd.DataFrame) -> pd.DataFrame:
         "peak ÷ FLT (mean)": [f"{x:.2f}" if pd.notna(x) else "–" for x in table.resid_vs_flt]})
 
 
+@guarded
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("sweeps", type=Path, nargs="+")
     parser.add_argument("--csv", type=Path, help="also write the table at full precision")
     args = parser.parse_args(argv)
-    try:
-        if args.csv:  # refused before anything is read or printed: a link, a FIFO, a folder (as flt-diag's --csv)
-            refuse_links(new_file(args.csv))
-        table = failure_rates(pooled_summary(args.sweeps))
-    except StorageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.csv:  # refused before anything is read or printed: a link, a FIFO, a folder (as flt-diag's --csv)
+        refuse_links(new_file(args.csv))
+    table = failure_rates(pooled_summary(args.sweeps))
     if table.empty:
         print("no finished runs", file=sys.stderr)
         return 1
     print(markdown(as_text(table)))
     print("\nverdicts: s stable, U unstable, T stalled, C collapsed, D diverged; interval: exact (Clopper-Pearson) 95 %")
-    if args.csv:
-        try:  # as flt-diag writes: a temporary file renamed into place, never through a link
-            with atomic_path(new_file(args.csv)) as tmp:
-                table.to_csv(tmp, index=False)
-        except (StorageError, OSError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+    if args.csv:  # as flt-diag writes: a temporary file renamed into place, never through a link
+        with atomic_path(new_file(args.csv)) as tmp:
+            table.to_csv(tmp, index=False)
     return 0
 
 

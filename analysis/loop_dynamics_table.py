@@ -9,12 +9,11 @@ Labels are the summary.json verdicts (run `flt-diag summary --recompute` first).
 """
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]  # (a checkout)
 
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
@@ -23,6 +22,7 @@ from flt_diag.results.warning_evaluation import auroc, bootstrap_interval  # noq
 from flt_diag.storage import metric_names as M  # noqa: E402
 from flt_diag.storage.folders import atomic_path, load_config, load_metrics, load_summary, refuse_links, run_dirs  # noqa: E402
 from flt_diag.storage.safe_files import new_file  # noqa: E402
+from script_exit import Parser, guarded, whole  # noqa: E402  (analysis/script_exit.py: the one error path)
 
 WINDOW = 50  # the plan's window [s - 50, s)
 FINAL_STEPS = 100  # "final": the records of the last 100 steps
@@ -83,18 +83,19 @@ def run_row(d: Path, steps: list[int]) -> dict:
     return row
 
 
+@guarded
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("folders", nargs="+", type=Path)
-    ap.add_argument("--at", nargs="+", type=int, default=[100, 200, 300, 500])
+    ap.add_argument("--at", nargs="+", type=whole(1), default=[100, 200, 300, 500],
+                    help="steps to score at (1 or more: the records before each)")
     ap.add_argument("--csv", type=Path)
     args = ap.parse_args(argv)
     if args.csv:  # refused before any folder is read: a link, a FIFO, a folder (as flt-diag's --csv)
         refuse_links(new_file(args.csv))
     rows = [run_row(d, args.at) for f in args.folders for d in run_dirs(f) if load_summary(d) is not None]
     if not rows:
-        print("error: no finished run in the given folders", file=sys.stderr)
-        return 2
+        raise ValueError("no finished run in the given folders")
     t = pd.DataFrame(rows)
     if args.csv:  # as flt-diag writes: a temporary file renamed into place, never through a link
         with atomic_path(new_file(args.csv)) as tmp:
@@ -118,6 +119,9 @@ def main(argv=None) -> int:
             for at in args.at:
                 x = rows_[f"{name} @{at}"].to_numpy(float)
                 ok = np.isfinite(x)
+                if len(set(y[ok])) < 2:  # no run has the record there, or only runs of one outcome
+                    cells.append(f"@{at}: – (n={ok.sum()}, {int(y[ok].sum())} failed: no AUROC)")
+                    continue
                 a = auroc(y[ok], x[ok])
                 lo, hi = bootstrap_interval(y[ok], x[ok], n=2000)
                 cells.append(f"@{at}: {a:.2f} [{lo:.2f}, {hi:.2f}] (n={ok.sum()})")
@@ -126,5 +130,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from script_exit import run  # analysis/script_exit.py, beside this script
-    run(main)
+    sys.exit(main())

@@ -30,7 +30,7 @@ Rows without the score are left out. Any CSV with a `failed` column works (e.g. 
 """
 from __future__ import annotations
 
-import argparse
+import io
 import itertools
 import math
 import sys
@@ -41,14 +41,17 @@ import numpy as np
 import pandas as pd
 from scipy.optimize import minimize
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]  # (a checkout)
 
 from flt_diag.results.warning_evaluation import auroc  # noqa: E402  (torch-free: the one AUROC of the project)
+from flt_diag.storage.safe_files import read_bounded  # noqa: E402
+from script_exit import Parser, guarded, whole  # noqa: E402  (analysis/script_exit.py: the one error path)
 
 CONFIG = ["variant", "loops", "depth", "width", "lr_scale"]
 RECIPE = ["grad_dlog", "loss_climb"]  # the packaged predictor's features (docs/data/early_warning_v4.json)
 L2 = 1.0
 EXACT_LIMIT = 2_000_000  # labelings enumerated at most
+MAX_ROWS_BYTES = 256 << 20  # a rows.csv of hundreds of runs is a megabyte or two
 TIE_BITS = 40  # out-of-fold probabilities to 40 mantissa bits (~1e-12 relative): closer ones tie (out_of_fold)
 
 
@@ -193,10 +196,31 @@ def markdown(table: pd.DataFrame) -> str:
 
 # --------------------------------------------------------------------------- the command
 
+def checked_rows(rows: pd.DataFrame, name, columns: list[str]) -> pd.DataFrame:
+    """The table, refused (one line) unless `failed` holds only 0/1 (True/False) on every row and each of
+    `columns` (the configuration, the step) is filled on every row, the numeric ones with finite numbers (a
+    positive lr_scale): an empty cell would be read as a failure, or as a configuration of its own."""
+    failed = pd.to_numeric(rows["failed"].map({True: 1, False: 0, "True": 1, "False": 0}).fillna(rows["failed"]),
+                           errors="coerce")
+    if rows.empty or not failed.isin([0, 1]).all():
+        raise ValueError(f"{name}: `failed` must be 0 or 1 on every row" if len(rows) else f"{name} has no rows")
+    for c in columns:
+        values = rows[c]
+        if values.isna().any() or (values.astype(str).str.strip() == "").any():
+            raise ValueError(f"{name}: column {c!r} is empty on {int(values.isna().sum())} row(s); it must be filled")
+        if c != "variant":
+            number = pd.to_numeric(values, errors="coerce")
+            if not np.isfinite(number.to_numpy(float)).all() or (c == "lr_scale" and (number <= 0).any()):
+                raise ValueError(f"{name}: column {c!r} must hold finite numbers{' above 0' * (c == 'lr_scale')}")
+    return rows.assign(failed=failed.astype(int))
+
+
 def select(table: pd.DataFrame, conditions: list[str]) -> pd.DataFrame:
     mask = np.ones(len(table), bool)
     for cond in conditions:
-        key, values = cond.split("=", 1)
+        key, sep, values = cond.partition("=")
+        if not sep or key not in table:
+            raise ValueError(f"--where {cond!r}: give KEY=V[,V2] with KEY a column of the table")
         column = table[key]
         any_of = np.zeros(len(table), bool)
         for v in values.split(","):
@@ -209,9 +233,17 @@ def select(table: pd.DataFrame, conditions: list[str]) -> pd.DataFrame:
     return table[mask]
 
 
+def filled(table: pd.DataFrame, columns: list[str], name) -> None:
+    """Each of `columns` holds a finite number somewhere in `table` (missing values are allowed, and left out or
+    filled as documented, but a column with none would score every run alike: NaN or 0.5 AUROCs)."""
+    for c in columns:
+        if c not in table:
+            raise ValueError(f"no column {c!r} in {name}")
+        if not np.isfinite(pd.to_numeric(table[c], errors="coerce").to_numpy(float)).any():
+            raise ValueError(f"{name}: column {c!r} holds no number in the rows selected")
+
+
 def exact_lines(table: pd.DataFrame, score: str) -> list[str]:
-    if score not in table:
-        raise ValueError(f"no column {score!r}")
     lines = ["| step | runs (failing) | AUROC | exact one-sided p | 1 / C(n, k) |", "|---|---|---|---|---|"]
     for step, at in (table.groupby("step") if "step" in table else [("-", table)]):
         at = at[np.isfinite(at[score].to_numpy(float))]
@@ -221,40 +253,42 @@ def exact_lines(table: pd.DataFrame, score: str) -> list[str]:
     return lines
 
 
+@guarded
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("rows", type=Path, help="a rows.csv of analysis/evaluate_warning.py (or, with --exact, any CSV "
                                             "with a `failed` column)")
-    ap.add_argument("--steps", nargs="+", type=int, default=[100, 200, 300, 500])
+    ap.add_argument("--steps", nargs="+", type=whole(1), default=[100, 200, 300, 500])
     ap.add_argument("--features", nargs="+", default=RECIPE, help="the refit's features (default: %(default)s)")
-    ap.add_argument("--draws", type=int, default=2000)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--draws", type=whole(1, 1_000_000), default=2000)
+    ap.add_argument("--seed", type=whole(0, 2 ** 63 - 1), default=0)
     ap.add_argument("--exact", metavar="SCORE", help="print the exact permutation p of this column instead")
     ap.add_argument("--where", nargs="+", default=[], metavar="KEY=V", help="with --exact: the set's rows")
     args = ap.parse_args(argv)
-    if not args.rows.is_file():
-        raise ValueError(f"no file {args.rows}")
-    rows = pd.read_csv(args.rows)
+    # a regular file (a FIFO, a device, a folder: one line, never read), at most MAX_ROWS_BYTES
+    rows = pd.read_csv(io.BytesIO(read_bounded(args.rows, MAX_ROWS_BYTES, "a table of runs (CSV)")))
     if "failed" not in rows:
         raise ValueError(f"{args.rows} has no `failed` column")
     if args.exact:
-        sel = select(rows, args.where)
+        sel = select(checked_rows(rows, args.rows, ["step"] if "step" in rows else []), args.where)
         if "step" in sel:
             sel = sel[sel.step.isin(args.steps)]
         if sel.empty:
             raise ValueError(f"no row of {args.rows} meets {' '.join(args.where) or 'the steps given'}")
+        filled(sel, [args.exact], args.rows)
         print("\n".join(exact_lines(sel, args.exact)))
         return 0
     missing = [c for c in [*CONFIG, "step", *args.features] if c not in rows]
     if missing:
         raise ValueError(f"{args.rows} lacks the columns {', '.join(missing)}")
-    print(markdown(paired_table(rows, args.steps, args.features, args.draws, args.seed)))
+    rows = checked_rows(rows, args.rows, [*CONFIG, "step"])
+    filled(rows[rows.step.isin(args.steps)], args.features, args.rows)
+    table = paired_table(rows, args.steps, args.features, args.draws, args.seed)
+    if table.empty:
+        raise ValueError(f"no row of {args.rows} is at the steps {' '.join(map(str, args.steps))}")
+    print(markdown(table))
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(main())

@@ -9,17 +9,17 @@ still in progress. Imports only flt_diag.results.tables / figures / report / sto
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]  # (a checkout)
 
 from flt_diag.results import figures, report  # noqa: E402
 from flt_diag.judge.map_boundaries import critical_table  # noqa: E402
 from flt_diag.results.tables import collect, results_table, summary_table  # noqa: E402
-from flt_diag.storage.folders import StorageError, atomic_write_text, make_folder  # noqa: E402
+from flt_diag.storage.folders import atomic_write_text, make_folder  # noqa: E402
 from flt_diag.storage.safe_files import new_file  # noqa: E402
+from script_exit import Parser, guarded  # noqa: E402  (analysis/script_exit.py: the one error path)
 
 
 def regenerate(sweep: Path, out: Path | None = None, formats=("png", "pdf")) -> list[Path]:
@@ -48,20 +48,14 @@ def regenerate(sweep: Path, out: Path | None = None, formats=("png", "pdf")) -> 
     return written
 
 
+@guarded
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("sweep", type=Path, help="sweep folder (or a single run folder)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: SWEEP/figures)")
     args = parser.parse_args(argv)
-    try:
-        for path in regenerate(args.sweep, args.out):
-            print(path)
-    except StorageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:  # a path that is a file where a folder belongs, no permission, a full disk
-        print(f"error: {e.strerror or type(e).__name__}{f': {e.filename}' if e.filename else ''}", file=sys.stderr)
-        return 1
+    for path in regenerate(args.sweep, args.out):
+        print(path)
     return 0
 
 

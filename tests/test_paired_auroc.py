@@ -97,12 +97,16 @@ def test_the_refit_and_prior_reproduce_the_committed_w4_aurocs_at_step_300():
     assert P.auroc(at.failed, prior) == pytest.approx(committed["prior (config CV)"], abs=1e-9)
 
 
-def test_the_command_refuses_a_missing_file_and_a_table_without_labels(tmp_path):
-    with pytest.raises(ValueError):
-        P.main([str(tmp_path / "none.csv")])
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def test_the_command_refuses_a_missing_file_and_a_table_without_labels(tmp_path, capsys):
+    assert P.main([str(tmp_path / "none.csv")]) == 2 and "none.csv" in _one_error_line(capsys)
     (tmp_path / "t.csv").write_text("a,b\n1,2\n")
-    with pytest.raises(ValueError):
-        P.main([str(tmp_path / "t.csv")])
+    assert P.main([str(tmp_path / "t.csv")]) == 2 and "failed" in _one_error_line(capsys)
 
 
 def test_exact_mode_prints_one_row_per_step(capsys):
@@ -110,5 +114,5 @@ def test_exact_mode_prints_one_row_per_step(capsys):
                    "--where", "variant=lt", "loops=8"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2 + 4 and "| 300 | 7 (2) | 1.00 | 0.048 | 1/21 = 0.048 |" in out
-    with pytest.raises(ValueError):
-        P.main([str(W4 / "rows.csv"), "--exact", "exit-loss gap (final - best loop)", "--where", "loops=99"])
+    assert P.main([str(W4 / "rows.csv"), "--exact", "exit-loss gap (final - best loop)", "--where", "loops=99"]) == 2
+    assert "no row" in _one_error_line(capsys)

@@ -25,9 +25,13 @@ import numpy as np
 from huggingface_hub import hf_hub_download
 
 from flt_diag.storage.folders import atomic_path, atomic_write_text
+from flt_diag.storage.safe_files import open_regular, read_bounded, regular_file
 
 VAL_EVERY = 20  # documents (or files) whose stable hash % VAL_EVERY == 0 form the validation split
 LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+# The largest tokenizer.json read: the biggest of the common ones is ~33 MB (Gemma 3's, 262k tokens; Qwen3's
+# ~11 MB, GPT-2's 1.4 MB); a bigger file is not a tokenizer, and reading it (or a device) is refused, bounded.
+MAX_TOKENIZER_BYTES = 64 << 20
 
 
 class DataError(ValueError):
@@ -58,8 +62,9 @@ class HFTokenizer:
             raise DataError("Hugging Face tokenizers need `pip install tokenizers`") from e
         self.name = name_or_path
         try:
-            local = Path(name_or_path).exists()
-            self.tok = Tokenizer.from_file(name_or_path if local else _hub_file(name_or_path, "tokenizer.json"))
+            local = os.path.lexists(name_or_path)  # (a dangling link is a missing file, not a hub name)
+            text = _tokenizer_json(name_or_path if local else _hub_file(name_or_path, "tokenizer.json"))
+            self.tok = Tokenizer.from_str(text)
         except Exception as e:
             raise DataError(f"cannot load tokenizer {name_or_path!r}: {str(e).splitlines()[0]}") from e
         self.vocab_size = self.tok.get_vocab_size()
@@ -70,6 +75,15 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids])
+
+
+def _tokenizer_json(path) -> str:
+    """A tokenizer.json's text, read as every file a user names is read (safe_files.read_bounded): a device,
+    FIFO or folder is refused before it is opened, and at most MAX_TOKENIZER_BYTES are read."""
+    try:
+        return read_bounded(path, MAX_TOKENIZER_BYTES, "a tokenizer.json").decode("utf-8")
+    except UnicodeDecodeError:
+        raise DataError(f"{path} is not a tokenizer.json (not UTF-8 text)") from None
 
 
 # The document delimiter put before every document, the first of these the tokenizer knows: nanochat's
@@ -156,18 +170,29 @@ def resolve_corpus(data: str) -> CorpusSpec | None:
     if None in builders or len(builders) != 1:
         raise DataError(f"{data}: need files of one kind among {', '.join(LOCAL_BUILDERS)}")
     for f in files:
+        _regular(f)  # a folder named x.txt, a FIFO, a device, a socket: one line, before anything reads it
         if not os.access(f, os.R_OK):
             raise DataError(f"cannot read data file {f}")
     return CorpusSpec(builders.pop(), data_files=[str(f.resolve()) for f in files])
 
 
+def _regular(path: Path) -> None:
+    """A local corpus file must be a regular file (or a link to one): safe_files.regular_file, as DataError."""
+    try:
+        regular_file(path)
+    except ValueError as e:
+        raise DataError(f"data file: {e}") from None
+
+
 def _check_local_file(path: Path) -> None:
-    """A local corpus file that is empty, or binary where text is expected, said plainly (the
-    datasets library would only say that an error occurred while generating the dataset)."""
+    """A local corpus file that is not a regular file, empty, or binary where text is expected, said plainly
+    (the datasets library would only say that an error occurred while generating the dataset)."""
+    _regular(path)
     if path.stat().st_size == 0:
         raise DataError(f"data file {path} is empty")
     if path.suffix in (".txt", ".jsonl", ".json"):
-        head = path.open("rb").read(4096)
+        with open_regular(path) as f:
+            head = f.read(4096)
         try:
             head.decode("utf-8")
         except UnicodeDecodeError as e:

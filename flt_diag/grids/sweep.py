@@ -24,8 +24,9 @@ from flt_diag.grids.progress import SweepMonitor, cell_status
 from flt_diag.grids.worker_pool import auto_workers, run_parallel
 from flt_diag.judge.summary_table import write_summary
 from flt_diag.storage.cells import Cell
-from flt_diag.storage.folders import (BUSY, CELLS, ERROR, SWEEP_SPEC, StorageError, atomic_write_text, folder_lock,
-                                      has_content, load_spec as load_folder_spec, make_folder, refuse_links, write_json)
+from flt_diag.storage.folders import (BUSY, CELLS, ERROR, SWEEP_SPEC, StorageError, atomic_write_text, check_cells,
+                                      folder_lock, has_content, load_spec as load_folder_spec, make_folder, refuse_links,
+                                      write_json)
 from flt_diag.storage.pooling import without_grid_fields
 from flt_diag.storage.schema import MAX_ITEMS
 from flt_diag.training.settle import comparable
@@ -90,6 +91,7 @@ def prepare_spec_folder(out: Path, new: dict, what: str, grid_fields: dict) -> N
     if (out / SWEEP_SPEC).exists():
         old = load_folder_spec(out).as_written()  # checked: a damaged spec is one line, never compared field by field
         refuse_links(out / CELLS, out)  # a linked cells/ would train every cell elsewhere
+        check_cells(out)  # a file there would fail every cell in turn: one line instead
 
         def differs(k):
             return without_grid_fields(old.get(k), grid_fields) != without_grid_fields(new[k], grid_fields) if k == "base" \

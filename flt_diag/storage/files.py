@@ -144,15 +144,20 @@ def predictor_of(predictor: dict | F.PredictorFile) -> F.PredictorFile:
 
 # --------------------------------------------------------------------------- study files
 
-def load_study(path: Path, tables: dict[str, Any]) -> tuple[str, dict]:
+MAX_STUDY_BYTES = 256 << 10  # studies are a kilobyte or two (experiments/); TOML parses ~1 MB/s in Python
+
+
+def load_study(path: Path, tables: dict[str, Any], limit: int = MAX_STUDY_BYTES) -> tuple[str, dict]:
     """A study file -> (its table's name, option values keyed by Option.dest): exactly one of `tables`
-    (flt_diag.cli.specs.study_tables), checked like the command line; other keys (description, gpu) are free."""
+    (flt_diag.cli.specs.study_tables), checked like the command line; other keys (description, gpu) are free.
+    At most `limit` bytes are read (MAX_STUDY_BYTES: a study is a kilobyte or two)."""
     try:
         import tomllib
     except ImportError:  # Python 3.10
         import tomli as tomllib
+    text = read_text(path, limit, "a study file (TOML)")  # (its own one line: outside the parse's handlers)
     try:
-        spec = tomllib.loads(read_text(path))
+        spec = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise BadFile(f"{path}: not valid TOML ({e})") from None
     except (ValueError, RecursionError) as e:  # nesting 5,000 deep, an integer of 5,000 digits: as read_json says

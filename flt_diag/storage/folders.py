@@ -15,7 +15,9 @@ from pathlib import Path
 import pandas as pd
 
 from flt_diag.storage import archive, files
-from flt_diag.storage.safe_files import file_mode, open_regular
+from flt_diag.storage.links import make_folder, refuse_links, refuse_symlink  # noqa: F401  (re-exported)
+from flt_diag.storage.locks import BUSY, LOCK, folder_lock  # noqa: F401  (re-exported)
+from flt_diag.storage.safe_files import file_mode, kind_of, open_regular
 from flt_diag.storage.safe_files import temporary_affixes  # (the names atomic_path writes through)
 from flt_diag.storage.schema import BadFile, StorageError, read_json  # noqa: F401  (re-exported: one error type)
 
@@ -23,42 +25,7 @@ CONFIG, SUMMARY, PROGRESS, METRICS = "config.json", "summary.json", "progress.js
 CHECKPOINT, RESUME, EVAL_LOOPS = "checkpoint.pt", "resume.pt", "eval_loops.csv"
 SWEEP_SPEC, SWEEP_SUMMARY, CELLS = "sweep.json", "summary.csv", "cells"
 ERROR = "error.txt"  # written into a sweep cell whose run raised
-BUSY = "is being written by another flt-diag process"  # folder_lock's refusal (a sweep tells it from a failure)
-LOCK = ".lock"  # held (flock) by the one process writing a run or sweep folder; holds its pid
 COLUMNS = ["step", "metric", "loop", "layer", "value"]
-
-
-def refuse_symlink(path: Path, what: str = "write") -> None:
-    """flt-diag never makes a symlink: writing through one would change a file elsewhere, so every write
-    refuses it (one line)."""
-    if Path(path).is_symlink():
-        raise StorageError(f"{path} is a symbolic link; flt-diag does not {what} through links "
-                           f"(a folder from elsewhere may point anywhere): remove the link or use the real path")
-
-
-def refuse_links(path: Path, root: Path | None = None, what: str = "write") -> None:
-    """No part of `path` below `root` (the folder a command was given; default: `path`'s own folder) is a
-    symbolic link, each part lstat'ed in turn. `root` itself may be a link; `path` outside `root` is checked
-    alone."""
-    path = Path(path)
-    root = Path(root) if root is not None else path.parent
-    try:
-        parts = path.relative_to(root).parts
-    except ValueError:
-        parts, root = (path.name,), path.parent
-    current = root
-    for part in parts:
-        current = current / part
-        refuse_symlink(current, what)
-
-
-def make_folder(folder: Path, root: Path | None = None) -> Path:
-    """mkdir -p `folder`, refusing a link at any depth below `root` (before and after it is made)."""
-    folder = Path(folder)
-    refuse_links(folder, root)
-    folder.mkdir(parents=True, exist_ok=True)
-    refuse_links(folder, root)
-    return folder
 
 
 @contextlib.contextmanager
@@ -96,66 +63,6 @@ def atomic_path(path: Path, root: Path | None = None):
 def atomic_write_text(path: Path, text: str, root: Path | None = None) -> None:
     with atomic_path(path, root) as tmp:
         tmp.write_text(text)
-
-
-@contextlib.contextmanager
-def folder_lock(folder: Path, kind: str = "run", root: Path | None = None):
-    """Own a run or sweep folder while writing it (creating it): a second writer gets one StorageError line.
-    An flock on <folder>/.lock, which the kernel drops when its process dies (kill -9 included). The lock file
-    is opened without following links and removed on the way out, with the folder if this call created it
-    and left it empty: a refused command leaves nothing behind. (No-op without fcntl.)"""
-    folder = Path(folder)
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows
-        yield
-        return
-    refuse_links(folder, root)
-    refuse_symlink(folder / LOCK, "lock")
-    created = not folder.exists()
-    try:
-        make_folder(folder, root)
-        # O_NONBLOCK: a FIFO planted as .lock must not block the open; it is refused below, and left alone
-        fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0), 0o644)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            refuse_symlink(folder / LOCK, "lock")
-        raise StorageError(f"cannot create {kind} folder {folder}: {e.strerror or e}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise StorageError(f"{folder / LOCK} is not a regular file (a FIFO or a device?); flt-diag keeps its lock "
-                           "there: remove it")
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        # the holder before us may have removed the file we opened: then the lock is on a dead name
-        if not _same_file(fd, folder / LOCK):
-            raise BlockingIOError
-    except OSError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-        os.close(fd)
-        raise StorageError(f"{folder} {BUSY}"
-                           f"{f' (pid {holder})' if holder.isdigit() else ''}; wait for it to finish or stop it") from None
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            if _same_file(fd, folder / LOCK):
-                os.unlink(folder / LOCK)  # while still held: a waiting opener sees the name gone
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
-        if created:
-            with contextlib.suppress(OSError):
-                folder.rmdir()  # only if empty: a refused command leaves no folder either
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        a, b = os.fstat(fd), os.lstat(path)
-    except OSError:
-        return False
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def has_content(folder: Path) -> bool:
@@ -334,12 +241,29 @@ def cell_names(sweep: Path) -> list[str]:
     """The cells of a sweep folder in order: the grid's, listed in sweep.json; for a stability map
     (whose probes are chosen as it runs) the cell folders present, by name."""
     spec = load_spec(sweep)
+    check_cells(sweep)
     if isinstance(spec, files.F.MapSpecFile):
         folder = Path(sweep) / CELLS
         if not folder.is_dir():  # an archived map: one record per probe
             return [p.stem for p in archive.records_in(sweep)]
         return sorted(p.name for p in folder.iterdir() if p.is_dir())
     return list(spec.cell_names)
+
+
+def check_cells(sweep: Path) -> None:
+    """A sweep's `cells` is a folder or absent (an archived sweep, one not started): a file, FIFO, socket or device
+    there is one line, never an empty sweep ("no finished runs yet")."""
+    cells = Path(sweep) / CELLS
+    try:
+        mode = os.stat(cells).st_mode
+    except FileNotFoundError:
+        if cells.is_symlink():
+            raise StorageError(f"{cells} is a link to nothing; a sweep keeps its run folders there") from None
+        return
+    except OSError as e:
+        raise StorageError(f"cannot read {cells}: {e.strerror or e}") from None
+    if not stat.S_ISDIR(mode):
+        raise StorageError(f"{cells} is {kind_of(mode)}, not a folder; a sweep keeps its run folders there")
 
 
 def is_archive(path: Path) -> bool:

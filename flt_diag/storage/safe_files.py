@@ -16,10 +16,16 @@ _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (s
           (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"))
 
 
+def kind_of(mode: int) -> str:
+    """What a non-regular file is, in words ("a folder", "a socket", ...), from its st_mode."""
+    if stat.S_ISREG(mode) or stat.S_ISLNK(mode):
+        return "a file" if stat.S_ISREG(mode) else "a symbolic link"
+    return next((text for test, text in _KINDS if test(mode)), "not a regular file")
+
+
 def _refuse_mode(path, mode: int) -> None:
     if not stat.S_ISREG(mode):
-        kind = next((text for test, text in _KINDS if test(mode)), "not a regular file")
-        raise BadFile(f"{path} is {kind}, not a file; flt-diag reads only regular files there")
+        raise BadFile(f"{path} is {kind_of(mode)}, not a file; flt-diag reads only regular files there")
 
 
 def regular_file(path) -> Path:
@@ -76,6 +82,17 @@ def read_bytes(path) -> bytes:
         return f.read()
 
 
+def read_bounded(path, limit: int, what: str) -> bytes:
+    """The bytes of a regular file (open_regular) of at most `limit` bytes: at most limit + 1 are ever read, so
+    a file that is larger, or grows while read, is one BadFile line naming `what` it should be and the bound,
+    never a read that fills the memory."""
+    with open_regular(path) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise BadFile(f"{path}: over {limit:,} bytes, too large for {what}")
+    return data
+
+
 @functools.cache
 def umask() -> int:
     """The process's umask, read once without changing it (Linux: /proc/self/status); elsewhere it is set
@@ -94,6 +111,7 @@ def umask() -> int:
 def file_mode() -> int:
     """The mode an ordinary open() gives a new file: 0o666 less the umask."""
     return 0o666 & ~umask()
+
 
 # --------------------------------------------------------------------------- temporary files of a write
 

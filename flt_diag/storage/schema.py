@@ -3,15 +3,15 @@ against its pydantic model (flt_diag.storage.file_models). Torch-free, and no co
 """
 from __future__ import annotations
 
+import io
 import json
-import os
 from pathlib import Path
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from flt_diag.config.option_fields import MAX_ITEMS, dotted, one_line  # noqa: F401 (re-exported)
 from flt_diag.storage.errors import BadFile, StorageError  # noqa: F401  (re-exported: one error type)
-from flt_diag.storage.safe_files import open_regular
+from flt_diag.storage.safe_files import read_bounded
 
 MAX_FILE_BYTES = 64 << 20  # flt-diag's JSON and TOML files are kilobytes; a bigger one is not one of them
 
@@ -22,18 +22,18 @@ def bad(path, problem: str) -> BadFile:
     return BadFile(f"{path}: {problem}")
 
 
-def read_text(path: Path) -> str:
+def read_text(path: Path, limit: int = MAX_FILE_BYTES, what: str = "one of flt-diag's files") -> str:
+    """A regular file's UTF-8 text, at most `limit` bytes read (safe_files.read_bounded: a FIFO, a folder, a
+    device, a huge or growing file: one line, never blocks, never fills the memory)."""
     path = Path(path)
     try:
-        with open_regular(path, text=True) as f:  # a FIFO, a folder, a device: one line, never blocks
-            size = os.fstat(f.fileno()).st_size
-            if size > MAX_FILE_BYTES:
-                raise BadFile(f"{path}: {size:,} bytes; the files flt-diag writes there are far smaller")
-            return f.read()
+        data = read_bounded(path, limit, what)
     except FileNotFoundError:
         raise StorageError(f"missing {path}") from None
     except IsADirectoryError:
         raise BadFile(f"{path} is a folder, not a file") from None
+    try:
+        return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8").read()  # as open(): universal newlines
     except UnicodeDecodeError:
         raise BadFile(f"{path}: not text (UTF-8)") from None
 

@@ -67,10 +67,25 @@ def save_resume(trainer, next_step: int) -> None:
         callbacks={name: c.state_dict() for name, c in zip(callback_names(trainer.callbacks), trainer.callbacks)}))
 
 
-def restore(trainer) -> None:
+def resume_file(run_dir: Path) -> Path | None:
+    """<run>/resume.pt if the run has one, else None. A symbolic link there (to a file or to nothing) is refused
+    here, before anything trains or is written: flt-diag never writes one, and the run would train until its
+    first checkpoint only to be refused writing through it (having rewritten config.json and cut its metrics)."""
+    path = Path(run_dir) / RESUME
+    if path.is_symlink():
+        raise StorageError(f"{path} is a symbolic link; flt-diag resumes only from the resume.pt it wrote there "
+                           "(nothing was trained or written): remove the link to restart from step 0, or put the "
+                           "real file in its place")
+    return path if path.exists() else None
+
+
+def restore(trainer) -> bool:
     """Load <run>/resume.pt into the trainer: weights, optimizers, callbacks, step and wall time, once
-    the whole file has been checked against this run."""
-    path = trainer.run_dir / RESUME
+    the whole file has been checked against this run. False (nothing loaded) when the run has none;
+    a link there is refused (resume_file)."""
+    path = resume_file(trainer.run_dir)
+    if path is None:
+        return False
     state = load(path, map_location=trainer.device)
     shapes = {k: tuple(v.shape) for k, v in trainer.model.state_dict().items()}
     params = [[tuple(p.shape) for g in o.param_groups for p in g["params"]] for o in trainer.optimizers]
@@ -89,6 +104,7 @@ def restore(trainer) -> None:
             if name in saved:
                 cb.load_state_dict(saved[name])
         trainer.start_step, trainer.wall_time = state.step, state.wall_time
+        return True
     except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as e:
         raise StorageError(f"{path} does not fit this run ({str(e).splitlines()[0][:200]}); "
                            "delete it to restart the run from step 0") from None

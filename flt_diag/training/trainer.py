@@ -37,7 +37,7 @@ from flt_diag.instruments.warning_callback import CollapseWarning
 from flt_diag.training.compile_precision import compile_blocks, compile_wanted, reference_precision
 from flt_diag.training.stabiliser_step import objective, step_loops
 from flt_diag.training.optim import build_optimizers, lr_multiplier, muon_momentum, set_lr, set_momentum
-from flt_diag.storage.folders import (CONFIG, METRICS, RESUME, SUMMARY, StorageError, folder_lock, has_content, load_config, load_metrics,
+from flt_diag.storage.folders import (CONFIG, METRICS, SUMMARY, StorageError, folder_lock, has_content, load_config, load_metrics,
                       load_summary, write_json)
 from flt_diag.training.settle import check_settled, comparable, differences, predictor
 
@@ -136,8 +136,8 @@ class Trainer:
         if not self.is_main:
             torch.distributed.barrier()
             ready = not (self.run_dir / SUMMARY).exists()
-            if ready and (self.run_dir / RESUME).exists():
-                restore(self)
+            if ready:
+                restore(self)  # (none there: nothing loaded; a link there: refused)
         else:
             try:
                 ready = self._open_folder()
@@ -173,8 +173,7 @@ class Trainer:
                 return False
         elif has_content(d):
             raise RunConflict(f"{d} exists, is not empty and is not a run folder; use another --out")
-        if (d / RESUME).exists():  # read (and check) the resume state before anything in the folder changes
-            restore(self)
+        restore(self)  # read (and check) any resume state, a link there refused, before anything in the folder changes
         try:
             d.mkdir(parents=True, exist_ok=True)
         except OSError as e:
