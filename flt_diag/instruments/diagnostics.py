@@ -1,14 +1,15 @@
 """The training callback of the diagnostics (DESIGN.md §3): on recorded steps (`should_record`) it arms the
 loop hooks (flt_diag.instruments.loop_hooks) and reads the parameter and gradient records from flat buffers;
-under DDP parameter gradients are read after the all-reduce and rank 0 writes. The hooks and their errors are
-re-exported here (their old home).
+under DDP parameter gradients are read after the all-reduce and rank 0 writes. Its moments and hooks run through
+the run's record guard (flt_diag.instruments.guard). The hooks and their errors are re-exported here (their old
+home).
 """
 from __future__ import annotations
 
 import torch
 
 from flt_diag.storage import metric_names as M
-from flt_diag.instruments.callbacks import Callback
+from flt_diag.instruments.guard import Instrument
 from flt_diag.instruments.gradient_pairs import consecutive_stats, pair_sums, segment_squares
 from flt_diag.instruments.loop_hooks import (BUILTIN, MANUAL, BlockCalledTwice, BlocksNotFound, LoopHooks,  # noqa: F401
                                             NotLooped, ProbeError, first_tensor, token_norm)
@@ -21,11 +22,18 @@ def should_record(step: int, cfg: DiagnosticsConfig) -> bool:
     return cfg.enabled and (step < cfg.dense_steps or (step - cfg.dense_steps) % cfg.every == 0)
 
 
-class DiagnosticsCallback(Callback):
+PER_GROUP = "/<group>"  # (a record name of not_recorded: the metric of every parameter group)
+
+
+class DiagnosticsCallback(Instrument):
     """Records everything of DESIGN.md §3 on recorded steps (`should_record`). The per-group figures come from
     flat buffers (the groups' gradients, or parameters, laid end to end) by a few vector operations: a recorded
     step costs the same handful of kernel launches whatever the number of groups or parameters, and allocates
     no parameter-sized tensor (gradient_pairs)."""
+
+    RECORDS = {"after_backward": (M.GRAD_NORM + PER_GROUP, M.GRAD_COSINE, M.SIGN_FLIP),
+               "after_clip": (M.GRAD_NORM_CLIPPED + PER_GROUP,),
+               "after_step": (M.UPDATE_RATIO + PER_GROUP, M.PARAM_NORM + PER_GROUP)}
 
     def __init__(self, cfg: DiagnosticsConfig, groups: dict[str, list] | None = None, hooks: dict | None = None,
                  grad_scale: float | None = None, loop_end: tuple | list = (), forward_end: tuple | list = ()):
@@ -54,7 +62,8 @@ class DiagnosticsCallback(Callback):
         self.groups = self.given_groups if self.given_groups is not None else parameter_groups(trainer.model)
         self.params = [p for ps in self.groups.values() for p in ps]
         self.param_sizes = [sum(p.numel() for p in ps) for ps in self.groups.values()]
-        self.hooks = LoopHooks(trainer.model, trainer.log.add, attention=self.cfg.attention, **self.hook_options)
+        self.hooks = LoopHooks(trainer.model, trainer.log.add, attention=self.cfg.attention, records=self.records,
+                               **self.hook_options)
         self.hooks.on_loop_end += self.loop_end
         self.hooks.on_forward_end += self.forward_end
         self.hooks.grad_scale = trainer.cfg.train.grad_accum if self.grad_scale is None else self.grad_scale
@@ -149,6 +158,9 @@ class DiagnosticsCallback(Callback):
     def keep_before(self) -> None:
         """The parameters as they are now (before the optimizer step), into a flat buffer kept from step to step
         (`before`: its views, shaped as the parameters); after_step takes the update ratio against them."""
+        self.records.take(self.RECORDS["after_step"], self._keep_before)
+
+    def _keep_before(self) -> None:
         params = self.params
         if not params:
             return

@@ -8,7 +8,9 @@ metric name, one call in `loop_end`). The every-N records go through a loop map 
 in fp32 outside autocast, with a generator of their own, leaving nothing on any .grad (the training trajectory
 is the same with or without them). By the model: ModelLoopMap for flt-diag's (h(t) = its final norm of the
 stream, its head, the forward's targets); StepLoopMap for any other (the raw stream, head= and targets= as
-given, the user's loop_step=).
+given, the user's loop_step=). Every record here is taken through the run's record guard
+(flt_diag.instruments.guard), and what the user's head=, targets= and loop_step= return is checked at the record
+(flt_diag.instruments.record_checks): one that cannot be taken is said once and skipped, the training goes on.
 """
 from __future__ import annotations
 
@@ -18,13 +20,19 @@ from typing import Callable
 import torch
 
 from flt_diag.storage import metric_names as M
-from flt_diag.instruments.callbacks import Callback, Host
+from flt_diag.instruments.callbacks import Host
 from flt_diag.instruments.diagnostics import DiagnosticsCallback, should_record
+from flt_diag.instruments.guard import Instrument, Records, Unrecordable, recording, why_of
 from flt_diag.instruments import loop_dynamics as D
+from flt_diag.instruments.record_checks import checked_head, checked_step, checked_targets, target_span
 from flt_diag.instruments.loop_hooks import per_token_norms
 from flt_diag.instruments.sharpness import sharpness
 from flt_diag.model.transformer import LoopedTransformer, norm
 from flt_diag.config.run_config import DiagnosticsConfig
+
+
+LOOP_MAP = (M.LOOP_GAIN, M.LOOP_SPECTRAL_RADIUS, M.LOOP_SPECTRAL_RESIDUAL, M.LOOP_MEAN_GAIN, M.LOOP_PERTURBATION_GROWTH)
+SIMILARITY = (M.TOKEN_COSINE, M.EFFECTIVE_RANK)
 
 
 def identity(h: torch.Tensor) -> torch.Tensor:
@@ -54,7 +62,8 @@ class ModelLoopMap:
 
     def loop_end(self, h: torch.Tensor) -> None: ...
 
-    def record(self, host: Host, step: int, cfg: DiagnosticsConfig, say: Callable[[str, str], None]) -> None:
+    def record(self, host: Host, step: int, cfg: DiagnosticsConfig, records: Records) -> None:
+        """The every-N records, each through `records` (one that fails leaves the others)."""
         batch, self.batch = self.batch, None
         if batch is None:
             return
@@ -64,21 +73,29 @@ class ModelLoopMap:
         gen = torch.Generator(device=idx.device).manual_seed(step)
         with torch.autocast(idx.device.type, enabled=False):
             if due(step, cfg.dynamics_every) and model.cfg.loops > 1:
-                stats = D.loop_map_stats(model, idx, cfg.dynamics_iters, cfg.krylov_dim, cfg.perturbation_dirs, gen)
-                loops = range(2, model.cfg.loops + 1)
-                for metric, values in stats.items():
-                    log.add_vector([(metric, t, M.NONE) for t in loops], values)
-                cos = D.loop_gradient_agreement(model, idx, targets, loss_on)  # (K, L)
-                log.add_vector([(M.LOOP_GRAD_COSINE, t + 1, layer + 1) for t in range(cos.shape[0])
-                                for layer in range(cos.shape[1])], cos.flatten())
+                records.take(LOOP_MAP, self._loop_map, log, idx, cfg, gen)
+                records.take((M.LOOP_GRAD_COSINE,), self._agreement, log, idx, targets, loss_on)
             if due(step, cfg.sharpness_every):
-                log.add(M.SHARPNESS, sharpness(model, idx, targets, cfg.dynamics_iters, loss_on, gen))
+                records.take((M.SHARPNESS,), lambda: log.add(M.SHARPNESS, sharpness(
+                    model, idx, targets, cfg.dynamics_iters, loss_on, gen)))
+
+    def _loop_map(self, log, idx: torch.Tensor, cfg: DiagnosticsConfig, gen: torch.Generator) -> None:
+        stats = D.loop_map_stats(self.model, idx, cfg.dynamics_iters, cfg.krylov_dim, cfg.perturbation_dirs, gen)
+        loops = range(2, self.model.cfg.loops + 1)
+        for metric, values in stats.items():
+            log.add_vector([(metric, t, M.NONE) for t in loops], values)
+
+    def _agreement(self, log, idx: torch.Tensor, targets: torch.Tensor, loss_on: str) -> None:
+        cos = D.loop_gradient_agreement(self.model, idx, targets, loss_on)  # (K, L)
+        log.add_vector([(M.LOOP_GRAD_COSINE, t + 1, layer + 1) for t in range(cos.shape[0])
+                        for layer in range(cos.shape[1])], cos.flatten())
 
 
 class StepLoopMap:
     """A model flt-diag did not write: the user's `loop_step` (h(t-1) -> h(t)) at the step's recorded loop-end
     streams, under torch.no_grad, the global random state restored after (a loop_step that draws, e.g. dropout,
-    leaves the training's draws unchanged). One that fails there is said once, and records no more."""
+    leaves the training's draws unchanged). One that fails there, or returns what is no next stream
+    (record_checks.checked_step), is said once, and records no more."""
 
     def __init__(self, loop_step: Callable[[torch.Tensor], torch.Tensor]):
         self.loop_step: Callable | None = loop_step
@@ -93,27 +110,28 @@ class StepLoopMap:
     def loop_end(self, h: torch.Tensor) -> None:
         self.states.append(h)
 
-    def record(self, host: Host, step: int, cfg: DiagnosticsConfig, say: Callable[[str, str], None]) -> None:
+    def record(self, host: Host, step: int, cfg: DiagnosticsConfig, records: Records) -> None:
         states, self.states = self.states, []
-        if len(states) < 2 or self.loop_step is None:
-            return
+        if len(states) >= 2 and self.loop_step is not None:
+            records.take(LOOP_MAP, self._record, host, step, cfg, states)
+
+    def _record(self, host: Host, step: int, cfg: DiagnosticsConfig, states: list[torch.Tensor]) -> None:
         if len({s.shape for s in states}) > 1:
-            say("loop-map", "the loop-end streams change shape from loop to loop: no loop-map records")
-            return
+            raise Unrecordable("the loop-end streams change shape from loop to loop: no loop-map records there")
         states = [s[:cfg.dynamics_batch] if s.dim() == 3 else s for s in states]
         device = states[0].device
         gen = torch.Generator(device=device).manual_seed(step)
         devices = [device.index or 0] if device.type == "cuda" else []
+        assert self.loop_step is not None  # (record: there is one)
         try:  # (math attention etc.: D.transparent; the fused kernels are not differentiated twice)
             with torch.random.fork_rng(devices=devices), torch.autocast(device.type, enabled=False), \
                     torch.no_grad(), D.transparent():
-                stats = D.loop_map_records(self.loop_step, states, cfg.dynamics_iters, cfg.krylov_dim,
+                stats = D.loop_map_records(checked_step(self.loop_step), states, cfg.dynamics_iters, cfg.krylov_dim,
                                            cfg.perturbation_dirs, gen)
-        except (RuntimeError, NotImplementedError) as e:  # the user's loop map failed under autograd: say so once,
-            self.loop_step = None                          # record none from now on, and let the training go on
-            say("loop-map", f"loop_step= failed under double backward ({type(e).__name__}: "
-                f"{(str(e).splitlines() or [''])[0][:160]}): no loop-map records from here on")
-            return
+        except Exception as e:  # the user's loop map failed, or gave no next stream: said once (the guard), no
+            self.loop_step = None  # record from now on, and the training goes on
+            why = why_of(e) if isinstance(e, Unrecordable) else f"loop_step= failed under double backward ({why_of(e)})"
+            raise Unrecordable(f"{why}: no loop-map records from here on") from None
         loops = range(2, len(states) + 1)
         for metric, values in stats.items():
             host.log.add_vector([(metric, t, M.NONE) for t in loops], values)
@@ -124,10 +142,12 @@ KEEP_FOR_SIMILARITY = 1 << 20  # elements: a loop end's first dynamics_batch seq
 BATCH_SIMILARITY = 1 << 22  # taken together at the forward's end, this many elements a call (larger: at the loop end)
 
 
-class LoopDynamicsCallback(Callback):
+class LoopDynamicsCallback(Instrument):
     """The records of DESIGN.md §3, "Loop dynamics": `loop_end(loop, stream)` is fed each recorded loop-end stream; a
     forward pre-hook on the model (from on_start) reads the step's targets and the loop map's inputs off the
     first forward after before_step; `at_step(targets)` (probe.step(targets=)) scores the streams kept for it."""
+
+    RECORDS = {"after_backward": LOOP_MAP}
 
     def __init__(self, cfg: DiagnosticsConfig, loop_map: LoopMap | None = None, head: Callable | None = None,
                  targets: Callable | None = None, final: Callable[[torch.Tensor], torch.Tensor] | None = None):
@@ -145,9 +165,12 @@ class LoopDynamicsCallback(Callback):
         self.similar: list[tuple[int, torch.Tensor]] = []  # (loop, its first dynamics_batch sequences), copied
         self.kept: list[tuple[int, torch.Tensor]] = []  # (loop, stream) awaiting step(targets=) for the exit loss
         self.targets: torch.Tensor | None = None
+        self.span: tuple[int, int] | None = None  # the targets' lowest and highest class (target_span) ...
+        self.span_taken = False  # ... once taken this step
 
     def on_start(self, trainer: Host) -> None:
-        self.handles = [trainer.model.register_forward_pre_hook(self._begin, with_kwargs=True)]
+        self.handles = [trainer.model.register_forward_pre_hook(
+            self.records.hook((M.EXIT_LOSS, *LOOP_MAP), self._begin), with_kwargs=True)]
 
     def on_end(self, trainer: Host) -> None:
         for h in self.handles:
@@ -173,70 +196,81 @@ class LoopDynamicsCallback(Callback):
         if not self._armed:
             return
         self._armed = False
+        take = self.records.take
         if self.exit and self.head is not None and self.targets_of is not None:
-            t = self.targets_of(*args, **kwargs)
-            self.targets = t.detach() if torch.is_tensor(t) else None
+            self.targets = take((M.EXIT_LOSS,), lambda: checked_targets(self.targets_of(*args, **kwargs), "targets="))
         if self.mapping:
             assert self.loop_map is not None  # (mapping: there is one)
-            self.loop_map.begin(args, kwargs)
+            take(LOOP_MAP, self.loop_map.begin, args, kwargs)
 
     def _fits(self, h: torch.Tensor) -> bool:
         if h.dim() == 3:
             return True
-        self._say("shape", f"a loop-end stream of shape {tuple(h.shape)} is not (batch, seq, dim): token_cosine, "
-                           "effective_rank and exit_loss are not recorded for it")
+        self.records.skip(SIMILARITY + ((M.EXIT_LOSS,) if self.head is not None else ()),
+                          f"a loop-end stream of shape {tuple(h.shape)} is not (batch, seq, dim)")
         return False
 
     def _exit_loss(self, loop: int, h: torch.Tensor, targets: torch.Tensor) -> None:
+        """The exit loss of one loop end (through the guard: targets and logits checked, record_checks)."""
         if tuple(targets.shape) != tuple(h.shape[:-1]):
-            self._say("targets", f"targets of shape {tuple(targets.shape)} do not fit the loop-end stream "
-                                 f"{tuple(h.shape)} (one target per position): exit_loss is not recorded")
-            return
+            raise Unrecordable(f"targets of shape {tuple(targets.shape)} do not fit the loop-end stream "
+                               f"{tuple(h.shape)} (one target per position)")
+        if not self.span_taken:  # (once a step: one host transfer)
+            self.span, self.span_taken = target_span(targets), True
         assert self.head is not None  # (scored only with a head)
-        self.log.add(M.EXIT_LOSS, D.exit_loss(h, self.head, targets.to(h.device)), loop, M.NONE)
+        head = checked_head(self.head, targets.numel(), self.span)
+        self.log.add(M.EXIT_LOSS, D.exit_loss(h, head, targets.to(h.device)), loop, M.NONE)
 
+    @recording(M.FIXED_POINT_RESIDUAL, M.EXIT_LOSS, *SIMILARITY)
     def loop_end(self, loop: int, stream: torch.Tensor) -> None:
-        """The records of one recorded loop's end (LoopHooks.on_loop_end)."""
+        """The records of one recorded loop's end (LoopHooks.on_loop_end), each through the guard."""
         if not self.recording:
             return
+        take = self.records.take
         with torch.no_grad():
             h = self.final(stream.detach())
             if self.exit and self._fits(h):
                 if self.head is not None and self.targets is not None:
-                    self._exit_loss(loop, h, self.targets)
+                    take((M.EXIT_LOSS,), self._exit_loss, loop, h, self.targets)
                 elif self.head is not None and self.targets_of is None:
                     self.kept.append((loop, h))
                 first = h[:self.cfg.dynamics_batch]  # (the loop map's sequences)
                 if first.numel() <= KEEP_FOR_SIMILARITY:  # taken for all loops at once at the forward's end
-                    self.similar.append((loop, first.to(torch.float32, copy=True)))  # (one copy, any dtype)
-                else:
-                    cosine, rank = D.stream_similarity(first)
-                    self.log.add(M.TOKEN_COSINE, cosine, loop, M.NONE)
-                    self.log.add(M.EFFECTIVE_RANK, rank, loop, M.NONE)
-            hf = h.float()
-            norms = per_token_norms(stream) if self.final is identity and stream.dtype == torch.float32 \
-                else torch.linalg.vector_norm(hf, dim=-1)  # (the hooks' own norms of this loop end, if taken)
-            if self.h_prev is not None and self.h_prev.shape == h.shape:
-                assert self.prev_norms is not None  # (kept with h_prev)
-                self.steps.append((loop, torch.linalg.vector_norm(hf - self.h_prev.float(), dim=-1), self.prev_norms))
-            elif self.h_prev is not None:
-                self._say("residual", f"the loop-end stream changed shape ({tuple(self.h_prev.shape)} -> "
-                                      f"{tuple(h.shape)}): no fixed_point_residual there")
-            self.prev_norms = norms
+                    take(SIMILARITY, lambda: self.similar.append((loop, first.to(torch.float32, copy=True))))
+                else:  # (one copy, any dtype)
+                    self._similarity_of([loop], first)
+            prev, self.prev_norms = self.prev_norms, None  # (a residual step that fails leaves none for the next)
+            self.prev_norms = take((M.FIXED_POINT_RESIDUAL,), self._residual_step, loop, stream, h, prev)
         self.h_prev = h
         if self.mapping:
             assert self.loop_map is not None  # (mapping: there is one)
-            self.loop_map.loop_end(h)
+            take(LOOP_MAP, self.loop_map.loop_end, h)
 
+    def _residual_step(self, loop: int, stream: torch.Tensor, h: torch.Tensor,
+                       prev_norms: torch.Tensor | None) -> torch.Tensor:
+        """||h - h_prev|| per token against the previous loop end's norms (kept for forward_end); h's norms."""
+        hf = h.float()
+        norms = per_token_norms(stream) if self.final is identity and stream.dtype == torch.float32 \
+            else torch.linalg.vector_norm(hf, dim=-1)  # (the hooks' own norms of this loop end, if taken)
+        if self.h_prev is not None and self.h_prev.shape == h.shape and prev_norms is not None:
+            self.steps.append((loop, torch.linalg.vector_norm(hf - self.h_prev.float(), dim=-1), prev_norms))
+        elif self.h_prev is not None and self.h_prev.shape != h.shape:
+            self._say("residual", f"the loop-end stream changed shape ({tuple(self.h_prev.shape)} -> "
+                                  f"{tuple(h.shape)}): no fixed_point_residual there")
+        return norms
+
+    @recording(M.FIXED_POINT_RESIDUAL, *SIMILARITY)
     def forward_end(self, loops: int) -> None:
         """The fixed-point residuals of the recorded forward (LoopHooks.on_forward_end), from the per-token norms
         its loop ends left: D.fixed_point_residual of each pair of consecutive loop-end streams, the ratio and the
         mean over tokens taken once for all loops (a few operations a forward, not a few a loop); then the similarity
         of the kept loop ends. A forward that raises before its end leaves none of these (cleared at the next step)."""
-        self._similarity()
+        self.records.take(SIMILARITY, self._similarity)
         steps, self.steps = self.steps, []
-        if not steps:
-            return
+        if steps:
+            self.records.take((M.FIXED_POINT_RESIDUAL,), self._residuals, steps)
+
+    def _residuals(self, steps: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         keys = [(M.FIXED_POINT_RESIDUAL, loop, M.NONE) for loop, _, _ in steps]
         if len({num.shape for _, num, _ in steps}) == 1:
             num, den = torch.stack([n for _, n, _ in steps]), torch.stack([d for _, _, d in steps])
@@ -254,16 +288,29 @@ class LoopDynamicsCallback(Callback):
                     n == 0 or (n + 1) * kept[0][1].numel() <= BATCH_SIMILARITY):  # (one at least)
                 n += 1
             chunk, kept = kept[:n], kept[n:]
-            cosine, rank = D.similarity_per_sequence(torch.cat([h for _, h in chunk]) if n > 1 else chunk[0][1])
-            for metric, values in ((M.TOKEN_COSINE, cosine), (M.EFFECTIVE_RANK, rank)):
-                self.log.add_vector([(metric, loop, M.NONE) for loop, _ in chunk], values.reshape(n, -1).mean(1))
+            self._similarity_of([loop for loop, _ in chunk], torch.cat([h for _, h in chunk]) if n > 1 else chunk[0][1])
+
+    def _similarity_of(self, loops: list[int], x: torch.Tensor) -> None:
+        """token_cosine and effective_rank of `x`, the first sequences of the loop ends `loops` laid end to end: each
+        record through the guard (a non-finite stream has no effective rank: not recorded there)."""
+        def add(metric: str, values: torch.Tensor) -> None:
+            self.log.add_vector([(metric, loop, M.NONE) for loop in loops], values.reshape(len(loops), -1).mean(1))
+
+        def rank() -> None:
+            if not bool(torch.isfinite(x).all()):  # (linalg.eigh would fail on it: said plainly instead)
+                raise Unrecordable("the loop-end stream is not finite (NaN or inf): its singular values, and so its "
+                                   "effective rank, are not defined")
+            add(M.EFFECTIVE_RANK, D.effective_rank_per_sequence(x))
+        self.records.take((M.TOKEN_COSINE,), lambda: add(M.TOKEN_COSINE, D.token_cosine_per_sequence(x)))
+        self.records.take((M.EFFECTIVE_RANK,), rank)
 
     def at_step(self, targets: torch.Tensor | None = None) -> None:
         """probe.step(targets=): the exit loss of the streams kept for it."""
-        if self.kept and torch.is_tensor(targets):
+        if self.kept and targets is not None:
+            given = self.records.take((M.EXIT_LOSS,), checked_targets, targets, "step(targets=)")
             with torch.no_grad():
-                for loop, h in self.kept:
-                    self._exit_loss(loop, h, targets.detach())
+                for loop, h in self.kept if given is not None else ():
+                    self.records.take((M.EXIT_LOSS,), self._exit_loss, loop, h, given)
         elif self.kept and targets is None:
             self._say("no-targets", "head= is given but no targets: give probe.step(targets=) or watch(targets=) "
                                     "for exit_loss")
@@ -273,7 +320,7 @@ class LoopDynamicsCallback(Callback):
         if self.mapping:
             assert self.loop_map is not None  # (mapping: there is one)
             self.mapping = False
-            self.loop_map.record(trainer, step, self.cfg, self._say)
+            self.loop_map.record(trainer, step, self.cfg, self.records)
 
 
 def own_model_dynamics(cfg: DiagnosticsConfig, model: LoopedTransformer) -> LoopDynamicsCallback:
@@ -296,5 +343,6 @@ def instruments(cfg: DiagnosticsConfig, dynamics: LoopDynamicsCallback,
                 **diagnostics) -> tuple[DiagnosticsCallback, LoopDynamicsCallback]:
     """The instruments of every step, in the order they run: the diagnostics (`diagnostics`: DiagnosticsCallback's
     groups, hooks, grad_scale, for a model flt-diag did not write), whose hooks feed the loop dynamics."""
-    return DiagnosticsCallback(cfg, loop_end=[dynamics.loop_end], forward_end=[dynamics.forward_end],
-                               **diagnostics), dynamics
+    diag = DiagnosticsCallback(cfg, loop_end=[dynamics.loop_end], forward_end=[dynamics.forward_end], **diagnostics)
+    diag.records = dynamics.records  # (one guard for the run's records: its not_recorded names them all)
+    return diag, dynamics

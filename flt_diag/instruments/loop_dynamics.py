@@ -67,10 +67,21 @@ def loop_inputs(model: LoopedTransformer, idx: Tensor) -> tuple[Tensor, Tensor, 
     return model.embed(idx).detach().to(dtype), model.cos[:, :T], model.sin[:, :T]
 
 
-def loop_step(model: LoopedTransformer, emb: Tensor, cos: Tensor, sin: Tensor) -> Callable[[Tensor], Tensor]:
+def loop_step(model: LoopedTransformer, emb: Tensor, cos: Tensor, sin: Tensor,
+              t: int | None = None) -> Callable[[Tensor], Tensor]:
     """The map h(t-1) -> h(t) of every loop t >= 2, with emb, cos, sin held fixed. (Every variant sets
-    its stream at a loop's start from emb and h(t-1), so the map is the same function for all t >= 2.)"""
-    return lambda h: norm(model._loop(h, h, emb, cos, sin))
+    its stream at a loop's start from emb and h(t-1), so the map is the same function for all t >= 2; a loop
+    embedding makes it depend on t, the loop's index from 0: `loop_steps`. Parcae and Huginn start a loop from
+    the raw stream: the map is taken on the normed state h, as for every variant.)"""
+    return lambda h: norm(model._loop(h, h, emb, cos, sin, t))
+
+
+def loop_steps(model: LoopedTransformer, emb: Tensor, cos: Tensor, sin: Tensor,
+               loops: int) -> Callable[[Tensor], Tensor] | list[Callable[[Tensor], Tensor]]:
+    """The loop map at h(t-1) for t = 2..loops: one map, or one per loop where a loop embedding tells them apart."""
+    if getattr(model, "loop_embed", None) is None:
+        return loop_step(model, emb, cos, sin)
+    return [loop_step(model, emb, cos, sin, t) for t in range(1, loops)]
 
 
 def loop_states(model: LoopedTransformer, idx: Tensor, loops: int | None = None) -> list[Tensor]:
@@ -79,8 +90,8 @@ def loop_states(model: LoopedTransformer, idx: Tensor, loops: int | None = None)
     K = model.cfg.loops if loops is None else loops
     with torch.no_grad():
         x, h, states = norm(emb), None, []
-        for _ in range(K):
-            x = model._loop(x, h, emb, cos, sin)
+        for t in range(K):
+            x = model._loop(x, h, emb, cos, sin, t)
             h = norm(x)
             states.append(h)
     return states
@@ -188,7 +199,12 @@ def mean_gain(step: Callable[[Tensor], Tensor], h: Tensor, dirs: int,
     return torch.stack(gains).mean()
 
 
-def perturbation_growth(step: Callable[[Tensor], Tensor], states: Sequence[Tensor], dirs: int,
+def _per_loop(step, n_states: int) -> list[Callable[[Tensor], Tensor]]:
+    """`step` as one map per transition h(t-1) -> h(t): a list is taken as it is, one map is repeated."""
+    return list(step) if isinstance(step, (list, tuple)) else [step] * (n_states - 1)
+
+
+def perturbation_growth(step, states: Sequence[Tensor], dirs: int,
                         generator: torch.Generator | None = None) -> Tensor:
     """(K-1,): ||d(t)|| / ||d(t-1)|| for t = 2..K of a perturbation d carried along the trajectory
     h(1), ..., h(K) (d(t) = J(h(t-1)) d(t-1), renormalised each loop, d(1) a random unit direction), the
@@ -201,8 +217,8 @@ def perturbation_growth(step: Callable[[Tensor], Tensor], states: Sequence[Tenso
     with torch.no_grad():
         d = [_unit(torch.randn(states[0].shape, generator=generator, device=states[0].device,
                                dtype=states[0].dtype)) for _ in range(dirs)]
-        for t, h in enumerate(states[:-1]):  # (one loop's linear maps alive at a time)
-            J = Linearized(step, h)
+        for t, (h, f) in enumerate(zip(states[:-1], _per_loop(step, len(states)))):  # (one loop's maps at a time)
+            J = Linearized(f, h)
             for r in range(dirs):
                 jd = J.jvp(d[r])
                 n = torch.linalg.vector_norm(jd)
@@ -217,7 +233,8 @@ def loop_map_stats(model: LoopedTransformer, idx: Tensor, iters: int, krylov_dim
     states = loop_states(model, idx)
     emb, cos, sin = loop_inputs(model, idx)
     with transparent():
-        return loop_map_records(loop_step(model, emb, cos, sin), states, iters, krylov_dim, dirs, generator)
+        return loop_map_records(loop_steps(model, emb, cos, sin, len(states)), states, iters, krylov_dim, dirs,
+                                generator)
 
 
 def loop_map_records(step: Callable[[Tensor], Tensor], states: Sequence[Tensor], iters: int, krylov_dim: int,
@@ -229,10 +246,10 @@ def loop_map_records(step: Callable[[Tensor], Tensor], states: Sequence[Tensor],
     if len(states) < 2:
         empty = torch.zeros(0, device=device)
         return {n: empty for n in names + (M.LOOP_PERTURBATION_GROWTH,)}
-    rows = []
-    for h in states[:-1]:
-        rho, res = spectral_radius(step, h, krylov_dim, generator)
-        rows.append((loop_map_gain(step, h, iters, generator), rho, res, mean_gain(step, h, dirs, generator)))
+    rows, steps = [], _per_loop(step, len(states))
+    for h, f in zip(states[:-1], steps):
+        rho, res = spectral_radius(f, h, krylov_dim, generator)
+        rows.append((loop_map_gain(f, h, iters, generator), rho, res, mean_gain(f, h, dirs, generator)))
     out = {n: torch.stack([r[i].to(device).float() for r in rows]) for i, n in enumerate(names)}
     out[M.LOOP_PERTURBATION_GROWTH] = perturbation_growth(step, states, dirs, generator).float()
     return out
@@ -252,23 +269,37 @@ def stream_similarity(h: Tensor) -> tuple[Tensor, Tensor]:
 
 def similarity_per_sequence(h: Tensor) -> tuple[Tensor, Tensor]:
     """stream_similarity's two figures for each sequence of h (..., T, d), flattened to (N,) each (a (T, d) h: one
-    sequence). Cost: the unit rows' sum (the pairs' cosines add up to its squared norm less the diagonal: no
-    T x T product), and the eigenvalues of the smaller Gram matrix of h (sigma^2, in float64: cheaper than an SVD
-    of (T, d), to ~1e-7 of sigma_max), one batched call for all the sequences."""
+    sequence): token_cosine_per_sequence and effective_rank_per_sequence."""
+    return token_cosine_per_sequence(h), effective_rank_per_sequence(h)
+
+
+def _sequences(h: Tensor) -> Tensor:
+    """h (..., T, d) as (N, T, d) in fp32, detached (a (T, d) h: one sequence)."""
     h = h.detach().float()
-    if h.dim() == 2:
-        h = h[None]
-    h = h.flatten(0, -3)
+    return (h[None] if h.dim() == 2 else h).flatten(0, -3)
+
+
+def token_cosine_per_sequence(h: Tensor) -> Tensor:
+    """(N,): the mean cosine of each sequence's position pairs. Cost: the unit rows' sum (the pairs' cosines add up
+    to its squared norm less the diagonal: no T x T product)."""
+    h = _sequences(h)
     T = h.shape[-2]
     u = h / torch.linalg.vector_norm(h, dim=-1, keepdim=True).clamp_min(1e-30)
     # sum over all pairs i, j of u_i . u_j = |sum_i u_i|^2; the pairs i = j add |u_i|^2 (1, or 0 for a zero row)
     pairs = torch.linalg.vector_norm(u.sum(-2), dim=-1) ** 2 - (u * u).sum((-1, -2))
+    return pairs / max(T * (T - 1), 1)
+
+
+def effective_rank_per_sequence(h: Tensor) -> Tensor:
+    """(N,): each sequence's effective rank, from the eigenvalues of the smaller Gram matrix of h (sigma^2, in
+    float64: cheaper than an SVD of (T, d), to ~1e-7 of sigma_max), one batched call for all the sequences. A
+    non-finite h has none (linalg.eigh fails on the host: the caller checks, flt_diag.instruments.guard)."""
+    h = _sequences(h)
     hd = h.double()
-    small = hd @ hd.transpose(-1, -2) if T <= h.shape[-1] else hd.transpose(-1, -2) @ hd
+    small = hd @ hd.transpose(-1, -2) if h.shape[-2] <= h.shape[-1] else hd.transpose(-1, -2) @ hd
     sv = torch.linalg.eigvalsh(small).clamp_min(0).sqrt()
     p = sv / sv.sum(-1, keepdim=True).clamp_min(1e-30)
-    erank = torch.exp(-(p * torch.log(p.clamp_min(1e-30))).sum(-1))
-    return pairs / max(T * (T - 1), 1), erank.float()
+    return torch.exp(-(p * torch.log(p.clamp_min(1e-30))).sum(-1)).float()
 
 
 # ----------------------------------------------------------------------------- per-loop gradient agreement
@@ -342,7 +373,7 @@ def looped_loss(model: LoopedTransformer, idx: Tensor, targets: Tensor, loss_on:
         for t, params in enumerate(aliases):
             if t == cut and t > 0:
                 x, h = x.detach(), h.detach()
-            x = torch.func.functional_call(call, params, (x, h, emb, cos, sin))
+            x = torch.func.functional_call(call, params, (x, h, emb, cos, sin, t))
             h = norm(x)
             logits.append(head(h))
         return loss_of_loops(logits, targets, loss_on)

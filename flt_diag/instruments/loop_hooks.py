@@ -5,7 +5,9 @@ yields K records, and unarmed forwards (further micro-batches, evaluation, an ac
 recomputation) record nothing. Supported: eager CPU/GPU, non-reentrant activation checkpointing (under a
 reentrant one the activation gradients are not recorded: said once, listed in `not_recorded`), torch.compile of
 the blocks (compile_blocks keeps the hooks outside compiled code), and DDP (hooks see each rank's micro-batch).
-The errors a model the hooks cannot diagnose raises are here too (ProbeError and its kinds).
+The errors a model the hooks cannot diagnose raises are here too (ProbeError and its kinds). Every hook runs
+through the run's record guard (flt_diag.instruments.guard): a record that fails is said once and skipped, never
+raised into the forward or the backward.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import weakref
 import torch
 
 from flt_diag.storage import metric_names as M
+from flt_diag.instruments.guard import ProbeError, Records, names_of
 
 
 _last_norms: tuple = (None, -1, None)  # (weakref to a tensor, its _version, its per-token norms)
@@ -41,6 +44,12 @@ def token_norm(x: torch.Tensor) -> torch.Tensor:
         return per_token_norms(x).mean()
 
 
+def gradient_norm(g: torch.Tensor, scale: float) -> torch.Tensor:
+    """||g|| * scale, an activation gradient's record (read in the backward)."""
+    norm = torch.linalg.vector_norm(g.detach() if g.requires_grad else g)  # (a double backward's)
+    return norm if scale == 1 else norm * scale  # (x 1 would be a kernel launch)
+
+
 def token_norm_means(norms: list[torch.Tensor]) -> list[torch.Tensor]:
     """token_norm of each tensor whose per-token norms are `norms`, as 0-d tensors: one mean for each run of norms
     of one shape (one operation a forward where the stream keeps its shape, not one a loop: inside a training
@@ -55,10 +64,6 @@ def token_norm_means(norms: list[torch.Tensor]) -> list[torch.Tensor]:
             run = norms[len(out):len(out) + n]
             out += (torch.stack(run).reshape(n, -1).mean(1) if n > 1 else first.mean()[None]).unbind()
     return out
-
-
-class ProbeError(ValueError):
-    """A model the loop hooks cannot diagnose as given (one line, naming what to change)."""
 
 
 class BlocksNotFound(ProbeError):
@@ -104,6 +109,9 @@ class LoopHooks:
     when none of the first n recorded forwards ran a block twice (said on stderr at the first that did not: a
     model that samples its loop count may draw one loop; True counts as 1).
 
+    Every hook and every function below is called through `records` (the run's guard, shared with the other
+    instruments): a record that raises is skipped and named in `records.not_recorded`, the forward goes on.
+
     `log(metric, value_tensor, loop, layer)` receives every record (values stay on the device); `grad_scale`
     multiplies the recorded activation gradients (the trainer's grad_accum: the micro-batch's mean loss).
     Hook points for further records (e.g. the loop dynamics): `listeners` fn(loop, layer, stream) at every
@@ -111,8 +119,10 @@ class LoopHooks:
     fn(loops) at the end of each recorded forward."""
 
     def __init__(self, model, log, act_grads: bool = True, attention: bool = False, *, blocks=None,
-                 boundary=BUILTIN, names: list[str] | None = None, require_repeat: int = 0):
+                 boundary=BUILTIN, names: list[str] | None = None, require_repeat: int = 0,
+                 records: Records | None = None):
         self.model, self.log = model, log
+        self.records = records if records is not None else Records()
         self.blocks = list(model.blocks if blocks is None else blocks)
         if not self.blocks:
             raise BlocksNotFound("the block list is empty; give the blocks the model's forward reuses")
@@ -126,31 +136,38 @@ class LoopHooks:
         self.refuse = lambda error: error  # each refusal raised inside the forward goes through (the probe lets go)
         self.on_loop_end: list = []  # fn(loop, stream) with each loop's loop-end stream (the probe's loop dynamics)
         self.handles: list = []
-        self.not_recorded: dict[str, str] = {}  # metric -> why the hooks could not record it
         self._armed = self._active = self._checked = False
         self._unlooped = 0  # recorded forwards so far in which no block ran twice (before the first that did)
         self.loop = 0
         self.calls = [0] * len(self.blocks)
         self.pending: list[tuple[list[tuple[str, int, int]], torch.Tensor]] = []  # (_log_norms)
 
+    @property
+    def not_recorded(self) -> dict[str, str]:
+        """metric -> why it could not be recorded (the guard's, shared by the run's instruments)."""
+        return self.records.not_recorded
+
     def arm(self, on: bool = True) -> None:
         """Record during the next forward of the model only."""
         self._armed = on
 
     def __enter__(self) -> "LoopHooks":
-        m = self.model
-        self.handles += [m.register_forward_pre_hook(self._start), m.register_forward_hook(self._stop)]
+        m, guard, counted = self.model, self.records.hook, (M.LOOPS_RUN,)
+        self.handles += [m.register_forward_pre_hook(guard(counted, self._start)),
+                         m.register_forward_hook(guard((M.RESID_NORM, M.RESID_NORM_LOOP_END), self._stop))]
         if isinstance(self.boundary, torch.nn.Module):
-            self.handles.append(self.boundary.register_forward_hook(lambda module, args, out: self.end_loop(out)))
+            self.handles.append(self.boundary.register_forward_hook(
+                guard((M.RESID_NORM_LOOP_END,), lambda module, args, out: self.end_loop(out))))
         for i, block in enumerate(self.blocks):
-            self.handles.append(block.register_forward_pre_hook(self._count_hook(i)))
-            self.handles.append(block.register_forward_hook(self._block_hook(i + 1)))
+            self.handles.append(block.register_forward_pre_hook(guard(counted, self._count_hook(i))))
+            self.handles.append(block.register_forward_hook(guard((M.RESID_NORM,), self._block_hook(i + 1))))
             if self.act_grads and isinstance(getattr(block, "after_attn", None), torch.nn.Module):
                 # the reference's per-loop attention output gradient, read where it is added
-                self.handles.append(block.after_attn.register_forward_hook(
-                    self._output_grad_hook((M.ACT_GRAD_NORM_ATTN,), i + 1)))
+                self.handles.append(block.after_attn.register_forward_hook(guard(
+                    (M.ACT_GRAD_NORM_ATTN,), self._output_grad_hook((M.ACT_GRAD_NORM_ATTN,), i + 1))))
             if self.attention:
-                self.handles.append(block.register_forward_hook(self._attn_hook(i + 1)))
+                self.handles.append(block.register_forward_hook(
+                    guard((M.ATTN_MAX_LOGIT, M.ATTN_ENTROPY), self._attn_hook(i + 1))))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -176,9 +193,9 @@ class LoopHooks:
         if self.require_repeat and not self._checked and max(self.calls) < 2:
             self._not_looped(type(module).__name__)
         self._checked = self._checked or max(self.calls) >= 2 or not self.require_repeat
-        self._log_norms()
+        self.records.take((M.RESID_NORM, M.RESID_NORM_LOOP_END), self._log_norms)
         for fn in self.on_forward_end:
-            fn(loops)
+            self.records.take(names_of(fn), fn, loops)
 
     def _not_looped(self, model: str) -> None:
         """A recorded forward in which no block ran twice, before any that did: refused at the require_repeat-th."""
@@ -207,10 +224,15 @@ class LoopHooks:
         """The end of a loop (MANUAL boundary): records the loop-end stream, then counts the next loop."""
         if self._active:
             stream = first_tensor(stream)
-            self.pending.append(([(M.RESID_NORM_LOOP_END, self.loop, M.NONE)], per_token_norms(stream)))
+            self.records.take((M.RESID_NORM_LOOP_END,), self._pend, [(M.RESID_NORM_LOOP_END, self.loop, M.NONE)],
+                              stream)
             for fn in self.on_loop_end:
-                fn(self.loop, stream)
+                self.records.take(names_of(fn), fn, self.loop, stream)
             self.loop += 1
+
+    def _pend(self, keys: list[tuple[str, int, int]], stream: torch.Tensor) -> None:
+        """A stream's per-token norms, kept for the forward's end (_log_norms) under `keys`."""
+        self.pending.append((keys, per_token_norms(stream)))
 
     def _count_hook(self, i: int):
         """Forward pre-hook of block i: its loop (counted from calls, or the boundary's), checked."""
@@ -224,7 +246,8 @@ class LoopHooks:
                     raise self.refuse(BlockCalledTwice(
                         f"{self.names[i]} ran {self.calls[i]} times while {self.names[i - 1]} ran {self.calls[i - 1]} "
                         "times: counted from calls, the blocks must run in their list's order, once per loop (a "
-                        "block called from two places? give loop_boundary=)"))
+                        "block called from two places? give loop_boundary=; two separate loops? give blocks= the "
+                        "blocks of one)"))
                 self.loop = self.calls[i]
                 return
             self.calls[i] += 1
@@ -244,17 +267,18 @@ class LoopHooks:
         def hook(module, args, output):
             if not self._active:
                 return
-            stream = first_tensor(output)
+            stream, take = first_tensor(output), self.records.take
             keys = [(M.RESID_NORM, self.loop, layer)]
-            self.pending.append((keys, per_token_norms(stream)))  # (their means at the forward's end: _log_norms)
-            if last and self.boundary is None:  # counted from calls: the last block's output ends the loop
+            ends = last and self.boundary is None  # counted from calls: the last block's output ends the loop
+            if ends:
                 keys.append((M.RESID_NORM_LOOP_END, self.loop, M.NONE))
-                for fn in self.on_loop_end:
-                    fn(self.loop, stream)
+            take([k[0] for k in keys], self._pend, keys, stream)  # (their means at the forward's end: _log_norms)
+            for fn in self.on_loop_end if ends else ():
+                take(names_of(fn), fn, self.loop, stream)
             for fn in self.listeners:
-                fn(self.loop, layer, stream)
+                take(names_of(fn), fn, self.loop, layer, stream)
             if self.act_grads:
-                record_grad(module, args, stream)
+                take((M.ACT_GRAD_NORM, M.ACT_GRAD_NORM_MLP), record_grad, module, args, stream)
         return hook
 
     def _output_grad_hook(self, metrics: tuple[str, ...], layer: int):
@@ -274,11 +298,10 @@ class LoopHooks:
                 return
 
             def record(g):
-                norm = torch.linalg.vector_norm(g.detach() if g.requires_grad else g)  # (a double backward's)
-                norm = norm if scale == 1 else norm * scale  # (x 1 would be a kernel launch)
+                norm = gradient_norm(g, scale)
                 for metric in metrics:
                     self.log(metric, norm, loop, layer)
-            output.register_hook(record)
+            output.register_hook(self.records.hook(metrics, record))  # (runs in the backward: guarded too)
         return hook
 
     def _without_grad(self, metrics: tuple[str, ...], layer: int) -> None:
@@ -286,9 +309,7 @@ class LoopHooks:
         output is seen; its backward recomputes it outside the recorded forward."""
         why = (f"{self.names[layer - 1]} ran without gradient inside a forward with gradient (a reentrant activation "
                "checkpoint, torch.utils.checkpoint(..., use_reentrant=True)?): use use_reentrant=False")
-        if not any(m in self.not_recorded for m in metrics):
-            print(f"flt_diag: {', '.join(metrics)} not recorded: {why}", file=sys.stderr, flush=True)
-        self.not_recorded.update(dict.fromkeys(metrics, why))
+        self.records.skip(metrics, why)
 
     def _attn_hook(self, layer: int):
         """Forward hook on a block: recomputes its attention scores from the block's inputs."""

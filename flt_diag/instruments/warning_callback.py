@@ -13,7 +13,7 @@ from flt_diag.judge.early_warning import (CHECK_EVERY, PACKAGED, WINDOW, RunSeri
                                          loop_series, probability)
 from flt_diag.storage.file_models import PredictorFile
 from flt_diag.storage.files import load_predictor, predictor_of
-from flt_diag.instruments.callbacks import Callback
+from flt_diag.instruments.guard import Instrument
 
 
 def predictor(path: str | None) -> PredictorFile:
@@ -32,13 +32,16 @@ def _load_predictor(path: str | None, version) -> PredictorFile:
     return load_predictor(path)
 
 
-class CollapseWarning(Callback):
+class CollapseWarning(Instrument):
     """Checks P(collapse) every `every` steps from the predictor's first fitted step on; the first
     time it reaches the threshold, prints a warning with the evidence, and with `stop` ends the run
     there (verdict collapsed, predicted at that step). Keeps the few series the features need: the
     global ones (GLOBAL), the first and last loop's residual norm, the activation gradient at the first
     and the last block. Added to a run that resumes without its state (`--warn` may change on reuse),
-    it reads the series of the steps already trained back from the run's metrics table."""
+    it reads the series of the steps already trained back from the run's metrics table. A check that fails is said
+    once and skipped (the record guard, flt_diag.instruments.guard): the training goes on."""
+
+    RECORDS = {"on_rows": ("early_warning",)}
 
     GLOBAL = (M.LOSS, M.GRAD_NORM, M.GRAD_COSINE)
 

@@ -143,17 +143,29 @@ def release_stale_probes(model: torch.nn.Module) -> None:
                 probe.__exit__(type(error), error, None)
 
 
+def _as_float(x) -> float:
+    """A real number as a float; one too large for a float (10**400, a huge Fraction) is +-inf, as a float64 loss
+    that overflows float32 is recorded."""
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf if x > 0 else -math.inf
+
+
 def one_loss(value, where: str):
     """A loss as the step records it (a tensor of one value, kept on its device, or a float), or one
     ProbeError line: `where` names what gave it (step(loss=...), or the loss= function of watch())."""
     if torch.is_tensor(value):
-        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool or value.is_meta:
-            n = f"{value.numel()} values" if value.numel() != 1 else f"a {value.dtype} on {value.device}"
-            raise ProbeError(f"{where} gave a tensor of {n} (shape {tuple(value.shape)}); the step's loss is one real "
-                             "number: its mean over the batch and tokens")
-        return value.detach().reshape(())
+        if value.is_nested or value.numel() != 1 or value.is_complex() or value.dtype == torch.bool or value.is_meta:
+            n = "a nested tensor" if value.is_nested else f"a tensor of {value.numel()} values (shape " \
+                f"{tuple(value.shape)})" if value.numel() != 1 else f"a tensor of a {value.dtype} on {value.device} " \
+                f"(shape {tuple(value.shape)})"
+            raise ProbeError(f"{where} gave {n}; the step's loss is one real number: its mean over the batch and "
+                             "tokens")
+        value = value.to_dense() if value.layout != torch.strided else value  # (a sparse scalar: its one value)
+        return (value.dequantize() if value.is_quantized else value).detach().reshape(())
     if _real(value):
-        return float(value)
+        return _as_float(value)
     if hasattr(value, "__array__") and getattr(value, "size", None) == 1 and getattr(value, "dtype", None) is not None \
             and getattr(value.dtype, "kind", None) in ("f", "i", "u"):
         return float(value.reshape(()))

@@ -1,28 +1,29 @@
-"""LoopProbe, the object flt_diag.watch returns (flt_diag.probe.watch: the moments of a step, docs/api.md)."""
+"""LoopProbe, the object flt_diag.watch returns (flt_diag.probe.watch: the moments of a step, docs/api.md): its
+hooks on the model and its run folder here, the moments of a step in flt_diag.probe.moments, watch()'s options in
+flt_diag.probe.options. Every record is taken through the run's record guard (flt_diag.instruments.guard)."""
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import sys
 from collections import Counter
-from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypedDict, Union
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from flt_diag.judge.verdict import summarize, tokens_per_step
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import (SUMMARY, MetricsWriter, StorageError, folder_lock, has_content,
                                       load_metrics, write_json)
-from flt_diag.instruments.callbacks import Callback
 from flt_diag.instruments.dynamics_callback import instruments, watched_model_dynamics
+from flt_diag.instruments.guard import recording
 from flt_diag.instruments.records import Row
 from flt_diag.probe.folder import Host, evidence_notes, probe_run_config, recipe, write_probe_config
-from flt_diag.probe.checks import check_watch, leave_no_trace, lets_go_on_refusal, one_loss, step_arguments
-from flt_diag.probe.results import EarlyWarning
+from flt_diag.probe.checks import check_watch, leave_no_trace, lets_go_on_refusal, one_loss
+from flt_diag.probe.moments import ProbeMoments
+from flt_diag.probe.options import Blocks, Head, WatchOptions
 from flt_diag.storage.file_models import Summary
 from flt_diag.instruments.diagnostics import should_record
 from flt_diag.instruments.loop_hooks import NOT_LOOPED_AFTER, LoopHooks, ProbeError
@@ -33,38 +34,10 @@ from flt_diag.config.run_config import DiagnosticsConfig
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-Blocks = Union[str, nn.Module, Sequence[nn.Module]]  # "auto", a module-path pattern, the modules, one module
-Head = Union[nn.Module, Callable[[Tensor], Tensor]]
+__all__ = ["Blocks", "Head", "LoopProbe", "WatchOptions"]  # (watch()'s options: flt_diag.probe.options)
 
 
-class WatchOptions(TypedDict, total=False):
-    """watch()'s keyword options, for the callbacks that pass them on (**options: Unpack[WatchOptions])."""
-
-    head: Head | None
-    loss: Callable[[Any], Any] | None
-    loop_boundary: nn.Module | Literal["manual"] | None
-    optimizer: torch.optim.Optimizer | None
-    scheduler: object | None
-    warmdown: float | None
-    grad_clip: float | None
-    diagnostics: DiagnosticsConfig | None
-    steps: int | None
-    variant: str | None
-    seed: int
-    vocab_size: int | None
-    grad_scale: float
-    warn: bool
-    stop_on_collapse: bool
-    predictor_path: str | None
-    callbacks: list[Callback] | None
-    note: str | None
-    unigram_entropy: float | None
-    grad_hooks: bool
-    loop_step: Callable[[Tensor], Tensor] | None
-    targets: Callable[..., Tensor | None] | None
-
-
-class LoopProbe:
+class LoopProbe(ProbeMoments):
     """Diagnostics attached from outside to `model` (see the module docstring and `watch`)."""
 
     hooks: LoopHooks | None  # the diagnostics' hooks on the blocks (None: not attached yet, or let go)
@@ -97,6 +70,7 @@ class LoopProbe:
         self._build()
         self.warning_cb = CollapseWarning(predictor(o["predictor_path"]), stop=stop,
                                           say=None if warn else (lambda text: None))  # prints only with warn
+        self.warning_cb.records = self.dynamics.records  # (one guard: the run's not_recorded names every record)
         self.callbacks = [self.dynamics, *(o["callbacks"] or [])]  # (the loop dynamics first)
         self.step_index, self.shape, self.loops_seen = 0, None, Counter()
         self._auto_tries, self._held = 0, list[Row]()  # (blocks="auto") forwards that reused nothing; their steps' rows
@@ -159,7 +133,7 @@ class LoopProbe:
             raise ProbeError(f"{self.folder} exists and is not empty; give watch() a new folder")
         self._stack = contextlib.ExitStack()
         try:
-            self._stack.enter_context(folder_lock(self.folder))
+            self._stack.enter_context(folder_lock(self.folder, root=self.folder))  # (the folder itself may be a link)
             self.writer = MetricsWriter(self.folder)
         except (StorageError, OSError) as e:  # a link, a .lock that is no file, no permission: one line
             self._stack.close()
@@ -203,16 +177,6 @@ class LoopProbe:
         return error
 
     # ------------------------------------------------------------------ hooks
-    def _reset_step(self) -> None:
-        self._began = self._backward_done = False
-        self._losses: list[torch.Tensor] = []
-        self._pre: dict[int, torch.Tensor] = {}  # (grad_hooks) parameter index -> its gradient's norm, unclipped
-
-    def _read_grad(self, i: int):
-        def hook(p):  # after the backward accumulated p.grad (the last micro-batch's call is the step's gradient)
-            self._pre[i] = torch.linalg.vector_norm(p.grad.detach()).float()
-        return hook
-
     def _training(self, module) -> bool:
         return torch.is_grad_enabled() and module.training
 
@@ -239,6 +203,7 @@ class LoopProbe:
         if self.shape is None:
             self.shape = tuple(stream.shape)
 
+    @recording(M.LOOPS_RUN)
     def _count_loops(self, loops: int) -> None:
         self.loops_seen[loops] += 1
         self.host.log.add(M.LOOPS_RUN, float(loops))
@@ -248,122 +213,7 @@ class LoopProbe:
         if self.hooks is not None:
             self.hooks.end_loop(stream)
 
-    # ------------------------------------------------------------------ moments
-    def after_backward(self) -> None:
-        """After the backward of a step, before clipping and the optimizer step (optional)."""
-        if not self._handles or self._backward_done:
-            return
-        self._backward_done = True
-        if self.hooks is None:  # (blocks="auto", none chosen yet) the step's total gradient norm only
-            if grads := [p.grad for p in self.model.parameters() if p.grad is not None]:
-                self.host.log.add(M.GRAD_NORM, torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
-            return
-        grads = [p.grad for p in self.params if p.grad is not None]
-        pre = None
-        if grads and self._pre:  # grad_hooks: the norm before clipping; the per-group figures scaled back to it
-            pre = torch.linalg.vector_norm(torch.stack([
-                self._pre[i] if i in self._pre else torch.linalg.vector_norm(p.grad.detach()).float()
-                for i, p in enumerate(self.params) if p.grad is not None]))
-        self.diag.unclipped_norm = pre
-        self.diag.after_backward(self.host, self.step_index)
-        norm = self.diag.grad_norm  # (read by after_backward on its steps; the same gradients)
-        if norm is None and grads:
-            norm = pre if pre is not None else torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-        if norm is not None:
-            self.host.log.add(M.GRAD_NORM, norm)
-        for cb in self.callbacks:
-            cb.after_backward(self.host, self.step_index)
-
-    def step(self, loss: Tensor | float | None = None, step: int | None = None,
-             targets: Tensor | None = None) -> list[Row]:
-        """After each optimizer step: records the step (its loss: `loss`, else the mean of what `loss=` of
-        watch() read off the step's forwards), writes its rows, checks the early warning. Returns the rows.
-        `targets`: the step's targets, one per position of the loop-end stream, for the exit loss of watch(head=)
-        (docs/api.md, "Loop dynamics on your own model")."""
-        if not self._handles:
-            raise ProbeError("this probe is closed; watch() the model again")
-        s, given, lr = step_arguments(loss, step, self.optimizer, self.step_index, self.host.cfg is not None,
-                                      self._began)  # checked before anything of the step is recorded
-        self.step_index = s
-        late = not self._backward_done  # no after_backward() this step: the moments are read now
-        if late:  # (the parameters before this step's update were kept at the end of the last one)
-            self.after_backward()
-        self.diag.after_clip(self.host, s)
-        self.diag.after_step(self.host, s)
-        for cb in self.callbacks:
-            cb.after_clip(self.host, s)
-            cb.after_step(self.host, s)
-        value = given if given is not None else (torch.stack(self._losses).mean() if self._losses else None)
-        if value is not None:
-            self.host.log.add(M.LOSS, value.detach() if torch.is_tensor(value) else float(value))
-            if self.dcfg.warn and self.warning_cb.warned_at is None:
-                self._check_finite(s, value)
-        if lr is not None:
-            self.host.log.add(M.LR, lr)
-        self.dynamics.at_step(targets)  # the exit loss of the kept loop-end streams (head= without targets=)
-        rows = self.host.log.collect(s)
-        if self.hooks is None:  # (blocks="auto", none chosen yet: held, written with the first step that has them)
-            self._held += rows
-            self.step_index = s + 1
-            self._reset_step()
-            return rows
-        if self.host.cfg is None:
-            self._start_run(s)
-        rows, self._held = self._held + rows, []
-        self.writer.extend(rows)
-        for cb in (self.warning_cb, *self.callbacks):
-            cb.on_rows(self.host, s, rows)
-            cb.on_step_end(self.host, s)
-        if (s + 1) % self.dcfg.flush_every == 0:
-            self.writer.flush()
-        if late and should_record(s + 1, self.dcfg):
-            self.diag.keep_before()
-        self.step_index = s + 1
-        self._reset_step()
-        return rows
-
-    def skip(self) -> None:
-        """The step's batch was skipped, no optimizer step taken (a Lightning training_step that returned None):
-        what its forwards recorded is dropped and the next training forward is recorded in its place."""
-        if self._handles:
-            self.host.log.collect(self.step_index)  # (dropped)
-            self._reset_step()
-
-    def _check_finite(self, s: int, value) -> None:
-        """With warn / stop_on_collapse: a non-finite loss is the early warning's latest check at once (P(collapse)
-        1), printed; with stop_on_collapse it ends the run (the verdict stays the loss rules' own: diverged)."""
-        v = float(value.detach().float()) if torch.is_tensor(value) else float(value)
-        if math.isfinite(v):
-            return
-        text = f"the loss is {v} at step {s}, not finite"
-        w = self.warning_cb
-        w.warned_at = s + 1
-        w.last = dict(step=s + 1, p_collapse=1.0, threshold=w.threshold, evidence=text)
-        w.say(f"warning: {type(self.model).__name__}: {text}")
-        if self.dcfg.stop_on_collapse:
-            self.host.request_stop(f"non-finite loss at step {s}")
-
-    @property
-    def should_stop(self) -> bool:
-        """Whether the early warning asked to end the run (watch(..., stop_on_collapse=True))."""
-        return self.host.stop_requested is not None
-
-    def warning(self) -> EarlyWarning | None:
-        """The early warning's latest check (step, p_collapse, threshold, evidence), or None before its first;
-        printed as it happens with watch(..., warn=True)."""
-        return EarlyWarning(**self.warning_cb.last) if self.warning_cb.last is not None else None
-
-    def not_recorded(self) -> dict[str, str]:
-        """The records the hooks could not take, and why (e.g. activation gradients under a reentrant checkpoint)."""
-        return dict(self.diag.hooks.not_recorded) if getattr(self.diag, "hooks", None) is not None else {}
-
     # ------------------------------------------------------------------ the run folder
-    def _start_run(self, s: int) -> None:
-        self.host.cfg = probe_run_config(self, self.steps or s + 1)
-        write_probe_config(self, self.host.cfg)
-        for cb in (self.warning_cb, *self.callbacks[1:]):  # (the loop dynamics: started at watch())
-            cb.on_start(self.host)
-
     def _summarize(self) -> Summary:
         cfg = probe_run_config(self, self.steps or self.step_index)
         out = summarize(load_metrics(self.folder), cfg, unigram_entropy=self.unigram_entropy, stop_reason=self.host.stop_requested,
