@@ -331,9 +331,21 @@ def _cross_validate(paths, o: FitPredictorOptions, examples, features) -> dict:
 
 
 def cmd_variants(o: VariantsOptions) -> int:
-    """List the five variants and what each does in loops t >= 2."""
-    for name, text in VARIANT_DESCRIPTIONS.items():
-        print(f"{name:6s} {text}")
+    """List the variants: the paper's five, the field's stabilisers (with the parameters each adds and its source)
+    and the compositions base+stabiliser."""
+    from flt_diag.config.variants import COMPOSED, PAPER_VARIANTS, SOURCES, STABILISERS, base_of
+    from flt_diag.model.transformer import ModelConfig, extra_parameters
+    shape = ModelConfig()  # the tiny preset's shape (d = 64, L = 2, K = 12): the extra parameters at that shape
+    print("the paper's five (no parameters added):")
+    for name in PAPER_VARIANTS:
+        print(f"  {name:15s} {VARIANT_DESCRIPTIONS[name]}")
+    print(f"the field's stabilisers (+ parameters at d = {shape.n_embd}, K = {shape.loops}; builds on):")
+    for name in STABILISERS:
+        extra = extra_parameters(shape.model_copy(update=dict(variant=name)))
+        print(f"  {name:15s} {VARIANT_DESCRIPTIONS[name]}\n  {'':15s} +{extra:,} parameters; on {base_of(name)}; "
+              f"{SOURCES[name]}")
+    print("compositions (a loss term, a residual scale or a loop embedding on any of the five): "
+          + ", ".join(COMPOSED))
     return 0
 
 

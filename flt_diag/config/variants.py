@@ -6,7 +6,8 @@ A variant is one rule: where loop t >= 2 starts (`start`), what each block does 
 (`loop_count`). The paper's five (PAPER_VARIANTS) change only the first three; the field's stabilisers (issue 56)
 change the rest, each implemented in one file of flt_diag/model/stabilisers/ with its equation and source.
 A stabiliser that is a loss term, a residual scale or a loop embedding composes with any of the five:
-`flt+residual-scale` is FLT with its residual branches scaled (COMPOSABLE; `flt-diag variants` lists them all).
+`flt+residual-scale` is FLT with its residual branches scaled (COMPOSABLE; `flt-diag variants` lists them all); on
+LT a stabiliser goes by its own name (`residual-scale` is LT + the residual scale).
 """
 from __future__ import annotations
 
@@ -54,8 +55,8 @@ STABILISERS: dict[str, VariantRule] = {
 COMPOSABLE: dict[str, dict] = {"residual-scale": dict(residual_scale=True), "loop-embed": dict(loop_embedding=True),
                                "jacobian-fro": dict(loss_term="jacobian-fro"),
                                "stars": dict(loss_term="stars", loop_count="lognormal")}
-COMPOSED: dict[str, VariantRule] = {f"{base}+{name}": replace(rule, **COMPOSABLE[name])
-                                    for base, rule in PAPER.items() for name in COMPOSABLE}
+COMPOSED: dict[str, VariantRule] = {f"{base}+{name}": replace(rule, **COMPOSABLE[name])  # (on LT: the stabiliser's
+                                    for base, rule in PAPER.items() if base != "lt" for name in COMPOSABLE}  # own name)
 
 VARIANTS: dict[str, VariantRule] = {**PAPER, **STABILISERS, **COMPOSED}
 Variant = Literal[tuple(VARIANTS)]  # a variant's name, as a type (in the order of VARIANTS: the figures' and tables')
