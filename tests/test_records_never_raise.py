@@ -301,3 +301,8 @@ def test_the_trainers_records_share_the_guard(tmp_path, monkeypatch, capfd):
                  M.ACT_GRAD_NORM_ATTN):
         assert names.count(name) == 1, (name, err)
     assert (load_metrics(tmp_path / "run").metric == M.EFFECTIVE_RANK).any()  # the others still taken
+    written = json.loads((tmp_path / "run" / "summary.json").read_text())["evidence"]["not_recorded"]
+    for name in (M.ATTN_ENTROPY, M.LOOP_GRAD_COSINE, M.SHARPNESS):  # named in the summary, as a watch run's are
+        assert name in written and "injected fault" in written[name], written
+    from flt_diag.judge.verdict import resummarize
+    assert resummarize(tmp_path / "run").evidence.not_recorded == written  # and kept when the run is re-judged

@@ -306,6 +306,18 @@ def stored_config(stored: RunConfigFile, verdict_overrides: dict | None = None) 
 PROBE_NOTES = ("oscillation", "warmdown", "not_recorded")  # evidence a flt_diag.watch run adds (its LoopProbe)
 
 
+def with_not_recorded(summary: Summary, callbacks) -> Summary:
+    """The summary with evidence.not_recorded: the records the run's instruments could not take (name -> why; the
+    record guard, flt_diag.instruments.guard), for flt-diag's Trainer as for flt_diag.watch; unchanged if none."""
+    missed: dict[str, str] = {}
+    for cb in callbacks:
+        missed.update(getattr(getattr(cb, "records", None), "not_recorded", None) or {})
+    if not missed:
+        return summary
+    return Summary.model_validate({**summary.as_written(),
+                                   "evidence": {**summary.evidence.as_written(), "not_recorded": missed}})
+
+
 def resummarize(run_dir, verdict_overrides: dict | None = None, root=None) -> Summary:
     """Recompute a finished run's summary.json from its stored metrics (for example with other
     verdict thresholds); wall time and stop reason are kept from the old summary. `root`: the folder
@@ -319,8 +331,10 @@ def resummarize(run_dir, verdict_overrides: dict | None = None, root=None) -> Su
                     wall_time=old.wall_time, stop_reason=old.stop_reason,
                     prediction=old.prediction and old.prediction.as_written(),
                     tokens_per_step=tokens_per_step(cfg, (stored.env or {}).get("world_size", 1)))
-    if stored.probe is not None:  # a flt_diag.watch run: the probe's notes (warm-down, unjudged, not recorded) stay
-        notes = {k: v for k in PROBE_NOTES if (v := getattr(old.evidence, k)) is not None}
+    # a flt_diag.watch run's notes (warm-down, unjudged, not recorded) stay; a Trainer run's records not taken too
+    kept = PROBE_NOTES if stored.probe is not None else ("not_recorded",)
+    notes = {k: v for k in kept if (v := getattr(old.evidence, k, None)) is not None}
+    if notes:
         new = Summary.model_validate({**new.as_written(), "evidence": {**notes, **new.evidence.as_written()}})
     if archive.is_record(run_dir):  # an archived run: its record's summary is rewritten in place
         rewrite_record_summary(Path(run_dir), new, root)

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from flt_diag.storage import metric_names as M
-from flt_diag.judge.verdict import summarize, tokens_per_step
+from flt_diag.judge.verdict import summarize, tokens_per_step, with_not_recorded
 from flt_diag.instruments.callbacks import Callback, MetricsTable, Progress
 from flt_diag.training.checkpoint import Checkpoints, restore
 from flt_diag.config.run_config import RunConfig
@@ -312,6 +312,7 @@ class Trainer:
         summary = summarize(load_metrics(self.run_dir), self.cfg, unigram_entropy=self.train_data.unigram_entropy,
                             wall_time=self.wall_time, stop_reason=self.stop_reason, prediction=self.prediction,
                             tokens_per_step=tokens_per_step(self.cfg, self.world))
+        summary = with_not_recorded(summary, self.callbacks)
         write_json(self.run_dir / SUMMARY, summary)
         for cb in self.callbacks:
             cb.on_summary(self, summary)
