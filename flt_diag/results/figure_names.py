@@ -12,6 +12,8 @@ FIGURE_NAMES: dict[str, tuple[str, str]] = {
                              "val loss"),
     "loops": ("loops", "validation loss (and task accuracy) against inference loops (after `flt-diag eval-loops`)"),
     "map": ("map", "stability map: where each variant's training breaks, per loops K (map folders only)"),
+    "breaking": ("breaking", "each variant's breaking point with its seed spread, sorted, the paper's five in bold "
+                             "(map folders only)"),
     "accuracy": ("accuracy", "held-out task accuracy against the training loops K, one line per variant"),
     "exit-loss": ("dynamics", "loss of the head at every loop's exit, at a few steps, a panel per loops K"),
     "loop-dynamics": ("dynamics", "fixed-point residual, contraction (spectral radius, perturbation growth) and token "

@@ -1,0 +1,41 @@
+"""The head-to-head figure (issue 56, `flt-diag plot breaking MAP`) on a map whose thresholds are set by hand
+(tests/test_stability_map.py's Synthetic runner): each seed's dot inside its bracket, beyond-grid lines at the
+grid's edges as arrows, the variants sorted by their median breaking point, the paper's five in bold."""
+import math
+
+import numpy as np
+
+from test_stability_map import Synthetic, _spec
+from flt_diag.grids.stability_map import run_map
+from flt_diag.results.figures.breaking import breaking_data, draw
+
+
+def test_breaking_points_are_sorted_with_their_seeds_and_the_paper_marked(tmp_path):
+    thresholds = {"lt": 1.3, "flt": 9.0, "parcae": 3.0, "deeploop": 100.0, "flt+residual-scale": 0.1}
+    spec = _spec(variants=list(thresholds), loops=[12], seeds=[0, 1, 2], criteria=["training"])
+    run_map(spec, tmp_path / "m", runner=Synthetic(thresholds), report=lambda s: None)
+    df = breaking_data(tmp_path / "m")
+    assert len(df) == 5 * 3
+    for r in df.itertuples():
+        t = thresholds[r.variant] * (1 + 0.1 * r.seed)  # the runner's threshold for this seed
+        if r.beyond is None or (isinstance(r.beyond, float) and math.isnan(r.beyond)):
+            assert r.value / 1.42 < t <= r.value * 1.42  # the bracket's middle, within one grid ratio
+        elif r.beyond == "above":
+            assert t >= spec.grid[-1] and r.value == spec.grid[-1]
+        else:
+            assert t < spec.grid[0] and r.value == spec.grid[0]
+    order = list(dict.fromkeys(df.sort_values("rank").variant))
+    assert order == sorted(thresholds, key=thresholds.get, reverse=True)  # held longest first
+    med = df.groupby("variant").value.median()
+    assert np.isclose(df.set_index("variant")["median"].groupby(level=0).first(), med).all()
+    assert set(df[df.paper].variant) == {"lt", "flt"}
+    fig = draw(df)
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    assert labels == order
+    bold = {t.get_text() for t in ax.get_xticklabels() if t.get_fontweight() == "bold"}
+    assert bold == {"lt", "flt"}
+    arrows = [ln for ln in ax.lines if ln.get_marker() in ("^", "v")]
+    assert len(arrows) == 6  # deeploop held at the top (3 seeds), flt+residual-scale broke at the bottom (3)
+    fig.savefig(tmp_path / "breaking.png")
+    assert (tmp_path / "breaking.png").stat().st_size > 10_000
