@@ -116,10 +116,16 @@ class UnrolledTransformer(nn.Module):
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.checkpoint_loops = False
         self.table_dtype = torch.float32
+        self.rule = VARIANTS["lt"]  # no stabiliser: no parameters of its own, no loss term, K loops every step
+        self.injection = self.adapter = self.loop_embed = self.penalty_inputs = None
+        self.grad_loops = 0
         LoopedTransformer._rotary(self, cfg.sequence_len)  # the same tables, registered as buffers
         LoopedTransformer.reset_parameters(self)  # the same init, applied to all L*K blocks
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loss_on: str = "end"):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loss_on: str = "end",
+                loops: int | None = None):
+        if loops not in (None, self.cfg.loops):
+            raise ValueError("the unrolled reference runs its L*K blocks: loops must be its own K")
         if loss_on != "end":
             raise ValueError("the unrolled reference has one exit: loss_on must be 'end'")
         T = idx.shape[1]

@@ -62,7 +62,7 @@ def test_cli_list_parses_space_separated(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--variants", "lt", "bogus"], "--variants must be one of lt, lt-ii, lt-ai, fla, flt, got 'bogus'"),
+    (["--variants", "lt", "bogus"], "--variants must be one of lt, lt-ii, lt-ai, fla, flt, parcae, huginn, stars"),
     (["--loops", "3", "0"], "--loops must be in 1..1024, got 0"),
     (["--loops", "3", "x"], "Invalid value for '--loops'"),
     (["--lr-scale", "0"], "--lr-scale must be > 0"),

@@ -261,7 +261,7 @@ def run_cli(args, capsys):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["train", "--variant", "nope"], "--variant must be one of lt, lt-ii, lt-ai, fla, flt, got 'nope'"),
+    (["train", "--variant", "nope"], "--variant must be one of lt, lt-ii, lt-ai, fla, flt, parcae, huginn, stars"),
     (["train", "--loops", "0"], "--loops must be in 1..1024, got 0"),
     (["train", "--loops", "-3"], "--loops must be in 1..1024, got -3"),
     (["train", "--loops", "many"], "Invalid value for '--loops'"),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from types import FrameType
 from typing import TYPE_CHECKING
 
 import torch
@@ -55,7 +56,7 @@ def labels_of(causal: bool, *args, **kwargs) -> torch.Tensor | None:
 
 def building_trainer() -> Trainer | None:
     """The transformers Trainer whose __init__ calls its callbacks' on_init_end now (up the call stack), or None."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     try:
         while frame is not None:
             found = frame.f_locals.get("self") if frame.f_code.co_name == "__init__" else None

@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -134,7 +135,7 @@ def release_stale_probes(model: torch.nn.Module) -> None:
     a method wrapped by lets_go_on_refusal."""
     for module in model.modules():
         for hook in list(module._forward_pre_hooks.values()):
-            probe = getattr(hook, "__self__", None)
+            probe: Any = getattr(hook, "__self__", None)
             if getattr(getattr(hook, "__func__", None), "probe_hook", False) and probe._handles:
                 print(f"flt_diag.watch: {type(module).__name__} still carried the hooks of the probe writing "
                       f"{probe.folder}, never closed (its run raised?): let go of (its rows stay, no summary)",
