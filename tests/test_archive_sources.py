@@ -248,3 +248,12 @@ def test_plot_of_a_record_without_out_says_to_give_out(tmp_path, capsys):
                             "--format", "png", "pdf"], capsys)
     assert code == 0, err
     assert (tmp_path / "f" / "loss.png").read_bytes()[:4] == b"\x89PNG" and (tmp_path / "f" / "loss.pdf").read_bytes()[:4] == b"%PDF"
+
+
+def test_report_of_a_record_without_out_says_to_give_out(tmp_path, capsys):
+    run = make_run(tmp_path / "lt", "lt", 3)
+    assert run_cli(["archive", run, "--to", tmp_path / "arch"], capsys)[0] == 0
+    refused(["report", tmp_path / "arch" / "lt.parquet"], capsys, "give --out")
+    code, _, err = run_cli(["report", tmp_path / "arch" / "lt.parquet", "--out", tmp_path / "r.html"], capsys)
+    assert code == 0, err
+    assert (tmp_path / "r.html").read_text().lstrip().lower().startswith("<!doctype html")

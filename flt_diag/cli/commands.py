@@ -374,6 +374,9 @@ def cmd_archive(o: ArchiveOptions) -> int:
 def cmd_report(o: ReportOptions) -> int:
     """One self-contained HTML report: table, every figure, spec and environment."""
     from flt_diag.results.report import write_report
+    from flt_diag.storage.archive import is_record
+    if o.out is None and is_record(o.paths[0]):  # (its default, <path>/report.html, cannot be below a file)
+        raise UserError(f"{o.paths[0]} is an archive record (a file); give --out, the report's HTML file")
     print(write_report(o.paths, o.out))
     return 0
 
