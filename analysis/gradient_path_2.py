@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
-from scipy.stats import binomtest, fisher_exact, mannwhitneyu  # noqa: E402
+from scipy.stats import PermutationMethod, binomtest, fisher_exact, mannwhitneyu  # noqa: E402
 
 from factorial import FAILURES  # noqa: E402
 from flt_diag.results.report import markdown  # noqa: E402
@@ -54,10 +54,13 @@ def u_null_counts(m: int, n: int) -> np.ndarray:
 def hodges_lehmann(x: np.ndarray, y: np.ndarray, level: float = 0.95) -> tuple[float, float, float]:
     """(shift, low, high): the median of all x_i - y_j and the exact distribution-free interval: the order
     statistics D_(C+1) and D_(mn-C) of the mn sorted differences, C the largest u with P(U <= u) <= (1 - level) / 2."""
-    d = np.sort((x[:, None] - y[None, :]).ravel())
+    d = np.subtract.outer(x, y).ravel()
+    d = np.sort(np.where(np.isnan(d), 0.0, d))  # (two diverged runs, inf - inf: a tie)
     counts = u_null_counts(len(x), len(y))
     cdf = np.cumsum(counts) / counts.sum()
     c = int(np.searchsorted(cdf, (1 - level) / 2, side="right"))  # P(U <= c - 1) <= alpha/2 < P(U <= c)
+    if c == 0:  # too few runs for any interval at this level
+        return float(np.median(d)), -math.inf, math.inf
     return float(np.median(d)), float(d[c - 1]), float(d[len(d) - c])  # D_(c), D_(mn-c+1), 1-based
 
 
@@ -89,19 +92,21 @@ def primary(runs: pd.DataFrame) -> tuple[dict, str]:
     """The plan's test on the two LT arms (a diverged run, with no climb, ranks above every climb)."""
     full, trunc = (runs[runs.arm == a] for a in ("LT full, frozen E", "LT k=2, frozen E"))
     x, y = (g.climb.fillna(np.inf).to_numpy(float) for g in (full, trunc))
-    p = float(mannwhitneyu(x, y, alternative="greater", method="exact").pvalue)
-    finite = np.isfinite(x).all() and np.isfinite(y).all()
-    shift, low, high = hodges_lehmann(x, y) if finite else (math.nan, math.nan, math.nan)
+    # exact over every split of the runs, ties (diverged runs, equal climbs) included (scipy's "exact" assumes none)
+    p = float(mannwhitneyu(x, y, alternative="greater", method=PermutationMethod(n_resamples=np.inf)).pvalue)
+    shift, low, high = hodges_lehmann(x, y)
     res = dict(n_full=len(x), n_trunc=len(y), p=p, shift=shift, low=low, high=high,
                median_full=float(np.median(x)), median_trunc=float(np.median(y)))
     if p < 0.05:
         reading = ("p < 0.05: with the embedding held equal, full backpropagation makes LT's loss climb more: the "
                    "gradient path through the first K - 2 loops takes part in the instability")
+    elif high < 0:
+        reading = "the truncated arm climbs more (interval below 0): reported as measured, no mechanism claimed"
+    elif not math.isfinite(low) or not math.isfinite(high) or math.isnan(shift):
+        reading = "p >= 0.05 and no finite interval (diverged runs, or too few runs): inconclusive"
     elif high < PARTIAL:
         reading = (f"p >= 0.05 and the interval's upper end is below {PARTIAL} nats: no effect the size of a partial "
                    "one; the climbs happen as much with the gradient through the last two loops only")
-    elif high < 0:
-        reading = "the truncated arm climbs more (interval below 0): reported as measured, no mechanism claimed"
     else:
         reading = f"p >= 0.05 and the interval reaches {PARTIAL} nats or more: inconclusive at this power"
     if res["median_full"] < 0.25:

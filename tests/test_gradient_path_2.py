@@ -49,9 +49,27 @@ def test_the_plans_reading_of_each_outcome():
     assert res["p"] >= 0.05 and res["high"] >= G.PARTIAL and "inconclusive" in reading
     _, reading = G.primary(rows(np.full(10, 0.1) + base / 100, np.full(10, 0.1)))
     assert "changed the regime" in reading
-    res, _ = G.primary(rows(list(base[:-1]) + [np.nan], base))  # a diverged run has no climb: ranked highest
-    assert res["p"] == pytest.approx(mannwhitneyu(list(base[:-1]) + [9.0], base, alternative="greater",
+    res, reading = G.primary(rows(base, base + 0.5))  # the truncated arm climbs more
+    assert res["high"] < 0 and "truncated arm climbs more" in reading
+    res, _ = G.primary(rows(list(base[:-1]) + [np.nan], base + 0.0005))  # a diverged run: ranked highest
+    assert res["p"] == pytest.approx(mannwhitneyu(list(base[:-1]) + [9.0], base + 0.0005, alternative="greater",
                                                   method="exact").pvalue)
+    assert np.isfinite(res["shift"])
+    assert G.hodges_lehmann(np.arange(3.0), np.arange(2.0))[1:] == (-np.inf, np.inf)  # too few runs: no interval
+
+
+def test_the_p_value_with_ties_is_the_exact_one_over_every_split():
+    """Two diverged runs and equal climbs: p against a full enumeration of the C(20, 10) splits, by hand."""
+    import itertools
+    full = np.array([0.5, 0.5, 0.6, 0.7, 0.4, np.inf, np.inf, 0.3, 0.5, 0.9])
+    trunc = np.array([0.3, 0.5, 0.2, 0.4, 0.4, 0.35, 0.5, 0.1, 0.6, 0.25])
+    res, _ = G.primary(rows(np.where(np.isinf(full), np.nan, full), trunc))
+    pooled = np.concatenate([full, trunc])
+    ranks = pd.Series(pooled).rank().to_numpy()  # mid-ranks for ties
+    observed = ranks[:10].sum()
+    sums = [ranks[list(c)].sum() for c in itertools.combinations(range(20), 10)]
+    p = np.mean(np.array(sums) >= observed - 1e-9)
+    assert res["p"] == pytest.approx(p, rel=1e-9)
 
 
 def test_no_primary_before_the_plans_runs_are_in_and_bad_input_is_one_line(tmp_path, capsys):

@@ -294,3 +294,39 @@ def test_the_variants_command_lists_every_stabiliser_with_its_parameters_and_sou
         line = out[out.index(f"  {name} "):].splitlines()[1]
         assert f"+{extra:,} parameters" in line and ("arXiv" in line or "PR" in line)
     assert "flt+residual-scale" in out
+
+
+def test_a_loop_embedding_beyond_its_table_reuses_its_last_row():
+    """Evaluation at more loops than trained (eval-loops runs 1 ... 2K): loop t > K adds e_K."""
+    model = make("flt+loop-embed", K=3, dtype=torch.float64)
+    tokens = idx()
+    out = model(tokens, loops=5)
+    last = model.loop_embed.weight[-1].detach().clone()
+    with torch.no_grad():
+        model.loop_embed.weight.data = torch.cat([model.loop_embed.weight, last[None], last[None]])
+    assert torch.equal(model(tokens, loops=5), out)
+
+
+@pytest.mark.parametrize("name", ["parcae", "huginn", "loop-embed", "flt+loop-embed"])
+def test_a_seed_gives_a_stabiliser_the_same_shared_weights_as_its_base(name):
+    cfg = dict(vocab_size=50, n_layer=2, n_embd=16, n_head=2, sequence_len=8, loops=3)
+    torch.manual_seed(7)
+    model = LoopedTransformer(ModelConfig(variant=name, **cfg))
+    torch.manual_seed(7)
+    base = LoopedTransformer(ModelConfig(variant=base_of(name), **cfg))
+    shared = dict(base.named_parameters())
+    for n, p in model.named_parameters():
+        if n in shared:
+            assert torch.equal(p, shared[n]), n
+
+
+def test_the_loop_count_of_a_step_is_a_function_of_seed_and_step_alone():
+    """What a resumed run draws: the same count for (seed, step), whatever was drawn before."""
+    from flt_diag.training.stabiliser_step import step_loops
+    model = LoopedTransformer(ModelConfig(variant="huginn", n_embd=16, n_head=2, loops=6))
+    first = [step_loops(model, 3, s) for s in range(50)]
+    torch.manual_seed(123)
+    torch.randn(10)
+    assert [step_loops(model, 3, s) for s in reversed(range(50))][::-1] == first
+    assert first != [step_loops(model, 4, s) for s in range(50)]
+    assert step_loops(LoopedTransformer(ModelConfig(variant="lt", n_embd=16, n_head=2, loops=6)), 3, 0) is None

@@ -177,10 +177,12 @@ class LoopedTransformer(nn.Module):
         alpha = deeploop.alpha(K, L) if rule.deepnorm else 1.0
         self.embed = nn.Embedding(cfg.vocab_size, d)
         self.blocks = nn.ModuleList(Block(cfg, scale, rule.post_norm, alpha) for _ in range(L))
-        # the stabilisers' own parameters (none for the paper's five): flt_diag.model.stabilisers
-        self.injection = ParcaeInjection(d) if rule.start == "parcae" else None
-        self.adapter = Adapter(d) if rule.start == "adapter" else None
-        self.loop_embed = LoopEmbedding(K if rule.loop_count == "fixed" else 2 * K, d) if rule.loop_embedding else None
+        # the stabilisers' own parameters (none for the paper's five): flt_diag.model.stabilisers; built without
+        # drawing from the global generator, so that a seed gives every variant the same shared weights
+        with torch.random.fork_rng(devices=[]):
+            self.injection = ParcaeInjection(d) if rule.start == "parcae" else None
+            self.adapter = Adapter(d) if rule.start == "adapter" else None
+            self.loop_embed = LoopEmbedding(K if rule.loop_count == "fixed" else 2 * K, d) if rule.loop_embedding else None
         self.loop_end = nn.Identity()  # hook point: residual stream at each loop's end
         self.head = nn.Linear(d, cfg.vocab_size, bias=False)
         self.checkpoint_loops = False  # activation checkpointing, one segment per loop

@@ -78,8 +78,9 @@ class Trainer:
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.ddp_model = self.model
         if self.world > 1:
-            self.ddp_model = torch.nn.parallel.DistributedDataParallel(
-                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+            self.ddp_model = torch.nn.parallel.DistributedDataParallel(  # (a sampled loop count of 1 leaves a loop
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,  # start unused)
+                find_unused_parameters=getattr(self.model, "rule", None) is not None and self.model.rule.loop_count != "fixed")
         self.optimizers = build_optimizers(self.model, cfg.train, fused=self.device.type == "cuda")
         self.log = StepLog()
         self.callbacks: list[Callback] = list(callbacks or [])

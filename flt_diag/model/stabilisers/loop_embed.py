@@ -4,6 +4,9 @@
 
 added to the stream at every loop's start (loop 1 included, after the variant has set the start), so the shared
 blocks can tell the loops apart. K_max = K, or 2K for a variant with a sampled loop count (its largest draw).
+A loop beyond the table (an evaluation at more loops than trained, `flt-diag eval-loops`; the loss terms' extra
+loop at h(K)) reuses the last row, e_{K_max}: flt-diag's choice (the sources train and test at K); the vector is
+cast to the stream's dtype (bf16 under reference precision).
 Zero strength is e = 0 (the initialisation: the base variant bit for bit at step 0).
 """
 from __future__ import annotations
@@ -18,6 +21,6 @@ class LoopEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.zeros(max_loops, d))
 
     def forward(self, x: torch.Tensor, t: int) -> torch.Tensor:
-        if not 0 <= t < self.weight.shape[0]:
-            raise ValueError(f"loop {t + 1} has no loop embedding (this model has {self.weight.shape[0]})")
-        return x + self.weight[t]
+        if t < 0:
+            raise ValueError(f"loop index {t} (loops count from 0)")
+        return x + self.weight[min(t, self.weight.shape[0] - 1)].to(x.dtype)

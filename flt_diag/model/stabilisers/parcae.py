@@ -48,7 +48,7 @@ class ParcaeInjection(nn.Module):
     def forward(self, x_prev: torch.Tensor, e_normed: torch.Tensor) -> torch.Tensor:
         """x_prev: (B, T, d) raw stream; e_normed: (B, T, d) norm(E)."""
         abar, dt = self.decay()
-        return abar * x_prev + dt * self.B(e_normed)
+        return (abar * x_prev + dt * self.B(e_normed)).to(x_prev.dtype)  # (bf16 under reference precision)
 
     def rho(self) -> torch.Tensor:
         """rho(Abar) = max over channels (the recurrence's spectral radius), no gradient."""
