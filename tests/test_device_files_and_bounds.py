@@ -12,7 +12,7 @@ from conftest import tiny_config, within
 from fake_runs import make_sweep
 from flt_diag.cli import main
 from flt_diag.data import corpus
-from flt_diag.instruments.callbacks import Callback
+from test_train import Interrupt
 from flt_diag.storage import files
 from flt_diag.storage.folders import LOCK, StorageError, folder_lock
 
@@ -98,16 +98,7 @@ def test_a_sweep_whose_cells_is_not_a_folder_is_one_line(tmp_path, capsys, kind)
     assert "no finished runs" not in capsys.readouterr().out
 
 
-# ---------------------------------------------------------------- resume.pt as a link
-
-class Interrupt(Callback):
-    def __init__(self, at):
-        self.at = at
-
-    def after_step(self, trainer, step):
-        if step == self.at:
-            raise KeyboardInterrupt
-
+# ---------------------------------------------------------------- resume.pt as a link (Interrupt: tests/test_train.py)
 
 def _snapshot(folder):
     return {str(p.relative_to(folder)): (p.lstat().st_mtime_ns, p.read_bytes() if p.is_file() else None)

@@ -25,8 +25,8 @@ from flt_diag.storage.folders import CELLS, StorageError, read_json, write_json
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CHROMIUM = Path("/usr/bin/chromium")
-# the figures of any run or sweep (map: map folders only; accuracy: runs of a synthetic task only)
-RUN_FIGURES = [k for k in P.FIGURES if k not in ("map", "accuracy")]
+# the figures of any run or sweep (map, breaking: map folders only; accuracy: runs of a synthetic task only)
+RUN_FIGURES = [k for k in P.FIGURES if k not in ("map", "breaking", "accuracy")]
 
 
 @pytest.fixture(scope="module")
