@@ -171,10 +171,10 @@ def record_frame(table: pd.DataFrame, path: Path) -> pd.DataFrame:
     df = table[COLUMNS].reset_index(drop=True)
     try:
         out = df.astype(TYPES)
-        for column in ("step", "loop", "layer"):
-            if not (out[column].astype("int64").to_numpy() == df[column].to_numpy()).all():
-                bad = df[column][out[column].astype("int64").to_numpy() != df[column].to_numpy()].iloc[0]
-                raise StorageError(f"{path}: a {column} of {bad} does not fit a record's {TYPES[column]}; not archived")
     except (ValueError, TypeError, OverflowError) as e:
         raise StorageError(f"{path}: rows a record cannot hold ({' '.join(str(e).split())[:100]}); not archived") from None
+    for column in ("step", "loop", "layer"):  # (outside the try: this line is not to be cut as an astype error's)
+        if not (out[column].astype("int64").to_numpy() == df[column].to_numpy()).all():
+            bad = df[column][out[column].astype("int64").to_numpy() != df[column].to_numpy()].iloc[0]
+            raise StorageError(f"{path}: a {column} of {bad} does not fit a record's {TYPES[column]}; not archived")
     return out
