@@ -48,7 +48,7 @@ def argv_of(command: str) -> list[str]:
         args = shlex.split(command)
     except ValueError as e:  # an unclosed quote
         raise ValueError(f"a generated block's command {command!r} does not parse ({e})") from None
-    if args[:1] == ["python"] and len(args) > 1 and re.fullmatch(r"analysis/[a-z_]+\.py", args[1]):
+    if args[:1] == ["python"] and len(args) > 1 and re.fullmatch(r"analysis/[a-z0-9_]+\.py", args[1]):
         if args[1] == f"analysis/{SELF}":
             raise ValueError(f"a generated block may not run {SELF} itself: {command!r}")
         return [sys.executable, *args[1:]]
