@@ -12,7 +12,7 @@ from scipy import stats
 
 from conftest import tiny_config
 from equations import block_forward, randomize, rms
-from flt_diag.config.variants import COMPOSED, PAPER_VARIANTS, STABILISERS, VARIANTS, base_of
+from flt_diag.config.variants import COMPOSED, PAPER_VARIANTS, STABILISERS, VARIANTS, VariantRule, base_of
 from flt_diag.model.stabilisers import huginn, jacobian_fro, stars
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig, extra_parameters, parameter_groups
 from flt_diag.storage import metric_names as M
@@ -256,6 +256,13 @@ def test_extra_parameters_counted_by_hand(name):
     model = LoopedTransformer(cfg)
     grouped = sum(p.numel() for ps in parameter_groups(model).values() for p in ps)
     assert grouped == sum(p.numel() for p in model.parameters())  # every parameter in a group the optimizer sees
+
+
+@pytest.mark.parametrize("field, value", [("start", "embed-prev"), ("query_from_prev", "last"),
+                                          ("loss_term", "jacobian"), ("loop_count", "poisson"), ("post_norm", 1)])
+def test_a_rule_with_a_value_outside_its_choices_is_refused_where_it_is_written(field, value):
+    with pytest.raises(ValueError, match=f"variant rule: {field}="):
+        VariantRule(**{"start": "prev", field: value})
 
 
 def test_every_stabiliser_and_composition_is_a_variant_with_a_description():

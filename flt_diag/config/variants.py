@@ -11,8 +11,8 @@ LT a stabiliser goes by its own name (`residual-scale` is LT + the residual scal
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Literal
+from dataclasses import dataclass, fields, replace
+from typing import Literal, get_args, get_type_hints
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,18 @@ class VariantRule:
     loss_term: Literal["none", "stars", "jacobian-fro"] = "none"  # added to the training loss
     loop_count: Literal["fixed", "poisson-lognormal", "lognormal"] = "fixed"  # loops of a training step
     grad_loops: Literal["all", "quarter"] = "all"  # Huginn: the gradient through the last ceil(K/4) loops only
+
+    def __post_init__(self):
+        """A rule is checked where it is written: a value outside its field's choices (a misspelt `start`
+        would otherwise reach the model's last `else`) or of the wrong kind is one ValueError naming the field."""
+        hints = get_type_hints(VariantRule)
+        for f in fields(self):
+            value, kind = getattr(self, f.name), hints[f.name]
+            allowed = get_args(kind) if getattr(kind, "__origin__", None) is Literal else None
+            if allowed is not None and value not in allowed:
+                raise ValueError(f"variant rule: {f.name}={value!r} is not one of {', '.join(map(repr, allowed))}")
+            if kind is bool and not isinstance(value, bool):
+                raise ValueError(f"variant rule: {f.name}={value!r} must be True or False")
 
 
 PAPER: dict[str, VariantRule] = {
