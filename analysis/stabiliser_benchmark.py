@@ -1,0 +1,176 @@
+"""The stabiliser benchmark (issue 56; plan fixed before its runs: docs/plans/2026-12-04-stabiliser-benchmark.md).
+No torch.
+
+    python analysis/stabiliser_benchmark.py docs/data/runs/stabiliser-map [--final] [--out FILE]
+
+Reads the benchmark's archive (one record per probe of `experiments/stabiliser-map.toml`: 12 variants at K = 12,
+L = 2, seeds 1-6, lr scale 1 ... 256 by 2, 600 steps) and prints Markdown: the probes archived and the code that
+made them; per line (variant, seed) its breaking lr read as the plan says (the lowest grid value whose probe is not
+`stable`; "> 256" when it held at the top); per variant the median and range over its finished lines; and, once all
+72 lines are finished (or with --final at the plan's cut-off), the primary: every variant against LT (one-sided
+exact Mann-Whitney, H1: breaks at a higher lr) and against FLT (two-sided), Holm-corrected within each family of 11.
+The secondary failure count at lr x 1 is over the lines whose bisection probed x 1.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from scipy.stats import PermutationMethod, mannwhitneyu  # noqa: E402
+
+from flt_diag.results.report import markdown  # noqa: E402
+from flt_diag.storage import archive  # noqa: E402
+from flt_diag.storage.code_version import describe  # noqa: E402
+from flt_diag.storage.folders import StorageError, atomic_write_text, load_summary, run_dirs  # noqa: E402
+from script_exit import Parser, guarded  # noqa: E402
+
+VARIANTS = ["lt", "lt-ii", "lt-ai", "fla", "flt", "parcae", "huginn", "stars", "jacobian-fro", "residual-scale",
+            "deeploop", "loop-embed"]  # the plan's 12, in experiments/stabiliser-map.toml's order
+PAPER = VARIANTS[:5]
+SEEDS = [1, 2, 3, 4, 5, 6]  # (the 13:15 amendment: six, not five)
+GRID = [2.0 ** i for i in range(9)]  # 1, 2, ..., 256 (ratio 2)
+ABOVE = 2 * GRID[-1]  # the rank of "held at the top of the grid" (above every grid value; rank tests only)
+ALPHA = 0.05
+
+
+def probes_table(root: Path) -> pd.DataFrame:
+    """One row per archived probe: variant, seed, lr scale, verdict, val loss and the code that made it."""
+    rows = []
+    for d in run_dirs(Path(root)):
+        s = load_summary(d)
+        if s is None:
+            continue
+        code = archive.read_meta(d).code if archive.is_record(d) else None
+        rows.append(dict(variant=s.variant, seed=int(s.seed), lr=float(s.lr_scale), loops=int(s.loops),
+                         verdict=s.verdict, val_loss=s.val_loss, code=describe((code or {}).get("run"))))
+    if not rows:
+        raise StorageError(f"no finished probes of the benchmark in {root}")
+    return pd.DataFrame(rows)
+
+
+def read_line(probes: pd.DataFrame) -> dict:
+    """One line's probes -> its breaking lr as the plan reads it (`probes`: lr, verdict of one variant and seed).
+
+    breaking: the lowest grid value not `stable` (ABOVE when every probe held and the top was probed);
+    finished: the bracket is closed (broke at the grid's first value, held at its top, or the grid value just
+    below the breaking one held); monotone: no probe above the breaking one held."""
+    held = {lr for lr, v in zip(probes.lr, probes.verdict) if v == "stable"}
+    broke = {lr for lr, v in zip(probes.lr, probes.verdict) if v != "stable"}
+    if broke:
+        b = min(broke)
+        i = GRID.index(b) if b in GRID else None
+        finished = i == 0 or (i is not None and GRID[i - 1] in held)
+        return dict(breaking=b, finished=finished, monotone=not any(lr > b for lr in held), probes=len(probes))
+    return dict(breaking=ABOVE, finished=GRID[-1] in held, monotone=True, probes=len(probes))
+
+
+def lines_table(probes: pd.DataFrame) -> pd.DataFrame:
+    rows = [dict(variant=v, seed=s, **read_line(g)) for (v, s), g in probes.groupby(["variant", "seed"], sort=False)]
+    out = pd.DataFrame(rows, columns=["variant", "seed", "breaking", "finished", "monotone", "probes"])
+    order = {v: i for i, v in enumerate(VARIANTS)}
+    return out.sort_values(["variant", "seed"], key=lambda c: c.map(order) if c.name == "variant" else c,
+                           ignore_index=True)
+
+
+def holm(p: list[float]) -> list[float]:
+    """Holm's step-down adjusted p-values (monotone, capped at 1), in the input's order."""
+    order = np.argsort(p, kind="stable")
+    adjusted, running = np.empty(len(p)), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(p) - rank) * p[i]))
+        adjusted[i] = running
+    return adjusted.tolist()
+
+
+def exact_p(x, y, alternative: str) -> float:
+    """Mann-Whitney on log2 breaking lr, exact over every split of the lines, ties included."""
+    x, y = np.log2(np.asarray(x, float)), np.log2(np.asarray(y, float))
+    return float(mannwhitneyu(x, y, alternative=alternative, method=PermutationMethod(n_resamples=np.inf)).pvalue)
+
+
+def comparisons(lines: pd.DataFrame) -> pd.DataFrame:
+    """The plan's two families of 11: each variant against LT (one-sided, holds longer) and against FLT
+    (two-sided), Holm within each family."""
+    done = lines[lines.finished]
+    of = {v: done[done.variant == v].breaking.to_numpy(float) for v in VARIANTS}
+    rows = [dict(variant=v, against=ref, alternative=alt, n=len(of[v]), p=exact_p(of[v], of[ref], alt))
+            for ref, alt in (("lt", "greater"), ("flt", "two-sided")) for v in VARIANTS if v != ref]
+    out = pd.DataFrame(rows)
+    out["p (Holm)"] = out.groupby("against").p.transform(lambda p: holm(p.tolist()))
+    out["decision"] = np.where(out["p (Holm)"] < ALPHA,
+                               np.where(out.against == "lt", "holds longer than LT", "differs from FLT"), "-")
+    return out
+
+
+def lr_text(v: float) -> str:
+    return f"> {GRID[-1]:g}" if v >= ABOVE else f"{v:g}"
+
+
+def variants_table(lines: pd.DataFrame, probes: pd.DataFrame) -> pd.DataFrame:
+    rows = []
+    for v in VARIANTS:
+        g, p1 = lines[lines.variant == v], probes[(probes.variant == v) & (probes.lr == GRID[0])]
+        done = g[g.finished].sort_values("seed")
+        rows.append({"variant": v + (" (paper)" if v in PAPER else ""), "lines finished": f"{len(done)}/{len(SEEDS)}",
+                     "breaking lr (median)": lr_text(float(np.median(done.breaking))) if len(done) else "-",
+                     "range": f"{lr_text(done.breaking.min())}-{lr_text(done.breaking.max())}" if len(done) else "-",
+                     "per seed": " ".join(f"{s}:{lr_text(b)}" + ("" if m else "*")
+                                          for s, b, m in zip(done.seed, done.breaking, done.monotone)) or "-",
+                     "failed at x 1 (where probed)": f"{int((p1.verdict != 'stable').sum())}/{len(p1)}"})
+    return pd.DataFrame(rows)
+
+
+def report_from(probes: pd.DataFrame, final: bool = False) -> str:
+    probes = probes[probes.variant.isin(VARIANTS) & probes.seed.isin(SEEDS) & (probes.loops == 12)]
+    if probes.empty:
+        raise StorageError("no probe of the benchmark (its 12 variants at K = 12, seeds 1-6) in these records")
+    lines = lines_table(probes)
+    n_done, n_all = int(lines.finished.sum()), len(VARIANTS) * len(SEEDS)
+    out = [f"Probes archived: {len(probes)}; lines finished: {n_done} of {n_all}.", "",
+           "Code: " + "; ".join(f"{c} ({n} probes)" for c, n in probes.code.value_counts().items()), "",
+           markdown(variants_table(lines, probes)), "",
+           "A breaking lr is the lowest lr scale whose probe was not `stable` (criterion `training`); \"> 256\": held at "
+           "the grid's top; * marks a line whose probes were not monotone (one held above the breaking lr).", ""]
+    if n_done < n_all and not final:
+        out.append(f"**No test yet** (the plan: the primary is tested once all {n_all} lines are finished; "
+                   f"{n_all - n_done} are not). The medians above are progress, not a result.")
+        return "\n".join(out) + "\n"
+    table = comparisons(lines)
+    shown = table.assign(p=table.p.map(lambda p: f"{p:.4f}"), **{"p (Holm)": table["p (Holm)"].map(lambda p: f"{p:.4f}")})
+    out += ["The primary (exact Mann-Whitney on log2 breaking lr, Holm within each family of 11, alpha 0.05):", "",
+            markdown(shown), ""]
+    longer = table[(table.against == "lt") & (table["p (Holm)"] < ALPHA)].variant.tolist()
+    differ = table[(table.against == "flt") & (table["p (Holm)"] < ALPHA)].variant.tolist()
+    out.append(f"By the plan: holds longer than LT: {', '.join(longer) or 'none'}; differs from FLT: "
+               f"{', '.join(differ) or 'none (every other variant is indistinguishable from FLT at this power)'}.")
+    if n_done < n_all:
+        out.append(f"(--final: {n_all - n_done} lines unfinished at the cut-off are left out.)")
+    return "\n".join(out) + "\n"
+
+
+def report(root: Path, final: bool = False) -> str:
+    return report_from(probes_table(root), final)
+
+
+@guarded
+def main(argv=None) -> int:
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("root", type=Path, help="the benchmark's archive (docs/data/runs/stabiliser-map)")
+    parser.add_argument("--final", action="store_true", help="the plan's cut-off: test the finished lines")
+    parser.add_argument("--out", type=Path, help="write the Markdown here instead of printing it")
+    args = parser.parse_args(argv)
+    text = report(args.root, args.final)
+    if args.out:
+        atomic_write_text(args.out, text)
+    else:
+        print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
