@@ -16,7 +16,7 @@ configuration predicted from a fit on the others) of
             (`--features` for another set, e.g. the eight of "refit, 8 features")
     prior   the same fitter on the configuration alone: one-hot variant, K, depth, log2 lr scale
 
-(flt_diag.results.warning_evaluation's procedure, written again here so that nothing of flt_diag is imported;
+(flt_diag.results.warning_evaluation's procedure, written again here: of flt_diag only its AUROC is imported;
 tests/test_paired_auroc.py checks it against the committed comparison.csv). Then the AUROC of each, their
 difference refit - prior, and its 95 % percentile interval over DRAWS cluster-bootstrap draws: configurations
 drawn with replacement, every run of a drawn configuration kept, both AUROCs computed on the same draw (paired);
