@@ -9,7 +9,9 @@ made them; per line (variant, seed) its breaking lr read as the plan says (the l
 `stable`; "> 256" when it held at the top); per variant the median and range over its finished lines; and, once all
 72 lines are finished (or with --final at the plan's cut-off), the primary: every variant against LT (one-sided
 exact Mann-Whitney, H1: breaks at a higher lr) and against FLT (two-sided), Holm-corrected within each family of 11.
-The secondary failure count at lr x 1 is over the lines whose bisection probed x 1.
+The secondary failure count at lr x 1 is over the lines whose bisection probed x 1; the secondary loop dynamics
+(descriptive) are, per variant, the medians over its finished lines of the records at the last loop-dynamics
+snapshot of the probe just below the breaking lr (the last stable) and of the probe at it (the first broken).
 """
 from __future__ import annotations
 
@@ -25,8 +27,9 @@ from scipy.stats import PermutationMethod, mannwhitneyu  # noqa: E402
 
 from flt_diag.results.report import markdown  # noqa: E402
 from flt_diag.storage import archive  # noqa: E402
+from flt_diag.storage import metric_names as M  # noqa: E402
 from flt_diag.storage.code_version import describe  # noqa: E402
-from flt_diag.storage.folders import StorageError, atomic_write_text, load_summary, run_dirs  # noqa: E402
+from flt_diag.storage.folders import StorageError, atomic_write_text, load_metrics, load_summary, run_dirs  # noqa: E402
 from script_exit import Parser, guarded  # noqa: E402
 
 VARIANTS = ["lt", "lt-ii", "lt-ai", "fla", "flt", "parcae", "huginn", "stars", "jacobian-fro", "residual-scale",
@@ -47,7 +50,7 @@ def probes_table(root: Path) -> pd.DataFrame:
             continue
         code = archive.read_meta(d).code if archive.is_record(d) else None
         rows.append(dict(variant=s.variant, seed=int(s.seed), lr=float(s.lr_scale), loops=int(s.loops),
-                         verdict=s.verdict, val_loss=s.val_loss, code=describe((code or {}).get("run"))))
+                         verdict=s.verdict, val_loss=s.val_loss, code=describe((code or {}).get("run")), path=str(d)))
     if not rows:
         raise StorageError(f"no finished probes of the benchmark in {root}")
     return pd.DataFrame(rows)
@@ -107,6 +110,49 @@ def comparisons(lines: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+DYNAMICS = [M.LOOP_SPECTRAL_RADIUS, M.LOOP_SPECTRAL_RESIDUAL, M.LOOP_PERTURBATION_GROWTH, M.TOKEN_COSINE,
+            M.LOOP_GRAD_COSINE]
+
+
+def snapshot(path: str, loops: int) -> dict:
+    """A probe's loop dynamics at its last snapshot (the last step with a spectral radius): the final loop's
+    spectral radius and its Ritz residual, the geometric mean perturbation growth per loop, the final loop's
+    token cosine (its last record), and the gradient agreement (loop_grad_cosine) averaged over loops and layers."""
+    df = load_metrics(path, DYNAMICS)
+    radius = df[df.metric == M.LOOP_SPECTRAL_RADIUS]
+    if radius.empty:
+        return {}
+    at = df[df.step == radius.step.max()]
+
+    def final(metric):
+        sel = at[(at.metric == metric) & (at.loop == loops)].value
+        return float(sel.iloc[-1]) if len(sel) else np.nan
+    growth = at[at.metric == M.LOOP_PERTURBATION_GROWTH].value.to_numpy(float)
+    cosine = df[(df.metric == M.TOKEN_COSINE) & (df.loop == loops)].sort_values("step").value
+    return {"spectral radius": final(M.LOOP_SPECTRAL_RADIUS), "residual": final(M.LOOP_SPECTRAL_RESIDUAL),
+            "growth": float(np.exp(np.log(np.clip(growth, 1e-30, None)).mean())) if len(growth) else np.nan,
+            "token cosine": float(cosine.iloc[-1]) if len(cosine) else np.nan,
+            "agreement": float(at[at.metric == M.LOOP_GRAD_COSINE].value.mean())}
+
+
+def dynamics_table(lines: pd.DataFrame, probes: pd.DataFrame) -> pd.DataFrame:
+    """Per variant and side (last stable, first broken): the medians of `snapshot` over its finished lines."""
+    rows = []
+    for line in lines[lines.finished].itertuples() if "path" in probes else ():
+        i = GRID.index(line.breaking) if line.breaking in GRID else len(GRID)
+        sides = {"last stable": GRID[i - 1] if i > 0 else None, "first broken": line.breaking if i < len(GRID) else None}
+        for side, lr in sides.items():
+            hit = probes[(probes.variant == line.variant) & (probes.seed == line.seed) & (probes.lr == lr)]
+            if lr is not None and len(hit):
+                rows.append(dict(variant=line.variant, side=side, **snapshot(hit.path.iloc[0], int(hit.loops.iloc[0]))))
+    if not rows:
+        return pd.DataFrame()
+    table = pd.DataFrame(rows).groupby(["variant", "side"], sort=False).agg(
+        lambda c: float(np.nanmedian(c)) if c.notna().any() else np.nan)
+    n = pd.DataFrame(rows).groupby(["variant", "side"], sort=False).size().rename("lines")
+    return table.join(n).reset_index().round(3)
+
+
 def lr_text(v: float) -> str:
     return f"> {GRID[-1]:g}" if v >= ABOVE else f"{v:g}"
 
@@ -136,6 +182,11 @@ def report_from(probes: pd.DataFrame, final: bool = False) -> str:
            markdown(variants_table(lines, probes)), "",
            "A breaking lr is the lowest lr scale whose probe was not `stable` (criterion `training`); \"> 256\": held at "
            "the grid's top; * marks a line whose probes were not monotone (one held above the breaking lr).", ""]
+    dynamics = dynamics_table(lines, probes)
+    if len(dynamics):
+        out += ["Secondary, descriptive: the loop dynamics at the last snapshot of the last stable and the "
+                "first broken probe, medians over the finished lines (spectral radius and growth of the final loop's "
+                "map; a residual above 0.01 marks an unconverged radius):", "", markdown(dynamics), ""]
     if n_done < n_all and not final:
         out.append(f"**No test yet** (the plan: the primary is tested once all {n_all} lines are finished; "
                    f"{n_all - n_done} are not). The medians above are progress, not a result.")

@@ -85,3 +85,25 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     pilot = Path(__file__).resolve().parents[1] / "docs" / "data" / "runs" / "stabiliser-pilot" / "stabiliser-pilot"
     assert B.main([str(pilot)]) == 2  # the pilot's seed 0 is not the benchmark's
     assert "no probe of the benchmark" in capsys.readouterr().err
+
+
+def test_the_loop_dynamics_snapshot_against_the_record_read_by_pandas():
+    """On a real archived probe (the pilot's FLT at lr x 8): the last snapshot's records, recomputed from the
+    Parquet table read by pandas alone."""
+    record = (Path(__file__).resolve().parents[1] / "docs" / "data" / "runs" / "stabiliser-pilot" / "stabiliser-pilot"
+              / "flt_K12_seed0_lr8.parquet")
+    df = pd.read_parquet(record)
+    last = df[df.metric == "loop_spectral_radius"].step.max()
+    at = df[df.step == last]
+    got = B.snapshot(str(record), 12)
+    radius = at[(at.metric == "loop_spectral_radius") & (at.loop == 12)].value.item()
+    growth = at[at.metric == "loop_perturbation_growth"].value.to_numpy()
+    cosine = df[(df.metric == "token_cosine") & (df.loop == 12)].sort_values("step").value.iloc[-1]
+    assert got["spectral radius"] == pytest.approx(radius)
+    assert got["growth"] == pytest.approx(float(np.prod(growth) ** (1 / len(growth))))
+    assert got["token cosine"] == pytest.approx(cosine)
+    assert got["agreement"] == pytest.approx(at[at.metric == "loop_grad_cosine"].value.mean())
+    lines = pd.DataFrame([dict(variant="flt", seed=1, breaking=16.0, finished=True, monotone=True, probes=2)])
+    probes = pd.DataFrame([dict(variant="flt", seed=1, lr=lr, loops=12, path=str(record)) for lr in (8.0, 16.0)])
+    table = B.dynamics_table(lines, probes)
+    assert list(table.side) == ["last stable", "first broken"] and (table.lines == 1).all()
