@@ -14,6 +14,7 @@ from flt_diag.model.transformer import detached_loops, norm
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import load_config, load_metrics
 from flt_diag.instruments import loop_dynamics as D
+from flt_diag.instruments.looped import LoopStep
 from flt_diag.training.trainer import train
 
 from test_loop_dynamics import batch, tiny  # (the same tiny models and batches)
@@ -27,15 +28,14 @@ def exact_jacobian(step, h):
 def setup(variant, K=3):
     model = tiny(variant, K=K)
     idx, targets = batch()
-    emb, cos, sin = D.loop_inputs(model, idx)
-    return model, idx, targets, D.loop_step(model, emb, cos, sin), D.loop_states(model, idx)
+    return model, idx, targets, LoopStep.of(model, idx).map(1), D.loop_states(model, idx)
 
 
 # ----------------------------------------------------------------------------- spectral radius
 @pytest.mark.parametrize("variant", ["lt", "fla", "flt"])
 def test_spectral_radius_by_arnoldi_is_the_exact_jacobians(variant):
     model, idx, _, step, states = setup(variant)
-    with D.transparent():
+    with D.transparent(model):
         for h in states[:-1]:
             rho, residual = D.spectral_radius(step, h, dim=h.numel(), generator=torch.Generator().manual_seed(2))
             radius = torch.linalg.eigvals(exact_jacobian(step, h)).abs().max().item()
@@ -66,7 +66,7 @@ def test_sigma_max_exceeds_the_spectral_radius_on_a_non_normal_loop():
     """The old 'gain' is the largest singular value: above the spectral radius when J is non-normal, so a
     loop can have it above 1 and still contract (what issue 40 found on random weights)."""
     model, idx, _, step, states = setup("lt")
-    with D.transparent():
+    with D.transparent(model):
         h = states[0]
         J = exact_jacobian(step, h)
         sigma = D.loop_map_gain(step, h, 40, torch.Generator().manual_seed(0))
@@ -88,7 +88,7 @@ def directions(shape, n, seed):
 def test_mean_gain_is_the_mean_of_jv_over_the_same_random_directions():
     model, idx, _, step, states = setup("lt-ii")
     h = states[1]
-    with D.transparent():
+    with D.transparent(model):
         got = D.mean_gain(step, h, 5, torch.Generator().manual_seed(7)).item()
         J = exact_jacobian(step, h)
     want = np.mean([(J @ v).norm().item() for v in directions(h.shape, 5, 7)])
@@ -99,7 +99,7 @@ def test_mean_gain_is_the_mean_of_jv_over_the_same_random_directions():
 def test_perturbation_growth_is_the_product_of_the_exact_jacobians_along_the_path(variant):
     model, idx, _, step, states = setup(variant, K=4)
     dirs = 3
-    with D.transparent():
+    with D.transparent(model):
         got = D.perturbation_growth(step, states, dirs, torch.Generator().manual_seed(5))
         Js = [exact_jacobian(step, h) for h in states[:-1]]
     assert got.shape == (3,)

@@ -45,7 +45,7 @@ def started_callback(model):
     sets gradients and weights by hand and calls the callback's moments itself."""
     log = StepLog()
     trainer = type("T", (), {"model": model, "log": log, "cfg": tiny_config(), "is_main": True, "run_dir": None})()
-    cb = DiagnosticsCallback(DiagnosticsConfig())
+    cb = DiagnosticsCallback(DiagnosticsConfig(), parameter_groups(model))
     cb.on_start(trainer)
     return cb, trainer, log
 

@@ -48,7 +48,8 @@ LAYERS = {  # folder (module-name prefix) -> layer; "flt_diag" itself matches on
 }
 ROOT, ROOT_LAYER = "flt_diag", 9
 APART = {"flt_diag.probe": "flt_diag.training", "flt_diag.training": "flt_diag.probe",  # layers beside each other
-         "flt_diag.integrations": "flt_diag.training"}
+         "flt_diag.integrations": "flt_diag.training",
+         "flt_diag.instruments": "flt_diag.model"}  # (the instruments read a model through their protocol only)
 TORCH_FREE = ("flt_diag.config", "flt_diag.storage", "flt_diag.judge", "flt_diag.results")
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 60
 
@@ -124,7 +125,7 @@ def leans() -> list[str]:
             for a, b in APART.items() if under(m, a) and under(t, b)]
 
 
-def test_the_probe_and_the_integrations_import_nothing_of_the_trainer():
+def test_the_probe_and_the_integrations_import_nothing_of_the_trainer_nor_the_instruments_of_the_model():
     assert not leans(), "\n".join(leans())
 
 

@@ -12,10 +12,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from conftest import tiny_config
 from equations import randomize
-from flt_diag.model.transformer import LoopedTransformer, ModelConfig, norm
+from flt_diag.model.transformer import LoopedTransformer, ModelConfig, norm, parameter_groups
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import load_metrics
 from flt_diag.instruments import loop_dynamics as D
+from flt_diag.instruments.looped import LoopStep
 from flt_diag.instruments.sharpness import sharpness
 from flt_diag.instruments.dynamics_callback import instruments, own_model_dynamics
 from flt_diag.instruments.records import StepLog
@@ -41,8 +42,7 @@ def test_loop_map_gain_against_the_exact_jacobian(variant):
     model = tiny(variant)
     idx, _ = batch()
     states = D.loop_states(model, idx)
-    emb, cos, sin = D.loop_inputs(model, idx)
-    step = D.loop_step(model, emb, cos, sin)
+    step = LoopStep.of(model, idx).map(1)
     stats = D.loop_map_stats(model, idx, iters=30, krylov_dim=32, generator=torch.Generator().manual_seed(1))
     sigma, rho = stats[M.LOOP_GAIN], stats[M.LOOP_SPECTRAL_RADIUS]
     assert sigma.shape == rho.shape == (2,)
@@ -60,9 +60,8 @@ def test_loop_step_and_states_are_the_models_loops():
     idx, _ = batch(B=2)
     states = D.loop_states(model, idx)
     logits = model.forward_loops(idx, keep="all")
-    head = D.model_head(model)
-    emb, cos, sin = D.loop_inputs(model, idx)
-    step = D.loop_step(model, emb, cos, sin)
+    head = model.loop_head
+    step = LoopStep.of(model, idx).map(1)
     for t in range(3):
         assert torch.allclose(head(states[t]), logits[t], atol=1e-5)
         if t:
@@ -87,7 +86,7 @@ def hooked_forward(model, idx, targets, cfg=DiagnosticsConfig()):
     """The Trainer's instruments during one armed model forward, with a stand-in trainer: the loop dynamics' rows."""
     log = StepLog()
     trainer = type("T", (), {"model": model, "log": log, "cfg": tiny_config(), "is_main": True})()
-    callbacks = instruments(cfg, own_model_dynamics(cfg, model))
+    callbacks = instruments(cfg, own_model_dynamics(cfg, model), parameter_groups(model))
     for cb in callbacks:
         cb.on_start(trainer)
     for cb in callbacks:

@@ -276,11 +276,11 @@ def test_the_loop_dynamics_of_a_loop_embedding_take_each_loops_own_map():
     """The every-N records follow the loop embedding: loop t's map adds e_t (one map per loop, against the
     written-out loop with e_t added by hand)."""
     from flt_diag.instruments import loop_dynamics as D
+    from flt_diag.instruments.looped import LoopStep
     model = make("loop-embed", K=3, dtype=torch.float64)
     tokens = idx()
-    emb, cos, sin = D.loop_inputs(model, tokens)
     states = D.loop_states(model, tokens)
-    steps = D.loop_steps(model, emb, cos, sin, len(states))
+    steps = LoopStep.of(model, tokens).maps()
     assert len(steps) == 2
     for t, (f, h) in enumerate(zip(steps, states[:-1]), start=1):
         x = h + model.loop_embed.weight[t]

@@ -13,8 +13,8 @@ from flt_diag.instruments.guard import Instrument
 from flt_diag.instruments.gradient_pairs import consecutive_stats, pair_sums, segment_squares
 from flt_diag.instruments.loop_hooks import (BUILTIN, MANUAL, BlockCalledTwice, BlocksNotFound, LoopHooks,  # noqa: F401
                                             NotLooped, ProbeError, first_tensor, token_norm)
+from flt_diag.instruments.looped import LoopedModel
 from flt_diag.config.run_config import DiagnosticsConfig
-from flt_diag.model.transformer import detached_loops, parameter_groups
 
 
 def should_record(step: int, cfg: DiagnosticsConfig) -> bool:
@@ -35,10 +35,10 @@ class DiagnosticsCallback(Instrument):
                "after_clip": (M.GRAD_NORM_CLIPPED + PER_GROUP,),
                "after_step": (M.UPDATE_RATIO + PER_GROUP, M.PARAM_NORM + PER_GROUP)}
 
-    def __init__(self, cfg: DiagnosticsConfig, groups: dict[str, list] | None = None, hooks: dict | None = None,
+    def __init__(self, cfg: DiagnosticsConfig, groups: dict[str, list], hooks: dict | None = None,
                  grad_scale: float | None = None, loop_end: tuple | list = (), forward_end: tuple | list = ()):
-        """`groups` (default: flt-diag's model's parameter_groups), `hooks` (LoopHooks keyword arguments) and
-        `grad_scale` (default the run's grad_accum) take the same records on any looped model (flt_diag.watch);
+        """`groups` (the parameter groups: flt-diag's model's parameter_groups, or those of any looped model under
+        flt_diag.watch), `hooks` (LoopHooks keyword arguments) and `grad_scale` (default the run's grad_accum);
         `loop_end`: fn(loop, stream), fed each recorded loop-end stream (LoopHooks.on_loop_end: the loop dynamics);
         `forward_end`: fn(loops) at the end of each recorded forward (LoopHooks.on_forward_end)."""
         self.cfg, self.loop_end, self.forward_end = cfg, list(loop_end), list(forward_end)
@@ -59,7 +59,7 @@ class DiagnosticsCallback(Instrument):
         self._seen: tuple[list, list[int], torch.Tensor] | None = None  # its gradients, their versions, group squares
 
     def on_start(self, trainer) -> None:
-        self.groups = self.given_groups if self.given_groups is not None else parameter_groups(trainer.model)
+        self.groups = self.given_groups
         self.params = [p for ps in self.groups.values() for p in ps]
         self.param_sizes = [sum(p.numel() for p in ps) for ps in self.groups.values()]
         self.hooks = LoopHooks(trainer.model, trainer.log.add, attention=self.cfg.attention, records=self.records,
@@ -67,9 +67,8 @@ class DiagnosticsCallback(Instrument):
         self.hooks.on_loop_end += self.loop_end
         self.hooks.on_forward_end += self.forward_end
         self.hooks.grad_scale = trainer.cfg.train.grad_accum if self.grad_scale is None else self.grad_scale
-        model_cfg = getattr(trainer.model, "cfg", None)
-        if model_cfg is not None and hasattr(trainer.model, "grad_loops"):
-            self.hooks.detached = detached_loops(model_cfg.loops, trainer.model.grad_loops)
+        if isinstance(trainer.model, LoopedModel):
+            self.hooks.detached = trainer.model.detached_loops
         self.hooks.__enter__()
 
     def before_step(self, trainer, step: int) -> None:

@@ -6,9 +6,9 @@ model flt-diag did not write: docs/api.md, "Loop dynamics on your own model".
 loop-end stream to LoopDynamicsCallback.loop_end (a new record per loop: its function in loop_dynamics.py, its
 metric name, one call in `loop_end`). The every-N records go through a loop map after the backward, on rank 0,
 in fp32 outside autocast, with a generator of their own, leaving nothing on any .grad (the training trajectory
-is the same with or without them). By the model: ModelLoopMap for flt-diag's (h(t) = its final norm of the
-stream, its head, the forward's targets); StepLoopMap for any other (the raw stream, head= and targets= as
-given, the user's loop_step=). Every record here is taken through the run's record guard
+is the same with or without them), one LoopMap for every model: on a LoopedModel (flt-diag's own: the protocol of
+flt_diag.instruments.looped) its loop-end state, head, loop step and targets; on any other the raw stream, head=
+and targets= as given, the user's loop_step=. Every record here is taken through the run's record guard
 (flt_diag.instruments.guard), and what the user's head=, targets= and loop_step= return is checked at the record
 (flt_diag.instruments.record_checks): one that cannot be taken is said once and skipped, the training goes on.
 """
@@ -27,7 +27,7 @@ from flt_diag.instruments import loop_dynamics as D
 from flt_diag.instruments.record_checks import checked_head, checked_step, checked_targets, target_span
 from flt_diag.instruments.loop_hooks import per_token_norms
 from flt_diag.instruments.sharpness import sharpness
-from flt_diag.model.transformer import LoopedTransformer, norm
+from flt_diag.instruments.looped import LoopedModel, LoopStep
 from flt_diag.config.run_config import DiagnosticsConfig
 
 
@@ -45,77 +45,64 @@ def due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
 
 
-class ModelLoopMap:
-    """flt-diag's own model: loop_map_stats at its own states of the step's first micro-batch (`begin`: the
-    forward's idx, targets), the per-loop gradient agreement, and the sharpness."""
+class LoopMap:
+    """The every-N loop-map records, one path for every model. On a LoopedModel (flt-diag's own, the protocol of
+    flt_diag.instruments.looped): the loop map at its own states of the step's first micro-batch (`begin`: the
+    forward's idx and its targets), with the per-loop gradient agreement and the sharpness. On any other: the
+    user's `loop_step` (h(t-1) -> h(t)) at the step's recorded loop-end streams, under torch.no_grad, the global
+    random state restored after (a loop_step that draws, e.g. dropout, leaves the training's draws unchanged);
+    one that fails there, or returns what is no next stream (record_checks.checked_step), is said once and
+    records no more. Both write their records through `_add`."""
 
-    def __init__(self, model: LoopedTransformer):
-        self.model, self.batch = model, None
+    def __init__(self, model: LoopedModel | None = None, loop_step: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self.model, self.loop_step = model, loop_step
+        self.batch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.states: list[torch.Tensor] = []
 
     def due(self, step: int, cfg: DiagnosticsConfig, recording: bool) -> bool:
-        return due(step, cfg.dynamics_every) or due(step, cfg.sharpness_every)
+        if self.model is not None:
+            return due(step, cfg.dynamics_every) or due(step, cfg.sharpness_every)
+        return recording and self.loop_step is not None and due(step, cfg.dynamics_every)
 
     def begin(self, args: tuple, kwargs: dict) -> None:
-        idx = args[0] if args else kwargs.get("idx")
-        targets = args[1] if len(args) > 1 else kwargs.get("targets")
-        self.batch = (idx.detach(), targets.detach()) if torch.is_tensor(targets) else None
+        self.batch, self.states = None, []
+        if self.model is not None:
+            idx, targets = args[0] if args else kwargs.get("idx"), self.model.loop_targets(*args, **kwargs)
+            self.batch = (idx.detach(), targets.detach()) if torch.is_tensor(targets) else None
 
-    def loop_end(self, h: torch.Tensor) -> None: ...
+    def loop_end(self, h: torch.Tensor) -> None:
+        if self.model is None:
+            self.states.append(h)
 
-    def record(self, host: Host, step: int, cfg: DiagnosticsConfig, records: Records) -> None:
+    def record(self, host: Host, step: int, cfg: DiagnosticsConfig, records: Records, loss_on: str) -> None:
         """The every-N records, each through `records` (one that fails leaves the others)."""
-        batch, self.batch = self.batch, None
-        if batch is None:
-            return
-        b, model, log = cfg.dynamics_batch, self.model, host.log
+        batch, states, self.batch, self.states = self.batch, self.states, None, []
+        if self.model is not None and batch is not None:
+            self._own(host.log, step, cfg, records, batch, loss_on)
+        elif self.model is None and len(states) >= 2 and self.loop_step is not None:
+            records.take(LOOP_MAP, self._given, host.log, step, cfg, states)
+
+    def _own(self, log, step: int, cfg: DiagnosticsConfig, records: Records, batch, loss_on: str) -> None:
+        model, b = self.model, cfg.dynamics_batch
+        assert model is not None  # (_own: the protocol's model)
         idx, targets = batch[0][:b], batch[1][:b]
-        loss_on = host.cfg.train.loss_on if host.cfg is not None else "end"  # (a probe: the end loop)
         gen = torch.Generator(device=idx.device).manual_seed(step)
         with torch.autocast(idx.device.type, enabled=False):
-            if due(step, cfg.dynamics_every) and model.cfg.loops > 1:
-                records.take(LOOP_MAP, self._loop_map, log, idx, cfg, gen)
+            if due(step, cfg.dynamics_every) and LoopStep.of(model, idx).loops > 1:
+                records.take(LOOP_MAP, lambda: self._add(log, D.loop_map_stats(
+                    model, idx, cfg.dynamics_iters, cfg.krylov_dim, cfg.perturbation_dirs, gen)))
                 records.take((M.LOOP_GRAD_COSINE,), self._agreement, log, idx, targets, loss_on)
             if due(step, cfg.sharpness_every):
                 records.take((M.SHARPNESS,), lambda: log.add(M.SHARPNESS, sharpness(
                     model, idx, targets, cfg.dynamics_iters, loss_on, gen)))
 
-    def _loop_map(self, log, idx: torch.Tensor, cfg: DiagnosticsConfig, gen: torch.Generator) -> None:
-        stats = D.loop_map_stats(self.model, idx, cfg.dynamics_iters, cfg.krylov_dim, cfg.perturbation_dirs, gen)
-        loops = range(2, self.model.cfg.loops + 1)
-        for metric, values in stats.items():
-            log.add_vector([(metric, t, M.NONE) for t in loops], values)
-
     def _agreement(self, log, idx: torch.Tensor, targets: torch.Tensor, loss_on: str) -> None:
+        assert self.model is not None  # (_own: the protocol's model)
         cos = D.loop_gradient_agreement(self.model, idx, targets, loss_on)  # (K, L)
         log.add_vector([(M.LOOP_GRAD_COSINE, t + 1, layer + 1) for t in range(cos.shape[0])
                         for layer in range(cos.shape[1])], cos.flatten())
 
-
-class StepLoopMap:
-    """A model flt-diag did not write: the user's `loop_step` (h(t-1) -> h(t)) at the step's recorded loop-end
-    streams, under torch.no_grad, the global random state restored after (a loop_step that draws, e.g. dropout,
-    leaves the training's draws unchanged). One that fails there, or returns what is no next stream
-    (record_checks.checked_step), is said once, and records no more."""
-
-    def __init__(self, loop_step: Callable[[torch.Tensor], torch.Tensor]):
-        self.loop_step: Callable | None = loop_step
-        self.states: list[torch.Tensor] = []
-
-    def due(self, step: int, cfg: DiagnosticsConfig, recording: bool) -> bool:
-        return recording and self.loop_step is not None and due(step, cfg.dynamics_every)
-
-    def begin(self, args: tuple, kwargs: dict) -> None:
-        self.states = []
-
-    def loop_end(self, h: torch.Tensor) -> None:
-        self.states.append(h)
-
-    def record(self, host: Host, step: int, cfg: DiagnosticsConfig, records: Records) -> None:
-        states, self.states = self.states, []
-        if len(states) >= 2 and self.loop_step is not None:
-            records.take(LOOP_MAP, self._record, host, step, cfg, states)
-
-    def _record(self, host: Host, step: int, cfg: DiagnosticsConfig, states: list[torch.Tensor]) -> None:
+    def _given(self, log, step: int, cfg: DiagnosticsConfig, states: list[torch.Tensor]) -> None:
         if len({s.shape for s in states}) > 1:
             raise Unrecordable("the loop-end streams change shape from loop to loop: no loop-map records there")
         states = [s[:cfg.dynamics_batch] if s.dim() == 3 else s for s in states]
@@ -132,12 +119,15 @@ class StepLoopMap:
             self.loop_step = None  # record from now on, and the training goes on
             why = why_of(e) if isinstance(e, Unrecordable) else f"loop_step= failed under double backward ({why_of(e)})"
             raise Unrecordable(f"{why}: no loop-map records from here on") from None
-        loops = range(2, len(states) + 1)
+        self._add(log, stats)
+
+    @staticmethod
+    def _add(log, stats: dict[str, torch.Tensor]) -> None:
+        """The loop map's records, metric -> values of loops 2..K."""
         for metric, values in stats.items():
-            host.log.add_vector([(metric, t, M.NONE) for t in loops], values)
+            log.add_vector([(metric, t, M.NONE) for t in range(2, len(values) + 2)], values)
 
 
-LoopMap = ModelLoopMap | StepLoopMap
 KEEP_FOR_SIMILARITY = 1 << 20  # elements: a loop end's first dynamics_batch sequences up to this size are copied and
 BATCH_SIMILARITY = 1 << 22  # taken together at the forward's end, this many elements a call (larger: at the loop end)
 
@@ -320,29 +310,30 @@ class LoopDynamicsCallback(Instrument):
         if self.mapping:
             assert self.loop_map is not None  # (mapping: there is one)
             self.mapping = False
-            self.loop_map.record(trainer, step, self.cfg, self.records)
+            loss_on = trainer.cfg.train.loss_on if trainer.cfg is not None else "end"  # (a probe: the end loop)
+            self.loop_map.record(trainer, step, self.cfg, self.records, loss_on)
 
 
-def own_model_dynamics(cfg: DiagnosticsConfig, model: LoopedTransformer) -> LoopDynamicsCallback:
-    """flt-diag's own model (the module docstring's first case)."""
-    def targets(idx, targets=None, *args, **kwargs):
-        return targets
-    return LoopDynamicsCallback(cfg, ModelLoopMap(model), D.model_head(model), targets, lambda h: norm(h.float()))
+def own_model_dynamics(cfg: DiagnosticsConfig, model: LoopedModel) -> LoopDynamicsCallback:
+    """A LoopedModel, flt-diag's own (the module docstring's first case)."""
+    return LoopDynamicsCallback(cfg, LoopMap(model), model.loop_head, model.loop_targets, model.loop_state)
 
 
 def watched_model_dynamics(cfg: DiagnosticsConfig, model: torch.nn.Module, head: Callable | None = None,
                            loop_step: Callable | None = None, targets: Callable | None = None) -> LoopDynamicsCallback:
     """flt_diag.watch: flt-diag's own model as in its runs (with loop_dynamics on: off, nothing is recorded at all);
     any other model, the module docstring's second case."""
-    if isinstance(model, LoopedTransformer) and cfg.loop_dynamics:
+    if isinstance(model, LoopedModel) and cfg.loop_dynamics:
         return own_model_dynamics(cfg, model)
-    return LoopDynamicsCallback(cfg, StepLoopMap(loop_step) if loop_step is not None else None, head, targets)
+    return LoopDynamicsCallback(cfg, LoopMap(loop_step=loop_step) if loop_step is not None else None, head, targets)
 
 
-def instruments(cfg: DiagnosticsConfig, dynamics: LoopDynamicsCallback,
+def instruments(cfg: DiagnosticsConfig, dynamics: LoopDynamicsCallback, groups: dict[str, list],
                 **diagnostics) -> tuple[DiagnosticsCallback, LoopDynamicsCallback]:
-    """The instruments of every step, in the order they run: the diagnostics (`diagnostics`: DiagnosticsCallback's
-    groups, hooks, grad_scale, for a model flt-diag did not write), whose hooks feed the loop dynamics."""
-    diag = DiagnosticsCallback(cfg, loop_end=[dynamics.loop_end], forward_end=[dynamics.forward_end], **diagnostics)
+    """The instruments of every step, in the order they run: the diagnostics of the parameter `groups`
+    (`diagnostics`: DiagnosticsCallback's hooks, grad_scale, for a model flt-diag did not write), whose hooks feed
+    the loop dynamics."""
+    diag = DiagnosticsCallback(cfg, groups, loop_end=[dynamics.loop_end], forward_end=[dynamics.forward_end],
+                               **diagnostics)
     diag.records = dynamics.records  # (one guard for the run's records: its not_recorded names them all)
     return diag, dynamics

@@ -4,9 +4,9 @@ Pure functions (definitions and cost: DESIGN.md §3, "Loop dynamics"), usable on
 loop-step callable `step(h_prev) -> h_next`, a head callable `head(h) -> logits` and a loss: the fixed-point
 residual, the exit loss, the loop map's gain and spectral radius (by Jacobian-vector products), its mean gain
 and perturbation growth, the streams' similarity, each loop's own gradient and its agreement (the sharpness:
-flt_diag.instruments.sharpness). For a LoopedTransformer: `loop_inputs`, `loop_states`, `loop_step`,
-`model_head`, `looped_loss` (one alias of the block weights per loop). Everything that differentiates runs inside
-`transparent()`; random start vectors come from the caller's generator, never the global RNG; nothing is left on
+flt_diag.instruments.sharpness). For a model of the instruments' protocol (flt_diag.instruments.looped.LoopedModel:
+flt-diag's own): `loop_states`, `loop_map_stats`, `looped_loss` (one alias of the block weights per loop). Everything
+that differentiates runs inside `transparent()`; random start vectors come from the caller's generator, never the global RNG; nothing is left on
 any `.grad`. The training callback that records them: flt_diag.instruments.dynamics_callback.
 """
 from __future__ import annotations
@@ -20,17 +20,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flt_diag.model.transformer import LoopedTransformer, detached_loops, norm, written_out_norm
+from flt_diag.instruments.looped import LoopedModel, LoopStep
 from flt_diag.storage import metric_names as M
 
 Tensor = torch.Tensor
 
 
 @contextlib.contextmanager
-def transparent():
-    """Ops that torch.func transforms and double backward differentiate: written-out norm, math
-    attention, compiled blocks run eagerly (no recompilation for the aliases and dual tensors)."""
-    with written_out_norm(), sdpa_kernel(SDPBackend.MATH), torch.compiler.set_stance("force_eager"):
+def transparent(model: LoopedModel | None = None):
+    """Ops that torch.func transforms and double backward differentiate: the model's own (its `differentiable()`,
+    where it is a LoopedModel: flt-diag's written-out norm), math attention, compiled blocks run eagerly (no
+    recompilation for the aliases and dual tensors)."""
+    own = model.differentiable() if isinstance(model, LoopedModel) else contextlib.nullcontext()
+    with own, sdpa_kernel(SDPBackend.MATH), torch.compiler.set_stance("force_eager"):
         yield
 
 
@@ -51,50 +53,10 @@ def exit_loss(h: Tensor, head: Callable[[Tensor], Tensor], targets: Tensor) -> T
         return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
 
-def model_head(model: LoopedTransformer) -> Callable[[Tensor], Tensor]:
-    """The model's output map: softcap * tanh(head(h) / softcap), as forward_loops applies it."""
-    c = model.cfg.softcap
-    return lambda h: c * torch.tanh(model.head(h.to(model.head.weight.dtype)).float() / c)  # (a float64 model: its dtype)
-
-
 # ----------------------------------------------------------------------------- the loop as a map
-def loop_inputs(model: LoopedTransformer, idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(emb, cos, sin) of a batch: the raw embedding in fp32 (detached) and the rotary tables."""
-    T = idx.shape[1]
-    if T > model.cos.shape[1]:
-        raise ValueError(f"sequence of {T} tokens is longer than the model's rotary tables ({model.cos.shape[1]})")
-    dtype = torch.promote_types(model.embed.weight.dtype, torch.float32)  # fp32, or a float64 model's float64
-    return model.embed(idx).detach().to(dtype), model.cos[:, :T], model.sin[:, :T]
-
-
-def loop_step(model: LoopedTransformer, emb: Tensor, cos: Tensor, sin: Tensor,
-              t: int | None = None) -> Callable[[Tensor], Tensor]:
-    """The map h(t-1) -> h(t) of every loop t >= 2, with emb, cos, sin held fixed. (Every variant sets
-    its stream at a loop's start from emb and h(t-1), so the map is the same function for all t >= 2; a loop
-    embedding makes it depend on t, the loop's index from 0: `loop_steps`. Parcae and Huginn start a loop from
-    the raw stream: the map is taken on the normed state h, as for every variant.)"""
-    return lambda h: norm(model._loop(h, h, emb, cos, sin, t))
-
-
-def loop_steps(model: LoopedTransformer, emb: Tensor, cos: Tensor, sin: Tensor,
-               loops: int) -> Callable[[Tensor], Tensor] | list[Callable[[Tensor], Tensor]]:
-    """The loop map at h(t-1) for t = 2..loops: one map, or one per loop where a loop embedding tells them apart."""
-    if getattr(model, "loop_embed", None) is None:
-        return loop_step(model, emb, cos, sin)
-    return [loop_step(model, emb, cos, sin, t) for t in range(1, loops)]
-
-
-def loop_states(model: LoopedTransformer, idx: Tensor, loops: int | None = None) -> list[Tensor]:
-    """h(1), ..., h(K) of a batch, as forward_loops computes them (fp32 embedding), no gradient."""
-    emb, cos, sin = loop_inputs(model, idx)
-    K = model.cfg.loops if loops is None else loops
-    with torch.no_grad():
-        x, h, states = norm(emb), None, []
-        for t in range(K):
-            x = model._loop(x, h, emb, cos, sin, t)
-            h = norm(x)
-            states.append(h)
-    return states
+def loop_states(model: LoopedModel, idx: Tensor) -> list[Tensor]:
+    """h(1), ..., h(K) of a batch, as the forward computes them (fp32 embedding), no gradient."""
+    return LoopStep.of(model, idx).states()
 
 
 def _unit(v: Tensor) -> Tensor:
@@ -227,14 +189,12 @@ def perturbation_growth(step, states: Sequence[Tensor], dirs: int,
     return torch.exp(logs.mean(0))
 
 
-def loop_map_stats(model: LoopedTransformer, idx: Tensor, iters: int, krylov_dim: int = 24, dirs: int = 4,
+def loop_map_stats(model: LoopedModel, idx: Tensor, iters: int, krylov_dim: int = 24, dirs: int = 4,
                    generator: torch.Generator | None = None) -> dict[str, Tensor]:
-    """The loop map of flt-diag's model at h(t-1), t = 2..K, of a batch: `loop_map_records` of its loop states."""
-    states = loop_states(model, idx)
-    emb, cos, sin = loop_inputs(model, idx)
-    with transparent():
-        return loop_map_records(loop_steps(model, emb, cos, sin, len(states)), states, iters, krylov_dim, dirs,
-                                generator)
+    """The loop map of a LoopedModel at h(t-1), t = 2..K, of a batch: `loop_map_records` of its loop states."""
+    loop = LoopStep.of(model, idx)
+    with transparent(model):
+        return loop_map_records(loop.maps(), loop.states(), iters, krylov_dim, dirs, generator)
 
 
 def loop_map_records(step: Callable[[Tensor], Tensor], states: Sequence[Tensor], iters: int, krylov_dim: int,
@@ -330,14 +290,14 @@ def gradient_agreement(per_loop: list[dict[str, Tensor]], groups: dict[str, list
 
 
 class _LoopCall(nn.Module):
-    """`model._loop` as a module call, so that torch.func.functional_call can swap the block weights."""
+    """A loop's pass as a module call on the model, so that torch.func.functional_call can swap the block weights."""
 
-    def __init__(self, model: LoopedTransformer):
+    def __init__(self, model: nn.Module, run):
         super().__init__()
-        self.model = model
+        self.model, self.run = model, run
 
     def forward(self, *args):
-        return self.model._loop(*args)
+        return self.run(*args)
 
 
 def loss_of_loops(logits: Sequence[Tensor], targets: Tensor, loss_on: str = "end") -> Tensor:
@@ -351,7 +311,7 @@ def loss_of_loops(logits: Sequence[Tensor], targets: Tensor, loss_on: str = "end
     return torch.stack([F.cross_entropy(lg.flatten(0, 1), targets.flatten()) for lg in logits]).mean()
 
 
-def block_weights(model: LoopedTransformer) -> tuple[dict[str, Tensor], dict[str, list[str]]]:
+def block_weights(model: LoopedModel) -> tuple[dict[str, Tensor], dict[str, list[str]]]:
     """The shared block weights by name, and the names of each block's ("block1" ... "blockL")."""
     shared = {f"model.blocks.{n}": p for n, p in model.blocks.named_parameters()}
     groups = {f"block{i + 1}": [f"model.blocks.{i}.{n}" for n, _ in b.named_parameters()]
@@ -359,31 +319,30 @@ def block_weights(model: LoopedTransformer) -> tuple[dict[str, Tensor], dict[str
     return shared, groups
 
 
-def looped_loss(model: LoopedTransformer, idx: Tensor, targets: Tensor, loss_on: str = "end"):
+def looped_loss(model: LoopedModel, idx: Tensor, targets: Tensor, loss_on: str = "end"):
     """loss_fn(aliases) for `per_loop_gradients`: the training loss of the batch with loop t's blocks
     running on aliases[t] (the embedding detached, the head the model's own). Under the model's truncated
     backpropagation (`grad_loops`) the stream is detached where the training forward detaches it, so the
     detached loops' contributions are 0."""
-    emb, cos, sin = loop_inputs(model, idx)
-    call, head = _LoopCall(model), model_head(model)
+    loop = LoopStep.of(model, idx)
+    call = _LoopCall(model, loop.run)  # type: ignore[arg-type]  # (a LoopedModel is an nn.Module)
 
     def loss_fn(aliases: list[dict[str, Tensor]]) -> Tensor:
-        x, h, logits = norm(emb), None, []
-        cut = detached_loops(len(aliases), getattr(model, "grad_loops", 0))
+        x, h, logits = loop.start, None, []
         for t, params in enumerate(aliases):
-            if t == cut and t > 0:
+            if t == model.detached_loops and t > 0:
                 x, h = x.detach(), h.detach()
-            x = torch.func.functional_call(call, params, (x, h, emb, cos, sin, t))
-            h = norm(x)
-            logits.append(head(h))
+            x = torch.func.functional_call(call, params, (x, h, t))
+            h = loop.state(x)
+            logits.append(model.loop_head(h))
         return loss_of_loops(logits, targets, loss_on)
     return loss_fn
 
 
-def loop_gradient_agreement(model: LoopedTransformer, idx: Tensor, targets: Tensor, loss_on: str = "end") -> Tensor:
+def loop_gradient_agreement(model: LoopedModel, idx: Tensor, targets: Tensor, loss_on: str = "end") -> Tensor:
     """(K, L): cosine between loop t's contribution to block l's weight gradient and the total.
     Cost: one forward and backward of the batch (K loops)."""
     shared, groups = block_weights(model)
-    with transparent():
-        per_loop = per_loop_gradients(looped_loss(model, idx, targets, loss_on), shared, model.cfg.loops)
+    with transparent(model):
+        per_loop = per_loop_gradients(looped_loss(model, idx, targets, loss_on), shared, LoopStep.of(model, idx).loops)
     return gradient_agreement(per_loop, groups)

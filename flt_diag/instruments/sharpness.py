@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 import torch
 
 from flt_diag.instruments.loop_dynamics import transparent
-from flt_diag.model.transformer import LoopedTransformer
+from flt_diag.instruments.looped import LoopedModel
 
 Tensor = torch.Tensor
 
@@ -46,9 +46,10 @@ def top_hessian_eigenvalue(loss_fn: Callable[[list[Tensor]], Tensor], params: Se
     return lam
 
 
-def model_loss(model: LoopedTransformer, idx: Tensor, targets: Tensor, loss_on: str = "end"):
-    """(loss_fn(params), params) for `top_hessian_eigenvalue`: the training loss as a function of all
-    the model's parameters (torch.func.functional_call, parameters in named_parameters order)."""
+def model_loss(model: torch.nn.Module, idx: Tensor, targets: Tensor, loss_on: str = "end"):
+    """(loss_fn(params), params) for `top_hessian_eigenvalue`: the training loss, the second item of
+    model(idx, targets, loss_on=) (flt-diag's forward), as a function of all the model's parameters
+    (torch.func.functional_call, parameters in named_parameters order)."""
     names = [n for n, _ in model.named_parameters()]
 
     def loss_fn(ps: list[Tensor]) -> Tensor:
@@ -56,9 +57,9 @@ def model_loss(model: LoopedTransformer, idx: Tensor, targets: Tensor, loss_on: 
     return loss_fn, [p for _, p in model.named_parameters()]
 
 
-def sharpness(model: LoopedTransformer, idx: Tensor, targets: Tensor, iters: int, loss_on: str = "end",
+def sharpness(model: LoopedModel, idx: Tensor, targets: Tensor, iters: int, loss_on: str = "end",
               generator: torch.Generator | None = None) -> Tensor:
     """Top Hessian eigenvalue of the training loss of a batch w.r.t. all parameters."""
-    loss_fn, params = model_loss(model, idx, targets, loss_on)
-    with transparent():
+    loss_fn, params = model_loss(model, idx, targets, loss_on)  # type: ignore[arg-type]  # (a LoopedModel module)
+    with transparent(model):
         return top_hessian_eigenvalue(loss_fn, params, iters, generator)

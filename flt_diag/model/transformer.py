@@ -298,6 +298,39 @@ class LoopedTransformer(nn.Module):
         losses = [F.cross_entropy(lg.flatten(0, 1), targets.flatten()) for lg in logits]
         return logits[-1], torch.stack(losses).mean()
 
+    # the instruments' view of the model (flt_diag.instruments.looped.LoopedModel; blocks and loop_end above)
+    @property
+    def detached_loops(self) -> int:
+        """Loops 1..n of a forward send no gradient (truncated backpropagation, `grad_loops`)."""
+        return detached_loops(self.cfg.loops, self.grad_loops)
+
+    def loop_head(self, h: torch.Tensor) -> torch.Tensor:
+        """The logits of a loop-end state: softcap * tanh(head(h) / softcap), as forward_loops takes them."""
+        c = self.cfg.softcap
+        return c * torch.tanh(self.head(h.to(self.head.weight.dtype)).float() / c)
+
+    def loop_step(self, idx: torch.Tensor):
+        """(start, run, loops) of a batch: norm of the raw embedding in fp32 (detached), run(x, h_prev, t) =
+        `_loop` with that embedding and the rotary tables held fixed, and K."""
+        T = idx.shape[1]
+        if T > self.cos.shape[1]:
+            raise ValueError(f"sequence of {T} tokens is longer than the model's rotary tables ({self.cos.shape[1]})")
+        emb = self.embed(idx).detach().to(torch.promote_types(self.embed.weight.dtype, torch.float32))
+        cos, sin = self.cos[:, :T], self.sin[:, :T]
+        return norm(emb), lambda x, h, t: self._loop(x, h, emb, cos, sin, t), self.cfg.loops
+
+    def loop_state(self, stream: torch.Tensor) -> torch.Tensor:
+        """h(t) of a loop-end stream: its norm, in fp32 at least."""
+        return norm(stream if stream.dtype in (torch.float32, torch.float64) else stream.float())
+
+    def loop_targets(self, idx, targets=None, *args, **kwargs):
+        """The targets among forward's arguments."""
+        return targets
+
+    def differentiable(self):
+        """The written-out norm, which double backward differentiates (written_out_norm)."""
+        return written_out_norm()
+
 
 def detached_loops(loops: int, grad_loops: int) -> int:
     """How many of `loops` loops send no gradient back under truncated backpropagation through the last

@@ -29,7 +29,7 @@ from flt_diag.data.sources import describe, load_split
 from flt_diag.data.tasks import TaskData
 from flt_diag.training.evaluation import Evaluation
 from flt_diag.instruments.external import ExternalSinks
-from flt_diag.model.transformer import LoopedTransformer, ModelConfig, count_parameters
+from flt_diag.model.transformer import LoopedTransformer, ModelConfig, count_parameters, parameter_groups
 from flt_diag.instruments.records import StepLog, environment
 from flt_diag.training.process import start_process
 from flt_diag.instruments.dynamics_callback import instruments, own_model_dynamics
@@ -85,7 +85,8 @@ class Trainer:
         self.log = StepLog()
         self.callbacks: list[Callback] = list(callbacks or [])
         if diagnostics if diagnostics is not None else cfg.diagnostics.enabled:
-            self.callbacks[:0] = instruments(cfg.diagnostics, own_model_dynamics(cfg.diagnostics, self.model))
+            self.callbacks[:0] = instruments(cfg.diagnostics, own_model_dynamics(cfg.diagnostics, self.model),
+                                             groups=parameter_groups(self.model))
         if cfg.diagnostics.warn or cfg.diagnostics.stop_on_collapse:
             self.callbacks.append(CollapseWarning(predictor(cfg.diagnostics.predictor),
                                                   stop=cfg.diagnostics.stop_on_collapse))
