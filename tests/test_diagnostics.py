@@ -9,6 +9,7 @@ from conftest import tiny_config
 from equations import forward as eq_forward, randomize
 from flt_diag.storage import metric_names as M
 from flt_diag.judge import verdict as X
+from flt_diag.judge.verdict import Recipe
 from flt_diag.config.run_config import DiagnosticsConfig, VerdictConfig
 from flt_diag.instruments.diagnostics import DiagnosticsCallback, should_record
 from flt_diag.instruments.loop_hooks import LoopHooks
@@ -44,7 +45,8 @@ def started_callback(model):
     """A DiagnosticsCallback started on `model` with a stand-in trainer (no training loop): the test
     sets gradients and weights by hand and calls the callback's moments itself."""
     log = StepLog()
-    trainer = type("T", (), {"model": model, "log": log, "cfg": tiny_config(), "is_main": True, "run_dir": None})()
+    trainer = type("T", (), {"model": model, "log": log, "recipe": Recipe.of(tiny_config()), "is_main": True,
+                              "run_dir": None})()
     cb = DiagnosticsCallback(DiagnosticsConfig(), parameter_groups(model))
     cb.on_start(trainer)
     return cb, trainer, log

@@ -351,7 +351,7 @@ def test_online_replay_warns_where_the_callback_warns():
     replay = EW.first_warning(df, pred, loops=3, n_layer=2, d_model=64, steps_done=400)
     said = []
     cb = CollapseWarning(pred, say=said.append)
-    cb.on_start(SimpleNamespace(cfg=SimpleNamespace(model=SimpleNamespace(loops=3, n_layer=2, n_embd=64, variant="lt"))))
+    cb.on_start(SimpleNamespace(recipe=SimpleNamespace(loops=3, n_layer=2, n_embd=64, variant="lt")))
     for step, rows in df.groupby("step"):
         cb.on_rows(None, int(step), list(rows.itertuples(index=False, name=None)))
     assert replay["warned_at"] == cb.warned_at == by_hand and len(said) == 1
@@ -374,7 +374,7 @@ def test_every_online_check_reads_what_the_whole_table_gives_and_keeps_a_bounded
     pred = dict(features=EW.FEATURES, threshold=0.99, models={"20": dict(  # (never warns: every check is made)
         mean=[0.0] * len(EW.FEATURES), std=[1.0] * len(EW.FEATURES), coef=[0.1] * len(EW.FEATURES), intercept=-30.0)})
     cb = CollapseWarning(pred, say=lambda text: None)
-    cb.on_start(SimpleNamespace(cfg=SimpleNamespace(model=SimpleNamespace(loops=3, n_layer=2, n_embd=64, variant="lt"))))
+    cb.on_start(SimpleNamespace(recipe=SimpleNamespace(loops=3, n_layer=2, n_embd=64, variant="lt")))
     checked = []
     for step, rows in df.groupby("step"):
         cb.on_rows(None, int(step), list(rows.itertuples(index=False, name=None)))

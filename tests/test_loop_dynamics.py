@@ -17,6 +17,7 @@ from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import load_metrics
 from flt_diag.instruments import loop_dynamics as D
 from flt_diag.instruments.looped import LoopStep
+from flt_diag.judge.verdict import Recipe
 from flt_diag.instruments.sharpness import sharpness
 from flt_diag.instruments.dynamics_callback import instruments, own_model_dynamics
 from flt_diag.instruments.records import StepLog
@@ -85,7 +86,7 @@ def hand_residual(h, h_prev):
 def hooked_forward(model, idx, targets, cfg=DiagnosticsConfig()):
     """The Trainer's instruments during one armed model forward, with a stand-in trainer: the loop dynamics' rows."""
     log = StepLog()
-    trainer = type("T", (), {"model": model, "log": log, "cfg": tiny_config(), "is_main": True})()
+    trainer = type("T", (), {"model": model, "log": log, "recipe": Recipe.of(tiny_config()), "is_main": True})()
     callbacks = instruments(cfg, own_model_dynamics(cfg, model), parameter_groups(model))
     for cb in callbacks:
         cb.on_start(trainer)

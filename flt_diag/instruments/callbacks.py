@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 from flt_diag.storage.folders import PROGRESS, MetricsWriter, write_json
 from flt_diag.config.run_config import RunConfig
+from flt_diag.judge.verdict import Recipe
 
 if TYPE_CHECKING:  # (types only: this base imports no torch)
     import torch
@@ -34,13 +35,16 @@ class Host(Protocol):
     """What the shared callbacks (diagnostics, loop dynamics, early warning) read of the loop they run in:
     flt-diag's Trainer and the probe's stand-in (flt_diag.probe.folder.Host) both are one, structurally
     (tests/typing/hosts.py); a Protocol, so that instruments import nothing of training/ or probe/. Read-only:
-    a callback asks for the end of the run only through `request_stop`. `cfg` is None on the probe until its
-    first step is recorded (a callback reading it before on_start checks for None)."""
+    a callback asks for the end of the run only through `request_stop`. The instruments read `recipe` (what the
+    verdict reads too), a caller's callback may read `cfg`; on the probe both are None until its first step is
+    recorded (a callback reading them before on_start checks for None)."""
 
     @property
     def model(self) -> "torch.nn.Module": ...
     @property
     def cfg(self) -> RunConfig | None: ...
+    @property
+    def recipe(self) -> Recipe | None: ...
     @property
     def run_dir(self) -> Path: ...
     @property

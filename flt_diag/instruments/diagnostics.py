@@ -66,7 +66,7 @@ class DiagnosticsCallback(Instrument):
                                **self.hook_options)
         self.hooks.on_loop_end += self.loop_end
         self.hooks.on_forward_end += self.forward_end
-        self.hooks.grad_scale = trainer.cfg.train.grad_accum if self.grad_scale is None else self.grad_scale
+        self.hooks.grad_scale = trainer.recipe.grad_accum if self.grad_scale is None else self.grad_scale
         if isinstance(trainer.model, LoopedModel):
             self.hooks.detached = trainer.model.detached_loops
         self.hooks.__enter__()

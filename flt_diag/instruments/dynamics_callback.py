@@ -310,7 +310,7 @@ class LoopDynamicsCallback(Instrument):
         if self.mapping:
             assert self.loop_map is not None  # (mapping: there is one)
             self.mapping = False
-            loss_on = trainer.cfg.train.loss_on if trainer.cfg is not None else "end"  # (a probe: the end loop)
+            loss_on = trainer.recipe.loss_on if trainer.recipe is not None else "end"  # (a probe: the end loop)
             self.loop_map.record(trainer, step, self.cfg, self.records, loss_on)
 
 

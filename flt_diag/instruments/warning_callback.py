@@ -57,9 +57,9 @@ class CollapseWarning(Instrument):
         self.restored = False
 
     def on_start(self, trainer) -> None:
-        m = trainer.cfg.model
-        self.loops, self.n_layer, self.d = m.loops, m.n_layer, m.n_embd
-        self.label = f"{m.variant} K={m.loops}"
+        r = trainer.recipe
+        self.loops, self.n_layer, self.d = r.loops, r.n_layer, r.n_embd
+        self.label = f"{r.variant or 'model'} K={r.loops}"
         if getattr(trainer, "start_step", 0) and not self.restored:
             stored = load_metrics(trainer.run_dir, [*self.GLOBAL, M.RESID_NORM_LOOP_END, M.ACT_GRAD_NORM])
             stored = stored[stored.step < trainer.start_step]

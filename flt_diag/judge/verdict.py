@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,36 @@ from flt_diag.storage.folders import (SUMMARY, load_config, load_metrics, load_s
 from flt_diag.config.run_config import RunConfig, VerdictConfig, with_overrides
 
 OSC_INDICES = ("cv", "mean_abs_dlog", "sign_alternation", "neg_cosine_share")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What the verdict and the instruments read of a run, and only that: the steps and the warm-down's share of
+    them, the gradient accumulation and what the loss is on, the model's loops, layers and width, the dense
+    steps of the records, the verdict's thresholds, and the run's identity (variant, seed, lr scale; None where
+    not given: a flt_diag.watch run). `Recipe.of` reads it off a RunConfig (flt-diag's runs, a stored config.json)."""
+
+    steps: int
+    loops: int
+    n_embd: int
+    n_layer: int
+    dense_steps: int
+    warmdown_frac: float = 0.0
+    grad_accum: int = 1
+    loss_on: str = "end"
+    variant: str | None = None
+    seed: int | None = None
+    lr_scale: float | None = None
+    verdict: VerdictConfig = field(default_factory=VerdictConfig)
+
+    @classmethod
+    def of(cls, cfg: "RunConfig | Recipe") -> "Recipe":
+        if isinstance(cfg, Recipe):
+            return cfg
+        m, t = cfg.model, cfg.train
+        return cls(steps=t.steps, loops=m.loops, n_embd=m.n_embd, n_layer=m.n_layer,
+                   dense_steps=cfg.diagnostics.dense_steps, warmdown_frac=t.warmdown_frac, grad_accum=t.grad_accum,
+                   loss_on=t.loss_on, variant=m.variant, seed=t.seed, lr_scale=t.lr_scale, verdict=cfg.verdict)
 
 
 def quiet(fn):
@@ -227,13 +258,14 @@ VERDICT_VERSION = 3  # recorded in summary.json (`summary --recompute` rewrites 
 
 
 @quiet
-def judged(df: pd.DataFrame, cfg, unigram_entropy: float | None, prediction: dict | None = None,
+def judged(df: pd.DataFrame, recipe: Recipe | RunConfig, unigram_entropy: float | None, prediction: dict | None = None,
            stall_scale: float = 1.0) -> tuple[str, dict, dict]:
-    """(verdict, evidence, oscillation index) of a run's metrics table under cfg.verdict: `verdict`'s loss
-    rules, then rule 4b (gradient oscillation before the warm-down) for a run they call stable."""
-    v = cfg.verdict
+    """(verdict, evidence, oscillation index) of a run's metrics table under its recipe's verdict thresholds:
+    `verdict`'s loss rules, then rule 4b (gradient oscillation before the warm-down) for a run they call stable."""
+    r = Recipe.of(recipe)
+    v = r.verdict
     name, evidence = verdict(series(df, M.LOSS), unigram_entropy, v, stall_scale)
-    span_end = cfg.train.steps - round(cfg.train.warmdown_frac * cfg.train.steps)  # the warm-down start
+    span_end = r.steps - round(r.warmdown_frac * r.steps)  # the warm-down's start
     index = oscillation_index(series(df, M.GRAD_NORM), span_end, v.osc_window, v.osc_dlog_threshold)
     windows = index.pop("osc_dlog_windows")
     evidence = {**evidence, **{k: x for k, x in index.items() if k != "oscillating"}}
@@ -250,28 +282,29 @@ def judged(df: pd.DataFrame, cfg, unigram_entropy: float | None, prediction: dic
 
 
 @quiet
-def summarize(df: pd.DataFrame, cfg, unigram_entropy: float | None = None, wall_time: float | None = None,
-              stop_reason: str | None = None, tokens_per_step: int | None = None,
+def summarize(df: pd.DataFrame, recipe: Recipe | RunConfig, unigram_entropy: float | None = None,
+              wall_time: float | None = None, stop_reason: str | None = None, tokens_per_step: int | None = None,
               prediction: dict | None = None) -> Summary:
     """The run's summary (summary.json; v3): verdict, evidence and key figures, from its metrics table."""
-    v = cfg.verdict
+    r = Recipe.of(recipe)
+    v, steps = r.verdict, r.steps
     loss = series(df, M.LOSS)
-    name, evidence, index = judged(df, cfg, unigram_entropy, prediction)
-    resid = residual_explosion(df, cfg.model.loops, cfg.model.n_embd, v.explosion_ratio)
+    name, evidence, index = judged(df, r, unigram_entropy, prediction)
+    resid = residual_explosion(df, r.loops, r.n_embd, v.explosion_ratio)
     g, cos = series(df, M.GRAD_NORM), series(df, M.GRAD_COSINE)
-    osc = dense_oscillation(g, cos, cfg.diagnostics.dense_steps)
+    osc = dense_oscillation(g, cos, r.dense_steps)
     val = series(df, M.VAL_LOSS).dropna()
     accuracy = series(df, M.VAL_ACCURACY).dropna()
     finite_loss = loss[np.isfinite(loss.to_numpy())]
-    milestones = milestone_stds(loss, g, cfg.train.steps, cfg.train.warmdown_frac)
+    milestones = milestone_stds(loss, g, steps, r.warmdown_frac)
     at = {m["step"]: m for m in milestones}
-    wd = warmdown_start(cfg.train.steps, cfg.train.warmdown_frac)
-    mid, last = at.get(wd, {}), at.get(cfg.train.steps - 1, {}) if wd < cfg.train.steps - 1 else {}
+    wd = warmdown_start(steps, r.warmdown_frac)
+    mid, last = at.get(wd, {}), at.get(steps - 1, {}) if wd < steps - 1 else {}
     steps_done = int(loss.index.max()) + 1 if len(loss) else 0
     return Summary.model_validate(dict(
         verdict=name, verdict_version=VERDICT_VERSION, evidence=evidence,
         residual_explosion=resid.pop("residual_explosion"), **resid,
-        variant=cfg.model.variant, loops=cfg.model.loops, seed=cfg.train.seed, lr_scale=cfg.train.lr_scale,
+        variant=r.variant, loops=r.loops, seed=r.seed, lr_scale=r.lr_scale,
         final_loss=float(smoothed(finite_loss, v.smooth_window).iloc[-1]) if len(finite_loss) else math.nan,
         best_loss=evidence.get("min_smoothed_loss", math.nan),
         val_loss=float(val.iloc[-1]) if len(val) else math.nan,
@@ -285,7 +318,7 @@ def summarize(df: pd.DataFrame, cfg, unigram_entropy: float | None = None, wall_
         milestones=milestones,
         oscillation_windows=windowed_oscillation(g, cos, v.osc_window).to_dict("records"),
         osc_dlog_windows=index["osc_dlog_windows"],
-        steps_done=steps_done, steps=cfg.train.steps, wall_time=wall_time, stop_reason=stop_reason,
+        steps_done=steps_done, steps=steps, wall_time=wall_time, stop_reason=stop_reason,
         prediction=prediction,
         tokens_per_s=(tokens_per_step * steps_done / wall_time) if wall_time and tokens_per_step else None))
 

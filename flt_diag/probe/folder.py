@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from flt_diag.judge.verdict import MIN_DIFFERENCES
+from flt_diag.judge.verdict import MIN_DIFFERENCES, Recipe
 from flt_diag.storage.folders import CONFIG, write_json
 from flt_diag.instruments.loop_hooks import ProbeError
 from flt_diag.probe.model import head_count_of, vocab_size_of
@@ -77,6 +77,7 @@ class Host:
     def __init__(self, model, run_dir: Path):
         self.model, self.run_dir, self.log = model, run_dir, StepLog()
         self.cfg: RunConfig | None = None
+        self.recipe: Recipe | None = None
         self.start_step, self.is_main = 0, True
         self.stop_requested: str | None = None
         self.prediction: dict | None = None

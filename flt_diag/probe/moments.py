@@ -23,6 +23,7 @@ from flt_diag.instruments.warning_callback import CollapseWarning
 from flt_diag.probe.checks import step_arguments
 from flt_diag.probe.folder import Host, probe_run_config, write_probe_config
 from flt_diag.probe.results import EarlyWarning
+from flt_diag.judge.verdict import Recipe
 from flt_diag.config.run_config import DiagnosticsConfig
 
 if TYPE_CHECKING:
@@ -187,6 +188,7 @@ class ProbeMoments:
 
     def _start_run(self, s: int) -> None:
         self.host.cfg = probe_run_config(self, self.steps or s + 1)
+        self.host.recipe = Recipe.of(self.host.cfg)
         write_probe_config(self, self.host.cfg)
         for cb in (self.warning_cb, *self.callbacks[1:]):  # (the loop dynamics: started at watch())
             cb.on_start(self.host)

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from flt_diag.storage import metric_names as M
-from flt_diag.judge.verdict import summarize, tokens_per_step, with_not_recorded
+from flt_diag.judge.verdict import Recipe, summarize, tokens_per_step, with_not_recorded
 from flt_diag.instruments.callbacks import Callback, MetricsTable, Progress
 from flt_diag.training.checkpoint import Checkpoints, restore
 from flt_diag.config.run_config import RunConfig
@@ -68,7 +68,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: str | Path, callbacks: list[Callback] | None = None,
                  progress: Callable[[dict], None] | None = None, diagnostics: bool | None = None,
                  model: Callable[[ModelConfig], torch.nn.Module] | None = None, root: str | Path | None = None):
-        self.run_dir, self.cfg = Path(run_dir), cfg
+        self.run_dir, self.cfg, self.recipe = Path(run_dir), cfg, Recipe.of(cfg)  # (recipe: what the instruments read)
         self.root = Path(root) if root is not None else None  # the folder the command was given (a sweep)
         self.train_data, self.val_data = _load_splits(cfg.train, cfg.model.sequence_len)
         check_settled(cfg, self.train_data.vocab_size)  # a guard: the Trainer settles nothing itself
@@ -311,7 +311,7 @@ class Trainer:
         if not self.is_main:
             torch.distributed.destroy_process_group()
             return {}
-        summary = summarize(load_metrics(self.run_dir), self.cfg, unigram_entropy=self.train_data.unigram_entropy,
+        summary = summarize(load_metrics(self.run_dir), self.recipe, unigram_entropy=self.train_data.unigram_entropy,
                             wall_time=self.wall_time, stop_reason=self.stop_reason, prediction=self.prediction,
                             tokens_per_step=tokens_per_step(self.cfg, self.world))
         summary = with_not_recorded(summary, self.callbacks)
