@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from flt_diag.records import attention as ATTENTION
 from flt_diag.storage import metric_names as M
 from flt_diag.config.run_config import build_config
 from flt_diag.judge.verdict import summarize
@@ -73,7 +74,7 @@ def _rows(cfg, collapsed: bool, steps: int, rng: np.random.Generator, val_shift:
             if t % 10 == 0:
                 rows.append((t, M.TOKEN_COSINE, k, M.NONE, min(0.2 + (0.01 * t if collapsed else 0.0) * k / K, 1.0)))
             for layer in range(1, L + 1):
-                rows.append((t, M.ATTN_ENTROPY, k, layer, 1.0 + 0.1 * k - 0.05 * layer))
+                rows.append((t, ATTENTION.ENTROPY, k, layer, 1.0 + 0.1 * k - 0.05 * layer))
             if k > 1:
                 rows.append((t, M.FIXED_POINT_RESIDUAL, k, M.NONE, 0.1 * grow / k))
                 if t % 10 == 0:

@@ -7,6 +7,7 @@ import torch
 
 from conftest import tiny_config
 from equations import forward as eq_forward, randomize
+from flt_diag.records import attention as ATTENTION
 from flt_diag.storage import metric_names as M
 from flt_diag.judge import verdict as X
 from flt_diag.judge.verdict import Recipe
@@ -104,7 +105,7 @@ def test_checkpointing_gives_same_records():
 
 def test_only_armed_forwards_record_and_hooks_are_removed():
     model, rec = make(), Recorder()
-    with LoopHooks(model, rec, attention=True) as hooks:
+    with LoopHooks(model, rec, block_records=[ATTENTION.RECORD]) as hooks:
         model(IDX)  # not armed
         assert rec.rows == []
         hooks.arm()
@@ -121,10 +122,10 @@ def test_only_armed_forwards_record_and_hooks_are_removed():
 
 def test_attention_statistics_against_manual_softmax():
     model, rec = float64_model(make("flt", 2)), Recorder()
-    with LoopHooks(model, rec, attention=True) as hooks:
+    with LoopHooks(model, rec, block_records=[ATTENTION.RECORD]) as hooks:
         hooks.arm()
         model(IDX)
-    ent, mx = rec.get(M.ATTN_ENTROPY), rec.get(M.ATTN_MAX_LOGIT)
+    ent, mx = rec.get(ATTENTION.ENTROPY), rec.get(ATTENTION.MAX_LOGIT)
     assert set(ent) == set(mx) == {(t, i) for t in (1, 2) for i in (1, 2)}
     # loop 1, block 1: queries and keys both from norm(E), here in float64
     from equations import rms, rotary
@@ -372,7 +373,7 @@ def test_run_folder_contents(tmp_path):
     step3 = df[df.step == 3]
     assert len(step3[step3.metric == M.RESID_NORM]) == 2 * 2
     assert len(step3[step3.metric == M.ACT_GRAD_NORM]) == 2 * 2
-    assert len(step3[step3.metric == M.ATTN_ENTROPY]) == 2 * 2
+    assert len(step3[step3.metric == ATTENTION.ENTROPY]) == 2 * 2
     for m in (M.LOSS, M.LR, M.GRAD_NORM, M.GRAD_COSINE, M.SIGN_FLIP, "update_ratio/attn", "grad_norm/head"):
         assert m in set(df.metric), m
     assert not df[(df.step == 0) & (df.metric == M.GRAD_COSINE)].size  # no previous step at step 0

@@ -4,6 +4,9 @@ own layer and any layer below, never one above):
 
     0 config    flt_diag/config/ - the configuration: every option typed once (run_config.py, option_fields.py),
                 the variants as data (variants.py), the options of sweeps and maps (grid_options.py)
+    0 records   flt_diag/records/ - a diagnostic record in one file each: its options, metric names, schedule,
+                moment and computation (torch-free: it computes through the tensors it is handed); config/ and
+                storage/ assemble DiagnosticsConfig and the metric names from them
     1 storage   flt_diag/storage/ - I/O: run, sweep and map folders (folders.py), the file kinds and their
                 validating loaders (files.py, schema.py), metric names, cell names, what may be pooled
     2 judge     flt_diag/judge/ - judgments on stored records, torch-free: the verdict, peer comparison,
@@ -41,7 +44,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "flt_diag"
 LAYERS = {  # folder (module-name prefix) -> layer; "flt_diag" itself matches only the package's __init__
-    "flt_diag.config": 0, "flt_diag.storage": 1, "flt_diag.judge": 2, "flt_diag.model": 3, "flt_diag.data": 4,
+    "flt_diag.config": 0, "flt_diag.records": 0, "flt_diag.storage": 1, "flt_diag.judge": 2, "flt_diag.model": 3, "flt_diag.data": 4,
     "flt_diag.instruments": 5, "flt_diag.training": 6, "flt_diag.probe": 6, "flt_diag.integrations": 7,
     "flt_diag.training.integrations": 7, "flt_diag.grids": 7, "flt_diag.results": 8, "flt_diag.cli": 9,
     "flt_diag.__main__": 9,
@@ -50,7 +53,7 @@ ROOT, ROOT_LAYER = "flt_diag", 9
 APART = {"flt_diag.probe": "flt_diag.training", "flt_diag.training": "flt_diag.probe",  # layers beside each other
          "flt_diag.integrations": "flt_diag.training",
          "flt_diag.instruments": "flt_diag.model"}  # (the instruments read a model through their protocol only)
-TORCH_FREE = ("flt_diag.config", "flt_diag.storage", "flt_diag.judge", "flt_diag.results")
+TORCH_FREE = ("flt_diag.config", "flt_diag.records", "flt_diag.storage", "flt_diag.judge", "flt_diag.results")
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 60
 
 

@@ -27,6 +27,7 @@ from flt_diag.instruments.warning_callback import CollapseWarning
 from flt_diag.probe import moments
 from flt_diag.probe.loop_probe import LoopProbe
 from flt_diag.probe.moments import ProbeMoments
+from flt_diag.records import attention as ATTENTION
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import load_metrics
 from flt_diag.training import trainer
@@ -286,7 +287,7 @@ def test_the_trainers_records_share_the_guard(tmp_path, monkeypatch, capfd):
     """flt-diag's own model and Trainer: the records only it takes (the attention statistics, the loop map of its
     own model, the per-loop gradient agreement, the sharpness, the attention output's gradient) made to fail at
     once: the run ends with its summary, each said once."""
-    monkeypatch.setattr(LoopHooks, "_attn_hook", lambda self, layer: injected)
+    monkeypatch.setattr(LoopHooks, "_record_hook", lambda self, record, layer: injected)  # (the attention's)
     for where, name in ((D, "loop_map_stats"), (D, "loop_gradient_agreement"), (dynamics_callback, "sharpness"),
                         (loop_hooks, "gradient_norm")):
         monkeypatch.setattr(where, name, injected)
@@ -297,12 +298,12 @@ def test_the_trainers_records_share_the_guard(tmp_path, monkeypatch, capfd):
     err = capfd.readouterr().err
     assert summary["steps_done"] == 3 and (tmp_path / "run" / "summary.json").exists()
     names = [n for line in said(err) for n in line]
-    for name in (M.ATTN_MAX_LOGIT, M.ATTN_ENTROPY, *LOOP_MAP, M.LOOP_GRAD_COSINE, M.SHARPNESS, M.ACT_GRAD_NORM,
+    for name in (ATTENTION.MAX_LOGIT, ATTENTION.ENTROPY, *LOOP_MAP, M.LOOP_GRAD_COSINE, M.SHARPNESS, M.ACT_GRAD_NORM,
                  M.ACT_GRAD_NORM_ATTN):
         assert names.count(name) == 1, (name, err)
     assert (load_metrics(tmp_path / "run").metric == M.EFFECTIVE_RANK).any()  # the others still taken
     written = json.loads((tmp_path / "run" / "summary.json").read_text())["evidence"]["not_recorded"]
-    for name in (M.ATTN_ENTROPY, M.LOOP_GRAD_COSINE, M.SHARPNESS):  # named in the summary, as a watch run's are
+    for name in (ATTENTION.ENTROPY, M.LOOP_GRAD_COSINE, M.SHARPNESS):  # named in the summary, as a watch run's are
         assert name in written and "injected fault" in written[name], written
     from flt_diag.judge.verdict import resummarize
     assert resummarize(tmp_path / "run").evidence.not_recorded == written  # and kept when the run is re-judged

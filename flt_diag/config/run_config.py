@@ -6,13 +6,14 @@ are in flt_diag.config.grid_options. A bad value is one ConfigError line naming 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, ValidationError, create_model, model_validator
 
 from flt_diag.config.option_fields import (ConfigError, Option, Options, dotted, like, one_line, opt,  # noqa: F401
                                          options_of)
 from flt_diag.config.variants import MAX_LOOPS, Variant
+from flt_diag.records import all_records
 
 
 # The synthetic tasks `--data` accepts beside corpora (flt_diag.data.tasks), each with the difficulty
@@ -151,13 +152,13 @@ class TrainConfig(Options):
         return self
 
 
-class DiagnosticsConfig(Options):
+class CoreDiagnostics(Options):
+    """The diagnostics' own options; DiagnosticsConfig adds each record's (flt_diag.records: one file each)."""
+
     enabled: bool = opt(True, "Record the diagnostics (--no-diagnostics: only loss, lr, grad norm).",
                         alias="diagnostics")
     dense_steps: int = opt(2000, "Record every step up to here ...", ge=0)
     every: int = opt(10, "... then every N steps.", alias="record_every", ge=1)
-    attention: bool = opt(False, "Also record max attention logit and entropy per (loop, layer).",
-                          alias="attention_stats")
     loop_dynamics: bool = opt(True, "Also the fixed-point residual and exit loss per loop (DESIGN.md §3).",
                              volatile=True)
     exit_loss_every: int = opt(50, "The exit loss of every loop on the recorded steps that are multiples of N (one "
@@ -182,6 +183,13 @@ class DiagnosticsConfig(Options):
     stop_on_collapse: bool = opt(False, "End the run there (verdict collapsed, predicted at step s); the run "
                                  "folder stays complete. Implies --warn.")
     predictor: str | None = opt(None, "Predictor JSON from `flt-diag fit-predictor` [default: the packaged one].")
+
+
+if TYPE_CHECKING:  # (a record's options are read by name: getattr(cfg, record.switch))
+    DiagnosticsConfig = CoreDiagnostics
+else:
+    DiagnosticsConfig = create_model("DiagnosticsConfig", __base__=CoreDiagnostics, __module__=__name__,
+                                     **{name: o for record in all_records() for name, o in record.options.items()})
 
 
 class VerdictConfig(Options):

@@ -15,6 +15,7 @@ from flt_diag.instruments.loop_hooks import (BUILTIN, MANUAL, BlockCalledTwice, 
                                             NotLooped, ProbeError, first_tensor, token_norm)
 from flt_diag.instruments.looped import LoopedModel
 from flt_diag.config.run_config import DiagnosticsConfig
+from flt_diag.records import Record, all_records
 
 
 def should_record(step: int, cfg: DiagnosticsConfig) -> bool:
@@ -54,6 +55,8 @@ class DiagnosticsCallback(Instrument):
         self.have_before = False
         self.key_lists: dict[tuple, list[tuple[str, int, int]]] = {}
         self.recording = False
+        self.taken: list[Record] = []  # the records switched on (flt_diag.records); `due`: those this step takes
+        self.due: list[Record] = []
         self.unclipped_norm: torch.Tensor | None = None  # (the probe) the step's total gradient norm before clipping
         self.grad_norm: torch.Tensor | None = None  # the total gradient norm after_backward read (before clipping)
         self._seen: tuple[list, list[int], torch.Tensor] | None = None  # its gradients, their versions, group squares
@@ -62,8 +65,9 @@ class DiagnosticsCallback(Instrument):
         self.groups = self.given_groups
         self.params = [p for ps in self.groups.values() for p in ps]
         self.param_sizes = [sum(p.numel() for p in ps) for ps in self.groups.values()]
-        self.hooks = LoopHooks(trainer.model, trainer.log.add, attention=self.cfg.attention, records=self.records,
-                               **self.hook_options)
+        self.taken = [r for r in all_records() if getattr(self.cfg, r.switch)]  # (flt_diag.records: switched on)
+        self.hooks = LoopHooks(trainer.model, trainer.log.add, records=self.records, **self.hook_options,
+                               block_records=[r for r in self.taken if r.moment == "after_block"])
         self.hooks.on_loop_end += self.loop_end
         self.hooks.on_forward_end += self.forward_end
         self.hooks.grad_scale = trainer.recipe.grad_accum if self.grad_scale is None else self.grad_scale
@@ -73,7 +77,15 @@ class DiagnosticsCallback(Instrument):
 
     def before_step(self, trainer, step: int) -> None:
         self.recording = should_record(step, self.cfg)
+        self.hooks.due = self.due = [r for r in self.taken if self.recording and r.due(self.cfg, step)]
         self.hooks.arm(self.recording)
+
+    def _take(self, moment: str, trainer) -> None:
+        """The records due this step (before_step) that are taken at `moment` (flt_diag.records), each guarded."""
+        for record in (r for r in self.due if r.moment == moment):
+            values = self.records.take(tuple(record.metrics), _computed, record, trainer.model)
+            for metric, value in (values or {}).items():
+                trainer.log.add(metric, value)
 
     def _keys(self, metric: str, names) -> list[tuple[str, int, int]]:
         key = (metric, tuple(names))  # (the same few lists every recorded step: built once)
@@ -93,6 +105,7 @@ class DiagnosticsCallback(Instrument):
         return grads, names, sizes
 
     def after_backward(self, trainer, step: int) -> None:
+        self._take("after_backward", trainer)
         self.grad_norm = self._seen = None
         need_next = should_record(step + 1, self.cfg)
         if not (self.recording or need_next):
@@ -176,6 +189,7 @@ class DiagnosticsCallback(Instrument):
         """Per-group gradient norms after clipping (the reference's grad_norm/block_XX/attn|mlp,
         grad_norm/embed, grad_norm/lm_head), beside the pre-clipping ones of `after_backward`. The squares
         after_backward took, if the gradients are the same tensors, unchanged since (no clipping happened)."""
+        self._take("after_clip", trainer)
         if not self.recording:
             return
         grads, names, sizes = self._gradients()
@@ -192,6 +206,7 @@ class DiagnosticsCallback(Instrument):
         trainer.log.add_vector(self._keys(M.GRAD_NORM_CLIPPED, names), squares.sqrt())
 
     def after_step(self, trainer, step: int) -> None:
+        self._take("after_step", trainer)
         if not self.recording or not self.have_before or self.before_flat is None:
             return
         weight = segment_squares(self.before_flat, self.param_sizes).sqrt()
@@ -220,6 +235,11 @@ class DiagnosticsCallback(Instrument):
         self.prev_layout = (list(prev), [v.numel() for v in prev.values()])
         self.prev_step = prev_step if prev else -2
         self.prev_squares = None
+
+
+def _computed(record: Record, model: torch.nn.Module) -> dict:
+    with torch.no_grad():
+        return record.compute(model)
 
 
 def flat_dtype(tensors) -> torch.dtype:

@@ -11,12 +11,13 @@ raised into the forward or the backward.
 """
 from __future__ import annotations
 
-import math
 import sys
 import weakref
+from collections.abc import Sequence
 
 import torch
 
+from flt_diag.records import Record
 from flt_diag.storage import metric_names as M
 from flt_diag.instruments.guard import ProbeError, Records, names_of
 
@@ -95,7 +96,7 @@ def first_tensor(output):
 
 
 class LoopHooks:
-    """Per-(loop, layer) residual norms, gradients w.r.t. block outputs, attention statistics.
+    """Per-(loop, layer) residual norms, gradients w.r.t. block outputs, the records taken after each block.
 
     `root` is the module whose forward is one pass of the model; `blocks` (default `root.blocks`) are the blocks
     it reuses, layer i + 1 being blocks[i]. The loop counter is one of four strategies (`boundary`):
@@ -116,9 +117,10 @@ class LoopHooks:
     multiplies the recorded activation gradients (the trainer's grad_accum: the micro-batch's mean loss).
     Hook points for further records (e.g. the loop dynamics): `listeners` fn(loop, layer, stream) at every
     recorded block output, `on_loop_end` fn(loop, stream) at every recorded loop's end, `on_forward_end`
-    fn(loops) at the end of each recorded forward."""
+    fn(loops) at the end of each recorded forward; `block_records` (flt_diag.records: moment after_block), those
+    in `due`, after every recorded block output."""
 
-    def __init__(self, model, log, act_grads: bool = True, attention: bool = False, *, blocks=None,
+    def __init__(self, model, log, act_grads: bool = True, block_records: Sequence[Record] = (), *, blocks=None,
                  boundary=BUILTIN, names: list[str] | None = None, require_repeat: int = 0,
                  records: Records | None = None):
         self.model, self.log = model, log
@@ -128,7 +130,9 @@ class LoopHooks:
             raise BlocksNotFound("the block list is empty; give the blocks the model's forward reuses")
         self.boundary = model.loop_end if isinstance(boundary, str) and boundary == BUILTIN else boundary
         self.names = names or [f"block {i + 1}" for i in range(len(self.blocks))]
-        self.act_grads, self.attention, self.require_repeat = act_grads, attention, require_repeat
+        self.act_grads, self.require_repeat = act_grads, require_repeat
+        self.block_records = list(block_records)  # (flt_diag.records, moment after_block)
+        self.due = list(block_records)  # those of them the recorded forwards take (the diagnostics' schedule)
         self.grad_scale = 1.0
         self.detached = 0  # loops 1..detached send no gradient (truncated backpropagation): recorded as 0
         self.listeners: list = []
@@ -165,9 +169,9 @@ class LoopHooks:
                 # the reference's per-loop attention output gradient, read where it is added
                 self.handles.append(block.after_attn.register_forward_hook(guard(
                     (M.ACT_GRAD_NORM_ATTN,), self._output_grad_hook((M.ACT_GRAD_NORM_ATTN,), i + 1))))
-            if self.attention:
-                self.handles.append(block.register_forward_hook(
-                    guard((M.ATTN_MAX_LOGIT, M.ATTN_ENTROPY), self._attn_hook(i + 1))))
+            for record in self.block_records:
+                self.handles.append(block.register_forward_hook(guard(tuple(record.metrics),
+                                                                      self._record_hook(record, i + 1))))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -311,21 +315,12 @@ class LoopHooks:
                "checkpoint, torch.utils.checkpoint(..., use_reentrant=True)?): use use_reentrant=False")
         self.records.skip(metrics, why)
 
-    def _attn_hook(self, layer: int):
-        """Forward hook on a block: recomputes its attention scores from the block's inputs."""
+    def _record_hook(self, record: Record, layer: int):
+        """Forward hook on a block: `record` (moment after_block, flt_diag.records), when due, at (loop, layer)."""
         def hook(module, args, output):
-            if not self._active:
-                return
-            x, cos, sin, *rest = args
-            query = rest[0] if rest else None
-            with torch.no_grad():
-                q, k = module.attn.query_key(*module.attention_sources(x, query), cos, sin)  # (B, T, H, D)
-                scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) / math.sqrt(q.shape[-1])
-                T = scores.shape[-1]
-                causal = torch.ones(T, T, dtype=torch.bool, device=scores.device).tril()
-                scores = scores.masked_fill(~causal, float("-inf"))  # (B, H, T, T)
-                p = scores.softmax(-1)
-                entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1).mean()
-            self.log(M.ATTN_MAX_LOGIT, scores.amax(), self.loop, layer)
-            self.log(M.ATTN_ENTROPY, entropy, self.loop, layer)
+            if self._active and record in self.due:
+                with torch.no_grad():
+                    values = record.compute(module, args, output)
+                for metric, value in values.items():
+                    self.log(metric, value, self.loop, layer)
         return hook

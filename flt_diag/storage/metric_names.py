@@ -1,10 +1,13 @@
-"""Every metric name flt-diag stores, defined once (used by training, diagnostics, plots).
+"""Every metric name flt-diag stores, defined once (used by training, diagnostics, plots): the core ones below,
+and RECORDED, the metrics of the records in one file each (flt_diag.records), assembled from them.
 
 Rows of a run's metrics table are (step, metric, loop, layer, value). `loop` counts 1..K and
 `layer` counts blocks 1..L; NONE (-1) marks "not applicable". Per-parameter-group metrics use
 the suffixes below: "<metric>/embedding" and "<metric>/head" with layer NONE, and
 "<metric>/attn", "<metric>/mlp" with the block in `layer`.
 """
+from flt_diag.records import all_records
+
 NONE = -1
 
 LOSS = "loss"  # training loss of the step (mean over micro-batches)
@@ -22,8 +25,6 @@ GRAD_NORM_CLIPPED = "grad_norm_clipped"  # per-group gradient norm after clippin
 GRAD_COSINE = "grad_cosine"  # cosine between this step's and the previous step's gradient
 SIGN_FLIP = "sign_flip"  # share of coordinates whose gradient sign flipped since the previous step
 UPDATE_RATIO = "update_ratio"  # ||W_after - W_before|| / ||W_before||, per group
-ATTN_MAX_LOGIT = "attn_max_logit"  # largest pre-softmax attention logit at (loop, layer)
-ATTN_ENTROPY = "attn_entropy"  # mean attention entropy (nats) at (loop, layer)
 LOOPS_RUN = "loops_run"  # loops the recorded forward ran (runs of flt_diag.watch, and stabilisers that sample their count)
 STABILISER_PENALTY = "stabiliser_penalty"  # a loss-term stabiliser's penalty on the step's first micro-batch (stars, jacobian-fro)
 INJECTION_RHO = "injection_rho"  # Parcae: rho(Abar) = max over channels of the loop start's decay, every step
@@ -54,3 +55,9 @@ def group_key(metric: str, group: str) -> tuple[str, int]:
         block, kind = group[len("block"):].split(".")
         return f"{metric}/{kind}", int(block) + 1
     return f"{metric}/{group}", NONE
+
+
+# The records' metrics, name -> one-line definition (each defined in its record's file: flt_diag.records).
+RECORDED = {name: definition for record in all_records() for name, definition in record.metrics.items()}
+if clash := sorted(set(RECORDED) & {v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str)}):
+    raise ValueError(f"a record names a core metric: {', '.join(clash)}")

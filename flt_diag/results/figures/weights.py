@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from flt_diag.records import attention
 from flt_diag.storage import metric_names as M
 from flt_diag.results.tables import Study, concat
 from flt_diag.results.figures import Figure, register
@@ -63,7 +64,7 @@ def attention_data(study: Study) -> pd.DataFrame:
     """run, ..., step, loop, layer, value: attn_entropy at each run's last recorded step."""
     frames = []
     for run in study.runs:
-        sel = run.select(M.ATTN_ENTROPY)
+        sel = run.select(attention.ENTROPY)
         if len(sel):
             frames.append(run.tag(sel[sel.step == sel.step.max()][["step", "loop", "layer", "value"]]))
     return concat(frames, ["step", "loop", "layer", "value"])
@@ -99,6 +100,6 @@ def draw_attention(df: pd.DataFrame):
 
 register(Figure("weights", tuple(f"{m}/{k}" for m, _ in QUANTITIES for k in KINDS), weights_data, draw_weights,
                 empty="no param_norm or update_ratio recorded"))
-register(Figure("attention", (M.ATTN_ENTROPY,), attention_data, draw_attention,
+register(Figure("attention", (attention.ENTROPY,), attention_data, draw_attention,
                 empty="no attn_entropy recorded (train with --attention-stats)",
                 empty_watched="no attn_entropy recorded: flt_diag.watch does not record attention statistics"))

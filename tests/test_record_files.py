@@ -1,0 +1,118 @@
+"""A record is one file (flt_diag.records): a toy record in one file (tests/toy_records/gradient_square.py), added
+to the records' path, is an option of the config and a flag of the command line, a row of the generated
+docs/cli.md table, a metric name with its definition, and recorded, when switched on and only on its steps, by
+flt-diag's Trainer and by flt_diag.watch; its value against the gradients' own norm. Two records that name one
+option are refused."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import flt_diag.records as records
+from flt_diag.config.option_fields import opt
+from flt_diag.records import Record
+
+TESTS = Path(__file__).resolve().parent
+TOY = TESTS / "toy_records"
+
+# One process (the records are found once, when the config is first imported): the toy folder joins the
+# records' path before anything else of flt_diag is imported.
+SCRIPT = """
+import json, math, sys
+import flt_diag.records
+flt_diag.records.__path__.append(sys.argv[1])
+sys.path.insert(0, sys.argv[2])
+out = sys.argv[3]
+
+import torch
+import flt_diag
+from flt_diag.cli import main
+from flt_diag.cli.table import options_markdown
+from flt_diag.config.run_config import DiagnosticsConfig
+from flt_diag.storage import metric_names as M
+from flt_diag.storage.folders import load_config, load_metrics
+from probe_models import UniversalTransformer, batches, lm_loss
+
+def rows(folder, metric):
+    df = load_metrics(folder)
+    return {int(r.step): float(r.value) for r in df[(df.metric == metric) & (df.loop == -1) & (df.layer == -1)].itertuples()}
+
+result = dict(named=M.RECORDED.get("toy_grad_square"),
+              documented=[line for line in options_markdown().splitlines() if "--toy-every" in line])
+for name, flags in (("on", ["--toy-every", "2"]), ("off", [])):
+    code = main(["train", "--steps", "4", "--device", "cpu", "--eval-every", "0", "--eval-batches", "1",
+                 "--out", f"{out}/{name}", *flags])
+    result[name] = dict(code=code, toy=rows(f"{out}/{name}", "toy_grad_square"),
+                        grad_norm=rows(f"{out}/{name}", "grad_norm"),
+                        option=load_config(f"{out}/{name}").diagnostics.toy_every)
+
+torch.manual_seed(0)
+model = UniversalTransformer(loops=3)
+opt = torch.optim.AdamW(model.parameters(), 1e-3)
+by_hand = {}
+with flt_diag.watch(model, blocks=[model.layer], folder=f"{out}/watch", optimizer=opt,
+                    diagnostics=DiagnosticsConfig(toy_every=2)) as probe:
+    for s, x in enumerate(batches(5)):
+        loss = lm_loss(model(x), x)
+        loss.backward()
+        by_hand[s] = sum(float(p.grad.double().square().sum()) for p in model.parameters())
+        opt.step()
+        probe.step(loss=loss)
+        opt.zero_grad()
+result["watch"] = dict(toy=rows(f"{out}/watch", "toy_grad_square"), by_hand=by_hand)
+print(json.dumps(result))
+"""
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("toy")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(TOY), str(TESTS), str(out)], cwd=TESTS,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_record_in_one_file_is_named_and_documented(toy):
+    assert toy["named"] == "sum of the squared gradient entries of every parameter, before clipping"
+    assert toy["documented"] == ["| `--toy-every` | run-ablation, map, train | 0 | Toy: the squared gradient norm "
+                                 "every N steps; 0 = never. |"]
+
+
+def test_a_record_in_one_file_is_recorded_by_the_trainer_when_switched_on(toy):
+    on, off = toy["on"], toy["off"]
+    assert on["code"] == off["code"] == 0 and (on["option"], off["option"]) == (2, 0)
+    assert off["toy"] == {}
+    assert sorted(on["toy"]) == ["0", "2"]  # (steps 0..3; JSON keys)
+    for step, value in on["toy"].items():  # (before clipping: the global gradient norm the Trainer records)
+        assert value == pytest.approx(on["grad_norm"][step] ** 2, rel=1e-4)
+
+
+def test_a_record_in_one_file_is_recorded_by_watch(toy):
+    watch = toy["watch"]
+    assert sorted(watch["toy"]) == ["0", "2", "4"]
+    for step, value in watch["toy"].items():
+        assert value == pytest.approx(watch["by_hand"][step], rel=1e-6)
+
+
+def test_two_records_naming_one_option_are_refused(tmp_path):
+    (tmp_path / "again.py").write_text((TOY / "gradient_square.py").read_text().replace('"toy_grad_square"', '"x"'))
+    records.__path__.extend([str(TOY), str(tmp_path)])
+    records.all_records.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="two records name the option toy_every"):
+            records.all_records()
+    finally:
+        del records.__path__[-2:]
+        records.all_records.cache_clear()
+    assert [r.switch for r in records.all_records()] == ["attention"]
+
+
+@pytest.mark.parametrize("switch, moment", [(float, "after_block"), (bool, "after_forward")])
+def test_a_record_needs_a_bool_or_int_switch_and_a_known_moment(switch, moment):
+    with pytest.raises(ValueError):
+        Record(options={"s": (switch, opt(0, "s"))}, metrics={"m": "m"}, moment=moment, compute=lambda *a: {})
