@@ -9,7 +9,7 @@ diagnostics take each record that is switched on at its moment, for flt-diag's T
 The schedule is the record's first option, its switch: a bool (on: every recorded step, `dense_steps` then
 `every`), or an int N (every recorded step that is a multiple of N; 0 = never). Torch-free: a record computes
 through the tensors it is handed (the diagnostics run it under no_grad), so config/ and storage/ read its
-declaration without torch (docs/DESIGN.md §9, "A record is one file").
+declaration without torch (docs/DESIGN.md §7, "A record is one file").
 """
 from __future__ import annotations
 
