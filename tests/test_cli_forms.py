@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,6 +15,16 @@ from flt_diag.cli import main
 from flt_diag.cli.app import parse
 from flt_diag.cli.commands import COMMANDS
 from flt_diag.cli.options import POSITIONALS, command_options
+from flt_diag.config.option_fields import default, form
+
+
+def _view(p):
+    """An option (section, field name, field) as this test reads it: its flag, the name typed, its type."""
+    _, name, info = p
+    dest = info.alias or name
+    f = form(info)
+    return SimpleNamespace(flag="--" + dest.replace("_", "-"), dest=dest, kind=f.kind, many=f.many, choices=f.choices,
+                           low=f.low, above=f.above, required=not f.optional and default(info) is None)
 
 
 def _two_values(o) -> tuple[list[str], list]:
@@ -31,7 +42,7 @@ def _two_values(o) -> tuple[list[str], list]:
     return ["a", "b"], ["a", "b"]
 
 
-LIST_OPTIONS = [(name, o) for name in COMMANDS for o in command_options(name) if o.many]
+LIST_OPTIONS = [(name, o) for name in COMMANDS for o in map(_view, command_options(name)) if o.many]
 
 
 def test_the_list_options_cover_every_command_that_has_one():
@@ -43,7 +54,7 @@ def test_the_list_options_cover_every_command_that_has_one():
 def test_every_list_option_takes_spaces_commas_repetition_and_equals(command, o):
     words = ["plot", "loss"] if command == "plot" else [command]
     words += ["folder"] * len(POSITIONALS.get(command, []))
-    words += [w for r in command_options(command) if not r.optional and r.default is None for w in (r.flag, "x")]
+    words += [w for r in map(_view, command_options(command)) if r.required for w in (r.flag, "x")]
     (a, b), parsed = _two_values(o)
     forms = {"spaces": [o.flag, a, b], "commas": [o.flag, f"{a},{b}"], "repeated": [o.flag, a, o.flag, b],
              "equals": [f"{o.flag}={a}"]}

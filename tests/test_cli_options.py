@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from flt_diag.config import run_config as C
+from flt_diag.config.option_fields import form
 from flt_diag.cli import main
 from flt_diag.cli.app import build_app, parse
 from flt_diag.cli.commands import COMMANDS
@@ -23,7 +24,22 @@ CLI_DOC = (ROOT / "docs" / "cli.md").read_text()
 TRAINING_COMMANDS = ("train", "run-ablation", "map")
 
 
-def _should_accept(o: C.Option) -> set[str]:
+class Field:
+    """A config field as a user meets it, read here from its pydantic field: flag, name typed, type, default."""
+
+    def __init__(self, section: str, name: str, info):
+        self.section, self.name, self.dest = section, name, info.alias or name
+        self.flag = "--" + self.dest.replace("_", "-")
+        self.kind, self.many, _, self.choices, bounds = form(info)
+        self.low, self.above, self.below = bounds.get("ge"), bounds.get("gt"), bounds.get("lt")
+        self.default = info.default
+
+
+# every field of every config section, and the preset
+FIELDS = [Field(s, n, f) for s, cls in {"run": C.PresetOption, **C.SECTIONS}.items() for n, f in cls.model_fields.items()]
+
+
+def _should_accept(o: Field) -> set[str]:
     """The training commands that take a config option: the rule, written out here independently of
     flt_diag.cli.options (the grids take lists where train takes one value)."""
     if o.name == "vocab_size":  # set from the tokenizer
@@ -35,7 +51,7 @@ def _should_accept(o: C.Option) -> set[str]:
     return set(TRAINING_COMMANDS)
 
 
-def _sample(o: C.Option):
+def _sample(o):
     """A valid value of an option other than its default, as text and as the parsed value."""
     if o.choices:
         value = next((c for c in o.choices if c != o.default), o.choices[0])
@@ -56,18 +72,18 @@ def _parse(command: str, args: list[str]) -> dict:
     return values
 
 
-def test_every_config_field_is_an_option():
-    """No config field escapes the option table (a new field must say which commands take it)."""
-    for section, cls in C.SECTIONS.items():
-        names = {o.name for o in C.OPTIONS if o.section == section}
-        assert names == set(cls.model_fields), section
+def test_every_config_field_is_an_option_with_help():
+    """No config field escapes the command line (a new field needs its help, which makes it an option)."""
+    assert all(f.description for cls in C.SECTIONS.values() for f in cls.model_fields.values())
+    assert {"--depth", "--seq-len", "--no-diagnostics", "--record-every", "--attention-stats"} <= {
+        x for o in FIELDS for x in (o.flag, f"--no-{o.flag[2:]}" if o.kind is bool else o.flag)}
 
 
-@pytest.mark.parametrize("o", [o for o in C.OPTIONS if _should_accept(o)], ids=lambda o: o.flag)
+@pytest.mark.parametrize("o", [o for o in FIELDS if _should_accept(o)], ids=lambda o: o.flag)
 def test_each_command_that_should_accept_an_option_does(o):
     text, value = _sample(o)
     for command in TRAINING_COMMANDS:
-        same_flag = [x for x in command_options(command) if x.flag == o.flag]
+        same_flag = [x for x in command_options(command) if Field(*x).flag == o.flag]
         if command in _should_accept(o):
             args = [o.flag] if o.kind is bool else [o.flag, text]
             got = _parse(command, args)[o.dest]
@@ -83,7 +99,7 @@ def test_each_command_that_should_accept_an_option_does(o):
 def test_help_lists_every_option_of_the_command(command, capsys):
     assert main([command, "--help"]) == 0
     help_text = capsys.readouterr().out
-    for o in command_options(command):
+    for o in map(lambda p: Field(*p), command_options(command)):
         assert re.search(rf"(^|\s){re.escape(o.flag)}\b", help_text), (command, o.flag)
 
 
@@ -135,7 +151,7 @@ def test_defaults_in_help_are_the_dataclass_defaults(capsys):
     assert f"| {warmup} |" in row
     assert all(f"{name} {p['train']['batch_size']}" in _help_of("train", "--batch-size", capsys)
                for name, p in C.PRESETS.items())
-    bs = next(o for o in C.OPTIONS if o.flag == "--batch-size")
+    bs = next(o for o in FIELDS if o.flag == "--batch-size")
     row = next(line for line in options_markdown().splitlines() if line.startswith(f"| `{bs.flag}`"))
     for name, preset in C.PRESETS.items():
         assert f"{name} {preset['train']['batch_size']}" in row
@@ -144,7 +160,7 @@ def test_defaults_in_help_are_the_dataclass_defaults(capsys):
 def _choice_and_list_cases():
     """(command, option) for every option with choices, and every list option, of every command."""
     return [(name, o) for name in COMMANDS if name not in POSITIONALS
-            for o in command_options(name) if o.choices or o.many]
+            for o in map(lambda p: Field(*p), command_options(name)) if o.choices or o.many]
 
 
 @pytest.mark.parametrize("command, o", _choice_and_list_cases(), ids=lambda x: x if isinstance(x, str) else x.flag)

@@ -144,7 +144,8 @@ def test_malformed_predictors_are_refused(tmp_path, edit, field):
 
 def test_cli_feature_choices_are_the_computed_features():
     from flt_diag.cli.options import command_options
-    opt = next(o for o in command_options("fit-predictor") if o.flag == "--features")
+    from flt_diag.config.option_fields import form
+    opt = form(next(f for _, name, f in command_options("fit-predictor") if name == "features"))
     assert list(opt.choices) == EW.FEATURES and set(FIT.DEFAULT_FEATURES) <= set(EW.FEATURES)
 
 

@@ -21,7 +21,7 @@ from pydantic import AfterValidator, BaseModel
 
 from flt_diag.storage import file_models as F, files
 from flt_diag.storage.folders import StorageError
-from flt_diag.config.option_fields import MAX_ITEMS, Option, ascending, distinct
+from flt_diag.config.option_fields import MAX_ITEMS, ascending, distinct, form
 from flt_diag.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -49,13 +49,14 @@ def _interrupted_copy(run: Path, out: Path) -> None:
 def _every_option(table: str) -> dict:
     """A study table that sets every option it takes (its default, or a valid value where it has none)."""
     from flt_diag.cli.specs import STUDY_TABLES, study_options
+    from flt_diag.config.option_fields import default
     out = {}
-    for o in study_options(STUDY_TABLES[table]):
-        x = o.default
+    for _, name, info in study_options(STUDY_TABLES[table]):
+        o, x = form(info), default(info)
         if x is None:
             x = True if o.kind is bool else (o.low or 1) if o.kind in (int, float) else (o.choices or ["x"])[0]
             x = [x] if o.many else x
-        out[o.dest] = str(x) if o.kind is Path else x
+        out[info.alias or name] = str(x) if o.kind is Path else x
     return out
 
 
@@ -232,11 +233,10 @@ def _checks(metadata, check) -> bool:
     return any(isinstance(m, AfterValidator) and m.func is check for m in metadata)
 
 
-def _option(hint, metadata: list, nullable: bool = False) -> Option:
+def _option(hint, metadata: list, nullable: bool = False):
     """A field of type `hint` with constraints `metadata`, as the command line's view reads it."""
-    from pydantic.fields import FieldInfo
     typed = typing.Annotated[(hint, *metadata)] if metadata else hint
-    return Option("", "", FieldInfo(), typing.Optional[typed] if nullable else typed)
+    return form(typing.Optional[typed] if nullable else typed)
 
 
 def describe(hint, info=None, required: bool = True, context: dict | None = None):
@@ -301,8 +301,14 @@ def _model(model, **context):
 
 
 def _study_entry(table: str):
-    from flt_diag.cli.specs import study_tables
-    return Record({table: _model(study_tables()[table])}, other_keys=True)
+    """A study table: every option of its command by the name users type, each optional (a path is text)."""
+    from flt_diag.cli.specs import STUDY_TABLES, study_options
+    entries = {}
+    for _, name, info in study_options(STUDY_TABLES[table]):
+        o = form(info)
+        entries[info.alias or name] = describe(typing.Optional[list[str] if o.many else str], None, False) \
+            if o.kind is Path else describe(info.annotation, info, False)
+    return Record({table: Record(entries)}, other_keys=True)
 
 
 def _resume_entry():

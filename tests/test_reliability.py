@@ -199,11 +199,13 @@ def _numeric_options():
     command, read from the option definitions the parser is generated from."""
     from flt_diag.cli.commands import COMMANDS
     from flt_diag.cli.options import POSITIONALS, command_options
+    from flt_diag.config.option_fields import flag, form
     out = []
     for name in COMMANDS:
-        for o in command_options(name):
-            if o.kind in (int, float):
-                out.append(((name,), o.flag, o.kind.__name__, [p.name for p in POSITIONALS.get(name, [])]))
+        for _, field, info in command_options(name):
+            if form(info).kind in (int, float):
+                out.append(((name,), flag(field, info), form(info).kind.__name__,
+                            [p[1] for p in POSITIONALS.get(name, [])]))
     return out
 
 

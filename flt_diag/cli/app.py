@@ -1,5 +1,6 @@
-"""The `flt-diag` command line, generated with typer from the options of flt_diag.cli.options (how, and how
-list options are parsed: docs/DESIGN.md §7, "Options"). Errors a user can cause print one line (`error: ...`)
+"""The `flt-diag` command line: typer commands whose options are read straight from the pydantic fields that
+flt_diag.cli.options assigns to each command (`parameter`; how, and how list options are parsed: docs/DESIGN.md
+§7, "Options"). Errors a user can cause print one line (`error: ...`)
 and exit with status 2; Ctrl-C exits with 130. `main(argv) -> int` is the entry point (`flt-diag`, and
 `python -m flt_diag`: flt_diag/__main__.py, the one __main__).
 """
@@ -20,9 +21,10 @@ from rich.markup import escape
 from typer.core import TyperCommand
 
 from flt_diag.cli.commands import COMMANDS, cmd_plot
-from flt_diag.cli.options import POSITIONALS, SECTION_TITLES, UserError, command_args, command_options, default_text
+from flt_diag.cli.options import (POSITIONALS, SECTION_TITLES, Param, UserError, command_args, command_options,
+                                  default_text)
 from flt_diag.results.figure_names import FIGURE_NAMES
-from flt_diag.config.option_fields import Option, dotted, one_line
+from flt_diag.config.option_fields import default, dest, dotted, flag, form, one_line
 
 DESCRIPTION = "Train looped-transformer variants, record why they collapse, and plot it."
 METAVARS = {int: "N", float: "X", str: "TEXT", Path: "PATH"}
@@ -78,24 +80,12 @@ class ListCommand(TyperCommand):
         return super().parse_args(ctx, spread_lists(list(args), many))
 
 
-# ------------------------------------------------------------------ typer parameters from options
+# ------------------------------------------------------------------ typer options from pydantic fields
 
 def _completer(choices: tuple) -> Callable:
     def complete(incomplete: str) -> list[str]:
         return [c for c in choices if c.startswith(incomplete)]
     return complete
-
-
-def _metavar(o: Option) -> str | None:
-    if o.kind is bool:
-        return None
-    return ("NAME" if o.choices else METAVARS[o.kind]) + ("..." if o.many else "")
-
-
-def _help(o: Option) -> str:
-    """The option's help with its default, and its choices where the help does not name them all."""
-    named = o.choices is None or all(c in o.help for c in o.choices)
-    return escape(o.help + default_text(o) + ("" if named else f" Choices: {', '.join(map(str, o.choices))}."))
 
 
 def _path(text) -> Path:
@@ -106,35 +96,37 @@ def _path(text) -> Path:
     return Path(text)
 
 
-def option_parameter(o: Option) -> inspect.Parameter:
-    """The typer option of one Option: `--x/--no-x` for a config switch, a plain flag for a command's
-    own switch, a list for a list option; None (not given) where the config or the command decides."""
-    switch = o.kind is bool and o.section == "cli"
-    flag = f"{o.flag}/--no-{o.flag[2:]}" if o.kind is bool and not switch else o.flag
-    kind = bool if switch else Optional[List[o.kind]] if o.many else Optional[o.kind]
-    info = typer.Option(flag, help=_help(o), rich_help_panel=SECTION_TITLES[o.section], metavar=_metavar(o),
-                        show_default=False, autocompletion=_completer(o.choices) if o.choices else None,
-                        parser=_path if o.kind is Path else None)
-    required = not o.optional and o.default is None
-    default = inspect.Parameter.empty if required else False if switch else None
-    return inspect.Parameter(o.dest, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[kind, info])
+def parameter(p: Param) -> inspect.Parameter:
+    """The typer option (or argument) of one field: `--x/--no-x` for a config switch, a plain flag for a
+    command's own switch, a list for a list field; None (not given) where the config or the command decides.
+    Typer reads a command's options from its function's signature only, so this is where a field becomes one."""
+    section, name, info = p
+    f, help = form(info), info.description
+    kind = List[f.kind] if f.many else f.kind
+    parser = _path if f.kind is Path else None
+    if flag(name, info) == "":
+        argument = typer.Argument(help=escape(help), metavar=name.upper() + ("..." if f.many else ""), parser=parser,
+                                  show_default=False)
+        return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=Annotated[kind, argument])
+    switch, named = f.kind is bool and section == "cli", f.choices is None or all(c in help for c in f.choices)
+    help += default_text(*p) + ("" if named else f" Choices: {', '.join(map(str, f.choices))}.")
+    option = typer.Option(flag(name, info) + (f"/--no-{flag(name, info)[2:]}" if f.kind is bool and not switch else ""),
+                          help=escape(help), rich_help_panel=SECTION_TITLES[section], show_default=False,
+                          metavar=None if f.kind is bool else ("NAME" if f.choices else METAVARS[f.kind]) + "..." * f.many,
+                          autocompletion=_completer(f.choices) if f.choices else None, parser=parser)
+    given = inspect.Parameter.empty if not f.optional and default(info) is None else False if switch else None
+    return inspect.Parameter(dest(name, info), inspect.Parameter.KEYWORD_ONLY, default=given,
+                             annotation=Annotated[bool if switch else Optional[kind], option])
 
 
-def argument_parameter(p: Option) -> inspect.Parameter:
-    info = typer.Argument(help=escape(p.help), metavar=p.name.upper() + ("..." if p.many else ""), show_default=False,
-                          parser=_path if p.kind is Path else None)
-    kind = List[p.kind] if p.many else p.kind
-    return inspect.Parameter(p.name, inspect.Parameter.KEYWORD_ONLY, annotation=Annotated[kind, info])
-
-
-def add_command(app: typer.Typer, name: str, func: Callable, options: list[Option], positionals: list[Option],
-                help: str | None = None, command: str | None = None, **fixed) -> None:
+def add_command(app: typer.Typer, name: str, func: Callable, params: list[Param], help: str | None = None,
+                command: str | None = None, **fixed) -> None:
     """Register `name` on `app`: parsing it returns (func, option values with `fixed` added (fields of its
     options model that are no option, such as plot's figure), the command's name)."""
     def collect(**values):
         return func, {**values, **fixed}, command or name
 
-    collect.__signature__ = inspect.Signature([*map(argument_parameter, positionals), *map(option_parameter, options)])
+    collect.__signature__ = inspect.Signature(list(map(parameter, params)))
     help = help or inspect.getdoc(func).split("\n\n")[0].replace("\n", " ")
     app.command(name, cls=ListCommand, help=escape(help))(collect)
 
@@ -149,7 +141,7 @@ def _plot_app() -> typer.Typer:
             raise UserError(f"plot needs a figure: {', '.join([*FIGURE_NAMES, 'all'])} (flt-diag plot --help)")
 
     for name, (_, help) in [*FIGURE_NAMES.items(), ("all", ("", "Every figure that has data."))]:
-        add_command(plot, name, cmd_plot, command_options("plot"), POSITIONALS["plot"], help=help, command="plot",
+        add_command(plot, name, cmd_plot, POSITIONALS["plot"] + command_options("plot"), help=help, command="plot",
                     figure=name)
     return plot
 
@@ -158,7 +150,7 @@ def build_app() -> typer.Typer:
     app = typer.Typer(name="flt-diag", help=DESCRIPTION, rich_markup_mode="rich", pretty_exceptions_enable=False)
     for name, func in COMMANDS.items():
         if name != "plot":
-            add_command(app, name, func, command_options(name), POSITIONALS.get(name, []))
+            add_command(app, name, func, POSITIONALS.get(name, []) + command_options(name))
     app.add_typer(_plot_app(), name="plot")
     return app
 

@@ -12,6 +12,7 @@ from flt_diag.cli.options import (FOLDER_OPTIONS, ArchiveOptions, EvalLoopsOptio
                                   ImportReferenceOptions, MapOptions, Options, PlotOptions, PredictOptions,
                                   ReportOptions, RunAblationOptions, StudyOptions, SummaryOptions, TrainOptions,
                                   UserError, VariantsOptions)
+from flt_diag.config.option_fields import dest
 from flt_diag.config.variants import VARIANT_DESCRIPTIONS
 
 # Each command imports what it needs (torch, pandas, matplotlib, the layers below) when it runs, so that
@@ -104,7 +105,7 @@ def cmd_map(o: MapOptions) -> int:
 def cmd_study(o: StudyOptions) -> int:
     """Run a named study: the [ablation] (run-ablation options) or [map] (map options) table of a TOML file."""
     from flt_diag.cli.specs import load_study
-    command, args = load_study(o.path, **{f.dest: getattr(o, f.name) for f in FOLDER_OPTIONS})
+    command, args = load_study(o.path, **{dest(n, f): getattr(o, n) for _, n, f in FOLDER_OPTIONS})
     return cmd_run_ablation(args) if command == "run-ablation" else cmd_map(args)
 
 
@@ -115,7 +116,7 @@ def cmd_summary(o: SummaryOptions) -> int:
     from flt_diag.judge.verdict import resummarize
     from flt_diag.results.tables import folders_summary
     from flt_diag.storage.folders import is_archive, is_sweep, load_config, load_summary, run_dirs
-    overrides = o.config.verdict.model_dump(exclude_none=True)
+    overrides = o.config
     if overrides and not (o.recompute or o.sensitivity):
         raise UserError("verdict thresholds need --recompute or --sensitivity")
     if o.sensitivity_csv is not None and not o.sensitivity:

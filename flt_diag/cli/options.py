@@ -1,19 +1,21 @@
 """Which command takes which option: the one place that knows the commands' names and arguments (docs/DESIGN.md
-§7, "Options"). Each command's typed options are a pydantic model here (`TrainOptions`, `MapOptions`, ...);
-`command_options(command)` lists them in help order (the typer command line, the study files and docs/cli.md
-are generated from it); `command_args` validates parsed values into the model (one line naming the flag).
+§7, "Options"). Each command's own options are a pydantic model here (`TrainOptions`, `MapOptions`, ...); the
+config options it takes are the config sections' fields themselves. `command_options(command)` lists them in
+help order as (section, field name, pydantic field): the typer command line, the study files and docs/cli.md
+read them; `command_args` validates given values field by field into the model (one line naming the flag).
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Callable, Literal, Optional
 
 from pydantic import Field
+from pydantic.fields import FieldInfo
 
 from flt_diag.results.fit_settings import FitSettings
-from flt_diag.config.run_config import OPTIONS, PRESETS, GivenConfig, Option, options_of
+from flt_diag.config.run_config import PRESETS, SECTIONS, PresetOption
 from flt_diag.config.grid_options import Loops, MapAxes, MapGrid, SweepAxes
-from flt_diag.config.option_fields import Items, Options, arg, fact, opt
+from flt_diag.config.option_fields import Items, Options, arg, default, dest, fact, flag, form, opt
 
 SECTION_TITLES = {"run": "preset", "model": "model", "train": "training", "diagnostics": "diagnostics",
                   "verdict": "verdict thresholds", "sweep": "sweep grid", "map": "map grid", "cli": "this command"}
@@ -25,20 +27,30 @@ class UserError(Exception):
 
 # ------------------------------------------------------------------ config and grid options
 
+Param = tuple[str, str, FieldInfo]  # (section, field name, field): one option, read from its model
+CONFIG = {"run": PresetOption, **SECTIONS}  # the config options by section ("run": the preset)
 TRAINING_COMMANDS = ("train", "run-ablation", "map")
 GRID_OF = {"run-ablation": "sweep", "map": "map"}  # the grid each grid command runs
-GRID_OPTIONS = {"run-ablation": options_of(SweepAxes, "sweep"), "map": options_of(MapAxes, "map") + options_of(MapGrid, "map")}
 
 
-def config_options(command: str) -> list[Option]:
+def fields(cls, section: str) -> list[Param]:
+    """The fields of model `cls` that are options (those with help), in declaration order."""
+    return [(section, name, info) for name, info in cls.model_fields.items() if info.description]
+
+
+GRID_OPTIONS = {"run-ablation": fields(SweepAxes, "sweep"), "map": fields(MapAxes, "map") + fields(MapGrid, "map")}
+
+
+def config_options(command: str) -> list[Param]:
     """The config fields `command` takes: a training command all but the settled ones and its grid's; `summary`
     the verdict thresholds; the others none."""
     if command == "summary":
-        return [o for o in OPTIONS if o.section == "verdict"]
+        return fields(CONFIG["verdict"], "verdict")
     if command not in TRAINING_COMMANDS:
         return []
     grid = GRID_OF.get(command)
-    return [o for o in OPTIONS if not fact(o.info, "settled") and grid not in (fact(o.info, "grid") or ())]
+    return [(s, n, f) for section, cls in CONFIG.items() for s, n, f in fields(cls, section)
+            if not fact(f, "settled") and grid not in (fact(f, "grid") or ())]
 
 
 # ------------------------------------------------------------------ each command's typed options
@@ -48,9 +60,10 @@ RUNS = "Sweep or run folders of finished runs."
 
 
 class Given(Options):
-    """Options of a command that may hold config options too: `config`, those given."""
+    """Options of a command that takes config options too: `config`, those given (by flag name, each checked
+    against its field; what settling builds on: flt_diag.training.settle.run_config)."""
 
-    config: GivenConfig = Field(default_factory=GivenConfig)
+    config: dict = Field(default_factory=dict)
 
 
 class FolderOptions(Options):
@@ -174,44 +187,46 @@ ARGS: dict[str, type[Options]] = {
     "summary": SummaryOptions, "eval-loops": EvalLoopsOptions, "import-reference": ImportReferenceOptions,
     "predict": PredictOptions, "fit-predictor": FitPredictorOptions, "variants": VariantsOptions,
     "report": ReportOptions, "plot": PlotOptions, "archive": ArchiveOptions}
-FOLDER_OPTIONS = options_of(FolderOptions, "cli")
+FOLDER_OPTIONS = fields(FolderOptions, "cli")
 
 
-def own_options(command: str) -> list[Option]:
+def own_options(command: str) -> list[Param]:
     """The options a command declares itself (its grid's and its positionals left out)."""
-    grid = {o.name for o in GRID_OPTIONS.get(command, [])}
-    own = [o for o in options_of(ARGS[command], "cli") if not o.positional and o.name not in grid]
-    return sorted(own, key=lambda o: o.name in FolderOptions.model_fields)  # --out first, --workers ... last
+    grid = {n for _, n, _ in GRID_OPTIONS.get(command, [])}
+    own = [p for p in fields(ARGS[command], "cli") if not fact(p[2], "positional") and p[1] not in grid]
+    return sorted(own, key=lambda p: p[1] in FolderOptions.model_fields)  # --out first, --workers ... last
 
 
-POSITIONALS: dict[str, list[Option]] = {c: ps for c, cls in ARGS.items()
-                                        if (ps := [o for o in options_of(cls, "cli") if o.positional])}
+POSITIONALS: dict[str, list[Param]] = {c: ps for c, cls in ARGS.items()
+                                       if (ps := [p for p in fields(cls, "cli") if fact(p[2], "positional")])}
 
 
-def command_options(command: str) -> list[Option]:
+def command_options(command: str) -> list[Param]:
     """Every option of a command in help order: its grid's, the config's, then its own."""
     return GRID_OPTIONS.get(command, []) + config_options(command) + own_options(command)
 
 
-def command_args(command: str, values: dict) -> Options:
-    """The typed options of `command` from parsed values (dest -> value; None: not given; and fields of the
-    model that are no option, such as plot's figure), its config options in `config` (a GivenConfig)."""
-    cls, config = ARGS[command], config_options(command)
-    given = GivenConfig.of_values({o.dest: values.get(o.dest) for o in config})
-    own = {o.dest: values[o.dest] for o in options_of(cls, "cli") if values.get(o.dest) is not None}
+def command_args(command: str, values: dict, where: Callable[[str, FieldInfo], str] = flag) -> Options:
+    """The typed options of `command` from given values (by the names users type; None: not given; and fields
+    of the model that are no option, such as plot's figure), each checked against its field (a bad one: one
+    line naming it by `where`), its config options in `config`."""
+    cls, config, own = ARGS[command], {}, {}
+    for s, n, f in config_options(command) + fields(cls, "cli"):
+        if values.get(dest(n, f)) is not None:
+            (own if s == "cli" else config)[dest(n, f)] = CONFIG.get(s, cls).check(n, values[dest(n, f)], where(n, f))
     fixed = {k: values[k] for k in cls.model_fields if values.get(k) is not None and k not in own and k != "config"}
-    return cls.of(**own, **fixed, **({"config": given} if config else {}))
+    return cls.of(**own, **fixed, **({"config": config} if config_options(command) else {}))
 
 
-def default_text(o: Option) -> str:
+def default_text(section: str, name: str, info: FieldInfo) -> str:
     """` [default: ...]` for the help (each preset's where presets set the field), or "" where the
     help says it itself or there is none."""
-    if o.kind is bool and o.default is None:
+    value, kind = default(info), form(info)
+    if kind.kind is bool and value is None:
         return ""
-    shown = " ".join(map(str, o.default)) if o.many and o.default is not None else o.default
-    presets = [f"{name} {p[o.section][o.name]}" for name, p in PRESETS.items()
-               if o.section in p and o.name in p[o.section]]
-    if "[default" in o.help or o.default is None and not presets:
+    shown = " ".join(map(str, value)) if kind.many and value is not None else value
+    presets = [f"{p_name} {p[section][name]}" for p_name, p in PRESETS.items() if name in p.get(section, {})]
+    if "[default" in (info.description or "") or value is None and not presets:
         return ""
     if len(presets) == len(PRESETS):
         return f" [default by preset: {', '.join(presets)}]"

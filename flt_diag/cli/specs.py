@@ -5,12 +5,8 @@ study file): the base config settled once with the grid's first cell (docs/DESIG
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
-
-from pydantic import create_model
-
-from flt_diag.cli.options import FOLDER_OPTIONS, MapOptions, RunAblationOptions, command_args, command_options
-from flt_diag.config.option_fields import Option, Options, like
+from flt_diag.cli.options import FolderOptions, MapOptions, Param, RunAblationOptions, command_args, command_options
+from flt_diag.config.option_fields import ConfigError, check, dest, form
 from flt_diag.grids.stability_map import MapSpec
 from flt_diag.grids.sweep import SweepSpec, cell_config
 from flt_diag.training.settle import run_config, unsettled_config
@@ -39,28 +35,31 @@ def map_spec(o: MapOptions, settled: bool = True) -> MapSpec:
 STUDY_TABLES = {"ablation": "run-ablation", "map": "map"}
 
 
-def study_options(command: str) -> list:
+def study_options(command: str) -> list[Param]:
     """The options a study table of `command` takes (its command's, but --workers, --list, ...)."""
-    return [o for o in command_options(command) if o not in FOLDER_OPTIONS]
-
-
-def study_tables() -> dict[str, type]:
-    """A study file's tables and the model of the options each takes, named as users type them, each optional;
-    a path is text (as a TOML file holds it)."""
-    def field(o: Option) -> tuple:
-        kind, info = like(o.info, required=False)
-        return Optional[(list[str] if o.many else str) if o.kind is Path else kind], info
-    return {table: create_model("Given", __base__=Options, **{o.dest: field(o) for o in study_options(command)})
-            for table, command in STUDY_TABLES.items()}
+    return [p for p in command_options(command) if p[1] not in FolderOptions.model_fields]
 
 
 def load_study(path: Path, **folder) -> tuple[str, RunAblationOptions | MapOptions]:
-    """A study file -> (command, its typed options, with the `folder` options given beside the file), checked
-    like command-line options (flt_diag.storage.files.load_study)."""
-    from flt_diag.storage.files import load_study as load_checked
-    table, values = load_checked(path, study_tables())
+    """A study file -> (command, its typed options, with the `folder` options given beside the file), each
+    value checked against its field as on the command line (a bad one: "<file>: [table] key <problem>"). One
+    value of a list option is a list of one; a path is text in the file."""
+    from flt_diag.storage.errors import BadFile
+    from flt_diag.storage.files import load_study as load_table
+    table, values = load_table(path, {t: [dest(n, f) for _, n, f in study_options(c)] for t, c in STUDY_TABLES.items()})
     command = STUDY_TABLES[table]
-    paths = {o.dest: o.many for o in study_options(command) if o.kind is Path}  # (text in the file)
-    values = {k: x if k not in paths or x is None else [Path(v) for v in x] if paths[k] else Path(x)
-              for k, x in values.items()}
-    return command, command_args(command, {**values, **folder})
+
+    def where(name, info) -> str:
+        return f"{path}: [{table}] {dest(name, info)}"
+    try:
+        for _, n, f in study_options(command):
+            x, kind = values.get(dest(n, f)), form(f)
+            x = [x] if kind.many and x is not None and not isinstance(x, list) else x
+            if kind.kind is Path and x is not None:  # (text in the file)
+                x = [*map(Path, check(list[str], x, where(n, f)))] if kind.many else Path(check(str, x, where(n, f)))
+            values[dest(n, f)] = x
+        return command, command_args(command, {**values, **folder}, where)
+    except ConfigError as e:  # (a file's problem: the file's error)
+        raise BadFile(str(e)) from None
+    except RecursionError:  # a value nested too deep for the validator
+        raise BadFile(f"{path}: [{table}] holds a value nested too deep to be an option") from None

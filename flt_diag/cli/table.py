@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from flt_diag.cli.options import command_options, config_options, default_text
+from flt_diag.config.option_fields import flag, form
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
 START, END = "<!-- options:start -->", "<!-- options:end -->"
@@ -26,14 +27,14 @@ def options_markdown() -> str:
     """The option table (one row per flag and meaning, with the commands that take it)."""
     rows, seen = ["| option | commands | default | meaning |", "|---|---|---|---|"], {}
     for command in ("run-ablation", "map", "train"):
-        for o in command_options(command):
-            seen.setdefault((o.flag, o.help), (o, []))[1].append(command)
-    for o in config_options("summary"):
-        seen[(o.flag, o.help)][1].append("summary --recompute")
-    for (flag, _), (o, commands) in seen.items():
-        name = f"`{flag}`" + (f" / `--no-{flag[2:]}`" if o.kind is bool and o.section != "cli" else "")
-        default = default_text(o).strip()[1:-1].replace("default: ", "").replace("default by preset: ", "")
-        rows.append(f"| {name} | {', '.join(commands)} | {default or '-'} | {o.help.replace('|', '/')} |")
+        for p in command_options(command):
+            seen.setdefault((flag(*p[1:]), p[2].description), (p, []))[1].append(command)
+    for p in config_options("summary"):
+        seen[(flag(*p[1:]), p[2].description)][1].append("summary --recompute")
+    for (name, help), (p, commands) in seen.items():
+        name = f"`{name}`" + (f" / `--no-{name[2:]}`" if form(p[2]).kind is bool and p[0] != "cli" else "")
+        default = default_text(*p).strip()[1:-1].replace("default: ", "").replace("default by preset: ", "")
+        rows.append(f"| {name} | {', '.join(commands)} | {default or '-'} | {help.replace('|', '/')} |")
     return "\n".join(rows)
 
 

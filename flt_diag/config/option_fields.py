@@ -1,16 +1,16 @@
 """How an option is declared (`opt`: a pydantic Field of an `Options` model, its help the description, its
 flag the alias where it differs: `n_layer` is `--depth`), validated (strict: no "3" for 3, no 1 for True;
 finite; no unknown field), and what a bad value says: one line naming the flag ("--loops must be in 1..1024,
-got 0": `one_line`). `Option` is a field as the command line sees it. Torch-free.
+got 0": `one_line`). `form` reads a field's type as the command line and the error lines need it. Torch-free.
 """
 from __future__ import annotations
 
+import functools
 import typing
-from dataclasses import dataclass, field
-from typing import Annotated, Any, Callable, Literal, TypeVar
+from typing import Annotated, Any, Callable, Literal, NamedTuple, TypeVar
 
 import annotated_types as at
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
@@ -58,9 +58,8 @@ def arg(help: str, many: bool = False) -> Any:
 def like(info: FieldInfo, required: bool = True, alias: bool = True) -> tuple[Any, FieldInfo]:
     """(type, field) of a copy of a pydantic field for create_model, required or defaulting to None (`alias`
     False: a file holds an option under its field's name)."""
-    kind = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
-    return kind, Field(... if required else None, description=info.description, json_schema_extra=info.json_schema_extra,
-                       alias=info.alias if alias else None)
+    return info.rebuild_annotation(), Field(... if required else None, description=info.description,
+                                            json_schema_extra=info.json_schema_extra, alias=info.alias if alias else None)
 
 
 def fact(info: FieldInfo, key: str):
@@ -73,11 +72,33 @@ def with_fact(cls, key: str, value=True) -> tuple[str, ...]:
                  if (value in fact(f, key) if isinstance(fact(f, key), list) else fact(f, key) == value))
 
 
+STRICT = ConfigDict(strict=True, allow_inf_nan=False, arbitrary_types_allowed=True, str_max_length=MAX_TEXT)
+
+
+@functools.cache
+def _adapter(hint) -> TypeAdapter:
+    return TypeAdapter(hint, config=STRICT)
+
+
+def check(hint, value, where: str, info: FieldInfo | None = None):
+    """`value` validated as a `hint` (strict, as every option), or one ConfigError line "<where> <problem>" (the
+    bounds and choices of field `info`)."""
+    try:
+        return _adapter(hint).validate_python(value)
+    except ValidationError as e:
+        raise ConfigError(f"{where} {_problem(e.errors(include_url=False)[0], info)}") from None
+
+
 class Options(BaseModel):
     """A group of options (a config section, a grid, a command's): pydantic-validated when built."""
 
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid", arbitrary_types_allowed=True,
-                              str_max_length=MAX_TEXT, validate_by_name=True, validate_by_alias=True)
+    model_config = ConfigDict(**STRICT, extra="forbid", validate_by_name=True, validate_by_alias=True)
+
+    @classmethod
+    def check(cls, name: str, value, where: str):
+        """`value` validated as field `name` alone (its type and bounds; no check across fields, which need the
+        whole section), or one ConfigError line "<where> <problem>"."""
+        return check(cls.model_fields[name].rebuild_annotation(), value, where, cls.model_fields[name])
 
     @classmethod
     def of(cls, **values):
@@ -96,69 +117,61 @@ class Options(BaseModel):
         return self.model_dump()
 
 
-# --------------------------------------------------------------------------- fields as options
+# --------------------------------------------------------------------------- a field's type, read
 
-def _bare(hint) -> tuple[Any, list]:
-    """(the type, its Annotated metadata) of `hint`, Optional and Annotated removed."""
-    metadata = []
+def _bare(hint) -> tuple[Any, list, bool]:
+    """(the type, its Annotated metadata, whether None is a value) of `hint`, Optional and Annotated removed."""
+    metadata, optional = [], False
     while True:
         if typing.get_origin(hint) is Annotated:
             metadata += typing.get_args(hint)[1:]
             hint = typing.get_args(hint)[0]
         elif type(None) in typing.get_args(hint):
-            hint = next(a for a in typing.get_args(hint) if a is not type(None))
+            hint, optional = next(a for a in typing.get_args(hint) if a is not type(None)), True
         else:
-            return hint, metadata
+            return hint, metadata, optional
 
 
-@dataclass(frozen=True)
-class Option:
-    """One field as the command line sees it: a view of the pydantic field `info` (of type `hint`, default
-    the field's)."""
+BOUND_KINDS = {at.Ge: "ge", at.Le: "le", at.Gt: "gt", at.Lt: "lt"}
 
-    section: str  # "model", "train", "diagnostics", "verdict", "run", "sweep", "map" or "cli"
-    name: str  # the field name
-    info: FieldInfo = field(compare=False)
-    hint: Any = field(default=None, compare=False)
 
-    annotation = property(lambda self: self.hint if self.hint is not None else self.info.annotation)
-    positional = property(lambda self: bool(fact(self.info, "positional")))
-    dest = property(lambda self: self.info.alias or self.name)  # the name users type (the alias where there is one)
-    flag = property(lambda self: "" if self.positional else "--" + self.dest.replace("_", "-"))
-    many = property(lambda self: typing.get_origin(_bare(self.annotation)[0]) is list)  # a list of values
-    optional = property(lambda self: type(None) in typing.get_args(self.annotation))  # None: decided elsewhere
-    help = property(lambda self: self.info.description or "")
+class Form(NamedTuple):
+    """A field's type as the command line and the error lines read it (`form`)."""
 
-    def _item(self) -> tuple[Any, list]:
-        hint, metadata = _bare(self.annotation)
-        return _bare(typing.get_args(hint)[0]) if self.many else (hint, metadata + list(self.info.metadata))
-
-    @property
-    def choices(self) -> tuple | None:
-        hint = self._item()[0]
-        return typing.get_args(hint) if typing.get_origin(hint) is Literal else None
-
-    @property
-    def kind(self) -> type:  # int, float, str, bool or Path (of each item, for a list)
-        return type(self.choices[0]) if self.choices else self._item()[0]
-
-    @property
-    def bounds(self) -> dict:  # {"ge": 1, "le": 1024} (each item's, for a list)
-        kinds = {at.Ge: "ge", at.Le: "le", at.Gt: "gt", at.Lt: "lt"}
-        found = [m for x in self._item()[1] for m in (x.metadata if isinstance(x, FieldInfo) else [x])]
-        return {kinds[type(m)]: getattr(m, kinds[type(m)]) for m in found if type(m) in kinds}
+    kind: type  # int, float, str, bool or Path (of each item, for a list)
+    many: bool  # a list of values
+    optional: bool  # None is a value (decided elsewhere)
+    choices: tuple | None  # a Literal's values
+    bounds: dict  # {"ge": 1, "le": 1024} (each item's, for a list)
 
     low, high, above, below = (property(lambda self, k=k: self.bounds.get(k)) for k in ("ge", "le", "gt", "lt"))
 
-    @property
-    def default(self):
-        default = self.info.get_default(call_default_factory=True)
-        return None if default is PydanticUndefined else default
+
+def form(x) -> Form:
+    """The Form of a pydantic field or of a type (Annotated constraints read too)."""
+    hint, found, optional = _bare(x.rebuild_annotation() if isinstance(x, FieldInfo) else x)
+    many = typing.get_origin(hint) is list
+    hint, found, _ = _bare(typing.get_args(hint)[0]) if many else (hint, found, optional)
+    choices = typing.get_args(hint) if typing.get_origin(hint) is Literal else None
+    found = [m for x in found for m in (x.metadata if isinstance(x, FieldInfo) else [x])]
+    bounds = {BOUND_KINDS[type(m)]: getattr(m, BOUND_KINDS[type(m)]) for m in found if type(m) in BOUND_KINDS}
+    return Form(type(choices[0]) if choices else hint, many, optional, choices, bounds)
 
 
-def options_of(cls, section: str) -> list[Option]:
-    """The Options of a model's fields that have help, in declaration order."""
-    return [Option(section, name, info) for name, info in cls.model_fields.items() if info.description]
+def dest(name: str, info: FieldInfo) -> str:
+    """The name users type (the field's alias where it has one: n_layer is depth)."""
+    return info.alias or name
+
+
+def flag(name: str, info: FieldInfo) -> str:
+    """The field's flag: --depth for n_layer; "" for a positional argument."""
+    return "" if fact(info, "positional") else "--" + dest(name, info).replace("_", "-")
+
+
+def default(info: FieldInfo):
+    """The field's default (None where it has none)."""
+    value = info.get_default(call_default_factory=True)
+    return None if value is PydanticUndefined else value
 
 
 # --------------------------------------------------------------------------- one line per error
@@ -173,7 +186,7 @@ def _field(cls, part) -> tuple[str, FieldInfo] | None:
     return next(((n, f) for n, f in getattr(cls, "model_fields", {}).items() if part in (n, f.alias)), None)
 
 
-def _field_at(cls, loc: tuple) -> Option | None:
+def _field_at(cls, loc: tuple) -> tuple[str, FieldInfo] | None:
     """The field that `loc` names in model `cls` (through nested models), or None."""
     found = None
     for part in loc:
@@ -184,7 +197,7 @@ def _field_at(cls, loc: tuple) -> Option | None:
             return None
         cls = next((a for a in (found[1].annotation, *typing.get_args(found[1].annotation))
                     if isinstance(a, type) and issubclass(a, BaseModel)), None)
-    return Option("", *found) if found else None
+    return found
 
 
 def _range(b: dict) -> str | None:
@@ -200,9 +213,10 @@ TYPED = {"int_type": "an integer", "int_from_float": "an integer", "float_type":
 BOUNDS = {"greater_than_equal": "ge", "less_than_equal": "le", "greater_than": "gt", "less_than": "lt"}
 
 
-def _problem(err: dict, o: Option | None) -> str:
-    """What is wrong, from one pydantic error ({"type", "msg", "ctx", "input"}) about field `o`."""
+def _problem(err: dict, info: FieldInfo | None) -> str:
+    """What is wrong, from one pydantic error ({"type", "msg", "ctx", "input"}) about field `info`."""
     kind, ctx, got = err["type"], err.get("ctx") or {}, _shown(err.get("input"))
+    o = form(info) if info is not None else None
     if kind in BOUNDS:  # the bounds as the field declares them (pydantic's ctx holds one, as the field's type: 0.0)
         b, key = (o.bounds if o is not None else {}), BOUNDS[kind]
         both = key in ("ge", "le") and "ge" in b and "le" in b
@@ -229,7 +243,8 @@ def one_line(e: ValidationError, name: Callable[[tuple], str], cls=None) -> str:
     """The first error of `e` as one line: "<name(loc)> <problem>" (`cls`, the model validated, gives the
     field's bounds and choices)."""
     err = e.errors(include_url=False)[0]
-    where, problem = name(tuple(err["loc"])), _problem(err, _field_at(cls, tuple(err["loc"])) if cls else None)
+    found = _field_at(cls, tuple(err["loc"])) if cls else None
+    where, problem = name(tuple(err["loc"])), _problem(err, found[1] if found else None)
     return f"{where} {problem}" if where else problem
 
 
@@ -246,10 +261,10 @@ def dotted(loc: tuple) -> str:
 def by_flag(cls) -> Callable[[tuple], str]:
     """Names a field of `cls` (or of a section in it) by its flag, an item of a list by the list's."""
     def name(loc: tuple) -> str:
-        o = _field_at(cls, loc)
-        return "--" + o.dest.replace("_", "-") if o is not None else dotted(loc)
+        found = _field_at(cls, loc)
+        return flag(*found) if found is not None else dotted(loc)
     return name
 
 
-__all__ = ["MAX_ITEMS", "Ascending", "ConfigError", "Distinct", "Items", "Option", "Options", "arg", "by_flag",
-           "dotted", "like", "one_line", "opt", "options_of", "with_fact"]
+__all__ = ["MAX_ITEMS", "Ascending", "ConfigError", "Distinct", "Form", "Items", "Options", "arg", "by_flag", "default",
+           "check", "dest", "dotted", "flag", "form", "like", "one_line", "opt", "with_fact"]

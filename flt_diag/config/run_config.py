@@ -1,7 +1,7 @@
 """Every option of flt-diag, once: typed config sections (pydantic models) whose fields, declared with `opt`
 (flt_diag.config.option_fields), carry their help, bounds, flag, choices and the facts other layers read. The
-CLI, the sweep and map specs and the study files are generated from them (`OPTIONS`); the grids' own options
-are in flt_diag.config.grid_options. A bad value is one ConfigError line naming the flag.
+CLI and the study files read these fields directly (flt_diag.cli.options); the grids' own options are in
+flt_diag.config.grid_options. A bad value is one ConfigError line naming the flag.
 """
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, ValidationError, create_model, model_validator
 
-from flt_diag.config.option_fields import (ConfigError, Option, Options, dotted, like, one_line, opt,  # noqa: F401
-                                         options_of)
+from flt_diag.config.option_fields import ConfigError, Options, dotted, one_line, opt
 from flt_diag.config.variants import MAX_LOOPS, Variant
 from flt_diag.records import all_records
 
@@ -243,39 +242,19 @@ class RunConfig(Options):
 
 SECTIONS = {"model": ModelConfig, "train": TrainConfig, "diagnostics": DiagnosticsConfig, "verdict": VerdictConfig}
 
-# Every config option, in help order; the CLI and the study files are generated from this list.
-OPTIONS: list[Option] = [*options_of(PresetOption, "run"), *(o for s, cls in SECTIONS.items() for o in options_of(cls, s))]
 
-
-def _given(cls) -> type[Options]:
-    """Section `cls` as options given: each field optional (None: not given), named as the section names it."""
-    return create_model(f"{cls.__name__}Given", __base__=Options,
-                        **{n: like(f, required=False) for n, f in cls.model_fields.items()})
-
-
-ModelGiven, TrainGiven, DiagnosticsGiven, VerdictGiven = map(_given, SECTIONS.values())
-
-
-class GivenConfig(_given(PresetOption)):
-    """The config options a command, a study file or a Python call gives (None: not given), by section and
-    field name as in RunConfig: what settling builds on."""
-
-    model: ModelGiven = Field(default_factory=ModelGiven)
-    train: TrainGiven = Field(default_factory=TrainGiven)
-    diagnostics: DiagnosticsGiven = Field(default_factory=DiagnosticsGiven)
-    verdict: VerdictGiven = Field(default_factory=VerdictGiven)
-
-    @classmethod
-    def of_values(cls, values: dict) -> "GivenConfig":
-        """Of flat option values keyed by `Option.dest` (None: not given; other keys ignored), checked."""
-        out: dict = {section: {} for section in SECTIONS}
-        for o in (o for o in OPTIONS if values.get(o.dest) is not None):
-            (out if o.section == "run" else out[o.section])[o.name] = values[o.dest]
-        return cls.of(**out)
-
-    def sections(self) -> dict[str, dict]:
-        """The fields given, by section: build_config's keyword arguments."""
-        return {section: getattr(self, section).model_dump(exclude_none=True) for section in SECTIONS}
+def given_sections(values: dict) -> dict[str, dict]:
+    """Flat option values (by field or flag name: n_layer or depth; None: not given), by section and field name:
+    build_config's keyword arguments. A name no section has is one ConfigError line."""
+    out: dict = {section: {} for section in SECTIONS}
+    for key, value in values.items():
+        where = next(((s, n) for s, cls in SECTIONS.items() for n, f in cls.model_fields.items() if key in (n, f.alias)),
+                     None)
+        if where is None:
+            raise ConfigError(f"{key} is not a config option")
+        if value is not None:
+            out[where[0]][where[1]] = value
+    return out
 
 
 # Train fields that run folders written before the field existed were trained without: an old
@@ -319,12 +298,6 @@ def build_config(preset: str = "auto", cuda_available: bool = False, model: dict
 def replaced(section: Options, **changes) -> Options:
     """A copy of a section (or config) with some fields changed, validated like a new one."""
     return type(section).of(**{**{name: getattr(section, name) for name in type(section).model_fields}, **changes})
-
-
-def validate(cfg: RunConfig) -> None:
-    """Check a config whose sections were changed in place (construction already checks)."""
-    for section in (cfg.model, cfg.train, cfg.diagnostics, cfg.verdict, cfg):
-        replaced(section)
 
 
 def with_overrides(cfg: RunConfig, **sections) -> RunConfig:

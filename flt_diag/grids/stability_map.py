@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Callable
 
 import pandas as pd
-from pydantic import model_validator
 
-from flt_diag.judge.map_boundaries import (AXES, CRITERIA, MAP_CSV, Line, boundaries, bracket, map_lines,
+from flt_diag.judge.map_boundaries import (CRITERIA, MAP_CSV, Line, boundaries, bracket, map_lines,
                                            probe_cell, probe_outcomes)
 from flt_diag.storage.folders import CELLS, StorageError, atomic_path, folder_lock, load_summary
 from flt_diag.config.run_config import RunConfig
@@ -36,12 +35,6 @@ class MapSpec(MapLinesGrid):
     def __init__(self, base: RunConfig, *given, **named):
         names = ("variants", "loops", "seeds", "axis", "grid", "criteria")
         super().__init__(base=base, **dict(zip(names, given)), **named)
-
-    @model_validator(mode="after")
-    def _an_implemented_axis(self):
-        if self.axis not in AXES or not set(self.criteria) <= set(CRITERIA):  # (the options offer these)
-            raise ValueError(f"the map implements the axes {', '.join(AXES)} and criteria {', '.join(CRITERIA)}")
-        return self
 
     def lines(self) -> list[Line]:
         return map_lines(self)

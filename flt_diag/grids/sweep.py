@@ -30,7 +30,7 @@ from flt_diag.storage.folders import (BUSY, CELLS, ERROR, SWEEP_SPEC, StorageErr
 from flt_diag.storage.pooling import without_grid_fields
 from flt_diag.storage.schema import MAX_ITEMS
 from flt_diag.training.settle import comparable
-from flt_diag.config.run_config import RunConfig, validate, with_overrides
+from flt_diag.config.run_config import RunConfig, with_overrides
 from flt_diag.config.grid_options import SWEEP_GRID_FIELDS, SweepGrid
 
 
@@ -74,9 +74,7 @@ class SweepSpec(SweepGrid):
 def cell_config(base: RunConfig, cell: Cell, **train_overrides) -> RunConfig:
     """The base config with the cell's variant, loops, seed and lr scale (and any extra train fields)."""
     model = dict(variant=cell.variant, loops=cell.loops, **({} if cell.depth is None else {"n_layer": cell.depth}))
-    cfg = with_overrides(base, model=model, train=dict(seed=cell.seed, lr_scale=cell.lr_scale, **train_overrides))
-    validate(cfg)
-    return cfg
+    return with_overrides(base, model=model, train=dict(seed=cell.seed, lr_scale=cell.lr_scale, **train_overrides))
 
 
 def prepare_folder(spec: SweepSpec, out: Path) -> None:

@@ -15,7 +15,7 @@ from flt_diag.storage.predictor_names import CLASS_WEIGHTS, FEATURES, TARGETS
 from flt_diag.config import option_fields
 from flt_diag.config.run_config import DiagnosticsConfig, ModelConfig, Preset, RunConfig, TrainConfig, VerdictConfig
 from flt_diag.config.grid_options import MAX_GRID, MapAxes, SweepAxes
-from flt_diag.config.option_fields import MAX_ITEMS, Ascending, Distinct, Items, Option, Options
+from flt_diag.config.option_fields import MAX_ITEMS, Ascending, Distinct, Items, Options, form
 from flt_diag.config.variants import MAX_LOOPS
 
 Verdict = Literal["stable", "unstable", "stalled", "collapsed", "diverged"]  # verdict v3 (flt_diag.judge.verdict)
@@ -279,8 +279,7 @@ SweepSpecFile = create_model("SweepSpecFile", __base__=FreeFileModel,
 
 def _grid_values(axis: str) -> Any:
     """A map's grid: lr scales (bounded like --lr-scale) or depths (like --depth), distinct, ascending."""
-    o = Option("", "n_layer", ModelConfig.model_fields["n_layer"]) if axis == "depth" else \
-        Option("", "lr_scale", TrainConfig.model_fields["lr_scale"])
+    o = form(ModelConfig.model_fields["n_layer"] if axis == "depth" else TrainConfig.model_fields["lr_scale"])
     return Annotated[list[Annotated[o.kind, Field(**o.bounds)]], Field(min_length=1, max_length=MAX_GRID), Distinct,
                      Ascending]
 

@@ -7,16 +7,15 @@ from __future__ import annotations
 import io
 import re
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Collection
 
 import pandas as pd
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from flt_diag.storage import file_models as F
-from flt_diag.storage.file_models import EXAMPLE_IDENTITY, META_LOOP_KEYS, META_VARIANT_KEYS  # noqa: F401 (re-exported)
-from flt_diag.config.option_fields import Option
+from flt_diag.storage.file_models import META_LOOP_KEYS, META_VARIANT_KEYS  # noqa: F401 (re-exported)
 from flt_diag.storage.predictor_names import PACKAGED
-from flt_diag.storage.schema import MAX_ITEMS, BadFile, bad, checked, dotted, one_line, read_json, read_text
+from flt_diag.storage.schema import MAX_ITEMS, BadFile, bad, checked, read_json, read_text
 from flt_diag.config.variants import Variant
 from flt_diag.storage.safe_files import regular_file
 
@@ -147,10 +146,10 @@ def predictor_of(predictor: dict | F.PredictorFile) -> F.PredictorFile:
 MAX_STUDY_BYTES = 256 << 10  # studies are a kilobyte or two (experiments/); TOML parses ~1 MB/s in Python
 
 
-def load_study(path: Path, tables: dict[str, Any], limit: int = MAX_STUDY_BYTES) -> tuple[str, dict]:
-    """A study file -> (its table's name, option values keyed by Option.dest): exactly one of `tables`
-    (flt_diag.cli.specs.study_tables), checked like the command line; other keys (description, gpu) are free.
-    At most `limit` bytes are read (MAX_STUDY_BYTES: a study is a kilobyte or two)."""
+def load_study(path: Path, tables: dict[str, Collection[str]], limit: int = MAX_STUDY_BYTES) -> tuple[str, dict]:
+    """A study file -> (its table's name, its values by key, "-" read as "_"): exactly one of `tables` (each
+    with the keys it takes: flt_diag.cli.specs.load_study checks the values like the command line); other keys
+    (description, gpu) are free. At most `limit` bytes are read (MAX_STUDY_BYTES: a study is a kilobyte or two)."""
     try:
         import tomllib
     except ImportError:  # Python 3.10
@@ -165,20 +164,11 @@ def load_study(path: Path, tables: dict[str, Any], limit: int = MAX_STUDY_BYTES)
     found = [t for t in tables if t in spec]
     if len(found) != 1 or not isinstance(spec[found[0]], dict):
         raise BadFile(f"{path}: needs exactly one {' or '.join(f'[{t}]' for t in tables)} table")
-    table, model = found[0], tables[found[0]]
-    unknown = next((key for key in spec[table] if key.replace("-", "_") not in model.model_fields), None)
+    table = found[0]
+    unknown = next((key for key in spec[table] if key.replace("-", "_") not in tables[table]), None)
     if unknown is not None:
         raise BadFile(f"{path}: unknown option {unknown!r} in [{table}]")
-    values = {key.replace("-", "_"): x for key, x in spec[table].items()}
-    values = {k: [x] if Option("", k, model.model_fields[k]).many and not isinstance(x, list) else x
-              for k, x in values.items()}  # one value of a list option is a list of one
-    try:
-        given = model.model_validate(values)
-    except ValidationError as e:
-        raise bad(path, one_line(e, lambda loc: f"[{table}] {dotted(loc)}", model)) from None
-    except RecursionError:  # a value nested too deep for the validator
-        raise BadFile(f"{path}: [{table}] holds a value nested too deep to be an option") from None
-    return table, {k: getattr(given, k) for k in values}
+    return table, {key.replace("-", "_"): x for key, x in spec[table].items()}
 
 
 # --------------------------------------------------------------------------- reference meta json

@@ -18,8 +18,8 @@ import re
 from pathlib import Path
 
 from flt_diag.instruments.warning_callback import predictor
-from flt_diag.config.run_config import (SECTIONS, TASK_DIALS, TASKS, DiagnosticsConfig, GivenConfig, RunConfig,
-                                        TrainConfig, build_config, padded_vocab, with_overrides)
+from flt_diag.config.run_config import (TASK_DIALS, TASKS, DiagnosticsConfig, RunConfig, TrainConfig, build_config,
+                                        given_sections, padded_vocab, with_overrides)
 from flt_diag.config.option_fields import with_fact
 from flt_diag.data.corpus import DataError, get_tokenizer
 from flt_diag.data.sources import check_source
@@ -31,25 +31,21 @@ VOLATILE_TRAIN_FIELDS, VOLATILE_DIAGNOSTICS_FIELDS = with_fact(TrainConfig, "vol
 DEVICE = re.compile(r"auto|cpu(?::\d+)?|cuda(?::(\d+))?")
 
 
-def run_config(given: GivenConfig | dict, **grid) -> RunConfig:
-    """The settled RunConfig of the config options given (a GivenConfig, or flat option values keyed by
-    `Option.dest`, None = not given), with the fields a grid sets per cell (variant, loops, seed, lr_scale)
-    where given."""
+def run_config(given: dict, **grid) -> RunConfig:
+    """The settled RunConfig of the config options given (flat option values by flag or field name, and the
+    preset; None = not given), with the fields a grid sets per cell (variant, loops, seed, lr_scale) where given."""
     return settle(unsettled_config(given, **grid))
 
 
-def unsettled_config(given: GivenConfig | dict, **grid) -> RunConfig:
-    """The same config, checked field by field but not settled (a grid's `--list` runs nothing, so it
-    needs no tokenizer): the preset is decided, the device and the vocabulary are not."""
-    given = given if isinstance(given, GivenConfig) else GivenConfig.of_values(given)
-    sections = given.sections()
-    for name, value in grid.items():
-        if value is not None:
-            sections[next(s for s, cls in SECTIONS.items() if name in cls.model_fields)][name] = value
+def unsettled_config(given: dict, **grid) -> RunConfig:
+    """The same config, checked but not settled (a grid's `--list` runs nothing, so it needs no tokenizer):
+    the preset is decided, the device and the vocabulary are not."""
+    sections = given_sections({**{k: v for k, v in given.items() if k != "preset"},
+                               **{k: v for k, v in grid.items() if v is not None}})
     if sections["diagnostics"].get("stop_on_collapse"):
         sections["diagnostics"]["warn"] = True
     cuda = choose_device(sections["train"].get("device") or "auto").startswith("cuda")
-    return build_config(given.preset or "auto", cuda, **sections)
+    return build_config(given.get("preset") or "auto", cuda, **sections)
 
 
 def settle(cfg: RunConfig) -> RunConfig:
