@@ -82,12 +82,6 @@ class ListCommand(TyperCommand):
 
 # ------------------------------------------------------------------ typer options from pydantic fields
 
-def _completer(choices: tuple) -> Callable:
-    def complete(incomplete: str) -> list[str]:
-        return [c for c in choices if c.startswith(incomplete)]
-    return complete
-
-
 def _path(text) -> Path:
     """A path given on the command line; an empty one is refused (Path("") is the current folder: `--to ""` would
     write into it)."""
@@ -113,7 +107,8 @@ def parameter(p: Param) -> inspect.Parameter:
     option = typer.Option(flag(name, info) + (f"/--no-{flag(name, info)[2:]}" if f.kind is bool and not switch else ""),
                           help=escape(help), rich_help_panel=SECTION_TITLES[section], show_default=False,
                           metavar=None if f.kind is bool else ("NAME" if f.choices else METAVARS[f.kind]) + "..." * f.many,
-                          autocompletion=_completer(f.choices) if f.choices else None, parser=parser)
+                          parser=parser, autocompletion=(lambda incomplete: [c for c in f.choices if c.startswith(incomplete)])
+                          if f.choices else None)
     given = inspect.Parameter.empty if not f.optional and default(info) is None else False if switch else None
     return inspect.Parameter(dest(name, info), inspect.Parameter.KEYWORD_ONLY, default=given,
                              annotation=Annotated[bool if switch else Optional[kind], option])
