@@ -83,7 +83,7 @@ class DiagnosticsCallback(Instrument):
     def _take(self, moment: str, trainer) -> None:
         """The records due this step (before_step) that are taken at `moment` (flt_diag.records), each guarded."""
         for record in (r for r in self.due if r.moment == moment):
-            values = self.records.take(tuple(record.metrics), _computed, record, trainer.model)
+            values = self.records.take(tuple(record.metrics), torch.no_grad()(record.compute), trainer.model)
             for metric, value in (values or {}).items():
                 trainer.log.add(metric, value)
 
@@ -235,11 +235,6 @@ class DiagnosticsCallback(Instrument):
         self.prev_layout = (list(prev), [v.numel() for v in prev.values()])
         self.prev_step = prev_step if prev else -2
         self.prev_squares = None
-
-
-def _computed(record: Record, model: torch.nn.Module) -> dict:
-    with torch.no_grad():
-        return record.compute(model)
 
 
 def flat_dtype(tensors) -> torch.dtype:
