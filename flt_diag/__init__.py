@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from flt_diag.instruments.loop_hooks import BlockCalledTwice, BlocksNotFound, NotLooped, ProbeError
-    from flt_diag.probe.results import EarlyWarning
+    from flt_diag.integrations.results import EarlyWarning
     from flt_diag.storage.file_models import Summary
-    from flt_diag.probe.watch import LoopProbe, watch
+    from flt_diag.integrations.watch import LoopProbe, watch
 
-_PUBLIC = {"watch": "flt_diag.probe.watch", "LoopProbe": "flt_diag.probe.watch", "Summary": "flt_diag.storage.file_models",
-           "EarlyWarning": "flt_diag.probe.results", **dict.fromkeys(
+_PUBLIC = {"watch": "flt_diag.integrations.watch", "LoopProbe": "flt_diag.integrations.watch",
+           "Summary": "flt_diag.storage.file_models", "EarlyWarning": "flt_diag.integrations.results", **dict.fromkeys(
                ("ProbeError", "BlocksNotFound", "NotLooped", "BlockCalledTwice"), "flt_diag.instruments.loop_hooks")}
 __all__ = ["BlockCalledTwice", "BlocksNotFound", "EarlyWarning", "LoopProbe", "NotLooped", "ProbeError", "Summary",
            "watch"]

@@ -12,7 +12,7 @@ from flt_diag.cli import main
 from flt_diag.data.batches import batch_generator, get_batch
 from flt_diag.data.corpus import load_tokens
 from flt_diag.training.evaluation import VAL_SEED, eval_loops
-from flt_diag.instruments.external import WandbSink, tag
+from flt_diag.training.external import WandbSink, tag
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig
 from flt_diag.training.trainer import train
 

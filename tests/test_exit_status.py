@@ -213,7 +213,7 @@ def never_stopped(tmp_path_factory):
 def test_a_field_changeable_on_reuse_is_changeable_on_resume(tmp_path, monkeypatch, capsys, never_stopped, field):
     """Ctrl-C after step 3 (resume.pt holds step 2); the same command with the field changed resumes the
     run, which ends where the run that never stopped ends."""
-    from flt_diag.instruments.callbacks import Progress
+    from flt_diag.training.run_callbacks import Progress
     original = Progress.on_step_end
 
     def interrupt(self, trainer, step):

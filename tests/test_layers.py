@@ -13,20 +13,21 @@ own layer and any layer below, never one above):
                 the early warning's features and probability, the other detectors, map boundaries
     3 model     flt_diag/model/ - the looped transformer, reference checkpoints <-> state dicts
     4 data      flt_diag/data/ - corpora, tokenizers, token cache, synthetic tasks, batches
-    5 instruments flt_diag/instruments/ - model-agnostic, what every run records: the hooks (loop_hooks) and
+    5 instruments flt_diag/instruments/ - model-agnostic, what every run records: the looped model's protocol
+                (looped; flt-diag's model implements it, no instrument imports model/), the hooks (loop_hooks) and
                 their callback (diagnostics), the loop dynamics, the callback moments, the step record, the online
                 early warning
-    6 training  flt_diag/training/ - flt-diag's own Trainer: settle (options -> one run config), the Trainer,
-                optimizer, checkpoints, evaluation, the process, compilation, reference checkpoints
-    6 probe     flt_diag/probe/ - the public `watch` API on a researcher's own looped model; beside the
-                Trainer, not on it: probe and training import nothing of each other
-    7 integrations flt_diag/integrations/ - the probe as Hugging Face Trainer and Lightning callbacks (and
-                their old path flt_diag/training/integrations/, re-exports)
-    7 grids     flt_diag/grids/ - many runs of the Trainer: sweeps, the worker pool, stability maps
-    8 results   flt_diag/results/ - torch-free study of saved folders: tables, figures, report, the
+    6 integrations flt_diag/integrations/ - the public `watch` in one folder: the probe on a researcher's own
+                looped model (watch, LoopProbe, its moments, checks and run folder), and the same probe as
+                Hugging Face Trainer and Lightning callbacks
+    7 training  flt_diag/training/ - flt-diag's own Trainer: settle (options -> one run config), the Trainer,
+                optimizer, checkpoints, evaluation, metrics table, progress, external mirrors, the process,
+                compilation, reference checkpoints
+    8 grids     flt_diag/grids/ - many runs of the Trainer: sweeps, the worker pool, stability maps
+    9 results   flt_diag/results/ - torch-free study of saved folders: tables, figures, report, the
                 predictor's fit and evaluation
-    9 cli       flt_diag/cli/, flt_diag/__main__ - the `flt-diag` command line on top
-    9 api       flt_diag/__init__ (the package itself): the public names, imported lazily
+   10 cli       flt_diag/cli/, flt_diag/__main__ - the `flt-diag` command line on top
+   10 api       flt_diag/__init__ (the package itself): the public names, imported lazily
 
 The import graph is built from the AST: every `import` / `from ... import` of a flt_diag module, at
 module level, inside functions and under `if TYPE_CHECKING` alike (a type-only import is a dependency
@@ -45,14 +46,12 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "flt_diag"
 LAYERS = {  # folder (module-name prefix) -> layer; "flt_diag" itself matches only the package's __init__
     "flt_diag.config": 0, "flt_diag.records": 0, "flt_diag.storage": 1, "flt_diag.judge": 2, "flt_diag.model": 3, "flt_diag.data": 4,
-    "flt_diag.instruments": 5, "flt_diag.training": 6, "flt_diag.probe": 6, "flt_diag.integrations": 7,
-    "flt_diag.training.integrations": 7, "flt_diag.grids": 7, "flt_diag.results": 8, "flt_diag.cli": 9,
-    "flt_diag.__main__": 9,
+    "flt_diag.instruments": 5, "flt_diag.integrations": 6, "flt_diag.training": 7, "flt_diag.grids": 8,
+    "flt_diag.results": 9, "flt_diag.cli": 10, "flt_diag.__main__": 10,
 }
-ROOT, ROOT_LAYER = "flt_diag", 9
-APART = {"flt_diag.probe": "flt_diag.training", "flt_diag.training": "flt_diag.probe",  # layers beside each other
-         "flt_diag.integrations": "flt_diag.training",
-         "flt_diag.instruments": "flt_diag.model"}  # (the instruments read a model through their protocol only)
+ROOT, ROOT_LAYER = "flt_diag", 10
+APART = {"flt_diag.instruments": "flt_diag.model",  # layers that import nothing of each other, though one is below:
+         "flt_diag.integrations": "flt_diag.model"}  # the instruments and the probe read a model through its protocol
 TORCH_FREE = ("flt_diag.config", "flt_diag.records", "flt_diag.storage", "flt_diag.judge", "flt_diag.results")
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 60
 
@@ -109,8 +108,8 @@ def test_the_layer_table_knows_every_module():
 def test_a_module_outside_every_layer_folder_is_in_no_layer():
     assert layer("flt_diag.somewhere_new") is None and layer("flt_diag.settle") is None
     assert layer("flt_diag.config.variants") == 0 and layer("flt_diag.model.transformer") == 3
-    assert layer("flt_diag.results.figures.map") == 8 and layer("flt_diag.cli.app") == 9 and layer("flt_diag") == 9
-    assert layer("flt_diag.training.integrations.hf") == 7 and layer("flt_diag.training.trainer") == 6
+    assert layer("flt_diag.results.figures.map") == 9 and layer("flt_diag.cli.app") == 10 and layer("flt_diag") == 10
+    assert layer("flt_diag.integrations.hf") == 6 and layer("flt_diag.training.trainer") == 7
 
 
 def test_no_module_imports_a_layer_above_its_own():
@@ -121,20 +120,21 @@ def test_no_module_imports_a_layer_above_its_own():
 
 
 def leans() -> list[str]:
-    """Imports between layers that stand apart (APART), e.g. the probe importing the Trainer's folder."""
+    """Imports between layers that stand apart (APART), e.g. an instrument importing the model."""
     def under(m: str, prefix: str) -> bool:
         return (m == prefix or m.startswith(prefix + ".")) and layer(m) == LAYERS[prefix]
     return [f"{m}:{line} imports {t}" for m, edges in GRAPH.items() for t, line in sorted(edges)
             for a, b in APART.items() if under(m, a) and under(t, b)]
 
 
-def test_the_probe_and_the_integrations_import_nothing_of_the_trainer_nor_the_instruments_of_the_model():
+def test_the_instruments_and_the_probe_import_nothing_of_the_model():
     assert not leans(), "\n".join(leans())
 
 
-def test_an_import_of_the_trainer_from_the_probe_is_found(monkeypatch):
-    monkeypatch.setitem(GRAPH, "flt_diag.probe.folder", GRAPH["flt_diag.probe.folder"] | {("flt_diag.training.trainer", 9)})
-    assert leans() == ["flt_diag.probe.folder:9 imports flt_diag.training.trainer"]
+def test_an_import_of_the_model_from_the_probe_is_found(monkeypatch):
+    monkeypatch.setitem(GRAPH, "flt_diag.integrations.folder",
+                        GRAPH["flt_diag.integrations.folder"] | {("flt_diag.model.transformer", 9)})
+    assert leans() == ["flt_diag.integrations.folder:9 imports flt_diag.model.transformer"]
 
 
 def find_cycle() -> list[str] | None:

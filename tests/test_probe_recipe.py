@@ -41,20 +41,27 @@ def test_the_recipe_is_the_users_and_no_warm_down_is_assumed(tmp_path):
         ("AdamW", "StepLR", 20, 0.5, None, None)
     assert r["param_groups"] == [dict(lr=3e-3, betas=[0.8, 0.95], weight_decay=0.1),
                                  dict(lr=1e-2, betas=[0.8, 0.95], weight_decay=0.01)]
-    assert cfg["model"]["variant"] is None and cfg["train"]["warmdown_frac"] == 0 and cfg["train"]["grad_clip"] == 0.5
+    assert cfg["train"] == dict(steps=20, batch_size=4, device="cpu", grad_clip=0.5)  # given or observed, no more
+    assert "variant" not in cfg["model"] and cfg["model"]["loops"] == 3 and cfg["model"]["n_embd"] == D
     assert not {"matrix_lr", "optimizer", "momentum", "softcap"} & {*cfg["train"], *cfg["model"]}  # no flt-diag recipe
     assert cfg["n_params"] == sum(p.numel() for p in model.parameters())
     s = probe.summary
     assert [m["step"] for m in s["milestones"]] == [0, 19]  # no warm-down: its milestone is the last step
     assert s.evidence["warmdown"].startswith("none given") and s["variant"] is None
     check_folder(tmp_path / "new")  # summary, --recompute, plot all, report, predict
-    assert json.loads((tmp_path / "new" / "summary.json").read_text())["evidence"]["warmdown"] == s.evidence["warmdown"]
+    again = json.loads((tmp_path / "new" / "summary.json").read_text())
+    assert again["evidence"]["warmdown"] == s.evidence["warmdown"]
+    assert [m["step"] for m in again["milestones"]] == [0, 19]  # recomputed without a warm-down: none was given
 
 
 def test_a_warm_down_given_moves_the_window_the_verdict_judges(tmp_path):
-    probe = run(UniversalTransformer(), tmp_path / "wd", steps=20, warmdown=0.25)
+    probe = run(UniversalTransformer(), tmp_path / "wd", steps=20, warmdown=0.25, seed=3)
     assert [m["step"] for m in probe.summary["milestones"]] == [0, 20 - 5, 19]
     assert "25%" in probe.summary.evidence["warmdown"]
+    cfg = json.loads((tmp_path / "wd" / "config.json").read_text())
+    assert cfg["train"] == dict(steps=20, batch_size=4, device="cpu", seed=3, warmdown_frac=0.25)  # as given
+    check_folder(tmp_path / "wd")
+    assert [m["step"] for m in json.loads((tmp_path / "wd" / "summary.json").read_text())["milestones"]] == [0, 15, 19]
 
 
 def old_folder(new, old):
@@ -236,15 +243,6 @@ def test_the_results_are_typed_and_read_only_mappings(tmp_path):
         rows = probe.step(loss=1.5)
     loss = next(r for r in rows if r.metric == "loss")
     assert (loss.step, loss.loop, loss.layer, loss.value) == (0, -1, -1, 1.5) and tuple(loss) == (0, "loss", -1, -1, 1.5)
-
-
-def test_the_old_integration_paths_still_import_the_callbacks():
-    pytest.importorskip("lightning")
-    import flt_diag.integrations.hf as hf
-    import flt_diag.integrations.lightning as pl
-    import flt_diag.training.integrations.hf as old_hf
-    import flt_diag.training.integrations.lightning as old_pl
-    assert old_hf.FltDiagCallback is hf.FltDiagCallback and old_pl.FltDiagCallback is pl.FltDiagCallback
 
 
 def test_a_summary_whose_oscillation_could_not_be_judged_says_why(tmp_path):

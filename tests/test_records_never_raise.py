@@ -24,9 +24,9 @@ from flt_diag.instruments.dynamics_callback import LoopDynamicsCallback
 from flt_diag.instruments.guard import MOMENTS, Instrument, recording
 from flt_diag.instruments.loop_hooks import LoopHooks
 from flt_diag.instruments.warning_callback import CollapseWarning
-from flt_diag.probe import moments
-from flt_diag.probe.loop_probe import LoopProbe
-from flt_diag.probe.moments import ProbeMoments
+from flt_diag.integrations import moments
+from flt_diag.integrations.loop_probe import LoopProbe
+from flt_diag.integrations.moments import ProbeMoments
 from flt_diag.records import attention as ATTENTION
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import load_metrics

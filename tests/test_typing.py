@@ -1,5 +1,5 @@
 """The public API is typed (flt_diag/py.typed), checked by mypy in one run (one subprocess, its cache in a
-temporary folder): no error in flt-diag's own public modules (the package's __init__, probe/, integrations/,
+temporary folder): no error in flt-diag's own public modules (the package's __init__, integrations/: the probe,
 the callback moments and the step record of instruments/: PUBLIC), nor in typed user code written against it
 (tests/typing/user_code.py: watch, LoopProbe, the results, the callbacks), nor in tests/typing/hosts.py (flt-diag's
 Trainer and the probe's stand-in are each the callbacks' Host); and each misuse in tests/typing/misuse.py (a
@@ -15,7 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 HERE = REPO / "tests" / "typing"
-PUBLIC = ("flt_diag/__init__.py", "flt_diag/probe/", "flt_diag/integrations/", "flt_diag/instruments/callbacks.py",
+PUBLIC = ("flt_diag/__init__.py", "flt_diag/integrations/", "flt_diag/instruments/callbacks.py",
           "flt_diag/instruments/records.py")
 
 
@@ -55,7 +55,7 @@ def test_each_misuse_is_reported(mypy_report):
 def test_the_callbacks_options_are_watchs_keywords():
     import inspect
 
-    from flt_diag.probe.watch import LoopProbe, WatchOptions, watch
+    from flt_diag.integrations.watch import LoopProbe, WatchOptions, watch
     keywords = {n for n, p in inspect.signature(watch).parameters.items() if p.kind is p.KEYWORD_ONLY}
     assert keywords == set(WatchOptions.__annotations__)
     options = inspect.signature(LoopProbe.__init__).parameters["options"]  # (LoopProbe takes them once)

@@ -1,6 +1,8 @@
-"""The probe (flt_diag.probe.watch) as callbacks of the training frameworks the field uses, each an
-optional extra imported only when used: `hf` (transformers' Trainer, extra hf-trainer) and `lightning`
-(Lightning's Trainer, extra lightning)."""
+"""The public probe, `flt_diag.watch` (docs/api.md): flt-diag's instruments on a looped model flt-diag did not
+build, trained by any loop - watch.py (the function), loop_probe.py and moments.py (LoopProbe: its hooks, run
+folder and the moments of a step), options.py, checks.py, model.py, folder.py, results.py - and the same probe as
+callbacks of the training frameworks the field uses, each an optional extra imported only when used: `hf`
+(transformers' Trainer, extra hf-trainer) and `lightning` (Lightning's Trainer, extra lightning)."""
 from __future__ import annotations
 
 from collections.abc import Mapping

@@ -22,12 +22,12 @@ import torch
 
 from flt_diag.integrations import needs_extra, output_loss
 from flt_diag.storage.file_models import Summary
-from flt_diag.probe.watch import Blocks, LoopProbe, watch
+from flt_diag.integrations.watch import Blocks, LoopProbe, watch
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from flt_diag.probe.watch import WatchOptions
+    from flt_diag.integrations.watch import WatchOptions
 
 try:
     import accelerate  # type: ignore[import-untyped]  # noqa: F401  (the Trainer needs it; accelerate ships no types)

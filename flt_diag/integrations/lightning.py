@@ -21,12 +21,12 @@ import torch
 from flt_diag.instruments.loop_hooks import ProbeError
 from flt_diag.integrations import needs_extra
 from flt_diag.storage.file_models import Summary
-from flt_diag.probe.watch import Blocks, LoopProbe, watch
+from flt_diag.integrations.watch import Blocks, LoopProbe, watch
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from flt_diag.probe.watch import WatchOptions
+    from flt_diag.integrations.watch import WatchOptions
 
 try:
     from lightning.pytorch.callbacks import Callback

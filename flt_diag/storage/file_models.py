@@ -124,6 +124,21 @@ class RunConfigFile(FileModel):
     note: str = None
     probe: dict = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _watched(cls, data: Any) -> Any:
+        """A flt_diag.watch run's config.json holds only what was given or observed (integrations/folder.py): read
+        with the fields it was not given that readers index - its data external, no tokenizer, no variant, no
+        warm-down (none given: judged over every step), no evaluation or checkpoint, the rest at their defaults (an
+        older watch run's file holds them all)."""
+        probe = data.get("probe") if isinstance(data, dict) else None
+        if isinstance(probe, dict) and "recipe" in probe and isinstance(data.get("model"), dict) \
+                and isinstance(data.get("train"), dict):  # (a watch run: its probe section holds the recipe it read)
+            train = {n: TrainConfig.model_fields[n].default for n in REQUIRED["train"]} | dict(
+                data="external", tokenizer=None, warmdown_frac=0.0, eval_every=0, checkpoint_every=0)
+            data = {**data, "model": {"variant": None, **data["model"]}, "train": {**train, **data["train"]}}
+        return data
+
     def run_config(self) -> RunConfig:
         """The typed config (a field an older file lacks as RunConfig.from_dict fills it in)."""
         return RunConfig.from_dict(self.as_written())

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from flt_diag.instruments.callbacks import Callback, checkpoint_due
+from flt_diag.instruments.callbacks import Callback
 from flt_diag.storage.files import check_resume_state
 from flt_diag.storage.folders import CHECKPOINT, RESUME, StorageError, atomic_path
 from flt_diag.storage.safe_files import open_regular
@@ -108,6 +108,11 @@ def restore(trainer) -> bool:
     except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as e:
         raise StorageError(f"{path} does not fit this run ({str(e).splitlines()[0][:200]}); "
                            "delete it to restart the run from step 0") from None
+
+
+def checkpoint_due(train_cfg, done: int) -> bool:
+    """Whether a resume checkpoint is written after `done` steps (never after the last one)."""
+    return bool(train_cfg.checkpoint_every) and done % train_cfg.checkpoint_every == 0 and done < train_cfg.steps
 
 
 class Checkpoints(Callback):

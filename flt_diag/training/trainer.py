@@ -20,7 +20,8 @@ import torch
 
 from flt_diag.storage import metric_names as M
 from flt_diag.judge.verdict import Recipe, summarize, tokens_per_step, with_not_recorded
-from flt_diag.instruments.callbacks import Callback, MetricsTable, Progress
+from flt_diag.instruments.callbacks import Callback
+from flt_diag.training.run_callbacks import MetricsTable, Progress
 from flt_diag.training.checkpoint import Checkpoints, restore
 from flt_diag.config.run_config import RunConfig
 from flt_diag.data.batches import batch_generator, get_batch, stream_batch
@@ -28,7 +29,7 @@ from flt_diag.data.corpus import DataError, TokenData
 from flt_diag.data.sources import describe, load_split
 from flt_diag.data.tasks import TaskData
 from flt_diag.training.evaluation import Evaluation
-from flt_diag.instruments.external import ExternalSinks
+from flt_diag.training.external import ExternalSinks
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig, count_parameters, parameter_groups
 from flt_diag.instruments.records import StepLog, environment
 from flt_diag.training.process import start_process

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from flt_diag.instruments.callbacks import Host
-from flt_diag.probe.folder import Host as ProbeHost
+from flt_diag.integrations.folder import Host as ProbeHost
 from flt_diag.training.trainer import Trainer
 
 

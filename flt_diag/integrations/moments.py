@@ -1,4 +1,4 @@
-"""The moments of a step on a LoopProbe (flt_diag.probe.loop_probe): after_backward(), step(), skip(), and what
+"""The moments of a step on a LoopProbe (flt_diag.integrations.loop_probe): after_backward(), step(), skip(), and what
 they read (the early warning, the records not taken). Every record they take goes through the run's record guard
 (flt_diag.instruments.guard, `records`): one that cannot be taken is said once on stderr, skipped and named in
 the summary's not_recorded; the training step never sees its error. A mix-in of LoopProbe: the attributes below
@@ -20,9 +20,9 @@ from flt_diag.instruments.guard import Records
 from flt_diag.instruments.loop_hooks import ProbeError, gradient_norm
 from flt_diag.instruments.records import Row
 from flt_diag.instruments.warning_callback import CollapseWarning
-from flt_diag.probe.checks import step_arguments
-from flt_diag.probe.folder import Host, probe_run_config, write_probe_config
-from flt_diag.probe.results import EarlyWarning
+from flt_diag.integrations.checks import step_arguments
+from flt_diag.integrations.folder import Host, probe_run_config, write_probe_config
+from flt_diag.integrations.results import EarlyWarning
 from flt_diag.judge.verdict import Recipe
 from flt_diag.config.run_config import DiagnosticsConfig
 

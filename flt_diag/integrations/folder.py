@@ -1,8 +1,9 @@
-"""The run folder of a probe (flt_diag.probe.watch): config.json holds the user's run as the user ran it -
-the model's shape as the hooks saw it, the loops it ran, and under `probe.recipe` the optimizer (its class and
-each parameter group's lr, betas, weight_decay, momentum as at watch()), the scheduler's class, the steps, the
-gradient clipping and the warm-down where known (None: not known / none). The model and train sections hold
-only what the readers need and the probe knows (no flt-diag recipe field: a reader takes its default).
+"""The run folder of a probe (flt_diag.integrations.watch): config.json holds only what was given or observed -
+the model's shape as the hooks saw it, the loops it ran, the steps, batch and device, the seed, warm-down and
+gradient clipping where given, and under `probe.recipe` the optimizer (its class and each parameter group's lr,
+betas, weight_decay, momentum as at watch()), the scheduler's class, the steps, the gradient clipping and the
+warm-down where known (None: not known / none). No flt-diag recipe field it was not given (seed, lr scale, data,
+evaluation): a reader of the folder takes those as flt_diag.storage.file_models.RunConfigFile says.
 `self` is the LoopProbe. `Host`: what the training callbacks read of a Trainer, for a loop flt-diag does not run."""
 from __future__ import annotations
 
@@ -13,14 +14,13 @@ import torch
 from flt_diag.judge.verdict import MIN_DIFFERENCES, Recipe
 from flt_diag.storage.folders import CONFIG, write_json
 from flt_diag.instruments.loop_hooks import ProbeError
-from flt_diag.probe.model import head_count_of, vocab_size_of
+from flt_diag.integrations.model import head_count_of, vocab_size_of
 from flt_diag.instruments.records import StepLog, environment
 from flt_diag.config.run_config import ModelConfig, RunConfig, TrainConfig
 
 HYPERPARAMETERS = ("lr", "betas", "weight_decay", "momentum")
 MODEL_FIELDS = ("vocab_size", "n_layer", "n_embd", "n_head", "sequence_len", "variant", "loops")
-TRAIN_FIELDS = ("steps", "batch_size", "seed", "lr_scale", "data", "tokenizer", "eval_batches", "device", "eval_every",
-                "checkpoint_every", "warmdown_frac")
+TRAIN_FIELDS = ("steps", "batch_size", "device")  # observed; seed, warmdown_frac, grad_clip: where given
 
 
 def _plain(x):
@@ -50,7 +50,7 @@ def probe_run_config(self, steps: int) -> RunConfig:
     except ValueError as e:
         raise ProbeError(f"the model's shape cannot be stored: {str(e).splitlines()[0]}") from None
     device = next(iter(self.params)).device if self.params else torch.device("cpu")
-    train = TrainConfig(steps=max(1, steps), batch_size=batch, seed=self.seed, data="external", tokenizer=None,
+    train = TrainConfig(steps=max(1, steps), batch_size=batch, seed=self.seed or 0, data="external", tokenizer=None,
                         device=device.type, eval_every=0, checkpoint_every=0, warmdown_frac=self.warmdown or 0.0,
                         grad_clip=self.grad_clip or 0.0)
     return RunConfig(model=model, train=train, diagnostics=self.dcfg)
@@ -58,10 +58,11 @@ def probe_run_config(self, steps: int) -> RunConfig:
 
 def write_probe_config(self, cfg: RunConfig) -> None:
     device, d = torch.device(cfg.train.device), cfg.to_dict()
-    train = {k: d["train"][k] for k in TRAIN_FIELDS} | ({"grad_clip": self.grad_clip} if self.grad_clip is not None
-                                                          else {})  # (not known: left out)
+    given = {"seed": self.seed, "warmdown_frac": self.warmdown, "grad_clip": self.grad_clip}
+    train = {k: d["train"][k] for k in TRAIN_FIELDS} | {k: v for k, v in given.items() if v is not None}
+    model = {k: d["model"][k] for k in MODEL_FIELDS if k != "variant" or self.variant is not None}
     write_json(self.folder / CONFIG, {
-        "model": {k: d["model"][k] for k in MODEL_FIELDS}, "train": train, "diagnostics": d["diagnostics"],
+        "model": model, "train": train, "diagnostics": d["diagnostics"],
         "n_params": sum(p.numel() for p in self.model.parameters()), "env": environment(device),
         "note": self.note or f"{type(self.model).__name__} diagnosed by flt_diag.watch; its recipe: probe.recipe",
         **({"corpus": {"unigram_entropy": self.unigram_entropy}} if self.unigram_entropy is not None else {}),

@@ -28,7 +28,7 @@ class WatchOptions(TypedDict, total=False):
     diagnostics: DiagnosticsConfig | None
     steps: int | None
     variant: str | None
-    seed: int
+    seed: int | None
     vocab_size: int | None
     grad_scale: float
     warn: bool

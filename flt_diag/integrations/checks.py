@@ -109,7 +109,8 @@ def check_watch(model, folder, *, loss, optimizer, callbacks, loop_boundary, dia
         raise ProbeError(f"diagnostics= is a flt_diag.config.run_config.DiagnosticsConfig, not {_kind(diagnostics)}")
     if steps is not None:
         _whole("steps", steps, 1, MAX_STEP)
-    _whole("seed", seed, 0, MAX_SEED)
+    if seed is not None:
+        _whole("seed", seed, 0, MAX_SEED)
     if vocab_size is not None:
         _whole("vocab_size", vocab_size, 1, MAX_VOCAB)
     if not (_real(grad_scale) and math.isfinite(grad_scale) and grad_scale > 0):

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from flt_diag.instruments.callbacks import Callback
-from flt_diag.probe.loop_probe import Blocks, Head, LoopProbe, WatchOptions
+from flt_diag.integrations.loop_probe import Blocks, Head, LoopProbe, WatchOptions
 from flt_diag.config.run_config import DiagnosticsConfig
 
 __all__ = ["LoopProbe", "WatchOptions", "watch"]
@@ -29,7 +29,7 @@ def watch(model: nn.Module, blocks: Blocks = "auto", folder: str | os.PathLike[s
           loop_boundary: nn.Module | Literal["manual"] | None = None, optimizer: torch.optim.Optimizer | None = None,
           scheduler: object | None = None, warmdown: float | None = None, grad_clip: float | None = None,
           diagnostics: DiagnosticsConfig | None = None, steps: int | None = None, variant: str | None = None,
-          seed: int = 0, vocab_size: int | None = None, grad_scale: float = 1.0, warn: bool = False,
+          seed: int | None = None, vocab_size: int | None = None, grad_scale: float = 1.0, warn: bool = False,
           stop_on_collapse: bool = False, predictor_path: str | None = None, callbacks: list[Callback] | None = None,
           note: str | None = None, unigram_entropy: float | None = None, grad_hooks: bool = False,
           loop_step: Callable[[Tensor], Tensor] | None = None,

@@ -1,6 +1,6 @@
-"""LoopProbe, the object flt_diag.watch returns (flt_diag.probe.watch: the moments of a step, docs/api.md): its
-hooks on the model and its run folder here, the moments of a step in flt_diag.probe.moments, watch()'s options in
-flt_diag.probe.options. Every record is taken through the run's record guard (flt_diag.instruments.guard)."""
+"""LoopProbe, the object flt_diag.watch returns (flt_diag.integrations.watch: the moments of a step, docs/api.md): its
+hooks on the model and its run folder here, the moments of a step in flt_diag.integrations.moments, watch()'s options in
+flt_diag.integrations.options. Every record is taken through the run's record guard (flt_diag.instruments.guard)."""
 from __future__ import annotations
 
 import contextlib
@@ -20,21 +20,21 @@ from flt_diag.storage.folders import (SUMMARY, MetricsWriter, StorageError, fold
 from flt_diag.instruments.dynamics_callback import instruments, watched_model_dynamics
 from flt_diag.instruments.guard import recording
 from flt_diag.instruments.records import Row
-from flt_diag.probe.folder import Host, evidence_notes, probe_run_config, recipe, write_probe_config
-from flt_diag.probe.checks import check_watch, leave_no_trace, lets_go_on_refusal, one_loss
-from flt_diag.probe.moments import ProbeMoments
-from flt_diag.probe.options import Blocks, Head, WatchOptions
+from flt_diag.integrations.folder import Host, evidence_notes, probe_run_config, recipe, write_probe_config
+from flt_diag.integrations.checks import check_watch, leave_no_trace, lets_go_on_refusal, one_loss
+from flt_diag.integrations.moments import ProbeMoments
+from flt_diag.integrations.options import Blocks, Head, WatchOptions
 from flt_diag.storage.file_models import Summary
 from flt_diag.instruments.diagnostics import should_record
 from flt_diag.instruments.loop_hooks import NOT_LOOPED_AFTER, LoopHooks, ProbeError
-from flt_diag.probe.model import auto_blocks, called_blocks, check_untied, default_head, parameter_groups_of, resolve_blocks
+from flt_diag.integrations.model import auto_blocks, called_blocks, check_untied, default_head, parameter_groups_of, resolve_blocks
 from flt_diag.instruments.warning_callback import CollapseWarning, predictor
 from flt_diag.config.run_config import DiagnosticsConfig
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["Blocks", "Head", "LoopProbe", "WatchOptions"]  # (watch()'s options: flt_diag.probe.options)
+__all__ = ["Blocks", "Head", "LoopProbe", "WatchOptions"]  # (watch()'s options: flt_diag.integrations.options)
 
 
 class LoopProbe(ProbeMoments):
@@ -46,7 +46,7 @@ class LoopProbe(ProbeMoments):
 
     def __init__(self, model: nn.Module, blocks: Blocks = "auto", folder: str | os.PathLike[str] = "runs/probe",
                  **options: Unpack[WatchOptions]):
-        o: dict[str, Any] = {**dict.fromkeys(WatchOptions.__annotations__), "seed": 0, "grad_scale": 1.0,
+        o: dict[str, Any] = {**dict.fromkeys(WatchOptions.__annotations__), "grad_scale": 1.0,
                              "warn": False, "stop_on_collapse": False, "grad_hooks": False, **options}
         check_watch(model, folder, **o)  # (probe/checks.py: one ProbeError line, nothing made)
         self.model, self.folder = model, Path(folder)

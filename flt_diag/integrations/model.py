@@ -1,4 +1,4 @@
-"""What the probe (flt_diag.probe.watch) reads off a model it did not build: the blocks it reuses
+"""What the probe (flt_diag.integrations.watch) reads off a model it did not build: the blocks it reuses
 (given as modules, as a module-path pattern, or found), the parameter groups of the diagnostics, and the
 shape figures stored in the run folder's config.json.
 
