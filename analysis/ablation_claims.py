@@ -44,9 +44,8 @@ def runs_of(folder: Path, lr: float | None = 1.0, grad_loops_zero: bool = True) 
         s = load_summary(d)
         if s is None or (lr is not None and float(s.lr_scale) != lr):
             continue
-        ev = s.evidence or {}
         rows.append(dict(variant=s.variant, loops=int(s.loops), seed=int(s.seed), verdict=s.verdict,
-                         failed=s.verdict in FAILED, climb=ev.get("climb", math.nan), val_loss=s.val_loss,
+                         failed=s.verdict in FAILED, climb=math.nan if s.evidence.climb is None else s.evidence.climb, val_loss=s.val_loss,
                          peak_any=s.peak_resid_norm_any, peak=s.peak_resid_norm, run=Path(d).name))
     return pd.DataFrame(rows, columns=["variant", "loops", "seed", "verdict", "failed", "climb", "val_loss",
                                        "peak_any", "peak", "run"])

@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     write("rows.csv", table.to_csv(index=False))
     sets = {s[0]: selector(s[1:]) for s in args.set}
     # the refit is the packaged model's recipe (its features) refitted; "refit, 8 features" is fit-predictor's default set
-    comparison = W.comparison(table, packaged["features"], sets, wide_features=DEFAULT_FEATURES)
+    comparison = W.comparison(table, packaged.features, sets, wide_features=DEFAULT_FEATURES)
     write("comparison.csv", comparison.to_csv(index=False))
     ablation = W.ablation(table, DEFAULT_FEATURES)
     write("ablation.csv", ablation.to_csv(index=False))

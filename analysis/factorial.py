@@ -83,8 +83,8 @@ def run_row(run) -> dict:
     growth = at_last(M.LOOP_PERTURBATION_GROWTH)
     return dict(
         run=Path(run).stem if Path(run).suffix else Path(run).name, arm=arm_name(cfg.model.variant, K, k),
-        variant=cfg.model.variant, seed=int(cfg.train.seed), verdict=summary["verdict"],
-        failed=summary["verdict"] in FAILURES, onset=onset, climb=climb,
+        variant=cfg.model.variant, seed=int(cfg.train.seed), verdict=summary.verdict,
+        failed=summary.verdict in FAILURES, onset=onset, climb=climb,
         A_first=float(A.iloc[0]) if len(A) else math.nan, A_before=float(before.iloc[-1]) if len(before) else math.nan,
         agreement_fell=bool(len(A) and len(before) and before.iloc[-1] < A.iloc[0] - AGREEMENT_DROP),
         token_cosine=float(cosine.iloc[-1]) if len(cosine) else math.nan,
@@ -96,7 +96,7 @@ def run_row(run) -> dict:
         spectral_residual=float(at_last(M.LOOP_SPECTRAL_RESIDUAL).get(K, math.nan)),
         mean_gain=float(at_last(M.LOOP_MEAN_GAIN).get(K, math.nan)),
         growth=float(np.exp(np.log(growth.clip(lower=1e-30)).mean())) if len(growth) else math.nan,
-        final_loss=summary.get("final_loss", math.nan))
+        final_loss=summary.final_loss)
 
 
 def runs_table(folders: list[Path]) -> pd.DataFrame:

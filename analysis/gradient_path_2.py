@@ -71,12 +71,11 @@ def run_rows(folder: Path, arm: str) -> list[dict]:
         if summary is None:
             continue
         cfg = load_config(d)
-        ev = summary["evidence"] or {}
+        ev, nan = summary.evidence, (lambda x: math.nan if x is None else x)
         code = archive.read_meta(d).code if archive.is_record(d) else None
-        rows.append(dict(arm=arm, run=Path(d).stem, seed=int(cfg.train.seed), verdict=summary["verdict"],
-                         failed=summary["verdict"] in FAILURES, climb=ev.get("climb", math.nan),
-                         osc=ev.get("osc_dlog_median", math.nan), final_loss=summary.get("final_loss", math.nan),
-                         val_loss=summary.get("val_loss", math.nan), wall=summary.get("wall_time", math.nan),
+        rows.append(dict(arm=arm, run=Path(d).stem, seed=int(cfg.train.seed), verdict=summary.verdict,
+                         failed=summary.verdict in FAILURES, climb=nan(ev.climb), osc=nan(ev.osc_dlog_median),
+                         final_loss=summary.final_loss, val_loss=summary.val_loss, wall=nan(summary.wall_time),
                          code=describe((code or {}).get("run")), frozen=bool(cfg.train.freeze_embedding)))
     return rows
 

@@ -66,14 +66,14 @@ def run_row(d: Path, steps: list[int]) -> dict:
     q = quantities(df, loops)
     gain = q["max loop gain"]
     above = gain[gain > 1]
-    ev = summary.get("evidence") or {}
-    climbed = ev.get("climb", 0) > ev.get("rebound_threshold", math.inf)
+    ev = summary.evidence
+    climbed = (ev.climb or 0) > (math.inf if ev.rebound_threshold is None else ev.rebound_threshold)
     row = dict(run=d.name, variant=cfg.model.variant, loops=loops, seed=cfg.train.seed,
-               verdict=summary["verdict"], failed=int(summary["verdict"] != "stable"),
+               verdict=summary.verdict, failed=int(summary.verdict != "stable"),
                gain_above_1_at=int(above.index[0]) if len(above) else None,
                gain_first=float(gain.iloc[0]) if len(gain) else math.nan,
                gain_last=float(gain.iloc[-1]) if len(gain) else math.nan,
-               climb_start=int(ev["climb_start_step"]) if climbed and "climb_start_step" in ev else None)
+               climb_start=int(ev.climb_start_step) if climbed and ev.climb_start_step is not None else None)
     for name, s in q.items():
         # the last 100 steps (records every step or every 10th alike); the gain: its last two estimates
         tail = s[s.index > s.index.max() - FINAL_STEPS] if name != "max loop gain" and len(s) else s.tail(2)

@@ -66,8 +66,8 @@ def sweep_step_times(sweep: Path) -> list[tuple[RunConfig, float]]:
     out = []
     for d in run_dirs(sweep):
         s = load_summary(d)
-        if s and s.get("wall_time") and s.get("steps_done"):
-            out.append((load_config(d).run_config(), s["wall_time"] / s["steps_done"]))
+        if s and s.wall_time and s.steps_done:
+            out.append((load_config(d).run_config(), s.wall_time / s.steps_done))
     return out
 
 

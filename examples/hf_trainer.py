@@ -33,4 +33,4 @@ args = TrainingArguments(output_dir="runs/hf-trainer", max_steps=60, per_device_
                          report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, logging_strategy="no",
                          dataloader_num_workers=0, seed=0)
 Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
-print(callback.summary["verdict"])  # runs/hf reads as any run: flt-diag summary runs/hf
+print(callback.summary.verdict)  # runs/hf reads as any run: flt-diag summary runs/hf

@@ -48,4 +48,4 @@ callback = FltDiagCallback(blocks="layer", folder="runs/pl", seed=0)
 trainer = L.Trainer(max_steps=60, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                     enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0, callbacks=[callback])
 trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))
-print(callback.summary["verdict"])  # runs/pl reads as any run: flt-diag summary runs/pl
+print(callback.summary.verdict)  # runs/pl reads as any run: flt-diag summary runs/pl

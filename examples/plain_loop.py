@@ -19,5 +19,5 @@ with flt_diag.watch(model, blocks="auto", folder="runs/mine", optimizer=opt) as 
         loss.backward(); opt.step()
         rows = probe.step(loss=loss); opt.zero_grad()   # after each optimizer step (rows: its records)
 
-print(probe.summary["verdict"])      # runs/mine reads as any run: flt-diag summary / plot / report / predict
+print(probe.summary.verdict)         # runs/mine reads as any run: flt-diag summary / plot / report / predict
 # readme:end

@@ -3,7 +3,7 @@
 The public API (docs/api.md), imported on first use so that `import flt_diag` and the torch-free layers
 stay torch-free: `flt_diag.watch(model, blocks=..., folder=...)` returns a `LoopProbe`; its one-line
 errors are `ProbeError` (a ValueError) and its kinds `BlocksNotFound`, `NotLooped`, `BlockCalledTwice`; what it
-hands out: `Summary`, `EarlyWarning` (typed, and read-only mappings). Type checkers read the names below.
+hands out: `Summary`, `EarlyWarning` (typed, read-only models: read their attributes). Type checkers read the names below.
 """
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ def test_thinning_keeps_every_verdict_series_and_every_peak(tmp_path, monkeypatc
     writer.extend(df.itertuples(index=False, name=None))
     writer.flush()
     resummarize(run)
-    assert load_summary(run)["residual_explosion_any"]
+    assert load_summary(run).residual_explosion_any
     done = archiving.archive_sources([run], tmp_path / "arch", report=lambda _: None)
     record = done[0].record
     full, kept = load_metrics(run), load_metrics(record)
@@ -82,10 +82,10 @@ def test_thinning_keeps_every_verdict_series_and_every_peak(tmp_path, monkeypatc
     assert code == 0
     again = load_summary(record)
     old = load_summary(run)
-    assert again["verdict"] == old["verdict"] == "collapsed"
+    assert again.verdict == old.verdict == "collapsed"
     for k in ("final_loss", "best_loss", "peak_resid_norm", "residual_explosion", "residual_explosion_any",
               "osc_dlog_median"):
-        assert again[k] == old[k], k
+        assert getattr(again, k) == getattr(old, k), k
 
 
 def test_a_thinning_that_would_change_the_summary_keeps_every_row(tmp_path, monkeypatch):
@@ -102,10 +102,10 @@ def test_recompute_rejudges_an_archive_in_place(archived, capsys):
     _, arch = archived
     record = arch / "lt_K06_seed0_lr1.parquet"
     before = load_metrics(record)
-    assert load_summary(record)["verdict"] == "collapsed"
+    assert load_summary(record).verdict == "collapsed"
     code, out, err = run_cli(["summary", "--recompute", "--rebound-abs", "50", "--rebound-rel", "50", arch], capsys)
     assert code == 0, err
-    assert load_summary(record)["verdict"] != "collapsed"  # no climb is large enough any more
+    assert load_summary(record).verdict != "collapsed"  # no climb is large enough any more
     pd.testing.assert_frame_equal(load_metrics(record), before)
     assert not (arch / "summary.csv").exists()  # an archive holds records and sweep.json only
 

@@ -177,13 +177,13 @@ def test_stop_on_collapse_ends_the_run_with_a_complete_folder(tmp_path, capsys):
     captured = capsys.readouterr()
     assert code == 0, captured.err
     s = load_summary(out)
-    assert s["verdict"] == "collapsed" and s["prediction"]["step"] == 25 == s["steps_done"]
-    assert "collapse predicted at step 25 (P=" in s["evidence"]["reason"] and s["prediction"]["evidence"]
-    assert f"collapsed (predicted at step {s['prediction']['step']})" in captured.out
+    assert s.verdict == "collapsed" and s.prediction.step == 25 == s.steps_done
+    assert "collapse predicted at step 25 (P=" in s.evidence.reason and s.prediction.evidence
+    assert f"collapsed (predicted at step {s.prediction.step})" in captured.out
     assert "warning: lt K=3: collapse predicted" in captured.err
     assert (out / "checkpoint.pt").exists() and not (out / "resume.pt").exists()
     from flt_diag.judge.verdict import resummarize
-    assert resummarize(out)["verdict"] == "collapsed"  # a recomputed summary keeps the prediction
+    assert resummarize(out).verdict == "collapsed"  # a recomputed summary keeps the prediction
     from flt_diag.results.figures import plot
     assert plot("all", out, tmp_path / "figs", ("png",))
 
@@ -193,7 +193,7 @@ def test_warn_only_warns_and_trains_to_the_end(tmp_path, capsys):
     pred = _toy_predictor(tmp_path, coef_climb=0.0, intercept=5.0)  # always P > 0.5
     cfg = tiny_config(variant="flt", loops=2, steps=60, diagnostics=dict(warn=True, predictor=str(pred)))
     s = train(cfg, tmp_path / "run")
-    assert s["steps_done"] == 60 and s.get("prediction") is None
+    assert s.steps_done == 60 and s.prediction is None
     err = capsys.readouterr().err
     assert err.count("collapse predicted at step 25") == 1  # once, at the first check from step 20 on
 
@@ -292,6 +292,12 @@ def test_fit_predictor_features_and_class_weight_reach_the_model(labelled, tmp_p
     assert np.allclose(m.models[20].coef, w, atol=1e-6) and m.models[20].intercept == pytest.approx(b, abs=1e-6)
 
 
+def _cell(run) -> tuple:
+    """A run's cell, read here from its config: variant, K, depth, width, seed, lr scale (not its length)."""
+    m, t = load_config(run).model, load_config(run).train
+    return m.variant, m.loops, m.n_layer, m.n_embd, t.seed, t.lr_scale
+
+
 def test_cross_validation_predicts_each_run_from_the_other_cells_only(labelled):
     """Leave-one-cell-out: a run's prediction is the one of a model fitted on the runs of the other cells,
     and both lengths of the lt seed-0 cell are left out together."""
@@ -302,12 +308,12 @@ def test_cross_validation_predicts_each_run_from_the_other_cells_only(labelled):
     assert sorted(table.step.unique()) == [10, 20] and len(table) == 5 + 5
     for r in table.itertuples():
         run = next(d for d in sweep_runs + [short] if str(d) == r.run)
-        others = [d for d in sweep_runs + [short] if FIT.cell_identity(d) != FIT.cell_identity(run)]
+        others = [d for d in sweep_runs + [short] if _cell(d) != _cell(run)]
         assert len(others) == (3 if run.name.startswith("lt_K02_seed0") or run == short else 4)
         alone = FIT.fit(others, [r.step])
         p, _ = EW.probability(alone, EW.run_features(run, r.step), r.step)
         assert r.p_collapse == pytest.approx(p, rel=1e-9, abs=1e-12)
-        assert r.agree == (r.predicted == r.actual) and r.actual == (load_summary(run)["verdict"] != "stable")
+        assert r.agree == (r.predicted == r.actual) and r.actual == (load_summary(run).verdict != "stable")
 
 
 def test_runs_stopped_by_a_prediction_are_not_training_labels(labelled, tmp_path):
@@ -417,9 +423,9 @@ def test_stop_on_collapse_on_12_loop_lt(tmp_path, capsys):
         assert code == 0
     out = capsys.readouterr().out
     lt, flt = load_summary(tmp_path / "lt"), load_summary(tmp_path / "flt")
-    assert lt["verdict"] == "collapsed" and lt["prediction"]["step"] < 800 and lt["steps_done"] < 800
-    assert f"predicted at step {lt['prediction']['step']}" in out
-    assert flt["verdict"] == "stable" and flt["steps_done"] == 800 and not flt.get("prediction")
+    assert lt.verdict == "collapsed" and lt.prediction.step < 800 and lt.steps_done < 800
+    assert f"predicted at step {lt.prediction.step}" in out
+    assert flt.verdict == "stable" and flt.steps_done == 800 and not flt.prediction
     # the stopped run's folder is complete: every figure draws from it
     from flt_diag.results.figures import plot
     assert plot("all", tmp_path / "lt", tmp_path / "fig", ("png",))

@@ -31,7 +31,7 @@ def test_an_example_runs_as_written(tmp_path, name, folder, needs):
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / folder
     summary = load_summary(run)
-    assert done.stdout.strip().splitlines()[-1] == summary["verdict"]
+    assert done.stdout.strip().splitlines()[-1] == summary.verdict
     df = load_metrics(run)
     loss = df[df.metric == M.LOSS].value
     assert len(loss) == 60 and loss.iloc[-5:].mean() < loss.iloc[:5].mean()  # it trained and learnt

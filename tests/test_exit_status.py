@@ -121,7 +121,7 @@ def test_a_full_disk_while_resume_pt_is_saved_is_one_line_and_loses_nothing(tmp_
         shutil.copytree(disk / "run", tmp_path / "moved")
     assert main(_train(options, tmp_path / "moved")) == 0
     assert main(_train(options, tmp_path / "never-stopped")) == 0
-    assert load_summary(tmp_path / "moved")["final_loss"] == load_summary(tmp_path / "never-stopped")["final_loss"]
+    assert load_summary(tmp_path / "moved").final_loss == load_summary(tmp_path / "never-stopped").final_loss
 
 
 @pytest.mark.parametrize("command", [["run-ablation", "--variants", "lt", "flt", "--loops", "2", "--quiet"],
@@ -140,7 +140,7 @@ def test_a_grid_on_a_full_disk_exits_non_zero_with_one_line(tmp_path, capsys, co
 
 def test_fit_predictor_refuses_labels_of_one_class(tmp_path, capsys):
     runs = [make_run(tmp_path / f"r{seed}", "flt", 3, seed=seed) for seed in (0, 1)]
-    assert {load_summary(r)["verdict"] for r in runs} == {"stable"}  # no run fails: nothing to tell apart
+    assert {load_summary(r).verdict for r in runs} == {"stable"}  # no run fails: nothing to tell apart
     code = main(["fit-predictor", *map(str, runs), "--at", "20", "--out", str(tmp_path / "p.json")])
     err = _stderr_lines(capsys)
     assert code == 2 and len(err) == 1 and "every one of the 2 finished runs does not have the target fails" in err[0]
@@ -149,7 +149,7 @@ def test_fit_predictor_refuses_labels_of_one_class(tmp_path, capsys):
 
 def test_fit_predictor_refuses_when_no_run_reaches_a_step(tmp_path, capsys):
     runs = [make_run(tmp_path / "a", "lt", 12, collapsed=True), make_run(tmp_path / "b", "flt", 3)]
-    steps = {load_summary(r)["steps_done"] for r in runs}
+    steps = {load_summary(r).steps_done for r in runs}
     code = main(["fit-predictor", *map(str, runs), "--at", str(max(steps) + 100), "--out", str(tmp_path / "p.json")])
     assert code == 2 and "no finished run ran past any step of --at" in _stderr_lines(capsys)[0]
     assert not (tmp_path / "p.json").exists()
@@ -229,9 +229,9 @@ def test_a_field_changeable_on_reuse_is_changeable_on_resume(tmp_path, monkeypat
     code = main(_train(changed, tmp_path / "run", *[k for k, v in CHANGES[field].items() if v is None]))
     assert code == 0, _stderr_lines(capsys)
     s = load_summary(tmp_path / "run")
-    assert s["steps_done"] == 4
+    assert s.steps_done == 4
     if not (field == "device" and torch.cuda.is_available()):  # (auto: the GPU, whose sums differ)
-        assert s["final_loss"] == pytest.approx(never_stopped["final_loss"], rel=1e-5)
+        assert s.final_loss == pytest.approx(never_stopped.final_loss, rel=1e-5)
 
 
 def test_a_warning_added_on_resume_sees_the_steps_trained_before(tmp_path):

@@ -134,9 +134,9 @@ def test_summary_and_sweep_table_carry_loss_and_grad_norm_std(tmp_path):
     s = train(cfg, tmp_path / "run")
     df = load_metrics(tmp_path / "run")
     loss, g = series(df, M.LOSS).to_numpy(), series(df, M.GRAD_NORM).to_numpy()
-    assert s["loss_std"] == pytest.approx(float(np.std(loss[1:25])), rel=1e-9)  # steps 1..24: 30 - 6 = 24
-    assert s["grad_norm_std"] == pytest.approx(float(np.std(g[1:25])), rel=1e-9)
-    assert s["loss_std_warmdown"] == pytest.approx(float(np.std(loss[25:30])), rel=1e-9)
+    assert s.loss_std == pytest.approx(float(np.std(loss[1:25])), rel=1e-9)  # steps 1..24: 30 - 6 = 24
+    assert s.grad_norm_std == pytest.approx(float(np.std(g[1:25])), rel=1e-9)
+    assert s.loss_std_warmdown == pytest.approx(float(np.std(loss[25:30])), rel=1e-9)
     from flt_diag.judge.summary_table import SUMMARY_COLUMNS
     assert {"loss_std", "grad_norm_std"} <= set(SUMMARY_COLUMNS)
 
@@ -232,7 +232,7 @@ def test_stream_sampling_trains_and_resumes_deterministically(tmp_path):
     xa, _ = tr.batch(2, 0)
     xb, _ = batches.stream_batch(tr.train_data, 2, 8, 2)
     assert torch.equal(xa, xb)
-    assert np.isfinite(train(cfg, tmp_path / "b")["final_loss"])
+    assert np.isfinite(train(cfg, tmp_path / "b").final_loss)
 
 
 def test_fineweb_edu_100b_is_the_reference_corpus():
@@ -251,12 +251,12 @@ def test_reference_precision_on_cpu(tmp_path):
     s = tr.fit()
     h.remove()
     assert seen["dtype"] == torch.bfloat16  # the residual stream itself is bf16
-    assert np.isfinite(s["final_loss"])
+    assert np.isfinite(s.final_loss)
 
 
 def test_bf16_rotary_tables_train_on_cpu(tmp_path):
     s = train(tiny_config(variant="lt", loops=2, steps=3, rotary_dtype="bfloat16"), tmp_path / "run")
-    assert np.isfinite(s["final_loss"])
+    assert np.isfinite(s.final_loss)
     m = LoopedTransformer(ModelConfig(rotary_dtype="bfloat16"))
     assert torch.equal(m.cos, m.cos.bfloat16().float())  # table values are bf16-representable
 

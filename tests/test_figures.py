@@ -49,7 +49,7 @@ def test_a_fake_run_is_rejudged_against_its_corpus_entropy(tmp_path):
     does, so re-judging a fake run from its folder uses it."""
     run = make_run(tmp_path / "run", "flt", 3)
     assert json.loads((run / "config.json").read_text())["corpus"]["unigram_entropy"] == UNIGRAM_ENTROPY
-    assert resummarize(run)["evidence"]["unigram_entropy"] == UNIGRAM_ENTROPY
+    assert resummarize(run).evidence.unigram_entropy == UNIGRAM_ENTROPY
 
 
 def test_registry_in_display_order_with_help():

@@ -47,7 +47,7 @@ def test_a_recovered_loss_climb_judged_stable_before_the_change_is_relabelled(fi
                                                                            verdict_version=2))  # judged before v3
     (example,) = examples_from_rows([row], [20, 40], "fails")
     assert example["y"] == fails
-    assert example["summary"]["verdict"] == ("unstable" if (verdict, rebound) == ("stable", True) else verdict)
+    assert example["summary"].verdict == ("unstable" if (verdict, rebound) == ("stable", True) else verdict)
 
 
 def test_the_table_carries_the_verdict_version_and_the_stall_evidence_and_an_older_table_still_reads(fitted, tmp_path):
@@ -78,7 +78,7 @@ def test_a_table_mixing_v3_and_older_rows_is_written_read_back_and_relabelled_on
     table.to_csv(tmp_path / "mixed.csv", index=False)
     rows = load_examples(tmp_path / "mixed.csv")
     assert {type(r.verdict_version) for r in rows} == {int, type(None)}
-    labels = {e["run"].as_posix(): e["summary"]["verdict"] for e in examples_from_rows(rows, [20, 40], "fails")}
+    labels = {e["run"].as_posix(): e["summary"].verdict for e in examples_from_rows(rows, [20, 40], "fails")}
     assert labels[stable_old] == "unstable" and labels[stable_new] == "stable"  # v3 judged it already
     again = tmp_path / "again.csv"
     assert main(["fit-predictor", str(tmp_path / "mixed.csv"), "--at", "20", "40", "--out", str(tmp_path / "p.json"),

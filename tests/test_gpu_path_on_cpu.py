@@ -54,7 +54,7 @@ def test_cpu_autocast_trains_with_every_diagnostic(tmp_path):
     from flt_diag.training.trainer import train
     s = train(tiny_config(variant="flt", loops=2, steps=4, precision="reference"), tmp_path / "run")
     df = load_metrics(tmp_path / "run")
-    assert np.isfinite(s["final_loss"])
+    assert np.isfinite(s.final_loss)
     for metric in ("resid_norm", "act_grad_norm", "act_grad_norm/attn", "grad_norm_clipped/mlp", "momentum"):
         values = df[df.metric == metric].value.to_numpy()
         assert len(values) and np.isfinite(values).all(), metric

@@ -24,7 +24,7 @@ def test_hugging_face_trainer(tmp_path):
     assert set(df[df.metric == M.RESID_NORM].loop) == {1, 2} and set(df[df.metric == M.RESID_NORM].layer) == {1, 2}
     assert (df[df.metric == M.LOOPS_RUN].value == 2).all()
     assert len(df[df.metric == "grad_norm_clipped/attn"]) == 5 * 2  # read before the Trainer zeroes them
-    assert load_summary(tmp_path / "hf")["verdict"] == callback.summary["verdict"]
+    assert load_summary(tmp_path / "hf").verdict == callback.summary.verdict
     assert load_config(tmp_path / "hf").train.steps == 5
     assert not model._forward_pre_hooks  # the hooks are gone after training
     check_folder(tmp_path / "hf")
@@ -46,7 +46,7 @@ def test_lightning(tmp_path):
         clipped = df[(df.step == step) & df.metric.str.startswith("grad_norm_clipped/")].value
         before = float(df[(df.step == step) & (df.metric == M.GRAD_NORM)].value.iloc[0])
         assert float((clipped ** 2).sum()) ** 0.5 == pytest.approx(0.05, rel=1e-4) and before > 0.06
-    assert load_summary(tmp_path / "pl")["verdict"] == callback.summary["verdict"]
+    assert load_summary(tmp_path / "pl").verdict == callback.summary.verdict
     check_folder(tmp_path / "pl")
 
 
@@ -95,7 +95,7 @@ def test_hugging_face_options_and_the_gradient_before_clipping(tmp_path):
         assert float((groups ** 2).sum()) ** 0.5 == pytest.approx(norm, rel=1e-4)
     # (read before the clipping: not refused for it; the Trainer's linear schedule makes every step warm-down, so no
     # window of rule 4b lies before it, and the evidence says so)
-    said = callback.summary["evidence"]["oscillation"]
+    said = callback.summary.evidence.oscillation
     assert "clipped" not in said and "a warm-down of the last 100% of the steps leaves too few" in said
 
 

@@ -64,7 +64,7 @@ def test_universal_transformer_plain_loop(tmp_path):
     cfg = load_config(tmp_path / "ut")
     assert (cfg.model.loops, cfg.model.n_layer, cfg.model.n_embd) == (3, 1, D)
     assert cfg.model.n_head == 2 and cfg.model.sequence_len == T
-    assert load_summary(tmp_path / "ut")["verdict"] == probe.summary["verdict"] == "stable"
+    assert load_summary(tmp_path / "ut").verdict == probe.summary.verdict == "stable"
     check_folder(tmp_path / "ut")
 
 
@@ -160,8 +160,8 @@ def test_own_model_through_the_api_equals_the_built_in_path(tmp_path, boundary):
     pd.testing.assert_frame_equal(a.drop(columns="value"), b.drop(columns="value"))
     np.testing.assert_allclose(b.value.to_numpy(), a.value.to_numpy(), rtol=1e-5, atol=1e-7)
     sa, sb = load_summary(tmp_path / "builtin"), load_summary(tmp_path / "api")
-    assert (sa["verdict"], sa["evidence"]["reason"]) == (sb["verdict"], sb["evidence"]["reason"])
-    assert sa["osc_cv"] == pytest.approx(sb["osc_cv"], rel=1e-5)
+    assert (sa.verdict, sa.evidence.reason) == (sb.verdict, sb.evidence.reason)
+    assert sa.osc_cv == pytest.approx(sb.osc_cv, rel=1e-5)
 
 
 # ---------------------------------------------------------------- wrong use: one clear error
@@ -248,8 +248,8 @@ def test_a_non_finite_loss_stops_a_run_that_asked_for_it(tmp_path):
                 break
     assert stopped_at == 4
     w = probe.warning()
-    assert w["step"] == 5 and w["p_collapse"] == 1.0 and "not finite" in w["evidence"]
-    assert probe.summary["verdict"] == "diverged" and "non-finite" in probe.summary["stop_reason"]
+    assert w.step == 5 and w.p_collapse == 1.0 and "not finite" in w.evidence
+    assert probe.summary.verdict == "diverged" and "non-finite" in probe.summary.stop_reason
 
 
 class Huginn(nn.Module):

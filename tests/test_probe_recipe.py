@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from pydantic import ValidationError
 
 import flt_diag
 from probe_models import D, V, UniversalTransformer, batches, check_folder, lm_loss
@@ -46,18 +47,18 @@ def test_the_recipe_is_the_users_and_no_warm_down_is_assumed(tmp_path):
     assert not {"matrix_lr", "optimizer", "momentum", "softcap"} & {*cfg["train"], *cfg["model"]}  # no flt-diag recipe
     assert cfg["n_params"] == sum(p.numel() for p in model.parameters())
     s = probe.summary
-    assert [m["step"] for m in s["milestones"]] == [0, 19]  # no warm-down: its milestone is the last step
-    assert s.evidence["warmdown"].startswith("none given") and s["variant"] is None
+    assert [m.step for m in s.milestones] == [0, 19]  # no warm-down: its milestone is the last step
+    assert s.evidence.warmdown.startswith("none given") and s.variant is None
     check_folder(tmp_path / "new")  # summary, --recompute, plot all, report, predict
     again = json.loads((tmp_path / "new" / "summary.json").read_text())
-    assert again["evidence"]["warmdown"] == s.evidence["warmdown"]
+    assert again["evidence"]["warmdown"] == s.evidence.warmdown
     assert [m["step"] for m in again["milestones"]] == [0, 19]  # recomputed without a warm-down: none was given
 
 
 def test_a_warm_down_given_moves_the_window_the_verdict_judges(tmp_path):
     probe = run(UniversalTransformer(), tmp_path / "wd", steps=20, warmdown=0.25, seed=3)
-    assert [m["step"] for m in probe.summary["milestones"]] == [0, 20 - 5, 19]
-    assert "25%" in probe.summary.evidence["warmdown"]
+    assert [m.step for m in probe.summary.milestones] == [0, 20 - 5, 19]
+    assert "25%" in probe.summary.evidence.warmdown
     cfg = json.loads((tmp_path / "wd" / "config.json").read_text())
     assert cfg["train"] == dict(steps=20, batch_size=4, device="cpu", seed=3, warmdown_frac=0.25)  # as given
     check_folder(tmp_path / "wd")
@@ -94,7 +95,7 @@ def test_old_watch_folders_are_still_read(tmp_path):
     assert resummarized["variant"] == "lt"
     check_folder(tmp_path / "new")
     from flt_diag.results.tables import collect
-    assert [r.variant for r in collect(tmp_path / "old").runs + collect(tmp_path / "new").runs] == ["lt", "own"]
+    assert [r.id.variant for r in collect(tmp_path / "old").runs + collect(tmp_path / "new").runs] == ["lt", "own"]
 
 
 def test_the_hf_schedule_gives_the_warm_down():
@@ -227,15 +228,17 @@ def test_a_flat_blocks_attention_is_its_qkv_and_output_projection(tmp_path):
     probe.close()
 
 
-def test_the_results_are_typed_and_read_only_mappings(tmp_path):
+def test_the_results_are_typed_and_read_only(tmp_path):
     probe = run(UniversalTransformer(), tmp_path / "t", warn=True)
     on_disk = json.loads((tmp_path / "t" / "summary.json").read_text())
-    assert probe.summary["verdict"] == probe.summary.verdict == on_disk["verdict"]
-    assert set(probe.summary) == set(on_disk) and probe.summary.steps_done == on_disk["steps_done"] == 6
-    with pytest.raises(TypeError):
-        probe.summary["verdict"] = "stable"  # type: ignore[index]
+    assert probe.summary.verdict == on_disk["verdict"] and probe.summary.steps_done == on_disk["steps_done"] == 6
+    assert probe.summary.as_written().keys() == on_disk.keys()  # the fields written
+    with pytest.raises(ValidationError):
+        probe.summary.verdict = "stable"  # type: ignore[misc]
     w = flt_diag.EarlyWarning(step=25, p_collapse=0.4, threshold=0.5, evidence="loss")
-    assert dict(w) == dict(step=25, p_collapse=0.4, threshold=0.5, evidence="loss") and w["p_collapse"] == 0.4
+    assert w.model_dump() == dict(step=25, p_collapse=0.4, threshold=0.5, evidence="loss") and w.p_collapse == 0.4
+    with pytest.raises(ValidationError):
+        w.p_collapse = 0.9  # type: ignore[misc]
     model = UniversalTransformer()
     with flt_diag.watch(model, folder=tmp_path / "rows") as probe:
         x = batches(1)[0]
@@ -250,13 +253,13 @@ def test_a_summary_whose_oscillation_could_not_be_judged_says_why(tmp_path):
     NaN and the evidence says it was not judged, and why; a run long enough is judged and says nothing."""
     everything = run(UniversalTransformer(), tmp_path / "w", steps=30, warmdown=1.0).summary
     assert math.isnan(everything.osc_dlog_median) and everything.evidence.osc_windows_judged == 0
-    assert everything.evidence["oscillation"].startswith("not judged: no window of 20 consecutive") and \
-        "leaves too few before it" in everything.evidence["oscillation"]
+    assert everything.evidence.oscillation.startswith("not judged: no window of 20 consecutive") and \
+        "leaves too few before it" in everything.evidence.oscillation
     short = run(UniversalTransformer(), tmp_path / "s", steps=12).summary
-    assert short.evidence.osc_windows_judged == 0 and "not judged" in short.evidence["oscillation"] and \
-        short.evidence["oscillation"].endswith("(too few recorded steps)")
+    assert short.evidence.osc_windows_judged == 0 and "not judged" in short.evidence.oscillation and \
+        short.evidence.oscillation.endswith("(too few recorded steps)")
     judged = run(UniversalTransformer(), tmp_path / "j", steps=30).summary
-    assert judged.evidence.osc_windows_judged >= 1 and "oscillation" not in judged.evidence
+    assert judged.evidence.osc_windows_judged >= 1 and judged.evidence.oscillation is None
 
 
 class SampledLoops(nn.Module):

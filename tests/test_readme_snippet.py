@@ -35,7 +35,7 @@ def test_the_readme_snippet_runs_pasted_into_a_fresh_interpreter(tmp_path):
     assert done.returncode == 0 and "Traceback" not in done.stderr and "Error" not in done.stderr, done.stderr[-3000:]
     run = tmp_path / "runs" / "mine"
     summary = load_summary(run)
-    assert done.stdout.strip().splitlines()[-1] == summary["verdict"]  # the snippet's last line printed it
+    assert done.stdout.strip().splitlines()[-1] == summary.verdict  # the snippet's last line printed it
     assert load_config(run).model.loops == 4  # one layer, called 4 times, found by blocks="auto"
     loss = load_metrics(run).query("metric == @M.LOSS").value
     assert len(loss) == 60 and loss.iloc[-5:].mean() < loss.iloc[:5].mean()  # 60 steps, and it learnt

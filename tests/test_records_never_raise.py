@@ -296,7 +296,7 @@ def test_the_trainers_records_share_the_guard(tmp_path, monkeypatch, capfd):
                                                          dynamics_iters=1, perturbation_dirs=1))
     summary = trainer.train(cfg, tmp_path / "run")
     err = capfd.readouterr().err
-    assert summary["steps_done"] == 3 and (tmp_path / "run" / "summary.json").exists()
+    assert summary.steps_done == 3 and (tmp_path / "run" / "summary.json").exists()
     names = [n for line in said(err) for n in line]
     for name in (ATTENTION.MAX_LOGIT, ATTENTION.ENTROPY, *LOOP_MAP, M.LOOP_GRAD_COSINE, M.SHARPNESS, M.ACT_GRAD_NORM,
                  M.ACT_GRAD_NORM_ATTN):

@@ -346,8 +346,8 @@ def test_kill_9_of_a_sweep_and_an_immediate_restart_give_the_uninterrupted_resul
         assert not b.duplicated(key).any()
         pd_a, pd_b = a.sort_values(key).reset_index(drop=True), b.sort_values(key).reset_index(drop=True)
         assert pd_a[key].equals(pd_b[key]) and (pd_a.value.to_numpy() == pd_b.value.to_numpy()).all()
-        assert load_summary(tmp_path / "a" / "cells" / cell)["final_loss"] == \
-            load_summary(tmp_path / "b" / "cells" / cell)["final_loss"]
+        assert load_summary(tmp_path / "a" / "cells" / cell).final_loss == \
+            load_summary(tmp_path / "b" / "cells" / cell).final_loss
 
 
 def json_step(path) -> int:

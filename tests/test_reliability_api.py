@@ -396,7 +396,7 @@ def test_summary_recompute_follows_the_rows_stored(tmp_path, capsys):
     with within(120):
         assert main(["summary", str(run), "--recompute"]) == 0
     after = json.loads((run / SUMMARY).read_text())
-    assert after["oscillation_windows"][:-1] == before["oscillation_windows"]  # the stored windows, and one more
+    assert after["oscillation_windows"][:-1] == before.as_written()["oscillation_windows"]  # the stored windows, and one more
 
 
 # ---------------------------------------------------------------- a study nested 5,000 deep

@@ -46,13 +46,13 @@ def test_runs_side_by_side_are_a_row_each_labelled_by_folder_where_the_variant_s
 def test_two_runs_of_one_variant_and_identity_are_told_apart_by_name_not_merged(tmp_path):
     a, b = make_run(tmp_path / "a" / "run", "flt", 3), make_run(tmp_path / "b" / "run", "flt", 3, collapsed=True)
     study = collect([a, b])
-    assert [r.variant for r in study.runs] == sorted([str(a), str(b)])  # (same folder name: the paths)
+    assert [r.id.variant for r in study.runs] == sorted([str(a), str(b)])  # (same folder name: the paths)
     grid = figure_data("collapse", [a, b])
     assert len(grid) == 2 and set(grid.verdict) == {verdict_on_disk(a), verdict_on_disk(b)}
 
 
 def test_labels_that_are_no_variant_get_colours_of_their_own(runs):
-    colours = {r.variant: variant_color(r.variant) for r in collect(runs).runs}
+    colours = {r.id.variant: variant_color(r.id.variant) for r in collect(runs).runs}
     assert len(set(colours.values())) == 4 and colours["flt"] == "#000000"
 
 

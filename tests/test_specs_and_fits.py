@@ -14,7 +14,7 @@ import torch
 from conftest import tiny_config
 from fake_runs import make_run, make_sweep
 from flt_diag.cli import main
-from flt_diag.storage.cells import Cell
+from flt_diag.storage.cells import RunId
 from flt_diag.storage.files import load_examples, load_predictor, load_spec
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import folder_lock
@@ -67,8 +67,29 @@ def test_what_a_command_writes_the_same_version_reads(tmp_path, name):
 @pytest.mark.parametrize("lr, name", [(1.0, "lr1"), (0.5, "lr0.5"), (1.0000001, "lr1.0000001"), (1e-7, "lr1e-07"),
                                       (2.0000000000000004, "lr2.0000000000000004")])
 def test_a_cell_name_writes_its_lr_scale_exactly(lr, name):
-    assert Cell(0, "lt", 2, 0, lr).name == f"lt_K02_seed0_{name}"
+    assert RunId("lt", 2, 0, lr).name == f"lt_K02_seed0_{name}"
     assert float(name[2:]) == lr  # the name reads back as the very number
+
+
+def test_one_run_identity_names_every_folder_and_reads_back_from_what_a_run_stored(tmp_path):
+    """A sweep's cell, a map's line and its depth probe are one type, named as the folders on disk are (the
+    archive's lt_K09_seed301_lr1); a run's config, its summary and its fit-examples row read back one identity,
+    whatever its folder is called and wherever in a grid it sits."""
+    assert RunId("lt", 9, 301, 1.0).name == "lt_K09_seed301_lr1"  # docs/data/runs/gradient-path-2/g53-2
+    assert RunId("flt", 3, 0).name == "flt_K03_seed0" and RunId("flt", 3, 0, 1.0, depth=2).name == "flt_K03_seed0_lr1_L2"
+    assert RunId("lt", 2, 0, 1.0, index=5) == RunId("lt", 2, 0, 1.0)  # its place in a grid is no part of it
+    run = make_run(tmp_path / "renamed", "lt", 3, seed=7, lr_scale=0.5, depth=2)
+    cfg, summary = json.loads((run / "config.json").read_text()), json.loads((run / "summary.json").read_text())
+    want = RunId("lt", 3, 7, 0.5, depth=2, width=cfg["model"]["n_embd"])
+    from flt_diag.results.tables import collect
+    from flt_diag.results.predictor_fit import examples_table, training_examples
+    (got,) = collect(run).runs
+    assert got.id == want and (summary["variant"], summary["loops"], summary["seed"], summary["lr_scale"]) == \
+        ("lt", 3, 7, 0.5)
+    (example,) = training_examples([run], [10])
+    examples_table([example]).to_csv(tmp_path / "ex.csv", index=False)
+    (row,) = load_examples(tmp_path / "ex.csv")
+    assert example["identity"] == RunId.read(row) == want and (row.n_layer, row.n_embd) == (2, want.width)
 
 
 SPECS = [  # (command line, what the one error line says): refused before any folder is made

@@ -243,9 +243,9 @@ def test_the_sweep_prints_one_estimate_of_its_total_time_from_its_first_steps(tm
 
 
 def test_the_estimate_extrapolates_the_work_done_weighted_by_loops_and_depth(monkeypatch):
-    from flt_diag.storage.cells import Cell
+    from flt_diag.storage.cells import RunId
     from flt_diag.grids.progress import SweepMonitor
-    cells = [Cell(0, "lt", 2, 0, 1.0), Cell(1, "lt", 6, 0, 1.0, depth=3)]  # 2x100 and 18x100 units of work
+    cells = [RunId("lt", 2, 0, 1.0, index=0), RunId("lt", 6, 0, 1.0, depth=3, index=1)]  # 2x100 and 18x100 units of work
     m = SweepMonitor(Path("/nonexistent"), cells, 100, enabled=False)
     printed = []
     m.bar = type("Bar", (), {"console": type("C", (), {"print": lambda self, s, **k: printed.append(s)})()})()

@@ -25,15 +25,15 @@ def test_loss_falls_on_tiny(tmp_path):
     assert len(loss) == 60
     assert loss.iloc[0] > 5.4  # ln(256) = 5.55 at init (head ~ N(0, 0.001))
     assert loss.iloc[-10:].mean() < 3.3
-    assert summary["verdict"] == "stable"
+    assert summary.verdict == "stable"
     # ... and by a margin, so that another CPU's fp32 rounding of the run cannot flip it: no climb
     # near the rebound threshold, the smoothed loss well below the unigram entropy, the gradient-norm
     # oscillation index (verdict v3: median |dlog g| before the warm-down) well below the "unstable" threshold
-    ev = summary["evidence"]
-    assert ev["climb"] < 0.5 * ev["rebound_threshold"]
-    assert ev["min_smoothed_loss"] < ev["unigram_entropy"] - 0.3
-    assert summary["osc_dlog_median"] < cfg.verdict.osc_dlog_threshold / 1.5  # a 60-step run: its fast first steps
-    assert math.isfinite(summary["val_loss"])
+    ev = summary.evidence
+    assert ev.climb < 0.5 * ev.rebound_threshold
+    assert ev.min_smoothed_loss < ev.unigram_entropy - 0.3
+    assert summary.osc_dlog_median < cfg.verdict.osc_dlog_threshold / 1.5  # a 60-step run: its fast first steps
+    assert math.isfinite(summary.val_loss)
 
 
 def test_cpu_runs_are_bit_identical(tmp_path):
@@ -79,7 +79,7 @@ def test_resume_after_interruption_continues_exactly(tmp_path):
 def test_finished_run_is_not_retrained(tmp_path, monkeypatch):
     train(tiny_config(loops=1, steps=3), tmp_path / "r")
     monkeypatch.setattr(Trainer, "train_step", lambda *a: pytest.fail("retrained a finished run"))
-    assert train(tiny_config(loops=1, steps=3), tmp_path / "r")["steps_done"] == 3
+    assert train(tiny_config(loops=1, steps=3), tmp_path / "r").steps_done == 3
 
 
 def test_reference_recipe_learning_rates():
@@ -236,20 +236,20 @@ def test_ddp_two_gloo_processes_equal_one_process_on_the_concatenated_batch(tmp_
         assert sorted(set(sel.step)) == [0, 2] and set(sel.loop) == loops and sel.value.notna().all(), metric
     assert load_config(out).env["world_size"] == 2
     summary = load_summary(out)
-    assert summary["tokens_per_s"] == pytest.approx(tokens_per_step(cfg, 2) * 3 / summary["wall_time"], rel=1e-12)
+    assert summary.tokens_per_s == pytest.approx(tokens_per_step(cfg, 2) * 3 / summary.wall_time, rel=1e-12)
     assert tokens_per_step(cfg, 2) == 2 * B * T * cfg.train.grad_accum
-    assert resummarize(out)["tokens_per_s"] == summary["tokens_per_s"]
+    assert resummarize(out).tokens_per_s == summary.tokens_per_s
 
 
 def test_loss_on_all_loops_trains(tmp_path):
     s = train(tiny_config(variant="lt-ii", loops=3, steps=4, loss_on="all"), tmp_path / "r")
-    assert s["steps_done"] == 4 and math.isfinite(s["final_loss"])
+    assert s.steps_done == 4 and math.isfinite(s.final_loss)
 
 
 def test_adamw_option(tmp_path):
     cfg = tiny_config(loops=1, steps=3, optimizer="adamw")
     assert len(build_optimizers(LoopedTransformer(cfg.model), cfg.train)) == 1
-    assert train(cfg, tmp_path / "r")["steps_done"] == 3
+    assert train(cfg, tmp_path / "r").steps_done == 3
 
 
 # ---------------------------------------------------------------- the CLI on bad input
@@ -310,7 +310,7 @@ def test_ddp_with_torchrun_on_cpu(tmp_path):
            "--threads", "1", "--eval-every", "0"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert load_summary(out)["steps_done"] == 4
+    assert load_summary(out).steps_done == 4
     assert len(losses(out)) == 4  # rank 0 wrote each step once
 
 

@@ -49,7 +49,7 @@ def test_each_misuse_is_reported(mypy_report):
     lines = (HERE / "misuse.py").read_text().splitlines()
     expected = {(i + 1, m.group(1)) for i, line in enumerate(lines) if (m := re.search(r"# error: ([\w-]+)", line))}
     found = {(int(n), code) for n, code in re.findall(r"misuse\.py:(\d+): error: .*\[([\w-]+)\]", mypy_report)}
-    assert len(expected) == 3 and expected == found, mypy_report
+    assert len(expected) == 4 and expected == found, mypy_report
 
 
 def test_the_callbacks_options_are_watchs_keywords():

@@ -231,7 +231,7 @@ def test_the_sensitivity_table_counts_the_verdicts_each_threshold_moves(tmp_path
                            val_loss=3.2)  # 0.12 below H1: stalled at the 0.1625 margin, not at half of it
     jitter = make_series_run(tmp_path / "jitter", descent_to(1.5, n), clean_gradients(n, 0.3), variant="lt",
                              unigram_entropy=H1, val_loss=1.6)  # median |dlog g| ~ 0.29: unstable at x0.5 only
-    assert load_summary(near)["verdict"] == "stalled" and load_summary(jitter)["verdict"] == "stable"
+    assert load_summary(near).verdict == "stalled" and load_summary(jitter).verdict == "stable"
     table = sensitivity([near, jitter]).set_index(["threshold", "factor"])
     assert table.loc[("stall_margin", 0.5), "verdicts_changed"] == 1
     assert table.loc[("stall_margin", 0.5), "changes"] == "stalled→stable 1"
@@ -257,4 +257,4 @@ def test_summary_recompute_applies_v3_to_a_v2_folder(tmp_path):
     write_json(run / "summary.json", {**old, "verdict": "collapsed"})
     assert main(["summary", str(run), "--recompute"]) == 0
     new = load_summary(run)
-    assert new["verdict"] == "stalled" and new["verdict_version"] == 3
+    assert new.verdict == "stalled" and new.verdict_version == 3

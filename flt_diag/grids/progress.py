@@ -9,11 +9,11 @@ from pathlib import Path
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from flt_diag.storage.cells import Cell
+from flt_diag.storage.cells import RunId
 from flt_diag.storage.folders import CELLS, ERROR, SUMMARY, load_progress
 
 
-def cell_status(out: Path, cell: Cell) -> str:
+def cell_status(out: Path, cell: RunId) -> str:
     """"done", "partial" (started, not finished), "failed" (raised an error) or "pending"."""
     d = Path(out) / CELLS / cell.name
     if (d / SUMMARY).exists():
@@ -33,13 +33,13 @@ class SweepMonitor:
     heartbeat = 300.0
     estimate_after = 60.0
 
-    def __init__(self, out: Path, cells: list[Cell], steps: int, enabled: bool):
+    def __init__(self, out: Path, cells: list[RunId], steps: int, enabled: bool):
         self.out, self.steps, self.enabled = out, steps, enabled
         self.weight = {c: c.loops * (c.depth or 1) * steps for c in cells}
         self.estimated, self.first = False, None  # first: (elapsed s, work) at the first progress reported
         done = [c for c in cells if cell_status(out, c) == "done"]
         self.done_work, self.n_done, self.n_cells = sum(self.weight[c] for c in done), len(done), len(cells)
-        self.running: dict[Cell, int] = {}
+        self.running: dict[RunId, int] = {}
         self.bar = None
         if enabled:
             self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[cells]}"),
@@ -54,11 +54,11 @@ class SweepMonitor:
     def _cells_text(self) -> str:
         return f"{self.n_done}/{self.n_cells} cells"
 
-    def start(self, cell: Cell) -> None:
+    def start(self, cell: RunId) -> None:
         self.running[cell] = 0
         self._refresh()
 
-    def update(self, cell: Cell, info: dict) -> None:
+    def update(self, cell: RunId, info: dict) -> None:
         self.running[cell] = info.get("step", 0)
         self._refresh(info)
 
@@ -69,7 +69,7 @@ class SweepMonitor:
                 self.running[cell] = info.get("step", 0)
         self._refresh()
 
-    def finish(self, cell: Cell, result: str) -> None:
+    def finish(self, cell: RunId, result: str) -> None:
         self.running.pop(cell, None)
         self.done_work += self.weight[cell]
         self.n_done += 1

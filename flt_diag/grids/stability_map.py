@@ -17,8 +17,9 @@ from typing import Callable
 
 import pandas as pd
 
-from flt_diag.judge.map_boundaries import (CRITERIA, MAP_CSV, Line, boundaries, bracket, map_lines,
+from flt_diag.judge.map_boundaries import (CRITERIA, MAP_CSV, boundaries, bracket, map_lines,
                                            probe_cell, probe_outcomes)
+from flt_diag.storage.cells import RunId
 from flt_diag.storage.folders import CELLS, StorageError, atomic_path, folder_lock, load_summary
 from flt_diag.config.run_config import RunConfig
 from flt_diag.config.grid_options import MapLinesGrid
@@ -36,10 +37,10 @@ class MapSpec(MapLinesGrid):
         names = ("variants", "loops", "seeds", "axis", "grid", "criteria")
         super().__init__(base=base, **dict(zip(names, given)), **named)
 
-    def lines(self) -> list[Line]:
+    def lines(self) -> list[RunId]:
         return map_lines(self)
 
-    def cell(self, line: Line, value: float):
+    def cell(self, line: RunId, value: float):
         return probe_cell(self, line, value)
 
     def to_dict(self) -> dict:
@@ -83,7 +84,7 @@ def search(n: int, outcome: Callable[[int], bool | None], known: dict[int, bool]
     return result(failed=None)
 
 
-def search_line(spec: MapSpec, out: Path, line: Line, runner: Callable, report: Callable[[str], None] = print,
+def search_line(spec: MapSpec, out: Path, line: RunId, runner: Callable, report: Callable[[str], None] = print,
                 probe_ends: bool = False) -> None:
     """Search every criterion along one line, running the probes that are missing with
     `runner(base_dict, cell, out_str)` (flt_diag.grids.sweep.run_cell for real runs)."""
@@ -111,7 +112,7 @@ def prepare_map_folder(spec: MapSpec, out: Path) -> None:
     prepare_spec_folder(Path(out), spec.to_dict(), "map", grid_fields)
 
 
-def _line_search_worker(spec_dict: dict, line: Line, out: str, probe_ends: bool = False) -> str:
+def _line_search_worker(spec_dict: dict, line: RunId, out: str, probe_ends: bool = False) -> str:
     with task():
         spec = MapSpec(RunConfig.from_dict(spec_dict["base_full"]),
                        *(spec_dict[k] for k in ("variants", "loops", "seeds", "axis", "grid", "criteria")))

@@ -23,7 +23,7 @@ from pydantic import model_validator
 from flt_diag.grids.progress import SweepMonitor, cell_status
 from flt_diag.grids.worker_pool import auto_workers, run_parallel
 from flt_diag.judge.summary_table import write_summary
-from flt_diag.storage.cells import Cell
+from flt_diag.storage.cells import RunId
 from flt_diag.storage.folders import (BUSY, CELLS, ERROR, SWEEP_SPEC, StorageError, atomic_write_text, check_cells,
                                       folder_lock, has_content, load_spec as load_folder_spec, make_folder, refuse_links,
                                       write_json)
@@ -59,11 +59,11 @@ class SweepSpec(SweepGrid):
             self.cell_config(cell)
         return self
 
-    def cells(self) -> list[Cell]:
+    def cells(self) -> list[RunId]:
         grid = [(lr, s, k, v) for lr in self.lr_scales for s in self.seeds for k in self.loops for v in self.variants]
-        return [Cell(i, v, k, s, lr) for i, (lr, s, k, v) in enumerate(grid)]
+        return [RunId(v, k, s, lr, index=i) for i, (lr, s, k, v) in enumerate(grid)]
 
-    def cell_config(self, cell: Cell) -> RunConfig:
+    def cell_config(self, cell: RunId) -> RunConfig:
         return cell_config(self.base, cell)
 
     def to_dict(self) -> dict:
@@ -71,7 +71,7 @@ class SweepSpec(SweepGrid):
                     base=comparable(self.base.to_dict()), cell_names=[c.name for c in self.cells()])
 
 
-def cell_config(base: RunConfig, cell: Cell, **train_overrides) -> RunConfig:
+def cell_config(base: RunConfig, cell: RunId, **train_overrides) -> RunConfig:
     """The base config with the cell's variant, loops, seed and lr scale (and any extra train fields)."""
     model = dict(variant=cell.variant, loops=cell.loops, **({} if cell.depth is None else {"n_layer": cell.depth}))
     return with_overrides(base, model=model, train=dict(seed=cell.seed, lr_scale=cell.lr_scale, **train_overrides))
@@ -113,7 +113,7 @@ def prepare_spec_folder(out: Path, new: dict, what: str, grid_fields: dict) -> N
 BUSY_RESULT = "busy"  # run_cell's result for a cell another process is training (a second copy of a --cell task)
 
 
-def run_cell(base: dict, cell: Cell, out: str, threads: int | None = None,
+def run_cell(base: dict, cell: RunId, out: str, threads: int | None = None,
              device: str | None = None, progress=None) -> str:
     """Train one cell (in this process). Exceptions are written to the cell's error.txt."""
     import torch  # most of the CLI's start-up (benchmarks/README.md); the CLI imports this module for its options
@@ -192,7 +192,7 @@ def only(items: list, index: int | None, what: str = "") -> list:
     return [items[index]]
 
 
-def longest_first(cells: list[Cell]) -> list[Cell]:
+def longest_first(cells: list[RunId]) -> list[RunId]:
     """Cells in the order parallel workers should take them: the most block applications per step
     (loops x depth) first, so that no long cell starts last and runs alone (ties keep the grid's order)."""
     return sorted(cells, key=lambda c: -c.loops * (c.depth or 1))

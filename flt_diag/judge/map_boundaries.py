@@ -5,13 +5,13 @@ flt_diag/grids/stability_map.py."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
 import pandas as pd
 
-from flt_diag.storage.cells import Cell
+from flt_diag.storage.cells import RunId
 from flt_diag.storage.file_models import MapSpecFile, Summary
 from flt_diag.storage.folders import CELLS, ERROR, StorageError, load_spec, load_summary
 from flt_diag.storage.predictor_names import COLLAPSE
@@ -32,29 +32,18 @@ CRITERIA: dict[str, Callable[[Summary], bool]] = {  # (residual_explosion_any: s
 MAP_CSV = "map.csv"
 
 
-@dataclass(frozen=True)
-class Line:
-    index: int
-    variant: str
-    loops: int
-    seed: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.variant}_K{self.loops:02d}_seed{self.seed}"
-
-
-def map_lines(spec) -> list[Line]:
-    """The lines of a map (`spec`: grids.stability_map.MapSpec, or a map's sweep.json read back)."""
+def map_lines(spec) -> list[RunId]:
+    """The lines of a map (`spec`: grids.stability_map.MapSpec, or a map's sweep.json read back): identities
+    without an lr scale."""
     grid = [(k, s, v) for s in spec.seeds for k in spec.loops for v in spec.variants]
-    return [Line(i, v, k, s) for i, (k, s, v) in enumerate(grid)]
+    return [RunId(v, k, s, index=i) for i, (k, s, v) in enumerate(grid)]
 
 
-def probe_cell(spec, line: Line, value: float) -> Cell:
+def probe_cell(spec, line: RunId, value: float) -> RunId:
     """The sweep cell of a line's probe at one axis value."""
     if spec.axis == "lr":
-        return Cell(-1, line.variant, line.loops, line.seed, float(value))
-    return Cell(-1, line.variant, line.loops, line.seed, float(spec.base.train.lr_scale), depth=int(value))
+        return replace(line, lr_scale=float(value), index=-1)
+    return replace(line, lr_scale=float(spec.base.train.lr_scale), depth=int(value), index=-1)
 
 
 def bracket(known: dict[int, bool], n: int) -> tuple[int, int, bool]:
@@ -68,7 +57,7 @@ def bracket(known: dict[int, bool], n: int) -> tuple[int, int, bool]:
     return a, b, monotone
 
 
-def probe_outcomes(spec, out: Path, line: Line, criterion: str) -> dict[int, bool]:
+def probe_outcomes(spec, out: Path, line: RunId, criterion: str) -> dict[int, bool]:
     """Outcomes of the line's finished probes under one criterion, from their summary.json."""
     summaries = {i: load_summary(Path(out) / CELLS / probe_cell(spec, line, value).name) for i, value in enumerate(spec.grid)}
     return {i: CRITERIA[criterion](s) for i, s in summaries.items() if s is not None}
@@ -114,13 +103,13 @@ def boundaries(out: Path) -> pd.DataFrame:
                                        "boundary", "status", "probes"])
 
 
-def unfinished(out: Path, lines: list[Line] | None = None) -> str | None:
+def unfinished(out: Path, lines: list[RunId] | None = None) -> str | None:
     """Why the map's search is not complete (one line), or None: the lines (all, or `lines`) where a
     probe failed (its error.txt says why) or the search stopped short without even that record (a
     failure that could not be written, e.g. on a full disk). A map that is not complete exits non-zero."""
     table = boundaries(out)
     stuck = table[table.status.isin(["failed", "open"])]
-    names = sorted({Line(0, r.variant, r.loops, r.seed).name for r in stuck.itertuples()})
+    names = sorted({RunId(r.variant, r.loops, r.seed).name for r in stuck.itertuples()})
     if lines is not None:
         names = [n for n in names if n in {line.name for line in lines}]
     if not names:

@@ -10,6 +10,7 @@ import pandas as pd
 
 from flt_diag.judge.peers import compare_runs
 from flt_diag.storage import archive
+from flt_diag.storage.cells import RunId
 from flt_diag.storage.file_models import Summary
 from flt_diag.storage.folders import SWEEP_SUMMARY, atomic_path, load_config, load_summary, run_dirs
 
@@ -18,14 +19,12 @@ SUMMARY_COLUMNS = ["cell", "variant", "loops", "seed", "lr_scale", "verdict", "r
                    "best_loss", "val_loss", "val_ppl", "val_accuracy", "peak_resid_norm", "osc_cv", "osc_mean_abs_dlog",
                    "osc_sign_alternation", "osc_neg_cosine_share", "osc_dlog_median", "osc_alternation", "loss_std",
                    "grad_norm_std", "steps_done", "wall_time", "verdict_version"]
-# what makes two runs the same experiment: several folders pooled count a run of these once
-RUN_IDENTITY = ("variant", "loops", "depth", "width", "seed", "lr_scale")
 
 
 def summary_row(cell: str, summary: Summary, model, **labels) -> dict:
-    """One run's row of a summary table: its summary's fields, its cell (folder) name, and `depth` and `width`,
-    the run's number of blocks L and its width d (`model`: its config's model section); `labels` replace fields."""
-    return {**summary.model_dump(), "cell": cell, "depth": model.n_layer, "width": model.n_embd, **labels}
+    """One run's row of a summary table: its summary's fields, its cell (folder) name, and its identity, depth and
+    width too (`model`: its config's model section); `labels` replace fields."""
+    return {**summary.model_dump(), "cell": cell, **RunId.read(summary, model).row(), **labels}
 
 
 def summary_frame(rows: list[dict]) -> pd.DataFrame:

@@ -14,7 +14,8 @@ from flt_diag.judge.early_warning import (COLUMNS, FEATURES, TARGETS, design, fi
                                              prediction_row, run_features_at, sigmoid, target_text)
 from flt_diag.judge.verdict import VERDICT_VERSION
 from flt_diag.storage.file_models import STALL_EVIDENCE, Evidence, ExampleRow, Summary
-from flt_diag.storage.files import EXAMPLE_IDENTITY, load_examples
+from flt_diag.storage.cells import STORED, RunId
+from flt_diag.storage.files import load_examples
 from flt_diag.storage.folders import BadFile, atomic_path, load_config
 from flt_diag.storage.schema import MAX_ITEMS
 
@@ -59,15 +60,9 @@ def training_runs(sources) -> list[tuple[Path, Summary]]:
     return [(d, s) for d, s in finished_runs(sources) if s.prediction is None]
 
 
-def cell_identity(run_dir: Path) -> tuple:
-    """What makes two runs the same experiment apart from their length: variant, K, depth, width, seed,
-    lr scale. (A cell trained for 800 and for 2,000 steps has the same first 800 steps.)"""
-    m, t = (cfg := load_config(run_dir)).model, cfg.train
-    return m.variant, m.loops, m.n_layer, m.n_embd, t.seed, t.lr_scale
-
-
 def training_examples(sources, steps, target: str = DEFAULTS.target) -> list[dict]:
-    """Per usable run (`training_runs`): its folder, summary, label, cell identity, and its features at
+    """Per usable run (`training_runs`): its folder, summary, label, identity (RunId: a cell trained for 800 and
+    for 2,000 steps is one, with the same first 800 steps), and its features at
     every step of `steps` it ran past: what `fit` and `cross_validate` share (computed once). A source
     ending in .csv is a fit-examples table (`examples_table`) instead of a folder."""
     if target not in TARGETS:
@@ -76,7 +71,8 @@ def training_examples(sources, steps, target: str = DEFAULTS.target) -> list[dic
     folders = [s for s in sources if Path(s).suffix != ".csv"]
     out = [e for t in tables for e in examples_from_rows(load_examples(t), steps, target)]
     for d, s in training_runs(folders):
-        out.append(dict(run=d, summary=s, y=label(s, target), identity=cell_identity(d),
+        cfg = load_config(d)
+        out.append(dict(run=d, summary=s, y=label(s, target), identity=RunId.read(cfg.model, cfg.train),
                         feats=run_features_at(d, [at for at in steps if s.steps_done > at])))
     if not out:
         raise ValueError("no finished runs to fit on")
@@ -95,8 +91,8 @@ def examples_table(examples: list[dict]) -> pd.DataFrame:
     rows = []
     for e in examples:
         s, evidence = e["summary"], e["summary"].evidence
-        run = dict(zip(EXAMPLE_IDENTITY, (str(e["run"]), *e["identity"])), steps_done=s.steps_done,
-                   verdict=s.verdict, climb=evidence.climb, rebound_threshold=evidence.rebound_threshold,
+        run = dict(run=str(e["run"]), **{STORED[k]: v for k, v in e["identity"].row().items()},
+                   steps_done=s.steps_done, verdict=s.verdict, climb=evidence.climb, rebound_threshold=evidence.rebound_threshold,
                    transient_rebound=bool(evidence.transient_rebound), verdict_version=s.verdict_version,
                    **{k: getattr(evidence, k) for k in STALL_EVIDENCE})
         rows += [{**run, "step": at, **{f: feats.get(f) for f in FEATURES}} for at, feats in sorted(e["feats"].items())]
@@ -153,7 +149,7 @@ def examples_from_rows(rows: list[ExampleRow], steps, target: str) -> list[dict]
         feats = {x.step: {f: (math.nan if getattr(x, f) is None else getattr(x, f)) for f in FEATURES}
                  for x in group if x.step in steps}
         out.append(dict(run=Path(run), summary=summary, y=label(summary, target),
-                        identity=tuple(getattr(r, k) for k in EXAMPLE_IDENTITY[1:]), feats=feats))
+                        identity=RunId.read(r), feats=feats))
     return out
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 
 from flt_diag.judge.early_warning import finished_runs
-from flt_diag.judge.summary_table import RUN_IDENTITY
+from flt_diag.storage.cells import RunId
 from flt_diag.judge.verdict import judged, residual_explosion, stored_config
 from flt_diag.config.run_config import with_overrides
 from flt_diag.results.tables import seed_table
@@ -40,8 +40,8 @@ class StoredRun:
         self.unigram_entropy = stored.unigram_entropy
         self.metrics = load_metrics(run_dir, METRICS)
         s, model = self.summary, stored.model  # (val_loss: the last recorded, which no threshold moves)
-        self.row = dict(variant=s.variant, loops=s.loops, depth=model.n_layer, width=model.n_embd, seed=s.seed,
-                        lr_scale=s.lr_scale, val_loss=s.val_loss)
+        self.id = RunId.read(s, model)
+        self.row = dict(self.id.row(), val_loss=s.val_loss)
 
     def judge(self, threshold: str | None = None, factor: float = 1.0) -> dict:
         """verdict and residual_explosion with `threshold` multiplied by `factor` (None: as configured)."""
@@ -60,7 +60,7 @@ def stored_runs(paths, overrides: dict | None = None) -> list[StoredRun]:
     """Every finished run under the folders (a run and seed in two folders counts once, the first's)."""
     runs = {}
     for run in (StoredRun(d, s, overrides) for d, s in finished_runs(paths)):
-        runs.setdefault(tuple(run.row[k] for k in RUN_IDENTITY), run)
+        runs.setdefault(run.id, run)
     return list(runs.values())
 
 

@@ -18,13 +18,14 @@ import numpy as np
 import pandas as pd
 
 from flt_diag.storage import archive, metric_names as M
+from flt_diag.storage.cells import IDENTITY, RunId
 from flt_diag.storage.file_models import MapSpecFile, RunConfigFile, Summary, SweepSpecFile
 from flt_diag.judge.peers import compare_cells, compare_runs, failed_text, flags_text, gap_text, ratio_text
 from flt_diag.judge.verdict import OSC_INDICES, dense_oscillation, smoothed
 from flt_diag.storage.folders import (COLUMNS, ERROR, METRICS, StorageError, is_run, is_sweep, load_config,
-                                     load_eval_loops, load_metrics, load_spec, load_summary, run_dirs, run_label, series)
+                                     load_eval_loops, load_metrics, load_spec, load_summary, run_dirs, series)
 from flt_diag.storage.pooling import check_poolable
-from flt_diag.judge.summary_table import RUN_IDENTITY, SUMMARY_COLUMNS, summary_frame, summary_row, sweep_summary
+from flt_diag.judge.summary_table import SUMMARY_COLUMNS, summary_frame, summary_row, sweep_summary
 from flt_diag.config.variants import VARIANTS
 
 VARIANT_ORDER = list(VARIANTS)
@@ -53,12 +54,10 @@ TABLE_COLUMNS = {
 
 @dataclass(eq=False)
 class Run:
-    """One run folder: its labels, config, summary (None while running), metrics and eval_loops."""
+    """One run folder: its identity (read from its config; the variant of a model of one's own labelled "own"),
+    config, summary (None while running), metrics and eval_loops."""
     path: Path
-    variant: str
-    loops: int
-    seed: int
-    lr_scale: float
+    id: RunId
     config: RunConfigFile
     summary: Summary | None
     metrics: pd.DataFrame
@@ -76,19 +75,8 @@ class Run:
         return "failed" if (self.path / ERROR).exists() else "running"
 
     def sort_key(self) -> tuple:
-        return self.lr_scale, self.seed, self.loops, variant_rank(self.variant), self.variant, self.name
-
-    @property
-    def depth(self) -> int | None:
-        return self.config.model.n_layer
-
-    @property
-    def width(self) -> int | None:
-        return self.config.model.n_embd
-
-    @property
-    def identity(self) -> tuple:  # RUN_IDENTITY's values: variant, loops, depth, width, seed, lr scale
-        return tuple(getattr(self, k) for k in RUN_IDENTITY)
+        i = self.id
+        return i.lr_scale, i.seed, i.loops, variant_rank(i.variant), i.variant, self.name
 
     @property
     def smooth_window(self) -> int:
@@ -107,8 +95,8 @@ class Run:
 
     def tag(self, df: pd.DataFrame) -> pd.DataFrame:
         """Prefix a per-run table with the run's identifying columns (RUN_COLUMNS)."""
-        ids = dict(run=self.name, variant=self.variant, loops=self.loops, seed=self.seed, lr_scale=self.lr_scale)
-        return df.reset_index(drop=True).assign(**ids)[RUN_COLUMNS + list(df.columns)]
+        ids = {k: getattr(self.id, k) for k in RUN_COLUMNS[1:]}
+        return df.reset_index(drop=True).assign(run=self.name, **ids)[RUN_COLUMNS + list(df.columns)]
 
 
 @dataclass(eq=False)
@@ -159,10 +147,10 @@ def collect(path, metrics: list[str] | None = None) -> Study:
     runs = []
     for d in dirs:
         cfg = load_config(d)
-        label = run_label(d, cfg)
+        run_id = RunId.read(cfg.model, cfg.train)
         table = load_metrics(d, metrics) if metrics is None or metrics else NO_METRICS.copy()
-        runs.append(Run(d, label["variant"], int(label["loops"]), int(label["seed"]), float(label["lr_scale"]),
-                        cfg, load_summary(d), table, load_eval_loops(d)))
+        runs.append(Run(d, dataclasses.replace(run_id, variant=run_id.variant or "own"), cfg, load_summary(d), table,
+                        load_eval_loops(d)))
     spec = load_spec(path) if is_sweep(path) else None
     return Study(path, sorted(runs, key=Run.sort_key), spec)
 
@@ -171,7 +159,7 @@ def _pooled_study(paths: list[Path], metrics) -> Study:
     check_poolable(paths)
     runs: dict[tuple, Run] = {}  # (the first folder's run of an identity)
     for run in (run for path in paths for run in collect(path, metrics).runs):
-        runs.setdefault(run.identity, run)
+        runs.setdefault(run.id, run)
     return Study(paths[0], sorted(runs.values(), key=Run.sort_key), load_spec(paths[0]))
 
 
@@ -191,10 +179,10 @@ def side_by_side(paths) -> bool:
 def _labelled(runs: list[Run]) -> list[Run]:
     """Runs given side by side, each labelled (its `variant`, the colour and row it gets) by its variant, or by
     its folder's name where the variant says nothing (a model of one's own: "own") or would not tell it from
-    another run given (the same RUN_IDENTITY); by its path where names repeat."""
-    same, names = Counter(r.identity for r in runs), Counter(r.name for r in runs)
-    return [r if r.variant != "own" and same[r.identity] == 1 else
-            dataclasses.replace(r, variant=r.name if names[r.name] == 1 else str(r.path)) for r in runs]
+    another run given (the same identity); by its path where names repeat."""
+    same, names = Counter(r.id for r in runs), Counter(r.name for r in runs)
+    return [r if r.id.variant != "own" and same[r.id] == 1 else dataclasses.replace(
+        r, id=dataclasses.replace(r.id, variant=r.name if names[r.name] == 1 else str(r.path))) for r in runs]
 
 
 def _side_by_side_study(paths, metrics) -> Study:
@@ -208,7 +196,7 @@ def folders_summary(paths) -> pd.DataFrame:
     compared with the others as a sweep's runs are."""
     if not side_by_side(paths):
         return pooled_summary(paths)
-    return summary_frame([summary_row(r.name, r.summary, r.config.model, variant=r.variant)
+    return summary_frame([summary_row(r.name, r.summary, r.config.model, variant=r.id.variant)
                           for r in _side_by_side_study(paths, []).runs if r.summary is not None])
 
 
@@ -255,7 +243,7 @@ def pooled_summary(paths: list[Path]) -> pd.DataFrame:
     check_poolable(paths)
     frames = [sweep_summary(Path(path)) for path in paths]
     df = pd.concat([f for f in frames if len(f)] or frames[:1], ignore_index=True)
-    df = df.drop_duplicates(subset=list(RUN_IDENTITY), keep="first").reset_index(drop=True)
+    df = df.drop_duplicates(subset=list(IDENTITY), keep="first").reset_index(drop=True)
     return compare_runs(df)
 
 
@@ -328,7 +316,8 @@ def summary_table(src) -> pd.DataFrame:
     study = src if isinstance(src, Study) else collect(src, [])
     cells: dict[tuple, list[Run]] = {}
     for run in study.runs:
-        cells.setdefault((run.lr_scale, run.variant, run.loops, run.depth, run.width), []).append(run)
+        i = run.id
+        cells.setdefault((i.lr_scale, i.variant, i.loops, i.depth, i.width), []).append(run)
     started = {key[:3] for key in cells}
     cells.update({key: [] for key in _grid(study) if key[:3] not in started})
     rows = []

@@ -1,8 +1,9 @@
-"""A sweep cell: one run of a grid (variant, loops, seed, lr scale; depth for depth maps).
+"""A run's identity (variant, loops, seed, lr scale; its depth and width), defined once: the cells of a sweep and
+the probes and lines of a map, the runs of tables, pooled folders and summaries, the predictor's fit set.
 Torch-free, so that tables and figures can name cells without the training code."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 
 def exact(x: float) -> str:
@@ -12,18 +13,41 @@ def exact(x: float) -> str:
 
 
 @dataclass(frozen=True)
-class Cell:
-    index: int
-    variant: str
+class RunId:
+    """What makes two runs the same experiment (pooled folders count it once; the fit's cross-validation holds it
+    out): variant, loops K, seed, lr scale, depth L (n_layer) and width d (n_embd). In a grid it is a cell, `index`
+    its place there (no part of the identity): a sweep's cell (depth None: the base config's), a map's probe
+    (depth set on the depth axis only) or a map's line (no lr scale: every value of the axis)."""
+    variant: str | None  # None: a flt_diag.watch run of a model of one's own
     loops: int
     seed: int
-    lr_scale: float
-    depth: int | None = None  # n_layer of this cell (depth maps); None = the base config's
+    lr_scale: float | None = None
+    depth: int | None = None
+    width: int | None = None
+    index: int = field(default=-1, compare=False)
 
     @property
     def name(self) -> str:
-        """variant_Kkk_seedS_lrX[_LN]: X is the lr scale written exactly (`%g` where that reads back as the
-        same number, as every earlier name; else the shortest round-trip repr), so distinct scales never
-        share a folder."""
-        name = f"{self.variant}_K{self.loops:02d}_seed{self.seed}_lr{exact(self.lr_scale)}"
+        """The folder name of a cell, variant_Kkk_seedS_lrX[_LN] (a line's: variant_Kkk_seedS): X is the lr scale
+        written exactly (`%g` where that reads back as the same number, as every earlier name; else the shortest
+        round-trip repr), so distinct scales never share a folder; N the depth where the cell sets it."""
+        name = f"{self.variant}_K{self.loops:02d}_seed{self.seed}"
+        name += "" if self.lr_scale is None else f"_lr{exact(self.lr_scale)}"
         return name if self.depth is None else f"{name}_L{self.depth}"
+
+    @classmethod
+    def read(cls, *parts) -> RunId:
+        """The identity that `parts` hold, each field under its name there (depth as n_layer, width as n_embd; the
+        first part that has it): a config's model and train sections, a summary, a row of the fit-examples table.
+        Read from what the run stored, never from its folder's name."""
+        found = {f: v for part in reversed(parts) for f, name in STORED.items()
+                 if (v := getattr(part, name, None)) is not None}
+        return cls(**{"variant": None, **found})
+
+    def row(self) -> dict:
+        """The identity as a table's columns (IDENTITY)."""
+        return {k: getattr(self, k) for k in IDENTITY}
+
+
+IDENTITY = tuple(f.name for f in fields(RunId) if f.compare)  # a table's identity columns
+STORED = dict(zip(IDENTITY, ("variant", "loops", "seed", "lr_scale", "n_layer", "n_embd")))  # each as files name it

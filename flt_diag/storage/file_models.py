@@ -31,21 +31,6 @@ class FileModel(Options):
         """The JSON object of the file: the fields it was given (or held), in the model's order."""
         return self.model_dump(exclude_unset=True, by_alias=False)  # (field names: an option's alias is the CLI's)
 
-    # Read-only mapping access: the compatibility path for scripts written when loaders handed out dicts.
-    def __getitem__(self, key: str):
-        if key not in self.model_fields_set:
-            raise KeyError(key)
-        return self.as_written()[key]
-
-    def get(self, key: str, default=None):
-        return self[key] if key in self.model_fields_set else default
-
-    def keys(self):
-        return self.as_written().keys()
-
-    def __iter__(self):  # (the keys, as a mapping's; pydantic's own iterates (name, value) pairs)
-        return iter(self.keys())
-
 
 class FreeFileModel(FileModel, **FREE):
     """A part of a file that may hold other keys too (free-form metadata, kept as they are)."""
@@ -352,7 +337,6 @@ class PredictorFile(FileModel, **FREE):
         return self
 
 
-EXAMPLE_IDENTITY = ("run", "variant", "loops", "n_layer", "n_embd", "seed", "lr_scale")
 STALL_EVIDENCE = ("final_smoothed_loss", "stall_reference", "stall_margin")  # the stall rule's evidence
 ExampleRow = create_model(
     "ExampleRow", __base__=FileModel, run=(str, ...),

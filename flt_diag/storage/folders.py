@@ -296,11 +296,3 @@ def run_dirs(path: Path) -> list[Path]:
     raise StorageError(f"{path} is neither a run folder (no {CONFIG}), a sweep folder (no {SWEEP_SPEC}) nor an "
                        "archive (no run records)")
 
-
-def run_label(run_dir: Path, cfg: "files.F.RunConfigFile | None" = None) -> dict:
-    """Variant, loops, seed and lr scale of a run, read from its config (never from its name; `cfg`: that config,
-    loaded already); a flt_diag.watch run of a model that is none of flt-diag's variants (variant null) is
-    labelled "own"."""
-    m, t = (cfg := load_config(run_dir) if cfg is None else cfg).model, cfg.train
-    return {"variant": m.variant or "own", "loops": m.loops, "seed": t.seed, "lr_scale": t.lr_scale, "depth": m.n_layer,
-            "run": str(run_dir)}

@@ -10,4 +10,5 @@ def train(model: nn.Module) -> None:
     FltDiagCallback(folder="runs/hf", warn="yes")  # error: arg-type
     probe = flt_diag.watch(model)
     verdict: int = probe.verdict().verdict  # error: assignment
+    print(probe.verdict()["verdict"])  # error: index
     print(verdict)

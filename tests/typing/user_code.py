@@ -21,10 +21,10 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, batches: list[torch.Tens
             first: float = rows[0].value
             w = probe.warning()
             if w is not None:
-                p: float = w.p_collapse + w["p_collapse"]
+                p: float = w.p_collapse - w.threshold
     s = probe.summary
     assert s is not None
     verdict: str = s.verdict
     FltDiagCallback(blocks="model.layers.*", folder="runs/hf", warn=True, head=model)
     LightningCallback(folder="runs/pl", steps=10)
-    return verdict + str(s["verdict"])
+    return verdict + str(s.steps_done)
