@@ -16,7 +16,7 @@ from flt_diag.model.transformer import LoopedTransformer, ModelConfig, norm, par
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import load_metrics
 from flt_diag.instruments import loop_dynamics as D
-from flt_diag.instruments.looped import LoopStep
+from flt_diag.instruments.looped import LoopedModel, LoopStep
 from flt_diag.judge.verdict import Recipe
 from flt_diag.instruments.sharpness import sharpness
 from flt_diag.instruments.dynamics_callback import instruments, own_model_dynamics
@@ -54,6 +54,13 @@ def test_loop_map_gain_against_the_exact_jacobian(variant):
         assert abs(top_sv - radius) > 0.2 * top_sv  # a non-normal map: the two figures are told apart
         assert sigma[t].item() == pytest.approx(top_sv, rel=1e-3)
         assert rho[t].item() == pytest.approx(radius, rel=1e-3)  # a full Krylov basis (n = 32): exact
+
+
+def test_flt_diags_model_is_read_through_the_instruments_protocol_and_another_module_is_not():
+    """LoopedTransformer implements the protocol the instruments read (instruments/looped.py); a module that does
+    not is measured from its hooks and what the user gives."""
+    assert isinstance(tiny("lt"), LoopedModel)
+    assert not isinstance(torch.nn.Sequential(torch.nn.Linear(4, 4)), LoopedModel)
 
 
 def test_loop_step_and_states_are_the_models_loops():

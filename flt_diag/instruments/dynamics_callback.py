@@ -54,7 +54,8 @@ class LoopMap:
     one that fails there, or returns what is no next stream (record_checks.checked_step), is said once and
     records no more. Both write their records through `_add`."""
 
-    def __init__(self, model: LoopedModel | None = None, loop_step: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    def __init__(self, model: LoopedModel | None = None,
+                 loop_step: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.model, self.loop_step = model, loop_step
         self.batch: tuple[torch.Tensor, torch.Tensor] | None = None
         self.states: list[torch.Tensor] = []
@@ -68,7 +69,7 @@ class LoopMap:
         self.batch, self.states = None, []
         if self.model is not None:
             idx, targets = args[0] if args else kwargs.get("idx"), self.model.loop_targets(*args, **kwargs)
-            self.batch = (idx.detach(), targets.detach()) if torch.is_tensor(targets) else None
+            self.batch = (idx.detach(), targets.detach()) if torch.is_tensor(idx) and torch.is_tensor(targets) else None
 
     def loop_end(self, h: torch.Tensor) -> None:
         if self.model is None:

@@ -5,9 +5,10 @@ loop-step callable `step(h_prev) -> h_next`, a head callable `head(h) -> logits`
 residual, the exit loss, the loop map's gain and spectral radius (by Jacobian-vector products), its mean gain
 and perturbation growth, the streams' similarity, each loop's own gradient and its agreement (the sharpness:
 flt_diag.instruments.sharpness). For a model of the instruments' protocol (flt_diag.instruments.looped.LoopedModel:
-flt-diag's own): `loop_states`, `loop_map_stats`, `looped_loss` (one alias of the block weights per loop). Everything
-that differentiates runs inside `transparent()`; random start vectors come from the caller's generator, never the global RNG; nothing is left on
-any `.grad`. The training callback that records them: flt_diag.instruments.dynamics_callback.
+flt-diag's own): `loop_states`, `loop_map_stats`, `looped_loss` (one alias of the block weights per loop).
+Everything that differentiates runs inside `transparent()`; random start vectors come from the caller's generator,
+never the global RNG; nothing is left on any `.grad`. The training callback that records them:
+flt_diag.instruments.dynamics_callback.
 """
 from __future__ import annotations
 
@@ -197,9 +198,11 @@ def loop_map_stats(model: LoopedModel, idx: Tensor, iters: int, krylov_dim: int 
         return loop_map_records(loop.maps(), loop.states(), iters, krylov_dim, dirs, generator)
 
 
-def loop_map_records(step: Callable[[Tensor], Tensor], states: Sequence[Tensor], iters: int, krylov_dim: int,
-                     dirs: int, generator: torch.Generator | None = None) -> dict[str, Tensor]:
-    """The loop map `step` at h(t-1), t = 2..K, of a trajectory h(1..K): metric name -> tensor of K-1 (loop_gain,
+def loop_map_records(step: Callable[[Tensor], Tensor] | Sequence[Callable[[Tensor], Tensor]], states: Sequence[Tensor],
+                     iters: int, krylov_dim: int, dirs: int,
+                     generator: torch.Generator | None = None) -> dict[str, Tensor]:
+    """The loop map `step` (or one per loop) at h(t-1), t = 2..K, of a trajectory h(1..K): metric name -> tensor of
+    K-1 (loop_gain,
     loop_spectral_radius, loop_spectral_residual, loop_mean_gain, loop_perturbation_growth; metric_names)."""
     names = (M.LOOP_GAIN, M.LOOP_SPECTRAL_RADIUS, M.LOOP_SPECTRAL_RESIDUAL, M.LOOP_MEAN_GAIN)
     device = states[0].device
@@ -313,7 +316,7 @@ def loss_of_loops(logits: Sequence[Tensor], targets: Tensor, loss_on: str = "end
 
 def block_weights(model: LoopedModel) -> tuple[dict[str, Tensor], dict[str, list[str]]]:
     """The shared block weights by name, and the names of each block's ("block1" ... "blockL")."""
-    shared = {f"model.blocks.{n}": p for n, p in model.blocks.named_parameters()}
+    shared: dict[str, Tensor] = {f"model.blocks.{n}": p for n, p in model.blocks.named_parameters()}
     groups = {f"block{i + 1}": [f"model.blocks.{i}.{n}" for n, _ in b.named_parameters()]
               for i, b in enumerate(model.blocks)}
     return shared, groups
@@ -330,7 +333,7 @@ def looped_loss(model: LoopedModel, idx: Tensor, targets: Tensor, loss_on: str =
     def loss_fn(aliases: list[dict[str, Tensor]]) -> Tensor:
         x, h, logits = loop.start, None, []
         for t, params in enumerate(aliases):
-            if t == model.detached_loops and t > 0:
+            if t == model.detached_loops and h is not None:
                 x, h = x.detach(), h.detach()
             x = torch.func.functional_call(call, params, (x, h, t))
             h = loop.state(x)

@@ -1,7 +1,7 @@
 """What the instruments read of a looped model: a small protocol (`LoopedModel`) that flt-diag's own model
 (flt_diag.model.transformer.LoopedTransformer) implements, so that no instrument imports the model, and the loop
 of one batch it gives (`LoopStep`). A model that does not implement it (any other, under flt_diag.watch) is
-measured from its hooks and what the user gives (head=, loop_step=, targets=): flt_diag.instruments.dynamics_callback."""
+measured from its hooks and what the user gives (head=, loop_step=, targets=): instruments/dynamics_callback.py."""
 from __future__ import annotations
 
 from contextlib import AbstractContextManager

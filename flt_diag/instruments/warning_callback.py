@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from flt_diag.storage import metric_names as M
@@ -79,7 +80,7 @@ class CollapseWarning(Instrument):
         oldest = done - WINDOW
         self.rows = [r for r in self.rows if r[0] >= oldest or r[1] == M.LOSS]
 
-    def on_rows(self, trainer, step: int, rows: list[tuple]) -> None:
+    def on_rows(self, trainer, step: int, rows: Sequence[tuple]) -> None:
         if self.warned_at is not None:  # (it warns once: no check reads rows after that)
             return
         self._keep(rows)
