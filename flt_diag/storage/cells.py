@@ -30,7 +30,8 @@ class RunId:
     def name(self) -> str:
         """The folder name of a cell, variant_Kkk_seedS_lrX[_LN] (a line's: variant_Kkk_seedS): X is the lr scale
         written exactly (`%g` where that reads back as the same number, as every earlier name; else the shortest
-        round-trip repr), so distinct scales never share a folder; N the depth where the cell sets it."""
+        round-trip repr), so distinct scales never share a folder; N the depth where the cell sets it (an identity
+        `read` from a run always has one: name its folder by its path, not by this)."""
         name = f"{self.variant}_K{self.loops:02d}_seed{self.seed}"
         name += "" if self.lr_scale is None else f"_lr{exact(self.lr_scale)}"
         return name if self.depth is None else f"{name}_L{self.depth}"
