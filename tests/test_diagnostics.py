@@ -412,11 +412,11 @@ def test_the_summary_of_a_constructed_clean_descent_is_stable_and_of_a_nan_loss_
     cfg = tiny_config(variant="flt", loops=2, steps=400)
     df = _clean_run(400, last_loss=1.5)
     summary = X.summarize(df, cfg, unigram_entropy=3.0)
-    assert summary["verdict"] == "stable", summary["evidence"]
+    assert summary.verdict == "stable", summary.evidence
     poisoned = df.copy()
     poisoned.loc[(poisoned.metric == M.LOSS) & (poisoned.step == 250), "value"] = float("nan")
     summary = X.summarize(poisoned, cfg, unigram_entropy=3.0)
-    assert summary["verdict"] == "diverged" and summary["evidence"]["nonfinite_step"] == 250
+    assert summary.verdict == "diverged" and summary.evidence.nonfinite_step == 250
 
 
 @pytest.mark.slow

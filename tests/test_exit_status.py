@@ -236,7 +236,6 @@ def test_a_field_changeable_on_reuse_is_changeable_on_resume(tmp_path, monkeypat
 
 def test_a_warning_added_on_resume_sees_the_steps_trained_before(tmp_path):
     """The collapse warning added when a run resumes holds the same series as one there from step 0."""
-    from flt_diag.instruments.warning_callback import CollapseWarning
     from flt_diag.training.settle import run_config
     from flt_diag.instruments.callbacks import Callback
     from flt_diag.training.trainer import Trainer
@@ -253,7 +252,7 @@ def test_a_warning_added_on_resume_sees_the_steps_trained_before(tmp_path):
     resumed, throughout = Trainer(warned, tmp_path / "resumed"), Trainer(warned, tmp_path / "throughout")
     resumed.fit()
     throughout.fit()
-    rows = [sorted(next(c for c in t.callbacks if isinstance(c, CollapseWarning)).rows, key=lambda r: r[:4])
+    rows = [sorted(t.probe.warning.rows, key=lambda r: r[:4])
             for t in (resumed, throughout)]  # (the order within a step does not enter the features)
     assert rows[0] == rows[1] and {r[0] for r in rows[0]} == {0, 1, 2, 3}
 

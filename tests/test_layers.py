@@ -17,9 +17,9 @@ own layer and any layer below, never one above):
                 (looped; flt-diag's model implements it, no instrument imports model/), the hooks (loop_hooks) and
                 their callback (diagnostics), the loop dynamics, the callback moments, the step record, the online
                 early warning
-    6 integrations flt_diag/integrations/ - the public `watch` in one folder: the probe on a researcher's own
-                looped model (watch, LoopProbe, its moments, checks and run folder), and the same probe as
-                Hugging Face Trainer and Lightning callbacks
+    6 integrations flt_diag/integrations/ - the public `watch` in one folder: the probe (a run's instruments,
+                which flt-diag's Trainer runs too), on a researcher's own looped model (watch, LoopProbe, its
+                moments, checks and run folder), and as Hugging Face Trainer and Lightning callbacks
     7 training  flt_diag/training/ - flt-diag's own Trainer: settle (options -> one run config), the Trainer,
                 optimizer, checkpoints, evaluation, metrics table, progress, external mirrors, the process,
                 compilation, reference checkpoints

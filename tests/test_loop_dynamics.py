@@ -19,7 +19,8 @@ from flt_diag.instruments import loop_dynamics as D
 from flt_diag.instruments.looped import LoopedModel, LoopStep
 from flt_diag.judge.verdict import Recipe
 from flt_diag.instruments.sharpness import sharpness
-from flt_diag.instruments.dynamics_callback import instruments, own_model_dynamics
+from flt_diag.instruments.dynamics_callback import own_model_dynamics
+from flt_diag.integrations.probe import Probe
 from flt_diag.instruments.records import StepLog
 from flt_diag.training.trainer import train
 from flt_diag.config.run_config import DiagnosticsConfig
@@ -94,15 +95,13 @@ def hooked_forward(model, idx, targets, cfg=DiagnosticsConfig()):
     """The Trainer's instruments during one armed model forward, with a stand-in trainer: the loop dynamics' rows."""
     log = StepLog()
     trainer = type("T", (), {"model": model, "log": log, "recipe": Recipe.of(tiny_config()), "is_main": True})()
-    callbacks = instruments(cfg, own_model_dynamics(cfg, model), parameter_groups(model))
-    for cb in callbacks:
-        cb.on_start(trainer)
-    for cb in callbacks:
-        cb.before_step(trainer, 0)
+    probe = Probe(cfg, own_model_dynamics(cfg, model))
+    probe.build(parameter_groups(model))
+    probe.on_start(trainer)
+    probe.before_step(trainer, 0)
     model(idx, targets)
     model(idx, targets)  # a second forward (a further micro-batch): not armed, records nothing
-    for cb in callbacks:
-        cb.on_end(trainer)
+    probe.on_end(trainer)
     dynamics = (M.EXIT_LOSS, M.FIXED_POINT_RESIDUAL, M.TOKEN_COSINE, M.EFFECTIVE_RANK)
     rows = [r for r in log.collect(0) if r[1] in dynamics]
     return {(m, lp): v for _, m, lp, ly, v in rows}, len(rows)

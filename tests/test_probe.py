@@ -147,6 +147,24 @@ class ProbeBridge(Callback):
         assert not (m._forward_pre_hooks or m._forward_hooks or m.loop_end._forward_hooks)
 
 
+def test_the_trainer_and_watch_run_their_instruments_through_one_probe(tmp_path):
+    """The Trainer's instruments and watch's are one Probe each, of the same parts in the same order (the diagnostics,
+    the loop dynamics, the early warning), on one record guard."""
+    from flt_diag.instruments.diagnostics import DiagnosticsCallback
+    from flt_diag.instruments.dynamics_callback import LoopDynamicsCallback
+    from flt_diag.instruments.warning_callback import CollapseWarning
+    from flt_diag.integrations.probe import Probe
+    from flt_diag.training.trainer import Trainer
+    trainer = Trainer(tiny_config(steps=2, diagnostics=dict(warn=True)), tmp_path / "t")
+    model = UniversalTransformer()
+    with flt_diag.watch(model, blocks=[model.layer], folder=tmp_path / "w", warn=True) as probe:
+        pass
+    parts = [DiagnosticsCallback, LoopDynamicsCallback, CollapseWarning]
+    for p in (trainer.probe, probe.probe):
+        assert type(p) is Probe and [type(x) for x in p.parts] == parts and all(x.records is p.records for x in p.parts)
+    assert trainer.callbacks[0] is trainer.probe
+
+
 @pytest.mark.parametrize("boundary", ["calls", "loop_end"])
 def test_own_model_through_the_api_equals_the_built_in_path(tmp_path, boundary):
     cfg = tiny_config(variant="lt-ii", loops=3, steps=6, seed=1)

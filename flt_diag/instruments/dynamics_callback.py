@@ -2,8 +2,8 @@
 flt_diag.watch both stand on. What is recorded when, its cost and switches: DESIGN.md §3, "Loop dynamics"; on a
 model flt-diag did not write: docs/api.md, "Loop dynamics on your own model".
 
-`instruments()` builds what both run on every step: the diagnostics, whose LoopHooks feed each recorded
-loop-end stream to LoopDynamicsCallback.loop_end (a new record per loop: its function in loop_dynamics.py, its
+The Probe (flt_diag.integrations.probe) builds what both run on every step: the diagnostics, whose LoopHooks
+feed each recorded loop-end stream to LoopDynamicsCallback.loop_end (a new record per loop: its function in loop_dynamics.py, its
 metric name, one call in `loop_end`). The every-N records go through a loop map after the backward, on rank 0,
 in fp32 outside autocast, with a generator of their own, leaving nothing on any .grad (the training trajectory
 is the same with or without them), one LoopMap for every model: on a LoopedModel (flt-diag's own: the protocol of
@@ -21,7 +21,7 @@ import torch
 
 from flt_diag.storage import metric_names as M
 from flt_diag.instruments.callbacks import Host
-from flt_diag.instruments.diagnostics import DiagnosticsCallback, should_record
+from flt_diag.instruments.diagnostics import should_record
 from flt_diag.instruments.guard import Instrument, Records, Unrecordable, recording, why_of
 from flt_diag.instruments import loop_dynamics as D
 from flt_diag.instruments.record_checks import checked_head, checked_step, checked_targets, target_span
@@ -328,13 +328,3 @@ def watched_model_dynamics(cfg: DiagnosticsConfig, model: torch.nn.Module, head:
         return own_model_dynamics(cfg, model)
     return LoopDynamicsCallback(cfg, LoopMap(loop_step=loop_step) if loop_step is not None else None, head, targets)
 
-
-def instruments(cfg: DiagnosticsConfig, dynamics: LoopDynamicsCallback, groups: dict[str, list],
-                **diagnostics) -> tuple[DiagnosticsCallback, LoopDynamicsCallback]:
-    """The instruments of every step, in the order they run: the diagnostics of the parameter `groups`
-    (`diagnostics`: DiagnosticsCallback's hooks, grad_scale, for a model flt-diag did not write), whose hooks feed
-    the loop dynamics."""
-    diag = DiagnosticsCallback(cfg, groups, loop_end=[dynamics.loop_end], forward_end=[dynamics.forward_end],
-                               **diagnostics)
-    diag.records = dynamics.records  # (one guard for the run's records: its not_recorded names them all)
-    return diag, dynamics

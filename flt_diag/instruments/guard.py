@@ -115,7 +115,7 @@ class Instrument(Callback):
 
     @property
     def records(self) -> Records:
-        """The guard its records are taken through (its own, unless one is shared: `instruments()`)."""
+        """The guard its records are taken through (its own, unless one is shared: a Probe's)."""
         if self._records is None:
             self._records = Records()
         return self._records

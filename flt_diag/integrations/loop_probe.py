@@ -17,7 +17,9 @@ from flt_diag.judge.verdict import summarize, tokens_per_step
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import (SUMMARY, MetricsWriter, StorageError, folder_lock, has_content,
                                       load_metrics, write_json)
-from flt_diag.instruments.dynamics_callback import instruments, watched_model_dynamics
+from flt_diag.instruments.callbacks import Callback
+from flt_diag.instruments.dynamics_callback import watched_model_dynamics
+from flt_diag.integrations.probe import Probe
 from flt_diag.instruments.guard import recording
 from flt_diag.instruments.records import Row
 from flt_diag.integrations.folder import Host, evidence_notes, probe_run_config, recipe, write_probe_config
@@ -65,13 +67,13 @@ class LoopProbe(ProbeMoments):
                                          "stop_on_collapse": stop, "predictor": o["predictor_path"]})
         self.grad_scale = o["grad_scale"]
         self.host = Host(model, self.folder)
-        # the loop dynamics as flt-diag's runs take them (flt-diag's model), or from head=, targets=, loop_step=
-        self.dynamics = watched_model_dynamics(self.dcfg, model, head, o["loop_step"], o["targets"])
+        # the instruments, as flt-diag's Trainer runs them (flt_diag.integrations.probe); the loop dynamics as
+        # flt-diag's runs take them (flt-diag's model), or from head=, targets=, loop_step=
+        self.probe = Probe(self.dcfg, watched_model_dynamics(self.dcfg, model, head, o["loop_step"], o["targets"]),
+                           CollapseWarning(predictor(o["predictor_path"]), stop=stop,
+                                           say=None if warn else (lambda text: None)))  # (prints only with warn)
         self._build()
-        self.warning_cb = CollapseWarning(predictor(o["predictor_path"]), stop=stop,
-                                          say=None if warn else (lambda text: None))  # prints only with warn
-        self.warning_cb.records = self.dynamics.records  # (one guard: the run's not_recorded names every record)
-        self.callbacks = [self.dynamics, *(o["callbacks"] or [])]  # (the loop dynamics first)
+        self.callbacks: list[Callback] = list(o["callbacks"] or [])
         self.step_index, self.shape, self.loops_seen = 0, None, Counter()
         self._auto_tries, self._held = 0, list[Row]()  # (blocks="auto") forwards that reused nothing; their steps' rows
         self.grad_hooks = o["grad_hooks"]  # each gradient read as the backward accumulates it: before any clipping
@@ -85,13 +87,13 @@ class LoopProbe(ProbeMoments):
         check_untied(self.blocks, self.names)
         self.groups = parameter_groups_of(self.model, self.blocks, self.head)
         self.params = [p for ps in self.groups.values() for p in ps]
-        self.diag, _ = instruments(self.dcfg, self.dynamics, groups=self.groups, grad_scale=self.grad_scale,
-                                   hooks=dict(blocks=self.blocks, boundary=self.boundary, names=self.names,
-                                              require_repeat=NOT_LOOPED_AFTER if self.boundary is None else 0))
+        self.diag = self.probe.build(self.groups, grad_scale=self.grad_scale, hooks=dict(
+            blocks=self.blocks, boundary=self.boundary, names=self.names,
+            require_repeat=NOT_LOOPED_AFTER if self.boundary is None else 0))
 
     def _attach(self) -> None:
         """The hooks on the blocks (at watch(), or for blocks="auto" at the first training forward)."""
-        self.diag.on_start(self.host)  # its LoopHooks, registered after the probe's own pre-hook
+        self.probe.start(self.host, self.diag)  # its LoopHooks, registered after the probe's own pre-hook
         self.hooks = self.diag.hooks
         self.hooks.listeners.append(self._first_shape)
         self.hooks.on_forward_end.append(self._count_loops)
@@ -142,7 +144,7 @@ class LoopProbe(ProbeMoments):
             self.hooks = None
             self._handles = [self.model.register_forward_pre_hook(self._begin_forward, with_kwargs=True),
                              self.model.register_forward_hook(self._end_forward)]
-            self.dynamics.on_start(self.host)  # its hook, needed from the first forward on (after the probe's)
+            self.probe.start(self.host, self.probe.dynamics)  # its hook, needed from the first forward on (after ours)
             if not self.auto:
                 self._attach()
         except BaseException:
@@ -153,10 +155,8 @@ class LoopProbe(ProbeMoments):
         for h in getattr(self, "_handles", []):
             h.remove()
         self._handles = []
-        self.dynamics.on_end(self.host)
-        if getattr(self, "hooks", None) is not None:
-            self.diag.on_end(self.host)
-            self.hooks = None
+        self.probe.on_end(self.host)
+        self.hooks = None
         leave_no_trace(self.folder, getattr(self, "writer", None), self.host.cfg is not None)  # (nothing stored)
         self._stack.close()  # the lock, and the folder if the probe made it and it is empty
 
@@ -187,7 +187,7 @@ class LoopProbe(ProbeMoments):
             if found and not self._find_blocks(module, args, kwargs):  # (none chosen yet: the step without hooks)
                 found = False
             self._began = True
-            for cb in ((self.diag,) if self.hooks is not None else ()) + tuple(self.callbacks):
+            for cb in (self.probe, *self.callbacks):
                 cb.before_step(self.host, self.step_index)
             if found:  # (the LoopHooks' own pre-hook came too late for this forward)
                 assert self.hooks is not None  # (_find_blocks attached them)
@@ -236,14 +236,14 @@ class LoopProbe(ProbeMoments):
             return self.summary
         try:
             self.writer.flush()
-            for cb in (self.warning_cb, *self.callbacks):
+            for cb in (self.probe, *self.callbacks):
                 cb.on_finish(self.host, self.step_index - 1)
             if self.host.cfg is not None:
                 self.host.cfg = probe_run_config(self, self.steps or self.step_index)
                 write_probe_config(self, self.host.cfg)
                 self.summary = self._summarize()
                 write_json(self.folder / SUMMARY, self.summary.as_written())
-                for cb in self.callbacks:
+                for cb in (self.probe, *self.callbacks):
                     cb.on_summary(self.host, self.summary)
         finally:
             self._detach()

@@ -15,7 +15,6 @@ from torch import Tensor, nn
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import MetricsWriter
 from flt_diag.instruments.diagnostics import should_record
-from flt_diag.instruments.dynamics_callback import LoopDynamicsCallback
 from flt_diag.instruments.guard import Records
 from flt_diag.instruments.loop_hooks import ProbeError, gradient_norm
 from flt_diag.instruments.records import Row
@@ -30,6 +29,7 @@ if TYPE_CHECKING:
     from flt_diag.instruments.callbacks import Callback
     from flt_diag.instruments.diagnostics import DiagnosticsCallback
     from flt_diag.instruments.loop_hooks import LoopHooks
+    from flt_diag.integrations.probe import Probe
 
 
 class ProbeMoments:
@@ -37,12 +37,11 @@ class ProbeMoments:
 
     model: nn.Module
     host: Host
-    diag: DiagnosticsCallback
-    dynamics: LoopDynamicsCallback
+    probe: Probe  # the instruments, run as flt-diag's Trainer runs them
+    diag: DiagnosticsCallback  # (the probe's)
     hooks: LoopHooks | None
     params: list[nn.Parameter]
-    callbacks: list[Callback]
-    warning_cb: CollapseWarning
+    callbacks: list[Callback]  # the caller's
     writer: MetricsWriter
     dcfg: DiagnosticsConfig
     optimizer: torch.optim.Optimizer | None
@@ -53,9 +52,15 @@ class ProbeMoments:
     _held: list[Row]
 
     @property
+    def warning_cb(self) -> CollapseWarning:
+        """The early warning (a LoopProbe always has one: it prints only with warn)."""
+        assert self.probe.warning is not None
+        return self.probe.warning
+
+    @property
     def records(self) -> Records:
         """The run's record guard (shared by the diagnostics, the loop dynamics, the early warning and the probe)."""
-        return self.dynamics.records
+        return self.probe.records
 
     def _reset_step(self) -> None:
         self._began = self._backward_done = False
@@ -92,7 +97,7 @@ class ProbeMoments:
                 self._pre[i] if i in self._pre else torch.linalg.vector_norm(p.grad.detach()).float()
                 for i, p in enumerate(self.params) if p.grad is not None])))
         self.diag.unclipped_norm = pre
-        self.diag.after_backward(self.host, self.step_index)
+        self.probe.after_backward(self.host, self.step_index)
         norm = self.diag.grad_norm  # (read by after_backward on its steps; the same gradients)
         if norm is None and grads:
             norm = pre if pre is not None else take((M.GRAD_NORM,), self._total_norm, grads)
@@ -115,9 +120,7 @@ class ProbeMoments:
         late = not self._backward_done  # no after_backward() this step: the moments are read now
         if late:  # (the parameters before this step's update were kept at the end of the last one)
             self.after_backward()
-        self.diag.after_clip(self.host, s)
-        self.diag.after_step(self.host, s)
-        for cb in self.callbacks:
+        for cb in (self.probe, *self.callbacks):
             cb.after_clip(self.host, s)
             cb.after_step(self.host, s)
         value = given if given is not None else self.records.take((M.LOSS,), self._mean_loss)
@@ -127,7 +130,8 @@ class ProbeMoments:
                 self._check_finite(s, value)
         if lr is not None:
             self.host.log.add(M.LR, lr)
-        self.dynamics.at_step(targets)  # the exit loss of the kept loop-end streams (head= without targets=)
+        assert self.probe.dynamics is not None  # (a LoopProbe's probe has them)
+        self.probe.dynamics.at_step(targets)  # the exit loss of the kept loop-end streams (head= without targets=)
         rows = self.host.log.collect(s)
         if self.hooks is None:  # (blocks="auto", none chosen yet: held, written with the first step that has them)
             self._held += rows
@@ -138,7 +142,7 @@ class ProbeMoments:
             self._start_run(s)
         rows, self._held = self._held + rows, []
         self.writer.extend(rows)
-        for cb in (self.warning_cb, *self.callbacks):
+        for cb in (self.probe, *self.callbacks):
             cb.on_rows(self.host, s, rows)
             cb.on_step_end(self.host, s)
         if (s + 1) % self.dcfg.flush_every == 0:
@@ -190,5 +194,6 @@ class ProbeMoments:
         self.host.cfg = probe_run_config(self, self.steps or s + 1)
         self.host.recipe = Recipe.of(self.host.cfg)
         write_probe_config(self, self.host.cfg)
-        for cb in (self.warning_cb, *self.callbacks[1:]):  # (the loop dynamics: started at watch())
+        self.probe.start(self.host, self.probe.warning)  # (the loop dynamics: at watch(); the diagnostics: attached)
+        for cb in self.callbacks:
             cb.on_start(self.host)

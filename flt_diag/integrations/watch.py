@@ -1,8 +1,8 @@
 """flt_diag.watch: flt-diag's diagnostics, verdict and early warning on any looped nn.Module, trained by any
 loop (docs/api.md has the usage, every option and the refusals).
 
-The probe is a small stand-in for flt-diag's Trainer: the same instruments (instruments/dynamics_callback.py),
-metrics table, online early warning and summary, so its run folder reads as any other. A step's moments: the
+The probe is a small stand-in for flt-diag's Trainer: the same instruments and online early warning, run by the
+same Probe (integrations/probe.py), a metrics table and summary, so its run folder reads as any other. A step's moments: the
 first training forward after the previous step arms the hooks on a recorded step (should_record);
 `after_backward()` (optional: gradients before clipping, parameters before the optimizer step); `step()` (after
 the optimizer step; without `after_backward()` the update ratio is taken against a copy of the parameters kept

@@ -2,10 +2,11 @@
 
 The loop: for each step, `train_step()` (forward/backward per micro-batch, clipping, optimizer step; the step's
 scalars kept in a StepLog as device tensors, moved to the host in one transfer), then the callbacks' `on_rows`
-and `on_step_end`. The callbacks, in order: the instruments (as for flt_diag.watch), the caller's, the collapse
-warning, evaluation, the metrics table, TensorBoard / W&B mirrors, resume.pt / checkpoint.pt and progress. The
-Trainer itself owns config.json (written first) and summary.json (written last). It takes a settled config
-(flt_diag.training.settle) as given, and refuses one that was not settled.
+and `on_step_end`. The callbacks, in order: the instruments and the collapse warning (`probe`: the Probe that
+flt_diag.watch's LoopProbe holds too, flt_diag.integrations.probe), the caller's, evaluation, the metrics table,
+TensorBoard / W&B mirrors, resume.pt / checkpoint.pt and progress. The Trainer itself owns config.json (written
+first) and summary.json (written last). It takes a settled config (flt_diag.training.settle) as given, and refuses
+one that was not settled.
 """
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ from flt_diag.training.external import ExternalSinks
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig, count_parameters, parameter_groups
 from flt_diag.instruments.records import StepLog, environment
 from flt_diag.training.process import start_process
-from flt_diag.instruments.dynamics_callback import instruments, own_model_dynamics
+from flt_diag.instruments.dynamics_callback import own_model_dynamics
 from flt_diag.instruments.warning_callback import CollapseWarning
+from flt_diag.integrations.probe import Probe
 from flt_diag.training.compile_precision import compile_blocks, compile_wanted, reference_precision
 from flt_diag.training.stabiliser_step import objective, step_loops
 from flt_diag.training.optim import build_optimizers, lr_multiplier, muon_momentum, set_lr, set_momentum
@@ -84,15 +86,15 @@ class Trainer:
                 find_unused_parameters=getattr(self.model, "rule", None) is not None and self.model.rule.loop_count != "fixed")
         self.optimizers = build_optimizers(self.model, cfg.train, fused=self.device.type == "cuda")
         self.log = StepLog()
-        self.callbacks: list[Callback] = list(callbacks or [])
-        if diagnostics if diagnostics is not None else cfg.diagnostics.enabled:
-            self.callbacks[:0] = instruments(cfg.diagnostics, own_model_dynamics(cfg.diagnostics, self.model),
-                                             groups=parameter_groups(self.model))
-        if cfg.diagnostics.warn or cfg.diagnostics.stop_on_collapse:
-            self.callbacks.append(CollapseWarning(predictor(cfg.diagnostics.predictor),
-                                                  stop=cfg.diagnostics.stop_on_collapse))
-        # the side concerns of every run, last (their order is the order of their work in a moment)
-        self.callbacks += [Evaluation(), MetricsTable(), ExternalSinks(), Checkpoints(), Progress(progress)]
+        # the instruments, through the probe that flt_diag.watch runs too; then the caller's callbacks and the side
+        # concerns of every run (their order is the order of their work in a moment)
+        d, instrumented = cfg.diagnostics, diagnostics if diagnostics is not None else cfg.diagnostics.enabled
+        self.probe = Probe(d, own_model_dynamics(d, self.model) if instrumented else None, CollapseWarning(
+            predictor(d.predictor), stop=d.stop_on_collapse) if d.warn or d.stop_on_collapse else None)
+        if instrumented:
+            self.probe.build(parameter_groups(self.model))
+        self.callbacks: list[Callback] = [self.probe, *(callbacks or []), Evaluation(), MetricsTable(), ExternalSinks(),
+                                          Checkpoints(), Progress(progress)]
         self.start_step = self.steps_done = 0
         self.wall_time = 0.0
         self.last_loss = math.nan
