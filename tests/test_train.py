@@ -76,6 +76,24 @@ def test_resume_after_interruption_continues_exactly(tmp_path):
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+def test_a_resume_file_from_before_the_probe_resumes_exactly(tmp_path):
+    """resume.pt of an older release holds each instrument's state at the top of its callbacks (today: under the
+    Probe's name); the run resumed from it records what a run never stopped records."""
+    def cfg():
+        return tiny_config(variant="flt", loops=2, steps=8, checkpoint_every=4, seed=1)
+
+    train(cfg(), tmp_path / "straight")
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(cfg(), tmp_path / "resumed", callbacks=[Interrupt(at=5)]).fit()
+    path = tmp_path / "resumed" / "resume.pt"
+    state = torch.load(path, weights_only=False)
+    state["callbacks"] |= state["callbacks"].pop("Probe")  # (as an older release wrote it)
+    assert "DiagnosticsCallback" in state["callbacks"]
+    torch.save(state, path)
+    train(cfg(), tmp_path / "resumed")
+    assert load_metrics(tmp_path / "straight").equals(load_metrics(tmp_path / "resumed"))
+
+
 def test_finished_run_is_not_retrained(tmp_path, monkeypatch):
     train(tiny_config(loops=1, steps=3), tmp_path / "r")
     monkeypatch.setattr(Trainer, "train_step", lambda *a: pytest.fail("retrained a finished run"))

@@ -103,6 +103,8 @@ def restore(trainer) -> bool:
         for name, cb in zip(callback_names(trainer.callbacks), trainer.callbacks):
             if name in saved:
                 cb.load_state_dict(saved[name])
+            elif name == "Probe":  # (a file from before the Probe: its instruments' states at the top level)
+                cb.load_state_dict(saved)
         trainer.start_step, trainer.wall_time = state.step, state.wall_time
         return True
     except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as e:
