@@ -515,7 +515,7 @@ def test_huge_and_non_finite_losses_give_no_numpy_warning(tmp_path, capsys):
         warnings.simplefilter("error", RuntimeWarning)
         summary = summarize(df, run_config("lt", 3), 4.0)
         fired = first_warnings(np.r_[np.full(300, 3.0), np.full(200, 1e308)])  # the baselines of predict --online
-    assert summary["verdict"] != "stable" and fired["lightning"] == 300
+    assert summary.verdict != "stable" and fired["lightning"] == 300
 
 
 def test_a_fifo_lock_in_a_run_folder_is_one_line_and_is_left_alone(tmp_path, capsys):

@@ -83,11 +83,11 @@ def test_a_loss_that_climbs_and_stays_up_is_collapsed_before_it_is_stalled():
 @pytest.mark.parametrize("steps", [300, 2000, 10000])
 def test_a_clean_descent_with_multiplicative_noise_is_stable_at_any_length(steps):
     s = judge(descent_to(1.5, steps), clean_gradients(steps, 0.1))
-    assert s["verdict"] == "stable", s["evidence"]["reason"]
+    assert s.verdict == "stable", s.evidence.reason
     # the null model: |dlog g| = |sigma (z1 - z2)| has median sqrt(2) * sigma * Phi^-1(3/4) = 0.954 sigma
     null_median = math.sqrt(2) * 0.1 * NormalDist().inv_cdf(0.75)
-    assert s["osc_dlog_median"] == pytest.approx(null_median, rel=0.3)
-    assert s["evidence"]["osc_windows_judged"] >= 1
+    assert s.osc_dlog_median == pytest.approx(null_median, rel=0.3)
+    assert s.evidence.osc_windows_judged >= 1
 
 
 def test_the_threshold_is_the_null_models_median_for_a_43_percent_jitter():
@@ -104,7 +104,7 @@ def test_one_isolated_huge_spike_is_not_unstable():
     g = clean_gradients(2000)
     g[700] *= 1000.0
     s = judge(descent_to(1.5, 2000), g)
-    assert s["verdict"] == "stable"
+    assert s.verdict == "stable"
     cv = g[:2000].std() / g[:2000].mean()  # v2's index over the dense steps, by hand: the spike alone exceeds 3
     assert cv > 3
 
@@ -113,8 +113,8 @@ def test_sustained_oscillation_is_unstable():
     n = 2000
     g = np.exp(-np.arange(n) / 4000 + 0.5 * (-1.0) ** np.arange(n))  # log g alternates +-0.5 around a trend
     s = judge(descent_to(1.5, n), g)
-    assert s["verdict"] == "unstable" and "gradient oscillation" in s["evidence"]["reason"]
-    assert s["osc_dlog_median"] == pytest.approx(1.0, abs=0.01) and s["osc_alternation"] == 1.0
+    assert s.verdict == "unstable" and "gradient oscillation" in s.evidence.reason
+    assert s.osc_dlog_median == pytest.approx(1.0, abs=0.01) and s.osc_alternation == 1.0
 
 
 def test_oscillation_only_inside_the_warm_down_is_not_unstable():
@@ -122,11 +122,11 @@ def test_oscillation_only_inside_the_warm_down_is_not_unstable():
     g = clean_gradients(n)
     wild = np.exp(0.5 * (-1.0) ** np.arange(n))
     inside = np.where(np.arange(n) >= n - warmdown, g * wild, g)
-    assert judge(descent_to(1.5, n), inside)["verdict"] == "stable"
+    assert judge(descent_to(1.5, n), inside).verdict == "stable"
     # the same oscillation 100 steps earlier reaches before the warm-down: a window of 100 differences judges it
     earlier = np.where(np.arange(n) >= n - warmdown - 100, g * wild, g)
     s = judge(descent_to(1.5, n), earlier)
-    assert s["verdict"] == "unstable" and s["evidence"]["osc_dlog_window"] == [1400, 1599]
+    assert s.verdict == "unstable" and s.evidence.osc_dlog_window == [1400, 1599]
 
 
 def test_windows_with_fewer_than_twenty_consecutive_differences_are_not_judged():
@@ -135,11 +135,11 @@ def test_windows_with_fewer_than_twenty_consecutive_differences_are_not_judged()
     # recorded every 10 steps but for one burst of 20 consecutive steps (19 differences): nothing judged
     sparse_steps = np.r_[np.arange(0, 500, 10), np.arange(500, 520), np.arange(530, n, 10)]
     s = judge(descent_to(1.5, n), wild[sparse_steps], steps=sparse_steps)
-    assert s["verdict"] == "stable" and s["evidence"]["osc_windows_judged"] == 0
+    assert s.verdict == "stable" and s.evidence.osc_windows_judged == 0
     # 25 consecutive steps (24 differences) recorded in a window: judged
     dense = np.r_[np.arange(0, 500, 10), np.arange(500, 525), np.arange(530, n, 10)]
     s = judge(descent_to(1.5, n), wild[dense], steps=dense)
-    assert s["verdict"] == "unstable" and s["evidence"]["osc_windows_judged"] == 1
+    assert s.verdict == "unstable" and s.evidence.osc_windows_judged == 1
 
 
 # ---------------------------------------------------------------- peer flags
