@@ -5,6 +5,7 @@ the callback moments and the step record of instruments/: PUBLIC), nor in typed 
 Trainer and the probe's stand-in are each the callbacks' Host); and each misuse in tests/typing/misuse.py (a
 keyword of the wrong type) is reported, so that the check can fail. --follow-imports=silent: what the checked
 files import is read for its types, its own errors are not reported."""
+import importlib.util
 import os
 import re
 import subprocess
@@ -17,11 +18,15 @@ REPO = Path(__file__).resolve().parents[1]
 HERE = REPO / "tests" / "typing"
 PUBLIC = ("flt_diag/__init__.py", "flt_diag/integrations/", "flt_diag/instruments/callbacks.py",
           "flt_diag/instruments/records.py")
+EXTRAS = {"transformers": "hf-trainer", "lightning": "lightning"}  # the optional libraries the public modules type against
 
 
 @pytest.fixture(scope="session")
 def mypy_report(tmp_path_factory) -> str:
     pytest.importorskip("mypy", reason="mypy is not installed (pip install 'flt-diag[test]')")
+    for extra, name in EXTRAS.items():  # the callbacks are checked against the libraries' own types
+        if importlib.util.find_spec(extra) is None:
+            pytest.skip(f"{extra} is not installed: the typed callbacks need it (pip install 'flt-diag[{name}]')")
     cache = tmp_path_factory.mktemp("mypy-cache")
     env = {**os.environ, "MYPYPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-m", "mypy", "--follow-imports=silent", "--cache-dir", str(cache),
