@@ -5,6 +5,7 @@ the blocks per loop."""
 import copy
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -226,3 +227,17 @@ def test_figures_of_the_new_records_draw_and_skip_runs_without_them(tmp_path):
     assert new <= {p.stem for p in written}
     written = plot("all", tmp_path / "off", out_dir=tmp_path / "figs-off", formats=("png",))
     assert {"exit-loss", "loop-dynamics", "attention"} <= set(written.skipped)  # skipped with a reason, no crash
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-20, 1e-30, 1e18])
+def test_gradient_agreement_is_a_cosine_at_any_gradient_scale(scale):
+    """Per-loop gradients of 10^-20 (a collapsing run's early loops) once gave |cosine| up to 10^10: the product of
+    the squared norms underflowed in float32. Against the cosines in float64 by numpy."""
+    rng = np.random.default_rng(0)
+    per = rng.normal(size=(4, 50)) * np.array([[1.0], [0.3], [1e-3], [0.0]])  # the last loop sends nothing
+    per_loop = [{"w": torch.tensor(row * scale, dtype=torch.float32)} for row in per]
+    cos = D.gradient_agreement(per_loop, {"block1": ["w"]})[:, 0].double().numpy()
+    stored = np.array([t["w"].double().numpy() for t in per_loop])  # what float32 holds, in float64
+    total = stored.sum(0)
+    want = [row @ total / (np.linalg.norm(row) * np.linalg.norm(total)) if np.linalg.norm(row) else 0.0 for row in stored]
+    assert cos == pytest.approx(want, abs=1e-5)

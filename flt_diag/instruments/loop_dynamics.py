@@ -284,11 +284,20 @@ def per_loop_gradients(loss_fn: Callable[[list[dict[str, Tensor]]], Tensor], sha
 
 def gradient_agreement(per_loop: list[dict[str, Tensor]], groups: dict[str, list[str]]) -> Tensor:
     """(loops, groups): cosine between loop t's gradient of a group's weights and the group's total
-    gradient (the sum over loops). A loop that sends no gradient has cosine 0."""
+    gradient (the sum over loops). A loop that sends no gradient has cosine 0.
+
+    Each vector is divided by its largest entry before the products, so that the squared norms neither underflow
+    nor overflow in float32: a plain x.y / sqrt(|x|^2 |y|^2) gave |cosine| up to 10^10 where early loops send
+    gradients of 10^-20 (the product of the squared norms underflows to 0: LT-II at lr x 32 in the benchmark)."""
     columns = []
     for names in groups.values():
         per = torch.stack([torch.cat([g[n].flatten().float() for n in names]) for g in per_loop])  # (loops, size)
-        columns.append(F.cosine_similarity(per, per.sum(0, keepdim=True).expand_as(per), dim=-1, eps=1e-30))
+        total = per.sum(0)
+        unit = per / per.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(per.dtype).tiny)
+        total = total / total.abs().max().clamp_min(torch.finfo(per.dtype).tiny)
+        norms = unit.norm(dim=-1) * total.norm()
+        dots = unit @ total
+        columns.append(torch.where(norms > 0, dots / norms.clamp_min(torch.finfo(per.dtype).tiny), 0.0).clamp(-1, 1))
     return torch.stack(columns, -1)
 
 
