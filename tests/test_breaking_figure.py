@@ -39,3 +39,19 @@ def test_breaking_points_are_sorted_with_their_seeds_and_the_paper_marked(tmp_pa
     assert len(arrows) == 6  # deeploop held at the top (3 seeds), flt+residual-scale broke at the bottom (3)
     fig.savefig(tmp_path / "breaking.png")
     assert (tmp_path / "breaking.png").stat().st_size > 10_000
+
+
+def test_the_figure_reads_a_maps_archive_as_the_map_itself(tmp_path):
+    """`flt-diag archive MAP` keeps sweep.json and one record per probe (no cells/): the figure, the boundaries and
+    `flt-diag plot breaking` read the archive as they read the map."""
+    from flt_diag.cli import main
+    from flt_diag.results.archiving import archive_sources
+    thresholds = {"lt": 1.3, "flt": 9.0, "parcae": 3.0}
+    spec = _spec(variants=list(thresholds), loops=[12], seeds=[0, 1], criteria=["training"])
+    run_map(spec, tmp_path / "m", runner=Synthetic(thresholds), report=lambda s: None)
+    archive_sources([tmp_path / "m"], tmp_path / "archive", report=lambda s: None)
+    assert not (tmp_path / "archive" / "m" / "cells").exists()
+    want, got = breaking_data(tmp_path / "m"), breaking_data(tmp_path / "archive" / "m")
+    assert len(want) == 6 and got.reset_index(drop=True).equals(want.reset_index(drop=True))
+    assert main(["plot", "breaking", str(tmp_path / "archive" / "m"), "--out", str(tmp_path / "fig")]) == 0
+    assert (tmp_path / "fig" / "breaking.png").stat().st_size > 10_000

@@ -11,6 +11,7 @@ from typing import Callable
 
 import pandas as pd
 
+from flt_diag.storage import archive
 from flt_diag.storage.cells import RunId
 from flt_diag.storage.file_models import MapSpecFile, Summary
 from flt_diag.storage.folders import CELLS, ERROR, StorageError, load_spec, load_summary
@@ -57,9 +58,16 @@ def bracket(known: dict[int, bool], n: int) -> tuple[int, int, bool]:
     return a, b, monotone
 
 
+def probe_path(out: Path, name: str) -> Path:
+    """Where a probe's run is: its cell folder in a map folder, or its record in the map's archive
+    (`flt-diag archive` keeps a map as sweep.json and one `<cell>.parquet` per finished probe)."""
+    record = Path(out) / f"{name}{archive.SUFFIX}"
+    return record if archive.is_record(record) else Path(out) / CELLS / name
+
+
 def probe_outcomes(spec, out: Path, line: RunId, criterion: str) -> dict[int, bool]:
     """Outcomes of the line's finished probes under one criterion, from their summary.json."""
-    summaries = {i: load_summary(Path(out) / CELLS / probe_cell(spec, line, value).name) for i, value in enumerate(spec.grid)}
+    summaries = {i: load_summary(probe_path(out, probe_cell(spec, line, value).name)) for i, value in enumerate(spec.grid)}
     return {i: CRITERIA[criterion](s) for i, s in summaries.items() if s is not None}
 
 
