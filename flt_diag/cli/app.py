@@ -12,7 +12,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Annotated, Callable, List, Optional
+from typing import Annotated, Callable, List, Optional, cast
 
 import typer
 import typer.rich_utils
@@ -51,7 +51,8 @@ def _items(flag: str, text: str) -> list[str]:
 def spread_lists(args: list[str], many: set[str]) -> list[str]:
     """`--loops 3 6,9` -> `--loops 3 --loops 6 --loops 9` for the flags in `many` (also `--loops=3,6`);
     everything after `--` is left as it is."""
-    out, i = [], 0
+    out: list[str] = []
+    i = 0
     while i < len(args):
         arg, i = args[i], i + 1
         if arg == "--":
@@ -95,19 +96,21 @@ def parameter(p: Param) -> inspect.Parameter:
     command's own switch, a list for a list field; None (not given) where the config or the command decides.
     Typer reads a command's options from its function's signature only, so this is where a field becomes one."""
     section, name, info = p
-    f, help = form(info), info.description
-    kind = List[f.kind] if f.many else f.kind
+    f, help = form(info), cast(str, info.description)  # (every option has its help: opt)
+    kind = List[f.kind] if f.many else f.kind  # type: ignore[name-defined]  # (a field's type, as typer reads it)
     parser = _path if f.kind is Path else None
     if flag(name, info) == "":
         argument = typer.Argument(help=escape(help), metavar=name.upper() + ("..." if f.many else ""), parser=parser,
                                   show_default=False)
         return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=Annotated[kind, argument])
     switch, named = f.kind is bool and section == "cli", f.choices is None or all(c in help for c in f.choices)
-    help += default_text(*p) + ("" if named else f" Choices: {', '.join(map(str, f.choices))}.")
+    help += default_text(*p) + ("" if named else  # (not named: choices given)
+                                f" Choices: {', '.join(map(str, f.choices))}.")  # type: ignore[arg-type]
     option = typer.Option(flag(name, info) + (f"/--no-{flag(name, info)[2:]}" if f.kind is bool and not switch else ""),
                           help=escape(help), rich_help_panel=SECTION_TITLES[section], show_default=False,
                           metavar=None if f.kind is bool else ("NAME" if f.choices else METAVARS[f.kind]) + "..." * f.many,
-                          parser=parser, autocompletion=(lambda incomplete: [c for c in f.choices if c.startswith(incomplete)])
+                          parser=parser, autocompletion=(lambda incomplete: [  # (choices given)
+                              c for c in f.choices if c.startswith(incomplete)])  # type: ignore[union-attr]
                           if f.choices else None)
     given = inspect.Parameter.empty if not f.optional and default(info) is None else False if switch else None
     return inspect.Parameter(dest(name, info), inspect.Parameter.KEYWORD_ONLY, default=given,
@@ -121,8 +124,9 @@ def add_command(app: typer.Typer, name: str, func: Callable, params: list[Param]
     def collect(**values):
         return func, {**values, **fixed}, command or name
 
-    collect.__signature__ = inspect.Signature(list(map(parameter, params)))
-    help = help or inspect.getdoc(func).split("\n\n")[0].replace("\n", " ")
+    collect.__signature__ = inspect.Signature(  # type: ignore[attr-defined]  # (typer reads it)
+        list(map(parameter, params)))
+    help = help or cast(str, inspect.getdoc(func)).split("\n\n")[0].replace("\n", " ")
     app.command(name, cls=ListCommand, help=escape(help))(collect)
 
 

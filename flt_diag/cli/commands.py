@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from flt_diag.cli.options import (FOLDER_OPTIONS, ArchiveOptions, EvalLoopsOptions, FitPredictorOptions,
-                                  ImportReferenceOptions, MapOptions, Options, PlotOptions, PredictOptions,
+                                  ImportReferenceOptions, MapOptions, PlotOptions, PredictOptions,
                                   ReportOptions, RunAblationOptions, StudyOptions, SummaryOptions, TrainOptions,
                                   UserError, VariantsOptions)
 from flt_diag.config.option_fields import dest
@@ -23,6 +23,7 @@ def cmd_train(o: TrainOptions) -> int:
     """Train one variant into one run folder, with diagnostics, and print its verdict."""
     from flt_diag.cli.console import console_progress, print_run_summary, progress_bar
     from flt_diag.training.settle import run_config
+    from flt_diag.storage.file_models import Summary
     from flt_diag.training.trainer import Trainer
     cfg = run_config(o.config)
     out = o.out or Path("runs") / f"{cfg.model.variant}-K{cfg.model.loops}"
@@ -31,7 +32,7 @@ def cmd_train(o: TrainOptions) -> int:
         print(trainer.describe(), flush=True)
     summary = trainer.fit()
     progress_bar.close()
-    if summary:  # empty on DDP ranks other than 0
+    if isinstance(summary, Summary):  # ({}, empty, on DDP ranks other than 0)
         print_run_summary(out, summary)
     return 0
 
@@ -106,7 +107,7 @@ def cmd_study(o: StudyOptions) -> int:
     """Run a named study: the [ablation] (run-ablation options) or [map] (map options) table of a TOML file."""
     from flt_diag.cli.specs import load_study
     command, args = load_study(o.path, **{dest(n, f): getattr(o, n) for _, n, f in FOLDER_OPTIONS})
-    return cmd_run_ablation(args) if command == "run-ablation" else cmd_map(args)
+    return cmd_run_ablation(args) if isinstance(args, RunAblationOptions) else cmd_map(args)  # (command's options)
 
 
 def cmd_summary(o: SummaryOptions) -> int:
@@ -227,9 +228,10 @@ def cmd_predict(o: PredictOptions) -> int:
         raise UserError("--figure draws agreement against fixed steps (--at); it does not apply with --online")
     if o.figure is not None and o.figure.suffix not in (".png", ".pdf", ".svg"):
         raise UserError(f"--figure must end in .png, .pdf or .svg, got {o.figure.name}")
-    for flag, path in (("--csv", o.csv), ("--figure", o.figure)):
-        _output_file(flag, path)
-    models = {("packaged" if p is None else str(p)): load_predictor(p) for p in o.predictor or [None]}
+    for flag, file in (("--csv", o.csv), ("--figure", o.figure)):
+        _output_file(flag, file)
+    models = {("packaged" if p is None else str(p)): load_predictor(p)
+              for p in o.predictor or [None]}  # type: ignore[list-item]  # (None: the packaged predictor)
     tables = []
     for name, model in models.items():
         if len(models) > 1:
@@ -382,7 +384,8 @@ def cmd_report(o: ReportOptions) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[Options], int]] = {"train": cmd_train, "run-ablation": cmd_run_ablation, "map": cmd_map, "study": cmd_study,
+COMMANDS: dict[str, Callable[..., int]] = {  # (each takes its command's options)
+            "train": cmd_train, "run-ablation": cmd_run_ablation, "map": cmd_map, "study": cmd_study,
             "summary": cmd_summary, "eval-loops": cmd_eval_loops, "import-reference": cmd_import_reference,
             "predict": cmd_predict, "fit-predictor": cmd_fit_predictor, "variants": cmd_variants,
             "report": cmd_report, "plot": cmd_plot, "archive": cmd_archive}

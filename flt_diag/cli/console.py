@@ -16,6 +16,9 @@ from flt_diag.storage.file_models import Summary
 
 
 class _ConsoleProgress:
+    total: int  # (set by console_progress before a run)
+    label: str
+
     def __init__(self):
         self.bar = None
 

@@ -28,7 +28,7 @@ class UserError(Exception):
 # ------------------------------------------------------------------ config and grid options
 
 Param = tuple[str, str, FieldInfo]  # (section, field name, field): one option, read from its model
-CONFIG = {"run": PresetOption, **SECTIONS}  # the config options by section ("run": the preset)
+CONFIG: dict[str, type[Options]] = {"run": PresetOption, **SECTIONS}  # the config options by section ("run": the preset)
 TRAINING_COMMANDS = ("train", "run-ablation", "map")
 GRID_OF = {"run-ablation": "sweep", "map": "map"}  # the grid each grid command runs
 
@@ -210,7 +210,7 @@ def command_args(command: str, values: dict, where: Callable[[str, FieldInfo], s
     """The typed options of `command` from given values (by the names users type; None: not given; and fields
     of the model that are no option, such as plot's figure), each checked against its field (a bad one: one
     line naming it by `where`), its config options in `config`."""
-    cls, config, own = ARGS[command], {}, {}
+    cls, config, own = ARGS[command], dict[str, object](), dict[str, object]()
     for s, n, f in config_options(command) + fields(cls, "cli"):
         if values.get(dest(n, f)) is not None:
             (own if s == "cli" else config)[dest(n, f)] = CONFIG.get(s, cls).check(n, values[dest(n, f)], where(n, f))

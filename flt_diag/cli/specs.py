@@ -5,6 +5,8 @@ study file): the base config settled once with the grid's first cell (docs/DESIG
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
+
 from flt_diag.cli.options import FolderOptions, MapOptions, Param, RunAblationOptions, command_args, command_options
 from flt_diag.config.option_fields import ConfigError, check, dest, form
 from flt_diag.grids.stability_map import MapSpec
@@ -58,7 +60,7 @@ def load_study(path: Path, **folder) -> tuple[str, RunAblationOptions | MapOptio
             if kind.kind is Path and x is not None:  # (text in the file)
                 x = [*map(Path, check(list[str], x, where(n, f)))] if kind.many else Path(check(str, x, where(n, f)))
             values[dest(n, f)] = x
-        return command, command_args(command, {**values, **folder}, where)
+        return command, cast("RunAblationOptions | MapOptions", command_args(command, {**values, **folder}, where))
     except ConfigError as e:  # (a file's problem: the file's error)
         raise BadFile(str(e)) from None
     except RecursionError:  # a value nested too deep for the validator

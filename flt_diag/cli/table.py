@@ -25,7 +25,7 @@ while the table and the options differ).
 
 def options_markdown() -> str:
     """The option table (one row per flag and meaning, with the commands that take it)."""
-    rows, seen = ["| option | commands | default | meaning |", "|---|---|---|---|"], {}
+    rows, seen = ["| option | commands | default | meaning |", "|---|---|---|---|"], dict[tuple, tuple]()
     for command in ("run-ablation", "map", "train"):
         for p in command_options(command):
             seen.setdefault((flag(*p[1:]), p[2].description), (p, []))[1].append(command)

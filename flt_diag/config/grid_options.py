@@ -11,7 +11,7 @@ from typing import Annotated, Literal, get_args
 from pydantic import Field
 
 from flt_diag.config.option_fields import Ascending, Distinct, Items, Options, opt, with_fact
-from flt_diag.config.run_config import MAX_SEED, ModelConfig, TrainConfig
+from flt_diag.config.run_config import MAX_SEED, ModelConfig, RunConfig, TrainConfig
 from flt_diag.config.variants import MAX_LOOPS, PAPER_VARIANTS, Variant
 
 MapAxis = Literal["lr", "depth"]  # what a map varies: the lr scale, or the number L of distinct blocks
@@ -57,7 +57,7 @@ class SweepGrid(SweepAxes):
     """A sweep's grid and `base`, the RunConfig the cells share (flt_diag.grids.sweep.SweepSpec makes it
     cell 0's)."""
 
-    base: object
+    base: RunConfig
 
 
 class MapGrid(Options):
@@ -86,6 +86,6 @@ class MapLinesGrid(MapAxes):
     """A map's lines and axis, the grid of axis values (ascending, distinct) and `base`, the RunConfig of
     line 0 (flt_diag.grids.stability_map.MapSpec replaces the axis field and each line's fields per probe)."""
 
-    base: object
+    base: RunConfig
     grid: Annotated[list[int | float], Field(min_length=1, max_length=MAX_GRID), Distinct, Ascending] = \
         Field(default_factory=lambda: MapGrid().values("lr"))

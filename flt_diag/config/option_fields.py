@@ -12,7 +12,7 @@ from typing import Annotated, Any, Callable, Literal, NamedTuple, TypeVar
 import annotated_types as at
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
-from pydantic_core import PydanticUndefined
+from pydantic_core import ErrorDetails, PydanticUndefined
 
 MAX_ITEMS = 10_000  # entries of one list in any option or file flt-diag writes (a sweep's cells, a grid, ...)
 MAX_TEXT = 4096  # characters of one text value (a path, a name): more is not something flt-diag wrote
@@ -45,7 +45,7 @@ def opt(default, help: str, *, settled: bool = False, grid: tuple[str, ...] = ()
     read: `settled`, set by settling (the tokenizer's vocabulary), never an option; `grid`, the grids
     ("sweep", "map") that take a list of it instead and set it per cell; `volatile`, may change when a
     run folder is resumed (it changes nothing a run computes). Which commands take it is the CLI's."""
-    facts = {k: v for k, v in dict(settled=settled, grid=list(grid), volatile=volatile).items() if v}
+    facts: dict[str, Any] = {k: v for k, v in dict(settled=settled, grid=list(grid), volatile=volatile).items() if v}
     given = dict(default_factory=lambda: list(default)) if isinstance(default, list) else dict(default=default)
     return Field(**given, description=help, json_schema_extra=facts or None, **field)
 
@@ -58,8 +58,9 @@ def arg(help: str, many: bool = False) -> Any:
 def like(info: FieldInfo, required: bool = True, alias: bool = True) -> tuple[Any, FieldInfo]:
     """(type, field) of a copy of a pydantic field for create_model, required or defaulting to None (`alias`
     False: a file holds an option under its field's name)."""
-    return info.rebuild_annotation(), Field(... if required else None, description=info.description,
-                                            json_schema_extra=info.json_schema_extra, alias=info.alias if alias else None)
+    return info.rebuild_annotation(), Field(  # type: ignore[return-value]  # (a FieldInfo, typed as its default)
+        ... if required else None, description=info.description, json_schema_extra=info.json_schema_extra,
+        alias=info.alias if alias else None)
 
 
 def fact(info: FieldInfo, key: str):
@@ -121,7 +122,8 @@ class Options(BaseModel):
 
 def _bare(hint) -> tuple[Any, list, bool]:
     """(the type, its Annotated metadata, whether None is a value) of `hint`, Optional and Annotated removed."""
-    metadata, optional = [], False
+    metadata: list[Any] = []
+    optional = False
     while True:
         if typing.get_origin(hint) is Annotated:
             metadata += typing.get_args(hint)[1:]
@@ -144,7 +146,8 @@ class Form(NamedTuple):
     choices: tuple | None  # a Literal's values
     bounds: dict  # {"ge": 1, "le": 1024} (each item's, for a list)
 
-    low, high, above, below = (property(lambda self, k=k: self.bounds.get(k)) for k in ("ge", "le", "gt", "lt"))
+    low, high, above, below = (property(lambda self, k=k: self.bounds.get(k))  # type: ignore[misc]  # (properties)
+                               for k in ("ge", "le", "gt", "lt"))
 
 
 def form(x) -> Form:
@@ -213,7 +216,7 @@ TYPED = {"int_type": "an integer", "int_from_float": "an integer", "float_type":
 BOUNDS = {"greater_than_equal": "ge", "less_than_equal": "le", "greater_than": "gt", "less_than": "lt"}
 
 
-def _problem(err: dict, info: FieldInfo | None) -> str:
+def _problem(err: ErrorDetails, info: FieldInfo | None) -> str:
     """What is wrong, from one pydantic error ({"type", "msg", "ctx", "input"}) about field `info`."""
     kind, ctx, got = err["type"], err.get("ctx") or {}, _shown(err.get("input"))
     o = form(info) if info is not None else None

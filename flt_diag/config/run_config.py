@@ -6,7 +6,7 @@ flt_diag.config.grid_options. A bad value is one ConfigError line naming the fla
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from pydantic import Field, ValidationError, create_model, model_validator
 
@@ -62,7 +62,10 @@ PRESETS: dict[str, dict] = {
                        train=dict(batch_size=32, grad_accum=16, data="fineweb-edu", tokenizer=QWEN3_TOKENIZER,
                                   max_tokens=1_100_000_000, eval_batches=16)),
 }
-Preset = Literal[tuple(PRESETS)]  # the preset names, as a type (a preset is one entry of PRESETS)
+if TYPE_CHECKING:  # (as Variant: to mypy, a preset's name is a str)
+    Preset = str
+else:
+    Preset = Literal[tuple(PRESETS)]  # the preset names, as a type (a preset is one entry of PRESETS)
 
 
 class ModelConfig(Options):
@@ -211,8 +214,8 @@ class VerdictConfig(Options):
 class PresetOption(Options):
     """The --preset option: the preset a run starts from (auto: decided by the device)."""
 
-    preset: Literal[Preset, "auto"] = opt("auto", "tiny (CPU, minutes), small (one GPU), paper-small, paper-base, or "
-                                          "auto (tiny on CPU, small on GPU).")
+    preset: Literal[Preset, "auto"] = opt(  # type: ignore[valid-type]  # (Preset: a Literal at run time)
+        "auto", "tiny (CPU, minutes), small (one GPU), paper-small, paper-base, or auto (tiny on CPU, small on GPU).")
 
 
 class RunConfig(Options):
@@ -223,7 +226,7 @@ class RunConfig(Options):
     train: TrainConfig = Field(default_factory=TrainConfig)
     diagnostics: DiagnosticsConfig = Field(default_factory=DiagnosticsConfig)
     verdict: VerdictConfig = Field(default_factory=VerdictConfig)
-    preset: Literal[Preset, "custom"] = "custom"
+    preset: Literal[Preset, "custom"] = "custom"  # type: ignore[valid-type]  # (as above)
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunConfig":
@@ -240,7 +243,7 @@ class RunConfig(Options):
             raise ConfigError(f"not an flt-diag config: {one_line(e, dotted)}") from None
 
 
-SECTIONS = {"model": ModelConfig, "train": TrainConfig, "diagnostics": DiagnosticsConfig, "verdict": VerdictConfig}
+SECTIONS: dict[str, type[Options]] = {"model": ModelConfig, "train": TrainConfig, "diagnostics": DiagnosticsConfig, "verdict": VerdictConfig}
 
 
 def given_sections(values: dict) -> dict[str, dict]:
@@ -295,7 +298,10 @@ def build_config(preset: str = "auto", cuda_available: bool = False, model: dict
                      verdict=VerdictConfig.of(**given(VerdictConfig, verdict)), preset=name)
 
 
-def replaced(section: Options, **changes) -> Options:
+O = TypeVar("O", bound=Options)
+
+
+def replaced(section: O, **changes) -> O:
     """A copy of a section (or config) with some fields changed, validated like a new one."""
     return type(section).of(**{**{name: getattr(section, name) for name in type(section).model_fields}, **changes})
 

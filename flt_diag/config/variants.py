@@ -12,7 +12,7 @@ LT a stabiliser goes by its own name (`residual-scale` is LT + the residual scal
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Literal, get_args, get_type_hints
+from typing import TYPE_CHECKING, Literal, get_args, get_type_hints
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,10 @@ COMPOSED: dict[str, VariantRule] = {f"{base}+{name}": replace(rule, **COMPOSABLE
                                     for base, rule in PAPER.items() if base != "lt" for name in COMPOSABLE}  # own name)
 
 VARIANTS: dict[str, VariantRule] = {**PAPER, **STABILISERS, **COMPOSED}
-Variant = Literal[tuple(VARIANTS)]  # a variant's name, as a type (in the order of VARIANTS: the figures' and tables')
+if TYPE_CHECKING:  # (a Literal of names built at import: to mypy, a variant's name is a str)
+    Variant = str
+else:
+    Variant = Literal[tuple(VARIANTS)]  # a variant's name, as a type (in the order of VARIANTS: the figures' and tables')
 
 VARIANT_DESCRIPTIONS: dict[str, str] = {
     "lt": "original looped transformer: loop t starts from h(t-1)",

@@ -6,7 +6,7 @@ is anything with `.shape` and `.dtype`.
 from __future__ import annotations
 
 import functools
-from typing import Annotated, Any, Literal, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional
 
 from pydantic import ConfigDict, Field, create_model, field_validator, model_validator
 from pydantic_core import PydanticUndefined
@@ -69,11 +69,15 @@ REQUIRED = {"model": ("vocab_size", "n_layer", "n_embd", "n_head", "sequence_len
 
 def _in_file(cls, section: str):
     """A config section as a file holds it: the REQUIRED fields required, the others defaulted."""
-    return create_model(f"{cls.__name__}InFile", __base__=cls,
+    return create_model(f"{cls.__name__}InFile", __base__=cls,  # type: ignore[call-overload]  # (fields as a dict)
                         **{n: like(cls, n) for n in REQUIRED.get(section, ())})
 
 
-ModelInFile, TrainInFile = _in_file(ModelConfig, "model"), _in_file(TrainConfig, "train")
+if TYPE_CHECKING:  # (mypy cannot see create_model's fields: a section in a file has its config's fields)
+    ModelInFile = ModelConfig
+    TrainInFile = TrainConfig
+else:
+    ModelInFile, TrainInFile = _in_file(ModelConfig, "model"), _in_file(TrainConfig, "train")
 
 
 class VerdictInFile(VerdictConfig):
@@ -101,7 +105,7 @@ class RunConfigFile(FileModel):
     train: TrainInFile
     diagnostics: DiagnosticsConfig
     verdict: VerdictInFile = None
-    preset: Literal[Preset, "custom"] = None
+    preset: Literal[Preset, "custom"] = None  # type: ignore[valid-type]  # (Preset is a Literal at run time; a str to mypy)
     n_params: int = Field(None, ge=0)
     corpus: Corpus = None
     env: dict = None
@@ -233,10 +237,10 @@ class Summary(FileModel):
     final_resid_norm: Optional[float] = figure(False)  # the final loop's loop-end norm at the last step
     resid_ratio: Optional[float] = figure(False)  # peak_resid_norm / sqrt(d)
     explosion_threshold: Optional[float] = figure(False)  # explosion_ratio * sqrt(d)
-    variant: _VARIANT
-    loops: _LOOPS
-    seed: _SEED
-    lr_scale: _LR_SCALE
+    variant: _VARIANT  # type: ignore[valid-type]  # (a config field's type, built at import)
+    loops: _LOOPS  # type: ignore[valid-type]  # (a config field's type, built at import)
+    seed: _SEED  # type: ignore[valid-type]  # (a config field's type, built at import)
+    lr_scale: _LR_SCALE  # type: ignore[valid-type]  # (a config field's type, built at import)
     final_loss: Optional[float] = figure()  # the smoothed training loss at the last finite step
     best_loss: Optional[float] = figure()  # its minimum (the evidence's min_smoothed_loss)
     val_loss: Optional[float] = figure()  # the last held-out loss (NaN: never evaluated)
@@ -258,7 +262,7 @@ class Summary(FileModel):
     oscillation_windows: list[OscillationWindow] = many(False, 0)  # the v2 indices per osc_window steps
     osc_dlog_windows: list[DlogWindow] = many(False, 0)  # since v3: the windows rule 4b judged
     steps_done: int = Field(ge=0)
-    steps: _STEPS
+    steps: _STEPS  # type: ignore[valid-type]  # (a config field's type, built at import)
     wall_time: Optional[float] = Field(None, ge=0)  # seconds (None: not timed)
     stop_reason: Optional[str] = None  # why the run ended before its steps (None: it did not)
     prediction: Optional[Prediction] = None  # the alarm that ended it (--stop-on-collapse)
@@ -272,26 +276,33 @@ class BaseInSpec(FileModel, **FREE):
     diagnostics: DiagnosticsConfig = None
 
 
-SweepSpecFile = create_model("SweepSpecFile", __base__=FreeFileModel,
-                             **{n: like(SweepAxes, n) for n in ("variants", "loops", "seeds", "lr_scales")},
-                             base=(BaseInSpec, ...), cell_names=(Items[str], ...))
+if TYPE_CHECKING:
+    class SweepSpecFile(FreeFileModel):  # (mypy cannot see create_model's fields: they are Any to it)
+        def __getattr__(self, name: str) -> Any: ...
+else:
+    SweepSpecFile = create_model("SweepSpecFile", __base__=FreeFileModel,
+                                 **{n: like(SweepAxes, n) for n in ("variants", "loops", "seeds", "lr_scales")},
+                                 base=(BaseInSpec, ...), cell_names=(Items[str], ...))
 
 
 def _grid_values(axis: str) -> Any:
     """A map's grid: lr scales (bounded like --lr-scale) or depths (like --depth), distinct, ascending."""
     o = form(ModelConfig.model_fields["n_layer"] if axis == "depth" else TrainConfig.model_fields["lr_scale"])
-    return Annotated[list[Annotated[o.kind, Field(**o.bounds)]], Field(min_length=1, max_length=MAX_GRID), Distinct,
-                     Ascending]
+    return Annotated[list[Annotated[o.kind, Field(**o.bounds)]],  # type: ignore[name-defined]  # (a field's type)
+                     Field(min_length=1, max_length=MAX_GRID), Distinct, Ascending]
 
 
 class MapSpecFile(FreeFileModel):
     """A map's sweep.json (`kind: map`): the fields of map_spec_model, whose grid's type follows its axis."""
 
+    if TYPE_CHECKING:  # (mypy cannot see create_model's fields: they are Any to it)
+        def __getattr__(self, name: str) -> Any: ...
+
 
 @functools.cache
 def map_spec_model(axis: str = "lr"):
     """A map's sweep.json; its grid holds lr scales or depths (`axis`)."""
-    return create_model(f"MapSpecFile_{axis}", __base__=MapSpecFile,
+    return create_model(f"MapSpecFile_{axis}", __base__=MapSpecFile,  # type: ignore[call-overload]  # (as above)
                         kind=(Literal["map"], ...), **{n: like(MapAxes, n) for n in ("variants", "loops", "seeds",
                                                                                         "axis")},
                         grid=(_grid_values(axis), ...), criteria=like(MapAxes, "criteria"), base=(BaseInSpec, ...))
@@ -313,11 +324,11 @@ class PredictorFile(FileModel, **FREE):
     """fit-predictor's JSON: features, one logistic model per step (a mean, std and coefficient per
     feature), the threshold in (0, 1), the target."""
 
-    features: Items[Literal[tuple(FEATURES)]]
+    features: Items[Literal[tuple(FEATURES)]]  # type: ignore[valid-type]  # (Literal of the names: valid at run time)
     models: dict[Annotated[int, Field(ge=1)], LogisticModel] = Field(min_length=1, max_length=MAX_ITEMS)
     threshold: float = Field(0.5, gt=0, lt=1)
-    target: Literal[tuple(TARGETS)] = "collapse"  # (a predictor of before the targets)
-    class_weight: Literal[CLASS_WEIGHTS] = None
+    target: Literal[tuple(TARGETS)] = "collapse"  # type: ignore[valid-type]  # (a predictor of before the targets)
+    class_weight: Literal[CLASS_WEIGHTS] = None  # type: ignore[valid-type]
     l2: float = Field(None, gt=0)
 
     @field_validator("models", mode="before")
@@ -338,17 +349,20 @@ class PredictorFile(FileModel, **FREE):
 
 
 STALL_EVIDENCE = ("final_smoothed_loss", "stall_reference", "stall_margin")  # the stall rule's evidence
-ExampleRow = create_model(
-    "ExampleRow", __base__=FileModel, run=(str, ...),
-    **{n: like(ModelConfig, n) for n in ("variant", "loops", "n_layer", "n_embd")},
-    **{n: like(TrainConfig, n) for n in ("seed", "lr_scale")},
-    steps_done=(int, Field(ge=0)), verdict=(Verdict, ...), climb=(Optional[float], figure()),
-    rebound_threshold=(Optional[float], figure()), transient_rebound=(bool, ...),
-    # (since verdict v3; a table written before has none of these four: relabelled as far as it can be)
-    verdict_version=(Optional[int], Field(None, ge=1)),
-    **{n: (Optional[float], figure(False)) for n in STALL_EVIDENCE},
-    step=(int, Field(ge=1)),
-    **{f: (Optional[float], figure()) for f in FEATURES})
+if TYPE_CHECKING:  # (mypy cannot see create_model's fields: a row's values are Any to it)
+    ExampleRow = Any
+else:
+    ExampleRow = create_model(
+        "ExampleRow", __base__=FileModel, run=(str, ...),
+        **{n: like(ModelConfig, n) for n in ("variant", "loops", "n_layer", "n_embd")},
+        **{n: like(TrainConfig, n) for n in ("seed", "lr_scale")},
+        steps_done=(int, Field(ge=0)), verdict=(Verdict, ...), climb=(Optional[float], figure()),
+        rebound_threshold=(Optional[float], figure()), transient_rebound=(bool, ...),
+        # (since verdict v3; a table written before has none of these four: relabelled as far as it can be)
+        verdict_version=(Optional[int], Field(None, ge=1)),
+        **{n: (Optional[float], figure(False)) for n in STALL_EVIDENCE},
+        step=(int, Field(ge=1)),
+        **{f: (Optional[float], figure()) for f in FEATURES})
 ExamplesTable = Annotated[list[ExampleRow], Field(min_length=1, max_length=MAX_ITEMS)]
 
 
@@ -367,6 +381,9 @@ def _meta_fields() -> dict:
     return size | loops | {k: (Optional[str], None) for k in META_VARIANT_KEYS}
 
 
-MetaModelConfig = create_model("MetaModelConfig", __base__=FreeFileModel, **_meta_fields())
-ReferenceMeta = create_model("ReferenceMeta", __base__=MetaModelConfig,
-                             sizes=(Optional[MetaModelConfig], Field(None, alias="model_config")))
+if TYPE_CHECKING:  # (as ExampleRow: a meta file's values are Any to mypy)
+    ReferenceMeta = Any
+else:
+    MetaModelConfig = create_model("MetaModelConfig", __base__=FreeFileModel, **_meta_fields())
+    ReferenceMeta = create_model("ReferenceMeta", __base__=MetaModelConfig,
+                                 sizes=(Optional[MetaModelConfig], Field(None, alias="model_config")))

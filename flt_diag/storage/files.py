@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import re
+import sys
 from pathlib import Path
 from typing import Annotated, Collection
 
@@ -150,9 +151,9 @@ def load_study(path: Path, tables: dict[str, Collection[str]], limit: int = MAX_
     """A study file -> (its table's name, its values by key, "-" read as "_"): exactly one of `tables` (each
     with the keys it takes: flt_diag.cli.specs.load_study checks the values like the command line); other keys
     (description, gpu) are free. At most `limit` bytes are read (MAX_STUDY_BYTES: a study is a kilobyte or two)."""
-    try:
+    if sys.version_info >= (3, 11):
         import tomllib
-    except ImportError:  # Python 3.10
+    else:  # Python 3.10
         import tomli as tomllib
     text = read_text(path, limit, "a study file (TOML)")  # (its own one line: outside the parse's handlers)
     try:
@@ -277,7 +278,7 @@ class Checkpoint(F.FileModel):
 
     model_config_: ModelInCheckpoint = Field(alias="model_config")  # (first: it sizes the model)
     model: Tensors
-    step: int = Field(None, ge=0)
+    step: int = Field(None, ge=0)  # type: ignore[assignment]  # (absent: None; a null written is refused)
 
     _as_torch_loads_them = field_validator("model", mode="wrap")(_as_given)
 
