@@ -18,7 +18,7 @@ import sysconfig
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator, cast
 from urllib.parse import urlparse
 
 import numpy as np
@@ -173,7 +173,7 @@ def resolve_corpus(data: str) -> CorpusSpec | None:
         _regular(f)  # a folder named x.txt, a FIFO, a device, a socket: one line, before anything reads it
         if not os.access(f, os.R_OK):
             raise DataError(f"cannot read data file {f}")
-    return CorpusSpec(builders.pop(), data_files=[str(f.resolve()) for f in files])
+    return CorpusSpec(cast(str, builders.pop()), data_files=[str(f.resolve()) for f in files])
 
 
 def _regular(path: Path) -> None:
@@ -219,7 +219,7 @@ def iter_documents(spec: CorpusSpec, split: str) -> Iterator[str]:
     # error log lines, e.g. "Failed to read file", would come before it)
     for f in spec.data_files if isinstance(spec.data_files, list) else []:
         _check_local_file(Path(f))
-    kwargs = dict(name=spec.name, streaming=spec.streaming)
+    kwargs: dict[str, Any] = dict(name=spec.name, streaming=spec.streaming)
     if spec.data_files:
         kwargs["data_files"] = spec.data_files
     try:
@@ -258,7 +258,7 @@ class TokenData:
 
 
 def _cache_key(data: str, tokenizer: str, max_tokens: int | None) -> str:
-    ident = {"data": data, "tokenizer": tokenizer, "max_tokens": max_tokens, "v": 2}  # v2: BOS before documents
+    ident: dict[str, Any] = {"data": data, "tokenizer": tokenizer, "max_tokens": max_tokens, "v": 2}  # v2: BOS before documents
     if data == "stdlib":
         ident["python"] = sys.version
     elif Path(data).exists():

@@ -17,7 +17,7 @@ def load_split(train, seq_len: int, split: str, data: str | None = None) -> Toke
     return load_tokens(data, train.tokenizer, split, train.max_tokens)
 
 
-def check_source(data: str, tokenizer: str, cfg=None) -> None:
+def check_source(data: str, tokenizer: str | None, cfg=None) -> None:
     """DataError (one line) when `data` cannot be read as configured, found before anything runs;
     with the run's config, a task's dials are checked against its sequence length too."""
     if data not in TASKS:
@@ -32,5 +32,5 @@ def describe(train_data: TokenData | TaskData, val_data: TokenData | TaskData) -
     """config.json's "corpus": token counts of a corpus, or a task's layout and example."""
     if isinstance(train_data, TaskData):
         return train_data.facts()
-    return {"train_tokens": len(train_data), "val_tokens": len(val_data),
+    return {"train_tokens": len(train_data), "val_tokens": len(val_data),  # type: ignore[arg-type]  # (one kind)
             "unigram_entropy": train_data.unigram_entropy}

@@ -126,7 +126,7 @@ class Addition:
         pass  # every draw is a problem; whether one fits the sequence is make_task's check
 
 
-def bytes_only(task: str, tokenizer: str) -> None:
+def bytes_only(task: str, tokenizer: str | None) -> None:
     """A task is written in bytes: DataError (one line) for another tokenizer."""
     if tokenizer != "bytes":
         raise DataError(f"--data {task} is written in bytes; use --tokenizer bytes (got {tokenizer})")
@@ -136,6 +136,7 @@ def make_task(train, seq_len: int) -> PHop | Addition:
     """The task of a TrainConfig (`train.data` one of TASKS) at this sequence length; DataError
     (one line) when it cannot be used as configured."""
     bytes_only(train.data, train.tokenizer)
+    task: PHop | Addition
     if train.data == "phop":
         task = PHop(train.hops, train.alphabet, seq_len)
     elif train.data == "addition":

@@ -189,7 +189,8 @@ class LoopDynamicsCallback(Instrument):
         self._armed = False
         take = self.records.take
         if self.exit and self.head is not None and self.targets_of is not None:
-            self.targets = take((M.EXIT_LOSS,), lambda: checked_targets(self.targets_of(*args, **kwargs), "targets="))
+            self.targets = take((M.EXIT_LOSS,), lambda: checked_targets(  # (targets_of: checked above; a lambda
+                self.targets_of(*args, **kwargs), "targets="))  # type: ignore[misc]  # keeps no narrowing)
         if self.mapping:
             assert self.loop_map is not None  # (mapping: there is one)
             take(LOOP_MAP, self.loop_map.begin, args, kwargs)

@@ -3,7 +3,7 @@ with Hessian-vector products (double backward). Recorded every `--sharpness-ever
 DESIGN.md §3) by flt_diag.instruments.dynamics_callback; inside loop_dynamics.transparent()."""
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Sequence, cast
 
 import torch
 
@@ -18,10 +18,10 @@ def _power_iteration(hvp: Callable[[list[Tensor]], list[Tensor]], v: list[Tensor
     """Rayleigh quotient v.(H - shift)v of the power iteration v <- (H - shift) v / ||.|| from v."""
     lam = torch.zeros(())
     for _ in range(iters):
-        n = torch.sqrt(sum(x.square().sum() for x in v)).clamp_min(1e-30)
+        n = torch.sqrt(cast(Tensor, sum(x.square().sum() for x in v))).clamp_min(1e-30)  # (v: not empty)
         v = [x / n for x in v]
         hv = [a - shift * b for a, b in zip(hvp(v), v)]
-        lam = sum((a * b).sum() for a, b in zip(v, hv))
+        lam = cast(Tensor, sum((a * b).sum() for a, b in zip(v, hv)))
         v = [x.detach() for x in hv]
     return lam.detach()
 

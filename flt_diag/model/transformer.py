@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Iterable, cast
 
 import torch
 import torch.nn as nn
@@ -168,10 +169,17 @@ class Block(nn.Module):
 
 
 class LoopedTransformer(nn.Module):
+    cos: torch.Tensor  # the rotary tables (buffers: _rotary)
+    sin: torch.Tensor
+    injection: ParcaeInjection | None
+    adapter: Adapter | None
+    loop_embed: LoopEmbedding | None
+    penalty_inputs: tuple | None
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.rule = rule = VARIANTS[cfg.variant]
+        self.rule = rule = VARIANTS[cfg.variant]  # type: ignore[index]  # (None: a watch run's config, never built)
         K, L, d = cfg.loops, cfg.n_layer, cfg.n_embd
         scale = residual_scale.branch_scale(K, L) if rule.residual_scale else 1.0
         alpha = deeploop.alpha(K, L) if rule.deepnorm else 1.0
@@ -183,7 +191,7 @@ class LoopedTransformer(nn.Module):
             self.injection = ParcaeInjection(d) if rule.start == "parcae" else None
             self.adapter = Adapter(d) if rule.start == "adapter" else None
             self.loop_embed = LoopEmbedding(K if rule.loop_count == "fixed" else 2 * K, d) if rule.loop_embedding else None
-        self.loop_end = nn.Identity()  # hook point: residual stream at each loop's end
+        self.loop_end: nn.Module = nn.Identity()  # hook point: residual stream at each loop's end
         self.head = nn.Linear(d, cfg.vocab_size, bias=False)
         self.checkpoint_loops = False  # activation checkpointing, one segment per loop
         # truncated backpropagation: gradient through the last k loops only (0 = all; Huginn's default ceil(K/4))
@@ -208,7 +216,7 @@ class LoopedTransformer(nn.Module):
         bound = math.sqrt(3.0 / self.cfg.n_embd)  # uniform with std 1/sqrt(d)
         nn.init.normal_(self.embed.weight, std=1.0)
         nn.init.normal_(self.head.weight, std=0.001)
-        for block in self.blocks:
+        for block in cast("Iterable[Block]", self.blocks):  # (a ModuleList of Blocks)
             for lin in (block.attn.q, block.attn.k, block.attn.v, block.mlp.up):
                 nn.init.uniform_(lin.weight, -bound, bound)
             nn.init.zeros_(block.attn.o.weight)
@@ -233,10 +241,10 @@ class LoopedTransformer(nn.Module):
                 x = norm(emb)
             elif rule.start == "embed+prev":  # additive input injection
                 x = norm(emb + h_prev)
-            elif rule.start == "parcae":
-                x = self.injection(x, norm(emb))
+            elif rule.start == "parcae":  # (built for this start: __init__)
+                x = cast(ParcaeInjection, self.injection)(x, norm(emb))
             elif rule.start == "adapter":
-                x = self.adapter(x, norm(emb))
+                x = cast(Adapter, self.adapter)(x, norm(emb))
             else:
                 raise ValueError(f"variant {self.cfg.variant!r}: unknown loop start {rule.start!r}")
         if self.loop_embed is not None:
@@ -263,7 +271,7 @@ class LoopedTransformer(nn.Module):
             self._rotary(T)
         cos, sin = self.cos[:, :T], self.sin[:, :T]
         emb = self.embed(idx)  # (B, T, d)
-        x, h = norm(emb), None
+        x, h = norm(emb), cast(torch.Tensor, None)  # (h: set by loop 1, before any reads it: K >= 1)
         outs = []
         cut = detached_loops(K, self.grad_loops)
         for t in range(K):
@@ -347,8 +355,9 @@ def count_parameters(cfg: ModelConfig) -> int:
 def parameter_groups(model: LoopedTransformer) -> dict[str, list[nn.Parameter]]:
     """Named groups used by the optimizer recipe and by diagnostics: embedding, head,
     and each block's attention and MLP ("block0.attn", "block0.mlp", ...)."""
-    groups = {"embedding": [model.embed.weight], "head": [model.head.weight]}
-    for i, block in enumerate(model.blocks):
+    groups: dict[str, list[nn.Parameter]] = {  # (torch types a layer's weight as a Tensor; it is its Parameter)
+        "embedding": [model.embed.weight], "head": [model.head.weight]}  # type: ignore[list-item]
+    for i, block in enumerate(cast("Iterable[Block]", model.blocks)):
         groups[f"block{i}.attn"] = list(block.attn.parameters())
         groups[f"block{i}.mlp"] = list(block.mlp.parameters())
     extra = stabiliser_parameters(model)

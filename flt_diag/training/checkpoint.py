@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from flt_diag.instruments.callbacks import Callback
+from flt_diag.storage.file_models import Summary
 from flt_diag.storage.files import check_resume_state
 from flt_diag.storage.folders import CHECKPOINT, RESUME, StorageError, atomic_path
 from flt_diag.storage.safe_files import open_regular
@@ -52,7 +53,8 @@ def save_weights(path, model, model_config: dict, steps_done: int) -> None:
 
 def callback_names(callbacks: list) -> list[str]:
     """The name each callback's state is saved under: its class name (`#2`, ... for a repeated class)."""
-    names, seen = [], {}
+    names: list[str] = []
+    seen: dict[str, int] = {}
     for cb in callbacks:
         name = type(cb).__name__
         seen[name] = seen.get(name, 0) + 1
@@ -130,5 +132,5 @@ class Checkpoints(Callback):
         if trainer.is_main:
             save_weights(trainer.run_dir / CHECKPOINT, trainer.model, trainer.cfg.model.to_dict(), step + 1)
 
-    def on_summary(self, trainer, summary: dict) -> None:
+    def on_summary(self, trainer, summary: Summary) -> None:
         (trainer.run_dir / RESUME).unlink(missing_ok=True)

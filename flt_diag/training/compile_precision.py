@@ -40,9 +40,9 @@ def compile_blocks(model: LoopedTransformer, **compile_kwargs) -> LoopedTransfor
     for name in ("cache_size_limit", "recompile_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), need))
-    for block in model.blocks:
-        block.attend = torch.compile(block.attend, **compile_kwargs)
-        block.feed = torch.compile(block.feed, **compile_kwargs)
+    for block in model.blocks:  # (a Block's methods, compiled on the instance)
+        block.attend = torch.compile(block.attend, **compile_kwargs)  # type: ignore[assignment, arg-type]
+        block.feed = torch.compile(block.feed, **compile_kwargs)  # type: ignore[assignment, arg-type]
     return model
 
 

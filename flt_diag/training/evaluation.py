@@ -55,7 +55,8 @@ def evaluate(model, data: TokenData | TaskData, batch_size: int, seq_len: int, b
     model.eval()
     total, right, answers = 0.0, 0, 0
     for i in range(batches):
-        x, y = get_batch(data, batch_size, seq_len, batch_generator(VAL_SEED, i), device)
+        x, y = get_batch(data, batch_size, seq_len,  # type: ignore[arg-type]  # (a task draws its own rows)
+                         batch_generator(VAL_SEED, i), device)
         logits = model(x, loops=loops)
         total += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE_INDEX).item()
         if isinstance(data, TaskData):
@@ -136,7 +137,7 @@ def _final_model(run_dir: Path, device: str):
         raise StorageError(f"{ckpt_path}: cannot build its model: {str(e).splitlines()[0]}") from None
     check_checkpoint(raw, ckpt_path, {k: tuple(v.shape) for k, v in model.state_dict().items()})  # every weight
     try:
-        model.load_state_dict(ckpt.model)
+        model.load_state_dict(ckpt.model)  # type: ignore[arg-type]  # (the checked state dict: Checkpoint)
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise StorageError(f"{ckpt_path} is not a checkpoint of this model: {str(e).splitlines()[0]}") from None
     return model

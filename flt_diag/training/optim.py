@@ -13,6 +13,7 @@ as one batch. Runs stay deterministic.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -25,7 +26,7 @@ BETAS, EPS = (0.8, 0.95), 1e-10
 def build_optimizers(model: LoopedTransformer, cfg: TrainConfig, fused: bool = False) -> list[torch.optim.Optimizer]:
     groups = parameter_groups(model)
     matrices = [p for name, ps in groups.items() if name.startswith("block") for p in ps]
-    adam_kw = dict(betas=BETAS, eps=EPS, weight_decay=0.0, fused=fused or None)
+    adam_kw: dict[str, Any] = dict(betas=BETAS, eps=EPS, weight_decay=0.0, fused=fused or None)
     if cfg.optimizer == "adamw":
         return [torch.optim.AdamW(model.parameters(), lr=cfg.adamw_lr * cfg.lr_scale, **adam_kw)]
     scale = (model.cfg.n_embd / 768) ** -0.5

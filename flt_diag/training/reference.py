@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -147,7 +148,7 @@ def convert_state_dict(sd: dict, vocab_size: int | None = None) -> tuple[dict[st
         if k in _TOP_NAMES:
             out[_TOP_NAMES[k]] = v[:vocab_size].clone()
         else:
-            m = _BLOCK_KEY.match(k)
+            m = cast(re.Match, _BLOCK_KEY.match(k))  # (every other key is a block's: _check_keys)
             out[f"blocks.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.weight"] = v.clone()
     return out, dict(n_layer=n_layer, n_embd=d, vocab_size=vocab_size, padded_vocab_size=padded)
 

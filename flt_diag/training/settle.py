@@ -118,7 +118,8 @@ def comparable(cfg_dict: dict) -> dict:
     invalidating a run folder; folders written before the task dials existed still resume)."""
     d = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg_dict.items()
          if k not in ("env", "corpus", "verdict", "imported_from", "note", "n_params")}
-    for k in (*VOLATILE_TRAIN_FIELDS, *set(TASK_DIALS) - set(TASKS.get(d["train"].get("data"), ()))):
+    data = d["train"].get("data")  # (None: no task)
+    for k in (*VOLATILE_TRAIN_FIELDS, *set(TASK_DIALS) - set(TASKS.get(data, ()))):  # type: ignore[arg-type]
         d["train"].pop(k, None)  # (and the dials of a task its data does not read)
     for k in VOLATILE_DIAGNOSTICS_FIELDS:
         d.get("diagnostics", {}).pop(k, None)

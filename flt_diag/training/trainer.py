@@ -15,11 +15,12 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 
 from flt_diag.storage import metric_names as M
+from flt_diag.storage.file_models import Summary
 from flt_diag.judge.verdict import Recipe, summarize, tokens_per_step, with_not_recorded
 from flt_diag.instruments.callbacks import Callback
 from flt_diag.training.run_callbacks import MetricsTable, Progress
@@ -32,7 +33,7 @@ from flt_diag.data.tasks import TaskData
 from flt_diag.training.evaluation import Evaluation
 from flt_diag.training.external import ExternalSinks
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig, count_parameters, parameter_groups
-from flt_diag.instruments.records import StepLog, environment
+from flt_diag.instruments.records import Row, StepLog, environment
 from flt_diag.training.process import start_process
 from flt_diag.instruments.dynamics_callback import own_model_dynamics
 from flt_diag.instruments.warning_callback import CollapseWarning
@@ -79,7 +80,7 @@ class Trainer:
         self.is_main = self.rank == 0
         self.model = self._build_model(model or LoopedTransformer)
         self.n_params = sum(p.numel() for p in self.model.parameters())
-        self.ddp_model = self.model
+        self.ddp_model: torch.nn.Module = self.model
         if self.world > 1:
             self.ddp_model = torch.nn.parallel.DistributedDataParallel(  # (a sampled loop count of 1 leaves a loop
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,  # start unused)
@@ -103,7 +104,7 @@ class Trainer:
         self.prediction: dict | None = None
         self._t0: float | None = None
 
-    def _build_model(self, factory) -> torch.nn.Module:
+    def _build_model(self, factory) -> LoopedTransformer:  # (or a module with its attributes: `model`'s)
         torch.manual_seed(self.cfg.train.seed)
         try:
             model = factory(self.cfg.model).to(self.device)
@@ -128,7 +129,7 @@ class Trainer:
         """Training seconds so far, over every session of a resumed run."""
         return self.wall_time + (time.perf_counter() - self._t0 if self._t0 is not None else 0.0)
 
-    def emit(self, step: int, rows: list[tuple]) -> None:
+    def emit(self, step: int, rows: list[Row]) -> None:
         """Rows (step, metric, loop, layer, value) to every callback's on_rows (table, mirrors, ...)."""
         for cb in self.callbacks:
             cb.on_rows(self, step, rows)
@@ -218,9 +219,11 @@ class Trainer:
         micro, rank) in random sampling, of the position in the corpus in stream sampling."""
         t, T = self.cfg.train, self.cfg.model.sequence_len
         if t.sampling == "stream":
-            return stream_batch(self.train_data, t.batch_size, T, (step * t.grad_accum + micro) * self.world + self.rank,
+            data = cast(TokenData, self.train_data)  # (a task is never streamed: TrainConfig refuses it)
+            return stream_batch(data, t.batch_size, T, (step * t.grad_accum + micro) * self.world + self.rank,
                                 self.device)
-        return get_batch(self.train_data, t.batch_size, T, batch_generator(t.seed, step, micro, self.rank), self.device)
+        return get_batch(self.train_data, t.batch_size, T,  # type: ignore[arg-type]  # (a task draws its own rows)
+                         batch_generator(t.seed, step, micro, self.rank), self.device)
 
     def train_step(self, step: int) -> torch.Tensor:
         """One optimizer step (callbacks at before_step, after_backward, after_clip, after_step);
@@ -236,7 +239,8 @@ class Trainer:
         for micro in range(t.grad_accum):
             x, y = self.batch(step, micro)
             sync = self.world == 1 or micro == t.grad_accum - 1
-            with (contextlib.nullcontext() if sync else self.ddp_model.no_sync()), self.autocast():
+            wrapped = cast(torch.nn.parallel.DistributedDataParallel, self.ddp_model)  # (not sync: world > 1, wrapped)
+            with (contextlib.nullcontext() if sync else wrapped.no_sync()), self.autocast():
                 _, loss = self.ddp_model(x, y, loss_on=t.loss_on, loops=loops)
                 target, penalty = objective(self.model, loss, t.seed, step, micro, t.steps)
             (target / t.grad_accum).backward()
@@ -252,11 +256,11 @@ class Trainer:
             total /= self.world
         for cb in self.callbacks:
             cb.after_backward(self, step)
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params = [p for p in self.model.parameters() if p.grad is not None]  # (so p.grad below is a Tensor)
         if t.grad_clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
         else:
-            grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))
+            grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([cast(torch.Tensor, p.grad) for p in params])))
         for cb in self.callbacks:
             cb.after_clip(self, step)
         for opt in self.optimizers:
@@ -272,12 +276,12 @@ class Trainer:
             self.log.add(M.MOMENTUM, momentum)
         return total
 
-    def run_step(self, step: int) -> list[tuple]:
+    def run_step(self, step: int) -> list[Row]:
         """`train_step`, then the step's rows on the host (one transfer; a sync on CUDA)."""
         self.train_step(step)
         return self.log.collect(step)
 
-    def fit(self) -> dict:
+    def fit(self) -> Summary | dict:  # ({}: on DDP ranks other than 0)
         """Train (or resume) to the end and return the run's summary. Rank 0 owns the run folder
         (a second process writing the same folder is refused) until the summary is written."""
         if self.run_dir.exists() and not self.run_dir.is_dir():
@@ -288,9 +292,9 @@ class Trainer:
         with folder_lock(self.run_dir, root=root) if self.is_main else contextlib.nullcontext():
             return self._fit()
 
-    def _fit(self) -> dict:
+    def _fit(self) -> Summary | dict:
         if not self.start():
-            return load_summary(self.run_dir)  # (checked: a finished run folder from elsewhere)
+            return cast(Summary, load_summary(self.run_dir))  # (checked: a finished run folder from elsewhere)
         step = self.start_step
         try:
             for step in range(self.start_step, self.cfg.train.steps):
@@ -326,6 +330,6 @@ class Trainer:
         return summary
 
 
-def train(cfg: RunConfig, run_dir: str | Path, **kwargs) -> dict:
+def train(cfg: RunConfig, run_dir: str | Path, **kwargs) -> Summary | dict:
     """Train one run of a settled config into `run_dir` (resuming it if it was interrupted); returns the summary."""
     return Trainer(cfg, run_dir, **kwargs).fit()
