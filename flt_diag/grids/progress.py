@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import cast
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -36,7 +37,8 @@ class SweepMonitor:
     def __init__(self, out: Path, cells: list[RunId], steps: int, enabled: bool):
         self.out, self.steps, self.enabled = out, steps, enabled
         self.weight = {c: c.loops * (c.depth or 1) * steps for c in cells}
-        self.estimated, self.first = False, None  # first: (elapsed s, work) at the first progress reported
+        self.estimated = False
+        self.first: tuple[float, float] | None = None  # first: (elapsed s, work) at the first progress reported
         done = [c for c in cells if cell_status(out, c) == "done"]
         self.done_work, self.n_done, self.n_cells = sum(self.weight[c] for c in done), len(done), len(cells)
         self.running: dict[RunId, int] = {}
@@ -113,7 +115,7 @@ class SweepMonitor:
         self.estimated = True
         total = sum(self.weight.values())
         rate = (work - w1) / (elapsed - t1)
-        self.bar.console.print(f"  estimate from {elapsed - t1:.0f} s of training: the whole sweep takes about "
+        cast(Progress, self.bar).console.print(f"  estimate from {elapsed - t1:.0f} s of training: the whole sweep takes about "
                                f"{_minutes(t1 + (total - w1) / rate)}, {_minutes((total - work) / rate)} from now",
                                soft_wrap=True)
 

@@ -16,6 +16,7 @@ import contextlib
 import os
 import traceback
 from pathlib import Path
+from typing import cast
 
 import pandas as pd
 from pydantic import model_validator
@@ -24,6 +25,7 @@ from flt_diag.grids.progress import SweepMonitor, cell_status
 from flt_diag.grids.worker_pool import auto_workers, run_parallel
 from flt_diag.judge.summary_table import write_summary
 from flt_diag.storage.cells import RunId
+from flt_diag.storage.file_models import Summary
 from flt_diag.storage.folders import (BUSY, CELLS, ERROR, SWEEP_SPEC, StorageError, atomic_write_text, check_cells,
                                       folder_lock, has_content, load_spec as load_folder_spec, make_folder, refuse_links,
                                       write_json)
@@ -125,7 +127,8 @@ def run_cell(base: dict, cell: RunId, out: str, threads: int | None = None,
     try:
         if threads:
             torch.set_num_threads(threads)
-        summary = train(cfg, run_dir, progress=progress, root=out)  # (refuses a link below `out`)
+        summary = cast(Summary, train(cfg, run_dir, progress=progress, root=out))  # (one process: rank 0's summary;
+        # refuses a link below `out`)
     except Exception as e:  # (a KeyboardInterrupt is not one: it stops the sweep)
         if isinstance(e, StorageError) and BUSY in str(e):  # another process (a second copy of this --cell task)
             return f"{BUSY_RESULT}: {e}"  # is training it: not a failure

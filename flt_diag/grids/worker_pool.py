@@ -101,7 +101,7 @@ def run_parallel(base, todo, out, workers, monitor, run_cell: Callable, on_cell_
         threads = max(1, (os.cpu_count() or 1) // workers)
     pool = spawn_pool(workers, gpu_queue)
     with interruptible(pool):
-        pending = {}
+        pending: dict = {}  # (a future -> its cell)
         queue = list(todo)
         while queue or pending:
             while queue and len(pending) < workers:

@@ -140,7 +140,8 @@ def plan_sources(sources: list[Path], to: Path, replace: bool = False) -> list[P
     """What archiving `sources` into `to` writes, each source checked (see the module's docstring); writes
     nothing."""
     to = Path(to)
-    plans, seen = [], {}
+    plans: list = []
+    seen: dict = {}
     for src in map(Path, sources):
         if is_archive(src):
             raise StorageError(f"{src} is already an archive; copy it, or archive the run folders it came from")

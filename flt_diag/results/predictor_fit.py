@@ -13,7 +13,7 @@ from scipy.optimize import minimize
 from flt_diag.judge.early_warning import (COLUMNS, FEATURES, TARGETS, design, finished_runs, label,
                                              prediction_row, run_features_at, sigmoid, target_text)
 from flt_diag.judge.verdict import VERDICT_VERSION
-from flt_diag.storage.file_models import STALL_EVIDENCE, Evidence, ExampleRow, Summary
+from flt_diag.storage.file_models import STALL_EVIDENCE, Evidence, ExampleRow, Summary, Verdict
 from flt_diag.storage.cells import STORED, RunId
 from flt_diag.storage.files import load_examples
 from flt_diag.storage.folders import BadFile, atomic_path, load_config
@@ -121,7 +121,7 @@ def judged_before_v3(row: ExampleRow | Summary) -> bool:
     return (row.verdict_version or 0) < VERDICT_VERSION
 
 
-def relabelled(row: ExampleRow) -> str:
+def relabelled(row: ExampleRow) -> Verdict:
     """The run's verdict by the current rule (v3), as far as its row allows (docs/DESIGN.md section 6): an older
     row's `stable` with a loss climb that recovered (transient_rebound) is `unstable`; v3's stall and
     oscillation rules need the run's metrics (`summary --recompute` on the folders)."""
@@ -143,9 +143,9 @@ def examples_from_rows(rows: list[ExampleRow], steps, target: str) -> list[dict]
         evidence = Evidence.model_construct(climb=r.climb, rebound_threshold=r.rebound_threshold,
                                             transient_rebound=r.transient_rebound,
                                             **{k: getattr(r, k) for k in STALL_EVIDENCE})
-        summary = Summary.model_construct(verdict=relabelled(r), verdict_version=r.verdict_version,
-                                          evidence=evidence, variant=r.variant, loops=r.loops, seed=r.seed,
-                                          lr_scale=r.lr_scale, steps_done=r.steps_done)
+        summary = Summary.model_construct(  # type: ignore[call-arg]  # (a partial summary: what the labels read)
+            verdict=relabelled(r), verdict_version=r.verdict_version, evidence=evidence, variant=r.variant,
+            loops=r.loops, seed=r.seed, lr_scale=r.lr_scale, steps_done=r.steps_done)
         feats = {x.step: {f: (math.nan if getattr(x, f) is None else getattr(x, f)) for f in FEATURES}
                  for x in group if x.step in steps}
         out.append(dict(run=Path(run), summary=summary, y=label(summary, target),
@@ -223,7 +223,7 @@ def fit(sources, steps=DEFAULT_STEPS, l2: float = DEFAULTS.l2, command: str = ""
     `training_examples` when given. target: a key of TARGETS ("fails", "collapse", "climbs");
     features: a subset of FEATURES; class_weight: "balanced" or "none" (`class_weights`)."""
     features = check_features(features)
-    class_weights([], class_weight)  # a wrong name fails before any run is read
+    class_weights([], class_weight)  # type: ignore[arg-type]  # a wrong name fails before any run is read
     examples = training_examples(sources, steps, target) if examples is None else examples
     empty = uninformative(examples, steps, features)
     if len(empty) < len(features):  # a constant feature beside informative ones only gets a zero coefficient

@@ -58,7 +58,7 @@ class StoredRun:
 
 def stored_runs(paths, overrides: dict | None = None) -> list[StoredRun]:
     """Every finished run under the folders (a run and seed in two folders counts once, the first's)."""
-    runs = {}
+    runs: dict = {}  # (by run id)
     for run in (StoredRun(d, s, overrides) for d, s in finished_runs(paths)):
         runs.setdefault(run.id, run)
     return list(runs.values())
@@ -91,7 +91,9 @@ def sensitivity(paths, overrides: dict | None = None, factors=FACTORS) -> pd.Dat
                             changes="; ".join(f"{k} {n}" for k, n in sorted(transitions.items())),
                             explosions_changed=sum(b["residual_explosion"] != m["residual_explosion"]
                                                    for b, m in zip(base, moved)),
-                            cells=len(base_cells) if runs else 0,
-                            behind_changed=_changed(base_cells.behind, cells.behind) if runs else 0,
-                            no_loop_gain_changed=_changed(base_cells.no_loop_gain, cells.no_loop_gain) if runs else 0))
+                            cells=len(base_cells) if runs else 0,  # type: ignore[arg-type]  # (runs: cells made)
+                            behind_changed=_changed(base_cells.behind, cells.behind)  # type: ignore[union-attr]
+                            if runs else 0,
+                            no_loop_gain_changed=_changed(
+                                base_cells.no_loop_gain, cells.no_loop_gain) if runs else 0))  # type: ignore[union-attr]
     return pd.DataFrame(out, columns=COLUMNS)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
+from typing import Any, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,7 +113,7 @@ class Study:
         return "run" if self.spec is None else "map" if isinstance(self.spec, MapSpecFile) else "sweep"
 
 
-def variant_rank(variant: str) -> int:
+def variant_rank(variant: str | None) -> int:
     return VARIANT_ORDER.index(variant) if variant in VARIANT_ORDER else len(VARIANT_ORDER)
 
 
@@ -157,7 +158,7 @@ def collect(path, metrics: list[str] | None = None) -> Study:
 
 def _pooled_study(paths: list[Path], metrics) -> Study:
     check_poolable(paths)
-    runs: dict[tuple, Run] = {}  # (the first folder's run of an identity)
+    runs: dict[RunId, Run] = {}  # (the first folder's run of an identity)
     for run in (run for path in paths for run in collect(path, metrics).runs):
         runs.setdefault(run.id, run)
     return Study(paths[0], sorted(runs.values(), key=Run.sort_key), load_spec(paths[0]))
@@ -344,7 +345,7 @@ def _fmt(value, spec: str) -> str:
 
 
 # the report table's comparison columns: each follows the TABLE_COLUMNS entry it compares
-COMPARED_AFTER = {"Val loss": ("Gap to best", "val_gap", gap_text),
+COMPARED_AFTER: dict[str, tuple[str, str, Callable[[Any], str]]] = {"Val loss": ("Gap to best", "val_gap", gap_text),
                   "Peak ‖h‖ (last loop)": ("Peak ÷ FLT", "resid_vs_flt", ratio_text)}
 
 

@@ -21,7 +21,7 @@ from flt_diag.storage.file_models import Summary
 from flt_diag.storage.folders import load_config, load_metrics
 
 CONFIG = ["variant", "loops", "depth", "width", "lr_scale"]
-SCALED = {"lightning": dict(window=50), "kill_loss_spike": dict(window=200)}  # the plan's scaled windows
+SCALED: dict[str, dict] = {"lightning": dict(window=50), "kill_loss_spike": dict(window=200)}  # the plan's scaled windows
 OLMO_WINDOW, OLMO_THRESHOLD = 128, 6.0  # OLMo-core StabilityMonitorCallback defaults
 FEATURE_GROUPS = {"residual": ["resid_level", "resid_growth", "loop_ratio"],
                   "gradient": ["grad_cv", "grad_dlog"], "backward": ["act_grad_decay"],
@@ -162,7 +162,7 @@ def cross_validated(table: pd.DataFrame, model: str, by: str, feature_names: lis
     the seeds of one, 1-2 ulp apart) tie on every CPU rather than rank by its float rounding (since 2026-12-04;
     DESIGN.md §6)."""
     if model == "refit":  # raw values; _fit_predict standardises and fills them from each fold's training rows
-        X = feature_matrix(table.to_dict("records"), feature_names)
+        X = feature_matrix(table.to_dict("records"), feature_names)  # type: ignore[arg-type]  # (refit: given them)
     else:
         X = prior_matrix(table, sorted(table.variant.unique()))
     y = table.failed.to_numpy(float)

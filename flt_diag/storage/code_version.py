@@ -48,5 +48,5 @@ def describe(code: dict | None) -> str:
         return "not recorded"
     commit = code.get("commit")
     where = "not from a git checkout" if not commit else \
-        f"commit {str(commit)[:12]} ({ {True: 'clean', False: 'with uncommitted changes'}.get(code.get('clean'), 'state unknown')})"
+        f"commit {str(commit)[:12]} ({ {True: 'clean', False: 'with uncommitted changes'}.get(code.get('clean'), 'state unknown')})"  # type: ignore[arg-type]  # noqa: E501 (no flag: unknown)
     return f"flt-diag {code.get('flt_diag', 'unknown')}, {where}"

@@ -15,7 +15,7 @@ def refuse_symlink(path: Path, what: str = "write") -> None:
                            f"(a folder from elsewhere may point anywhere): remove the link or use the real path")
 
 
-def refuse_links(path: Path, root: Path | None = None, what: str = "write") -> None:
+def refuse_links(path: str | Path, root: str | Path | None = None, what: str = "write") -> None:
     """No part of `path` below `root` (the folder a command was given; default: `path`'s own folder) is a
     symbolic link, each part lstat'ed in turn. `root` itself may be a link; `path` outside `root` is checked
     alone."""

@@ -59,7 +59,7 @@ def open_regular(path, text: bool = False):
     except BaseException:
         os.close(fd)
         raise
-    return os.fdopen(fd, "r" if text else "rb", **({"encoding": "utf-8"} if text else {}))
+    return os.fdopen(fd, "r", encoding="utf-8") if text else os.fdopen(fd, "rb")
 
 
 def new_file(path) -> Path:

@@ -91,7 +91,8 @@ def study_of(src, names) -> Study:
     if isinstance(src, Study):
         return src
     needs = [FIGURES[n].needs for n in names]
-    return collect(src, None if None in needs else sorted({m for n in needs for m in n}))
+    return collect(src, None if None in needs else  # (mypy keeps None in `needs` past this test)
+                   sorted({m for n in needs for m in n}))  # type: ignore[union-attr]
 
 
 def figure_data(name: str, src) -> pd.DataFrame:

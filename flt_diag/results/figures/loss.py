@@ -4,16 +4,19 @@ is collapsed a cross at the top of the smoothed loss's largest climb, where dive
 last finite loss."""
 from __future__ import annotations
 
+from typing import Any, cast
+
 import pandas as pd
 from matplotlib.lines import Line2D
 
 from flt_diag.storage import metric_names as M
+from flt_diag.storage.file_models import Summary
 from flt_diag.results.tables import Run, Study, concat, smoothed_loss
 from flt_diag.results.figures import Figure, register
 from flt_diag.results.figures.style import auto_yscale, filled, finish, legend, lines_by_run, panels, style, variant_color
 
 SMOOTHED = "loss_smoothed"
-MARKS = {"collapsed": dict(marker="X", ms=10), "diverged": dict(marker="v", ms=9)}
+MARKS: dict[str, dict[str, Any]] = {"collapsed": dict(marker="X", ms=10), "diverged": dict(marker="v", ms=9)}
 
 
 def _mark(run: Run, smooth: pd.Series) -> pd.DataFrame | None:
@@ -22,9 +25,10 @@ def _mark(run: Run, smooth: pd.Series) -> pd.DataFrame | None:
     verdict = run.summary.verdict if run.summary is not None else None
     if verdict not in MARKS or smooth.empty:
         return None
-    step = run.summary.evidence.climb_step if verdict == "collapsed" else None
+    step = cast(Summary, run.summary).evidence.climb_step if verdict == "collapsed" else None  # (a verdict: a summary)
     step = step if step in smooth.index else smooth.index[-1]
-    return pd.DataFrame({"metric": [verdict], "step": [int(step)], "value": [float(smooth.loc[step])]})
+    return pd.DataFrame({"metric": [verdict], "step": [int(step)],  # type: ignore[arg-type]  # (an index step)
+                         "value": [float(smooth.loc[step])]})
 
 
 def data(study: Study) -> pd.DataFrame:

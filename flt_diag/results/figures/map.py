@@ -63,7 +63,8 @@ def map_data(src) -> pd.DataFrame:
     beyond the grid ("above"/"below") when no seed found it inside. attrs: the map's axis, grid, loops."""
     path = src.path if isinstance(src, Study) else Path(src)
     spec = spec_from_folder(path)
-    rows = [_boundary(*key, g) for key, g in boundaries(path).groupby(["criterion", "variant", "loops"], sort=False)]
+    rows = [_boundary(*key, g) for key, g in  # type: ignore[call-arg]  # (key: the three grouped columns)
+            boundaries(path).groupby(["criterion", "variant", "loops"], sort=False)]
     df = pd.DataFrame([r for r in rows if r], columns=COLUMNS)
     df.attrs.update(axis=spec.axis, grid=list(spec.grid), loops=list(spec.loops))
     return df

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
+from typing import Sequence
 
 import matplotlib
 
@@ -108,7 +109,7 @@ def lines_by_run(ax, df: pd.DataFrame, x: str, y: str = "value", **kw) -> None:
         ax.plot(g[x], g[y], color=variant_color(g.variant.iloc[0]), ls=styles[run], **kw)
 
 
-def legend(fig: Figure, df: pd.DataFrame, extra: list[tuple] = (), title: str | None = None) -> None:
+def legend(fig: Figure, df: pd.DataFrame, extra: Sequence[tuple] = (), title: str | None = None) -> None:
     """The figure's one legend, below every panel: a line per variant (colour), per seed where there
     are several and no more than LINESTYLES (line style; more: one entry saying so), then `extra`
     (handle, label) pairs."""

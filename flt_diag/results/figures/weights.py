@@ -93,7 +93,7 @@ def draw_attention(df: pd.DataFrame):
             ax.grid(False)
         for ax in list(axes.flat)[len(runs):]:
             ax.set_axis_off()
-        fig.colorbar(image, ax=axes, label="attention entropy (nats)", shrink=0.8)
+        fig.colorbar(image, ax=axes, label="attention entropy (nats)", shrink=0.8)  # type: ignore[arg-type]  # (a run)
         legend(fig, df)
     return finish(fig, "Attention entropy by loop and layer")
 
