@@ -26,8 +26,8 @@ from scipy.stats import PermutationMethod, binomtest, fisher_exact, mannwhitneyu
 from gradient_path_2 import PARTIAL, hodges_lehmann  # noqa: E402
 from stabiliser_benchmark import holm  # noqa: E402
 from flt_diag.results.report import markdown  # noqa: E402
-from flt_diag.storage.folders import StorageError, atomic_write_text, load_summary, run_dirs  # noqa: E402
-from script_exit import Parser, guarded  # noqa: E402
+from flt_diag.storage.folders import StorageError, load_summary, run_dirs  # noqa: E402
+from script_exit import plan_report  # noqa: E402
 
 DEPTH = "ablation-claims-depth"  # L = 6, K = 12, seeds 11-16
 SHALLOW = {"K = 9": ("gradient-path/f-0", "gradient-path-2/f-0-flt"), "K = 12": ("stabiliser-map",)}
@@ -152,19 +152,7 @@ def report(root: Path, final: bool = False) -> str:
     return "\n".join(shallow_section(root) + depth_section(depth, final)) + "\n"
 
 
-@guarded
-def main(argv=None) -> int:
-    parser = Parser(description=__doc__.splitlines()[0])
-    parser.add_argument("root", type=Path, help="the run archive (docs/data/runs)")
-    parser.add_argument("--final", action="store_true", help="the plan's cut-off: read what is archived")
-    parser.add_argument("--out", type=Path, help="write the Markdown here instead of printing it")
-    args = parser.parse_args(argv)
-    text = report(args.root, args.final)
-    if args.out:
-        atomic_write_text(args.out, text)
-    else:
-        print(text, end="")
-    return 0
+main = plan_report(__doc__, report, "the run archive (docs/data/runs)")
 
 
 if __name__ == "__main__":

@@ -69,5 +69,27 @@ def guarded(main):
     return checked
 
 
+def plan_report(doc: str, report, root_help: str):
+    """The main of a plan's analysis script: ROOT [--final] [--out FILE] -> report(root, final) as Markdown,
+    printed or written to FILE; bad input one line (guarded)."""
+    @guarded
+    def main(argv=None) -> int:
+        from pathlib import Path
+
+        from flt_diag.storage.folders import atomic_write_text
+        parser = Parser(description=doc.splitlines()[0])
+        parser.add_argument("root", type=Path, help=root_help)
+        parser.add_argument("--final", action="store_true", help="the plan's cut-off: read what is archived")
+        parser.add_argument("--out", type=Path, help="write the Markdown here instead of printing it")
+        args = parser.parse_args(argv)
+        text = report(args.root, args.final)
+        if args.out:
+            atomic_write_text(args.out, text)
+        else:
+            print(text, end="")
+        return 0
+    return main
+
+
 def run(main) -> None:
     sys.exit(guarded(main)())

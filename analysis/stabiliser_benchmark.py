@@ -29,8 +29,8 @@ from flt_diag.results.report import markdown  # noqa: E402
 from flt_diag.storage import archive  # noqa: E402
 from flt_diag.storage import metric_names as M  # noqa: E402
 from flt_diag.storage.code_version import describe  # noqa: E402
-from flt_diag.storage.folders import StorageError, atomic_write_text, load_metrics, load_summary, run_dirs  # noqa: E402
-from script_exit import Parser, guarded  # noqa: E402
+from flt_diag.storage.folders import StorageError, load_metrics, load_summary, run_dirs  # noqa: E402
+from script_exit import plan_report  # noqa: E402
 
 VARIANTS = ["lt", "lt-ii", "lt-ai", "fla", "flt", "parcae", "huginn", "stars", "jacobian-fro", "residual-scale",
             "deeploop", "loop-embed"]  # the plan's 12, in experiments/stabiliser-map.toml's order
@@ -213,19 +213,7 @@ def report(root: Path, final: bool = False) -> str:
     return report_from(probes_table(root), final)
 
 
-@guarded
-def main(argv=None) -> int:
-    parser = Parser(description=__doc__.splitlines()[0])
-    parser.add_argument("root", type=Path, help="the benchmark's archive (docs/data/runs/stabiliser-map)")
-    parser.add_argument("--final", action="store_true", help="the plan's cut-off: test the finished lines")
-    parser.add_argument("--out", type=Path, help="write the Markdown here instead of printing it")
-    args = parser.parse_args(argv)
-    text = report(args.root, args.final)
-    if args.out:
-        atomic_write_text(args.out, text)
-    else:
-        print(text, end="")
-    return 0
+main = plan_report(__doc__, report, "the benchmark's archive (docs/data/runs/stabiliser-map)")
 
 
 if __name__ == "__main__":
