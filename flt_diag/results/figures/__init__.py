@@ -1,7 +1,8 @@
 """Figures of a run or a sweep, drawn from its folder alone (numpy/pandas/matplotlib; never torch).
 
 Every figure is one module of this package ending with `register(Figure(...))` (docs/guide.md): `data(study)`
-is the exact table it draws, a pure function of the folder, and `draw(df)` draws that table and nothing else.
+is the exact table it draws, a pure function of the folder, and `draw(df)` draws that table and nothing else
+(`Figure.figure` draws it inside style.style(): a draw function sets no style of its own).
 Figures work on a sweep still in progress (unfinished runs are "running" in the collapse grid).
 """
 from __future__ import annotations
@@ -53,7 +54,9 @@ class Figure:
         return df
 
     def figure(self, study: Study):
-        return self.draw(self.table(study))
+        """The figure of `study`, drawn in the look every figure shares (style.style)."""
+        with style():
+            return self.draw(self.table(study))
 
 
 FIGURES: dict[str, Figure] = {}  # name -> Figure, in display order

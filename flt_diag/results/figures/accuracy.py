@@ -11,7 +11,7 @@ from matplotlib.lines import Line2D
 from flt_diag.results.tables import Study, summary_table
 from flt_diag.storage.predictor_names import COLLAPSE
 from flt_diag.results.figures import Figure, register
-from flt_diag.results.figures.style import finish, legend, new_figure, style, variant_color, variants
+from flt_diag.results.figures.style import finish, legend, new_figure, variant_color, variants
 
 COLUMNS = ["lr_scale", "variant", "loops", "verdict", "finished", "val_accuracy"]
 FAILED = COLLAPSE
@@ -30,22 +30,21 @@ def on_a_task(study: Study) -> bool:
 
 def draw(df: pd.DataFrame):
     lrs, ks = sorted(df.lr_scale.unique()), sorted(df.loops.unique())
-    with style():
-        fig, axes = new_figure(1, len(lrs), sharey=True)
-        for ax, lr in zip(axes[0], lrs):
-            cell = df[df.lr_scale == lr]
-            for v in variants(cell):
-                line = cell[cell.variant == v].sort_values("loops")
-                ax.plot(line.loops, line.val_accuracy, color=variant_color(v), marker="o", ms=4, lw=1.6)
-                failed = line[line.verdict.isin(FAILED)]
-                ax.plot(failed.loops, failed.val_accuracy, ls="none", marker="X", ms=9, color=variant_color(v),
-                        mec="black", mew=0.5)
-            ax.set_xticks(ks)
-            ax.set_xlabel("loops K (training)")
-            ax.set_ylim(-0.03, 1.03)
-            ax.set_title(f"lr×{lr:g}" if len(lrs) > 1 else "")
-        axes[0, 0].set_ylabel("held-out accuracy (exact match)")
-        legend(fig, df, [(Line2D([], [], ls="none", marker="X", ms=8, mfc="0.6", mec="black"), "collapsed / diverged")])
+    fig, axes = new_figure(1, len(lrs), sharey=True)
+    for ax, lr in zip(axes[0], lrs):
+        cell = df[df.lr_scale == lr]
+        for v in variants(cell):
+            line = cell[cell.variant == v].sort_values("loops")
+            ax.plot(line.loops, line.val_accuracy, color=variant_color(v), marker="o", ms=4, lw=1.6)
+            failed = line[line.verdict.isin(FAILED)]
+            ax.plot(failed.loops, failed.val_accuracy, ls="none", marker="X", ms=9, color=variant_color(v),
+                    mec="black", mew=0.5)
+        ax.set_xticks(ks)
+        ax.set_xlabel("loops K (training)")
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_title(f"lr×{lr:g}" if len(lrs) > 1 else "")
+    axes[0, 0].set_ylabel("held-out accuracy (exact match)")
+    legend(fig, df, [(Line2D([], [], ls="none", marker="X", ms=8, mfc="0.6", mec="black"), "collapsed / diverged")])
     return finish(fig, "Task accuracy by variant and loops")
 
 

@@ -18,7 +18,7 @@ from flt_diag.config.variants import PAPER_VARIANTS
 from flt_diag.judge.map_boundaries import AXES, boundaries, spec_from_folder
 from flt_diag.results.figures import Figure, register
 from flt_diag.results.figures.map import CRITERION_TITLES, first_break
-from flt_diag.results.figures.style import finish, new_figure, style, variant_color
+from flt_diag.results.figures.style import finish, new_figure, variant_color
 from flt_diag.results.tables import Study
 
 
@@ -67,13 +67,12 @@ def _panel(ax, sub: pd.DataFrame, axis: str, grid: list[float]) -> None:
 def draw(df: pd.DataFrame):
     axis, grid = df.attrs["axis"], df.attrs["grid"]
     panels = list(dict.fromkeys(zip(df.criterion, df.loops)))
-    with style():
-        fig, axes = new_figure(1, len(panels), panel=(max(4.0, 0.55 * df.variant.nunique() + 1.5), 3.8))
-        for ax, (criterion, loops) in zip(axes[0], panels):
-            _panel(ax, df[(df.criterion == criterion) & (df.loops == loops)], axis, grid)
-            ax.set_title(f"{CRITERION_TITLES.get(criterion, criterion)}, K={loops}")
-        fig.text(0.5, -0.02, "dot: one seed; bar: median over seeds; arrow: beyond the grid (held at its top, broke at "
-                 "its bottom); dotted: the grid's ends; bold: the paper's five", ha="center", fontsize=8)
+    fig, axes = new_figure(1, len(panels), panel=(max(4.0, 0.55 * df.variant.nunique() + 1.5), 3.8))
+    for ax, (criterion, loops) in zip(axes[0], panels):
+        _panel(ax, df[(df.criterion == criterion) & (df.loops == loops)], axis, grid)
+        ax.set_title(f"{CRITERION_TITLES.get(criterion, criterion)}, K={loops}")
+    fig.text(0.5, -0.02, "dot: one seed; bar: median over seeds; arrow: beyond the grid (held at its top, broke at "
+             "its bottom); dotted: the grid's ends; bold: the paper's five", ha="center", fontsize=8)
     return finish(fig, "Where each variant breaks (sorted: held longest first)")
 
 

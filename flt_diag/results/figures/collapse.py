@@ -14,7 +14,7 @@ from flt_diag.judge.peers import gap_text
 from flt_diag.results.tables import GRID_COLUMNS, Study, summary_table
 from flt_diag.results.figures import Figure, register
 from flt_diag.results.figures.style import (BEHIND_COLOR, BEHIND_HATCH, OTHER_COLOR, VERDICT_COLORS, finish, new_figure,
-                                            style, text_color, variants)
+                                            text_color, variants)
 
 NOT_DONE = ("running", "failed", "pending")
 NOTE = ("top: gap to the best variant's val loss at this K and L (nats; best outlined); * residual explosion\n"
@@ -91,26 +91,25 @@ def draw(df: pd.DataFrame):
     panels = _panels(df, column)
     names, columns = variants(df), sorted(int(v) for v in df[column].unique())
     multi_seed = bool((df.runs > 1).any())
-    with style():
-        row_height = 0.8 if multi_seed else 0.6
-        fig, axes = new_figure(1, len(panels), panel=(1.0 * len(columns) + 1.4, row_height * len(names) + 1.2))
-        for ax, (cells, title) in zip(axes[0], panels):
-            _draw_cells(ax, cells, names, columns, column, multi_seed)
-            ax.set_xlim(-0.5, len(columns) - 0.5)
-            ax.set_ylim(len(names) - 0.5, -0.5)
-            ax.set_xticks(range(len(columns)), columns)
-            ax.set_yticks(range(len(names)), names)
-            ax.set_xlabel("loops K" if column == "loops" else "depth L (distinct blocks)")
-            ax.grid(False)
-            ax.set_title(title)
-        shown = [v for v in VERDICT_COLORS if v in set(df.verdict)]
-        handles = [Patch(color=VERDICT_COLORS[v]) for v in shown]
-        if df.behind.any():
-            handles.append(Patch(facecolor=BEHIND_COLOR, hatch=BEHIND_HATCH, edgecolor="white"))
-            shown = shown + ["behind"]
-        fig.legend(handles, shown, loc="outside lower center",
-                   ncols=len(shown), fontsize="small", handlelength=1.2,
-                   title=NOTE + (SEEDS_NOTE if multi_seed else ""), title_fontsize="small")
+    row_height = 0.8 if multi_seed else 0.6
+    fig, axes = new_figure(1, len(panels), panel=(1.0 * len(columns) + 1.4, row_height * len(names) + 1.2))
+    for ax, (cells, title) in zip(axes[0], panels):
+        _draw_cells(ax, cells, names, columns, column, multi_seed)
+        ax.set_xlim(-0.5, len(columns) - 0.5)
+        ax.set_ylim(len(names) - 0.5, -0.5)
+        ax.set_xticks(range(len(columns)), columns)
+        ax.set_yticks(range(len(names)), names)
+        ax.set_xlabel("loops K" if column == "loops" else "depth L (distinct blocks)")
+        ax.grid(False)
+        ax.set_title(title)
+    shown = [v for v in VERDICT_COLORS if v in set(df.verdict)]
+    handles = [Patch(color=VERDICT_COLORS[v]) for v in shown]
+    if df.behind.any():
+        handles.append(Patch(facecolor=BEHIND_COLOR, hatch=BEHIND_HATCH, edgecolor="white"))
+        shown = shown + ["behind"]
+    fig.legend(handles, shown, loc="outside lower center",
+               ncols=len(shown), fontsize="small", handlelength=1.2,
+               title=NOTE + (SEEDS_NOTE if multi_seed else ""), title_fontsize="small")
     return finish(fig, "Verdict by variant and " + ("loops" if column == "loops" else "depth"))
 
 

@@ -10,7 +10,7 @@ from matplotlib import ticker
 from flt_diag.storage import metric_names as M
 from flt_diag.results.tables import Study, concat, run_order
 from flt_diag.results.figures import Figure, register
-from flt_diag.results.figures.style import cell_rows, empty, finish, legend, lines_by_run, log_y, new_figure, style
+from flt_diag.results.figures.style import cell_rows, empty, finish, legend, lines_by_run, log_y, new_figure
 
 STEP_NAMES = ["first", "middle", "last"]
 
@@ -51,22 +51,21 @@ def draw(df: pd.DataFrame):
     n_layer = df.groupby("run").layer.transform("max") + 1
     depth = df.assign(depth=df.loop - 1 + (df.layer + 1) / n_layer)  # the last layer of loop t sits at x = t
     rows = cell_rows(depth)
-    with style():
-        fig, axes = new_figure(len(rows), npanel, panel=(3.6, 2.6), sharey=True)
-        for i, (row, title) in enumerate(rows):
-            for p in range(npanel):
-                ax, cell = axes[i, p], row[row.panel == p]
-                if cell.empty:
-                    empty(ax)
-                    continue
-                ax.set_title(f"{title}, {_step_title(cell, p, npanel)}")
-                lines_by_run(ax, cell, "depth", lw=1.3, marker="o", ms=2.5)
-                log_y(ax)
-                ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
-            axes[i, 0].set_ylabel("‖h‖ after each block")
-        for ax in axes[-1]:
-            ax.set_xlabel("loop (dots: layers)")
-        legend(fig, df)
+    fig, axes = new_figure(len(rows), npanel, panel=(3.6, 2.6), sharey=True)
+    for i, (row, title) in enumerate(rows):
+        for p in range(npanel):
+            ax, cell = axes[i, p], row[row.panel == p]
+            if cell.empty:
+                empty(ax)
+                continue
+            ax.set_title(f"{title}, {_step_title(cell, p, npanel)}")
+            lines_by_run(ax, cell, "depth", lw=1.3, marker="o", ms=2.5)
+            log_y(ax)
+            ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+        axes[i, 0].set_ylabel("‖h‖ after each block")
+    for ax in axes[-1]:
+        ax.set_xlabel("loop (dots: layers)")
+    legend(fig, df)
     return finish(fig, "Residual norm by loop index, at the first, middle and last step")
 
 

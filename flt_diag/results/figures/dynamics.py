@@ -18,7 +18,7 @@ from flt_diag.storage import metric_names as M
 from flt_diag.results.tables import Study, concat
 from flt_diag.results.figures import Figure, register
 from flt_diag.results.figures.style import (auto_yscale, cell_rows, empty, filled, finish, legend, lines_by_run, log_y,
-                                            new_figure, panels, style, variant_color)
+                                            panels, row_grid, variant_color)
 
 SNAPSHOTS = 4  # recorded steps drawn in exit-loss: the first, the last and evenly between
 # A loop-map gain or spectral radius at or below this is a zero up to round-off (e.g. 1e-30 for FLT at step 0,
@@ -42,17 +42,16 @@ def exit_data(study: Study) -> pd.DataFrame:
 
 
 def draw_exit(df: pd.DataFrame):
-    with style():
-        fig, axes, cells = panels(df, "loop t (head applied to h(t))", "exit loss (nats)", sharey=True)
-        for ax, cell in filled(cells):
-            for (run, step), g in cell.groupby(["run", "step"], sort=False):
-                ax.plot(g.loop, g.value, color=variant_color(g.variant.iloc[0]), marker="o", ms=2.5,
-                        alpha=0.25 + 0.75 * g.snapshot.iloc[0], lw=1.2)
-            ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
-        auto_yscale(axes[0, 0], df.value)
-        steps = sorted(df.step.unique())
-        legend(fig, df, [(Line2D([], [], color="0.3", alpha=0.3), f"early step (from {steps[0]})"),
-                         (Line2D([], [], color="0.3"), f"last recorded step (to {steps[-1]})")])
+    fig, axes, cells = panels(df, "loop t (head applied to h(t))", "exit loss (nats)", sharey=True)
+    for ax, cell in filled(cells):
+        for (run, step), g in cell.groupby(["run", "step"], sort=False):
+            ax.plot(g.loop, g.value, color=variant_color(g.variant.iloc[0]), marker="o", ms=2.5,
+                    alpha=0.25 + 0.75 * g.snapshot.iloc[0], lw=1.2)
+        ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+    auto_yscale(axes[0, 0], df.value)
+    steps = sorted(df.step.unique())
+    legend(fig, df, [(Line2D([], [], color="0.3", alpha=0.3), f"early step (from {steps[0]})"),
+                     (Line2D([], [], color="0.3"), f"last recorded step (to {steps[-1]})")])
     return finish(fig, "Exit loss by loop")
 
 
@@ -80,59 +79,45 @@ def _series(sel: pd.DataFrame, by: str) -> pd.DataFrame:
     return sel[sel.step == last]
 
 
+def _panel(ax, row: pd.DataFrame, metric: str, by: str) -> None:
+    """One panel: `metric` of a row's runs against `by` (the contraction panel with the perturbation growth and
+    the largest singular value); values at or below the floor are left out of the log axis and counted (a
+    cosine: linear axis, no floor)."""
+    cosine, contraction = metric == M.TOKEN_COSINE, metric == M.LOOP_SPECTRAL_RADIUS
+    parts = {m: _series(row[row.metric == m], by)
+             for m in (metric, *((M.LOOP_PERTURBATION_GROWTH, M.LOOP_GAIN) if contraction else ()))}
+    floor = -np.inf if cosine else GAIN_FLOOR if contraction else 0.0
+    dropped = 0 if cosine else int(sum((~(p.value > floor)).sum() for p in parts.values()))  # (NaN counted too)
+    parts = {m: p[p.value > floor] for m, p in parts.items()}
+    below = f"<= {floor:g}" if floor else "<= 0"
+    if all(p.empty for p in parts.values()):
+        empty(ax, f"no value above {below[3:]} ({dropped})" if dropped else "no data")
+        return
+    lines_by_run(ax, parts[metric], by, lw=1.2, marker="o" if by == "loop" else None, ms=3)
+    if contraction:
+        lines_by_run(ax, parts[M.LOOP_PERTURBATION_GROWTH], by, ls="none", marker="x", ms=3.5, mew=0.9)
+        lines_by_run(ax, parts[M.LOOP_GAIN], by, ls=":", lw=0.9, alpha=0.45)
+        ax.axhline(1, color="0.3", lw=0.8)
+    if cosine:
+        ax.set_ylim(min(-0.05, parts[metric].value.min() - 0.05), 1.05)
+    else:
+        log_y(ax)
+    if dropped:
+        ax.text(0.98, 0.02, f"{dropped} value(s) {below} not drawn", transform=ax.transAxes, ha="right",
+                va="bottom", fontsize="x-small", color="0.4")
+    if by == "loop":
+        ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+
+
 def draw_dynamics(df: pd.DataFrame):
     rows = cell_rows(df)
-    with style():
-        fig, axes = new_figure(len(rows), len(COLUMNS), panel=(3.4, 2.6))
-        for i, (row, title) in enumerate(rows):
-            for j, (metric, by, heading) in enumerate(COLUMNS):
-                ax = axes[i, j]
-                if i == 0:
-                    ax.set_title(heading)
-                sel = _series(row[row.metric == metric], by)
-                if metric == M.TOKEN_COSINE:  # a cosine: linear axis, no floor
-                    sel = sel.dropna()
-                    if sel.empty:
-                        empty(ax, "no data")
-                        continue
-                    lines_by_run(ax, sel, by, lw=1.2, marker="o" if by == "loop" else None, ms=3)
-                    ax.set_ylim(min(-0.05, sel.value.min() - 0.05), 1.05)
-                    if by == "loop":
-                        ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
-                    continue
-                contraction = metric == M.LOOP_SPECTRAL_RADIUS
-                extra = {m: _series(row[row.metric == m], by) if contraction else sel[:0]
-                         for m in (M.LOOP_PERTURBATION_GROWTH, M.LOOP_GAIN)}
-                floor = GAIN_FLOOR if contraction else 0.0
-                dropped = int((~(sel.value > floor)).sum()
-                              + sum((~(e.value > floor)).sum() for e in extra.values()))  # (NaN counted too)
-                sel = sel[sel.value > floor]
-                extra = {m: e[e.value > floor] for m, e in extra.items()}
-                below = f"<= {floor:g}" if floor else "<= 0"
-                if sel.empty and all(e.empty for e in extra.values()):
-                    empty(ax, f"no value above {below[3:]} ({dropped})" if dropped else "no data")
-                    continue
-                if not sel.empty:
-                    lines_by_run(ax, sel, by, lw=1.2, marker="o" if by == "loop" else None, ms=3)
-                if contraction:
-                    for run, g in extra[M.LOOP_PERTURBATION_GROWTH].groupby("run", sort=False):
-                        ax.plot(g[by], g.value, color=variant_color(g.variant.iloc[0]), ls="none", marker="x",
-                                ms=3.5, mew=0.9)
-                    for run, g in extra[M.LOOP_GAIN].groupby("run", sort=False):
-                        ax.plot(g[by], g.value, color=variant_color(g.variant.iloc[0]), ls=":", lw=0.9, alpha=0.45)
-                    ax.axhline(1, color="0.3", lw=0.8)
-                log_y(ax)
-                if dropped:
-                    ax.text(0.98, 0.02, f"{dropped} value(s) {below} not drawn", transform=ax.transAxes, ha="right",
-                            va="bottom", fontsize="x-small", color="0.4")
-                if by == "loop":
-                    ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
-            axes[i, 0].set_ylabel(title, fontweight="bold")
-        for ax, (_, by, _) in zip(axes[-1], COLUMNS):
-            ax.set_xlabel(by)
-        legend(fig, df, [(Line2D([], [], color="0.3", lw=1.2), "contraction: spectral radius (Arnoldi)"),
-                         (Line2D([], [], color="0.3", ls="none", marker="x", ms=4), "perturbation growth per loop"),
-                         (Line2D([], [], color="0.3", ls=":", alpha=0.6), "largest singular value (not contraction)")])
+    fig, axes = row_grid(rows, [heading for *_, heading in COLUMNS], [by for _, by, _ in COLUMNS], (3.4, 2.6))
+    for i, (row, _) in enumerate(rows):
+        for j, (metric, by, _) in enumerate(COLUMNS):
+            _panel(axes[i, j], row, metric, by)
+    legend(fig, df, [(Line2D([], [], color="0.3", lw=1.2), "contraction: spectral radius (Arnoldi)"),
+                     (Line2D([], [], color="0.3", ls="none", marker="x", ms=4), "perturbation growth per loop"),
+                     (Line2D([], [], color="0.3", ls=":", alpha=0.6), "largest singular value (not contraction)")])
     return finish(fig, "Loop dynamics: fixed-point residual, contraction and the degenerate fixed point")
 
 

@@ -11,7 +11,8 @@ from matplotlib import ticker
 from flt_diag.storage import metric_names as M
 from flt_diag.results.tables import OSC_COLUMNS, Study, concat, oscillation
 from flt_diag.results.figures import Figure, register
-from flt_diag.results.figures.style import cell_rows, empty, finish, legend, lines_by_run, log_y, new_figure, style, variant_color
+from flt_diag.results.figures.style import (cell_rows, empty, finish, legend, lines_by_run, log_y, row_grid,
+                                            variant_color)
 
 OSC_LABELS = {"osc_cv": "cv", "osc_mean_abs_dlog": "|Δlog g|", "osc_sign_alternation": "alt",
               "osc_neg_cosine_share": "cos<0"}
@@ -42,7 +43,7 @@ def data(study: Study) -> pd.DataFrame:
     return concat(frames, ["metric", "step", "loop", "value"])
 
 
-def osc_table(ax, rows: pd.DataFrame, title: str = "oscillation indices"):
+def osc_table(ax, rows: pd.DataFrame):
     """The oscillation indices of each run in `rows` as a table filling `ax`, run names in variant colour."""
     ax.set_axis_off()
     osc = rows[rows.metric.isin(OSC_COLUMNS)]
@@ -61,37 +62,31 @@ def osc_table(ax, rows: pd.DataFrame, title: str = "oscillation indices"):
     for i, r in enumerate(runs, start=1):
         table[i, -1].get_text().set_color(variant_color(ids.variant[r]))
         table[i, -1].get_text().set_fontweight("bold")
-    ax.set_title(title)
     return table
 
 
 def draw(df: pd.DataFrame):
     rows = cell_rows(df)
-    with style():
-        fig, axes = new_figure(len(rows), 4, panel=(3.4, 2.6), gridspec_kw={"width_ratios": [1.2, 1.2, 1, 1.1]})
-        for i, (row, title) in enumerate(rows):
-            for j, metric in enumerate(TITLES):
-                ax, sel = axes[i, j], row[row.metric == metric]
-                if i == 0:
-                    ax.set_title(TITLES[metric])
-                if sel.empty:
-                    empty(ax)
-                    continue
-                by_loop = metric == M.ACT_GRAD_NORM
-                lines_by_run(ax, sel, "loop" if by_loop else "step", lw=1.3 if by_loop else 0.8,
-                             marker="o" if by_loop else None, ms=3.5, alpha=1 if by_loop else 0.85)
-                if metric == M.GRAD_COSINE:
-                    ax.axhline(0, color="0.3", lw=0.8)
-                    ax.set_ylim(-1.05, 1.05)
-                else:
-                    log_y(ax)
-                if by_loop:
-                    ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
-            axes[i, 0].set_ylabel(title, fontweight="bold")
-            osc_table(axes[i, 3], row, title="oscillation indices" if i == 0 else "")
-        for ax, label in zip(axes[-1], ("step", "step", "loop")):  # rows: one per loops K (and lr scale)
-            ax.set_xlabel(label)
-        legend(fig, df)
+    fig, axes = row_grid(rows, [*TITLES.values(), "oscillation indices"], ("step", "step", "loop"), (3.4, 2.6),
+                         gridspec_kw={"width_ratios": [1.2, 1.2, 1, 1.1]})
+    for i, (row, _) in enumerate(rows):  # rows: one per loops K (and lr scale)
+        for j, metric in enumerate(TITLES):
+            ax, sel = axes[i, j], row[row.metric == metric]
+            if sel.empty:
+                empty(ax)
+                continue
+            by_loop = metric == M.ACT_GRAD_NORM
+            lines_by_run(ax, sel, "loop" if by_loop else "step", lw=1.3 if by_loop else 0.8,
+                         marker="o" if by_loop else None, ms=3.5, alpha=1 if by_loop else 0.85)
+            if metric == M.GRAD_COSINE:
+                ax.axhline(0, color="0.3", lw=0.8)
+                ax.set_ylim(-1.05, 1.05)
+            else:
+                log_y(ax)
+            if by_loop:
+                ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+        osc_table(axes[i, 3], row)
+    legend(fig, df)
     return finish(fig, "Gradients and their oscillation")
 
 

@@ -9,7 +9,7 @@ from matplotlib.lines import Line2D
 
 from flt_diag.results.tables import Study, concat
 from flt_diag.results.figures import Figure, register
-from flt_diag.results.figures.style import auto_yscale, finish, legend, lines_by_run, new_figure, style, variant_color
+from flt_diag.results.figures.style import auto_yscale, finish, legend, lines_by_run, new_figure, variant_color
 
 COLUMNS = ["inference_loops", "trained_loops", "val_loss", "perplexity", "accuracy"]
 
@@ -38,20 +38,19 @@ def _panel(ax, cell: pd.DataFrame, k: int, y: str) -> None:
 def draw(df: pd.DataFrame):
     trained = sorted(df.trained_loops.unique())
     rows = ["val_loss"] + (["accuracy"] if df.accuracy.notna().any() else [])
-    with style():
-        fig, axes = new_figure(len(rows), len(trained), sharey="row", sharex="col")
-        for j, k in enumerate(trained):
-            for i, y in enumerate(rows):
-                _panel(axes[i, j], df[df.trained_loops == k], k, y)
-            axes[0, j].set_title(f"trained with K={k}")
-            axes[-1, j].set_xlabel("inference loops")
-        axes[0, 0].set_ylabel("validation loss")
-        auto_yscale(axes[0, 0], df.val_loss)
-        if len(rows) > 1:
-            axes[1, 0].set_ylabel("held-out accuracy")
-            axes[1, 0].set_ylim(-0.03, 1.03)
-        legend(fig, df, [(Line2D([], [], color="0.3", ls="--", marker="*", mfc="0.6", mec="black", ms=9),
-                          "trained loop count")])
+    fig, axes = new_figure(len(rows), len(trained), sharey="row", sharex="col")
+    for j, k in enumerate(trained):
+        for i, y in enumerate(rows):
+            _panel(axes[i, j], df[df.trained_loops == k], k, y)
+        axes[0, j].set_title(f"trained with K={k}")
+        axes[-1, j].set_xlabel("inference loops")
+    axes[0, 0].set_ylabel("validation loss")
+    auto_yscale(axes[0, 0], df.val_loss)
+    if len(rows) > 1:
+        axes[1, 0].set_ylabel("held-out accuracy")
+        axes[1, 0].set_ylim(-0.03, 1.03)
+    legend(fig, df, [(Line2D([], [], color="0.3", ls="--", marker="*", mfc="0.6", mec="black", ms=9),
+                      "trained loop count")])
     return finish(fig, "Test-time loops")
 
 

@@ -13,7 +13,7 @@ from flt_diag.storage import metric_names as M
 from flt_diag.storage.file_models import Summary
 from flt_diag.results.tables import Run, Study, concat, smoothed_loss
 from flt_diag.results.figures import Figure, register
-from flt_diag.results.figures.style import auto_yscale, filled, finish, legend, lines_by_run, panels, style, variant_color
+from flt_diag.results.figures.style import auto_yscale, filled, finish, legend, lines_by_run, panels, variant_color
 
 SMOOTHED = "loss_smoothed"
 MARKS: dict[str, dict[str, Any]] = {"collapsed": dict(marker="X", ms=10), "diverged": dict(marker="v", ms=9)}
@@ -48,19 +48,18 @@ def data(study: Study) -> pd.DataFrame:
 
 
 def draw(df: pd.DataFrame):
-    with style():
-        fig, axes, cells = panels(df, "step", "loss (nats/token)", sharey=True)
-        for ax, cell in filled(cells):
-            lines_by_run(ax, cell[cell.metric == SMOOTHED], "step", lw=1.4)
-            for r in cell[cell.metric != SMOOTHED].itertuples():
-                style_ = MARKS.get(r.metric, dict(marker="o", ms=4))
-                ax.plot(r.step, r.value, ls="none", color=variant_color(r.variant), mec="black" if r.metric in MARKS
-                        else "white", mew=0.8, zorder=4, **style_)
-        auto_yscale(axes[0, 0], df.value)
-        extra = [(Line2D([], [], ls="none", marker="o", color="0.4", ms=4), "validation")]
-        extra += [(Line2D([], [], ls="none", color="0.4", mec="black", **MARKS[m]), m)
-                  for m in MARKS if (df.metric == m).any()]
-        legend(fig, df, extra)
+    fig, axes, cells = panels(df, "step", "loss (nats/token)", sharey=True)
+    for ax, cell in filled(cells):
+        lines_by_run(ax, cell[cell.metric == SMOOTHED], "step", lw=1.4)
+        for r in cell[cell.metric != SMOOTHED].itertuples():
+            style_ = MARKS.get(r.metric, dict(marker="o", ms=4))
+            ax.plot(r.step, r.value, ls="none", color=variant_color(r.variant), mec="black" if r.metric in MARKS
+                    else "white", mew=0.8, zorder=4, **style_)
+    auto_yscale(axes[0, 0], df.value)
+    extra = [(Line2D([], [], ls="none", marker="o", color="0.4", ms=4), "validation")]
+    extra += [(Line2D([], [], ls="none", color="0.4", mec="black", **MARKS[m]), m)
+              for m in MARKS if (df.metric == m).any()]
+    legend(fig, df, extra)
     return finish(fig, "Training loss (the verdict's smoothing)")
 
 

@@ -21,7 +21,7 @@ from matplotlib.ticker import FuncFormatter
 from flt_diag.judge.map_boundaries import AXES, boundaries, spec_from_folder
 from flt_diag.results.tables import Study
 from flt_diag.results.figures import Figure, register
-from flt_diag.results.figures.style import finish, legend, new_figure, style, variant_color, variants
+from flt_diag.results.figures.style import finish, legend, new_figure, variant_color, variants
 
 CRITERION_TITLES = {"training": "training breaks (verdict not stable)", "collapse": "loss collapses",
                     "explosion": "residual stream explodes (any loop)"}
@@ -95,29 +95,28 @@ def draw(df: pd.DataFrame):
     criteria = list(dict.fromkeys(df.criterion)) or ["training"]
     names, xs = variants(df), {k: i for i, k in enumerate(loops)}
     edges = (grid[0] / 1.25, grid[-1] * 1.25)
-    with style():
-        fig, axes = new_figure(1, len(criteria), panel=(4.6, 3.6))
-        for ax, criterion in zip(axes[0], criteria):
-            _panel(ax, df[df.criterion == criterion], names, xs, edges)
-            ax.set_yscale("log", base=2 if axis == "lr" else 10)
-            ax.set_ylim(edges[0] / 1.1, edges[1] * 1.15)
-            ax.set_xticks(range(len(loops)), [str(k) for k in loops])
-            ax.set_xlim(-0.5, len(loops) - 0.5)
-            ax.set_xlabel("loops K")
-            ax.set_ylabel(f"{AXES[axis]} at the boundary")
-            for edge in (grid[0], grid[-1]):
-                ax.axhline(edge, color="0.6", lw=0.6, ls=":")
-            ax.set_title(CRITERION_TITLES.get(criterion, criterion))
-            if axis == "lr":
-                ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-            else:  # depth: the grid's own values, as plain integers (not "2x10^0")
-                ax.set_yticks(grid, [f"{v:g}" for v in grid])
-                ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
-        if len(df):
-            legend(fig, df, title="shaded: where each variant trains; bar: spread over seeds (one seed: the "
-                                  "bracket); arrow: beyond the grid; dotted: the grid's ends"
-                                  + ("\nring: a seed's line is non-monotone (breaks, holds higher, breaks "
-                                     "again), counted where it first breaks" if df.non_monotone.any() else ""))
+    fig, axes = new_figure(1, len(criteria), panel=(4.6, 3.6))
+    for ax, criterion in zip(axes[0], criteria):
+        _panel(ax, df[df.criterion == criterion], names, xs, edges)
+        ax.set_yscale("log", base=2 if axis == "lr" else 10)
+        ax.set_ylim(edges[0] / 1.1, edges[1] * 1.15)
+        ax.set_xticks(range(len(loops)), [str(k) for k in loops])
+        ax.set_xlim(-0.5, len(loops) - 0.5)
+        ax.set_xlabel("loops K")
+        ax.set_ylabel(f"{AXES[axis]} at the boundary")
+        for edge in (grid[0], grid[-1]):
+            ax.axhline(edge, color="0.6", lw=0.6, ls=":")
+        ax.set_title(CRITERION_TITLES.get(criterion, criterion))
+        if axis == "lr":
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        else:  # depth: the grid's own values, as plain integers (not "2x10^0")
+            ax.set_yticks(grid, [f"{v:g}" for v in grid])
+            ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+    if len(df):
+        legend(fig, df, title="shaded: where each variant trains; bar: spread over seeds (one seed: the "
+                              "bracket); arrow: beyond the grid; dotted: the grid's ends"
+                              + ("\nring: a seed's line is non-monotone (breaks, holds higher, breaks "
+                                 "again), counted where it first breaks" if df.non_monotone.any() else ""))
     return finish(fig, "Stability map")
 
 

@@ -8,7 +8,7 @@ from matplotlib.lines import Line2D
 from flt_diag.storage import metric_names as M
 from flt_diag.results.tables import Study, concat
 from flt_diag.results.figures import Figure, register
-from flt_diag.results.figures.style import finish, legend, lines_by_run, log_y, panels, style
+from flt_diag.results.figures.style import filled, finish, legend, lines_by_run, log_y, panels
 
 
 def data(study: Study) -> pd.DataFrame:
@@ -24,15 +24,13 @@ def data(study: Study) -> pd.DataFrame:
 
 def draw(df: pd.DataFrame):
     final = df[df.loop == df.loops]
-    with style():
-        fig, _, cells = panels(final, "step", "‖h‖ at the final loop's end", sharex=True, sharey=True)
-        for ax, cell, title in cells:
-            ax.set_title(title)
-            lines_by_run(ax, cell, "step", lw=1.3)
-            for threshold in cell.threshold.dropna().unique():
-                ax.axhline(threshold, color="0.35", ls="--", lw=0.9)
-            log_y(ax)
-        legend(fig, final, [(Line2D([], [], color="0.35", ls="--", lw=0.9), "explosion threshold")])
+    fig, _, cells = panels(final, "step", "‖h‖ at the final loop's end", sharex=True, sharey=True)
+    for ax, cell in filled(cells):
+        lines_by_run(ax, cell, "step", lw=1.3)
+        for threshold in cell.threshold.dropna().unique():
+            ax.axhline(threshold, color="0.35", ls="--", lw=0.9)
+        log_y(ax)
+    legend(fig, final, [(Line2D([], [], color="0.35", ls="--", lw=0.9), "explosion threshold")])
     return finish(fig, "Residual norm of the final loop")
 
 

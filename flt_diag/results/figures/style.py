@@ -95,6 +95,20 @@ def cell_rows(df: pd.DataFrame) -> list[tuple[pd.DataFrame, str]]:
     return [(df[(df.lr_scale == lr) & (df.loops == k)], _title(k, lr, multi_lr)) for lr, k in keys]
 
 
+def row_grid(rows: list[tuple[pd.DataFrame, str]], headings: Sequence[str], xlabels: Sequence[str], panel, **kw):
+    """A figure with a row of panels per (rows of df, title) of `rows` (e.g. cell_rows(df)) and a column per
+    heading: the headings above the top row, each row's title (bold) beside its first panel, `xlabels` below
+    the bottom row. (fig, axes)."""
+    fig, axes = new_figure(len(rows), len(headings), panel, **kw)
+    for ax, heading in zip(axes[0], headings):
+        ax.set_title(heading)
+    for ax, (_, title) in zip(axes[:, 0], rows):
+        ax.set_ylabel(title, fontweight="bold")
+    for ax, label in zip(axes[-1], xlabels):
+        ax.set_xlabel(label)
+    return fig, axes
+
+
 def seed_styles(df: pd.DataFrame) -> dict[str, str]:
     """Line style per run, by seed (solid when there is one, or more seeds than LINESTYLES)."""
     seeds = sorted(df.seed.unique())
@@ -103,10 +117,10 @@ def seed_styles(df: pd.DataFrame) -> dict[str, str]:
 
 
 def lines_by_run(ax, df: pd.DataFrame, x: str, y: str = "value", **kw) -> None:
-    """One line per run of `df`, coloured by variant, styled by seed."""
+    """One line per run of `df`, coloured by variant, styled by seed (unless `kw` gives `ls`)."""
     styles = seed_styles(df)
     for run, g in df.groupby("run", sort=False):
-        ax.plot(g[x], g[y], color=variant_color(g.variant.iloc[0]), ls=styles[run], **kw)
+        ax.plot(g[x], g[y], color=variant_color(g.variant.iloc[0]), **{"ls": styles[run], **kw})
 
 
 def legend(fig: Figure, df: pd.DataFrame, extra: Sequence[tuple] = (), title: str | None = None) -> None:

@@ -12,7 +12,7 @@ from flt_diag.records import attention
 from flt_diag.storage import metric_names as M
 from flt_diag.results.tables import Study, concat
 from flt_diag.results.figures import Figure, register
-from flt_diag.results.figures.style import cell_rows, empty, finish, legend, lines_by_run, log_y, new_figure, style
+from flt_diag.results.figures.style import cell_rows, empty, finish, legend, lines_by_run, log_y, new_figure, row_grid
 
 KINDS = ("embedding", "head", "attn", "mlp")
 QUANTITIES = ((M.PARAM_NORM, "parameter norm"), (M.UPDATE_RATIO, "update ratio"))
@@ -40,23 +40,19 @@ def weights_data(study: Study) -> pd.DataFrame:
 
 
 def draw_weights(df: pd.DataFrame):
-    rows = [(cell, title, metric, label) for cell, title in cell_rows(df) for metric, label in QUANTITIES]
-    with style():
-        fig, axes = new_figure(len(rows), len(KINDS), panel=(3.2, 2.4), sharex=True)
-        for i, (cell, title, metric, label) in enumerate(rows):
-            for j, kind in enumerate(KINDS):
-                ax, sel = axes[i, j], cell[(cell.metric == metric) & (cell.kind == kind)]
-                if i == 0:
-                    ax.set_title(kind if kind in ("embedding", "head") else f"blocks' {kind}")
-                if sel.empty or not (sel.value > 0).any():
-                    empty(ax)
-                    continue
-                lines_by_run(ax, sel[sel.value > 0], "step", lw=1.1)
-                log_y(ax)
-            axes[i, 0].set_ylabel(f"{title}\n{label}", fontweight="bold")
-        for ax in axes[-1]:
-            ax.set_xlabel("step")
-        legend(fig, df)
+    rows = [(cell[cell.metric == metric], f"{title}\n{label}")
+            for cell, title in cell_rows(df) for metric, label in QUANTITIES]
+    headings = [kind if kind in ("embedding", "head") else f"blocks' {kind}" for kind in KINDS]
+    fig, axes = row_grid(rows, headings, ["step"] * len(KINDS), (3.2, 2.4), sharex=True)
+    for i, (cell, _) in enumerate(rows):
+        for j, kind in enumerate(KINDS):
+            ax, sel = axes[i, j], cell[cell.kind == kind]
+            if sel.empty or not (sel.value > 0).any():
+                empty(ax)
+                continue
+            lines_by_run(ax, sel[sel.value > 0], "step", lw=1.1)
+            log_y(ax)
+    legend(fig, df)
     return finish(fig, "Parameter norms and update ratios")
 
 
@@ -75,26 +71,25 @@ def draw_attention(df: pd.DataFrame):
     cols = min(len(runs), 5)
     nrows = -(-len(runs) // cols)
     vmin, vmax = float(df.value.min()), float(df.value.max())
-    with style():
-        fig, axes = new_figure(nrows, cols, panel=(2.8, 2.6))
-        image = None
-        for ax, run in zip(axes.flat, runs):
-            g = df[df.run == run]
-            grid = g.pivot_table(index="layer", columns="loop", values="value")
-            image = ax.imshow(grid.values, aspect="auto", origin="lower", cmap="viridis", vmin=vmin, vmax=vmax,
-                              extent=(grid.columns.min() - 0.5, grid.columns.max() + 0.5,
-                                      grid.index.min() - 0.5, grid.index.max() + 0.5))
-            ax.set_title(f"{g.variant.iloc[0]} K={g.loops.iloc[0]} s{g.seed.iloc[0]} (step {g.step.iloc[0]})",
-                         fontsize="small")
-            ax.set_xticks(list(grid.columns))
-            ax.set_yticks(list(grid.index))
-            ax.set_xlabel("loop")
-            ax.set_ylabel("layer")
-            ax.grid(False)
-        for ax in list(axes.flat)[len(runs):]:
-            ax.set_axis_off()
-        fig.colorbar(image, ax=axes, label="attention entropy (nats)", shrink=0.8)  # type: ignore[arg-type]  # (a run)
-        legend(fig, df)
+    fig, axes = new_figure(nrows, cols, panel=(2.8, 2.6))
+    image = None
+    for ax, run in zip(axes.flat, runs):
+        g = df[df.run == run]
+        grid = g.pivot_table(index="layer", columns="loop", values="value")
+        image = ax.imshow(grid.values, aspect="auto", origin="lower", cmap="viridis", vmin=vmin, vmax=vmax,
+                          extent=(grid.columns.min() - 0.5, grid.columns.max() + 0.5,
+                                  grid.index.min() - 0.5, grid.index.max() + 0.5))
+        ax.set_title(f"{g.variant.iloc[0]} K={g.loops.iloc[0]} s{g.seed.iloc[0]} (step {g.step.iloc[0]})",
+                     fontsize="small")
+        ax.set_xticks(list(grid.columns))
+        ax.set_yticks(list(grid.index))
+        ax.set_xlabel("loop")
+        ax.set_ylabel("layer")
+        ax.grid(False)
+    for ax in list(axes.flat)[len(runs):]:
+        ax.set_axis_off()
+    fig.colorbar(image, ax=axes, label="attention entropy (nats)", shrink=0.8)  # type: ignore[arg-type]  # (a run)
+    legend(fig, df)
     return finish(fig, "Attention entropy by loop and layer")
 
 
