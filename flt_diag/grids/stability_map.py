@@ -112,10 +112,8 @@ def prepare_map_folder(spec: MapSpec, out: Path) -> None:
     prepare_spec_folder(Path(out), spec.to_dict(), "map", grid_fields)
 
 
-def _line_search_worker(spec_dict: dict, line: RunId, out: str, probe_ends: bool = False) -> str:
-    with task():
-        spec = MapSpec(RunConfig.from_dict(spec_dict["base_full"]),
-                       *(spec_dict[k] for k in ("variants", "loops", "seeds", "axis", "grid", "criteria")))
+def _line_search_worker(spec: MapSpec, line: RunId, out: str, probe_ends: bool = False) -> str:
+    with task():  # (the spec arrives pickled, as validated in the parent: it is not validated again)
         search_line(spec, Path(out), line, run_cell, report=lambda text: print(text, flush=True),
                     probe_ends=probe_ends)
     return line.name
@@ -137,10 +135,9 @@ def run_map(spec: MapSpec, out: Path, workers: int = 1, only_line: int | None = 
             for line in lines:
                 search_line(spec, out, line, runner or run_cell, report, probe_ends)
         else:
-            spec_dict = {**spec.to_dict(), "base_full": spec.base.to_dict()}
             pool = spawn_pool(workers)
             with interruptible(pool):  # Ctrl-C (or kill -INT of this process alone) stops the workers too
-                for name in pool.map(_line_search_worker, [spec_dict] * len(lines), lines, [str(out)] * len(lines),
+                for name in pool.map(_line_search_worker, [spec] * len(lines), lines, [str(out)] * len(lines),
                                      [probe_ends] * len(lines)):
                     report(f"{name}: searched")
         write_summary(out)

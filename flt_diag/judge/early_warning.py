@@ -29,6 +29,7 @@ import pandas as pd
 
 from flt_diag.storage.predictor_names import FEATURES, PACKAGED, TARGETS  # noqa: F401 (re-exported)
 from flt_diag.storage import metric_names as M
+from flt_diag.storage.cells import IDENTITY, RunId
 from flt_diag.storage.file_models import PredictorFile, Summary
 from flt_diag.storage.files import predictor_of
 from flt_diag.storage.folders import load_config, load_metrics, load_summary, run_dirs, series
@@ -148,9 +149,9 @@ def run_features_at(run_dir: Path, steps) -> dict[int, dict]:
     steps = list(steps)
     if not steps:
         return {}
-    m = load_config(run_dir).model
-    run = RunSeries(load_metrics(run_dir), m.loops, m.n_layer)
-    return {at: features_at(run, at, m.n_embd) for at in steps}
+    i = RunId.read((cfg := load_config(run_dir)).model, cfg.train)
+    run = RunSeries(load_metrics(run_dir), i.loops, i.depth)
+    return {at: features_at(run, at, i.width) for at in steps}
 
 
 def label(summary: Summary, kind: str = "fails") -> int:
@@ -173,10 +174,6 @@ def sigmoid(z):
 def feature_matrix(rows: list[dict], features: list[str]) -> np.ndarray:
     """The rows' values of `features` (NaN where a row has none), one row each."""
     return np.array([[r.get(f, math.nan) for f in features] for r in rows], dtype=float).reshape(len(rows), len(features))
-
-
-def design(rows: list[dict], features: list[str], mean=None, std=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    return standardised(feature_matrix(rows, features), mean, std)
 
 
 @quiet  # an all-NaN column, a +-1e308 one: no numpy noise
@@ -206,7 +203,7 @@ def probability(predictor: dict | PredictorFile, feats: dict, step: int) -> tupl
     if not usable:
         raise ValueError(f"the predictor is fitted from step {min(predictor.models)} on; step {step} is too early")
     m, names = predictor.models[usable[-1]], predictor.features
-    Z, _, _ = design([feats], names, np.array(m.mean), np.array(m.std))
+    Z = standardised(feature_matrix([feats], names), np.array(m.mean), np.array(m.std))[0]
     contrib = Z[0] * np.array(m.coef)
     p = float(sigmoid(contrib.sum() + m.intercept))
     return p, sorted(zip(names, contrib.tolist()), key=lambda t: -abs(t[1]))
@@ -217,17 +214,23 @@ def evidence_text(feats: dict, contributions: list[tuple[str, float]], n: int = 
                      if feats.get(name) is not None and math.isfinite(feats[name]))
 
 
-COLUMNS = ["cell", "variant", "loops", "seed", "lr_scale", "p_collapse", "predicted", "verdict", "actual", "agree",
-           "false_alarm", "miss", "evidence"]
+RUN = ["cell", *IDENTITY[:4]]  # a finished run in the tables below: its folder and the identity its summary holds
+SCORED = ["actual", "agree", "false_alarm", "miss"]
+COLUMNS = [*RUN, "p_collapse", "predicted", "verdict", *SCORED, "evidence"]
+
+
+def run_row(run_dir: Path, summary: Summary) -> dict:
+    """A finished run's columns (RUN) and its final verdict: the first fields of a row of the tables of
+    predictions and warnings (here, and flt_diag.judge.spike_detectors)."""
+    return dict(cell=run_dir.name, **RunId.read(summary).row(), verdict=summary.verdict)
 
 
 def _scored(run_dir: Path, summary: Summary, predictor: PredictorFile, predicted: bool) -> dict:
-    """The fields every row of a prediction table has: the cell, its final verdict, and how the
-    prediction fares against the predictor's target."""
+    """The fields every row of a prediction table has: `run_row`, and how the prediction fares against the
+    predictor's target (SCORED)."""
     actual = bool(label(summary, predictor.target))
-    return dict(cell=run_dir.name, variant=summary.variant, loops=summary.loops, seed=summary.seed,
-                lr_scale=summary.lr_scale, verdict=summary.verdict, actual=actual, agree=predicted == actual, false_alarm=predicted and not actual,
-                miss=actual and not predicted)
+    return run_row(run_dir, summary) | dict(actual=actual, agree=predicted == actual,
+                                            false_alarm=predicted and not actual, miss=actual and not predicted)
 
 
 def prediction_row(run_dir: Path, summary: Summary, predictor: dict | PredictorFile, feats: dict, at: int) -> dict:
@@ -300,13 +303,12 @@ def online_sweep(path, predictor: dict | PredictorFile) -> pd.DataFrame:
     before a collapse (collapsed runs), so `onset - warned_at` is the warning's lead."""
     rows, predictor = [], predictor_of(predictor)
     for d, s in finished_runs([path]):
-        m = load_config(d).model
-        w = first_warning(load_metrics(d), predictor, m.loops, m.n_layer, m.n_embd, s.steps_done)
+        i = RunId.read((cfg := load_config(d)).model, cfg.train)
+        w = first_warning(load_metrics(d), predictor, i.loops, i.depth, i.width, s.steps_done)
         onset = s.evidence.min_step if s.verdict == "collapsed" else None
         rows.append(_scored(d, s, predictor, w["warned_at"] is not None) | dict(
             warned_at=w["warned_at"], p_warn=w["p_warn"], p_max=w["p_max"], onset=onset, evidence=w["evidence"]))
-    return pd.DataFrame(rows, columns=["cell", "variant", "loops", "seed", "lr_scale", "warned_at", "p_warn", "p_max",
-                                       "verdict", "onset", "actual", "agree", "false_alarm", "miss", "evidence"])
+    return pd.DataFrame(rows, columns=[*RUN, "warned_at", "p_warn", "p_max", "verdict", "onset", *SCORED, "evidence"])
 
 
 def agreement(table: pd.DataFrame) -> dict:

@@ -25,7 +25,7 @@ from collections import deque
 import numpy as np
 import pandas as pd
 
-from flt_diag.judge.early_warning import finished_runs
+from flt_diag.judge.early_warning import RUN, finished_runs, run_row
 from flt_diag.judge.verdict import quiet
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import load_config, load_metrics, series
@@ -104,10 +104,8 @@ def detector_sweep(path) -> pd.DataFrame:
     for d, s in finished_runs([path]):
         w = first_warnings(dense_series(load_metrics(d, [M.LOSS]), M.LOSS), load_config(d).train.steps)
         fails = s.verdict != "stable"
-        rows.append(dict(cell=d.name, variant=s.variant, loops=s.loops, seed=s.seed, lr_scale=s.lr_scale,
-                         verdict=s.verdict, fails=fails, **w,
-                         **{f"{k}_caught": fails and w[k] is not None for k in DETECTORS},
-                         **{f"{k}_false_alarm": not fails and w[k] is not None for k in DETECTORS}))
-    return pd.DataFrame(rows, columns=["cell", "variant", "loops", "seed", "lr_scale", "verdict", "fails",
-                                       "lightning", "kill_loss_spike", "kill_loss_spike_kind"]
+        rows.append(run_row(d, s) | dict(fails=fails, **w,
+                                         **{f"{k}_caught": fails and w[k] is not None for k in DETECTORS},
+                                         **{f"{k}_false_alarm": not fails and w[k] is not None for k in DETECTORS}))
+    return pd.DataFrame(rows, columns=[*RUN, "verdict", "fails", "lightning", "kill_loss_spike", "kill_loss_spike_kind"]
                         + [f"{k}_{what}" for what in ("caught", "false_alarm") for k in DETECTORS])

@@ -10,8 +10,8 @@ import numpy as np
 import pandas as pd
 from scipy.optimize import minimize
 
-from flt_diag.judge.early_warning import (COLUMNS, FEATURES, TARGETS, design, finished_runs, label,
-                                             prediction_row, run_features_at, sigmoid, target_text)
+from flt_diag.judge.early_warning import (COLUMNS, FEATURES, TARGETS, feature_matrix, finished_runs, label,
+                                             prediction_row, run_features_at, sigmoid, standardised, target_text)
 from flt_diag.judge.verdict import VERDICT_VERSION
 from flt_diag.storage.file_models import STALL_EVIDENCE, Evidence, ExampleRow, Summary, Verdict
 from flt_diag.storage.cells import STORED, RunId
@@ -158,7 +158,7 @@ def _fit_step(examples: list[dict], at: int, l2: float, features: list[str], cla
     if not usable:
         return None
     y = np.array([e["y"] for e in usable], dtype=float)
-    Z, mean, std = design([e["feats"][at] for e in usable], features)
+    Z, mean, std = standardised(feature_matrix([e["feats"][at] for e in usable], features))
     w, b = fit_logistic(Z, y, l2, class_weights(y, class_weight))
     p = sigmoid(Z @ w + b)
     return dict(mean=mean.tolist(), std=std.tolist(), coef=w.tolist(), intercept=b, runs=len(usable),

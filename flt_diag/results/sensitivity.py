@@ -15,7 +15,7 @@ from flt_diag.judge.early_warning import finished_runs
 from flt_diag.storage.cells import RunId
 from flt_diag.judge.verdict import judged, residual_explosion, stored_config
 from flt_diag.config.run_config import with_overrides
-from flt_diag.results.tables import seed_table
+from flt_diag.results.tables import CELL, seed_table
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.file_models import Summary
 from flt_diag.storage.folders import load_config, load_metrics
@@ -39,9 +39,8 @@ class StoredRun:
         self.cfg = stored_config(stored, overrides)
         self.unigram_entropy = stored.unigram_entropy
         self.metrics = load_metrics(run_dir, METRICS)
-        s, model = self.summary, stored.model  # (val_loss: the last recorded, which no threshold moves)
-        self.id = RunId.read(s, model)
-        self.row = dict(self.id.row(), val_loss=s.val_loss)
+        self.id = RunId.read(summary, stored.model)
+        self.row = dict(self.id.row(), val_loss=summary.val_loss)  # (the last recorded, which no threshold moves)
 
     def judge(self, threshold: str | None = None, factor: float = 1.0) -> dict:
         """verdict and residual_explosion with `threshold` multiplied by `factor` (None: as configured)."""
@@ -51,7 +50,7 @@ class StoredRun:
         stall_scale = factor if threshold == "stall_margin" else 1.0
         prediction = self.summary.prediction and self.summary.prediction.as_written()
         name, _, _ = judged(self.metrics, cfg, self.unigram_entropy, prediction, stall_scale)
-        resid = residual_explosion(self.metrics, cfg.model.loops, cfg.model.n_embd, cfg.verdict.explosion_ratio)
+        resid = residual_explosion(self.metrics, self.id.loops, self.id.width, cfg.verdict.explosion_ratio)
         return dict(verdict=name, residual_explosion=resid["residual_explosion"],
                     peak_resid_norm=resid["peak_resid_norm"])
 
@@ -65,8 +64,11 @@ def stored_runs(paths, overrides: dict | None = None) -> list[StoredRun]:
 
 
 def _cells(runs: list[StoredRun], judgements: list[dict], margin_scale: float) -> pd.DataFrame:
+    """The runs' cells (seed_table) with their flags under these judgements (none without runs)."""
+    if not runs:
+        return pd.DataFrame(columns=["behind", "no_loop_gain"])
     rows = pd.DataFrame([{**r.row, **j} for r, j in zip(runs, judgements)])
-    return seed_table(rows, margin_scale).set_index(["lr_scale", "variant", "loops", "depth", "width"])
+    return seed_table(rows, margin_scale).set_index(CELL)
 
 
 def _changed(base: pd.Series, moved: pd.Series) -> int:
@@ -78,22 +80,19 @@ def sensitivity(paths, overrides: dict | None = None, factors=FACTORS) -> pd.Dat
     what), how many residual-explosion flags, and how many cells' behind and no_loop_gain flags."""
     runs = stored_runs(paths, overrides)
     base = [r.judge() for r in runs]
-    base_cells = _cells(runs, base, 1.0) if runs else None
+    base_cells = _cells(runs, base, 1.0)
     out = []
     for threshold in THRESHOLDS:
         for factor in factors:
             moved = base if threshold == "behind_margin" else [r.judge(threshold, factor) for r in runs]
             transitions = Counter(f"{b['verdict']}→{m['verdict']}" for b, m in zip(base, moved)
                                   if b["verdict"] != m["verdict"])
-            cells = _cells(runs, moved, factor if threshold == "behind_margin" else 1.0) if runs else None
+            cells = _cells(runs, moved, factor if threshold == "behind_margin" else 1.0)
             out.append(dict(threshold=threshold, factor=factor, runs=len(runs),
                             verdicts_changed=sum(transitions.values()),
                             changes="; ".join(f"{k} {n}" for k, n in sorted(transitions.items())),
                             explosions_changed=sum(b["residual_explosion"] != m["residual_explosion"]
                                                    for b, m in zip(base, moved)),
-                            cells=len(base_cells) if runs else 0,  # type: ignore[arg-type]  # (runs: cells made)
-                            behind_changed=_changed(base_cells.behind, cells.behind)  # type: ignore[union-attr]
-                            if runs else 0,
-                            no_loop_gain_changed=_changed(
-                                base_cells.no_loop_gain, cells.no_loop_gain) if runs else 0))  # type: ignore[union-attr]
+                            cells=len(base_cells), behind_changed=_changed(base_cells.behind, cells.behind),
+                            no_loop_gain_changed=_changed(base_cells.no_loop_gain, cells.no_loop_gain)))
     return pd.DataFrame(out, columns=COLUMNS)

@@ -31,13 +31,13 @@ from flt_diag.config.variants import VARIANTS
 
 VARIANT_ORDER = list(VARIANTS)
 VERDICT_ORDER = ["stable", "unstable", "stalled", "collapsed", "diverged"]  # by severity (ties in a majority go to the worse)
-RUN_COLUMNS = ["run", "variant", "loops", "seed", "lr_scale"]
+RUN_COLUMNS = ["run", *IDENTITY[:4]]  # a per-run table's first columns: the run and its variant, loops, seed, lr scale
+CELL = ["lr_scale", "variant", "loops", "depth", "width"]  # a cell of a grid: a run's identity without its seed
 NO_METRICS = pd.DataFrame(columns=COLUMNS).astype({"step": "int64", "loop": "int16", "layer": "int16", "value": "float64"})
 
 SUMMARY_NUMBERS = SUMMARY_COLUMNS[SUMMARY_COLUMNS.index("final_loss"):SUMMARY_COLUMNS.index("steps_done")]
 OSC_COLUMNS = [f"osc_{k}" for k in OSC_INDICES]  # v2's indices over the dense steps (the gradients figure)
-GRID_COLUMNS = ["lr_scale", "variant", "loops", "depth", "width", "verdict", "agree", "runs", "finished", "failed",
-                "residual_explosion", "val_sd", "val_n"]
+GRID_COLUMNS = [*CELL, "verdict", "agree", "runs", "finished", "failed", "residual_explosion", "val_sd", "val_n"]
 
 # the report's table: display name -> (summary_table column, format)
 TABLE_COLUMNS = {
@@ -86,7 +86,7 @@ class Run:
     @property
     def explosion_threshold(self) -> float:
         """The verdict's residual-explosion threshold: explosion_ratio * sqrt(d)."""
-        return self.config.run_config().verdict.explosion_ratio * math.sqrt(self.config.model.n_embd)
+        return self.config.run_config().verdict.explosion_ratio * math.sqrt(self.id.width)
 
     def select(self, metric: str) -> pd.DataFrame:
         """The finite rows of one metric (step, metric, loop, layer, value)."""
@@ -96,8 +96,7 @@ class Run:
 
     def tag(self, df: pd.DataFrame) -> pd.DataFrame:
         """Prefix a per-run table with the run's identifying columns (RUN_COLUMNS)."""
-        ids = {k: getattr(self.id, k) for k in RUN_COLUMNS[1:]}
-        return df.reset_index(drop=True).assign(run=self.name, **ids)[RUN_COLUMNS + list(df.columns)]
+        return df.reset_index(drop=True).assign(run=self.name, **self.id.row())[RUN_COLUMNS + list(df.columns)]
 
 
 @dataclass(eq=False)
@@ -268,8 +267,9 @@ def _grid(study: Study) -> list[tuple]:
     spec = study.spec
     if not isinstance(spec, SweepSpecFile):
         return []
-    depth, width = spec.base.model.n_layer, spec.base.model.n_embd
-    return [(float(lr), v, int(k), depth, width) for lr in spec.lr_scales for v in spec.variants for k in spec.loops]
+    base = RunId.read(spec.base.model, spec.base.train)
+    return [(float(lr), v, int(k), base.depth, base.width) for lr in spec.lr_scales for v in spec.variants
+            for k in spec.loops]
 
 
 def _is_true(value) -> bool:
@@ -317,24 +317,21 @@ def summary_table(src) -> pd.DataFrame:
     study = src if isinstance(src, Study) else collect(src, [])
     cells: dict[tuple, list[Run]] = {}
     for run in study.runs:
-        i = run.id
-        cells.setdefault((i.lr_scale, i.variant, i.loops, i.depth, i.width), []).append(run)
+        cells.setdefault(tuple(getattr(run.id, k) for k in CELL), []).append(run)
     started = {key[:3] for key in cells}
     cells.update({key: [] for key in _grid(study) if key[:3] not in started})
     rows = []
-    for (lr, variant, loops, depth, width), runs in cells.items():
+    for key, runs in cells.items():
         done = [r.summary.model_dump() for r in runs if r.summary is not None]  # (as rows of a summary table)
-        rows.append(dict(lr_scale=lr, variant=variant, loops=loops, depth=depth, width=width, runs=len(runs),
-                         **(_aggregate(done) if done else _not_done(runs))))
+        rows.append(dict(zip(CELL, key), runs=len(runs), **(_aggregate(done) if done else _not_done(runs))))
     return _cells(rows)
 
 
 def seed_table(runs: pd.DataFrame, margin_scale: float = 1.0) -> pd.DataFrame:
     """summary_table's cells from sweep_summary's rows (finished runs only, so `runs` = `finished`); the
     flags' margins times `margin_scale` (the sensitivity table moves them)."""
-    keys = ["lr_scale", "variant", "loops", "depth", "width"]
-    rows = [dict(zip(keys, key), runs=len(g), **_aggregate(g.to_dict("records")))
-            for key, g in runs.groupby(keys, dropna=False)]
+    rows = [dict(zip(CELL, key), runs=len(g), **_aggregate(g.to_dict("records")))
+            for key, g in runs.groupby(CELL, dropna=False)]
     return _cells(rows, margin_scale)
 
 

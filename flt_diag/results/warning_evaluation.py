@@ -13,10 +13,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from flt_diag.judge.early_warning import feature_matrix, features, finished_runs, probability, sigmoid, standardised
+from flt_diag.judge.early_warning import (RunSeries, feature_matrix, features_at, finished_runs, probability, sigmoid,
+                                          standardised)
 from flt_diag.judge.spike_detectors import dense_series, kill_loss_spike, lightning_spike
 from flt_diag.results.predictor_fit import class_weights, fit_logistic
 from flt_diag.storage import metric_names as M
+from flt_diag.storage.cells import RunId
 from flt_diag.storage.file_models import Summary
 from flt_diag.storage.folders import load_config, load_metrics
 
@@ -91,21 +93,21 @@ def scored_steps(steps: list[int], total: int, done: int) -> list[int]:
 def run_rows(run_dir: Path, summary: Summary, steps: list[int], packaged: dict) -> list[dict]:
     """One finished run's rows, one per step s < its length: identity, label, features, detector scores,
     P(packaged)."""
-    m, t = (cfg := load_config(run_dir)).model, cfg.train
-    df = load_metrics(run_dir)
+    cfg, df = load_config(run_dir), load_metrics(run_dir)
+    run = RunId.read(cfg.model, cfg.train)
     loss, grad = dense_series(df, M.LOSS), dense_series(df, M.GRAD_NORM)
-    total = t.steps
+    total = cfg.train.steps
     fired = {"lightning": lightning_spike(loss), "kill_loss_spike": kill_loss_spike(loss, total_steps=total)[0],
              "lightning_scaled": lightning_spike(loss, **SCALED["lightning"]),
              "kill_loss_spike_scaled": kill_loss_spike(loss, total_steps=total, **SCALED["kill_loss_spike"])[0]}
-    identity = dict(run=str(run_dir), variant=m.variant, loops=m.loops, depth=m.n_layer, width=m.n_embd,
-                    lr_scale=t.lr_scale, seed=t.seed, verdict=summary.verdict, failed=int(summary.verdict != "stable"))
+    identity = dict(run=str(run_dir), **run.row(), verdict=summary.verdict, failed=int(summary.verdict != "stable"))
+    series = RunSeries(df, run.loops, run.depth)
     rows = []
     for at in scored_steps(steps, total, summary.steps_done):
-        feats = features(df, at, m.loops, m.n_layer, m.n_embd)
+        feats = features_at(series, at, run.width)
         rows.append(identity | feats | dict(
             step=at, packaged=probability(packaged, feats, at)[0], olmo=olmo_spike_score(loss, grad, at),
-            **{k: float(v is not None and v < at) for k, v in fired.items()}, **record_scores(df, at, m.loops)))
+            **{k: float(v is not None and v < at) for k, v in fired.items()}, **record_scores(df, at, run.loops)))
     return rows
 
 
