@@ -1,5 +1,6 @@
 """Deterministic batches of a tokenized corpus (flt_diag.data.corpus.TokenData) as torch tensors:
-random windows (`get_batch`, drawn by `batch_generator`) or the corpus in order (`stream_batch`)."""
+random windows (`get_batch`, drawn by `batch_generator`) or the corpus in order (`stream_batch`); and of a
+synthetic task (flt_diag.data.tasks.TaskData), rows drawn by id (`get_batch`)."""
 from __future__ import annotations
 
 import hashlib
@@ -8,6 +9,7 @@ import numpy as np
 import torch
 
 from flt_diag.data.corpus import DataError, TokenData
+from flt_diag.data.tasks import TaskData
 
 
 def batch_generator(seed: int, step: int, micro: int = 0, rank: int = 0) -> torch.Generator:
@@ -16,12 +18,15 @@ def batch_generator(seed: int, step: int, micro: int = 0, rank: int = 0) -> torc
     return torch.Generator().manual_seed(int.from_bytes(key[:8], "little") & ((1 << 63) - 1))
 
 
-def get_batch(data: TokenData, batch_size: int, seq_len: int, generator: torch.Generator,
+def get_batch(data: TokenData | TaskData, batch_size: int, seq_len: int, generator: torch.Generator,
               device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Random windows: x (B, T) and its next-token targets y (B, T). A synthetic task
-    (flt_diag.data.tasks.TaskData) draws its own rows instead, answer tokens as the only targets."""
-    if not isinstance(data, TokenData):
-        return data.batch(batch_size, seq_len, generator, device)
+    """Random windows: x (B, T) and its next-token targets y (B, T). Of a synthetic task
+    (flt_diag.data.tasks.TaskData): B rows named by the generator, answer tokens the only targets."""
+    if isinstance(data, TaskData):
+        if seq_len != data.seq_len:
+            raise DataError(f"{data.task.name} rows hold {data.seq_len} tokens, asked for {seq_len}")
+        x, y = data.arrays(torch.randint(0, 1 << 62, (batch_size,), generator=generator).tolist())
+        return _to_device(torch.from_numpy(x), device), _to_device(torch.from_numpy(y), device)
     n = len(data.tokens) - seq_len - 1
     if n <= 0:
         raise DataError(f"corpus has {len(data.tokens)} tokens, fewer than a sequence of {seq_len + 1}")

@@ -1,11 +1,11 @@
 """A run's data through one door: a text corpus (flt_diag.data.corpus) or a synthetic task with
-answers (flt_diag.data.tasks). The Trainer, the evaluation and the command line's checks load and
-check data here; batches of either kind come from flt_diag.data.batches.get_batch."""
+answers (flt_diag.data.tasks). The Trainer and the evaluation load data here (settling a config checks
+it: flt_diag.training.settle.check_data); batches of either kind come from flt_diag.data.batches.get_batch."""
 from __future__ import annotations
 
 from flt_diag.config.run_config import TASKS, replaced
-from flt_diag.data.corpus import TokenData, load_tokens, resolve_corpus
-from flt_diag.data.tasks import TaskData, bytes_only, load_task, make_task
+from flt_diag.data.corpus import TokenData, load_tokens
+from flt_diag.data.tasks import TaskData, load_task
 
 
 def load_split(train, seq_len: int, split: str, data: str | None = None) -> TokenData | TaskData:
@@ -15,17 +15,6 @@ def load_split(train, seq_len: int, split: str, data: str | None = None) -> Toke
     if data in TASKS:
         return load_task(replaced(train, data=data, sampling="random"), seq_len, split)
     return load_tokens(data, train.tokenizer, split, train.max_tokens)
-
-
-def check_source(data: str, tokenizer: str | None, cfg=None) -> None:
-    """DataError (one line) when `data` cannot be read as configured, found before anything runs;
-    with the run's config, a task's dials are checked against its sequence length too."""
-    if data not in TASKS:
-        resolve_corpus(data)
-    elif cfg is None:
-        bytes_only(data, tokenizer)
-    else:
-        make_task(replaced(cfg.train, data=data, sampling="random"), cfg.model.sequence_len)
 
 
 def describe(train_data: TokenData | TaskData, val_data: TokenData | TaskData) -> dict:

@@ -152,8 +152,8 @@ def make_task(train, seq_len: int) -> PHop | Addition:
 
 @dataclass
 class TaskData:
-    """One split of a task, in the place of a corpus's TokenData: rows drawn by id, batches drawn
-    by a torch generator (`flt_diag.data.batches.get_batch` hands them here)."""
+    """One split of a task, in the place of a corpus's TokenData: rows drawn by id (the ids of a batch
+    drawn by a torch generator: `flt_diag.data.batches.get_batch`)."""
 
     task: PHop | Addition
     split: str  # "train" or "val"
@@ -201,16 +201,6 @@ class TaskData:
             y[b] = np.frombuffer(row.targets.encode("ascii"), dtype=np.uint8)
         y[y == ord(NO_TARGET)] = IGNORE_INDEX
         return x, y
-
-    def batch(self, batch_size: int, seq_len: int, generator, device="cpu"):
-        """B rows named by `generator` (torch): x (B, T) and y (B, T) on `device`."""
-        import torch  # training/settle.py imports this module without needing torch (a slow import)
-        from flt_diag.data.batches import _to_device  # (batches.py imports torch)
-        if seq_len != self.seq_len:
-            raise DataError(f"{self.task.name} rows hold {self.seq_len} tokens, asked for {seq_len}")
-        row_ids = torch.randint(0, 1 << 62, (batch_size,), generator=generator).tolist()
-        x, y = self.arrays(row_ids)
-        return _to_device(torch.from_numpy(x), device), _to_device(torch.from_numpy(y), device)
 
     def facts(self) -> dict:
         """What config.json's "corpus" records of a task: its name, dials, layout and an example."""

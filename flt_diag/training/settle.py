@@ -19,10 +19,10 @@ from pathlib import Path
 
 from flt_diag.instruments.warning_callback import predictor
 from flt_diag.config.run_config import (TASK_DIALS, TASKS, DiagnosticsConfig, RunConfig, TrainConfig, build_config,
-                                        given_sections, padded_vocab, with_overrides)
+                                        given_sections, padded_vocab, replaced, with_overrides)
 from flt_diag.config.option_fields import with_fact
-from flt_diag.data.corpus import DataError, get_tokenizer
-from flt_diag.data.sources import check_source
+from flt_diag.data.corpus import DataError, get_tokenizer, resolve_corpus
+from flt_diag.data.tasks import bytes_only, make_task
 
 # Fields that may differ when a run folder is reused (they do not change what is computed: their fields say
 # volatile=True; the loop-dynamics switches change what is recorded, never the trajectory).
@@ -94,7 +94,12 @@ def _cuda_devices() -> int:
 def check_data(data: str, tokenizer: str | None, cfg: RunConfig | None = None) -> None:
     """The corpus or task is one flt-diag can read (with the run's config, a task's dials against its
     sequence length), and a tokenizer given as a file exists (DataError)."""
-    check_source(data, tokenizer, cfg)
+    if data not in TASKS:
+        resolve_corpus(data)
+    elif cfg is None:
+        bytes_only(data, tokenizer)
+    else:
+        make_task(replaced(cfg.train, data=data, sampling="random"), cfg.model.sequence_len)
     if tokenizer is not None and tokenizer.endswith(".json") and not Path(tokenizer).exists():
         raise DataError(f"tokenizer file {tokenizer} does not exist")
 
