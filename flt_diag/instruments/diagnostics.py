@@ -1,8 +1,7 @@
 """The training callback of the diagnostics (DESIGN.md §3): on recorded steps (`should_record`) it arms the
 loop hooks (flt_diag.instruments.loop_hooks) and reads the parameter and gradient records from flat buffers;
 under DDP parameter gradients are read after the all-reduce and rank 0 writes. Its moments and hooks run through
-the run's record guard (flt_diag.instruments.guard). The hooks and their errors are re-exported here (their old
-home).
+the run's record guard (flt_diag.instruments.guard).
 """
 from __future__ import annotations
 
@@ -11,8 +10,7 @@ import torch
 from flt_diag.storage import metric_names as M
 from flt_diag.instruments.guard import Instrument
 from flt_diag.instruments.gradient_pairs import consecutive_stats, pair_sums, segment_squares
-from flt_diag.instruments.loop_hooks import (BUILTIN, MANUAL, BlockCalledTwice, BlocksNotFound, LoopHooks,  # noqa: F401
-                                            NotLooped, ProbeError, first_tensor, token_norm)
+from flt_diag.instruments.loop_hooks import LoopHooks
 from flt_diag.instruments.looped import LoopedModel
 from flt_diag.config.run_config import DiagnosticsConfig
 from flt_diag.records import Record, all_records

@@ -20,18 +20,13 @@ import torch
 from flt_diag.storage.folders import CONFIG
 from flt_diag.instruments.callbacks import Callback
 from flt_diag.instruments.loop_hooks import ProbeError
+from flt_diag.instruments.record_checks import kind
 from flt_diag.config.run_config import MAX_SEED, MAX_VOCAB, DiagnosticsConfig
 from flt_diag.config.variants import VARIANTS
 
 # A step number is stored as a 64-bit integer and read back into float64 columns by the judges and the
 # figures: exact up to 2**53, so no step above it is taken (watch(steps=), step(step=)).
 MAX_STEP = 2**53
-
-
-def _kind(x) -> str:
-    if torch.is_tensor(x):
-        return f"a tensor of shape {tuple(x.shape)}"
-    return type(x).__name__
 
 
 def _real(x) -> bool:
@@ -42,7 +37,7 @@ def _whole(name: str, x, low: int, high: int) -> None:
     if isinstance(x, bool) or not isinstance(x, numbers.Integral) or not low <= int(x) <= high:
         raise ProbeError(f"watch({name}={x!r}): an integer from {low} to {high:,} is expected"
                          if isinstance(x, numbers.Integral) and not isinstance(x, bool)
-                         else f"watch({name}=...): an integer is expected, not {_kind(x)}")
+                         else f"watch({name}=...): an integer is expected, not {kind(x)}")
 
 
 def learning_rate(optimizer) -> float:
@@ -58,7 +53,7 @@ def learning_rate(optimizer) -> float:
         lr = float(lr)
     if lr is None or not _real(lr):
         raise ProbeError(f"optimizer= ({type(optimizer).__name__}): its first parameter group holds no learning rate "
-                         f"(a number under 'lr', found {_kind(lr)})")
+                         f"(a number under 'lr', found {kind(lr)})")
     return float(lr)
 
 
@@ -72,9 +67,9 @@ def check_watch(model, folder, *, loss, optimizer, callbacks, loop_boundary, dia
                 targets=None, scheduler=None, predictor_path=None, **_) -> None:
     """watch()'s arguments, each of the kind docs/api.md names (one ProbeError line for the first that is not)."""
     if not isinstance(model, torch.nn.Module):
-        raise ProbeError(f"watch() diagnoses an nn.Module, not {_kind(model)}")
+        raise ProbeError(f"watch() diagnoses an nn.Module, not {kind(model)}")
     if not isinstance(folder, (str, os.PathLike)):
-        raise ProbeError(f"watch(folder=...): a path is expected, not {_kind(folder)}")
+        raise ProbeError(f"watch(folder=...): a path is expected, not {kind(folder)}")
     if not str(os.fspath(folder)):
         raise ProbeError("watch(folder=''): the folder's name is empty; give the folder to write the run into")
     meta = next((name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta), None)
@@ -82,14 +77,14 @@ def check_watch(model, folder, *, loss, optimizer, callbacks, loop_boundary, dia
         raise ProbeError(f"{type(model).__name__}.{meta} is on the meta device (a shape without values): initialize "
                          "or load the model's weights on a real device before watch()")
     if loss is not None and not callable(loss):
-        raise ProbeError(f"loss= is a function of the model's output (output -> loss tensor), not {_kind(loss)}")
+        raise ProbeError(f"loss= is a function of the model's output (output -> loss tensor), not {kind(loss)}")
     for name, value, what in (("head", head, "a module or function of the loop-end stream (stream -> logits)"),
                               ("loop_step", loop_step, "a function of one loop-end stream (h(t-1) -> h(t))"),
                               ("targets", targets, "a function of the forward's arguments (-> targets)")):
         if value is not None and not callable(value):
-            raise ProbeError(f"{name}= is {what}, not {_kind(value)}")
+            raise ProbeError(f"{name}= is {what}, not {kind(value)}")
     if scheduler is not None and not callable(getattr(scheduler, "step", None)):
-        raise ProbeError(f"scheduler= is a learning-rate scheduler (it has step()), not {_kind(scheduler)}")
+        raise ProbeError(f"scheduler= is a learning-rate scheduler (it has step()), not {kind(scheduler)}")
     if predictor_path is not None and not (isinstance(predictor_path, (str, os.PathLike))
                                            and os.path.isfile(predictor_path)):
         raise ProbeError(f"predictor_path={predictor_path!r}: no such predictor file (fit-predictor writes one)")
@@ -97,16 +92,16 @@ def check_watch(model, folder, *, loss, optimizer, callbacks, loop_boundary, dia
         learning_rate(optimizer)
     if callbacks is not None:
         if not isinstance(callbacks, (list, tuple)):
-            raise ProbeError(f"callbacks= is a list of flt-diag training callbacks, not {_kind(callbacks)}")
+            raise ProbeError(f"callbacks= is a list of flt-diag training callbacks, not {kind(callbacks)}")
         for i, cb in enumerate(callbacks):
             if not isinstance(cb, Callback):
-                raise ProbeError(f"callbacks= item {i + 1} ({_kind(cb)}) is not an flt-diag training callback "
+                raise ProbeError(f"callbacks= item {i + 1} ({kind(cb)}) is not an flt-diag training callback "
                                  "(a subclass of flt_diag.instruments.callbacks.Callback)")
     if not (loop_boundary is None or isinstance(loop_boundary, torch.nn.Module)
             or isinstance(loop_boundary, str) and loop_boundary == "manual"):
         raise ProbeError(f"loop_boundary= is a module whose forward ends each loop, or 'manual'; not {loop_boundary!r}")
     if diagnostics is not None and not isinstance(diagnostics, DiagnosticsConfig):
-        raise ProbeError(f"diagnostics= is a flt_diag.config.run_config.DiagnosticsConfig, not {_kind(diagnostics)}")
+        raise ProbeError(f"diagnostics= is a flt_diag.config.run_config.DiagnosticsConfig, not {kind(diagnostics)}")
     if steps is not None:
         _whole("steps", steps, 1, MAX_STEP)
     if seed is not None:
@@ -124,7 +119,7 @@ def check_watch(model, folder, *, loss, optimizer, callbacks, loop_boundary, dia
     _fraction("warmdown", warmdown, 1)
     _fraction("grad_clip", grad_clip, math.inf)
     if note is not None and not isinstance(note, str):
-        raise ProbeError(f"watch(note=...): a text is expected, not {_kind(note)}")
+        raise ProbeError(f"watch(note=...): a text is expected, not {kind(note)}")
     release_stale_probes(model)  # (last: a refused watch() lets go of nothing)
 
 
@@ -171,7 +166,7 @@ def one_loss(value, where: str):
     if hasattr(value, "__array__") and getattr(value, "size", None) == 1 and getattr(value, "dtype", None) is not None \
             and getattr(value.dtype, "kind", None) in ("f", "i", "u"):
         return float(value.reshape(()))
-    raise ProbeError(f"{where} gave {_kind(value)}; the step's loss is one real number (a tensor of one value, "
+    raise ProbeError(f"{where} gave {kind(value)}; the step's loss is one real number (a tensor of one value, "
                      "or a float)")
 
 
@@ -186,7 +181,7 @@ def step_arguments(loss, step, optimizer, next_step: int, recorded: bool, forwar
     except TypeError:
         s = None
     if s is None:
-        raise ProbeError(f"step(step=...) is the optimizer step's number, an integer; not {_kind(step)}")
+        raise ProbeError(f"step(step=...) is the optimizer step's number, an integer; not {kind(step)}")
     if not 0 <= s <= MAX_STEP:
         raise ProbeError(f"step(step={s}): a step number from 0 to {MAX_STEP:,} (2**53) is expected")
     if last is not None and s <= last:

@@ -84,20 +84,19 @@ class FltDiagCallback(TrainerCallback):
     def on_init_end(self, args, state, control, **kwargs):
         trainer = building_trainer()
         if trainer is not None:
-            self._guard_train(trainer)
+            trainer.train = self._closing(trainer.train)
 
-    def _guard_train(self, trainer) -> None:
-        """Wrap the Trainer's train(): an exception leaving it lets go of the probe (module docstring), then goes on."""
-        train = trainer.train
-
-        @functools.wraps(train)
-        def guarded_train(*args, **kwargs):
+    def _closing(self, fn):
+        """fn wrapped: an exception leaving it (the Trainer's train(), the model's forward) lets go of the probe
+        (module docstring), then goes on."""
+        @functools.wraps(fn)  # (a forward's signature stays the model's: the Trainer reads it)
+        def guarded(*args, **kwargs):
             try:
-                return train(*args, **kwargs)
+                return fn(*args, **kwargs)
             except BaseException as e:
                 self.close(e)
                 raise
-        trainer.train = guarded_train
+        return guarded
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
         self.close()  # a probe left open by a train() that raised outside the model's forward
@@ -113,20 +112,8 @@ class FltDiagCallback(TrainerCallback):
         if clips and not self.probe.grad_hooks:
             self.probe.oscillation_unjudged = (f"the gradients were read after the Trainer clipped them "
                                                f"(max_grad_norm {args.max_grad_norm})")
-        self._guard(model)
-
-    def _guard(self, model) -> None:
-        """Wrap the model's forward: an exception in it lets go of the probe (module docstring), then goes on."""
-        own, forward = model.__dict__.get("forward"), model.forward
-
-        @functools.wraps(forward)  # (its signature stays the model's: the Trainer reads it)
-        def guarded(*args, **kwargs):
-            try:
-                return forward(*args, **kwargs)
-            except BaseException as e:
-                self.close(e)
-                raise
-        model.forward = guarded
+        own = model.__dict__.get("forward")  # the model's forward wrapped while the probe watches (module docstring)
+        model.forward = guarded = self._closing(model.forward)
         self._guarded = (model, own, guarded)
 
     def close(self, error: BaseException | None = None) -> None:

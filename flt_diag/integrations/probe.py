@@ -9,8 +9,9 @@ from flt_diag.config.run_config import DiagnosticsConfig
 from flt_diag.instruments.callbacks import Callback, Host
 from flt_diag.instruments.diagnostics import DiagnosticsCallback
 from flt_diag.instruments.dynamics_callback import LoopDynamicsCallback
-from flt_diag.instruments.guard import Records
+from flt_diag.instruments.guard import MOMENTS, Records
 from flt_diag.instruments.warning_callback import CollapseWarning
+
 
 class Probe(Callback):
     """The instruments of a run: `build(groups, ...)` makes the diagnostics (again where the blocks change: watch's
@@ -55,38 +56,6 @@ class Probe(Callback):
         for part in started:
             part.on_end(trainer)
 
-    def before_step(self, trainer: Host, step: int) -> None:
-        for part in self.started:
-            part.before_step(trainer, step)
-
-    def after_backward(self, trainer: Host, step: int) -> None:
-        for part in self.started:
-            part.after_backward(trainer, step)
-
-    def after_clip(self, trainer: Host, step: int) -> None:
-        for part in self.started:
-            part.after_clip(trainer, step)
-
-    def after_step(self, trainer: Host, step: int) -> None:
-        for part in self.started:
-            part.after_step(trainer, step)
-
-    def on_rows(self, trainer: Host, step: int, rows) -> None:
-        for part in self.started:
-            part.on_rows(trainer, step, rows)
-
-    def on_step_end(self, trainer: Host, step: int) -> None:
-        for part in self.started:
-            part.on_step_end(trainer, step)
-
-    def on_finish(self, trainer: Host, step: int) -> None:
-        for part in self.started:
-            part.on_finish(trainer, step)
-
-    def on_summary(self, trainer: Host, summary) -> None:
-        for part in self.started:
-            part.on_summary(trainer, summary)
-
     def state_dict(self) -> dict:
         return {type(p).__name__: p.state_dict() for p in self.parts}
 
@@ -94,3 +63,16 @@ class Probe(Callback):
         for p in self.parts:
             if type(p).__name__ in state:
                 p.load_state_dict(state[type(p).__name__])
+
+
+def _to_started(moment: str):
+    """A moment of the Probe (each per-step one, on_finish, on_summary): to every started part, in order."""
+    def forward(self: Probe, trainer: Host, *args) -> None:
+        for part in self.started:
+            getattr(part, moment)(trainer, *args)
+    forward.__name__, forward.__qualname__ = moment, f"Probe.{moment}"
+    return forward
+
+
+for _moment in (*MOMENTS, "on_finish", "on_summary"):
+    setattr(Probe, _moment, _to_started(_moment))
