@@ -12,7 +12,7 @@ from flt_diag.cli import main
 from flt_diag.data.batches import batch_generator, get_batch
 from flt_diag.data.corpus import load_tokens
 from flt_diag.training.evaluation import VAL_SEED, eval_loops
-from flt_diag.training.external import WandbSink, tag
+from flt_diag.training.external import ExternalSinks, tag
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig
 from flt_diag.training.trainer import train
 
@@ -59,6 +59,9 @@ def test_external_tags_and_wandb_sink(monkeypatch, tmp_path):
     fake = types.SimpleNamespace(init=lambda **kw: types.SimpleNamespace(
         log=lambda values, step: logged.append((step, values)), finish=lambda: None))
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    sink = WandbSink("proj", tmp_path, {})
-    sink.extend([(0, "loss", -1, -1, 5.0), (0, "resid_norm", 1, 2, 8.0), (1, "loss", -1, -1, 4.0)])
+    trainer = types.SimpleNamespace(run_dir=tmp_path, is_main=True, cfg=types.SimpleNamespace(
+        diagnostics=types.SimpleNamespace(tensorboard=False, wandb="proj"), to_dict=lambda: {}))
+    sinks = ExternalSinks()
+    sinks.on_start(trainer)
+    sinks.on_rows(trainer, 1, [(0, "loss", -1, -1, 5.0), (0, "resid_norm", 1, 2, 8.0), (1, "loss", -1, -1, 4.0)])
     assert logged == [(0, {"loss": 5.0, "resid_norm/loop1/layer2": 8.0}), (1, {"loss": 4.0})]

@@ -229,7 +229,7 @@ class LoopedTransformer(nn.Module):
         if self.loop_embed is not None:
             nn.init.zeros_(self.loop_embed.weight)
 
-    def _loop(self, x, h_prev, emb, cos, sin, t: int | None = None):
+    def _loop(self, x, h_prev, emb, cos, sin, t: int):
         """One pass through the L blocks. h_prev is None in loop 1 (a plain pass); x is the raw stream at the
         previous loop's end (Parcae and Huginn start from it); emb is the raw embedding E[tokens]; t the loop's
         index from 0 (needed by the loop embedding only)."""
@@ -248,8 +248,6 @@ class LoopedTransformer(nn.Module):
             else:
                 raise ValueError(f"variant {self.cfg.variant!r}: unknown loop start {rule.start!r}")
         if self.loop_embed is not None:
-            if t is None:
-                raise ValueError("the loop embedding needs the loop's index: call _loop(..., t=...)")
             x = self.loop_embed(x, t)
         for i, block in enumerate(self.blocks):
             query = None
@@ -286,7 +284,7 @@ class LoopedTransformer(nn.Module):
                 outs.append(h)
         if self.rule.loss_term != "none" and self.training and torch.is_grad_enabled():
             self.penalty_inputs = (h.detach(), emb, cos, sin, K)  # the loss term's loop runs at h(K) (penalty.py)
-        return [self.cfg.softcap * torch.tanh(self.head(h).float() / self.cfg.softcap) for h in outs]
+        return [self.loop_head(h) for h in outs]
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loops: int | None = None,
                 loss_on: str = "end"):

@@ -62,13 +62,6 @@ def callback_names(callbacks: list) -> list[str]:
     return names
 
 
-def save_resume(trainer, next_step: int) -> None:
-    save(trainer.run_dir / RESUME, dict(
-        step=next_step, wall_time=trainer.elapsed(), model=trainer.model.state_dict(),
-        optimizers=[o.state_dict() for o in trainer.optimizers],
-        callbacks={name: c.state_dict() for name, c in zip(callback_names(trainer.callbacks), trainer.callbacks)}))
-
-
 def resume_file(run_dir: Path) -> Path | None:
     """<run>/resume.pt if the run has one, else None. A symbolic link there (to a file or to nothing) is refused
     here, before anything trains or is written: flt-diag never writes one, and the run would train until its
@@ -126,7 +119,11 @@ class Checkpoints(Callback):
 
     def on_step_end(self, trainer, step: int) -> None:
         if trainer.is_main and checkpoint_due(trainer.cfg.train, step + 1):
-            save_resume(trainer, step + 1)
+            callbacks = zip(callback_names(trainer.callbacks), trainer.callbacks)
+            save(trainer.run_dir / RESUME, dict(
+                step=step + 1, wall_time=trainer.elapsed(), model=trainer.model.state_dict(),
+                optimizers=[o.state_dict() for o in trainer.optimizers],
+                callbacks={name: c.state_dict() for name, c in callbacks}))
 
     def on_finish(self, trainer, step: int) -> None:
         if trainer.is_main:

@@ -55,8 +55,7 @@ def evaluate(model, data: TokenData | TaskData, batch_size: int, seq_len: int, b
     model.eval()
     total, right, answers = 0.0, 0, 0
     for i in range(batches):
-        x, y = get_batch(data, batch_size, seq_len,  # type: ignore[arg-type]  # (a task draws its own rows)
-                         batch_generator(VAL_SEED, i), device)
+        x, y = get_batch(data, batch_size, seq_len, batch_generator(VAL_SEED, i), device)
         logits = model(x, loops=loops)
         total += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE_INDEX).item()
         if isinstance(data, TaskData):

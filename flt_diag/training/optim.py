@@ -39,9 +39,6 @@ def build_optimizers(model: LoopedTransformer, cfg: TrainConfig, fused: bool = F
     muon_class = torch.optim.Muon if fused else BatchedMuon  # fused: the CUDA path
     muon = muon_class(matrices, lr=cfg.matrix_lr * cfg.lr_scale, momentum=muon_momentum(0, cfg),
                       nesterov=True, weight_decay=0.0)
-    for opt in (adamw, muon):
-        for g in opt.param_groups:
-            g["base_lr"] = g["lr"]
     return [muon, adamw]
 
 
@@ -54,6 +51,7 @@ def lr_multiplier(step: int, total: int, warmdown_frac: float) -> float:
 
 
 def set_lr(optimizers: list[torch.optim.Optimizer], multiplier: float) -> None:
+    """Every group's lr = its lr at the first call (kept as "base_lr", saved with the optimizer) x `multiplier`."""
     for opt in optimizers:
         for g in opt.param_groups:
             g.setdefault("base_lr", g["lr"])

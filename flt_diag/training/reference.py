@@ -52,9 +52,7 @@ class ReferenceImportError(ValueError):
 # --------------------------------------------------------------------------- names and shapes
 
 def variant_name(name: str) -> str:
-    """flt-diag's name for a variant given by its reference name (FLT) or flt-diag name (flt)."""
-    if name in REFERENCE_VARIANTS:
-        return REFERENCE_VARIANTS[name]
+    """flt-diag's name for a variant given by its flt-diag name (flt) or its reference name, in any case (FLT)."""
     if name in VARIANTS:
         return name
     folded = {k.lower(): v for k, v in REFERENCE_VARIANTS.items()}
@@ -191,11 +189,9 @@ def _load_checkpoint(path: Path) -> dict:
         obj = load(path)  # (weights only; a FIFO in its place, a corrupt file: one line)
     except StorageError as e:
         raise ReferenceImportError(str(e)) from None
-    for wrapper in ("model", "state_dict", "model_state_dict"):  # some scripts wrap the state dict
-        if isinstance(obj, dict) and isinstance(obj.get(wrapper), dict):
-            obj = obj[wrapper]
-            break
-    return obj
+    wrapped = [w for w in ("model", "state_dict", "model_state_dict") if isinstance(obj, dict)
+               and isinstance(obj.get(w), dict)]  # some scripts wrap the state dict
+    return obj[wrapped[0]] if wrapped else obj
 
 
 def _load_meta(meta, checkpoint_path: Path | None) -> tuple[ReferenceMeta, str]:
@@ -291,12 +287,11 @@ def write_imported_run(model: LoopedTransformer, out_dir, source: str, step: int
         raise StorageError(f"cannot create run folder {out}: {e.strerror}") from None
     V = model.cfg.vocab_size
     note = None
-    if tokenizer is None:
-        if V == 256:
-            tokenizer = "bytes"
-        else:
-            note = (f"vocab_size {V}: set train.tokenizer to the tokenizer the reference was trained with "
-                    "(a tokenizer.json path or hub name) before running eval-loops")
+    if tokenizer is None and V == 256:
+        tokenizer = "bytes"
+    elif tokenizer is None:
+        note = (f"vocab_size {V}: set train.tokenizer to the tokenizer the reference was trained with "
+                "(a tokenizer.json path or hub name) before running eval-loops")
     cfg = RunConfig(model=model.cfg, train=TrainConfig(data=data, tokenizer=tokenizer), preset="custom")
     doc = {**cfg.to_dict(), "imported_from": str(source)}
     if note:

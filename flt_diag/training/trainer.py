@@ -131,8 +131,12 @@ class Trainer:
 
     def emit(self, step: int, rows: list[Row]) -> None:
         """Rows (step, metric, loop, layer, value) to every callback's on_rows (table, mirrors, ...)."""
+        self.call("on_rows", step, rows)
+
+    def call(self, moment: str, *args) -> None:
+        """Every callback's `moment` (flt_diag.instruments.callbacks.Callback), in the callbacks' order."""
         for cb in self.callbacks:
-            cb.on_rows(self, step, rows)
+            getattr(cb, moment)(self, *args)
 
     # ------------------------------------------------------------------ run folder
     def start(self) -> bool:
@@ -152,8 +156,7 @@ class Trainer:
                     torch.distributed.barrier()
         if ready:
             try:
-                for cb in self.callbacks:
-                    cb.on_start(self)
+                self.call("on_start")
             except BaseException:
                 if self.is_main and self._fresh:  # a refused start leaves the new folder as it was: empty
                     with contextlib.suppress(OSError):
@@ -197,8 +200,7 @@ class Trainer:
 
     def end(self) -> None:
         """End the callbacks (hooks removed, files flushed and closed)."""
-        for cb in self.callbacks:
-            cb.on_end(self)
+        self.call("on_end")
 
     # ------------------------------------------------------------------ training
     def autocast(self):
@@ -222,8 +224,7 @@ class Trainer:
             data = cast(TokenData, self.train_data)  # (a task is never streamed: TrainConfig refuses it)
             return stream_batch(data, t.batch_size, T, (step * t.grad_accum + micro) * self.world + self.rank,
                                 self.device)
-        return get_batch(self.train_data, t.batch_size, T,  # type: ignore[arg-type]  # (a task draws its own rows)
-                         batch_generator(t.seed, step, micro, self.rank), self.device)
+        return get_batch(self.train_data, t.batch_size, T, batch_generator(t.seed, step, micro, self.rank), self.device)
 
     def train_step(self, step: int) -> torch.Tensor:
         """One optimizer step (callbacks at before_step, after_backward, after_clip, after_step);
@@ -232,8 +233,7 @@ class Trainer:
         set_lr(self.optimizers, lr_multiplier(step, t.steps, t.warmdown_frac))
         momentum = muon_momentum(step, t)
         has_muon = set_momentum(self.optimizers, momentum)
-        for cb in self.callbacks:
-            cb.before_step(self, step)
+        self.call("before_step", step)
         total = torch.zeros((), device=self.device)
         loops = step_loops(self.model, t.seed, step)  # a stabiliser's sampled loop count; None: K
         for micro in range(t.grad_accum):
@@ -254,19 +254,16 @@ class Trainer:
         if self.world > 1:  # every rank logs (and judges) the same, global mean loss
             torch.distributed.all_reduce(total)
             total /= self.world
-        for cb in self.callbacks:
-            cb.after_backward(self, step)
+        self.call("after_backward", step)
         params = [p for p in self.model.parameters() if p.grad is not None]  # (so p.grad below is a Tensor)
         if t.grad_clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
         else:
             grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([cast(torch.Tensor, p.grad) for p in params])))
-        for cb in self.callbacks:
-            cb.after_clip(self, step)
+        self.call("after_clip", step)
         for opt in self.optimizers:
             opt.step()
-        for cb in self.callbacks:
-            cb.after_step(self, step)
+        self.call("after_step", step)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         self.log.add(M.LOSS, total)
@@ -307,12 +304,10 @@ class Trainer:
                     self.stop_reason = self.stop_requested
                 if self.stop_reason:
                     break
-                for cb in self.callbacks:
-                    cb.on_step_end(self, step)
+                self.call("on_step_end", step)
             self.wall_time = self.elapsed()
             self._t0 = None
-            for cb in self.callbacks:
-                cb.on_finish(self, step)
+            self.call("on_finish", step)
         finally:
             self.end()
         if not self.is_main:
@@ -323,8 +318,7 @@ class Trainer:
                             tokens_per_step=tokens_per_step(self.cfg, self.world))
         summary = with_not_recorded(summary, self.callbacks)
         write_json(self.run_dir / SUMMARY, summary)
-        for cb in self.callbacks:
-            cb.on_summary(self, summary)
+        self.call("on_summary", summary)
         if self.world > 1:
             torch.distributed.destroy_process_group()
         return summary

@@ -16,6 +16,8 @@ from flt_diag.results.figures.style import cell_rows, empty, finish, legend, lin
 
 KINDS = ("embedding", "head", "attn", "mlp")
 QUANTITIES = ((M.PARAM_NORM, "parameter norm"), (M.UPDATE_RATIO, "update ratio"))
+# how a kind's groups are pooled per step: the norm of all their weights, the mean of their update ratios
+POOLED = {M.PARAM_NORM: lambda v: float(np.sqrt((v ** 2).sum())), M.UPDATE_RATIO: "mean"}
 
 
 def weights_data(study: Study) -> pd.DataFrame:
@@ -29,10 +31,7 @@ def weights_data(study: Study) -> pd.DataFrame:
                 sel = run.select(f"{metric}/{kind}")
                 if sel.empty:
                     continue
-                if metric == M.PARAM_NORM:
-                    agg = sel.groupby("step").value.apply(lambda v: float(np.sqrt((v ** 2).sum())))
-                else:
-                    agg = sel.groupby("step").value.mean()
+                agg = sel.groupby("step").value.agg(POOLED[metric])
                 parts.append(agg.reset_index().assign(metric=metric, kind=kind))
         if parts:
             frames.append(run.tag(pd.concat(parts, ignore_index=True)[["metric", "kind", "step", "value"]]))
