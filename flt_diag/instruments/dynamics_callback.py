@@ -271,8 +271,8 @@ class LoopDynamicsCallback(Instrument):
             self.log.add_vector(keys, torch.stack([(n / d.clamp_min(1e-30)).mean() for _, n, d in steps]))
 
     def _similarity(self) -> None:
-        """Token cosine and effective rank of the loop ends kept for them: one D.similarity_per_sequence call for
-        each run of loops whose kept streams have one shape, up to BATCH_SIMILARITY elements at a time."""
+        """Token cosine and effective rank of the loop ends kept for them: one call of each D.*_per_sequence
+        for each run of loops whose kept streams have one shape, up to BATCH_SIMILARITY elements at a time."""
         kept, self.similar = self.similar, []
         while kept:
             shape, n = kept[0][1].shape, 0

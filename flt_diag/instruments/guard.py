@@ -111,18 +111,11 @@ class Instrument(Callback):
     not_recorded gets when the moment fails as a whole; default "<class>.<moment>")."""
 
     RECORDS: ClassVar[dict[str, tuple[str, ...]]] = {}
-    _records: Records | None = None
 
-    @property
+    @functools.cached_property
     def records(self) -> Records:
-        """The guard its records are taken through (its own, unless one is shared: a Probe's)."""
-        if self._records is None:
-            self._records = Records()
-        return self._records
-
-    @records.setter
-    def records(self, guard: Records) -> None:
-        self._records = guard
+        """The guard its records are taken through (its own, unless one is shared: a Probe's sets it)."""
+        return Records()
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)

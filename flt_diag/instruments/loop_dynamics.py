@@ -225,15 +225,9 @@ def stream_similarity(h: Tensor) -> tuple[Tensor, Tensor]:
     token_cosine: the mean over position pairs i != j of cos(h_i, h_j) (1: every position holds the same
     vector, the stream has forgotten its tokens). effective_rank: exp(-sum p log p) of the singular values
     of the (T, d) matrix normalised to p = sigma / sum(sigma) (Roy and Vetterli 2007): 1 for a rank-one
-    stream, min(T, d) for a flat spectrum. Per sequence: `similarity_per_sequence`."""
-    cosine, rank = similarity_per_sequence(h)
-    return cosine.mean(), rank.mean()
-
-
-def similarity_per_sequence(h: Tensor) -> tuple[Tensor, Tensor]:
-    """stream_similarity's two figures for each sequence of h (..., T, d), flattened to (N,) each (a (T, d) h: one
-    sequence): token_cosine_per_sequence and effective_rank_per_sequence."""
-    return token_cosine_per_sequence(h), effective_rank_per_sequence(h)
+    stream, min(T, d) for a flat spectrum. Per sequence (h (..., T, d) flattened to (N,) sequences; a (T, d) h: one
+    sequence): `token_cosine_per_sequence` and `effective_rank_per_sequence`."""
+    return token_cosine_per_sequence(h).mean(), effective_rank_per_sequence(h).mean()
 
 
 def _sequences(h: Tensor) -> Tensor:

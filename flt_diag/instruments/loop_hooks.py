@@ -146,11 +146,6 @@ class LoopHooks:
         self.calls = [0] * len(self.blocks)
         self.pending: list[tuple[list[tuple[str, int, int]], torch.Tensor]] = []  # (_log_norms)
 
-    @property
-    def not_recorded(self) -> dict[str, str]:
-        """metric -> why it could not be recorded (the guard's, shared by the run's instruments)."""
-        return self.records.not_recorded
-
     def arm(self, on: bool = True) -> None:
         """Record during the next forward of the model only."""
         self._armed = on

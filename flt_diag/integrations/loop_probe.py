@@ -84,7 +84,7 @@ class LoopProbe(ProbeMoments):
 
     # ------------------------------------------------------------------ attach / detach
     def _build(self) -> None:
-        check_untied(self.blocks, self.names)
+        check_untied(self.model, self.blocks, self.names)
         self.groups = parameter_groups_of(self.model, self.blocks, self.head)
         self.params = [p for ps in self.groups.values() for p in ps]
         self.diag = self.probe.build(self.groups, grad_scale=self.grad_scale, hooks=dict(

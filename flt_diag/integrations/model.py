@@ -164,13 +164,15 @@ def resolve_blocks(model: nn.Module, blocks) -> tuple[list[nn.Module], list[str]
         found = [(path[id(b)] or type(b).__name__, b) for b in given]
     if len({id(m) for _, m in found}) < len(found):
         raise ProbeError("blocks= names the same module twice; give each block once")
-    check_no_tied_copies(model, [m for _, m in found], [n for n, _ in found])
     return [m for _, m in found], [n for n, _ in found]
 
 
-def check_untied(blocks: list[nn.Module], names: list[str]) -> None:
+def check_untied(model: nn.Module, blocks: list[nn.Module], names: list[str]) -> None:
     """Refuses blocks that share parameters (weights tied across two module objects): their per-block records
-    would be partial (a shared parameter counts once, in the first block's group)."""
+    would be partial (a shared parameter counts once, in the first block's group). Refuses a block whose weights a
+    module outside the blocks holds too (ALBERT-style copies of one layer, a module object each loop, their weights
+    tied): the hooks see module objects, so the block's records would be of the loops that call it only - loop 1 of
+    a loop_boundary= count, silently."""
     owner: dict[int, int] = {}
     for i, b in enumerate(blocks):
         for p in b.parameters():
@@ -178,14 +180,7 @@ def check_untied(blocks: list[nn.Module], names: list[str]) -> None:
             if j != i:
                 raise ProbeError(f"blocks {names[j]} and {names[i]} share parameters (weights tied across two "
                                  "modules): give each shared block once - the module the forward reuses - or untie them")
-
-
-def check_no_tied_copies(model: nn.Module, blocks: list[nn.Module], names: list[str]) -> None:
-    """Refuses a block whose weights a module outside the blocks holds too (ALBERT-style copies of one layer, a
-    module object each loop, their weights tied): the hooks see module objects, so the block's records would be
-    of the loops that call it only - loop 1 of a loop_boundary= count, silently."""
     inside = {id(m) for b in blocks for m in b.modules()}
-    owner = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
     for path, m in model.named_modules():
         tied = [owner[id(p)] for p in m.parameters(recurse=False) if id(p) in owner] if id(m) not in inside else []
         if tied:
