@@ -37,6 +37,7 @@ class SweepMonitor:
     def __init__(self, out: Path, cells: list[RunId], steps: int, enabled: bool):
         self.out, self.steps, self.enabled = out, steps, enabled
         self.weight = {c: c.loops * (c.depth or 1) * steps for c in cells}
+        self.total = sum(self.weight.values())
         self.estimated = False
         self.first: tuple[float, float] | None = None  # first: (elapsed s, work) at the first progress reported
         done = [c for c in cells if cell_status(out, c) == "done"]
@@ -47,7 +48,7 @@ class SweepMonitor:
             self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[cells]}"),
                                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), transient=False,
                                 redirect_stdout=False, redirect_stderr=False)
-            self.task = self.bar.add_task("sweep", total=sum(self.weight.values()), completed=self.done_work,
+            self.task = self.bar.add_task("sweep", total=self.total, completed=self.done_work,
                                           cells=self._cells_text())
             self.bar.start()
         self.t0 = self.last_beat = time.monotonic()
@@ -94,11 +95,11 @@ class SweepMonitor:
         self._estimate(work, now - self.t0)
         if not self.bar.console.is_terminal and now - self.last_beat >= self.heartbeat:
             self.last_beat = now
-            total, elapsed = sum(self.weight.values()), now - self.t0
+            elapsed = now - self.t0
             rate = (work - self.work0) / elapsed if elapsed > 0 else 0.0
-            left = f", about {(total - work) / rate / 60:.0f} min left" if rate > 0 else ""
-            self.bar.console.print(f"  [{elapsed / 60:.0f} min] {self._cells_text()}, {work / total:.0%} of the work"
-                                   f"{left}; running: {'; '.join(parts) or '-'}", soft_wrap=True)
+            left = f", about {(self.total - work) / rate / 60:.0f} min left" if rate > 0 else ""
+            self.bar.console.print(f"  [{elapsed / 60:.0f} min] {self._cells_text()}, {work / self.total:.0%} of the "
+                                   f"work{left}; running: {'; '.join(parts) or '-'}", soft_wrap=True)
 
     def _estimate(self, work: float, elapsed: float) -> None:
         """Once: the rate is measured from the first progress a cell reports (start-up, data loading and
@@ -113,11 +114,11 @@ class SweepMonitor:
         if elapsed - t1 < self.estimate_after or work <= w1:
             return
         self.estimated = True
-        total = sum(self.weight.values())
         rate = (work - w1) / (elapsed - t1)
-        cast(Progress, self.bar).console.print(f"  estimate from {elapsed - t1:.0f} s of training: the whole sweep takes about "
-                               f"{_minutes(t1 + (total - w1) / rate)}, {_minutes((total - work) / rate)} from now",
-                               soft_wrap=True)
+        cast(Progress, self.bar).console.print(
+            f"  estimate from {elapsed - t1:.0f} s of training: the whole sweep takes about "
+            f"{_minutes(t1 + (self.total - w1) / rate)}, {_minutes((self.total - work) / rate)} from now",
+            soft_wrap=True)
 
     def close(self) -> None:
         if self.bar is not None:

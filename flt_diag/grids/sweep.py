@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import traceback
+from collections import Counter
 from pathlib import Path
 from typing import cast
 
@@ -52,10 +53,9 @@ class SweepSpec(SweepGrid):
         if n > MAX_ITEMS:  # what the loader of sweep.json reads: a larger grid could never be resumed or read
             raise ValueError(f"the grid has {n:,} cells; a sweep holds at most {MAX_ITEMS:,} (split it into sweeps)")
         cells = self.cells()
-        names = [c.name for c in cells]
-        if len(set(names)) != len(names):
-            twice = next(x for x in names if names.count(x) > 1)
-            raise ValueError(f"two cells of the grid would share the folder {twice} (values that are equal as numbers)")
+        if twice := [name for name, n in Counter(c.name for c in cells).items() if n > 1]:
+            raise ValueError(f"two cells of the grid would share the folder {twice[0]} (values that are equal as "
+                             "numbers)")
         self.base = cell_config(self.base, cells[0])
         for cell in cells:  # validates every cell before anything runs
             self.cell_config(cell)

@@ -42,8 +42,7 @@ def sweep_summary(out: Path) -> pd.DataFrame:
 
 def write_summary(out: Path) -> pd.DataFrame:
     df = sweep_summary(out)
-    with atomic_path(out / SWEEP_SUMMARY) as tmp:
-        df.to_csv(tmp, index=False)
-    with atomic_path(out / "summary.parquet") as tmp:
-        df.to_parquet(tmp, index=False)
+    for name, write in ((SWEEP_SUMMARY, df.to_csv), ("summary.parquet", df.to_parquet)):
+        with atomic_path(out / name) as tmp:
+            write(tmp, index=False)
     return df

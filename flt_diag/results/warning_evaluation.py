@@ -17,12 +17,12 @@ from flt_diag.judge.early_warning import (RunSeries, feature_matrix, features_at
                                           standardised)
 from flt_diag.judge.spike_detectors import dense_series, kill_loss_spike, lightning_spike
 from flt_diag.results.predictor_fit import class_weights, fit_logistic
+from flt_diag.results.tables import CELL
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.cells import RunId
 from flt_diag.storage.file_models import Summary
 from flt_diag.storage.folders import load_config, load_metrics
 
-CONFIG = ["variant", "loops", "depth", "width", "lr_scale"]
 SCALED: dict[str, dict] = {"lightning": dict(window=50), "kill_loss_spike": dict(window=200)}  # the plan's scaled windows
 OLMO_WINDOW, OLMO_THRESHOLD = 128, 6.0  # OLMo-core StabilityMonitorCallback defaults
 FEATURE_GROUPS = {"residual": ["resid_level", "resid_growth", "loop_ratio"],
@@ -128,7 +128,7 @@ def prior_matrix(table: pd.DataFrame, variants: list[str]) -> np.ndarray:
 
 def group_keys(table: pd.DataFrame, by: str) -> pd.Series:
     if by == "config":
-        return table[CONFIG].astype(str).agg("|".join, axis=1)
+        return table[CELL].astype(str).agg("|".join, axis=1)  # (a configuration: a cell of a grid)
     if by == "variant":
         return table.variant.astype(str)
     raise ValueError(f"cross-validation groups are config or variant, got {by!r}")
