@@ -6,7 +6,7 @@ The Probe (flt_diag.integrations.probe) builds what both run on every step: the 
 feed each recorded loop-end stream to LoopDynamicsCallback.loop_end (a new record per loop: its function in loop_dynamics.py, its
 metric name, one call in `loop_end`). The every-N records go through a loop map after the backward, on rank 0,
 in fp32 outside autocast, with a generator of their own, leaving nothing on any .grad (the training trajectory
-is the same with or without them), one LoopMap for every model: on a LoopedModel (flt-diag's own: the protocol of
+is the same with or without them), one path for every model: on a LoopedModel (flt-diag's own: the protocol of
 flt_diag.instruments.looped) its loop-end state, head, loop step and targets; on any other the raw stream, head=
 and targets= as given, the user's loop_step=. Every record here is taken through the run's record guard
 (flt_diag.instruments.guard), and what the user's head=, targets= and loop_step= return is checked at the record
@@ -22,7 +22,7 @@ import torch
 from flt_diag.storage import metric_names as M
 from flt_diag.instruments.callbacks import Host
 from flt_diag.instruments.diagnostics import should_record
-from flt_diag.instruments.guard import Instrument, Records, Unrecordable, recording, why_of
+from flt_diag.instruments.guard import Instrument, Unrecordable, recording, why_of
 from flt_diag.instruments import loop_dynamics as D
 from flt_diag.instruments.record_checks import checked_head, checked_step, checked_targets, target_span
 from flt_diag.instruments.loop_hooks import per_token_norms
@@ -45,90 +45,6 @@ def due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
 
 
-class LoopMap:
-    """The every-N loop-map records, one path for every model. On a LoopedModel (flt-diag's own, the protocol of
-    flt_diag.instruments.looped): the loop map at its own states of the step's first micro-batch (`begin`: the
-    forward's idx and its targets), with the per-loop gradient agreement and the sharpness. On any other: the
-    user's `loop_step` (h(t-1) -> h(t)) at the step's recorded loop-end streams, under torch.no_grad, the global
-    random state restored after (a loop_step that draws, e.g. dropout, leaves the training's draws unchanged);
-    one that fails there, or returns what is no next stream (record_checks.checked_step), is said once and
-    records no more. Both write their records through `_add`."""
-
-    def __init__(self, model: LoopedModel | None = None,
-                 loop_step: Callable[[torch.Tensor], torch.Tensor] | None = None):
-        self.model, self.loop_step = model, loop_step
-        self.batch: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.states: list[torch.Tensor] = []
-
-    def due(self, step: int, cfg: DiagnosticsConfig, recording: bool) -> bool:
-        if self.model is not None:
-            return due(step, cfg.dynamics_every) or due(step, cfg.sharpness_every)
-        return recording and self.loop_step is not None and due(step, cfg.dynamics_every)
-
-    def begin(self, args: tuple, kwargs: dict) -> None:
-        self.batch, self.states = None, []
-        if self.model is not None:
-            idx, targets = args[0] if args else kwargs.get("idx"), self.model.loop_targets(*args, **kwargs)
-            self.batch = (idx.detach(), targets.detach()) if torch.is_tensor(idx) and torch.is_tensor(targets) else None
-
-    def loop_end(self, h: torch.Tensor) -> None:
-        if self.model is None:
-            self.states.append(h)
-
-    def record(self, host: Host, step: int, cfg: DiagnosticsConfig, records: Records, loss_on: str) -> None:
-        """The every-N records, each through `records` (one that fails leaves the others)."""
-        batch, states, self.batch, self.states = self.batch, self.states, None, []
-        if self.model is not None and batch is not None:
-            self._own(host.log, step, cfg, records, batch, loss_on)
-        elif self.model is None and len(states) >= 2 and self.loop_step is not None:
-            records.take(LOOP_MAP, self._given, host.log, step, cfg, states)
-
-    def _own(self, log, step: int, cfg: DiagnosticsConfig, records: Records, batch, loss_on: str) -> None:
-        model, b = self.model, cfg.dynamics_batch
-        assert model is not None  # (_own: the protocol's model)
-        idx, targets = batch[0][:b], batch[1][:b]
-        gen = torch.Generator(device=idx.device).manual_seed(step)
-        with torch.autocast(idx.device.type, enabled=False):
-            if due(step, cfg.dynamics_every) and LoopStep.of(model, idx).loops > 1:
-                records.take(LOOP_MAP, lambda: self._add(log, D.loop_map_stats(
-                    model, idx, cfg.dynamics_iters, cfg.krylov_dim, cfg.perturbation_dirs, gen)))
-                records.take((M.LOOP_GRAD_COSINE,), self._agreement, log, idx, targets, loss_on)
-            if due(step, cfg.sharpness_every):
-                records.take((M.SHARPNESS,), lambda: log.add(M.SHARPNESS, sharpness(
-                    model, idx, targets, cfg.dynamics_iters, loss_on, gen)))
-
-    def _agreement(self, log, idx: torch.Tensor, targets: torch.Tensor, loss_on: str) -> None:
-        assert self.model is not None  # (_own: the protocol's model)
-        cos = D.loop_gradient_agreement(self.model, idx, targets, loss_on)  # (K, L)
-        log.add_vector([(M.LOOP_GRAD_COSINE, t + 1, layer + 1) for t in range(cos.shape[0])
-                        for layer in range(cos.shape[1])], cos.flatten())
-
-    def _given(self, log, step: int, cfg: DiagnosticsConfig, states: list[torch.Tensor]) -> None:
-        if len({s.shape for s in states}) > 1:
-            raise Unrecordable("the loop-end streams change shape from loop to loop: no loop-map records there")
-        states = [s[:cfg.dynamics_batch] if s.dim() == 3 else s for s in states]
-        device = states[0].device
-        gen = torch.Generator(device=device).manual_seed(step)
-        devices = [device.index or 0] if device.type == "cuda" else []
-        assert self.loop_step is not None  # (record: there is one)
-        try:  # (math attention etc.: D.transparent; the fused kernels are not differentiated twice)
-            with torch.random.fork_rng(devices=devices), torch.autocast(device.type, enabled=False), \
-                    torch.no_grad(), D.transparent():
-                stats = D.loop_map_records(checked_step(self.loop_step), states, cfg.dynamics_iters, cfg.krylov_dim,
-                                           cfg.perturbation_dirs, gen)
-        except Exception as e:  # the user's loop map failed, or gave no next stream: said once (the guard), no
-            self.loop_step = None  # record from now on, and the training goes on
-            why = why_of(e) if isinstance(e, Unrecordable) else f"loop_step= failed under double backward ({why_of(e)})"
-            raise Unrecordable(f"{why}: no loop-map records from here on") from None
-        self._add(log, stats)
-
-    @staticmethod
-    def _add(log, stats: dict[str, torch.Tensor]) -> None:
-        """The loop map's records, metric -> values of loops 2..K."""
-        for metric, values in stats.items():
-            log.add_vector([(metric, t, M.NONE) for t in range(2, len(values) + 2)], values)
-
-
 KEEP_FOR_SIMILARITY = 1 << 20  # elements: a loop end's first dynamics_batch sequences up to this size are copied and
 BATCH_SIMILARITY = 1 << 22  # taken together at the forward's end, this many elements a call (larger: at the loop end)
 
@@ -136,14 +52,23 @@ BATCH_SIMILARITY = 1 << 22  # taken together at the forward's end, this many ele
 class LoopDynamicsCallback(Instrument):
     """The records of DESIGN.md §3, "Loop dynamics": `loop_end(loop, stream)` is fed each recorded loop-end stream; a
     forward pre-hook on the model (from on_start) reads the step's targets and the loop map's inputs off the
-    first forward after before_step; `at_step(targets)` (probe.step(targets=)) scores the streams kept for it."""
+    first forward after before_step; `at_step(targets)` (probe.step(targets=)) scores the streams kept for it.
+
+    The every-N loop-map records, one path for every model, after the backward (`after_backward`). On a LoopedModel
+    (`model`: flt-diag's own, the protocol of flt_diag.instruments.looped; its head, targets and loop-end state too):
+    the loop map at its own states of the step's first micro-batch (the forward's idx and its targets), with the
+    per-loop gradient agreement and the sharpness. On any other: the user's `loop_step` (h(t-1) -> h(t)) at the
+    step's recorded loop-end streams, under torch.no_grad, the global random state restored after (a loop_step that
+    draws, e.g. dropout, leaves the training's draws unchanged); one that fails there, or returns what is no next
+    stream (record_checks.checked_step), is said once and records no more. Both write their records through `_add`."""
 
     RECORDS = {"after_backward": LOOP_MAP}
 
-    def __init__(self, cfg: DiagnosticsConfig, loop_map: LoopMap | None = None, head: Callable | None = None,
-                 targets: Callable | None = None, final: Callable[[torch.Tensor], torch.Tensor] | None = None):
-        self.cfg, self.loop_map, self.head, self.targets_of = cfg, loop_map, head, targets
-        self.final = identity if final is None else final  # h(t) from the loop-end stream
+    def __init__(self, cfg: DiagnosticsConfig, model: LoopedModel | None = None, head: Callable | None = None,
+                 targets: Callable | None = None, loop_step: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self.cfg, self.model, self.loop_step = cfg, model, loop_step
+        self.head, self.targets_of = (model.loop_head, model.loop_targets) if model is not None else (head, targets)
+        self.final = model.loop_state if model is not None else identity  # h(t) from the loop-end stream
         self.handles: list = []
         self.said: set[str] = set()
         self.recording = self.exit = self.mapping = self._armed = False
@@ -158,6 +83,8 @@ class LoopDynamicsCallback(Instrument):
         self.targets: torch.Tensor | None = None
         self.span: tuple[int, int] | None = None  # the targets' lowest and highest class (target_span) ...
         self.span_taken = False  # ... once taken this step
+        self.batch: tuple[torch.Tensor, torch.Tensor] | None = None  # (a LoopedModel) the loop map's idx, targets
+        self.states: list[torch.Tensor] = []  # (any other) the loop-end streams the loop map is taken at
 
     def on_start(self, trainer: Host) -> None:
         self.handles = [trainer.model.register_forward_pre_hook(
@@ -178,8 +105,11 @@ class LoopDynamicsCallback(Instrument):
         self.log = trainer.log
         self.recording = self.cfg.loop_dynamics and should_record(step, self.cfg)
         self.exit = self.recording and due(step, self.cfg.exit_loss_every)
-        self.mapping = self.loop_map is not None and trainer.is_main and self.loop_map.due(step, self.cfg,
-                                                                                          self.recording)
+        if self.model is not None:  # (every N steps, recorded or not)
+            mapping = due(step, self.cfg.dynamics_every) or due(step, self.cfg.sharpness_every)
+        else:
+            mapping = self.recording and self.loop_step is not None and due(step, self.cfg.dynamics_every)
+        self.mapping = trainer.is_main and mapping
         self._armed = self.mapping or (self.exit and self.head is not None and self.targets_of is not None)
         self._reset()
 
@@ -191,9 +121,13 @@ class LoopDynamicsCallback(Instrument):
         if self.exit and self.head is not None and self.targets_of is not None:
             self.targets = take((M.EXIT_LOSS,), lambda: checked_targets(  # (targets_of: checked above; a lambda
                 self.targets_of(*args, **kwargs), "targets="))  # type: ignore[misc]  # keeps no narrowing)
-        if self.mapping:
-            assert self.loop_map is not None  # (mapping: there is one)
-            take(LOOP_MAP, self.loop_map.begin, args, kwargs)
+        if self.mapping and self.model is not None:
+            take(LOOP_MAP, self._keep_batch, args, kwargs)
+
+    def _keep_batch(self, args: tuple, kwargs: dict) -> None:
+        assert self.model is not None  # (the protocol's model)
+        idx, targets = args[0] if args else kwargs.get("idx"), self.model.loop_targets(*args, **kwargs)
+        self.batch = (idx.detach(), targets.detach()) if torch.is_tensor(idx) and torch.is_tensor(targets) else None
 
     def _fits(self, h: torch.Tensor) -> bool:
         if h.dim() == 3:
@@ -234,9 +168,8 @@ class LoopDynamicsCallback(Instrument):
             prev, self.prev_norms = self.prev_norms, None  # (a residual step that fails leaves none for the next)
             self.prev_norms = take((M.FIXED_POINT_RESIDUAL,), self._residual_step, loop, stream, h, prev)
         self.h_prev = h
-        if self.mapping:
-            assert self.loop_map is not None  # (mapping: there is one)
-            take(LOOP_MAP, self.loop_map.loop_end, h)
+        if self.mapping and self.model is None:
+            self.states.append(h)
 
     def _residual_step(self, loop: int, stream: torch.Tensor, h: torch.Tensor,
                        prev_norms: torch.Tensor | None) -> torch.Tensor:
@@ -309,16 +242,67 @@ class LoopDynamicsCallback(Instrument):
         self._reset()
 
     def after_backward(self, trainer: Host, step: int) -> None:
-        if self.mapping:
-            assert self.loop_map is not None  # (mapping: there is one)
-            self.mapping = False
-            loss_on = trainer.recipe.loss_on if trainer.recipe is not None else "end"  # (a probe: the end loop)
-            self.loop_map.record(trainer, step, self.cfg, self.records, loss_on)
+        """The every-N records (class docstring), each through the guard (one that fails leaves the others)."""
+        if not self.mapping:
+            return
+        self.mapping = False
+        loss_on = trainer.recipe.loss_on if trainer.recipe is not None else "end"  # (a probe: the end loop)
+        batch, states, self.batch, self.states = self.batch, self.states, None, []
+        if self.model is not None and batch is not None:
+            self._own(trainer.log, step, batch, loss_on)
+        elif self.model is None and len(states) >= 2 and self.loop_step is not None:
+            self.records.take(LOOP_MAP, self._given, trainer.log, step, states)
+
+    def _own(self, log, step: int, batch, loss_on: str) -> None:
+        model, cfg, records, b = self.model, self.cfg, self.records, self.cfg.dynamics_batch
+        assert model is not None  # (_own: the protocol's model)
+        idx, targets = batch[0][:b], batch[1][:b]
+        gen = torch.Generator(device=idx.device).manual_seed(step)
+        with torch.autocast(idx.device.type, enabled=False):
+            if due(step, cfg.dynamics_every) and LoopStep.of(model, idx).loops > 1:
+                records.take(LOOP_MAP, lambda: self._add(log, D.loop_map_stats(
+                    model, idx, cfg.dynamics_iters, cfg.krylov_dim, cfg.perturbation_dirs, gen)))
+                records.take((M.LOOP_GRAD_COSINE,), self._agreement, log, idx, targets, loss_on)
+            if due(step, cfg.sharpness_every):
+                records.take((M.SHARPNESS,), lambda: log.add(M.SHARPNESS, sharpness(
+                    model, idx, targets, cfg.dynamics_iters, loss_on, gen)))
+
+    def _agreement(self, log, idx: torch.Tensor, targets: torch.Tensor, loss_on: str) -> None:
+        assert self.model is not None  # (_own: the protocol's model)
+        cos = D.loop_gradient_agreement(self.model, idx, targets, loss_on)  # (K, L)
+        log.add_vector([(M.LOOP_GRAD_COSINE, t + 1, layer + 1) for t in range(cos.shape[0])
+                        for layer in range(cos.shape[1])], cos.flatten())
+
+    def _given(self, log, step: int, states: list[torch.Tensor]) -> None:
+        cfg = self.cfg
+        if len({s.shape for s in states}) > 1:
+            raise Unrecordable("the loop-end streams change shape from loop to loop: no loop-map records there")
+        states = [s[:cfg.dynamics_batch] if s.dim() == 3 else s for s in states]
+        device = states[0].device
+        gen = torch.Generator(device=device).manual_seed(step)
+        devices = [device.index or 0] if device.type == "cuda" else []
+        assert self.loop_step is not None  # (record: there is one)
+        try:  # (math attention etc.: D.transparent; the fused kernels are not differentiated twice)
+            with torch.random.fork_rng(devices=devices), torch.autocast(device.type, enabled=False), \
+                    torch.no_grad(), D.transparent():
+                stats = D.loop_map_records(checked_step(self.loop_step), states, cfg.dynamics_iters, cfg.krylov_dim,
+                                           cfg.perturbation_dirs, gen)
+        except Exception as e:  # the user's loop map failed, or gave no next stream: said once (the guard), no
+            self.loop_step = None  # record from now on, and the training goes on
+            why = why_of(e) if isinstance(e, Unrecordable) else f"loop_step= failed under double backward ({why_of(e)})"
+            raise Unrecordable(f"{why}: no loop-map records from here on") from None
+        self._add(log, stats)
+
+    @staticmethod
+    def _add(log, stats: dict[str, torch.Tensor]) -> None:
+        """The loop map's records, metric -> values of loops 2..K."""
+        for metric, values in stats.items():
+            log.add_vector([(metric, t, M.NONE) for t in range(2, len(values) + 2)], values)
 
 
 def own_model_dynamics(cfg: DiagnosticsConfig, model: LoopedModel) -> LoopDynamicsCallback:
     """A LoopedModel, flt-diag's own (the module docstring's first case)."""
-    return LoopDynamicsCallback(cfg, LoopMap(model), model.loop_head, model.loop_targets, model.loop_state)
+    return LoopDynamicsCallback(cfg, model)
 
 
 def watched_model_dynamics(cfg: DiagnosticsConfig, model: torch.nn.Module, head: Callable | None = None,
@@ -327,5 +311,5 @@ def watched_model_dynamics(cfg: DiagnosticsConfig, model: torch.nn.Module, head:
     any other model, the module docstring's second case."""
     if isinstance(model, LoopedModel) and cfg.loop_dynamics:
         return own_model_dynamics(cfg, model)
-    return LoopDynamicsCallback(cfg, LoopMap(loop_step=loop_step) if loop_step is not None else None, head, targets)
+    return LoopDynamicsCallback(cfg, head=head, targets=targets, loop_step=loop_step)
 

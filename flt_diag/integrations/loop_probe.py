@@ -62,7 +62,7 @@ class LoopProbe(ProbeMoments):
         self.vocab_size, self.note, self.unigram_entropy = o["vocab_size"], o["note"], o["unigram_entropy"]
         self.warmdown, self.grad_clip, self.warmdown_from = o["warmdown"], o["grad_clip"], "watch(warmdown=)"
         self.recipe = recipe(*(o[k] for k in ("optimizer", "scheduler", "steps", "grad_clip", "warmdown", "variant")))
-        self.boundary = "manual" if o["loop_boundary"] == "manual" else o["loop_boundary"]
+        self.boundary = o["loop_boundary"]  # (None: the loops counted from the blocks' calls)
         self.dcfg = DiagnosticsConfig(**{**(o["diagnostics"] or DiagnosticsConfig()).__dict__, "warn": warn,
                                          "stop_on_collapse": stop, "predictor": o["predictor_path"]})
         self.grad_scale = o["grad_scale"]

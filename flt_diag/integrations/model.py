@@ -145,10 +145,11 @@ def one_loop(found: list[tuple[str, nn.Module]], sequence: list[int], calls: dic
 
 
 def resolve_blocks(model: nn.Module, blocks) -> tuple[list[nn.Module], list[str]]:
-    """(blocks, their module paths) from "auto", a module-path pattern, a module list or one module."""
+    """(blocks, their module paths) from a module-path pattern, a module list or one module (blocks="auto": found
+    at the first training forward, called_blocks)."""
     named = list(model.named_modules())
     if isinstance(blocks, str):
-        found = auto_blocks(model) if blocks == "auto" else [(n, m) for n, m in named if n and _matches(blocks, n)]
+        found = [(n, m) for n, m in named if n and _matches(blocks, n)]
         if not found:
             raise BlocksNotFound(f"no module of {type(model).__name__} matches blocks={blocks!r} (module paths look "
                                  f"like {', '.join(n for n, _ in named[1:4]) or 'none: the model has no submodule'})")
