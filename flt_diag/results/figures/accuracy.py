@@ -14,7 +14,6 @@ from flt_diag.results.figures import Figure, register
 from flt_diag.results.figures.style import finish, legend, new_figure, variant_color, variants
 
 COLUMNS = ["lr_scale", "variant", "loops", "verdict", "finished", "val_accuracy"]
-FAILED = COLLAPSE
 
 
 def data(study: Study) -> pd.DataFrame:
@@ -36,7 +35,7 @@ def draw(df: pd.DataFrame):
         for v in variants(cell):
             line = cell[cell.variant == v].sort_values("loops")
             ax.plot(line.loops, line.val_accuracy, color=variant_color(v), marker="o", ms=4, lw=1.6)
-            failed = line[line.verdict.isin(FAILED)]
+            failed = line[line.verdict.isin(COLLAPSE)]
             ax.plot(failed.loops, failed.val_accuracy, ls="none", marker="X", ms=9, color=variant_color(v),
                     mec="black", mew=0.5)
         ax.set_xticks(ks)

@@ -107,8 +107,7 @@ def draw(df: pd.DataFrame):
     if df.behind.any():
         handles.append(Patch(facecolor=BEHIND_COLOR, hatch=BEHIND_HATCH, edgecolor="white"))
         shown = shown + ["behind"]
-    fig.legend(handles, shown, loc="outside lower center",
-               ncols=len(shown), fontsize="small", handlelength=1.2,
+    fig.legend(handles, shown, loc="outside lower center", ncols=len(shown), fontsize="small", handlelength=1.2,
                title=NOTE + (SEEDS_NOTE if multi_seed else ""), title_fontsize="small")
     return finish(fig, "Verdict by variant and " + ("loops" if column == "loops" else "depth"))
 
