@@ -129,7 +129,6 @@ class CorpusSpec:
     text_field: str = "text"
     streaming: bool = False
     splits: dict[str, str] | None = None  # {"train": ..., "val": ...}; None = split by document hash
-    max_docs: int | None = None
 
 
 HUB_CORPORA = {
@@ -226,7 +225,6 @@ def iter_documents(spec: CorpusSpec, split: str) -> Iterator[str]:
         ds = datasets.load_dataset(spec.path, split="train" if spec.splits is None else spec.splits[split], **kwargs)
     except Exception as e:
         raise DataError(f"cannot load {spec.path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
-    n = 0
     for i, row in enumerate(ds):
         if spec.splits is None and not _in_split(str(i), split):
             continue
@@ -237,9 +235,6 @@ def iter_documents(spec: CorpusSpec, split: str) -> Iterator[str]:
             raise DataError(f"{spec.path}: row {i} has a {spec.text_field!r} that is {type(text).__name__}, not text")
         if text:
             yield text
-            n += 1
-            if spec.max_docs is not None and n >= spec.max_docs:
-                return
 
 
 # --------------------------------------------------------------------------- token cache
