@@ -95,6 +95,7 @@ def run_rows(run_dir: Path, summary: Summary, steps: list[int], packaged: dict) 
     P(packaged)."""
     cfg, df = load_config(run_dir), load_metrics(run_dir)
     run = RunId.read(cfg.model, cfg.train)
+    assert run.depth is not None and run.width is not None  # (a run's config has both)
     loss, grad = dense_series(df, M.LOSS), dense_series(df, M.GRAD_NORM)
     total = cfg.train.steps
     fired = {"lightning": lightning_spike(loss), "kill_loss_spike": kill_loss_spike(loss, total_steps=total)[0],
