@@ -6,7 +6,6 @@ are LoopProbe's."""
 from __future__ import annotations
 
 import math
-from collections import Counter
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,7 +44,6 @@ class ProbeMoments:
     writer: MetricsWriter
     dcfg: DiagnosticsConfig
     optimizer: torch.optim.Optimizer | None
-    loops_seen: Counter[int]
     steps: int | None
     step_index: int
     _handles: list
