@@ -88,9 +88,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-compile", action="store_true", help="leave out the compiled explicit form")
     args = p.parse_args(argv)
     m = build_config(args.preset, model=dict(vocab_size=256)).model
-    rows = measure(args.batch_size, m.n_head, m.sequence_len, m.head_dim, args.rounds, args.calls,
+    rows = measure(args.batch_size, m.heads, m.seq_len, m.head_dim, args.rounds, args.calls,
                    compile=not args.no_compile)
-    print(f"causal attention, forward + backward, B={args.batch_size} H={m.n_head} T={m.sequence_len} "
+    print(f"causal attention, forward + backward, B={args.batch_size} H={m.heads} T={m.seq_len} "
           f"D={m.head_dim}, one thread, process CPU time; matmul peak {rows[0]['peak_gflops']:.1f} GFLOP/s")
     for r in rows:
         print(f"  {r['form']:<22s} {r['ms']:8.3f} ms per call   {r['pct_of_peak']:5.1f} % of peak")

@@ -60,7 +60,7 @@ BENCH_PRESETS: dict[str, BenchSpec] = {
     "tiny": BenchSpec("tiny", step_loops=12, repeats=11, steps_per_sample=3,
                       description="flt_diag tiny: d=64, L=2, 2 heads (head dim 32), seq 64, batch 16"),
     # A CPU size between tiny and small: 4x tiny's width*depth, twice its context.
-    "mid": BenchSpec("tiny", model=dict(n_layer=4, n_embd=128, n_head=4, sequence_len=128),
+    "mid": BenchSpec("tiny", model=dict(depth=4, width=128, heads=4, seq_len=128),
                      train=dict(batch_size=16), step_loops=6, repeats=5, steps_per_sample=2, warmup=1,
                      description="mid (CPU): d=128, L=4, 4 heads (head dim 32), seq 128, batch 16"),
     # One H100/H200-class GPU: flt_diag's small preset, bf16 autocast, compiled blocks.
@@ -72,7 +72,7 @@ QUICK = dict(repeats=5, steps_per_sample=2, warmup=1, step_loops=3, mem_loops=(3
 QUICK_VARIANTS = ["lt", "flt"]
 # --toy: the preset's code path (its compile setting, diagnostics, eager comparison, memory sweep) at
 # tiny's shape and a smaller batch, so that e.g. `--preset gpu --toy` runs on a CPU in seconds.
-TOY = dict(model=dict(n_layer=2, n_embd=64, n_head=2, sequence_len=64), train=dict(batch_size=4),
+TOY = dict(model=dict(depth=2, width=64, heads=2, seq_len=64), train=dict(batch_size=4),
            repeats=3, steps_per_sample=1, warmup=1, step_loops=3, mem_loops=(2, 3), peak_size=512)
 
 
@@ -111,15 +111,15 @@ class UnrolledTransformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer * cfg.loops))
-        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.width)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth * cfg.loops))
+        self.head = nn.Linear(cfg.width, cfg.vocab_size, bias=False)
         self.checkpoint_loops = False
         self.table_dtype = torch.float32
         self.rule = VARIANTS["lt"]  # no stabiliser: no parameters of its own, no loss term, K loops every step
         self.injection = self.adapter = self.loop_embed = self.penalty_inputs = None
         self.grad_loops = 0
-        LoopedTransformer._rotary(self, cfg.sequence_len)  # the same tables, registered as buffers
+        LoopedTransformer._rotary(self, cfg.seq_len)  # the same tables, registered as buffers
         LoopedTransformer.reset_parameters(self)  # the same init, applied to all L*K blocks
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loss_on: str = "end",
@@ -160,7 +160,7 @@ def train_flops(cfg: ModelConfig, batch_size: int, loops: int | None = None, gra
     tokens = B * T * grad_accum. Not counted: norms, rotary, softmax, softcap, the optimizer
     (Muon's Newton-Schulz iterations), recomputation under activation checkpointing."""
     K = cfg.loops if loops is None else loops
-    L, d, V, T = cfg.n_layer, cfg.n_embd, cfg.vocab_size, cfg.sequence_len
+    L, d, V, T = cfg.depth, cfg.width, cfg.vocab_size, cfg.seq_len
     B = batch_size * grad_accum
     tokens = B * T
     blocks = 6 * tokens * L * K * matmul_params_per_block(d)

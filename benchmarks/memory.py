@@ -87,7 +87,7 @@ def memory_sweep(spec: BenchSpec, variant: str, loops: list[int], device: str) -
     model = LoopedTransformer(cfg.model).to(device)  # eager: the memory of the plain model
     model.train()
     g = torch.Generator().manual_seed(0)
-    B, T = cfg.train.batch_size, cfg.model.sequence_len
+    B, T = cfg.train.batch_size, cfg.model.seq_len
     xy = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=g).to(device)
     x, y = xy[:, :-1], xy[:, 1:]
     rows = []

@@ -46,7 +46,7 @@ def main(argv=None) -> int:
             o.step()
             times[name].append(time.perf_counter() - t)
     ratio = statistics.median(a / b for a, b in zip(times["torch.optim.Muon"], times["BatchedMuon"]))
-    d = cfg.model.n_embd
+    d = cfg.model.width
     a32, b32 = torch.randn(d, 4 * d), torch.randn(4 * d, d)
     mm = {}
     for dt in (torch.float32, torch.bfloat16):

@@ -42,7 +42,7 @@ from flt_diag.config.run_config import DiagnosticsConfig  # noqa: E402
 VOCAB, WIDTH, SEQ, BATCH, R = 256, 64, 64, 8, (4, 8)
 ABLATIONS = {"exit-loss-every-50": dict(exit_loss_every=50), "no-exit-loss-or-similarity": dict(exit_loss_every=0),
              "no-loop-dynamics": dict(loop_dynamics=False),
-             "no-recorded-step": dict(dense_steps=0, every=10**9)}  # (--ablate; each also with dynamics_every=0)
+             "no-recorded-step": dict(dense_steps=0, record_every=10**9)}  # (--ablate; each also with dynamics_every=0)
 # (no-recorded-step: the hooks attached but never armed after step 0: what remains is the loss, the total gradient
 # norm, the rows and their flushes)
 

@@ -182,7 +182,7 @@ def format_table(res: dict) -> str:
     pk = res["peak_flops"]
     lines = [
         f"preset {res['preset']}: {spec['description']}; device {res['device']}, {res['threads']} thread(s)",
-        f"timed step: K={spec['step_loops']} loops (L*K = {m['n_layer'] * spec['step_loops']} block passes), "
+        f"timed step: K={spec['step_loops']} loops (L*K = {m['depth'] * spec['step_loops']} block passes), "
         f"{spec['repeats']} rounds x {spec['steps_per_sample']} steps, median [q25-q75]",
         f"FLOPs/step (analytic): {f['total'] / 1e9:.2f} GFLOP (blocks {f['blocks'] / 1e9:.2f}, "
         f"attention {f['attention'] / 1e9:.2f}, head {f['head'] / 1e9:.2f}); "

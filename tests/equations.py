@@ -29,14 +29,14 @@ def rotary(x, base=10000.0):
     return out
 
 
-def attention(block, q_src, x, n_head):
+def attention(block, q_src, x, heads):
     """Causal attention of stream x with queries from q_src (both already normed)."""
     B, T, d = x.shape
-    hd = d // n_head
+    hd = d // heads
     W = block.attn
-    q = rms(rotary((q_src @ W.q.weight.T).view(B, T, n_head, hd)))
-    k = rms(rotary((x @ W.k.weight.T).view(B, T, n_head, hd)))
-    v = (x @ W.v.weight.T).view(B, T, n_head, hd)
+    q = rms(rotary((q_src @ W.q.weight.T).view(B, T, heads, hd)))
+    k = rms(rotary((x @ W.k.weight.T).view(B, T, heads, hd)))
+    v = (x @ W.v.weight.T).view(B, T, heads, hd)
     scores = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(hd)
     mask = torch.tril(torch.ones(T, T, dtype=torch.bool))
     p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
@@ -44,12 +44,12 @@ def attention(block, q_src, x, n_head):
     return y @ W.o.weight.T
 
 
-def block_forward(block, x, n_head, query=None, scale=1.0, post_norm=False, alpha=1.0):
+def block_forward(block, x, heads, query=None, scale=1.0, post_norm=False, alpha=1.0):
     """x + s f(rms(x)) per half; post_norm: rms(alpha x + f(rms(x))) (Huginn's sandwich, DeepLoop's DeepNorm)."""
     def add(x, branch):
         return rms(alpha * x + scale * branch) if post_norm else x + scale * branch
     z = rms(x)
-    x = add(x, attention(block, z if query is None else rms(query), z, n_head))
+    x = add(x, attention(block, z if query is None else rms(query), z, heads))
     u = rms(x) @ block.mlp.up.weight.T
     return add(x, torch.relu(u).pow(2) @ block.mlp.down.weight.T)
 
@@ -73,7 +73,7 @@ def forward(model, idx, variant, K, record=None, softcap=True):
     from their equations (docs/DESIGN.md §2b), on their base's rules."""
     cfg = model.cfg
     base, stab = parts(variant)
-    L = cfg.n_layer
+    L = cfg.depth
     E = model.embed.weight[idx]
     e = rms(E)
     scale = 1.0 / (cfg.loops * math.sqrt(L)) if stab == "residual-scale" else 1.0
@@ -105,7 +105,7 @@ def forward(model, idx, variant, K, record=None, softcap=True):
                 x = rms(x + h)
             if t >= 2 and (base == "flt" or (base == "lt-ai" and i == 0)):
                 query = rms(h)
-            x = block_forward(block, x, cfg.n_head, query, scale, post_norm, alpha)
+            x = block_forward(block, x, cfg.heads, query, scale, post_norm, alpha)
             if record is not None:
                 record.append((t, i + 1, x))
         if record is not None:

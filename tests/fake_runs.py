@@ -31,7 +31,7 @@ ENV = {"python": "3.11", "torch": "fake", "device": "cpu", "host": "test", "flt_
 
 
 def config(variant: str, loops: int, seed: int = 0, lr_scale: float = 1.0, depth: int | None = None):
-    depth_override = {} if depth is None else dict(n_layer=depth)
+    depth_override = {} if depth is None else dict(depth=depth)
     return build_config("tiny", model=dict(variant=variant, loops=loops, **depth_override),
                         train=dict(steps=STEPS, seed=seed, lr_scale=lr_scale),
                         verdict=dict(smooth_window=10, osc_window=20))
@@ -41,7 +41,7 @@ def _rows(cfg, collapsed: bool, steps: int, rng: np.random.Generator, val_shift:
           resid_scale: float = 1.0):
     """Synthetic (step, metric, loop, layer, value) rows of one run: val losses `val_shift` above the
     training loss plus 0.05, residual norms multiplied by `resid_scale`."""
-    K, L, d = cfg.model.loops, cfg.model.n_layer, cfg.model.n_embd
+    K, L, d = cfg.model.loops, cfg.model.depth, cfg.model.width
     rows = []
     for t in range(steps):
         grow = math.exp(0.07 * t) if collapsed else 1.0
@@ -122,10 +122,10 @@ EXPECTED_VERDICTS = {("lt", 3): "stable", ("lt", 6): "collapsed", ("fla", 3): "r
                      ("flt", 3): "stable", ("flt", 6): "stable"}
 
 
-def make_sweep(out: Path, seeds=(0,), lr_scales=(1.0,)) -> Path:
+def make_sweep(out: Path, seeds=(0,), lr_scale=(1.0,)) -> Path:
     """A sweep folder (sweep.json, cells/, summary.csv) following CELLS_PLAN for every seed and lr scale."""
     out = Path(out)
-    spec = SweepSpec(config("flt", 3), ["lt", "fla", "flt"], [3, 6], list(seeds), list(lr_scales))
+    spec = SweepSpec(config("flt", 3), ["lt", "fla", "flt"], [3, 6], list(seeds), list(lr_scale))
     (out / CELLS).mkdir(parents=True, exist_ok=True)
     write_json(out / "sweep.json", spec.to_dict())
     for cell in spec.cells():

@@ -84,7 +84,7 @@ def test_a_map_named_like_an_archived_sweep_is_refused_unless_replace(tmp_path, 
     assert json.loads((to / "grid" / "sweep.json").read_text()) == json.loads((mapped / "sweep.json").read_text())
     assert sorted(p.name for p in (to / "grid").iterdir()) == ["flt_K03_seed0_lr1_L2.parquet", "lt_K03_seed0_lr1.parquet",
                                                               "sweep.json"]  # none of the sweep's records kept
-    assert stored_config(to / "grid" / "lt_K03_seed0_lr1.parquet")["model"]["n_layer"] == 1
+    assert stored_config(to / "grid" / "lt_K03_seed0_lr1.parquet")["model"]["depth"] == 1
 
 
 def test_a_sweep_archived_in_slices_refreshes_its_own_records(tmp_path, capsys):

@@ -33,13 +33,13 @@ def one_thread():
 
 
 def toy_spec(bench):
-    return bench.BenchSpec("tiny", model=dict(n_layer=1, n_embd=32, n_head=2, sequence_len=16),
+    return bench.BenchSpec("tiny", model=dict(depth=1, width=32, heads=2, seq_len=16),
                            train=dict(batch_size=4), step_loops=2, mem_loops=(3, 12), repeats=2,
                            steps_per_sample=1, warmup=1, peak_size=64, description="toy")
 
 
 def test_unrolled_has_LK_distinct_blocks_of_the_same_shapes(bench):
-    cfg = ModelConfig(n_layer=2, n_embd=32, n_head=2, sequence_len=16, loops=3, variant="lt")
+    cfg = ModelConfig(depth=2, width=32, heads=2, seq_len=16, loops=3, variant="lt")
     looped, unrolled = LoopedTransformer(cfg), bench.UnrolledTransformer(cfg)
     assert len(unrolled.blocks) == 2 * 3
     assert all(isinstance(b, Block) for b in unrolled.blocks)
@@ -56,7 +56,7 @@ def test_unrolled_has_LK_distinct_blocks_of_the_same_shapes(bench):
 
 
 def test_unrolled_with_one_loop_is_the_looped_model(bench):
-    cfg = ModelConfig(n_layer=2, n_embd=32, n_head=2, sequence_len=16, loops=1, variant="lt")
+    cfg = ModelConfig(depth=2, width=32, heads=2, seq_len=16, loops=1, variant="lt")
     torch.manual_seed(0)
     looped = LoopedTransformer(cfg)
     torch.manual_seed(0)
@@ -74,14 +74,14 @@ def test_unrolled_with_one_loop_is_the_looped_model(bench):
 
 def test_flop_formula_matches_a_hand_count(bench):
     # L=1, K=2, d=8, V=16, T=4, B=2: tokens = 8, block matmul weights = 12 * 64 = 768
-    cfg = ModelConfig(n_layer=1, n_embd=8, n_head=2, sequence_len=4, vocab_size=16, loops=2)
+    cfg = ModelConfig(depth=1, width=8, heads=2, seq_len=4, vocab_size=16, loops=2)
     f = bench.train_flops(cfg, batch_size=2)
     assert f["blocks"] == 6 * 8 * (1 * 2) * 768 == 73728
     assert f["head"] == 6 * 8 * 8 * 16 == 6144
     assert f["attention"] == 6 * 2 * 4 ** 2 * 8 * (1 * 2) == 3072
     assert f["total"] == 82944
     assert bench.train_flops(cfg, batch_size=2, grad_accum=3)["total"] == 3 * 82944
-    block = Block(ModelConfig(n_embd=8, n_head=2))
+    block = Block(ModelConfig(width=8, heads=2))
     assert bench.matmul_params_per_block(8) == sum(m.weight.numel() for m in block.modules()
                                                    if isinstance(m, torch.nn.Linear))
 
@@ -130,7 +130,7 @@ def test_flops_mode_times_each_K_against_the_measured_peak(bench, one_thread, tm
     modes = ["eager", "compiled"] if bench.compile_modes("cpu") == [False, True] else ["eager"]
     assert [(r["loops"], r["mode"]) for r in res["rows"]] == [(k, m) for k in (1, 2) for m in modes]
     assert res["clock"] == "process CPU" and res["peak"]["peak"] >= res["peak"]["median"] > 0 and res["peak"]["dtype"] == "float32"
-    cfg = ModelConfig(n_layer=1, n_embd=32, n_head=2, sequence_len=16, vocab_size=256)
+    cfg = ModelConfig(depth=1, width=32, heads=2, seq_len=16, vocab_size=256)
     for r in res["rows"]:
         flops = bench.train_flops(cfg, batch_size=4, loops=r["loops"])["total"]
         assert r["gflop_per_step"] == pytest.approx(flops / 1e9)
@@ -175,7 +175,7 @@ def test_gpu_preset_at_toy_size_on_cpu(tmp_path):
     res = json.loads(out.read_text())
     assert res["quick"] and res["toy"] and res["env"]["threads"] == 1 and res["device"] == "cpu"
     assert res["spec"]["compile"] is True and res["spec"]["base"] == "small"
-    assert (res["model"]["n_embd"], res["model"]["n_layer"], res["batch_size"]) == (64, 2, 4)
+    assert (res["model"]["width"], res["model"]["depth"], res["batch_size"]) == (64, 2, 4)
     flt = next(r for r in res["steps"] if r["variant"] == "flt")
     assert flt["compiled_vs_eager"]["median"] > 0 and flt["diag_overhead"]["median"] > 0
     assert "compiled vs eager" in proc.stdout and ("MET" in proc.stdout or "MISSED" in proc.stdout)
@@ -190,7 +190,7 @@ def test_breakdown_mode_splits_each_step_and_measures_its_floor_against_the_peak
     res = json.loads(out.read_text())
     modes = bench.compile_modes("cpu")
     assert [(r["loops"], r["compiled"]) for r in res["rows"]] == [(k, m) for k in (1, 2) for m in modes]
-    cfg = ModelConfig(n_layer=1, n_embd=32, n_head=2, sequence_len=16, vocab_size=256)
+    cfg = ModelConfig(depth=1, width=32, heads=2, seq_len=16, vocab_size=256)
     for r in res["rows"]:
         floor_ms = 1e3 * bench.train_flops(cfg, batch_size=4, loops=r["loops"])["total"] / res["peak"]["peak"]
         assert r["floor_ms"] == pytest.approx(floor_ms) and r["pct_of_peak"] == pytest.approx(100 * floor_ms / r["step_ms"])

@@ -65,7 +65,7 @@ def stored_runs(sweep: Path) -> pd.DataFrame:
         val = df[df.metric == M.VAL_LOSS].sort_values("step").value.iloc[-1]
         peak = df[(df.metric == M.RESID_NORM_LOOP_END) & (df.loop == loops)].value.max()
         cfg = read_json(run / "config.json")
-        threshold = cfg["verdict"]["explosion_ratio"] * math.sqrt(cfg["model"]["n_embd"])
+        threshold = cfg["verdict"]["explosion_ratio"] * math.sqrt(cfg["model"]["width"])
         rows.append(dict(variant=variant, loops=loops, seed=seed, val=val, peak=peak, exploded=peak > threshold,
                          verdict=read_json(run / "summary.json")["verdict"]))
     return pd.DataFrame(rows)

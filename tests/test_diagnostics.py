@@ -24,7 +24,7 @@ from numerics import RTOL64, U32, float64_model, fp32_positive_sum_rtol
 
 def make(variant="flt", K=3):
     torch.manual_seed(0)
-    return randomize(LoopedTransformer(ModelConfig(vocab_size=40, n_layer=2, n_embd=32, n_head=2,
+    return randomize(LoopedTransformer(ModelConfig(vocab_size=40, depth=2, width=32, heads=2,
                                                    variant=variant, loops=K)))
 
 
@@ -271,9 +271,9 @@ def test_a_saved_state_outlives_the_steps_after_it_and_resumes_the_cosine():
 
 
 def test_recording_schedule():
-    cfg = DiagnosticsConfig(dense_steps=5, every=3)
+    cfg = DiagnosticsConfig(dense_steps=5, record_every=3)
     assert [s for s in range(15) if should_record(s, cfg)] == [0, 1, 2, 3, 4, 5, 8, 11, 14]
-    assert not should_record(0, DiagnosticsConfig(enabled=False))
+    assert not should_record(0, DiagnosticsConfig(diagnostics=False))
 
 
 # ---------------------------------------------------------------- derived metrics
@@ -365,7 +365,7 @@ def test_nan_run_is_diverged_without_crashing(tmp_path):
 
 
 def test_run_folder_contents(tmp_path):
-    cfg = tiny_config(variant="flt", loops=2, steps=6, diagnostics=dict(flush_every=2, attention=True))
+    cfg = tiny_config(variant="flt", loops=2, steps=6, diagnostics=dict(flush_every=2, attention_stats=True))
     summary = train(cfg, tmp_path / "r")
     df = load_metrics(tmp_path / "r")
     assert list(df.columns) == ["step", "metric", "loop", "layer", "value"]

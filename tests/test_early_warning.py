@@ -16,7 +16,7 @@ from flt_diag.storage.folders import load_config, load_summary
 from flt_diag.instruments.warning_callback import CollapseWarning
 
 
-def _rows(steps, loops=3, n_layer=2, resid=lambda s, k: 10.0, grad=lambda s: 1.0, loss=lambda s: 3.0,
+def _rows(steps, loops=3, depth=2, resid=lambda s, k: 10.0, grad=lambda s: 1.0, loss=lambda s: 3.0,
           act=lambda s, k: 1.0, cos=lambda s: 0.0):
     rows = []
     for s in range(steps):
@@ -24,7 +24,7 @@ def _rows(steps, loops=3, n_layer=2, resid=lambda s, k: 10.0, grad=lambda s: 1.0
                  (s, M.GRAD_COSINE + "/matrix", -1, 0, 0.9)]  # a per-group cosine: not the feature
         for k in range(1, loops + 1):
             rows.append((s, M.RESID_NORM_LOOP_END, k, -1, resid(s, k)))
-        rows += [(s, M.ACT_GRAD_NORM, 1, 1, act(s, 1)), (s, M.ACT_GRAD_NORM, loops, n_layer, act(s, loops))]
+        rows += [(s, M.ACT_GRAD_NORM, 1, 1, act(s, 1)), (s, M.ACT_GRAD_NORM, loops, depth, act(s, loops))]
     return pd.DataFrame(rows, columns=["step", "metric", "loop", "layer", "value"])
 
 
@@ -35,7 +35,7 @@ def test_features_against_hand_computation():
     df = _rows(300, resid=lambda s, k: 8.0 * 10 ** (s / 100) if k == 3 else 8.0, grad=lambda s: g[s],
                loss=lambda s: 3 - 0.01 * s if s < 150 else 1.5 + 0.02 * (s - 150), act=lambda s, k: 4.0 if k == 1 else 0.4,
                cos=lambda s: c[s])
-    f = EW.features(df, at=300, loops=3, n_layer=2, d_model=64)
+    f = EW.features(df, at=300, loops=3, depth=2, d_model=64)
     win = np.arange(200, 300)  # W = min(100, 300 // 2) steps before 300
     assert f["resid_level"] == pytest.approx(math.log10(np.mean(8.0 * 10 ** (win / 100))) - math.log10(8), rel=1e-9)
     assert f["resid_growth"] == pytest.approx(1.0, rel=1e-9)  # log10 grows by 1 per 100 steps
@@ -267,7 +267,7 @@ def test_the_fit_set_reads_each_run_once_and_gives_each_steps_features_of_its_ta
         table = load_metrics(e["run"])
         assert set(e["feats"]) == {5, 10, 20}
         for at, feats in e["feats"].items():
-            by_hand = EW.features(table, at, m.loops, m.n_layer, m.n_embd)
+            by_hand = EW.features(table, at, m.loops, m.depth, m.width)
             assert feats.keys() == by_hand.keys() and all(
                 feats[k] == pytest.approx(by_hand[k], nan_ok=True) for k in feats), at
 
@@ -295,7 +295,7 @@ def test_fit_predictor_features_and_class_weight_reach_the_model(labelled, tmp_p
 def _cell(run) -> tuple:
     """A run's cell, read here from its config: variant, K, depth, width, seed, lr scale (not its length)."""
     m, t = load_config(run).model, load_config(run).train
-    return m.variant, m.loops, m.n_layer, m.n_embd, t.seed, t.lr_scale
+    return m.variant, m.loops, m.depth, m.width, t.seed, t.lr_scale
 
 
 def test_cross_validation_predicts_each_run_from_the_other_cells_only(labelled):
@@ -355,10 +355,10 @@ def test_online_replay_warns_where_the_callback_warns():
     smooth = pd.Series([loss(s) for s in range(400)]).rolling(50, min_periods=1).mean()
     climb = smooth - smooth.cummin()  # climb after step s-1 decides the check at s
     by_hand = next(s for s in range(25, 401, 25) if climb[s - 1] > 0.5)
-    replay = EW.first_warning(df, pred, loops=3, n_layer=2, d_model=64, steps_done=400)
+    replay = EW.first_warning(df, pred, loops=3, depth=2, d_model=64, steps_done=400)
     said = []
     cb = CollapseWarning(pred, say=said.append)
-    cb.on_start(SimpleNamespace(recipe=SimpleNamespace(loops=3, n_layer=2, n_embd=64, variant="lt")))
+    cb.on_start(SimpleNamespace(recipe=SimpleNamespace(loops=3, depth=2, width=64, variant="lt")))
     for step, rows in df.groupby("step"):
         cb.on_rows(None, int(step), list(rows.itertuples(index=False, name=None)))
     assert replay["warned_at"] == cb.warned_at == by_hand and len(said) == 1
@@ -381,7 +381,7 @@ def test_every_online_check_reads_what_the_whole_table_gives_and_keeps_a_bounded
     pred = dict(features=EW.FEATURES, threshold=0.99, models={"20": dict(  # (never warns: every check is made)
         mean=[0.0] * len(EW.FEATURES), std=[1.0] * len(EW.FEATURES), coef=[0.1] * len(EW.FEATURES), intercept=-30.0)})
     cb = CollapseWarning(pred, say=lambda text: None)
-    cb.on_start(SimpleNamespace(recipe=SimpleNamespace(loops=3, n_layer=2, n_embd=64, variant="lt")))
+    cb.on_start(SimpleNamespace(recipe=SimpleNamespace(loops=3, depth=2, width=64, variant="lt")))
     checked = []
     for step, rows in df.groupby("step"):
         cb.on_rows(None, int(step), list(rows.itertuples(index=False, name=None)))

@@ -234,6 +234,37 @@ def test_a_field_changeable_on_reuse_is_changeable_on_resume(tmp_path, monkeypat
         assert s.final_loss == pytest.approx(never_stopped.final_loss, rel=1e-5)
 
 
+# The names config.json held before its fields were named as users type them (model: n_layer for --depth, ...).
+OLD_NAMES = {"model": {"depth": "n_layer", "width": "n_embd", "heads": "n_head", "seq_len": "sequence_len"},
+             "diagnostics": {"diagnostics": "enabled", "record_every": "every", "attention_stats": "attention"}}
+
+
+def test_a_run_folder_written_with_the_old_names_resumes_and_new_files_hold_the_new_names(tmp_path, monkeypatch,
+                                                                                           capsys, never_stopped):
+    """A run stopped after step 3 writes config.json with the names users type; rewritten with the old names (as
+    an earlier flt-diag wrote it), the same command resumes it (not refused as another config) and ends where the
+    run that never stopped ends."""
+    from flt_diag.training.run_callbacks import Progress
+    original, run = Progress.on_step_end, tmp_path / "run"
+
+    def interrupt(self, trainer, step):
+        if step == 2:
+            raise KeyboardInterrupt
+        original(self, trainer, step)
+    with monkeypatch.context() as m:
+        m.setattr(Progress, "on_step_end", interrupt)
+        assert main(_train(BASE, run)) == 130
+    written = json.loads((run / "config.json").read_text())
+    for section, names in OLD_NAMES.items():
+        assert set(names) <= set(written[section]) and not set(names.values()) & set(written[section])
+    assert (written["model"]["depth"], written["diagnostics"]["record_every"]) == (1, 10)  # --depth 1; the default
+    old = {**written, **{s: {names.get(k, k): v for k, v in written[s].items()} for s, names in OLD_NAMES.items()}}
+    (run / "config.json").write_text(json.dumps(old))
+    assert main(_train(BASE, run)) == 0, _stderr_lines(capsys)
+    s = load_summary(run)
+    assert s.steps_done == 4 and s.final_loss == pytest.approx(never_stopped.final_loss, rel=1e-5)
+
+
 def test_a_warning_added_on_resume_sees_the_steps_trained_before(tmp_path):
     """The collapse warning added when a run resumes holds the same series as one there from step 0."""
     from flt_diag.training.settle import run_config

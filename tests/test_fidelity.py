@@ -25,8 +25,8 @@ from flt_diag.training.trainer import Trainer, train
 
 def small_run_config(**train_kw):
     """A model small enough for hundreds of steps in a few seconds."""
-    cfg = tiny_config(n_layer=1, n_embd=16, n_head=1, loops=1, sequence_len=8, batch_size=2,
-                      diagnostics=dict(enabled=False), **train_kw)
+    cfg = tiny_config(depth=1, width=16, heads=1, loops=1, seq_len=8, batch_size=2,
+                      diagnostics=dict(diagnostics=False), **train_kw)
     return cfg
 
 
@@ -76,8 +76,8 @@ def test_paper_presets_count_like_the_paper(preset, params, heads):
     cfg = build_config(preset)
     m = cfg.model
     assert m.vocab_size == 151_680 == padded_vocab(151_669)  # the Qwen3 tokenizer padded to 64
-    assert m.n_head == heads == math.ceil(m.n_embd / 128)
-    d, L, V = m.n_embd, m.n_layer, m.vocab_size
+    assert m.heads == heads == math.ceil(m.width / 128)
+    d, L, V = m.width, m.depth, m.vocab_size
     assert 2 * V * d + L * 12 * d * d == params  # untied embedding + head, 4d^2 attention + 8d^2 MLP per block
     assert count_parameters(m) == params  # built on the meta device: no memory, no download
     assert round(params / 1e6, 1) in (127.1, 317.9)
@@ -88,7 +88,7 @@ def test_heads_follow_the_reference_ceiling():
     from flt_diag.config.run_config import shape
     for depth in range(1, 13):
         d = 64 * depth
-        assert shape(depth, 64, 128)["n_head"] == max(1, (d + 127) // 128)
+        assert shape(depth, 64, 128)["heads"] == max(1, (d + 127) // 128)
 
 
 def test_run_stores_and_prints_its_parameter_count(tmp_path, capsys):
@@ -149,7 +149,7 @@ def _grab(modules, outs):
 def test_attention_and_mlp_output_gradients_equal_autograd(variant):
     """In float64 on both sides, so the comparison holds to ~1e-12 on any CPU."""
     torch.manual_seed(0)
-    model = randomize(LoopedTransformer(ModelConfig(vocab_size=40, n_layer=2, n_embd=32, n_head=2,
+    model = randomize(LoopedTransformer(ModelConfig(vocab_size=40, depth=2, width=32, heads=2,
                                                     variant=variant, loops=3))).double()
     idx = torch.randint(0, 40, (2, 10), generator=torch.Generator().manual_seed(0))
     rows = []
@@ -267,13 +267,13 @@ def test_import_reads_model_type_and_K_from_meta(tmp_path, capsys):
     from flt_diag.cli import main
     from flt_diag.training.reference import export_reference
     torch.manual_seed(0)
-    model = LoopedTransformer(ModelConfig(vocab_size=256, n_layer=2, n_embd=64, n_head=2, variant="fla", loops=4))
+    model = LoopedTransformer(ModelConfig(vocab_size=256, depth=2, width=64, heads=2, variant="fla", loops=4))
     folder = tmp_path / "ckpt"
     folder.mkdir()
     torch.save(export_reference(model), folder / "model_000100.pt")
     (folder / "meta_000100.json").write_text(json.dumps({"step": 100, "model_config": dict(
-        model_type="FLT_res", K=4, loss_type="END", sequence_len=64, vocab_size=256, n_layer=2, n_head=2,
-        n_kv_head=2, n_embd=64)}))
+        model_type="FLT_res", K=4, loss_type="END", seq_len=64, vocab_size=256, depth=2, heads=2,
+        n_kv_head=2, width=64)}))
     code = main(["import-reference", str(folder / "model_000100.pt"), "--out", str(tmp_path / "run")])
     assert code == 0, capsys.readouterr().err
     cfg = read_json(tmp_path / "run" / "config.json")

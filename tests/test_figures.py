@@ -28,14 +28,14 @@ def sweep(tmp_path_factory) -> Path:
 
 def test_summary_csv_holds_each_finished_runs_summary_json(sweep):
     """summary.csv has one row per finished run, and every figure it shares with that run's
-    summary.json is the file's (read here with json, not flt_diag); depth is config.json's n_layer."""
+    summary.json is the file's (read here with json, not flt_diag); depth is config.json's depth."""
     table = pd.read_csv(sweep / "summary.csv")
     finished = sorted(p.name for p in (sweep / CELLS).iterdir() if (p / "summary.json").exists())
     assert sorted(table.cell) == finished and set(SUMMARY_COLUMNS) <= set(table.columns)
     for row in table.to_dict("records"):
         run = sweep / CELLS / row["cell"]
         summary, config = (json.loads((run / name).read_text()) for name in ("summary.json", "config.json"))
-        assert row["depth"] == config["model"]["n_layer"]
+        assert row["depth"] == config["model"]["depth"]
         shared = set(row) & set(summary)
         assert {"verdict", "variant", "loops", "seed", "lr_scale", "final_loss", "best_loss", "val_loss",
                 "peak_resid_norm", "osc_cv", "steps_done"} <= shared

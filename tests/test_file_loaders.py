@@ -69,8 +69,8 @@ def _reference_export(run: Path, folder: Path) -> Path:
     folder.mkdir()
     torch.save(export_reference(model), folder / "model_000004.pt")
     m = ckpt["model_config"]
-    sizes = {"sequence_len": m["sequence_len"], "vocab_size": m["vocab_size"], "n_layer": m["n_layer"],
-             "n_head": m["n_head"], "n_kv_head": m["n_head"], "n_embd": m["n_embd"]}
+    sizes = {"sequence_len": m["seq_len"], "vocab_size": m["vocab_size"], "n_layer": m["depth"],  # (nanochat's names)
+             "n_head": m["heads"], "n_kv_head": m["heads"], "n_embd": m["width"]}
     said = {**sizes, **{k: m["loops"] for k in files.META_LOOP_KEYS}, **{k: "LT" for k in files.META_VARIANT_KEYS}}
     (folder / "meta_000004.json").write_text(json.dumps({"step": 4, "model_config": said, **said}))  # every key it reads
     return folder / "model_000004.pt"
@@ -118,7 +118,7 @@ def _model_shapes() -> dict:
     """The weight shapes of the samples' model (tiny preset, depth 1, lt, K=2)."""
     from flt_diag.config.run_config import build_config
     from flt_diag.model.transformer import LoopedTransformer
-    model = build_config("tiny", model=dict(n_layer=1, variant="lt", loops=2)).model
+    model = build_config("tiny", model=dict(depth=1, variant="lt", loops=2)).model
     return {k: tuple(v.shape) for k, v in LoopedTransformer(model).state_dict().items()}
 
 
@@ -255,8 +255,8 @@ def describe(hint, info=None, required: bool = True, context: dict | None = None
             shapes = context.get("shapes")
             return Record({k: Shape(tuple(v)) for k, v in shapes.items()}, required) if shapes else \
                 Record(required=required, other_keys=True)
-        # a file holds a field under its alias, but an option's alias is its command-line name (depth for
-        # n_layer): files hold the option's field name
+        # a file holds a field under its alias, but an option's alias is its command-line name (list for
+        # list_cells): files hold the option's field name
         entries = {(name if f.description else f.alias or name): describe(f.annotation, f, f.is_required(), context)
                    for name, f in bare.model_fields.items()}
         return Record(entries, required, bare.model_config.get("extra") == "allow", nullable)

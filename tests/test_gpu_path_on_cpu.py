@@ -30,7 +30,7 @@ def test_compiled_blocks_keep_every_hook_record(checkpointing):
     exactly once, with values equal to eager. Float64 on both sides, so only reassociation inside
     the captured graph can differ: relative 1e-9 bounds it with room to spare."""
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=40, n_layer=2, n_embd=32, n_head=2, variant="flt", loops=3)
+    cfg = ModelConfig(vocab_size=40, depth=2, width=32, heads=2, variant="flt", loops=3)
     eager = LoopedTransformer(cfg).double()
     compiled = LoopedTransformer(cfg).double()
     compiled.load_state_dict(eager.state_dict())
@@ -70,7 +70,7 @@ def test_costly_loop_dynamics_records_on_compiled_blocks_equal_eager_and_leave_t
     .grad. About 25 s, most of it inductor's first compile."""
     from flt_diag.instruments import loop_dynamics as D
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=40, n_layer=2, n_embd=32, n_head=2, variant="lt", loops=3)
+    cfg = ModelConfig(vocab_size=40, depth=2, width=32, heads=2, variant="lt", loops=3)
     eager = LoopedTransformer(cfg).double()
     compiled = LoopedTransformer(cfg).double()
     compiled.load_state_dict(eager.state_dict())

@@ -31,7 +31,7 @@ V = 16
 
 def tiny(variant="lt", K=3, d=8, heads=2, layers=2, seed=0):
     torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=V, n_layer=layers, n_embd=d, n_head=heads, sequence_len=4, variant=variant, loops=K)
+    cfg = ModelConfig(vocab_size=V, depth=layers, width=d, heads=heads, seq_len=4, variant=variant, loops=K)
     return randomize(LoopedTransformer(cfg), seed=seed)
 
 
@@ -135,7 +135,7 @@ def unrolled_loop_gradients(model, idx, targets):
     c = model.cfg.softcap
     logits = c * torch.tanh(model.head(h) / c)
     F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
-    return [[torch.cat([p.grad.flatten() for p in c.blocks[i].parameters()]) for i in range(model.cfg.n_layer)]
+    return [[torch.cat([p.grad.flatten() for p in c.blocks[i].parameters()]) for i in range(model.cfg.depth)]
             for c in copies]
 
 
@@ -149,7 +149,7 @@ def test_per_loop_gradient_agreement_against_separate_copies(variant):
     model.zero_grad(set_to_none=True)
     _, loss = model(idx, targets)  # the total gradient, through the shared weights
     loss.backward()
-    for layer in range(model.cfg.n_layer):
+    for layer in range(model.cfg.depth):
         total = torch.cat([p.grad.flatten() for p in model.blocks[layer].parameters()])
         mine = sum(per_loop[t][layer] for t in range(3))
         assert torch.allclose(mine, total, atol=1e-5, rtol=1e-4)  # the loops' gradients sum to the total
@@ -218,7 +218,7 @@ def test_a_short_run_records_every_key_and_keeps_its_trajectory(tmp_path):
 
 def test_figures_of_the_new_records_draw_and_skip_runs_without_them(tmp_path):
     from flt_diag.results.figures import plot
-    on = dict(dynamics_every=1, dynamics_batch=1, dynamics_iters=2, attention=True)
+    on = dict(dynamics_every=1, dynamics_batch=1, dynamics_iters=2, attention_stats=True)
     train(tiny_config(variant="flt", loops=2, steps=2, diagnostics=on), tmp_path / "on")
     train(tiny_config(variant="flt", loops=2, steps=2, diagnostics=dict(loop_dynamics=False, dynamics_every=0)),
           tmp_path / "off")

@@ -14,7 +14,7 @@ ALL = list(VARIANTS)
 
 
 def make(variant="flt", loops=3, seed=0, **kw):
-    cfg = ModelConfig(vocab_size=50, n_layer=2, n_embd=32, n_head=2, sequence_len=16, variant=variant,
+    cfg = ModelConfig(vocab_size=50, depth=2, width=32, heads=2, seq_len=16, variant=variant,
                       loops=loops, **kw)
     torch.manual_seed(seed)
     return randomize(LoopedTransformer(cfg), seed)
@@ -49,7 +49,7 @@ def test_fp32_rotary_tables(head_dim, seq_len):
     against float64 ones. The fp32 angle t * base^(-2i/D) is within (ln(base) + 10) U32 relative of
     the exact one (the exponent 2i/D rounded, times the slope ln(base) of base^x; pow within 4 ulps;
     reciprocal and product), an error cos and sin pass on with slope <= 1; they add <= 4 ulps (8 U32)."""
-    model = LoopedTransformer(ModelConfig(n_embd=2 * head_dim, n_head=2, sequence_len=seq_len))
+    model = LoopedTransformer(ModelConfig(width=2 * head_dim, heads=2, seq_len=seq_len))
     cos, sin = exact_rotary_tables(seq_len, head_dim)
     assert model.cos.dtype == model.sin.dtype == torch.float32 and model.cos.shape == cos.shape
     max_angle = seq_len - 1.0  # t / base^0
@@ -152,7 +152,7 @@ def test_loss_modes_against_per_loop_forwards():
 
 def test_initialisation_follows_design():
     torch.manual_seed(0)
-    m = LoopedTransformer(ModelConfig(vocab_size=256, n_layer=2, n_embd=64, n_head=2))
+    m = LoopedTransformer(ModelConfig(vocab_size=256, depth=2, width=64, heads=2))
     assert abs(m.embed.weight.std().item() - 1.0) < 0.02
     assert abs(m.head.weight.std().item() - 0.001) < 0.0001
     for b in m.blocks:
@@ -200,7 +200,7 @@ def test_bad_config():
     with pytest.raises(ValueError, match=r"^--loops must be in 1\.\.1024, got 0$"):
         ModelConfig.of(loops=0)
     with pytest.raises(ValueError, match=r"^--depth must be in 1\.\.1024, got 0$"):
-        ModelConfig.of(n_layer=0)
+        ModelConfig.of(depth=0)
 
 
 @pytest.mark.parametrize("variant,reaches", [("flt", False), ("lt-ai", False), ("lt", True), ("lt-ii", True),
@@ -210,7 +210,7 @@ def test_position_zero_is_out_of_the_loops_reach_where_h_enters_only_through_que
     query with one key (position 0) gets that key's value whatever it is: position 0's logits are the
     same at every loop. Random weights (the real init zeroes W_O and W_down), K=12."""
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=64, n_layer=2, n_embd=32, n_head=2, sequence_len=16, variant=variant, loops=12)
+    cfg = ModelConfig(vocab_size=64, depth=2, width=32, heads=2, seq_len=16, variant=variant, loops=12)
     model = randomize(LoopedTransformer(cfg))
     idx = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

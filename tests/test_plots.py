@@ -178,7 +178,7 @@ def test_collapse_grid_has_the_verdict_of_every_cell(sweep):
 
 
 def test_collapse_grid_aggregates_seeds_and_lr_scales(tmp_path):
-    sweep = make_sweep(tmp_path / "sweep", seeds=(0, 1), lr_scales=(1.0, 2.0))
+    sweep = make_sweep(tmp_path / "sweep", seeds=(0, 1), lr_scale=(1.0, 2.0))
     grid = P.figure_data("collapse", sweep)
     assert len(grid) == 2 * len(EXPECTED_VERDICTS)
     for r in grid.itertuples():

@@ -62,8 +62,8 @@ def test_universal_transformer_plain_loop(tmp_path):
         assert value(df, s, M.GRAD_NORM) == pytest.approx(hand["grad_norm"], rel=1e-5)
         assert value(df, s, M.LOOPS_RUN) == 3
     cfg = load_config(tmp_path / "ut")
-    assert (cfg.model.loops, cfg.model.n_layer, cfg.model.n_embd) == (3, 1, D)
-    assert cfg.model.n_head == 2 and cfg.model.sequence_len == T
+    assert (cfg.model.loops, cfg.model.depth, cfg.model.width) == (3, 1, D)
+    assert cfg.model.heads == 2 and cfg.model.seq_len == T
     assert load_summary(tmp_path / "ut").verdict == probe.summary.verdict == "stable"
     check_folder(tmp_path / "ut")
 

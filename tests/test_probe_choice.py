@@ -97,7 +97,7 @@ def test_auto_leaves_out_a_halting_unit(tmp_path, capfd):
     train(model, tmp_path / "act", loss=lambda out: lm_loss(out, x), blocks="auto")
     err = capfd.readouterr().err
     assert "left out halt ((4, 8, 16) -> (4, 8, 1))" in err and "chose layer (" in err
-    assert load_config(tmp_path / "act").model.n_layer == 1
+    assert load_config(tmp_path / "act").model.depth == 1
     df = load_metrics(tmp_path / "act")
     rows = df[(df.step == 0) & (df.metric == M.RESID_NORM)].sort_values("loop")
     assert list(rows.layer) == [1, 1, 1] and list(rows.loop) == [1, 2, 3]

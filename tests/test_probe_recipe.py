@@ -43,7 +43,7 @@ def test_the_recipe_is_the_users_and_no_warm_down_is_assumed(tmp_path):
     assert r["param_groups"] == [dict(lr=3e-3, betas=[0.8, 0.95], weight_decay=0.1),
                                  dict(lr=1e-2, betas=[0.8, 0.95], weight_decay=0.01)]
     assert cfg["train"] == dict(steps=20, batch_size=4, device="cpu", grad_clip=0.5)  # given or observed, no more
-    assert "variant" not in cfg["model"] and cfg["model"]["loops"] == 3 and cfg["model"]["n_embd"] == D
+    assert "variant" not in cfg["model"] and cfg["model"]["loops"] == 3 and cfg["model"]["width"] == D
     assert not {"matrix_lr", "optimizer", "momentum", "softcap"} & {*cfg["train"], *cfg["model"]}  # no flt-diag recipe
     assert cfg["n_params"] == sum(p.numel() for p in model.parameters())
     s = probe.summary

@@ -109,7 +109,7 @@ def test_two_records_naming_one_option_are_refused(tmp_path):
     finally:
         del records.__path__[-2:]
         records.all_records.cache_clear()
-    assert [r.switch for r in records.all_records()] == ["attention"]
+    assert [r.switch for r in records.all_records()] == ["attention_stats"]
 
 
 @pytest.mark.parametrize("switch, moment", [(float, "after_block"), (bool, "after_forward")])

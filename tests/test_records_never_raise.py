@@ -151,7 +151,7 @@ FAULTS = {
     "fixed_point_residual ratios": (LoopDynamicsCallback, "_residuals", (M.FIXED_POINT_RESIDUAL,), {}),
     "loop map": (D, "loop_map_records", LOOP_MAP, {}),
     "early warning": (CollapseWarning, "_keep", ("early_warning",), {}),
-    "grad_norm, total": (ProbeMoments, "_total_norm", (M.GRAD_NORM,), {"diagnostics": DiagnosticsConfig(dense_steps=1, every=3)}),
+    "grad_norm, total": (ProbeMoments, "_total_norm", (M.GRAD_NORM,), {"diagnostics": DiagnosticsConfig(dense_steps=1, record_every=3)}),
     "grad_norm, grad_hooks": (moments, "gradient_norm", (M.GRAD_NORM,), {"grad_hooks": True}),
     "loss of loss=": (ProbeMoments, "_mean_loss", (M.LOSS,), {"loss": lambda out: out.mean(), "given_loss": False,
                                                               "nan_weights_at": 2, "once": True}),
@@ -291,7 +291,7 @@ def test_the_trainers_records_share_the_guard(tmp_path, monkeypatch, capfd):
     for where, name in ((D, "loop_map_stats"), (D, "loop_gradient_agreement"), (dynamics_callback, "sharpness"),
                         (loop_hooks, "gradient_norm")):
         monkeypatch.setattr(where, name, injected)
-    cfg = tiny_config(loops=2, steps=3, diagnostics=dict(attention=True, dynamics_every=1, sharpness_every=1,
+    cfg = tiny_config(loops=2, steps=3, diagnostics=dict(attention_stats=True, dynamics_every=1, sharpness_every=1,
                                                          exit_loss_every=1, dynamics_batch=1, krylov_dim=2,
                                                          dynamics_iters=1, perturbation_dirs=1))
     summary = trainer.train(cfg, tmp_path / "run")

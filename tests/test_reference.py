@@ -176,7 +176,7 @@ def test_converted_weights_and_loop_rules_match_reference(ref_sd, idx, ref_varia
     they are in float64): the name mapping, vocab slicing and every variant's loop rules agree
     with the reference, both run in float64."""
     state, dims = convert_state_dict(ref_sd, vocab_size=VOCAB)
-    model = LoopedTransformer(ModelConfig(vocab_size=VOCAB, n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD,
+    model = LoopedTransformer(ModelConfig(vocab_size=VOCAB, depth=N_LAYER, width=N_EMBD, heads=N_HEAD,
                                           variant=REFERENCE_VARIANTS[ref_variant], loops=3, rotary_dtype="float32"))
     model.load_state_dict(state)
     for K in (1, 3, 5):
@@ -201,7 +201,7 @@ def test_flt_diag_names_and_meta(ref_sd, idx, tmp_path):
                                           "n_loops": 4, "variant": "LT_ia"}}
     (tmp_path / "meta_000500.json").write_text(json.dumps(meta))
     model = import_reference(tmp_path / "model_000500.pt")  # everything from the meta file beside it
-    assert (model.cfg.variant, model.cfg.loops, model.cfg.sequence_len, model.cfg.n_head) == ("lt-ai", 4, 32, 2)
+    assert (model.cfg.variant, model.cfg.loops, model.cfg.seq_len, model.cfg.heads) == ("lt-ai", 4, 32, 2)
     bf16_sd = {k: v.bfloat16().float() for k, v in ref_sd.items()}
     same = import_reference(bf16_sd, "LT_ia", loops=4, n_head=N_HEAD, vocab_size=VOCAB)
     with torch.no_grad():

@@ -362,8 +362,8 @@ def test_predict_online_follows_the_rows_stored(tmp_path, capsys):
     got = pd.read_csv(tmp_path / "b.csv").warned_at.iloc[0]
     # by hand: every check up to 200 steps past the stored run (after it, the windows are empty until 10**12)
     m, pred = json.loads((run / CONFIG).read_text())["model"], load_predictor()
-    series, start = EW.RunSeries(stored, m["loops"], m["n_layer"]), min(pred.models)
-    p = {at: EW.probability(pred, EW.features_at(series, at, m["n_embd"]), at)[0]
+    series, start = EW.RunSeries(stored, m["loops"], m["depth"]), min(pred.models)
+    p = {at: EW.probability(pred, EW.features_at(series, at, m["width"]), at)[0]
          for at in range(-(-start // 25) * 25, last + 200, 25)}
     first = next((at for at, v in p.items() if v >= pred.threshold), None)
     assert got == first if first is not None else (pd.isna(got) or got >= 10**12 - 100)
@@ -379,7 +379,7 @@ def test_the_replay_computes_only_the_checks_that_can_differ_and_finds_what_ever
     pred = dict(features=["loss_climb", "grad_cv", "loss_slope"], threshold=0.9, models={
         str(k): dict(mean=[0.0] * 3, std=[1.0] * 3, coef=[c, 0.5, 0.2], intercept=-3.0)
         for k, c in ((25, 1.0), (600, -1.0), (7000, 3.0))})  # (only the model fitted at 7000 warns: in a gap)
-    got = EW.first_warning(df, pred, loops=3, n_layer=2, d_model=64, steps_done=9001)
+    got = EW.first_warning(df, pred, loops=3, depth=2, d_model=64, steps_done=9001)
     run, best, first = EW.RunSeries(df, 3, 2), 0.0, None  # every check, one by one
     for at in range(25, 9002, 25):
         p, _ = EW.probability(pred, EW.features_at(run, at, 64), at)

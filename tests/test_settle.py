@@ -48,14 +48,15 @@ def test_a_bad_option_is_one_line_naming_its_flag():
         S.run_config(dict(tokenizer="/no/such.json", device="cpu"))
 
 
-def test_options_are_named_as_users_type_them_or_by_field_and_a_misspelt_one_is_refused():
-    """`depth` and `n_layer` are one option (the flag's name and the field's); a name no section has (a typo
-    that would otherwise leave the option at its default without a word) is one line naming it."""
+def test_options_are_named_as_users_type_them_or_by_old_name_and_a_misspelt_one_is_refused():
+    """`depth` is the flag's name and the field's; `n_layer`, its name before, still reads as it; a name no section
+    has (a typo that would otherwise leave the option at its default without a word) is one line naming it."""
     by_flag = S.unsettled_config(dict(preset="tiny", depth=3, seq_len=32, record_every=5, device="cpu"))
-    by_field = S.unsettled_config(dict(preset="tiny", n_layer=3, sequence_len=32, every=5, device="cpu"))
-    assert by_flag.to_dict() == by_field.to_dict()
-    assert (by_flag.model.n_layer, by_flag.model.n_embd, by_flag.model.sequence_len, by_flag.diagnostics.every) == \
+    by_old_name = S.unsettled_config(dict(preset="tiny", n_layer=3, sequence_len=32, every=5, device="cpu"))
+    assert by_flag.to_dict() == by_old_name.to_dict()
+    assert (by_flag.model.depth, by_flag.model.width, by_flag.model.seq_len, by_flag.diagnostics.record_every) == \
         (3, 96, 32, 5)  # the tiny preset's width is 32 per block
+    assert {"depth", "width", "heads", "seq_len"} <= set(by_flag.to_dict()["model"])
     with pytest.raises(ValueError, match="^stepz is not a config option$"):
         S.run_config(dict(stepz=3, device="cpu"))
 

@@ -38,7 +38,7 @@ def _sweep_spec(tmp_path):
     prepare_folder(spec, tmp_path / "sw")
     read = load_spec(tmp_path / "sw" / "sweep.json")
     assert read.cell_names == [c.name for c in spec.cells()] and len(set(read.cell_names)) == 8
-    return read.lr_scales == spec.lr_scales
+    return read.lr_scale == spec.lr_scale
 
 
 def _map_spec(tmp_path):
@@ -80,7 +80,7 @@ def test_one_run_identity_names_every_folder_and_reads_back_from_what_a_run_stor
     assert RunId("lt", 2, 0, 1.0, index=5) == RunId("lt", 2, 0, 1.0)  # its place in a grid is no part of it
     run = make_run(tmp_path / "renamed", "lt", 3, seed=7, lr_scale=0.5, depth=2)
     cfg, summary = json.loads((run / "config.json").read_text()), json.loads((run / "summary.json").read_text())
-    want = RunId("lt", 3, 7, 0.5, depth=2, width=cfg["model"]["n_embd"])
+    want = RunId("lt", 3, 7, 0.5, depth=2, width=cfg["model"]["width"])
     from flt_diag.results.tables import collect
     from flt_diag.results.predictor_fit import examples_table, training_examples
     (got,) = collect(run).runs
@@ -89,7 +89,7 @@ def test_one_run_identity_names_every_folder_and_reads_back_from_what_a_run_stor
     (example,) = training_examples([run], [10])
     examples_table([example]).to_csv(tmp_path / "ex.csv", index=False)
     (row,) = load_examples(tmp_path / "ex.csv")
-    assert example["identity"] == RunId.read(row) == want and (row.n_layer, row.n_embd) == (2, want.width)
+    assert example["identity"] == RunId.read(row) == want and (row.depth, row.width) == (2, want.width)
 
 
 SPECS = [  # (command line, what the one error line says): refused before any folder is made

@@ -21,7 +21,7 @@ from flt_diag.training.trainer import Trainer
 
 
 def make(variant, K=3, d=32, L=2, seed=0, dtype=torch.float32):
-    cfg = ModelConfig(vocab_size=50, n_layer=L, n_embd=d, n_head=2, sequence_len=16, variant=variant, loops=K)
+    cfg = ModelConfig(vocab_size=50, depth=L, width=d, heads=2, seq_len=16, variant=variant, loops=K)
     torch.manual_seed(seed)
     return randomize(LoopedTransformer(cfg), seed).to(dtype)
 
@@ -70,7 +70,7 @@ def test_deeploop_at_alpha_1_is_the_post_norm_lt_and_beta_scales_the_init():
         b.alpha = 1.0
     assert torch.equal(model(idx()), post_norm_lt(idx()))
     # beta: a fresh deeploop's v and up are the same seed's LT weights times (8 K L)^(-1/2)
-    cfg = dict(vocab_size=50, n_layer=2, n_embd=32, n_head=2, sequence_len=16, loops=3)
+    cfg = dict(vocab_size=50, depth=2, width=32, heads=2, seq_len=16, loops=3)
     torch.manual_seed(4)
     deep = LoopedTransformer(ModelConfig(variant="deeploop", **cfg))
     torch.manual_seed(4)
@@ -95,7 +95,7 @@ def test_parcae_at_abar_1_and_b_0_starts_each_loop_from_the_raw_state():
 
 
 def test_parcae_initialisation_is_the_sources():
-    P = LoopedTransformer(ModelConfig(variant="parcae", n_embd=16, n_head=2, loops=3)).injection
+    P = LoopedTransformer(ModelConfig(variant="parcae", width=16, heads=2, loops=3)).injection
     abar, dt = P.decay()
     torch.testing.assert_close(abar, torch.full((16,), 0.447), rtol=1e-6, atol=0)
     assert torch.equal(P.B.weight, torch.eye(16)) and torch.all(dt > 0)
@@ -114,7 +114,7 @@ def written_out_loop(model, h, base):
     """g(h) = rms(loop(h)) of an LT-based model, from tests/equations.py (not the model's code)."""
     x = h
     for block in model.blocks:
-        x = block_forward(block, x, model.cfg.n_head)
+        x = block_forward(block, x, model.cfg.heads)
     return rms(x)
 
 
@@ -231,8 +231,8 @@ def test_a_sampled_loop_count_is_recorded_and_its_loops_are_recorded(tmp_path):
 
 # ----------------------------------------------------------------------------- Parcae, parameters, optimizer
 def test_parcae_rho_is_below_one_at_init_and_after_100_steps(tmp_path):
-    cfg = tiny_config(variant="parcae", loops=3, steps=100, n_embd=16, n_head=2, sequence_len=16, batch_size=4,
-                      diagnostics=dict(enabled=False))
+    cfg = tiny_config(variant="parcae", loops=3, steps=100, width=16, heads=2, seq_len=16, batch_size=4,
+                      diagnostics=dict(diagnostics=False))
     trainer = Trainer(cfg, tmp_path / "run")
     assert trainer.model.injection.rho().item() == pytest.approx(0.447, abs=1e-6)
     B0 = trainer.model.injection.B.weight.detach().clone()
@@ -248,7 +248,7 @@ def test_parcae_rho_is_below_one_at_init_and_after_100_steps(tmp_path):
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_extra_parameters_counted_by_hand(name):
     d, K, L = 16, 3, 2
-    cfg = ModelConfig(vocab_size=64, n_layer=L, n_embd=d, n_head=2, variant=name, loops=K)
+    cfg = ModelConfig(vocab_size=64, depth=L, width=d, heads=2, variant=name, loops=K)
     by_hand = {"parcae": 2 * d + d * d, "huginn": 2 * d * d}.get(name, 0)
     if "loop-embed" in name:
         by_hand += K * d
@@ -285,7 +285,7 @@ def test_the_loop_dynamics_of_a_loop_embedding_take_each_loops_own_map():
     for t, (f, h) in enumerate(zip(steps, states[:-1]), start=1):
         x = h + model.loop_embed.weight[t]
         for block in model.blocks:
-            x = block_forward(block, x, model.cfg.n_head)
+            x = block_forward(block, x, model.cfg.heads)
         torch.testing.assert_close(f(h), rms(x))
         torch.testing.assert_close(f(h), states[t])  # the trajectory's own next state
     stats = D.loop_map_stats(model, tokens, iters=2, krylov_dim=4, dirs=1, generator=torch.Generator().manual_seed(0))
@@ -316,7 +316,7 @@ def test_a_loop_embedding_beyond_its_table_reuses_its_last_row():
 
 @pytest.mark.parametrize("name", ["parcae", "huginn", "loop-embed", "flt+loop-embed"])
 def test_a_seed_gives_a_stabiliser_the_same_shared_weights_as_its_base(name):
-    cfg = dict(vocab_size=50, n_layer=2, n_embd=16, n_head=2, sequence_len=8, loops=3)
+    cfg = dict(vocab_size=50, depth=2, width=16, heads=2, seq_len=8, loops=3)
     torch.manual_seed(7)
     model = LoopedTransformer(ModelConfig(variant=name, **cfg))
     torch.manual_seed(7)
@@ -330,10 +330,10 @@ def test_a_seed_gives_a_stabiliser_the_same_shared_weights_as_its_base(name):
 def test_the_loop_count_of_a_step_is_a_function_of_seed_and_step_alone():
     """What a resumed run draws: the same count for (seed, step), whatever was drawn before."""
     from flt_diag.training.stabiliser_step import step_loops
-    model = LoopedTransformer(ModelConfig(variant="huginn", n_embd=16, n_head=2, loops=6))
+    model = LoopedTransformer(ModelConfig(variant="huginn", width=16, heads=2, loops=6))
     first = [step_loops(model, 3, s) for s in range(50)]
     torch.manual_seed(123)
     torch.randn(10)
     assert [step_loops(model, 3, s) for s in reversed(range(50))][::-1] == first
     assert first != [step_loops(model, 4, s) for s in range(50)]
-    assert step_loops(LoopedTransformer(ModelConfig(variant="lt", n_embd=16, n_head=2, loops=6)), 3, 0) is None
+    assert step_loops(LoopedTransformer(ModelConfig(variant="lt", width=16, heads=2, loops=6)), 3, 0) is None

@@ -232,7 +232,7 @@ def test_depth_axis_probes_are_cells_with_their_depth(tmp_path):
     cell = spec.cell(spec.lines()[0], 3)
     assert cell.depth == 3 and cell.name.endswith("_L3")
     from flt_diag.grids.sweep import cell_config
-    assert cell_config(spec.base, cell).model.n_layer == 3
+    assert cell_config(spec.base, cell).model.depth == 3
 
 
 def test_report_and_regenerate_show_the_map(tmp_path):

@@ -18,7 +18,7 @@ NAN = math.nan
 
 def _run(tmp_path):
     """A 2-step run of width 16: loss 2.0 then NaN, nothing else recorded."""
-    cfg = tiny_config(steps=2, loops=2, n_embd=16, n_head=1)
+    cfg = tiny_config(steps=2, loops=2, width=16, heads=1)
     df = pd.DataFrame(dict(step=[0, 1], metric=[M.LOSS, M.LOSS], loop=[-1, -1], layer=[-1, -1], value=[2.0, NAN]))
     return cfg, summarize(df, cfg, unigram_entropy=None, wall_time=4.0, tokens_per_step=8)
 

@@ -119,6 +119,25 @@ def test_changed_spec_is_refused(tmp_path):
     assert len(pd.read_csv(tmp_path / "sw" / "summary.csv")) == 1
 
 
+def test_a_sweep_json_written_with_the_old_names_is_the_same_spec(tmp_path):
+    """sweep.json holds the grid's lr scales as lr_scale (as --lr-scale and study files name them) and the base's
+    sizes as depth, width, ...; one written before (lr_scales, n_layer, n_embd, n_head, sequence_len) is the same
+    spec: the folder is resumed, not refused."""
+    import json
+    sp = spec(variants=["lt"], loops=[1], steps=2)
+    S.prepare_folder(sp, tmp_path / "sw")
+    path = tmp_path / "sw" / "sweep.json"
+    written = json.loads(path.read_text())
+    assert written["lr_scale"] == [1.0] and "lr_scales" not in written and "depth" in written["base"]["model"]
+    old_model = dict(depth="n_layer", width="n_embd", heads="n_head", seq_len="sequence_len")
+    written["lr_scales"] = written.pop("lr_scale")
+    written["base"]["model"] = {old_model.get(k, k): v for k, v in written["base"]["model"].items()}
+    path.write_text(json.dumps(written))
+    S.prepare_folder(sp, tmp_path / "sw")  # the same spec: no StorageError
+    with pytest.raises(StorageError, match="different spec"):
+        S.prepare_folder(spec(variants=["lt"], loops=[1], lrs=(2.0,), steps=2), tmp_path / "sw")
+
+
 def test_failed_cell_does_not_stop_the_sweep(tmp_path, monkeypatch):
     import flt_diag.training.trainer as T
     real = T.train
@@ -182,7 +201,7 @@ def test_a_study_file_is_the_same_spec_as_its_command_line(tmp_path):
     assert from_file.to_dict() == from_cli.to_dict()
     cfg = from_file.cell_config(from_file.cells()[-1])
     assert (cfg.model.variant, cfg.model.loops, cfg.train.seed, cfg.train.lr_scale, cfg.train.steps,
-            cfg.model.sequence_len) == ("flt", 3, 1, 2.0, 7, 32)
+            cfg.model.seq_len) == ("flt", 3, 1, 2.0, 7, 32)
 
 
 def test_one_value_of_a_list_option_in_a_study_file_is_a_list_of_one(tmp_path):
@@ -190,8 +209,8 @@ def test_one_value_of_a_list_option_in_a_study_file_is_a_list_of_one(tmp_path):
     from flt_diag.cli.specs import load_study
     (tmp_path / "s.toml").write_text('[ablation]\nvariants = "lt"\nloops = 4\nlr_scale = 2\nout = "o"\n')
     _, args = load_study(tmp_path / "s.toml")
-    assert (args.variants, args.loops, args.lr_scales, args.out) == (["lt"], [4], [2.0], Path("o"))
-    assert isinstance(args.lr_scales[0], float)
+    assert (args.variants, args.loops, args.lr_scale, args.out) == (["lt"], [4], [2.0], Path("o"))
+    assert isinstance(args.lr_scale[0], float)
 
 
 @pytest.mark.parametrize("text, message", [

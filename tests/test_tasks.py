@@ -28,7 +28,7 @@ from flt_diag.training.trainer import Callback, Trainer, comparable, train
 
 
 def task_data(split="train", seq_len=64, **train):
-    cfg = build_config("tiny", model=dict(sequence_len=seq_len), train=train)
+    cfg = build_config("tiny", model=dict(seq_len=seq_len), train=train)
     return load_task(cfg.train, seq_len, split)
 
 
@@ -225,7 +225,7 @@ class Interrupt(Callback):
 def test_a_resumed_task_run_sees_the_same_batches_as_an_uninterrupted_one(tmp_path):
     def cfg():
         return tiny_config(variant="flt", loops=2, steps=7, checkpoint_every=3, eval_every=3, data="phop", hops=2,
-                           alphabet=4, seed=2, diagnostics=dict(enabled=False))
+                           alphabet=4, seed=2, diagnostics=dict(diagnostics=False))
     train(cfg(), tmp_path / "straight")
     with pytest.raises(KeyboardInterrupt):
         Trainer(cfg(), tmp_path / "resumed", callbacks=[Interrupt()]).fit()

@@ -19,7 +19,7 @@ def losses(run_dir):
 
 
 def test_loss_falls_on_tiny(tmp_path):
-    cfg = tiny_config(variant="flt", loops=2, steps=60, diagnostics=dict(enabled=False))
+    cfg = tiny_config(variant="flt", loops=2, steps=60, diagnostics=dict(diagnostics=False))
     summary = train(cfg, tmp_path / "run")
     loss = losses(tmp_path / "run")
     assert len(loss) == 60
@@ -142,7 +142,7 @@ def test_gradient_accumulation_matches_big_batch(tmp_path):
     from flt_diag.data.batches import batch_generator, get_batch
     total = 0
     for micro in range(2):
-        x, y = get_batch(trainer.train_data, 8, cfg.model.sequence_len, batch_generator(cfg.train.seed, 0, micro))
+        x, y = get_batch(trainer.train_data, 8, cfg.model.seq_len, batch_generator(cfg.train.seed, 0, micro))
         total = total + ref(x, y)[1] / 2
     expected = torch.autograd.grad(total, list(ref.parameters()))
     for (name, _), g in zip(ref.named_parameters(), expected):
@@ -155,7 +155,7 @@ def test_settling_gives_a_copy_and_the_trainer_refuses_an_unsettled_config(tmp_p
     vocabulary other than the tokenizer's, device auto) is refused before anything is written."""
     from flt_diag.config.run_config import with_overrides
     from flt_diag.training.settle import settle
-    cfg = tiny_config(loops=1, steps=2, diagnostics=dict(enabled=False))
+    cfg = tiny_config(loops=1, steps=2, diagnostics=dict(diagnostics=False))
     cfg.model.vocab_size = 999  # not what the tokenizer gives
     before = cfg.to_dict()
     settled = settle(cfg)
@@ -188,7 +188,7 @@ class ConcatenatedRanks(Trainer):
     def batch(self, step, micro=0):
         from flt_diag.data.batches import batch_generator, get_batch
         t = self.cfg.train
-        xy = [get_batch(self.train_data, t.batch_size, self.cfg.model.sequence_len,
+        xy = [get_batch(self.train_data, t.batch_size, self.cfg.model.seq_len,
                         batch_generator(t.seed, step, micro, rank), self.device) for rank in range(2)]
         return torch.cat([x for x, _ in xy]), torch.cat([y for _, y in xy])
 
@@ -233,7 +233,7 @@ def test_ddp_two_gloo_processes_equal_one_process_on_the_concatenated_batch(tmp_
     for k, v in single.model.state_dict().items():
         assert_close64(w0[k], v)
 
-    B, T = cfg.train.batch_size, cfg.model.sequence_len
+    B, T = cfg.train.batch_size, cfg.model.seq_len
     # the logged loss is fp32: the mean of two rank means over B*T token losses (each an fp32 sum,
     # a division, the all-reduce's addition, a halving) against one mean over 2*B*T; the token losses
     # are the same (the same fp32 logits), only the summation order differs

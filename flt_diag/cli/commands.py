@@ -342,7 +342,7 @@ def cmd_variants(o: VariantsOptions) -> int:
     print("the paper's five (no parameters added):")
     for name in PAPER_VARIANTS:
         print(f"  {name:15s} {VARIANT_DESCRIPTIONS[name]}")
-    print(f"the field's stabilisers (+ parameters at d = {shape.n_embd}, K = {shape.loops}; builds on):")
+    print(f"the field's stabilisers (+ parameters at d = {shape.width}, K = {shape.loops}; builds on):")
     for name in STABILISERS:
         extra = extra_parameters(shape.model_copy(update=dict(variant=name)))
         print(f"  {name:15s} {VARIANT_DESCRIPTIONS[name]}\n  {'':15s} +{extra:,} parameters; on {base_of(name)}; "

@@ -13,7 +13,7 @@ from flt_diag.judge.spike_detectors import DETECTORS
 
 
 def print_model_line(model, n_params: int) -> None:
-    print(f"model: L={model.n_layer} d={model.n_embd} heads={model.n_head}, {n_params:,} parameters "
+    print(f"model: L={model.depth} d={model.width} heads={model.heads}, {n_params:,} parameters "
           f"({n_params / 1e6:.1f}M) per cell", flush=True)
 
 

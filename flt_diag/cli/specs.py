@@ -17,8 +17,8 @@ from flt_diag.training.settle import run_config, unsettled_config
 def sweep_spec(o: RunAblationOptions, settled: bool = True) -> SweepSpec:
     """The SweepSpec of run-ablation's options."""
     config = run_config if settled else unsettled_config
-    base = config(o.config, variant=o.variants[0], loops=o.loops[0], seed=o.seeds[0], lr_scale=o.lr_scales[0])
-    return SweepSpec(base, o.variants, o.loops, o.seeds, o.lr_scales)
+    base = config(o.config, variant=o.variants[0], loops=o.loops[0], seed=o.seeds[0], lr_scale=o.lr_scale[0])
+    return SweepSpec(base, o.variants, o.loops, o.seeds, o.lr_scale)
 
 
 def map_spec(o: MapOptions, settled: bool = True) -> MapSpec:

@@ -8,7 +8,7 @@ import math
 
 from typing import Annotated, Literal, get_args
 
-from pydantic import Field
+from pydantic import AliasChoices, Field
 
 from flt_diag.config.option_fields import Ascending, Distinct, Items, Options, opt, with_fact
 from flt_diag.config.run_config import MAX_SEED, ModelConfig, RunConfig, TrainConfig
@@ -49,8 +49,8 @@ class SweepAxes(Options):
     variants: Items[Variant] = opt(list(PAPER_VARIANTS), "Variants [default: the paper's five; all: flt-diag variants].")
     loops: Items[Loops] = opt([3, 6, 9, 12], "Loop counts K.")
     seeds: Items[Seed] = opt([0], "Seeds.")
-    lr_scales: Items[Annotated[float, Field(gt=0)]] = opt([1.0], "Learning-rate multipliers (an lr x loops map).",
-                                                          alias="lr_scale")
+    lr_scale: Items[Annotated[float, Field(gt=0)]] = opt(  # (sweep.json of earlier versions: lr_scales)
+        [1.0], "Learning-rate multipliers (an lr x loops map).", validation_alias=AliasChoices("lr_scale", "lr_scales"))
 
 
 class SweepGrid(SweepAxes):

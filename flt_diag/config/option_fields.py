@@ -1,5 +1,6 @@
 """How an option is declared (`opt`: a pydantic Field of an `Options` model, its help the description, its
-flag the alias where it differs: `n_layer` is `--depth`), validated (strict: no "3" for 3, no 1 for True;
+flag its name as users type it: `depth` is `--depth`; a name files wrote before is read through the field's
+validation alias, `AliasChoices("depth", "n_layer")`), validated (strict: no "3" for 3, no 1 for True;
 finite; no unknown field), and what a bad value says: one line naming the flag ("--loops must be in 1..1024,
 got 0": `one_line`). `form` reads a field's type as the command line and the error lines need it. Torch-free.
 """
@@ -10,7 +11,7 @@ import typing
 from typing import Annotated, Any, Callable, Literal, NamedTuple, TypeVar
 
 import annotated_types as at
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails, PydanticUndefined
 
@@ -41,8 +42,9 @@ Items = Annotated[list[T], Field(min_length=1, max_length=MAX_ITEMS), Distinct] 
 
 def opt(default, help: str, *, settled: bool = False, grid: tuple[str, ...] = (), volatile: bool = False,
         **field) -> Any:
-    """A field that is also an option (`field`: pydantic's alias, ge, le, gt, lt). The facts other layers
-    read: `settled`, set by settling (the tokenizer's vocabulary), never an option; `grid`, the grids
+    """A field that is also an option (`field`: pydantic's alias, validation_alias, ge, le, gt, lt; a name files
+    wrote before is a validation alias, AliasChoices(name, old name): every reader takes both). The facts other
+    layers read: `settled`, set by settling (the tokenizer's vocabulary), never an option; `grid`, the grids
     ("sweep", "map") that take a list of it instead and set it per cell; `volatile`, may change when a
     run folder is resumed (it changes nothing a run computes). Which commands take it is the CLI's."""
     facts: dict[str, Any] = {k: v for k, v in dict(settled=settled, grid=list(grid), volatile=volatile).items() if v}
@@ -55,12 +57,13 @@ def arg(help: str, many: bool = False) -> Any:
     return Field(description=help, min_length=1 if many else None, json_schema_extra=dict(positional=True))
 
 
-def like(info: FieldInfo, required: bool = True, alias: bool = True) -> tuple[Any, FieldInfo]:
-    """(type, field) of a copy of a pydantic field for create_model, required or defaulting to None (`alias`
-    False: a file holds an option under its field's name)."""
+def like(info: FieldInfo, required: bool = True, old_names: bool = True) -> tuple[Any, FieldInfo]:
+    """(type, field) of a copy of a pydantic field for create_model, required or defaulting to None, reading
+    the names files wrote before (its validation alias) unless `old_names` is False (a file with names of its
+    own); never the CLI's alias."""
     return info.rebuild_annotation(), Field(  # type: ignore[return-value]  # (a FieldInfo, typed as its default)
         ... if required else None, description=info.description, json_schema_extra=info.json_schema_extra,
-        alias=info.alias if alias else None)
+        validation_alias=info.validation_alias if old_names else None)
 
 
 def fact(info: FieldInfo, key: str):
@@ -111,8 +114,8 @@ class Options(BaseModel):
 
     @classmethod
     def by_name(cls, values: dict) -> dict:
-        """`values` keyed by field name (an alias, such as depth for n_layer, read as its field's)."""
-        return {(_field(cls, k) or (k,))[0]: v for k, v in values.items()}
+        """`values` keyed by field name (an alias or an old name, such as n_layer for depth, read as its field's)."""
+        return {(named(cls, k) or (k,))[0]: v for k, v in values.items()}
 
     def to_dict(self) -> dict:
         return self.model_dump()
@@ -162,12 +165,12 @@ def form(x) -> Form:
 
 
 def dest(name: str, info: FieldInfo) -> str:
-    """The name users type (the field's alias where it has one: n_layer is depth)."""
+    """The name users type: the field's name, or its alias where Python forbids that name (list_cells is list)."""
     return info.alias or name
 
 
 def flag(name: str, info: FieldInfo) -> str:
-    """The field's flag: --depth for n_layer; "" for a positional argument."""
+    """The field's flag: --seq-len for seq_len; "" for a positional argument."""
     return "" if fact(info, "positional") else "--" + dest(name, info).replace("_", "-")
 
 
@@ -184,9 +187,11 @@ def _shown(x) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _field(cls, part) -> tuple[str, FieldInfo] | None:
-    """(name, field) of model `cls` that a key of its input names (the field's name or its alias)."""
-    return next(((n, f) for n, f in getattr(cls, "model_fields", {}).items() if part in (n, f.alias)), None)
+def named(cls, part) -> tuple[str, FieldInfo] | None:
+    """(name, field) of model `cls` that a key of its input names (the field's name, its alias or an old name)."""
+    return next(((n, f) for n, f in getattr(cls, "model_fields", {}).items()
+                 if part in (n, f.alias) or isinstance(f.validation_alias, AliasChoices)
+                 and part in f.validation_alias.choices), None)
 
 
 def _field_at(cls, loc: tuple) -> tuple[str, FieldInfo] | None:
@@ -195,7 +200,7 @@ def _field_at(cls, loc: tuple) -> tuple[str, FieldInfo] | None:
     for part in loc:
         if isinstance(part, int) or not hasattr(cls, "model_fields"):
             continue
-        found = _field(cls, part)
+        found = named(cls, part)
         if found is None:
             return None
         cls = next((a for a in (found[1].annotation, *typing.get_args(found[1].annotation))
@@ -270,4 +275,4 @@ def by_flag(cls) -> Callable[[tuple], str]:
 
 
 __all__ = ["MAX_ITEMS", "Ascending", "ConfigError", "Distinct", "Form", "Items", "Options", "arg", "by_flag", "default",
-           "check", "dest", "dotted", "flag", "form", "like", "one_line", "opt", "with_fact"]
+           "check", "dest", "dotted", "flag", "form", "like", "named", "one_line", "opt", "with_fact"]

@@ -8,9 +8,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Literal, TypeVar
 
-from pydantic import Field, ValidationError, create_model, model_validator
+from pydantic import AliasChoices, Field, ValidationError, create_model, model_validator
 
-from flt_diag.config.option_fields import ConfigError, Options, dotted, one_line, opt
+from flt_diag.config.option_fields import ConfigError, Options, dotted, named, one_line, opt
 from flt_diag.config.variants import MAX_LOOPS, Variant
 from flt_diag.records import all_records
 
@@ -42,23 +42,23 @@ def shape(depth: int, aspect: int, head_dim: int) -> dict:
     """The paper's size dial: L = depth, d = aspect * depth, heads = ceil(d / head_dim) (as the reference:
     max(1, (d + 127) // 128) for head_dim 128); presets fix the aspect and head dim."""
     d = aspect * depth
-    return dict(n_layer=depth, n_embd=d, n_head=max(1, -(-d // head_dim)))
+    return dict(depth=depth, width=d, heads=max(1, -(-d // head_dim)))
 
 
 # Each preset: model fields, train fields. Measured figures are in the README.
 PRESETS: dict[str, dict] = {
     # 2 CPU cores, minutes: d=64, L=2, 2 heads, seq 64, 16 sequences/step, bytes.
-    "tiny": dict(model=dict(**shape(2, 32, 32), sequence_len=64),
+    "tiny": dict(model=dict(**shape(2, 32, 32), seq_len=64),
                  train=dict(batch_size=16, eval_batches=8)),
     # One GPU, a few minutes per run: d=384, L=6, 3 heads, seq 512, 64 sequences/step, bytes.
-    "small": dict(model=dict(**shape(6, 64, 128), sequence_len=512),
+    "small": dict(model=dict(**shape(6, 64, 128), seq_len=512),
                   train=dict(batch_size=64, eval_batches=8)),
     # The paper's shapes: seq 1024, 524,288 tokens per step (512 sequences), FineWeb-Edu, the Qwen3
     # tokenizer (vocab padded to 151,680), untied embedding and head: 127.1M and 317.9M parameters.
-    "paper-small": dict(model=dict(**shape(6, 64, 128), sequence_len=1024, vocab_size=QWEN3_VOCAB),
+    "paper-small": dict(model=dict(**shape(6, 64, 128), seq_len=1024, vocab_size=QWEN3_VOCAB),
                         train=dict(batch_size=32, grad_accum=16, data="fineweb-edu", tokenizer=QWEN3_TOKENIZER,
                                    max_tokens=1_100_000_000, eval_batches=16)),
-    "paper-base": dict(model=dict(**shape(12, 64, 128), sequence_len=1024, vocab_size=QWEN3_VOCAB),
+    "paper-base": dict(model=dict(**shape(12, 64, 128), seq_len=1024, vocab_size=QWEN3_VOCAB),
                        train=dict(batch_size=32, grad_accum=16, data="fineweb-edu", tokenizer=QWEN3_TOKENIZER,
                                   max_tokens=1_100_000_000, eval_batches=16)),
 }
@@ -71,12 +71,16 @@ else:
 class ModelConfig(Options):
     vocab_size: int = opt(256, "Tokens (set from the tokenizer, padded to a multiple of 64).", ge=1, le=MAX_VOCAB,
                           settled=True)
-    n_layer: int = opt(2, "Size dial: L distinct blocks reused every loop; width follows the preset's aspect ratio "
-                       "unless --width is given.", alias="depth", ge=1, le=MAX_DEPTH)
-    n_embd: int = opt(64, "Model width d (the residual stream).", alias="width", ge=2, le=MAX_WIDTH)
-    n_head: int = opt(2, "Attention heads (head dim = width / heads, even).", alias="heads", ge=1,
-                      le=MAX_WIDTH // 2)
-    sequence_len: int = opt(64, "Tokens per training sequence.", alias="seq_len", ge=2, le=MAX_SEQUENCE)
+    # (each field named as users type it; AliasChoices: the name config.json files of earlier versions hold)
+    depth: int = opt(2, "Size dial: L distinct blocks reused every loop; width follows the preset's aspect ratio "
+                     "unless --width is given.", validation_alias=AliasChoices("depth", "n_layer"), ge=1,
+                     le=MAX_DEPTH)
+    width: int = opt(64, "Model width d (the residual stream).", validation_alias=AliasChoices("width", "n_embd"),
+                     ge=2, le=MAX_WIDTH)
+    heads: int = opt(2, "Attention heads (head dim = width / heads, even).",
+                     validation_alias=AliasChoices("heads", "n_head"), ge=1, le=MAX_WIDTH // 2)
+    seq_len: int = opt(64, "Tokens per training sequence.", validation_alias=AliasChoices("seq_len", "sequence_len"),
+                       ge=2, le=MAX_SEQUENCE)
     variant: Variant | None = opt("flt", "lt, lt-ii, lt-ai, fla, flt, a stabiliser or base+stabiliser (flt-diag variants; DESIGN.md §2).",  # None: a flt_diag.watch
                                   grid=("sweep", "map"))                                   # run of a model of its own
     loops: int = opt(12, "Loops K: how often the L blocks are reused per forward.", ge=1, le=MAX_LOOPS,
@@ -87,13 +91,13 @@ class ModelConfig(Options):
 
     @model_validator(mode="after")
     def _heads_split_the_width(self):
-        if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
-            raise ValueError(f"width {self.n_embd} must split into {self.n_head} heads of even size")
+        if self.width % self.heads or (self.width // self.heads) % 2:
+            raise ValueError(f"width {self.width} must split into {self.heads} heads of even size")
         return self
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.width // self.heads
 
 
 class TrainConfig(Options):
@@ -157,10 +161,11 @@ class TrainConfig(Options):
 class CoreDiagnostics(Options):
     """The diagnostics' own options; DiagnosticsConfig adds each record's (flt_diag.records: one file each)."""
 
-    enabled: bool = opt(True, "Record the diagnostics (--no-diagnostics: only loss, lr, grad norm).",
-                        alias="diagnostics")
+    diagnostics: bool = opt(True, "Record the diagnostics (--no-diagnostics: only loss, lr, grad norm).",
+                            validation_alias=AliasChoices("diagnostics", "enabled"))
     dense_steps: int = opt(2000, "Record every step up to here ...", ge=0)
-    every: int = opt(10, "... then every N steps.", alias="record_every", ge=1)
+    record_every: int = opt(10, "... then every N steps.", validation_alias=AliasChoices("record_every", "every"),
+                            ge=1)
     loop_dynamics: bool = opt(True, "Also the fixed-point residual and exit loss per loop (DESIGN.md §3).",
                              volatile=True)
     exit_loss_every: int = opt(50, "The exit loss of every loop on the recorded steps that are multiples of N (one "
@@ -247,12 +252,11 @@ SECTIONS: dict[str, type[Options]] = {"model": ModelConfig, "train": TrainConfig
 
 
 def given_sections(values: dict) -> dict[str, dict]:
-    """Flat option values (by field or flag name: n_layer or depth; None: not given), by section and field name:
-    build_config's keyword arguments. A name no section has is one ConfigError line."""
+    """Flat option values (by the names users type, or an old name: depth or n_layer; None: not given), by section
+    and field name: build_config's keyword arguments. A name no section has is one ConfigError line."""
     out: dict = {section: {} for section in SECTIONS}
     for key, value in values.items():
-        where = next(((s, n) for s, cls in SECTIONS.items() for n, f in cls.model_fields.items() if key in (n, f.alias)),
-                     None)
+        where = next(((s, found[0]) for s, cls in SECTIONS.items() if (found := named(cls, key))), None)
         if where is None:
             raise ConfigError(f"{key} is not a config option")
         if value is not None:
@@ -279,7 +283,7 @@ def resolve_preset(name: str, cuda_available: bool) -> str:
 def build_config(preset: str = "auto", cuda_available: bool = False, model: dict | None = None,
                  train: dict | None = None, diagnostics: dict | None = None,
                  verdict: dict | None = None) -> RunConfig:
-    """A preset with overrides (None values are ignored; named by field or alias) or one ValueError line.
+    """A preset with overrides (None values are ignored; named by field or old name) or one ValueError line.
     `depth` without `width` scales the width and heads with the preset's (`shape`)."""
     name = resolve_preset(preset, cuda_available)
     p = PRESETS[name]
@@ -288,10 +292,10 @@ def build_config(preset: str = "auto", cuda_available: bool = False, model: dict
         return cls.by_name({k: v for k, v in (over or {}).items() if v is not None})
 
     m = given(ModelConfig, model)
-    if "n_layer" in m and "n_embd" not in m:
-        aspect = p["model"]["n_embd"] // p["model"]["n_layer"]
-        head_dim = p["model"]["n_embd"] // p["model"]["n_head"]
-        m = {**shape(m["n_layer"], aspect, head_dim), **m}
+    if "depth" in m and "width" not in m:
+        aspect = p["model"]["width"] // p["model"]["depth"]
+        head_dim = p["model"]["width"] // p["model"]["heads"]
+        m = {**shape(m["depth"], aspect, head_dim), **m}
     return RunConfig(model=ModelConfig.of(**{**p["model"], **m}), train=TrainConfig.of(**{**p["train"],
                                                                                          **given(TrainConfig, train)}),
                      diagnostics=DiagnosticsConfig.of(**given(DiagnosticsConfig, diagnostics)),

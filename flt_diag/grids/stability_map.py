@@ -107,7 +107,7 @@ def search_line(spec: MapSpec, out: Path, line: RunId, runner: Callable, report:
 
 def prepare_map_folder(spec: MapSpec, out: Path) -> None:
     """Create the map folder, or check that an existing one holds the same map."""
-    grid_fields = {"model": ("variant", "loops") + (("n_layer",) if spec.axis == "depth" else ()),
+    grid_fields = {"model": ("variant", "loops") + (("depth",) if spec.axis == "depth" else ()),
                    "train": ("seed",) + (("lr_scale",) if spec.axis == "lr" else ())}
     prepare_spec_folder(Path(out), spec.to_dict(), "map", grid_fields)
 

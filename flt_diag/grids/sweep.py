@@ -45,11 +45,11 @@ class SweepSpec(SweepGrid):
     and every cell."""
 
     def __init__(self, base: RunConfig, *grid, **named):
-        super().__init__(base=base, **dict(zip(("variants", "loops", "seeds", "lr_scales"), grid)), **named)
+        super().__init__(base=base, **dict(zip(("variants", "loops", "seeds", "lr_scale"), grid)), **named)
 
     @model_validator(mode="after")
     def _every_cell(self):
-        n = len(self.variants) * len(self.loops) * len(self.seeds) * len(self.lr_scales)
+        n = len(self.variants) * len(self.loops) * len(self.seeds) * len(self.lr_scale)
         if n > MAX_ITEMS:  # what the loader of sweep.json reads: a larger grid could never be resumed or read
             raise ValueError(f"the grid has {n:,} cells; a sweep holds at most {MAX_ITEMS:,} (split it into sweeps)")
         cells = self.cells()
@@ -62,20 +62,20 @@ class SweepSpec(SweepGrid):
         return self
 
     def cells(self) -> list[RunId]:
-        grid = [(lr, s, k, v) for lr in self.lr_scales for s in self.seeds for k in self.loops for v in self.variants]
+        grid = [(lr, s, k, v) for lr in self.lr_scale for s in self.seeds for k in self.loops for v in self.variants]
         return [RunId(v, k, s, lr, index=i) for i, (lr, s, k, v) in enumerate(grid)]
 
     def cell_config(self, cell: RunId) -> RunConfig:
         return cell_config(self.base, cell)
 
     def to_dict(self) -> dict:
-        return dict(variants=self.variants, loops=self.loops, seeds=self.seeds, lr_scales=self.lr_scales,
+        return dict(variants=self.variants, loops=self.loops, seeds=self.seeds, lr_scale=self.lr_scale,
                     base=comparable(self.base.to_dict()), cell_names=[c.name for c in self.cells()])
 
 
 def cell_config(base: RunConfig, cell: RunId, **train_overrides) -> RunConfig:
     """The base config with the cell's variant, loops, seed and lr scale (and any extra train fields)."""
-    model = dict(variant=cell.variant, loops=cell.loops, **({} if cell.depth is None else {"n_layer": cell.depth}))
+    model = dict(variant=cell.variant, loops=cell.loops, **({} if cell.depth is None else {"depth": cell.depth}))
     return with_overrides(base, model=model, train=dict(seed=cell.seed, lr_scale=cell.lr_scale, **train_overrides))
 
 

@@ -18,7 +18,7 @@ from flt_diag.records import Record, all_records
 
 def should_record(step: int, cfg: DiagnosticsConfig) -> bool:
     """Every step of the first `dense_steps`, then every `every` steps."""
-    return cfg.enabled and (step < cfg.dense_steps or (step - cfg.dense_steps) % cfg.every == 0)
+    return cfg.diagnostics and (step < cfg.dense_steps or (step - cfg.dense_steps) % cfg.record_every == 0)
 
 
 PER_GROUP = "/<group>"  # (a record name of not_recorded: the metric of every parameter group)

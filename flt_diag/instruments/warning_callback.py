@@ -59,7 +59,7 @@ class CollapseWarning(Instrument):
 
     def on_start(self, trainer) -> None:
         r = trainer.recipe
-        self.loops, self.n_layer, self.d = r.loops, r.n_layer, r.n_embd
+        self.loops, self.depth, self.d = r.loops, r.depth, r.width
         self.label = f"{r.variant or 'model'} K={r.loops}"
         if getattr(trainer, "start_step", 0) and not self.restored:
             stored = load_metrics(trainer.run_dir, [*self.GLOBAL, M.RESID_NORM_LOOP_END, M.ACT_GRAD_NORM])
@@ -70,7 +70,7 @@ class CollapseWarning(Instrument):
     def _keep(self, rows) -> None:
         """Only the rows of the series the features read (features_at: loop_series and GLOBAL, each at its own
         (loop, layer)), not the per-group gradient norms that share a metric name with them."""
-        keep = {(metric, M.NONE, M.NONE) for metric in self.GLOBAL} | set(loop_series(self.loops, self.n_layer))
+        keep = {(metric, M.NONE, M.NONE) for metric in self.GLOBAL} | set(loop_series(self.loops, self.depth))
         self.rows += [tuple(r) for r in rows if (r[1], r[2], r[3]) in keep]
 
     def _forget(self, done: int) -> None:
@@ -87,7 +87,7 @@ class CollapseWarning(Instrument):
         done = step + 1
         if done < self.first or done % self.every:
             return
-        feats = features_at(RunSeries.of_rows(self.rows, self.loops, self.n_layer), done, self.d)
+        feats = features_at(RunSeries.of_rows(self.rows, self.loops, self.depth), done, self.d)
         self._forget(done)
         p, contrib = probability(self.predictor, feats, done)
         text = evidence_text(feats, contrib)

@@ -19,7 +19,7 @@ from flt_diag.instruments.records import StepLog, environment
 from flt_diag.config.run_config import ModelConfig, RunConfig, TrainConfig
 
 HYPERPARAMETERS = ("lr", "betas", "weight_decay", "momentum")
-MODEL_FIELDS = ("vocab_size", "n_layer", "n_embd", "n_head", "sequence_len", "variant", "loops")
+MODEL_FIELDS = ("vocab_size", "depth", "width", "heads", "seq_len", "variant", "loops")
 TRAIN_FIELDS = ("steps", "batch_size", "device")  # observed; seed, warmdown_frac, grad_clip: where given
 
 
@@ -45,8 +45,8 @@ def probe_run_config(self, steps: int) -> RunConfig:
     loops = self.loops_seen.most_common(1)[0][0] if self.loops_seen else 1
     try:
         model = ModelConfig(vocab_size=self.vocab_size or vocab_size_of(self.model, self.head) or 1,
-                            n_layer=len(self.blocks), n_embd=width, n_head=head_count_of(self.blocks, width),
-                            sequence_len=max(2, seq), variant=self.variant, loops=max(1, loops))
+                            depth=len(self.blocks), width=width, heads=head_count_of(self.blocks, width),
+                            seq_len=max(2, seq), variant=self.variant, loops=max(1, loops))
     except ValueError as e:
         raise ProbeError(f"the model's shape cannot be stored: {str(e).splitlines()[0]}") from None
     device = next(iter(self.params)).device if self.params else torch.device("cpu")

@@ -53,11 +53,11 @@ def _window(s: pd.Series, lo: int, hi: int) -> pd.Series:
     return s.iloc[np.searchsorted(idx, lo, "left"):np.searchsorted(idx, hi, "left")]
 
 
-def loop_series(loops: int, n_layer: int) -> tuple[tuple[str, int, int], ...]:
+def loop_series(loops: int, depth: int) -> tuple[tuple[str, int, int], ...]:
     """(metric, loop, layer) of the per-loop series the features read: the final and the first loop's
     loop-end residual norm, the activation gradient of the first and of the last block."""
     return ((M.RESID_NORM_LOOP_END, loops, M.NONE), (M.RESID_NORM_LOOP_END, 1, M.NONE), (M.ACT_GRAD_NORM, 1, 1),
-            (M.ACT_GRAD_NORM, loops, n_layer))
+            (M.ACT_GRAD_NORM, loops, depth))
 
 
 class RunSeries:
@@ -66,12 +66,12 @@ class RunSeries:
     what the rows before it give): every check then reads windows by bisection, and a replay of all
     checks is linear in the series."""
 
-    def __init__(self, df: pd.DataFrame, loops: int, n_layer: int):
-        self._take(lambda metric, loop, layer: series(df, metric, loop, layer), loops, n_layer)
+    def __init__(self, df: pd.DataFrame, loops: int, depth: int):
+        self._take(lambda metric, loop, layer: series(df, metric, loop, layer), loops, depth)
         self.last_step = int(df.step.max()) if len(df) else -1
 
     @classmethod
-    def of_rows(cls, rows, loops: int, n_layer: int) -> "RunSeries":
+    def of_rows(cls, rows, loops: int, depth: int) -> "RunSeries":
         """The same from (step, metric, loop, layer, value) rows, grouped by key in one pass (no table: the
         online warning's check)."""
         by_key: dict[tuple, tuple[list, list]] = {}
@@ -84,15 +84,15 @@ class RunSeries:
         def one(metric, loop, layer):
             steps, values = by_key.get((metric, loop, layer), ([], []))
             return pd.Series(np.asarray(values, dtype=float), index=np.asarray(steps, dtype=np.int64), name=metric)
-        run._take(one, loops, n_layer)
+        run._take(one, loops, depth)
         run.last_step = max((max(steps) for steps, _ in by_key.values()), default=-1)
         return run
 
-    def _take(self, get, loops: int, n_layer: int) -> None:
+    def _take(self, get, loops: int, depth: int) -> None:
         def one(metric, loop=M.NONE, layer=M.NONE):
             x = get(metric, loop, layer)
             return x if x.index.is_monotonic_increasing else x.sort_index(kind="stable")
-        self.final, self.first, self.act_first, self.act_last = (one(*s) for s in loop_series(loops, n_layer))
+        self.final, self.first, self.act_first, self.act_last = (one(*s) for s in loop_series(loops, depth))
         self.grad, self.cos = one(M.GRAD_NORM), one(M.GRAD_COSINE)
         self.loss = one(M.LOSS)
         smooth = self.loss.rolling(SMOOTH, min_periods=1).mean()
@@ -103,9 +103,9 @@ class RunSeries:
         return float(self.climb[n - 1]) if n else math.nan
 
 
-def features(df: pd.DataFrame, at: int, loops: int, n_layer: int, d_model: int) -> dict:
+def features(df: pd.DataFrame, at: int, loops: int, depth: int, d_model: int) -> dict:
     """The features at step `at` (from rows with step < at) of one run's metrics table."""
-    return features_at(RunSeries(df, loops, n_layer), at, d_model)
+    return features_at(RunSeries(df, loops, depth), at, d_model)
 
 
 @quiet
@@ -252,7 +252,7 @@ def predict_sweep(path, at: int, predictor: dict | PredictorFile) -> pd.DataFram
 CHECK_EVERY = 25  # steps between two online checks (CollapseWarning and its replay, `first_warning`)
 
 
-def first_warning(df: pd.DataFrame, predictor: dict | PredictorFile, loops: int, n_layer: int, d_model: int, steps_done: int,
+def first_warning(df: pd.DataFrame, predictor: dict | PredictorFile, loops: int, depth: int, d_model: int, steps_done: int,
                   every: int = CHECK_EVERY, threshold: float | None = None) -> dict:
     """Replay of the online warning on a recorded run: the checks `--warn` makes (every `every` steps
     from the predictor's first fitted step), the first step where P reaches the threshold (None if
@@ -261,7 +261,7 @@ def first_warning(df: pd.DataFrame, predictor: dict | PredictorFile, loops: int,
     threshold = predictor.threshold if threshold is None else threshold
     fitted = list(predictor.models)
     start = -(-min(fitted) // every) * every  # the first multiple of `every` at or after the first fitted step
-    run = RunSeries(df, loops, n_layer)
+    run = RunSeries(df, loops, depth)
     # bounded by the metrics stored (a summary's steps_done may say anything): no check past the last row,
     # and only the checks whose windows differ from the check before are computed
     checks = range(start, min(int(steps_done), run.last_step + 1) + 1, every)

@@ -33,8 +33,8 @@ class Recipe:
 
     steps: int
     loops: int
-    n_embd: int
-    n_layer: int
+    width: int
+    depth: int
     dense_steps: int
     warmdown_frac: float = 0.0
     grad_accum: int = 1
@@ -49,7 +49,7 @@ class Recipe:
         if isinstance(cfg, Recipe):
             return cfg
         m, t = cfg.model, cfg.train
-        return cls(steps=t.steps, loops=m.loops, n_embd=m.n_embd, n_layer=m.n_layer,
+        return cls(steps=t.steps, loops=m.loops, width=m.width, depth=m.depth,
                    dense_steps=cfg.diagnostics.dense_steps, warmdown_frac=t.warmdown_frac, grad_accum=t.grad_accum,
                    loss_on=t.loss_on, variant=m.variant, seed=t.seed, lr_scale=t.lr_scale, verdict=cfg.verdict)
 
@@ -290,7 +290,7 @@ def summarize(df: pd.DataFrame, recipe: Recipe | RunConfig, unigram_entropy: flo
     v, steps = r.verdict, r.steps
     loss = series(df, M.LOSS)
     name, evidence, index = judged(df, r, unigram_entropy, prediction)
-    resid = residual_explosion(df, r.loops, r.n_embd, v.explosion_ratio)
+    resid = residual_explosion(df, r.loops, r.width, v.explosion_ratio)
     g, cos = series(df, M.GRAD_NORM), series(df, M.GRAD_COSINE)
     osc = dense_oscillation(g, cos, r.dense_steps)
     val = series(df, M.VAL_LOSS).dropna()
@@ -325,9 +325,9 @@ def summarize(df: pd.DataFrame, recipe: Recipe | RunConfig, unigram_entropy: flo
 
 def tokens_per_step(cfg, world_size: int = 1) -> int:
     """Tokens one optimizer step trains on, over every data-parallel rank: batch_size * grad_accum *
-    sequence_len * world_size (the one count behind a run's tokens_per_s, at training and on recompute)."""
+    seq_len * world_size (the one count behind a run's tokens_per_s, at training and on recompute)."""
     t = cfg.train
-    return t.batch_size * t.grad_accum * cfg.model.sequence_len * int(world_size)
+    return t.batch_size * t.grad_accum * cfg.model.seq_len * int(world_size)
 
 
 def stored_config(stored: RunConfigFile, verdict_overrides: dict | None = None) -> RunConfig:

@@ -1,6 +1,6 @@
 """The looped transformer: one readable file, five variants expressed as data.
 
-Reference formulation: DESIGN.md §2. Notation: L blocks, K loops, d = n_embd,
+Reference formulation: DESIGN.md §2. Notation: L blocks (the config's depth), K loops, d = width,
 norm = RMSNorm without a learnable weight, h(t) = norm(stream at the end of loop t).
 
 Loop 1 is a plain pass in every variant. For loops t >= 2 a variant is three rules
@@ -91,7 +91,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        d, self.n_head, self.head_dim = cfg.n_embd, cfg.n_head, cfg.head_dim
+        d, self.n_head, self.head_dim = cfg.width, cfg.heads, cfg.head_dim
         self.q = nn.Linear(d, d, bias=False)
         self.k = nn.Linear(d, d, bias=False)
         self.v = nn.Linear(d, d, bias=False)
@@ -120,8 +120,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.up = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False)
-        self.down = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=False)
+        self.up = nn.Linear(cfg.width, 4 * cfg.width, bias=False)
+        self.down = nn.Linear(4 * cfg.width, cfg.width, bias=False)
 
     def forward(self, x):
         return self.down(F.relu(self.up(x)).square())
@@ -180,7 +180,7 @@ class LoopedTransformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.rule = rule = VARIANTS[cfg.variant]  # type: ignore[index]  # (None: a watch run's config, never built)
-        K, L, d = cfg.loops, cfg.n_layer, cfg.n_embd
+        K, L, d = cfg.loops, cfg.depth, cfg.width
         scale = residual_scale.branch_scale(K, L) if rule.residual_scale else 1.0
         alpha = deeploop.alpha(K, L) if rule.deepnorm else 1.0
         self.embed = nn.Embedding(cfg.vocab_size, d)
@@ -198,7 +198,7 @@ class LoopedTransformer(nn.Module):
         self.grad_loops = huginn.truncated_loops(K) if rule.grad_loops == "quarter" else 0
         self.penalty_inputs = None  # a loss-term variant's final state and loop inputs (stabilisers/penalty.py)
         self.table_dtype = torch.float32  # dtype the rotary tables are kept in (bf16 for reference precision)
-        self._rotary(cfg.sequence_len)
+        self._rotary(cfg.seq_len)
         self.reset_parameters()
 
     def _rotary(self, seq_len: int) -> None:
@@ -213,7 +213,7 @@ class LoopedTransformer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        bound = math.sqrt(3.0 / self.cfg.n_embd)  # uniform with std 1/sqrt(d)
+        bound = math.sqrt(3.0 / self.cfg.width)  # uniform with std 1/sqrt(d)
         nn.init.normal_(self.embed.weight, std=1.0)
         nn.init.normal_(self.head.weight, std=0.001)
         for block in cast("Iterable[Block]", self.blocks):  # (a ModuleList of Blocks)
@@ -222,7 +222,7 @@ class LoopedTransformer(nn.Module):
             nn.init.zeros_(block.attn.o.weight)
             nn.init.zeros_(block.mlp.down.weight)
         if self.rule.deepnorm:
-            deeploop.scale_init(self.blocks, deeploop.beta(self.cfg.loops, self.cfg.n_layer))
+            deeploop.scale_init(self.blocks, deeploop.beta(self.cfg.loops, self.cfg.depth))
         for part in (self.injection, self.adapter):
             if part is not None:
                 part.reset_parameters()

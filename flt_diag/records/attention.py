@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+from pydantic import AliasChoices
+
 from flt_diag.config.option_fields import opt
 from flt_diag.records import Record
 
@@ -24,8 +26,8 @@ def compute(block, args, output) -> dict:
 
 
 RECORD = Record(
-    options={"attention": (bool, opt(False, "Also record max attention logit and entropy per (loop, layer).",
-                                     alias="attention_stats"))},
+    options={"attention_stats": (bool, opt(False, "Also record max attention logit and entropy per (loop, layer).",
+                                           validation_alias=AliasChoices("attention_stats", "attention")))},
     metrics={MAX_LOGIT: "largest pre-softmax attention logit q.k / sqrt(D) at (loop, layer)",
              ENTROPY: "mean attention entropy (nats) over batch, heads and query positions at (loop, layer)"},
     moment="after_block", compute=compute)

@@ -52,7 +52,7 @@ def thin(df: pd.DataFrame, cfg: RunConfigFile, every: int = EVERY, sparse: int =
     if not len(df):
         return df
     keep = np.zeros(len(df), dtype=bool)
-    full = set(EW.loop_series(cfg.model.loops, cfg.model.n_layer)) if features_whole else set()  # (features' own)
+    full = set(EW.loop_series(cfg.model.loops, cfg.model.depth)) if features_whole else set()  # (features' own)
     keyed = df.assign(_i=np.arange(len(df)))
     for (metric, loop, layer), g in keyed.groupby(["metric", "loop", "layer"], sort=False):
         idx = g._i.to_numpy()
@@ -87,7 +87,7 @@ def differences(full: pd.DataFrame, kept: pd.DataFrame, stored: RunConfigFile) -
     kw = dict(unigram_entropy=stored.unigram_entropy, tokens_per_step=tokens_per_step(cfg))
     a, b = (summarize(df, cfg, **kw).as_written() for df in (full, kept))
     out = [k for k in a if k not in VOLATILE and not _same(a[k], b.get(k))]
-    K, L, d = cfg.model.loops, cfg.model.n_layer, cfg.model.n_embd
+    K, L, d = cfg.model.loops, cfg.model.depth, cfg.model.width
     steps_done = a["steps_done"]
     for at in SCORED_STEPS:
         if 2 * at <= steps_done:

@@ -268,7 +268,7 @@ def _grid(study: Study) -> list[tuple]:
     if not isinstance(spec, SweepSpecFile):
         return []
     base = RunId.read(spec.base.model, spec.base.train)
-    return [(float(lr), v, int(k), base.depth, base.width) for lr in spec.lr_scales for v in spec.variants
+    return [(float(lr), v, int(k), base.depth, base.width) for lr in spec.lr_scale for v in spec.variants
             for k in spec.loops]
 
 

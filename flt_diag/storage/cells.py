@@ -15,7 +15,7 @@ def exact(x: float) -> str:
 @dataclass(frozen=True)
 class RunId:
     """What makes two runs the same experiment (pooled folders count it once; the fit's cross-validation holds it
-    out): variant, loops K, seed, lr scale, depth L (n_layer) and width d (n_embd). In a grid it is a cell, `index`
+    out): variant, loops K, seed, lr scale, depth L (depth) and width d (width). In a grid it is a cell, `index`
     its place there (no part of the identity): a sweep's cell (depth None: the base config's), a map's probe
     (depth set on the depth axis only) or a map's line (no lr scale: every value of the axis)."""
     variant: str | None  # None: a flt_diag.watch run of a model of one's own
@@ -38,7 +38,7 @@ class RunId:
 
     @classmethod
     def read(cls, *parts) -> RunId:
-        """The identity that `parts` hold, each field under its name there (depth as n_layer, width as n_embd; the
+        """The identity that `parts` hold, each field under its name there (depth as depth, width as width; the
         first part that has it): a config's model and train sections, a summary, a row of the fit-examples table.
         Read from what the run stored, never from its folder's name."""
         found = {f: v for part in reversed(parts) for f, name in STORED.items()
@@ -51,4 +51,4 @@ class RunId:
 
 
 IDENTITY = tuple(f.name for f in fields(RunId) if f.compare)  # a table's identity columns
-STORED = dict(zip(IDENTITY, ("variant", "loops", "seed", "lr_scale", "n_layer", "n_embd")))  # each as files name it
+STORED = dict(zip(IDENTITY, ("variant", "loops", "seed", "lr_scale", "depth", "width")))  # each as files name it

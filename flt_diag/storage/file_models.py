@@ -36,10 +36,10 @@ class FreeFileModel(FileModel, **FREE):
     """A part of a file that may hold other keys too (free-form metadata, kept as they are)."""
 
 
-def like(cls, name: str, *, required: bool = True, optional: bool = False) -> tuple:
+def like(cls, name: str, *, required: bool = True, optional: bool = False, old_names: bool = True) -> tuple:
     """(type, field) of field `name` of config model `cls` (its type, bounds and help), for create_model:
-    required or defaulting to None (`optional`: None is a value too)."""
-    kind, info = option_fields.like(cls.model_fields[name], required, alias=False)
+    required or defaulting to None (`optional`: None is a value too); `old_names`: read the field's `was` too."""
+    kind, info = option_fields.like(cls.model_fields[name], required, old_names)
     return Optional[kind] if optional else kind, info
 
 
@@ -63,7 +63,7 @@ def figure(required: bool = True) -> Any:
 
 # Fields every config.json has held since the first version (the readers index them); every other field
 # may be missing in an older file and takes its default.
-REQUIRED = {"model": ("vocab_size", "n_layer", "n_embd", "n_head", "sequence_len", "variant", "loops"),
+REQUIRED = {"model": ("vocab_size", "depth", "width", "heads", "seq_len", "variant", "loops"),
             "train": ("steps", "batch_size", "seed", "lr_scale", "data", "tokenizer", "eval_batches")}
 
 
@@ -281,13 +281,13 @@ if TYPE_CHECKING:
         def __getattr__(self, name: str) -> Any: ...
 else:
     SweepSpecFile = create_model("SweepSpecFile", __base__=FreeFileModel,
-                                 **{n: like(SweepAxes, n) for n in ("variants", "loops", "seeds", "lr_scales")},
+                                 **{n: like(SweepAxes, n) for n in ("variants", "loops", "seeds", "lr_scale")},
                                  base=(BaseInSpec, ...), cell_names=(Items[str], ...))
 
 
 def _grid_values(axis: str) -> Any:
     """A map's grid: lr scales (bounded like --lr-scale) or depths (like --depth), distinct, ascending."""
-    o = form(ModelConfig.model_fields["n_layer"] if axis == "depth" else TrainConfig.model_fields["lr_scale"])
+    o = form(ModelConfig.model_fields["depth"] if axis == "depth" else TrainConfig.model_fields["lr_scale"])
     return Annotated[list[Annotated[o.kind, Field(**o.bounds)]],  # type: ignore[name-defined]  # (a field's type)
                      Field(min_length=1, max_length=MAX_GRID), Distinct, Ascending]
 
@@ -354,7 +354,7 @@ if TYPE_CHECKING:  # (mypy cannot see create_model's fields: a row's values are 
 else:
     ExampleRow = create_model(
         "ExampleRow", __base__=FileModel, run=(str, ...),
-        **{n: like(ModelConfig, n) for n in ("variant", "loops", "n_layer", "n_embd")},
+        **{n: like(ModelConfig, n) for n in ("variant", "loops", "depth", "width")},
         **{n: like(TrainConfig, n) for n in ("seed", "lr_scale")},
         steps_done=(int, Field(ge=0)), verdict=(Verdict, ...), climb=(Optional[float], figure()),
         rebound_threshold=(Optional[float], figure()), transient_rebound=(bool, ...),
@@ -374,9 +374,9 @@ META_VARIANT_KEYS = ("model_type", "variant", "loop_type")  # "model_type": the 
 
 def _meta_fields() -> dict:
     """nanochat's sizes (bounded like the command line's), K and the variant under the reference's names."""
-    size = {n: like(ModelConfig, n, required=False, optional=True)
-            for n in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_embd")}
-    size["n_kv_head"] = like(ModelConfig, "n_head", required=False, optional=True)
+    size = {n: like(ModelConfig, ours, required=False, optional=True, old_names=False) for n, ours in (
+        ("sequence_len", "seq_len"), ("vocab_size", "vocab_size"), ("n_layer", "depth"), ("n_head", "heads"),
+        ("n_embd", "width"), ("n_kv_head", "heads"))}
     loops = {k: (Optional[int], Field(None, ge=1, le=MAX_LOOPS)) for k in META_LOOP_KEYS}
     return size | loops | {k: (Optional[str], None) for k in META_VARIANT_KEYS}
 

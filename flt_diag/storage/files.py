@@ -59,7 +59,7 @@ def load_spec(path: Path) -> F.SweepSpecFile | F.MapSpecFile:
     if isinstance(raw, dict) and ("kind" in raw or MAP_KEYS & set(raw) and "cell_names" not in raw):
         return checked(path, F.map_spec_model("depth" if raw.get("axis") == "depth" else "lr"), raw)  # (raw JSON)
     spec = checked(path, F.SweepSpecFile, raw)
-    n = len(spec.variants) * len(spec.loops) * len(spec.seeds) * len(spec.lr_scales)
+    n = len(spec.variants) * len(spec.loops) * len(spec.seeds) * len(spec.lr_scale)
     if len(spec.cell_names) != n:
         raise bad(path, f"cell_names has {len(spec.cell_names)} names for a grid of {n} cells")
     wrong = next((c for c in spec.cell_names if not CELL_NAME.fullmatch(c)), None)

@@ -84,7 +84,7 @@ class Evaluation(Callback):
     def run(trainer, step: int) -> None:
         t = trainer.cfg.train
         with trainer.autocast():
-            val = evaluate(trainer.model, trainer.val_data, t.batch_size, trainer.cfg.model.sequence_len,
+            val = evaluate(trainer.model, trainer.val_data, t.batch_size, trainer.cfg.model.seq_len,
                            t.eval_batches, trainer.device)
         rows = [(step, M.VAL_LOSS, M.NONE, M.NONE, val.loss)]
         if val.accuracy is not None:
@@ -105,14 +105,14 @@ def eval_loops(run_dir: Path, loops: list[int] | None = None, batches: int | Non
     model = _final_model(run_dir, device)
     t = load_config(run_dir).run_config().train
     data = data or t.data
-    val = load_split(t, model.cfg.sequence_len, "val", data)
+    val = load_split(t, model.cfg.seq_len, "val", data)
     if val.vocab_size > model.cfg.vocab_size:  # its tokens would index past the embedding (an IndexError)
         raise StorageError(f"{run_dir / CHECKPOINT}: its model has a vocabulary of {model.cfg.vocab_size} tokens, but "
                            f"{data} (tokenizer {t.tokenizer}) uses {val.vocab_size}: evaluate it on data of its own")
     batches = batches or t.eval_batches
     rows = []
     for k in loops or range(1, 2 * model.cfg.loops + 1):
-        scores = evaluate(model, val, t.batch_size, model.cfg.sequence_len, batches, device, loops=k)
+        scores = evaluate(model, val, t.batch_size, model.cfg.seq_len, batches, device, loops=k)
         rows.append(dict(loops=k, trained_loops=model.cfg.loops, val_loss=scores.loss,
                          perplexity=math.exp(min(scores.loss, 700)),
                          accuracy=math.nan if scores.accuracy is None else scores.accuracy, data=data, batches=batches))

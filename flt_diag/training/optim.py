@@ -29,7 +29,7 @@ def build_optimizers(model: LoopedTransformer, cfg: TrainConfig, fused: bool = F
     adam_kw: dict[str, Any] = dict(betas=BETAS, eps=EPS, weight_decay=0.0, fused=fused or None)
     if cfg.optimizer == "adamw":
         return [torch.optim.AdamW(model.parameters(), lr=cfg.adamw_lr * cfg.lr_scale, **adam_kw)]
-    scale = (model.cfg.n_embd / 768) ** -0.5
+    scale = (model.cfg.width / 768) ** -0.5
     adamw = torch.optim.AdamW(
         [dict(params=groups["embedding"], lr=cfg.embedding_lr * scale * cfg.lr_scale),
          dict(params=groups["head"], lr=cfg.head_lr * scale * cfg.lr_scale)]

@@ -260,8 +260,8 @@ def import_reference(checkpoint, variant: str | None = None, loops: int | None =
             raise
         raise ReferenceImportError(f"{meta_name}: {e}") from None
     try:
-        cfg = ModelConfig(vocab_size=dims["vocab_size"], n_layer=dims["n_layer"], n_embd=dims["n_embd"],
-                          n_head=int(n_head), sequence_len=int(sequence_len), variant=variant,
+        cfg = ModelConfig(vocab_size=dims["vocab_size"], depth=dims["n_layer"], width=dims["n_embd"],
+                          heads=int(n_head), seq_len=int(sequence_len), variant=variant,
                           loops=int(loops), rotary_dtype="bfloat16")
         model = LoopedTransformer(cfg)
     except (ValueError, TypeError, RuntimeError, MemoryError) as e:  # (sizes are bounded; memory may still lack)

@@ -99,7 +99,7 @@ def check_data(data: str, tokenizer: str | None, cfg: RunConfig | None = None) -
     elif cfg is None:
         bytes_only(data, tokenizer)
     else:
-        make_task(replaced(cfg.train, data=data, sampling="random"), cfg.model.sequence_len)
+        make_task(replaced(cfg.train, data=data, sampling="random"), cfg.model.seq_len)
     if tokenizer is not None and tokenizer.endswith(".json") and not Path(tokenizer).exists():
         raise DataError(f"tokenizer file {tokenizer} does not exist")
 

@@ -74,7 +74,7 @@ class Trainer:
                  model: Callable[[ModelConfig], torch.nn.Module] | None = None, root: str | Path | None = None):
         self.run_dir, self.cfg, self.recipe = Path(run_dir), cfg, Recipe.of(cfg)  # (recipe: what the instruments read)
         self.root = Path(root) if root is not None else None  # the folder the command was given (a sweep)
-        self.train_data, self.val_data = _load_splits(cfg.train, cfg.model.sequence_len)
+        self.train_data, self.val_data = _load_splits(cfg.train, cfg.model.seq_len)
         check_settled(cfg, self.train_data.vocab_size)  # a guard: the Trainer settles nothing itself
         self.device, self.rank, self.world = start_process(cfg)
         self.is_main = self.rank == 0
@@ -89,7 +89,7 @@ class Trainer:
         self.log = StepLog()
         # the instruments, through the probe that flt_diag.watch runs too; then the caller's callbacks and the side
         # concerns of every run (their order is the order of their work in a moment)
-        d, instrumented = cfg.diagnostics, diagnostics if diagnostics is not None else cfg.diagnostics.enabled
+        d, instrumented = cfg.diagnostics, diagnostics if diagnostics is not None else cfg.diagnostics.diagnostics
         self.probe = Probe(d, own_model_dynamics(d, self.model) if instrumented else None, CollapseWarning(
             predictor(d.predictor), stop=d.stop_on_collapse) if d.warn or d.stop_on_collapse else None)
         if instrumented:
@@ -212,14 +212,14 @@ class Trainer:
     def describe(self) -> str:
         """One line for the start of a run: the model and its parameter count."""
         m = self.cfg.model
-        return (f"{m.variant} K={m.loops}: L={m.n_layer} d={m.n_embd} heads={m.n_head} vocab={m.vocab_size} "
-                f"seq={m.sequence_len}, {self.n_params:,} parameters ({self.n_params / 1e6:.1f}M), "
+        return (f"{m.variant} K={m.loops}: L={m.depth} d={m.width} heads={m.heads} vocab={m.vocab_size} "
+                f"seq={m.seq_len}, {self.n_params:,} parameters ({self.n_params / 1e6:.1f}M), "
                 f"precision {self.cfg.train.precision}, device {self.device}")
 
     def batch(self, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Micro-batch `micro` of optimizer step `step` on this rank: a function of (seed, step,
         micro, rank) in random sampling, of the position in the corpus in stream sampling."""
-        t, T = self.cfg.train, self.cfg.model.sequence_len
+        t, T = self.cfg.train, self.cfg.model.seq_len
         if t.sampling == "stream":
             data = cast(TokenData, self.train_data)  # (a task is never streamed: TrainConfig refuses it)
             return stream_batch(data, t.batch_size, T, (step * t.grad_accum + micro) * self.world + self.rank,

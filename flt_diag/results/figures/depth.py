@@ -48,8 +48,8 @@ def _step_title(cell: pd.DataFrame, panel: int, npanel: int) -> str:
 
 def draw(df: pd.DataFrame):
     npanel = int(df.panel.max()) + 1
-    n_layer = df.groupby("run").layer.transform("max") + 1
-    depth = df.assign(depth=df.loop - 1 + (df.layer + 1) / n_layer)  # the last layer of loop t sits at x = t
+    layers = df.groupby("run").layer.transform("max") + 1
+    depth = df.assign(depth=df.loop - 1 + (df.layer + 1) / layers)  # the last layer of loop t sits at x = t
     rows = cell_rows(depth)
     fig, axes = new_figure(len(rows), npanel, panel=(3.6, 2.6), sharey=True)
     for i, (row, title) in enumerate(rows):
