@@ -89,7 +89,7 @@ class Evaluation(Callback):
         rows = [(step, M.VAL_LOSS, M.NONE, M.NONE, val.loss)]
         if val.accuracy is not None:
             rows.append((step, M.VAL_ACCURACY, M.NONE, M.NONE, val.accuracy))
-        trainer.emit(step, rows)
+        trainer.call("on_rows", step, rows)
 
 
 def eval_loops(run_dir: Path, loops: list[int] | None = None, batches: int | None = None, data: str | None = None,

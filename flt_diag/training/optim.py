@@ -69,13 +69,11 @@ def muon_momentum(step: int, cfg: TrainConfig) -> float:
 
 def set_momentum(optimizers: list[torch.optim.Optimizer], momentum: float) -> bool:
     """Set the momentum of every Muon optimizer; True if there was one."""
-    found = False
-    for opt in optimizers:
-        if isinstance(opt, torch.optim.Muon):
-            for g in opt.param_groups:
-                g["momentum"] = momentum
-            found = True
-    return found
+    muons = [opt for opt in optimizers if isinstance(opt, torch.optim.Muon)]
+    for opt in muons:
+        for g in opt.param_groups:
+            g["momentum"] = momentum
+    return bool(muons)
 
 
 def _bf16_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -161,9 +161,8 @@ def export_reference(model: LoopedTransformer) -> dict[str, torch.Tensor]:
         return torch.cat([w, w.new_zeros(padded - V, d)]) if padded > V else w
 
     out = {"transformer.wte.weight": pad(sd["embed.weight"]).detach().cpu().clone()}
-    reverse = {v: k for k, v in _BLOCK_NAMES.items()}
     for i in range(len(model.blocks)):
-        for ours, theirs in reverse.items():
+        for theirs, ours in _BLOCK_NAMES.items():
             out[f"transformer.h.{i}.{theirs}.weight"] = sd[f"blocks.{i}.{ours}.weight"].detach().cpu().clone()
     out["lm_head.weight"] = pad(sd["head.weight"]).detach().cpu().clone()
     return out

@@ -129,12 +129,9 @@ class Trainer:
         """Training seconds so far, over every session of a resumed run."""
         return self.wall_time + (time.perf_counter() - self._t0 if self._t0 is not None else 0.0)
 
-    def emit(self, step: int, rows: list[Row]) -> None:
-        """Rows (step, metric, loop, layer, value) to every callback's on_rows (table, mirrors, ...)."""
-        self.call("on_rows", step, rows)
-
     def call(self, moment: str, *args) -> None:
-        """Every callback's `moment` (flt_diag.instruments.callbacks.Callback), in the callbacks' order."""
+        """Every callback's `moment` (flt_diag.instruments.callbacks.Callback), in the callbacks' order; e.g.
+        `call("on_rows", step, rows)`: rows (step, metric, loop, layer, value) to the table, the mirrors, ..."""
         for cb in self.callbacks:
             getattr(cb, moment)(self, *args)
 
@@ -297,7 +294,7 @@ class Trainer:
             for step in range(self.start_step, self.cfg.train.steps):
                 rows = self.run_step(step)
                 self.steps_done, self.last_loss = step + 1, next(v for _, m, _, _, v in rows if m == M.LOSS)
-                self.emit(step, rows)
+                self.call("on_rows", step, rows)
                 if not math.isfinite(self.last_loss):
                     self.stop_reason = f"non-finite loss at step {step}"
                 elif self.stop_requested:
