@@ -30,7 +30,7 @@ from flt_diag.model.transformer import VARIANTS, LoopedTransformer, ModelConfig
 from flt_diag.training.checkpoint import load, save_weights
 from flt_diag.config.run_config import RunConfig, TrainConfig, padded_vocab
 from flt_diag.storage.files import META_LOOP_KEYS as LOOP_KEYS, META_VARIANT_KEYS as VARIANT_KEYS, check_reference_meta
-from flt_diag.storage.file_models import ReferenceMeta
+from flt_diag.storage.file_models import MetaModelConfig, ReferenceMeta
 from flt_diag.storage.folders import CHECKPOINT, CONFIG, StorageError, read_json, write_json
 
 REFERENCE_VARIANTS: dict[str, str] = {"LT": "lt", "LT_i": "lt-ii", "LT_ia": "lt-ai", "FLT_res": "fla", "FLT": "flt"}
@@ -208,7 +208,7 @@ def _load_meta(meta, checkpoint_path: Path | None) -> tuple[ReferenceMeta, str]:
     return check_reference_meta(read_json(meta), meta), str(meta)  # unreadable: one StorageError line
 
 
-def _pick(sources: list[ReferenceMeta], keys: tuple[str, ...]):
+def _pick(sources: list[MetaModelConfig], keys: tuple[str, ...]):
     return next((getattr(src, k) for src in sources for k in keys if getattr(src, k) is not None), None)
 
 
