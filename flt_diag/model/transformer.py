@@ -2,6 +2,9 @@
 
 Reference formulation: DESIGN.md §2. Notation: L blocks (the config's depth), K loops, d = width,
 norm = RMSNorm without a learnable weight, h(t) = norm(stream at the end of loop t).
+The model is built from flt-diag's ModelConfig itself, read under the names users type (depth, width, heads,
+seq_len): the one place a config becomes a model. Its modules keep nanochat's names where they mirror the
+reference's GPT (`Attention.n_head`, as nanochat's CausalSelfAttention).
 
 Loop 1 is a plain pass in every variant. For loops t >= 2 a variant is three rules
 (see VARIANTS): where the stream starts, whether h(t-1) is added before every block,
