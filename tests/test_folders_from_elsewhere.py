@@ -156,9 +156,9 @@ def test_what_is_not_a_regular_file_is_refused_before_it_is_opened(trained, tmp_
 def test_the_one_check_names_the_kind_and_never_blocks(tmp_path, kind):
     _put(tmp_path / "x", kind)
     with within(10), pytest.raises(safe_files.BadFile, match="FIFO" if kind == "fifo" else "folder"):
-        safe_files.read_bytes(tmp_path / "x")
+        safe_files.open_regular(tmp_path / "x")
     with pytest.raises(safe_files.StorageError, match="missing"):
-        safe_files.read_bytes(tmp_path / "absent")
+        safe_files.open_regular(tmp_path / "absent")
 
 
 # ------------------------------------------------------------------ the umask

@@ -12,16 +12,17 @@ from pathlib import Path
 from typing import Optional
 
 import pandas as pd
+from pydantic import Field
 
 from flt_diag.storage import files
 from flt_diag.storage.file_models import FileModel, RunConfigFile, Summary
 from flt_diag.storage.safe_files import is_temporary
-from flt_diag.storage.schema import MAX_FILE_BYTES, BadFile, StorageError
+from flt_diag.storage.schema import MAX_FILE_BYTES, BadFile, StorageError, checked
 
 SUFFIX = ".parquet"
 META_KEY = b"flt_diag.archive"
 FORMAT = 1
-COLUMNS = ["step", "metric", "loop", "layer", "value"]
+COLUMNS = list(files.METRICS_COLUMNS)
 TYPES = {"step": "int64", "metric": "string", "loop": "int16", "layer": "int16", "value": "float64"}  # a metrics part's
 MAX_RECORD_BYTES = MAX_FILE_BYTES  # a record is tens of kilobytes; a bigger file is not one of them
 MAX_EVAL_LOOPS_BYTES = 16 << 20  # eval_loops.csv is a kilobyte (a line per loop count); kept whole up to this
@@ -74,7 +75,7 @@ def _parquet_file(path: Path):
     import pyarrow.parquet as pq
     path = Path(path)
     if path.is_symlink():
-        raise StorageError(f"{path} is a symbolic link; flt-diag does not read archive records through links")
+        raise StorageError(f"{path} {LINKED}")
     try:
         size = path.stat().st_size
     except FileNotFoundError:
@@ -93,10 +94,12 @@ class RecordMeta(FileModel):
     format: int
     config: RunConfigFile
     summary: Optional[Summary]
-    eval_loops: Optional[str]  # eval_loops.csv's text
+    eval_loops: Optional[str] = Field(max_length=MAX_EVAL_LOOPS_BYTES)  # eval_loops.csv's text
     source: str
     kept: dict
-    code: Optional[dict] = None  # {"run": the code that made the run, "archive": the code that archived it}; none before
+    # {"run": the code that made the run, "archive": the code that archived it}: each its version, commit and clean
+    # state (none before)
+    code: Optional[dict[str, Optional[dict]]] = None
 
 
 def read_meta(path: Path) -> RecordMeta:
@@ -110,26 +113,9 @@ def read_meta(path: Path) -> RecordMeta:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
         raise BadFile(f"{path}: archive format {found!r}; this flt-diag reads format {FORMAT}")
-    for key in ("config", "summary", "eval_loops", "source", "kept"):
-        if key not in doc:
-            raise BadFile(f"{path}: archive metadata lacks {key!r}")
-    config = files.check_run_config(doc["config"], f"{path} [config]")
-    summary = None if doc["summary"] is None else files.check_summary(doc["summary"], f"{path} [summary]")
-    code = doc.get("code")
-    if code is not None and not (isinstance(code, dict) and all(v is None or isinstance(v, dict) for v in code.values())):
-        raise BadFile(f"{path}: archive metadata 'code' must map 'run' and 'archive' to the code's version, commit "
-                      "and clean state")
-    if doc["eval_loops"] is not None and not isinstance(doc["eval_loops"], str):
-        raise BadFile(f"{path}: archive metadata 'eval_loops' must be CSV text or null")
-    return RecordMeta.model_construct(**{**doc, "config": config, "summary": summary})  # (each part checked above)
-
-
-def load_config(path: Path) -> RunConfigFile:
-    return read_meta(path).config
-
-
-def load_summary(path: Path) -> Summary | None:
-    return read_meta(path).summary
+    parts = {"config": RunConfigFile, "summary": Summary}  # (each checked as its loader checks it, named [config])
+    doc |= {k: checked(f"{path} [{k}]", model, doc[k]) for k, model in parts.items() if doc.get(k) is not None}
+    return checked(path, RecordMeta, doc)
 
 
 def load_eval_loops(path: Path) -> pd.DataFrame | None:
@@ -141,8 +127,8 @@ def row_count(path: Path) -> int:
     return _parquet_file(path).metadata.num_rows
 
 
-def load_metrics(path: Path, metrics: list[str] | None = None) -> pd.DataFrame:
-    """The record's metrics table (COLUMNS), checked as a metrics part is."""
+def load_metrics(path: Path) -> pd.DataFrame:
+    """The record's metrics table (COLUMNS, in TYPES), checked as a metrics part is."""
     import pyarrow as pa
     pf = _parquet_file(path)
     names = pf.schema_arrow.names
@@ -159,9 +145,7 @@ def load_metrics(path: Path, metrics: list[str] | None = None) -> pd.DataFrame:
         raise BadFile(f"{path}: a column of the wrong type ({str(e)[:100]})") from None
     if len(df) and (df.step.min() < 0 or df.metric.isna().any()):
         raise BadFile(f"{path}: negative steps or missing metric names")
-    if metrics:
-        df = df[df.metric.isin(list(metrics))]
-    return df.sort_values(["step", "metric", "loop", "layer"], kind="stable").reset_index(drop=True)
+    return df
 
 
 def record_frame(table: pd.DataFrame, path: Path) -> pd.DataFrame:

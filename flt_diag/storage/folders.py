@@ -25,7 +25,7 @@ CONFIG, SUMMARY, PROGRESS, METRICS = "config.json", "summary.json", "progress.js
 CHECKPOINT, RESUME, EVAL_LOOPS = "checkpoint.pt", "resume.pt", "eval_loops.csv"
 SWEEP_SPEC, SWEEP_SUMMARY, CELLS = "sweep.json", "summary.csv", "cells"
 ERROR = "error.txt"  # written into a sweep cell whose run raised
-COLUMNS = ["step", "metric", "loop", "layer", "value"]
+COLUMNS = archive.COLUMNS
 
 
 @contextlib.contextmanager
@@ -103,7 +103,7 @@ def write_record(path: Path, table: pd.DataFrame, meta: dict, root: Path | None 
 def rewrite_record_summary(path: Path, summary: dict, root: Path | None = None) -> None:
     """Replace an archive record's summary (summary --recompute on an archive), its table and the rest unchanged."""
     meta = archive.read_meta(path)
-    write_record(path, archive.load_metrics(path), {**meta.as_written(), "summary": summary}, root)
+    write_record(path, load_metrics(path), {**meta.as_written(), "summary": summary}, root)
 
 
 # --------------------------------------------------------------------------- writing metrics
@@ -147,8 +147,7 @@ class MetricsWriter:
 
 
 def _frame(rows) -> pd.DataFrame:
-    df = pd.DataFrame(rows, columns=COLUMNS)
-    return df.astype({"step": "int64", "metric": "string", "loop": "int16", "layer": "int16", "value": "float64"})
+    return pd.DataFrame(rows, columns=COLUMNS).astype(archive.TYPES)
 
 
 # --------------------------------------------------------------------------- reading
@@ -164,14 +163,14 @@ def is_sweep(path: Path) -> bool:
 
 def load_config(run_dir: Path) -> files.F.RunConfigFile:
     if archive.is_record(run_dir):
-        return archive.load_config(run_dir)
+        return archive.read_meta(run_dir).config
     return files.load_run_config(Path(run_dir) / CONFIG)
 
 
 def load_summary(run_dir: Path) -> files.F.Summary | None:
     """The run's summary (checked), or None while it has not finished."""
     if archive.is_record(run_dir):
-        return archive.load_summary(run_dir)
+        return archive.read_meta(run_dir).summary
     p = Path(run_dir) / SUMMARY
     return files.load_summary(p) if p.exists() else None
 
@@ -193,15 +192,14 @@ def load_progress(run_dir: Path) -> dict | None:
 def load_metrics(run_dir: Path, metrics: list[str] | None = None) -> pd.DataFrame:
     """The long metrics table of a run (COLUMNS), of a run in progress the parts written so far; `metrics`
     keeps only those metric names."""
-    if archive.is_record(run_dir):
-        return archive.load_metrics(run_dir, metrics)
-    parts = sorted((Path(run_dir) / METRICS).glob("part-*.parquet"))
     filters = [("metric", "in", list(metrics))] if metrics else None
-    frames = [read_part(p, filters) for p in parts]
+    frames = [archive.load_metrics(run_dir)] if archive.is_record(run_dir) else \
+        [read_part(p, filters) for p in sorted((Path(run_dir) / METRICS).glob("part-*.parquet"))]
     frames = [f for f in frames if len(f)]
     if not frames:
         return _frame([])
     df = pd.concat(frames, ignore_index=True)
+    df = df[df.metric.isin(list(metrics))] if metrics else df  # (a record's table is read whole)
     return df.sort_values(["step", "metric", "loop", "layer"], kind="stable").reset_index(drop=True)
 
 

@@ -3,7 +3,6 @@ re-exports it). Torch-free."""
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import stat
 from pathlib import Path
@@ -29,17 +28,14 @@ def folder_lock(folder: Path, kind: str = "run", root: Path | None = None):
         yield
         return
     refuse_links(folder, root)
-    refuse_symlink(folder / LOCK, "lock")
-    _refuse_odd_lock(folder / LOCK)  # a folder or socket there: open() would say only "Is a directory" or ENXIO
+    _refuse_odd_lock(folder / LOCK)  # a link, a folder or socket there: open() would say only "Is a directory" or ENXIO
     created = not folder.exists()
     try:
         make_folder(folder, root)
         # O_NONBLOCK: a FIFO planted as .lock must not block the open; it is refused below, and left alone
         fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0), 0o644)
     except OSError as e:
-        if e.errno == errno.ELOOP:
-            refuse_symlink(folder / LOCK, "lock")
-        _refuse_odd_lock(folder / LOCK)  # planted between the check and the open
+        _refuse_odd_lock(folder / LOCK)  # planted between the check and the open (O_NOFOLLOW: ELOOP on a link)
         raise StorageError(f"cannot create {kind} folder {folder}: {e.strerror or e}") from None
     try:
         _refuse_odd_lock(folder / LOCK, os.fstat(fd).st_mode)
@@ -73,12 +69,14 @@ def folder_lock(folder: Path, kind: str = "run", root: Path | None = None):
 
 def _refuse_odd_lock(lock: Path, mode: int | None = None) -> None:
     """A .lock (of `mode`, else lstat'ed; a missing one is fine) that is anything but a regular file is one line
-    naming it and what it is (a folder, a FIFO, a socket, a device), left alone."""
+    naming it and what it is (a link: never written through; a folder, a FIFO, a socket, a device), left alone."""
     if mode is None:
         try:
             mode = os.lstat(lock).st_mode
         except OSError:
             return
+    if stat.S_ISLNK(mode):
+        refuse_symlink(lock, "lock")
     if not stat.S_ISREG(mode):
         raise StorageError(f"{lock} is not a regular file ({kind_of(mode)}); flt-diag keeps its lock there: remove it")
 

@@ -18,11 +18,6 @@ def without_grid_fields(base, grid_fields: dict):
             for k, v in base.items()}
 
 
-def _setting(spec) -> dict:
-    """A sweep's shared config without the grid fields: what two sweeps must share to be pooled."""
-    return without_grid_fields(spec.base.as_written(), SWEEP_GRID_FIELDS)
-
-
 def _differences(a: dict, b: dict, prefix: str = "") -> list[str]:
     keys = sorted(set(a) | set(b))
     out = []
@@ -47,7 +42,7 @@ def check_poolable(paths) -> None:
         spec = load_spec(path)
         if isinstance(spec, MapSpecFile):  # a map's probes are a search, not a grid's cells: nothing to add seeds to
             raise StorageError(f"{path} is a map folder; pooling takes sweep folders only (give a map on its own)")
-        setting = _setting(spec)
+        setting = without_grid_fields(spec.base.as_written(), SWEEP_GRID_FIELDS)  # what two sweeps must share
         if first is None:
             first = (path, setting)
         elif setting != first[1]:

@@ -72,14 +72,8 @@ def new_file(path) -> Path:
     except OSError as e:
         raise StorageError(f"cannot write {path}: {e.strerror or e}") from None
     if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
-        kind = next((text for test, text in _KINDS if test(mode)), "not a regular file")
-        raise StorageError(f"{path} is {kind}, not a file; give the name of a file to write")
+        raise StorageError(f"{path} is {kind_of(mode)}, not a file; give the name of a file to write")
     return Path(path)
-
-
-def read_bytes(path) -> bytes:
-    with open_regular(path) as f:
-        return f.read()
 
 
 def read_bounded(path, limit: int, what: str) -> bytes:

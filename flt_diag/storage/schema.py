@@ -7,7 +7,7 @@ import io
 import json
 from pathlib import Path
 
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from flt_diag.config.option_fields import MAX_ITEMS, dotted, one_line  # noqa: F401 (re-exported)
 from flt_diag.storage.errors import BadFile, StorageError  # noqa: F401  (re-exported: one error type)
@@ -25,13 +25,7 @@ def bad(path, problem: str) -> BadFile:
 def read_text(path: Path, limit: int = MAX_FILE_BYTES, what: str = "one of flt-diag's files") -> str:
     """A regular file's UTF-8 text, at most `limit` bytes read (safe_files.read_bounded: a FIFO, a folder, a
     device, a huge or growing file: one line, never blocks, never fills the memory)."""
-    path = Path(path)
-    try:
-        data = read_bounded(path, limit, what)
-    except FileNotFoundError:
-        raise StorageError(f"missing {path}") from None
-    except IsADirectoryError:
-        raise BadFile(f"{path} is a folder, not a file") from None
+    data = read_bounded(path, limit, what)
     try:
         return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8").read()  # as open(): universal newlines
     except UnicodeDecodeError:
@@ -52,9 +46,7 @@ def checked(path, model, obj, context: dict | None = None):
     """`obj` (read from `path`) validated by `model` (a pydantic model or any type; `context` for its
     validators); a misfit is one BadFile line "<file>: <field> <problem>", the field dotted ("models.100.coef[2]")."""
     try:
-        if isinstance(model, type) and issubclass(model, BaseModel):
-            return model.model_validate(obj, context=context)
-        return (model if isinstance(model, TypeAdapter) else TypeAdapter(model)).validate_python(obj, context=context)
+        return TypeAdapter(model).validate_python(obj, context=context)  # (a model: its own validator)
     except ValidationError as e:
         cls = model if isinstance(model, type) else None
         raise bad(path, one_line(e, dotted, cls)) from None
