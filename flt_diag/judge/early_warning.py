@@ -149,9 +149,9 @@ def run_features_at(run_dir: Path, steps) -> dict[int, dict]:
     steps = list(steps)
     if not steps:
         return {}
-    i = RunId.read((cfg := load_config(run_dir)).model, cfg.train)
-    run = RunSeries(load_metrics(run_dir), i.loops, i.depth)
-    return {at: features_at(run, at, i.width) for at in steps}
+    m = load_config(run_dir).model
+    run = RunSeries(load_metrics(run_dir), m.loops, m.depth)
+    return {at: features_at(run, at, m.width) for at in steps}
 
 
 def label(summary: Summary, kind: str = "fails") -> int:
@@ -303,8 +303,8 @@ def online_sweep(path, predictor: dict | PredictorFile) -> pd.DataFrame:
     before a collapse (collapsed runs), so `onset - warned_at` is the warning's lead."""
     rows, predictor = [], predictor_of(predictor)
     for d, s in finished_runs([path]):
-        i = RunId.read((cfg := load_config(d)).model, cfg.train)
-        w = first_warning(load_metrics(d), predictor, i.loops, i.depth, i.width, s.steps_done)
+        m = load_config(d).model
+        w = first_warning(load_metrics(d), predictor, m.loops, m.depth, m.width, s.steps_done)
         onset = s.evidence.min_step if s.verdict == "collapsed" else None
         rows.append(_scored(d, s, predictor, w["warned_at"] is not None) | dict(
             warned_at=w["warned_at"], p_warn=w["p_warn"], p_max=w["p_max"], onset=onset, evidence=w["evidence"]))

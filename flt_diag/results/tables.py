@@ -86,7 +86,7 @@ class Run:
     @property
     def explosion_threshold(self) -> float:
         """The verdict's residual-explosion threshold: explosion_ratio * sqrt(d)."""
-        return self.config.run_config().verdict.explosion_ratio * math.sqrt(self.id.width)
+        return self.config.run_config().verdict.explosion_ratio * math.sqrt(self.config.model.width)
 
     def select(self, metric: str) -> pd.DataFrame:
         """The finite rows of one metric (step, metric, loop, layer, value)."""

@@ -95,17 +95,16 @@ def run_rows(run_dir: Path, summary: Summary, steps: list[int], packaged: dict) 
     P(packaged)."""
     cfg, df = load_config(run_dir), load_metrics(run_dir)
     run = RunId.read(cfg.model, cfg.train)
-    assert run.depth is not None and run.width is not None  # (a run's config has both)
     loss, grad = dense_series(df, M.LOSS), dense_series(df, M.GRAD_NORM)
     total = cfg.train.steps
     fired = {"lightning": lightning_spike(loss), "kill_loss_spike": kill_loss_spike(loss, total_steps=total)[0],
              "lightning_scaled": lightning_spike(loss, **SCALED["lightning"]),
              "kill_loss_spike_scaled": kill_loss_spike(loss, total_steps=total, **SCALED["kill_loss_spike"])[0]}
     identity = dict(run=str(run_dir), **run.row(), verdict=summary.verdict, failed=int(summary.verdict != "stable"))
-    series = RunSeries(df, run.loops, run.depth)
+    series = RunSeries(df, run.loops, cfg.model.depth)
     rows = []
     for at in scored_steps(steps, total, summary.steps_done):
-        feats = features_at(series, at, run.width)
+        feats = features_at(series, at, cfg.model.width)
         rows.append(identity | feats | dict(
             step=at, packaged=probability(packaged, feats, at)[0], olmo=olmo_spike_score(loss, grad, at),
             **{k: float(v is not None and v < at) for k, v in fired.items()}, **record_scores(df, at, run.loops)))
