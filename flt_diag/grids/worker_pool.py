@@ -90,15 +90,12 @@ def auto_workers(device: str) -> int:
 def run_parallel(base, todo, out, workers, monitor, run_cell: Callable, on_cell_done: Callable[[], None]):
     import torch  # (as in run_cell)
     n_gpu = torch.cuda.device_count() if base["train"]["device"] in ("auto", "cuda") else 0
-    gpu_queue = None
-    if n_gpu:
-        workers = min(workers, n_gpu)
+    gpu_queue, threads = None, max(1, (os.cpu_count() or 1) // workers)  # (on CPUs: the cores shared out)
+    if n_gpu:  # one GPU each, from a queue
+        workers, threads = min(workers, n_gpu), None
         gpu_queue = mp.get_context("spawn").Queue()
         for i in range(workers):
             gpu_queue.put(i)
-        threads = None
-    else:
-        threads = max(1, (os.cpu_count() or 1) // workers)
     pool = spawn_pool(workers, gpu_queue)
     with interruptible(pool):
         pending: dict = {}  # (a future -> its cell)
