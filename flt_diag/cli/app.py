@@ -41,13 +41,6 @@ def _is_value(arg: str) -> bool:
         return False
 
 
-def _items(flag: str, text: str) -> list[str]:
-    parts = [p.strip() for p in text.split(",")]
-    if any(not p for p in parts):
-        raise UserError(f"{flag}: empty value in {text!r}")
-    return parts
-
-
 def spread_lists(args: list[str], many: set[str]) -> list[str]:
     """`--loops 3 6,9` -> `--loops 3 --loops 6 --loops 9` for the flags in `many` (also `--loops=3,6`);
     everything after `--` is left as it is."""
@@ -68,8 +61,9 @@ def spread_lists(args: list[str], many: set[str]) -> list[str]:
         if not values:  # click says that the flag needs a value
             out.append(arg)
         for text in values:
-            for item in _items(flag, text):
-                out += [flag, item]
+            if any(not item.strip() for item in text.split(",")):
+                raise UserError(f"{flag}: empty value in {text!r}")
+            out += [x for item in text.split(",") for x in (flag, item.strip())]
     return out
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Callable
 
 from flt_diag.cli.options import (FOLDER_OPTIONS, ArchiveOptions, EvalLoopsOptions, FitPredictorOptions,
-                                  ImportReferenceOptions, MapOptions, PlotOptions, PredictOptions,
+                                  ImportReferenceOptions, MapOptions, Options, PlotOptions, PredictOptions,
                                   ReportOptions, RunAblationOptions, StudyOptions, SummaryOptions, TrainOptions,
-                                  UserError, VariantsOptions)
+                                  UserError)
 from flt_diag.config.option_fields import dest
 from flt_diag.config.variants import VARIANT_DESCRIPTIONS
 
@@ -333,7 +333,7 @@ def _cross_validate(paths, o: FitPredictorOptions, examples, features) -> dict:
     return result
 
 
-def cmd_variants(o: VariantsOptions) -> int:
+def cmd_variants(o: Options) -> int:
     """List the variants: the paper's five, the field's stabilisers (with the parameters each adds and its source)
     and the compositions base+stabiliser."""
     from flt_diag.config.variants import COMPOSED, PAPER_VARIANTS, SOURCES, STABILISERS, base_of

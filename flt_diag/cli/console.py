@@ -50,11 +50,8 @@ def print_run_summary(out: Path, s: Summary) -> None:
     print(f"{out}: {verdict} ({s.evidence.reason or ''}); final loss {s.final_loss:.3f}, best "
           f"{s.best_loss:.3f}, val {s.val_loss:.3f}; peak final-loop residual norm {s.peak_resid_norm:.1f}"
           f"{' (EXPLODED)' if s.residual_explosion else ''}; median |dlog g| {_number(s.osc_dlog_median, '{:.3f}')}"
-          + (f"; val accuracy {s.val_accuracy:.3f}" if _finite(s.val_accuracy) else ""))
-
-
-def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
+          + (f"; val accuracy {s.val_accuracy:.3f}" if s.val_accuracy is not None and math.isfinite(s.val_accuracy)
+             else ""))
 
 
 def _number(value, spec: str) -> str:

@@ -15,7 +15,7 @@ from pydantic.fields import FieldInfo
 from flt_diag.results.fit_settings import FitSettings
 from flt_diag.config.run_config import PRESETS, SECTIONS, PresetOption
 from flt_diag.config.grid_options import Loops, MapAxes, MapGrid, SweepAxes
-from flt_diag.config.option_fields import Items, Options, arg, default, dest, fact, flag, form, opt
+from flt_diag.config.option_fields import Items, Options, arg, check, default, dest, fact, flag, form, opt
 
 SECTION_TITLES = {"run": "preset", "model": "model", "train": "training", "diagnostics": "diagnostics",
                   "verdict": "verdict thresholds", "sweep": "sweep grid", "map": "map grid", "cli": "this command"}
@@ -89,9 +89,6 @@ class MapOptions(MapAxes, MapGrid, FolderOptions, Given):
                            "non-monotone instead of being missed (up to 2 more probes per line).")
 
 
-Step = Annotated[int, Field(ge=1)]
-
-
 class StudyOptions(FolderOptions):
     path: Path = arg("A study file from experiments/ (TOML).")
 
@@ -129,7 +126,7 @@ class ImportReferenceOptions(Options):
 
 class PredictOptions(Options):
     paths: list[Path] = arg(RUNS, many=True)
-    at: Items[Step] = opt([300], "Step(s) at which to predict.")
+    at: Items[Annotated[int, Field(ge=1)]] = opt([300], "Step(s) at which to predict.")
     predictor: Optional[Items[Path]] = opt(None, "Predictor JSON(s) from `flt-diag fit-predictor`; several are "
                                            "compared on the same runs [default: the packaged one].")
     csv: Optional[Path] = opt(None, "Also write the per-cell table (all steps; a predictor column) here.")
@@ -152,10 +149,6 @@ class FitPredictorOptions(FitSettings):
                                        "paths is read back in place of folders, its runs relabelled by the "
                                        "current verdict as far as the table's evidence allows (not v3's "
                                        "oscillation rule: that needs the folders).")
-
-
-class VariantsOptions(Options):
-    pass
 
 
 class ArchiveOptions(Options):
@@ -185,7 +178,7 @@ class PlotOptions(Options):
 ARGS: dict[str, type[Options]] = {
     "train": TrainOptions, "run-ablation": RunAblationOptions, "map": MapOptions, "study": StudyOptions,
     "summary": SummaryOptions, "eval-loops": EvalLoopsOptions, "import-reference": ImportReferenceOptions,
-    "predict": PredictOptions, "fit-predictor": FitPredictorOptions, "variants": VariantsOptions,
+    "predict": PredictOptions, "fit-predictor": FitPredictorOptions, "variants": Options,
     "report": ReportOptions, "plot": PlotOptions, "archive": ArchiveOptions}
 FOLDER_OPTIONS = fields(FolderOptions, "cli")
 
@@ -212,8 +205,8 @@ def command_args(command: str, values: dict, where: Callable[[str, FieldInfo], s
     line naming it by `where`), its config options in `config`."""
     cls, config, own = ARGS[command], dict[str, object](), dict[str, object]()
     for s, n, f in config_options(command) + fields(cls, "cli"):
-        if values.get(dest(n, f)) is not None:
-            (own if s == "cli" else config)[dest(n, f)] = CONFIG.get(s, cls).check(n, values[dest(n, f)], where(n, f))
+        if (x := values.get(dest(n, f))) is not None:
+            (own if s == "cli" else config)[dest(n, f)] = check(f.rebuild_annotation(), x, where(n, f), f)
     fixed = {k: values[k] for k in cls.model_fields if values.get(k) is not None and k not in own and k != "config"}
     return cls.of(**own, **fixed, **({"config": config} if config_options(command) else {}))
 

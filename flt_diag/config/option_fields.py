@@ -86,7 +86,8 @@ def _adapter(hint) -> TypeAdapter:
 
 def check(hint, value, where: str, info: FieldInfo | None = None):
     """`value` validated as a `hint` (strict, as every option), or one ConfigError line "<where> <problem>" (the
-    bounds and choices of field `info`)."""
+    bounds and choices of field `info`). A field alone: check(info.rebuild_annotation(), value, where, info) (its
+    type and bounds; no check across fields, which need the whole section)."""
     try:
         return _adapter(hint).validate_python(value)
     except ValidationError as e:
@@ -99,23 +100,12 @@ class Options(BaseModel):
     model_config = ConfigDict(**STRICT, extra="forbid", validate_by_name=True, validate_by_alias=True)
 
     @classmethod
-    def check(cls, name: str, value, where: str):
-        """`value` validated as field `name` alone (its type and bounds; no check across fields, which need the
-        whole section), or one ConfigError line "<where> <problem>"."""
-        return check(cls.model_fields[name].rebuild_annotation(), value, where, cls.model_fields[name])
-
-    @classmethod
     def of(cls, **values):
         """A model of `values` (by field name or alias); a bad one raises one ConfigError line naming the flag."""
         try:
             return cls(**values)
         except ValidationError as e:
             raise ConfigError(one_line(e, by_flag(cls), cls)) from None
-
-    @classmethod
-    def by_name(cls, values: dict) -> dict:
-        """`values` keyed by field name (an alias or an old name, such as n_layer for depth, read as its field's)."""
-        return {(named(cls, k) or (k,))[0]: v for k, v in values.items()}
 
     def to_dict(self) -> dict:
         return self.model_dump()

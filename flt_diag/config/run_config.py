@@ -272,24 +272,18 @@ LEGACY_TRAIN_DEFAULTS = {"momentum_warmup": 0}
 LEGACY_VERDICT_FIELDS = ("osc_cv_threshold",)
 
 
-def resolve_preset(name: str, cuda_available: bool) -> str:
-    if name == "auto":
-        return "small" if cuda_available else "tiny"
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose from {', '.join([*PRESETS, 'auto'])}")
-    return name
-
-
 def build_config(preset: str = "auto", cuda_available: bool = False, model: dict | None = None,
                  train: dict | None = None, diagnostics: dict | None = None,
                  verdict: dict | None = None) -> RunConfig:
     """A preset with overrides (None values are ignored; named by field or old name) or one ValueError line.
     `depth` without `width` scales the width and heads with the preset's (`shape`)."""
-    name = resolve_preset(preset, cuda_available)
+    name = ("small" if cuda_available else "tiny") if preset == "auto" else preset
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {', '.join([*PRESETS, 'auto'])}")
     p = PRESETS[name]
 
-    def given(cls, over: dict | None) -> dict:
-        return cls.by_name({k: v for k, v in (over or {}).items() if v is not None})
+    def given(cls, over: dict | None) -> dict:  # (keyed by field name: an old name, n_layer, read as its field's)
+        return {(named(cls, k) or (k,))[0]: v for k, v in (over or {}).items() if v is not None}
 
     m = given(ModelConfig, model)
     if "depth" in m and "width" not in m:
