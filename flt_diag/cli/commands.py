@@ -40,7 +40,6 @@ def cmd_train(o: TrainOptions) -> int:
 def cmd_run_ablation(o: RunAblationOptions) -> int:
     """Train every variant at every loop count (x seeds x lr scales) and summarise how they collapse."""
     from flt_diag.cli.console import print_sweep_table
-    from flt_diag.cli.output import print_model_line
     from flt_diag.cli.specs import sweep_spec
     from flt_diag.grids.progress import cell_status
     from flt_diag.grids.sweep import run_sweep
@@ -50,7 +49,8 @@ def cmd_run_ablation(o: RunAblationOptions) -> int:
     cells, cell = spec.cells(), o.cell
     if _listed_or_picked(cells, o, lambda c: f"{c.index:4d}  {c.name:32s} {cell_status(out, c)}"):
         return 0
-    print_model_line(spec.base.model, count_parameters(spec.base.model))
+    m, n = spec.base.model, count_parameters(spec.base.model)
+    print(f"model: L={m.depth} d={m.width} heads={m.heads}, {n:,} parameters ({n / 1e6:.1f}M) per cell", flush=True)
     df = run_sweep(spec, out, workers=o.workers, only_cell=cell, show_progress=not o.quiet)
     print_sweep_table(df)
     print(f"sweep folder: {out}  (plots: flt-diag plot all {out}; report: flt-diag report {out})")
@@ -83,7 +83,6 @@ def _failed_cells(out: Path, cells) -> int:
 
 def cmd_map(o: MapOptions) -> int:
     """Where each variant's training breaks: bisection along lr scale or depth, per variant and K."""
-    from flt_diag.cli.output import print_critical_values, print_map_plan
     from flt_diag.cli.specs import map_spec
     from flt_diag.grids.stability_map import run_map
     from flt_diag.grids.worker_pool import auto_workers
@@ -92,10 +91,12 @@ def cmd_map(o: MapOptions) -> int:
     out = o.out or Path("runs") / f"map-{spec.axis}-{spec.base.preset}"
     if _listed_or_picked(spec.lines(), o, lambda line: f"{line.index:4d}  {line.name}"):
         return 0
-    print_map_plan(spec, o.ratio)
+    print(f"map: {len(spec.lines())} lines x {len(spec.criteria)} criteria; {spec.axis} grid "
+          f"{', '.join(f'{x:g}' for x in spec.grid)} (each boundary within x{o.ratio:g})", flush=True)
     run_map(spec, out, workers=o.workers or auto_workers(spec.base.train.device), only_line=o.cell,
             report=lambda text: print(text, flush=True), probe_ends=o.probe_ends)
-    print_critical_values(critical_values(out))
+    for criterion, g in critical_values(out).groupby("criterion", sort=False):
+        print(f"{criterion}: " + "; ".join(f"{r.variant} K={r.loops}: {r.text}" for r in g.itertuples()))
     print(f"map folder: {out}  (figure: flt-diag plot map {out}; report: flt-diag report {out})")
     problem = unfinished(out, spec.lines() if o.cell is None else [spec.lines()[o.cell]])
     if problem:

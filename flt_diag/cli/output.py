@@ -1,5 +1,6 @@
-"""What the commands print beyond flt_diag.cli.console: a map's boundaries, eval-loops' lines, the
-early-warning predictions and fits, and the command line a fitted predictor records."""
+"""What the commands print beyond flt_diag.cli.console and their own one-line reports (a sweep's model, a map's
+plan and boundaries: flt_diag.cli.commands): a sweep's failed cells, eval-loops' lines, the early-warning
+predictions and fits, and the command line a fitted predictor records."""
 from __future__ import annotations
 
 import sys
@@ -12,27 +13,12 @@ from flt_diag.results.fit_settings import DEFAULTS
 from flt_diag.judge.spike_detectors import DETECTORS
 
 
-def print_model_line(model, n_params: int) -> None:
-    print(f"model: L={model.depth} d={model.width} heads={model.heads}, {n_params:,} parameters "
-          f"({n_params / 1e6:.1f}M) per cell", flush=True)
-
-
 def print_failed_cells(out: Path, n_cells: int, failed: list[str], missing: list[str]) -> None:
     names = failed + missing
     what = " and ".join(x for x in (f"{len(failed)} failed" if failed else "",
                                     f"{len(missing)} did not finish" if missing else "") if x)
     print(f"error: {len(names)} of {n_cells} cells not done ({what}: {', '.join(names[:4])}"
           f"{', ...' if len(names) > 4 else ''}); see {out}/cells/<cell>/error.txt where it exists", file=sys.stderr)
-
-
-def print_map_plan(spec, ratio: float) -> None:
-    print(f"map: {len(spec.lines())} lines x {len(spec.criteria)} criteria; {spec.axis} grid "
-          f"{', '.join(f'{x:g}' for x in spec.grid)} (each boundary within x{ratio:g})", flush=True)
-
-
-def print_critical_values(crit: pd.DataFrame) -> None:
-    for criterion, g in crit.groupby("criterion", sort=False):
-        print(f"{criterion}: " + "; ".join(f"{r.variant} K={r.loops}: {r.text}" for r in g.itertuples()))
 
 
 def print_eval_loops(run: Path, df: pd.DataFrame) -> None:
