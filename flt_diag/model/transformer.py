@@ -232,7 +232,7 @@ class LoopedTransformer(nn.Module):
         if self.loop_embed is not None:
             nn.init.zeros_(self.loop_embed.weight)
 
-    def _loop(self, x, h_prev, emb, cos, sin, t: int):
+    def _loop(self, x, h_prev, emb, cos, sin, t: int | None = None):
         """One pass through the L blocks. h_prev is None in loop 1 (a plain pass); x is the raw stream at the
         previous loop's end (Parcae and Huginn start from it); emb is the raw embedding E[tokens]; t the loop's
         index from 0 (needed by the loop embedding only)."""
@@ -251,6 +251,8 @@ class LoopedTransformer(nn.Module):
             else:
                 raise ValueError(f"variant {self.cfg.variant!r}: unknown loop start {rule.start!r}")
         if self.loop_embed is not None:
+            if t is None:
+                raise ValueError("the loop embedding needs the loop's index: call _loop(..., t=...)")
             x = self.loop_embed(x, t)
         for i, block in enumerate(self.blocks):
             query = None
