@@ -272,8 +272,8 @@ def test_import_reads_model_type_and_K_from_meta(tmp_path, capsys):
     folder.mkdir()
     torch.save(export_reference(model), folder / "model_000100.pt")
     (folder / "meta_000100.json").write_text(json.dumps({"step": 100, "model_config": dict(
-        model_type="FLT_res", K=4, loss_type="END", seq_len=64, vocab_size=256, depth=2, heads=2,
-        n_kv_head=2, width=64)}))
+        model_type="FLT_res", K=4, loss_type="END", sequence_len=64, vocab_size=256, n_layer=2, n_head=2,
+        n_kv_head=2, n_embd=64)}))  # (nanochat's names)
     code = main(["import-reference", str(folder / "model_000100.pt"), "--out", str(tmp_path / "run")])
     assert code == 0, capsys.readouterr().err
     cfg = read_json(tmp_path / "run" / "config.json")
