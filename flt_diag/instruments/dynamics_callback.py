@@ -67,7 +67,8 @@ class LoopDynamicsCallback(Instrument):
     def __init__(self, cfg: DiagnosticsConfig, model: LoopedModel | None = None, head: Callable | None = None,
                  targets: Callable | None = None, loop_step: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.cfg, self.model, self.loop_step = cfg, model, loop_step
-        self.head, self.targets_of = (model.loop_head, model.loop_targets) if model is not None else (head, targets)
+        self.head: Callable | None = model.loop_head if model is not None else head
+        self.targets_of: Callable | None = model.loop_targets if model is not None else targets
         self.final = model.loop_state if model is not None else identity  # h(t) from the loop-end stream
         self.handles: list = []
         self.said: set[str] = set()
