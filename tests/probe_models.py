@@ -90,7 +90,7 @@ def looped_gpt2(loops: int = 3):
     class LoopedGPT2(nn.Module):
         def __init__(self):
             super().__init__()
-            self.gpt = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, width=64, depth=2, heads=2,
+            self.gpt = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=64, n_layer=2, n_head=2,
                                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
             self.loops = loops
 
