@@ -5,48 +5,49 @@ is anything with `.shape` and `.dtype`.
 """
 from __future__ import annotations
 
-import functools
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional
+import copy
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal, Optional, TypeVar
 
-from pydantic import ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import Field, create_model, field_validator, model_validator
 from pydantic_core import PydanticUndefined
 
 from flt_diag.storage.predictor_names import CLASS_WEIGHTS, FEATURES, TARGETS
-from flt_diag.config import option_fields
 from flt_diag.config.run_config import DiagnosticsConfig, ModelConfig, Preset, RunConfig, TrainConfig, VerdictConfig
-from flt_diag.config.grid_options import MAX_GRID, MapAxes, SweepAxes
-from flt_diag.config.option_fields import MAX_ITEMS, Ascending, Distinct, Items, Options, form
-from flt_diag.config.variants import MAX_LOOPS
+from flt_diag.config.grid_options import MAX_GRID, Loops, MapAxes, SweepAxes
+from flt_diag.config.option_fields import MAX_ITEMS, Ascending, Distinct, Items, Options
 
 Verdict = Literal["stable", "unstable", "stalled", "collapsed", "diverged"]  # verdict v3 (flt_diag.judge.verdict)
-FREE = ConfigDict(extra="allow")
+M = TypeVar("M", bound="type[Options]")
+G = TypeVar("G")
 
 
-class FileModel(Options):
+class FileModel(Options, protected_namespaces=()):
     """A part of a file: strict, finite, no unknown key (Options' rules), validated with model_validate."""
-
-    model_config = ConfigDict(protected_namespaces=())
 
     def as_written(self) -> dict:
         """The JSON object of the file: the fields it was given (or held), in the model's order."""
         return self.model_dump(exclude_unset=True, by_alias=False)  # (field names: an option's alias is the CLI's)
 
 
-class FreeFileModel(FileModel, **FREE):
+class FreeFileModel(FileModel, extra="allow"):
     """A part of a file that may hold other keys too (free-form metadata, kept as they are)."""
 
 
-def like(cls, name: str, *, required: bool = True, optional: bool = False, old_names: bool = True) -> tuple:
-    """(type, field) of field `name` of config model `cls` (its type, bounds and help), for create_model:
-    required or defaulting to None (`optional`: None is a value too); `old_names`: read the field's `was` too."""
-    kind, info = option_fields.like(cls.model_fields[name], required, old_names)
-    return Optional[kind] if optional else kind, info
+def config_type(cls, name: str) -> Any:
+    """The type of field `name` of config model `cls`, its bounds with it (a file holds what the option takes)."""
+    return cls.model_fields[name].rebuild_annotation()
 
 
-def like_type(cls, name: str, **kw) -> Any:
-    """`like` as one annotation (type with the field in Annotated), for a field declared in a class body."""
-    kind, info = like(cls, name, **kw)
-    return Annotated[kind, info]
+def required(*names: str) -> Callable[[M], M]:
+    """A class decorator: the fields `names` that a file model inherits from a config model, which defaults them,
+    required (every file holds them), each otherwise the config's own field (type, bounds, help)."""
+    def require(cls: M) -> M:
+        for name in names:
+            cls.__pydantic_fields__[name] = field = copy.copy(cls.__pydantic_fields__[name])
+            field.default, field.default_factory = PydanticUndefined, None
+        cls.model_rebuild(force=True)
+        return cls
+    return require
 
 
 def many(required: bool = True, min_length: int = 1, **extra) -> Any:
@@ -67,17 +68,14 @@ REQUIRED = {"model": ("vocab_size", "depth", "width", "heads", "seq_len", "varia
             "train": ("steps", "batch_size", "seed", "lr_scale", "data", "tokenizer", "eval_batches")}
 
 
-def _in_file(cls, section: str):
-    """A config section as a file holds it: the REQUIRED fields required, the others defaulted."""
-    return create_model(f"{cls.__name__}InFile", __base__=cls,  # type: ignore[call-overload]  # (fields as a dict)
-                        **{n: like(cls, n) for n in REQUIRED.get(section, ())})
+@required(*REQUIRED["model"])
+class ModelInFile(ModelConfig):
+    """config.json's model section: ModelConfig, the fields every file holds (REQUIRED) required."""
 
 
-if TYPE_CHECKING:  # (mypy cannot see create_model's fields: a section in a file has its config's fields)
-    ModelInFile = ModelConfig
-    TrainInFile = TrainConfig
-else:
-    ModelInFile, TrainInFile = _in_file(ModelConfig, "model"), _in_file(TrainConfig, "train")
+@required(*REQUIRED["train"])
+class TrainInFile(TrainConfig):
+    """config.json's train section: TrainConfig, the fields every file holds (REQUIRED) required."""
 
 
 class VerdictInFile(VerdictConfig):
@@ -87,7 +85,7 @@ class VerdictInFile(VerdictConfig):
     osc_cv_threshold: Optional[float] = Field(None, ge=0)
 
 
-class Corpus(FileModel, **FREE):
+class Corpus(FreeFileModel):
     train_tokens: int = Field(None, ge=0)
     val_tokens: int = Field(None, ge=0)
     unigram_entropy: Optional[float] = Field(None, ge=0)
@@ -127,6 +125,12 @@ class RunConfigFile(FileModel):
                 data="external", tokenizer=None, warmdown_frac=0.0, eval_every=0, checkpoint_every=0)
             data = {**data, "model": {"variant": None, **data["model"]}, "train": {**train, **data["train"]}}
         return data
+
+    @model_validator(mode="after")
+    def _reads_as_a_run_config(self):
+        """What the readers take from it (run_config) holds too: a config RunConfig refuses is refused here."""
+        self.run_config()
+        return self
 
     def run_config(self) -> RunConfig:
         """The typed config (a field an older file lacks as RunConfig.from_dict fills it in)."""
@@ -216,14 +220,8 @@ class DlogWindow(FileModel):
     alternation: float = figure()
 
 
-_VARIANT, _LOOPS = like_type(ModelConfig, "variant"), like_type(ModelConfig, "loops")
-_SEED, _LR_SCALE, _STEPS = (like_type(TrainConfig, n) for n in ("seed", "lr_scale", "steps"))
-
-
-class Summary(FileModel):
+class Summary(FileModel, frozen=True):
     """A run's summary.json: the verdict, its evidence and the run's key figures (in the order written)."""
-
-    model_config = ConfigDict(frozen=True)
 
     verdict: Verdict
     verdict_version: Optional[int] = Field(None, ge=1)  # since v3 (a summary without one was judged by v1/v2)
@@ -237,10 +235,10 @@ class Summary(FileModel):
     final_resid_norm: Optional[float] = figure(False)  # the final loop's loop-end norm at the last step
     resid_ratio: Optional[float] = figure(False)  # peak_resid_norm / sqrt(d)
     explosion_threshold: Optional[float] = figure(False)  # explosion_ratio * sqrt(d)
-    variant: _VARIANT  # type: ignore[valid-type]  # (a config field's type, built at import)
-    loops: _LOOPS  # type: ignore[valid-type]  # (a config field's type, built at import)
-    seed: _SEED  # type: ignore[valid-type]  # (a config field's type, built at import)
-    lr_scale: _LR_SCALE  # type: ignore[valid-type]  # (a config field's type, built at import)
+    variant: config_type(ModelConfig, "variant")  # type: ignore[valid-type]  # (a config field's type)
+    loops: config_type(ModelConfig, "loops")  # type: ignore[valid-type]  # (a config field's type)
+    seed: config_type(TrainConfig, "seed")  # type: ignore[valid-type]  # (a config field's type)
+    lr_scale: config_type(TrainConfig, "lr_scale")  # type: ignore[valid-type]  # (a config field's type)
     final_loss: Optional[float] = figure()  # the smoothed training loss at the last finite step
     best_loss: Optional[float] = figure()  # its minimum (the evidence's min_smoothed_loss)
     val_loss: Optional[float] = figure()  # the last held-out loss (NaN: never evaluated)
@@ -262,7 +260,7 @@ class Summary(FileModel):
     oscillation_windows: list[OscillationWindow] = many(False, 0)  # the v2 indices per osc_window steps
     osc_dlog_windows: list[DlogWindow] = many(False, 0)  # since v3: the windows rule 4b judged
     steps_done: int = Field(ge=0)
-    steps: _STEPS  # type: ignore[valid-type]  # (a config field's type, built at import)
+    steps: config_type(TrainConfig, "steps")  # type: ignore[valid-type]  # (a config field's type)
     wall_time: Optional[float] = Field(None, ge=0)  # seconds (None: not timed)
     stop_reason: Optional[str] = None  # why the run ended before its steps (None: it did not)
     prediction: Optional[Prediction] = None  # the alarm that ended it (--stop-on-collapse)
@@ -270,47 +268,49 @@ class Summary(FileModel):
 
 # --------------------------------------------------------------------------- sweep and map specs
 
-class BaseInSpec(FileModel, **FREE):
+class BaseInSpec(FreeFileModel):
     model: ModelInFile
     train: TrainInFile
     diagnostics: DiagnosticsConfig = None
 
 
-if TYPE_CHECKING:
-    class SweepSpecFile(FreeFileModel):  # (mypy cannot see create_model's fields: they are Any to it)
-        def __getattr__(self, name: str) -> Any: ...
-else:
-    SweepSpecFile = create_model("SweepSpecFile", __base__=FreeFileModel,
-                                 **{n: like(SweepAxes, n) for n in ("variants", "loops", "seeds", "lr_scale")},
-                                 base=(BaseInSpec, ...), cell_names=(Items[str], ...))
+@required(*SweepAxes.model_fields)
+class SweepSpecFile(SweepAxes, FreeFileModel):
+    """A sweep's sweep.json: its grid (SweepAxes'), the cells' names, the base config."""
+
+    base: BaseInSpec
+    cell_names: Items[str]
 
 
-def _grid_values(axis: str) -> Any:
-    """A map's grid: lr scales (bounded like --lr-scale) or depths (like --depth), distinct, ascending."""
-    o = form(ModelConfig.model_fields["depth"] if axis == "depth" else TrainConfig.model_fields["lr_scale"])
-    return Annotated[list[Annotated[o.kind, Field(**o.bounds)]],  # type: ignore[name-defined]  # (a field's type)
-                     Field(min_length=1, max_length=MAX_GRID), Distinct, Ascending]
+@required(*MapAxes.model_fields)
+class MapSpecFile(MapAxes, FreeFileModel):
+    """A map's sweep.json (`kind: map`): its lines, axis and criteria (MapAxes'), the base config and the grid,
+    whose values follow the axis (map_spec_model)."""
+
+    kind: Literal["map"]
+    grid: list[int | float]  # (of the values LrMapSpecFile or DepthMapSpecFile holds)
+    base: BaseInSpec
 
 
-class MapSpecFile(FreeFileModel):
-    """A map's sweep.json (`kind: map`): the fields of map_spec_model, whose grid's type follows its axis."""
-
-    if TYPE_CHECKING:  # (mypy cannot see create_model's fields: they are Any to it)
-        def __getattr__(self, name: str) -> Any: ...
+Grid = Annotated[list[G], Field(min_length=1, max_length=MAX_GRID), Distinct, Ascending]  # a map's grid of Gs
 
 
-@functools.cache
-def map_spec_model(axis: str = "lr"):
-    """A map's sweep.json; its grid holds lr scales or depths (`axis`)."""
-    return create_model(f"MapSpecFile_{axis}", __base__=MapSpecFile,  # type: ignore[call-overload]  # (as above)
-                        kind=(Literal["map"], ...), **{n: like(MapAxes, n) for n in ("variants", "loops", "seeds",
-                                                                                        "axis")},
-                        grid=(_grid_values(axis), ...), criteria=like(MapAxes, "criteria"), base=(BaseInSpec, ...))
+class LrMapSpecFile(MapSpecFile):
+    grid: Grid[config_type(TrainConfig, "lr_scale")]  # type: ignore[valid-type]  # (bounded like --lr-scale)
+
+
+class DepthMapSpecFile(MapSpecFile):
+    grid: Grid[config_type(ModelConfig, "depth")]  # type: ignore[valid-type]  # (bounded like --depth)
+
+
+def map_spec_model(axis: str | None = "lr") -> type[MapSpecFile]:
+    """A map's sweep.json; its grid holds depths on the depth axis, else lr scales."""
+    return DepthMapSpecFile if axis == "depth" else LrMapSpecFile
 
 
 # --------------------------------------------------------------------------- predictor and fit examples
 
-class LogisticModel(FileModel, **FREE):
+class LogisticModel(FreeFileModel):
     mean: list[float] = many(length_of="features")  # (as many as the predictor's features: PredictorFile checks)
     std: list[Annotated[float, Field(gt=0)]] = many(length_of="features")
     coef: list[float] = many(length_of="features")
@@ -320,7 +320,7 @@ class LogisticModel(FileModel, **FREE):
     train_accuracy: float = Field(None, ge=0, le=1)
 
 
-class PredictorFile(FileModel, **FREE):
+class PredictorFile(FreeFileModel):
     """fit-predictor's JSON: features, one logistic model per step (a mean, std and coefficient per
     feature), the threshold in (0, 1), the target."""
 
@@ -354,8 +354,9 @@ if TYPE_CHECKING:  # (mypy cannot see create_model's fields: a row's values are 
 else:
     ExampleRow = create_model(
         "ExampleRow", __base__=FileModel, run=(str, ...),
-        **{n: like(ModelConfig, n) for n in ("variant", "loops", "depth", "width")},
-        **{n: like(TrainConfig, n) for n in ("seed", "lr_scale")},
+        **{n: (config_type(ModelConfig, n), Field(validation_alias=ModelConfig.model_fields[n].validation_alias))
+           for n in ("variant", "loops", "depth", "width")},  # (a table written before names them n_layer, n_embd)
+        **{n: (config_type(TrainConfig, n), ...) for n in ("seed", "lr_scale")},
         steps_done=(int, Field(ge=0)), verdict=(Verdict, ...), climb=(Optional[float], figure()),
         rebound_threshold=(Optional[float], figure()), transient_rebound=(bool, ...),
         # (since verdict v3; a table written before has none of these four: relabelled as far as it can be)
@@ -372,18 +373,26 @@ META_LOOP_KEYS = ("K", "n_loops", "loops", "num_loops")  # "K": the reference's 
 META_VARIANT_KEYS = ("model_type", "variant", "loop_type")  # "model_type": the reference's GPTConfig
 
 
-def _meta_fields() -> dict:
-    """nanochat's sizes (bounded like the command line's), K and the variant under the reference's names."""
-    size = {n: like(ModelConfig, ours, required=False, optional=True, old_names=False) for n, ours in (
-        ("sequence_len", "seq_len"), ("vocab_size", "vocab_size"), ("n_layer", "depth"), ("n_head", "heads"),
-        ("n_embd", "width"), ("n_kv_head", "heads"))}
-    loops = {k: (Optional[int], Field(None, ge=1, le=MAX_LOOPS)) for k in META_LOOP_KEYS}
-    return size | loops | {k: (Optional[str], None) for k in META_VARIANT_KEYS}
+class MetaModelConfig(FreeFileModel):
+    """nanochat's sizes (bounded like the command line's), K and the variant under the reference's names (the
+    first of META_LOOP_KEYS and META_VARIANT_KEYS that a file holds is read)."""
+
+    sequence_len: Optional[config_type(ModelConfig, "seq_len")] = None  # type: ignore[valid-type]  # (as Summary)
+    vocab_size: Optional[config_type(ModelConfig, "vocab_size")] = None  # type: ignore[valid-type]
+    n_layer: Optional[config_type(ModelConfig, "depth")] = None  # type: ignore[valid-type]
+    n_head: Optional[config_type(ModelConfig, "heads")] = None  # type: ignore[valid-type]
+    n_embd: Optional[config_type(ModelConfig, "width")] = None  # type: ignore[valid-type]
+    n_kv_head: Optional[config_type(ModelConfig, "heads")] = None  # type: ignore[valid-type]
+    K: Optional[Loops] = None
+    n_loops: Optional[Loops] = None
+    loops: Optional[Loops] = None
+    num_loops: Optional[Loops] = None
+    model_type: Optional[str] = None
+    variant: Optional[str] = None
+    loop_type: Optional[str] = None
 
 
-if TYPE_CHECKING:  # (as ExampleRow: a meta file's values are Any to mypy)
-    ReferenceMeta = Any
-else:
-    MetaModelConfig = create_model("MetaModelConfig", __base__=FreeFileModel, **_meta_fields())
-    ReferenceMeta = create_model("ReferenceMeta", __base__=MetaModelConfig,
-                                 sizes=(Optional[MetaModelConfig], Field(None, alias="model_config")))
+class ReferenceMeta(MetaModelConfig):
+    """A reference checkpoint's meta_<step>.json: the sizes, K and variant at its top, or in its model_config."""
+
+    sizes: Optional[MetaModelConfig] = Field(None, alias="model_config")

@@ -24,27 +24,13 @@ from flt_diag.storage.safe_files import regular_file
 
 
 def load_run_config(path: Path) -> F.RunConfigFile:
-    return check_run_config(read_json(path), path)
-
-
-def check_run_config(cfg, path) -> F.RunConfigFile:
-    """A run config read from `path` (config.json, or an archive record's metadata), checked."""
-    model = checked(path, F.RunConfigFile, cfg)
-    try:
-        model.run_config()
-    except ValueError as e:
-        raise bad(path, str(e).splitlines()[0]) from None
-    return model
+    return checked(path, F.RunConfigFile, read_json(path))
 
 
 # --------------------------------------------------------------------------- summary
 
 def load_summary(path: Path) -> F.Summary:
-    return check_summary(read_json(path), path)
-
-
-def check_summary(summary, path) -> F.Summary:
-    return checked(path, F.Summary, summary)
+    return checked(path, F.Summary, read_json(path))
 
 
 # --------------------------------------------------------------------------- sweep and map specs
@@ -57,7 +43,7 @@ def load_spec(path: Path) -> F.SweepSpecFile | F.MapSpecFile:
     """sweep.json of a sweep, or of a map (`kind: map`): the grid, the cells, the shared base config."""
     raw = read_json(path)
     if isinstance(raw, dict) and ("kind" in raw or MAP_KEYS & set(raw) and "cell_names" not in raw):
-        return checked(path, F.map_spec_model("depth" if raw.get("axis") == "depth" else "lr"), raw)  # (raw JSON)
+        return checked(path, F.map_spec_model(raw.get("axis")), raw)  # (raw JSON)
     spec = checked(path, F.SweepSpecFile, raw)
     n = len(spec.variants) * len(spec.loops) * len(spec.seeds) * len(spec.lr_scale)
     if len(spec.cell_names) != n:
