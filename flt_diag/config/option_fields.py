@@ -57,15 +57,6 @@ def arg(help: str, many: bool = False) -> Any:
     return Field(description=help, min_length=1 if many else None, json_schema_extra=dict(positional=True))
 
 
-def like(info: FieldInfo, required: bool = True, old_names: bool = True) -> tuple[Any, FieldInfo]:
-    """(type, field) of a copy of a pydantic field for create_model, required or defaulting to None, reading
-    the names files wrote before (its validation alias) unless `old_names` is False (a file with names of its
-    own); never the CLI's alias."""
-    return info.rebuild_annotation(), Field(  # type: ignore[return-value]  # (a FieldInfo, typed as its default)
-        ... if required else None, description=info.description, json_schema_extra=info.json_schema_extra,
-        validation_alias=info.validation_alias if old_names else None)
-
-
 def fact(info: FieldInfo, key: str):
     return info.json_schema_extra.get(key) if isinstance(info.json_schema_extra, dict) else None
 
@@ -265,4 +256,4 @@ def by_flag(cls) -> Callable[[tuple], str]:
 
 
 __all__ = ["MAX_ITEMS", "Ascending", "ConfigError", "Distinct", "Form", "Items", "Options", "arg", "by_flag", "default",
-           "check", "dest", "dotted", "flag", "form", "like", "named", "one_line", "opt", "with_fact"]
+           "check", "dest", "dotted", "flag", "form", "named", "one_line", "opt", "with_fact"]
