@@ -12,6 +12,7 @@ from flt_diag.cli.options import (FOLDER_OPTIONS, ArchiveOptions, EvalLoopsOptio
                                   ImportReferenceOptions, MapOptions, Options, PlotOptions, PredictOptions,
                                   ReportOptions, RunAblationOptions, StudyOptions, SummaryOptions, TrainOptions,
                                   UserError)
+from flt_diag.storage.errors import first_line
 from flt_diag.config.option_fields import dest
 from flt_diag.config.variants import VARIANT_DESCRIPTIONS
 
@@ -194,7 +195,7 @@ def cmd_eval_loops(o: EvalLoopsOptions) -> int:
             print_eval_loops(d, eval_loops(d, o.loops, batches=o.batches, data=o.data, device=device,
                                            root=o.path))
         except (StorageError, ValueError, RuntimeError) as e:  # one bad cell does not stop the others
-            print(f"{d}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+            print(f"{d}: error: {first_line(e)}", file=sys.stderr)
             failed += 1
     return 1 if failed else 0
 

@@ -24,6 +24,7 @@ from urllib.parse import urlparse
 import numpy as np
 from huggingface_hub import hf_hub_download
 
+from flt_diag.storage.errors import first_line
 from flt_diag.storage.folders import atomic_path, atomic_write_text
 from flt_diag.storage.safe_files import open_regular, read_bounded, regular_file
 
@@ -66,7 +67,7 @@ class HFTokenizer:
             text = _tokenizer_json(name_or_path if local else _hub_file(name_or_path, "tokenizer.json"))
             self.tok = Tokenizer.from_str(text)
         except Exception as e:
-            raise DataError(f"cannot load tokenizer {name_or_path!r}: {str(e).splitlines()[0]}") from e
+            raise DataError(f"cannot load tokenizer {name_or_path!r}: {first_line(e)}") from e
         self.vocab_size = self.tok.get_vocab_size()
         self.bos_id = next((i for t in BOS_TOKENS if (i := self.tok.token_to_id(t)) is not None), None)
 
@@ -224,7 +225,7 @@ def iter_documents(spec: CorpusSpec, split: str) -> Iterator[str]:
     try:
         ds = datasets.load_dataset(spec.path, split="train" if spec.splits is None else spec.splits[split], **kwargs)
     except Exception as e:
-        raise DataError(f"cannot load {spec.path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+        raise DataError(f"cannot load {spec.path}: {first_line(e)}") from e
     for i, row in enumerate(ds):
         if spec.splits is None and not _in_split(str(i), split):
             continue

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from flt_diag.judge.verdict import MIN_DIFFERENCES, Recipe
+from flt_diag.storage.errors import first_line
 from flt_diag.storage.folders import CONFIG, write_json
 from flt_diag.instruments.loop_hooks import ProbeError
 from flt_diag.integrations.model import head_count_of, vocab_size_of
@@ -48,7 +49,7 @@ def probe_run_config(self, steps: int) -> RunConfig:
                             depth=len(self.blocks), width=width, heads=head_count_of(self.blocks, width),
                             seq_len=max(2, seq), variant=self.variant, loops=max(1, loops))
     except ValueError as e:
-        raise ProbeError(f"the model's shape cannot be stored: {str(e).splitlines()[0]}") from None
+        raise ProbeError(f"the model's shape cannot be stored: {first_line(e)}") from None
     device = next(iter(self.params)).device if self.params else torch.device("cpu")
     train = TrainConfig(steps=max(1, steps), batch_size=batch, seed=self.seed or 0, data="external", tokenizer=None,
                         device=device.type, eval_every=0, checkpoint_every=0, warmdown_frac=self.warmdown or 0.0,

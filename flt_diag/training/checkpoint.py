@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from flt_diag.instruments.callbacks import Callback
+from flt_diag.storage.errors import first_line
 from flt_diag.storage.file_models import Summary
 from flt_diag.storage.files import check_resume_state
 from flt_diag.storage.folders import CHECKPOINT, RESUME, StorageError, atomic_path
@@ -28,8 +29,7 @@ def load(path, map_location="cpu"):
         try:
             return torch.load(f, map_location=map_location, weights_only=True)
         except Exception as e:  # unpickling errors, zip errors, refused globals, ...
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise StorageError(f"unreadable {path}: {first}") from None
+            raise StorageError(f"unreadable {path}: {first_line(e)}") from None
 
 
 def save(path, obj) -> None:
@@ -43,7 +43,7 @@ def save(path, obj) -> None:
             free = os.statvfs(tmp.parent)
             if free.f_bavail * free.f_frsize < tmp.stat().st_size + (1 << 20):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from None
-            raise OSError(errno.EIO, f"torch could not write it ({str(e).splitlines()[0][:100]})", str(path)) from None
+            raise OSError(errno.EIO, f"torch could not write it ({first_line(e, 100)})", str(path)) from None
 
 
 def save_weights(path, model, model_config: dict, steps_done: int) -> None:
@@ -103,7 +103,7 @@ def restore(trainer) -> bool:
         trainer.start_step, trainer.wall_time = state.step, state.wall_time
         return True
     except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as e:
-        raise StorageError(f"{path} does not fit this run ({str(e).splitlines()[0][:200]}); "
+        raise StorageError(f"{path} does not fit this run ({first_line(e, 200)}); "
                            "delete it to restart the run from step 0") from None
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from flt_diag.storage import metric_names as M
+from flt_diag.storage.errors import first_line
 from flt_diag.storage.folders import CHECKPOINT, EVAL_LOOPS, StorageError, atomic_path, load_config, refuse_links
 from flt_diag.data.sources import load_split
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig
@@ -133,10 +134,10 @@ def _final_model(run_dir: Path, device: str):
     try:
         model = LoopedTransformer(ModelConfig(**ckpt.model_config_.model_dump())).to(device)
     except (TypeError, ValueError, RuntimeError, MemoryError) as e:
-        raise StorageError(f"{ckpt_path}: cannot build its model: {str(e).splitlines()[0]}") from None
+        raise StorageError(f"{ckpt_path}: cannot build its model: {first_line(e)}") from None
     check_checkpoint(raw, ckpt_path, {k: tuple(v.shape) for k, v in model.state_dict().items()})  # every weight
     try:
         model.load_state_dict(ckpt.model)  # type: ignore[arg-type]  # (the checked state dict: Checkpoint)
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise StorageError(f"{ckpt_path} is not a checkpoint of this model: {str(e).splitlines()[0]}") from None
+        raise StorageError(f"{ckpt_path} is not a checkpoint of this model: {first_line(e)}") from None
     return model

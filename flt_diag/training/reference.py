@@ -27,6 +27,7 @@ from typing import cast
 import torch
 
 from flt_diag.model.transformer import VARIANTS, LoopedTransformer, ModelConfig
+from flt_diag.storage.errors import first_line
 from flt_diag.training.checkpoint import load, save_weights
 from flt_diag.config.run_config import RunConfig, TrainConfig, padded_vocab
 from flt_diag.storage.files import META_LOOP_KEYS as LOOP_KEYS, META_VARIANT_KEYS as VARIANT_KEYS, check_reference_meta
@@ -264,7 +265,7 @@ def import_reference(checkpoint, variant: str | None = None, loops: int | None =
                           loops=int(loops), rotary_dtype="bfloat16")
         model = LoopedTransformer(cfg)
     except (ValueError, TypeError, RuntimeError, MemoryError) as e:  # (sizes are bounded; memory may still lack)
-        raise ReferenceImportError(f"reference checkpoint: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        raise ReferenceImportError(f"reference checkpoint: {first_line(e)}") from None
     model.load_state_dict(state)
     return model
 

@@ -20,6 +20,7 @@ from typing import Callable, cast
 import torch
 
 from flt_diag.storage import metric_names as M
+from flt_diag.storage.errors import first_line
 from flt_diag.storage.file_models import Summary
 from flt_diag.judge.verdict import Recipe, summarize, tokens_per_step, with_not_recorded
 from flt_diag.instruments.callbacks import Callback
@@ -110,7 +111,7 @@ class Trainer:
             model = factory(self.cfg.model).to(self.device)
         except (RuntimeError, MemoryError) as e:  # e.g. a width no memory can hold
             raise ValueError(f"cannot allocate the model ({count_parameters(self.cfg.model):,} parameters) on "
-                             f"{self.device}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+                             f"{self.device}: {first_line(e)}") from None
         t = self.cfg.train
         if t.precision == "reference":
             reference_precision(model)
