@@ -55,3 +55,16 @@ def test_the_figure_reads_a_maps_archive_as_the_map_itself(tmp_path):
     assert len(want) == 6 and got.reset_index(drop=True).equals(want.reset_index(drop=True))
     assert main(["plot", "breaking", str(tmp_path / "archive" / "m"), "--out", str(tmp_path / "fig")]) == 0
     assert (tmp_path / "fig" / "breaking.png").stat().st_size > 10_000
+
+
+def test_each_panel_says_what_breaking_means_on_its_criterion():
+    """The y label names the panel's criterion: where the residual stream explodes is not where training breaks."""
+    import pandas as pd
+    rows = [dict(criterion=c, loops=12, variant=v, seed=0, value=x, beyond=None, median=x, rank=r, paper=True)
+            for c in ("explosion", "training") for r, (v, x) in enumerate([("flt", 32.0), ("lt", 2.0)])]
+    df = pd.DataFrame(rows)
+    df.attrs.update(axis="lr", grid=[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0])
+    fig = draw(df)
+    explosion, training = (ax.get_ylabel() for ax in fig.axes[:2])
+    assert "explodes" in explosion and "training" not in explosion
+    assert "training breaks" in training

@@ -43,7 +43,11 @@ def breaking_data(src) -> pd.DataFrame:
     return out
 
 
-def _panel(ax, sub: pd.DataFrame, axis: str, grid: list[float]) -> None:
+# What breaking means on each criterion's panel (its y label); a criterion not named here: "<criterion> breaks".
+BREAKS = {"training": "training breaks", "explosion": "the residual stream explodes"}
+
+
+def _panel(ax, sub: pd.DataFrame, axis: str, grid: list[float], criterion: str) -> None:
     order = list(dict.fromkeys(sub.sort_values(["rank", "variant"]).variant))
     for i, v in enumerate(order):
         g = sub[sub.variant == v]
@@ -61,7 +65,7 @@ def _panel(ax, sub: pd.DataFrame, axis: str, grid: list[float]) -> None:
         ax.axhline(edge, color="0.6", lw=0.6, ls=":")
     ax.set_ylim(grid[0] / 1.4, grid[-1] * 1.4)
     ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
-    ax.set_ylabel(f"{AXES[axis]} where training breaks")
+    ax.set_ylabel(f"{AXES[axis]} where {BREAKS.get(criterion, criterion + ' breaks')}")
 
 
 def draw(df: pd.DataFrame):
@@ -69,7 +73,7 @@ def draw(df: pd.DataFrame):
     panels = list(dict.fromkeys(zip(df.criterion, df.loops)))
     fig, axes = new_figure(1, len(panels), panel=(max(4.0, 0.55 * df.variant.nunique() + 1.5), 3.8))
     for ax, (criterion, loops) in zip(axes[0], panels):
-        _panel(ax, df[(df.criterion == criterion) & (df.loops == loops)], axis, grid)
+        _panel(ax, df[(df.criterion == criterion) & (df.loops == loops)], axis, grid, criterion)
         ax.set_title(f"{CRITERION_TITLES.get(criterion, criterion)}, K={loops}")
     fig.text(0.5, -0.02, "dot: one seed; bar: median over seeds; arrow: beyond the grid (held at its top, broke at "
              "its bottom); dotted: the grid's ends; bold: the paper's five", ha="center", fontsize=8)
