@@ -241,3 +241,17 @@ def test_gradient_agreement_is_a_cosine_at_any_gradient_scale(scale):
     total = stored.sum(0)
     want = [row @ total / (np.linalg.norm(row) * np.linalg.norm(total)) if np.linalg.norm(row) else 0.0 for row in stored]
     assert cos == pytest.approx(want, abs=1e-5)
+
+
+def test_loss_of_loops_averages_the_loops_the_training_loss_is_on():
+    """The instruments' recomputed loss takes the loops the model's loss takes: the last one (end), every one (all)
+    or the last ceil(K/3) (last-third; K = 5 tells 2 from floor 1 and half 3), each a cross-entropy by hand."""
+    import torch.nn.functional as F
+    from flt_diag.instruments.loop_dynamics import loss_of_loops
+    g = torch.Generator().manual_seed(3)
+    logits = [torch.randn(2, 4, 7, generator=g) for _ in range(5)]
+    y = torch.randint(0, 7, (2, 4), generator=g)
+    ce = [F.cross_entropy(lg.reshape(8, 7), y.reshape(8)) for lg in logits]
+    torch.testing.assert_close(loss_of_loops(logits, y, "end"), ce[-1])
+    torch.testing.assert_close(loss_of_loops(logits, y, "all"), sum(ce) / 5)
+    torch.testing.assert_close(loss_of_loops(logits, y, "last-third"), (ce[3] + ce[4]) / 2)

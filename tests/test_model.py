@@ -148,6 +148,11 @@ def test_loss_modes_against_per_loop_forwards():
     torch.testing.assert_close(model(idx, y)[1], ce[-1])
     torch.testing.assert_close(model(idx, y, loss_on="all")[1], torch.stack(ce).mean())
     torch.testing.assert_close(model(idx, y, loss_on="last-third")[1], torch.stack(ce[-2:]).mean())  # ceil(4/3)=2
+    model5 = make("flt", 5)  # K = 5 tells ceil(K/3) = 2 from floor (1) and from half (3)
+    ce5 = [F.cross_entropy(model5(idx, loops=k).flatten(0, 1), y.flatten()) for k in range(1, 6)]
+    torch.testing.assert_close(model5(idx, y, loss_on="last-third")[1], torch.stack(ce5[-2:]).mean())
+    with pytest.raises(ValueError, match="loss_on"):
+        model(idx, y, loss_on="first")
 
 
 def test_initialisation_follows_design():

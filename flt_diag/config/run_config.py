@@ -33,6 +33,15 @@ QWEN3_VOCAB = 151_680  # its 151,669 tokens padded to a multiple of 64, as the r
 VOCAB_MULTIPLE = 64
 
 
+def loss_loops(loss_on: str, loops: int) -> int:
+    """How many of the final loops the training loss averages (`--loss-on`): 1 (end), all K (all) or ceil(K / 3)
+    (last-third). The model's forward and the instruments that recompute its loss both read it here."""
+    counts = {"end": 1, "all": loops, "last-third": math.ceil(loops / 3)}
+    if loss_on not in counts:
+        raise ValueError(f"loss_on must be end, all or last-third, got {loss_on!r}")
+    return counts[loss_on]
+
+
 def padded_vocab(n: int) -> int:
     """The model's vocabulary for a tokenizer of n tokens: n rounded up to a multiple of 64."""
     return -(-n // VOCAB_MULTIPLE) * VOCAB_MULTIPLE

@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from flt_diag.config.run_config import loss_loops
 from flt_diag.instruments.looped import LoopedModel, LoopStep
 from flt_diag.storage import metric_names as M
 
@@ -308,12 +309,7 @@ class _LoopCall(nn.Module):
 
 def loss_of_loops(logits: Sequence[Tensor], targets: Tensor, loss_on: str = "end") -> Tensor:
     """The training loss from every loop's logits, as LoopedTransformer.forward takes it."""
-    if loss_on == "end":
-        logits = logits[-1:]
-    elif loss_on == "last-third":
-        logits = logits[-math.ceil(len(logits) / 3):]
-    elif loss_on != "all":
-        raise ValueError(f"loss_on must be end, all or last-third, got {loss_on!r}")
+    logits = logits[-loss_loops(loss_on, len(logits)):]
     return torch.stack([F.cross_entropy(lg.flatten(0, 1), targets.flatten()) for lg in logits]).mean()
 
 

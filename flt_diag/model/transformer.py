@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from flt_diag.config.run_config import ModelConfig  # noqa: F401 (re-exported)
+from flt_diag.config.run_config import ModelConfig, loss_loops  # noqa: F401 (ModelConfig re-exported)
 from flt_diag.config.variants import VARIANTS  # noqa: F401 (re-exported)
 from flt_diag.model.stabilisers import deeploop, huginn, residual_scale
 from flt_diag.model.stabilisers.huginn import Adapter
@@ -300,12 +300,8 @@ class LoopedTransformer(nn.Module):
         last ceil(K/3) loops)."""
         if targets is None:
             return self.forward_loops(idx, loops)[-1]
-        K = self.cfg.loops if loops is None else loops
-        logits = self.forward_loops(idx, loops, keep="end" if loss_on == "end" else "all")
-        if loss_on == "last-third":
-            logits = logits[-math.ceil(K / 3):]
-        elif loss_on not in ("end", "all"):
-            raise ValueError(f"loss_on must be end, all or last-third, got {loss_on!r}")
+        n = loss_loops(loss_on, self.cfg.loops if loops is None else loops)
+        logits = self.forward_loops(idx, loops, keep="end" if loss_on == "end" else "all")[-n:]
         losses = [F.cross_entropy(lg.flatten(0, 1), targets.flatten()) for lg in logits]
         return logits[-1], torch.stack(losses).mean()
 
