@@ -209,10 +209,8 @@ def never_stopped(tmp_path_factory):
     return load_summary(out)
 
 
-@pytest.mark.parametrize("field", sorted(CHANGES))
-def test_a_field_changeable_on_reuse_is_changeable_on_resume(tmp_path, monkeypatch, capsys, never_stopped, field):
-    """Ctrl-C after step 3 (resume.pt holds step 2); the same command with the field changed resumes the
-    run, which ends where the run that never stopped ends."""
+def _stop_after_step_3(monkeypatch, run) -> None:
+    """`flt-diag train` of BASE into `run`, Ctrl-C at the end of step 3 (index 2): exit 130, resume.pt at step 2."""
     from flt_diag.training.run_callbacks import Progress
     original = Progress.on_step_end
 
@@ -222,7 +220,14 @@ def test_a_field_changeable_on_reuse_is_changeable_on_resume(tmp_path, monkeypat
         original(self, trainer, step)
     with monkeypatch.context() as m:
         m.setattr(Progress, "on_step_end", interrupt)
-        assert main(_train(BASE, tmp_path / "run")) == 130
+        assert main(_train(BASE, run)) == 130
+
+
+@pytest.mark.parametrize("field", sorted(CHANGES))
+def test_a_field_changeable_on_reuse_is_changeable_on_resume(tmp_path, monkeypatch, capsys, never_stopped, field):
+    """Ctrl-C after step 3 (resume.pt holds step 2); the same command with the field changed resumes the
+    run, which ends where the run that never stopped ends."""
+    _stop_after_step_3(monkeypatch, tmp_path / "run")
     assert (tmp_path / "run" / "resume.pt").exists()
     _fake_mirrors(monkeypatch)
     changed = {**BASE, **{k: v for k, v in CHANGES[field].items() if v is not None}}
@@ -244,16 +249,8 @@ def test_a_run_folder_written_with_the_old_names_resumes_and_new_files_hold_the_
     """A run stopped after step 3 writes config.json with the names users type; rewritten with the old names (as
     an earlier flt-diag wrote it), the same command resumes it (not refused as another config) and ends where the
     run that never stopped ends."""
-    from flt_diag.training.run_callbacks import Progress
-    original, run = Progress.on_step_end, tmp_path / "run"
-
-    def interrupt(self, trainer, step):
-        if step == 2:
-            raise KeyboardInterrupt
-        original(self, trainer, step)
-    with monkeypatch.context() as m:
-        m.setattr(Progress, "on_step_end", interrupt)
-        assert main(_train(BASE, run)) == 130
+    run = tmp_path / "run"
+    _stop_after_step_3(monkeypatch, run)
     written = json.loads((run / "config.json").read_text())
     for section, names in OLD_NAMES.items():
         assert set(names) <= set(written[section]) and not set(names.values()) & set(written[section])
