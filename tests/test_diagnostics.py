@@ -168,12 +168,26 @@ def test_cosine_and_sign_flips_on_hand_made_gradients():
     assert flip.item() == pytest.approx(2 / 4)  # coordinates 2 and 4; a zero is not a flip
 
 
+@pytest.mark.parametrize("scale", [1e-12, 1e-3, 1e12])
+def test_cosine_of_tiny_and_huge_gradients_stays_a_cosine(scale):
+    """Squared norms of ~1e-20 multiply to ~1e-40 (a float32 underflow) and of ~1e24 to an overflow: the cosine
+    is still the float64 one (before, a tiny gradient compared with itself gave ~1e6)."""
+    gen = torch.Generator().manual_seed(1)
+    g = torch.randn(64, generator=gen) * scale
+    prev = (0.6 * g + 0.8 * torch.randn(64, generator=gen) * scale)
+    for other, expected in ((g, 1.0), (prev, (g.double() @ prev.double() / (g.double().norm() * prev.double().norm())).item())):
+        cos, _ = consecutive_stats(pair_sums(g, other, None, torch.empty(64)))
+        assert cos.item() == pytest.approx(expected, abs=1e-5)
+    cos, _ = consecutive_stats(pair_sums(g, torch.zeros(64), None, torch.empty(64)))
+    assert cos.item() == 0.0  # a zero gradient: no direction to compare
+
+
 def test_callback_global_and_group_cosines():
     """Two steps of hand-set gradients through the callback; global figures over all groups.
 
     The callback works in fp32. The gradients are small integers, so every product and every sum
     it forms (< 2^24) is exact in fp32 in any summation order; what remains are a handful of
-    correctly rounded operations (product of the squared norms, sqrt, division: <= 3.5 U32), so
+    correctly rounded operations (two square roots, their product, the division: <= 2 U32), so
     it must match the float64 figures to 4 U32 on any machine."""
     model = make("lt", 1)
     params = list(model.parameters())

@@ -31,6 +31,10 @@ def pair_sums(g: torch.Tensor, prev: torch.Tensor, sizes: list[int] | None, work
 def consecutive_stats(sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Cosine between consecutive gradients, and the share of coordinates whose sign flipped
     (g_i * prev_i < 0: a coordinate that is zero in either step does not count as flipped),
-    from `pair_sums` (per group, or summed over groups for the global figures)."""
+    from `pair_sums` (per group, or summed over groups for the global figures). The norms are multiplied after
+    their square roots: the product of two squared norms of ~1e-20 underflows float32 (and of ~1e20 overflows),
+    which gave cosines far outside [-1, 1]; a gradient that is zero in either step gives 0."""
     dot, sq_g, sq_prev, flips, n = sums.unbind()
-    return dot / (sq_g * sq_prev).sqrt().clamp_min(1e-30), flips / n
+    norms = sq_g.sqrt() * sq_prev.sqrt()
+    cos = torch.where(norms > 0, dot / norms.clamp_min(torch.finfo(norms.dtype).tiny), 0.0)
+    return cos.clamp(-1.0, 1.0), flips / n
