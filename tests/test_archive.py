@@ -195,3 +195,20 @@ def test_the_analysis_scripts_read_an_archive_as_the_sweep(archived):
     b = failure_rates.failure_rates(pooled_summary([arch]))
     pd.testing.assert_frame_equal(a, b)
     assert set(a.failed) == {"0/1", "1/1"}
+
+
+def test_run_state_of_folders_made_by_hand_and_of_records(archived, tmp_path):
+    """One definition of where a run stands (storage.folders.run_state), read by the progress bar, the tables and
+    the map's brackets: each state made here by hand, as the Trainer and the sweep leave it."""
+    from flt_diag.storage.folders import run_state
+    base = tmp_path / "states"
+    (base / "done").mkdir(parents=True)
+    (base / "done" / "summary.json").write_text("{}")  # (its content is not read: written last, it marks the end)
+    (base / "failed").mkdir()
+    (base / "failed" / "error.txt").write_text("Traceback ...")
+    (base / "partial").mkdir()
+    (base / "partial" / "config.json").write_text("{}")
+    assert [run_state(base / n) for n in ("done", "failed", "partial", "pending")] == \
+        ["done", "failed", "partial", "pending"]
+    _, arch = archived
+    assert {run_state(r) for r in run_dirs(arch)} == {"done"}  # a record holds a finished run

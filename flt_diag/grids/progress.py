@@ -11,17 +11,12 @@ from typing import cast
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from flt_diag.storage.cells import RunId
-from flt_diag.storage.folders import CELLS, ERROR, SUMMARY, load_progress
+from flt_diag.storage.folders import CELLS, load_progress, run_state
 
 
 def cell_status(out: Path, cell: RunId) -> str:
-    """"done", "partial" (started, not finished), "failed" (raised an error) or "pending"."""
-    d = Path(out) / CELLS / cell.name
-    if (d / SUMMARY).exists():
-        return "done"
-    if (d / ERROR).exists():
-        return "failed"
-    return "partial" if d.exists() else "pending"
+    """"done", "partial" (started, not finished), "failed" (raised an error) or "pending": the cell's run_state."""
+    return run_state(Path(out) / CELLS / cell.name)
 
 
 class SweepMonitor:

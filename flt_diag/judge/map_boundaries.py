@@ -14,7 +14,7 @@ import pandas as pd
 from flt_diag.storage import archive
 from flt_diag.storage.cells import RunId
 from flt_diag.storage.file_models import MapSpecFile, Summary
-from flt_diag.storage.folders import CELLS, ERROR, StorageError, load_spec, load_summary
+from flt_diag.storage.folders import CELLS, ERROR, StorageError, load_spec, load_summary, run_state
 from flt_diag.storage.predictor_names import COLLAPSE
 from flt_diag.config.variants import VARIANTS
 
@@ -90,7 +90,7 @@ def boundaries(out: Path) -> pd.DataFrame:
         for criterion in spec.criteria:
             known = probe_outcomes(spec, out, line, criterion)
             a, b, monotone = bracket(known, len(grid))
-            failed = any((Path(out) / CELLS / probe_cell(spec, line, v).name / ERROR).exists() for v in grid)
+            failed = any(run_state(probe_path(out, probe_cell(spec, line, v).name)) == "failed" for v in grid)
             if not monotone:
                 status = "non-monotone"
             elif b - a > 1:

@@ -23,8 +23,9 @@ from flt_diag.storage.cells import IDENTITY, RunId
 from flt_diag.storage.file_models import MapSpecFile, RunConfigFile, Summary, SweepSpecFile
 from flt_diag.judge.peers import compare_cells, compare_runs, failed_text, flags_text, gap_text, ratio_text
 from flt_diag.judge.verdict import OSC_INDICES, dense_oscillation, smoothed
-from flt_diag.storage.folders import (COLUMNS, ERROR, METRICS, StorageError, is_run, is_sweep, load_config,
-                                     load_eval_loops, load_metrics, load_spec, load_summary, run_dirs, series)
+from flt_diag.storage.folders import (COLUMNS, METRICS, StorageError, is_run, is_sweep, load_config,
+                                     load_eval_loops, load_metrics, load_spec, load_summary, run_dirs, run_state,
+                                     series)
 from flt_diag.storage.pooling import check_poolable
 from flt_diag.judge.summary_table import SUMMARY_COLUMNS, summary_frame, summary_row, sweep_summary
 from flt_diag.config.variants import VARIANTS
@@ -73,7 +74,7 @@ class Run:
         """The verdict once finished, else "failed" (the sweep left an error.txt) or "running"."""
         if self.summary is not None:
             return self.summary.verdict
-        return "failed" if (self.path / ERROR).exists() else "running"
+        return "failed" if run_state(self.path) == "failed" else "running"
 
     def sort_key(self) -> tuple:
         i = self.id

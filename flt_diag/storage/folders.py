@@ -161,6 +161,20 @@ def is_sweep(path: Path) -> bool:
     return (Path(path) / SWEEP_SPEC).exists()
 
 
+def run_state(run_dir: Path) -> str:
+    """Where a run stands, the one definition the progress bar, the tables and the map's brackets read: "done" (its
+    summary is written; an archive record that holds one), "failed" (the sweep or map that ran it left an error.txt:
+    the run raised), "partial" (started, not finished) or "pending" (nothing there yet)."""
+    d = Path(run_dir)
+    if archive.is_record(d):
+        return "done" if archive.read_meta(d).summary is not None else "partial"
+    if (d / SUMMARY).exists():
+        return "done"
+    if (d / ERROR).exists():
+        return "failed"
+    return "partial" if d.exists() else "pending"
+
+
 def load_config(run_dir: Path) -> files.F.RunConfigFile:
     if archive.is_record(run_dir):
         return archive.read_meta(run_dir).config
