@@ -32,7 +32,7 @@ from flt_diag.storage import metric_names as M
 from flt_diag.storage.cells import IDENTITY, RunId
 from flt_diag.storage.file_models import PredictorFile, Summary
 from flt_diag.storage.files import predictor_of
-from flt_diag.storage.folders import load_config, load_metrics, load_summary, run_dirs, series
+from flt_diag.storage.folders import load_config, load_metrics, load_summary, run_dirs, run_name, series
 from flt_diag.judge.verdict import coefficient_of_variation, mean_abs_dlog, quiet
 
 SMOOTH = 50
@@ -222,7 +222,7 @@ COLUMNS = [*RUN, "p_collapse", "predicted", "verdict", *SCORED, "evidence"]
 def run_row(run_dir: Path, summary: Summary) -> dict:
     """A finished run's columns (RUN) and its final verdict: the first fields of a row of the tables of
     predictions and warnings (here, and flt_diag.judge.spike_detectors)."""
-    return dict(cell=run_dir.name, **RunId.read(summary).row(), verdict=summary.verdict)
+    return dict(cell=run_name(run_dir), **RunId.read(summary).row(), verdict=summary.verdict)
 
 
 def _scored(run_dir: Path, summary: Summary, predictor: PredictorFile, predicted: bool) -> dict:

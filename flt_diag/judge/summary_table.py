@@ -9,10 +9,9 @@ from pathlib import Path
 import pandas as pd
 
 from flt_diag.judge.peers import compare_runs
-from flt_diag.storage import archive
 from flt_diag.storage.cells import RunId
 from flt_diag.storage.file_models import Summary
-from flt_diag.storage.folders import SWEEP_SUMMARY, atomic_path, load_config, load_summary, run_dirs
+from flt_diag.storage.folders import SWEEP_SUMMARY, atomic_path, load_config, load_summary, run_dirs, run_name
 
 # summary.json keys shown per run; SUMMARY_NUMBERS (final_loss .. grad_norm_std) are averaged per grid cell
 SUMMARY_COLUMNS = ["cell", "variant", "loops", "seed", "lr_scale", "verdict", "residual_explosion", "final_loss",
@@ -36,7 +35,7 @@ def summary_frame(rows: list[dict]) -> pd.DataFrame:
 
 def sweep_summary(out: Path) -> pd.DataFrame:
     """One row per finished cell (`summary_frame`), read from the run folders (a pure function of the folder)."""
-    return summary_frame([summary_row(d.stem if archive.is_record(d) else d.name, s, load_config(d).model)
+    return summary_frame([summary_row(run_name(d), s, load_config(d).model)
                           for d in run_dirs(Path(out)) if (s := load_summary(d)) is not None])
 
 

@@ -24,7 +24,8 @@ from flt_diag.storage.file_models import MapSpecFile, RunConfigFile, Summary, Sw
 from flt_diag.judge.peers import compare_cells, compare_runs, failed_text, flags_text, gap_text, ratio_text
 from flt_diag.judge.verdict import OSC_INDICES, dense_oscillation, smoothed
 from flt_diag.storage.folders import (COLUMNS, METRICS, StorageError, is_run, is_sweep, load_config,
-                                     load_eval_loops, load_metrics, load_spec, load_summary, run_dirs, run_state,
+                                     load_eval_loops, load_metrics, load_spec, load_summary, run_dirs, run_name,
+                                     run_state,
                                      series)
 from flt_diag.storage.pooling import check_poolable
 from flt_diag.judge.summary_table import SUMMARY_COLUMNS, summary_frame, summary_row, sweep_summary
@@ -67,7 +68,7 @@ class Run:
 
     @property
     def name(self) -> str:
-        return self.path.stem if archive.is_record(self.path) else self.path.name
+        return run_name(self.path)
 
     @property
     def status(self) -> str:

@@ -161,6 +161,11 @@ def is_sweep(path: Path) -> bool:
     return (Path(path) / SWEEP_SPEC).exists()
 
 
+def run_name(run_dir: Path) -> str:
+    """A run's name in tables: its folder's name, or an archive record's without ".parquet" (the cell it came from)."""
+    return Path(run_dir).stem if archive.is_record(run_dir) else Path(run_dir).name
+
+
 def run_state(run_dir: Path) -> str:
     """Where a run stands, the one definition the progress bar, the tables and the map's brackets read: "done" (its
     summary is written; an archive record that holds one), "failed" (the sweep or map that ran it left an error.txt:
