@@ -181,6 +181,39 @@ def test_sharpness_against_the_exact_hessian():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_sharpness_leaves_a_frozen_embedding_out():
+    """--freeze-embedding: the sharpness is the top eigenvalue of the Hessian over the trained parameters only (the
+    exact one, the embedding held fixed), not over all of them (before, the frozen embedding was in it)."""
+    model = tiny("flt", K=2, d=4, heads=1, layers=1).double()
+    model.embed.weight.requires_grad_(False)
+    idx, targets = batch(B=1, T=3)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    shapes = [p.shape for _, p in named]
+    flat = torch.cat([p.detach().flatten() for _, p in named])
+
+    def loss_of(vec):
+        parts = vec.split([math.prod(s) for s in shapes])
+        params = {"embed.weight": model.embed.weight, **{n: part.view(s) for (n, _), part, s in zip(named, parts, shapes)}}
+        return torch.func.functional_call(model, params, (idx, targets))[1]
+
+    with sdpa_kernel(SDPBackend.MATH):
+        H = torch.autograd.functional.hessian(loss_of, flat, vectorize=True)
+    eig = torch.linalg.eigvalsh((H + H.T) / 2)
+    # (a saddle: the shifted run's two top eigenvalues lie within 2 %, so 400 iterations, not 100)
+    got = sharpness(model, idx, targets, iters=400, generator=torch.Generator().manual_seed(0)).item()
+    assert got == pytest.approx(eig.max().item(), rel=2e-3)
+    everything = torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    def loss_of_all(vec):
+        parts = vec.split([p.numel() for p in model.parameters()])
+        params = {n: part.view(p.shape) for (n, p), part in zip(model.named_parameters(), parts)}
+        return torch.func.functional_call(model, params, (idx, targets))[1]
+
+    with sdpa_kernel(SDPBackend.MATH):
+        top_all = torch.linalg.eigvalsh(torch.autograd.functional.hessian(loss_of_all, everything, vectorize=True)).max()
+    assert abs(top_all.item() - got) > 1e-2 * abs(got)  # the embedding's curvature counts: the test tells them apart
+
+
 def test_looped_loss_with_the_weights_themselves_is_the_training_loss():
     model = tiny("lt-ai", K=4)
     idx, targets = batch(B=2)

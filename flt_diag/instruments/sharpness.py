@@ -48,18 +48,22 @@ def top_hessian_eigenvalue(loss_fn: Callable[[list[Tensor]], Tensor], params: Se
 
 def model_loss(model: torch.nn.Module, idx: Tensor, targets: Tensor, loss_on: str = "end"):
     """(loss_fn(params), params) for `top_hessian_eigenvalue`: the training loss, the second item of
-    model(idx, targets, loss_on=) (flt-diag's forward), as a function of all the model's parameters
-    (torch.func.functional_call, parameters in named_parameters order)."""
-    names = [n for n, _ in model.named_parameters()]
+    model(idx, targets, loss_on=) (flt-diag's forward), as a function of the parameters the training updates
+    (requires_grad, in named_parameters order; a frozen one, such as `--freeze-embedding`'s embedding, is held at its
+    value: the sharpness is the curvature the optimizer sees). torch.func.functional_call."""
+    named = list(model.named_parameters())
+    trained = [n for n, p in named if p.requires_grad]
+    held = {n: p.detach() for n, p in named if not p.requires_grad}
 
     def loss_fn(ps: list[Tensor]) -> Tensor:
-        return torch.func.functional_call(model, dict(zip(names, ps)), (idx, targets), {"loss_on": loss_on})[1]
-    return loss_fn, [p for _, p in model.named_parameters()]
+        params = {**held, **dict(zip(trained, ps))}
+        return torch.func.functional_call(model, params, (idx, targets), {"loss_on": loss_on})[1]
+    return loss_fn, [p for _, p in named if p.requires_grad]
 
 
 def sharpness(model: LoopedModel, idx: Tensor, targets: Tensor, iters: int, loss_on: str = "end",
               generator: torch.Generator | None = None) -> Tensor:
-    """Top Hessian eigenvalue of the training loss of a batch w.r.t. all parameters."""
+    """Top Hessian eigenvalue of the training loss of a batch w.r.t. the trained parameters (model_loss)."""
     loss_fn, params = model_loss(model, idx, targets, loss_on)  # type: ignore[arg-type]  # (a LoopedModel module)
     with transparent(model):
         return top_hessian_eigenvalue(loss_fn, params, iters, generator)
