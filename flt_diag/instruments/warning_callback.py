@@ -12,6 +12,7 @@ from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import load_metrics
 from flt_diag.judge.early_warning import (CHECK_EVERY, PACKAGED, WINDOW, RunSeries, evidence_text, features_at,
                                          loop_series, probability)
+from flt_diag.config.run_config import DiagnosticsConfig
 from flt_diag.storage.file_models import PredictorFile
 from flt_diag.storage.files import load_predictor, predictor_of
 from flt_diag.instruments.guard import Instrument
@@ -31,6 +32,16 @@ def predictor(path: str | None) -> PredictorFile:
 @functools.lru_cache(maxsize=8)
 def _load_predictor(path: str | None, version) -> PredictorFile:
     return load_predictor(path)
+
+
+def collapse_warning(cfg: DiagnosticsConfig, always: bool = False) -> "CollapseWarning | None":
+    """The run's early warning, as its diagnostics ask: `--warn` prints, `--stop-on-collapse` prints and stops, the
+    predictor `--predictor` (None: the packaged one). None where neither is asked, unless `always` (flt_diag.watch:
+    every probe's summary holds the prediction; silent without warn)."""
+    if not (always or cfg.warn or cfg.stop_on_collapse):
+        return None
+    loud = cfg.warn or cfg.stop_on_collapse
+    return CollapseWarning(predictor(cfg.predictor), stop=cfg.stop_on_collapse, say=None if loud else (lambda text: None))
 
 
 class CollapseWarning(Instrument):

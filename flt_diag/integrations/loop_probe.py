@@ -30,7 +30,7 @@ from flt_diag.storage.file_models import Summary
 from flt_diag.instruments.diagnostics import should_record
 from flt_diag.instruments.loop_hooks import NOT_LOOPED_AFTER, LoopHooks, ProbeError
 from flt_diag.integrations.model import auto_blocks, called_blocks, check_untied, default_head, parameter_groups_of, resolve_blocks
-from flt_diag.instruments.warning_callback import CollapseWarning, predictor
+from flt_diag.instruments.warning_callback import collapse_warning
 from flt_diag.config.run_config import DiagnosticsConfig
 
 if TYPE_CHECKING:
@@ -70,8 +70,7 @@ class LoopProbe(ProbeMoments):
         # the instruments, as flt-diag's Trainer runs them (flt_diag.integrations.probe); the loop dynamics as
         # flt-diag's runs take them (flt-diag's model), or from head=, targets=, loop_step=
         self.probe = Probe(self.dcfg, watched_model_dynamics(self.dcfg, model, head, o["loop_step"], o["targets"]),
-                           CollapseWarning(predictor(o["predictor_path"]), stop=stop,
-                                           say=None if warn else (lambda text: None)))  # (prints only with warn)
+                           collapse_warning(self.dcfg, always=True))
         self._build()
         self.callbacks: list[Callback] = list(o["callbacks"] or [])
         self.step_index, self.shape, self.loops_seen = 0, None, Counter()

@@ -37,14 +37,14 @@ from flt_diag.model.transformer import LoopedTransformer, ModelConfig, count_par
 from flt_diag.instruments.records import Row, StepLog, environment
 from flt_diag.training.process import start_process
 from flt_diag.instruments.dynamics_callback import own_model_dynamics
-from flt_diag.instruments.warning_callback import CollapseWarning
+from flt_diag.instruments.warning_callback import collapse_warning
 from flt_diag.integrations.probe import Probe
 from flt_diag.training.compile_precision import compile_blocks, compile_wanted, reference_precision
 from flt_diag.training.stabiliser_step import objective, step_loops
 from flt_diag.training.optim import build_optimizers, lr_multiplier, muon_momentum, set_lr, set_momentum
 from flt_diag.storage.folders import (CONFIG, METRICS, SUMMARY, StorageError, folder_lock, has_content, load_config, load_metrics,
                       load_summary, write_json)
-from flt_diag.training.settle import check_settled, comparable, differences, predictor
+from flt_diag.training.settle import check_settled, comparable, differences
 
 
 class RunConflict(StorageError):
@@ -91,8 +91,7 @@ class Trainer:
         # the instruments, through the probe that flt_diag.watch runs too; then the caller's callbacks and the side
         # concerns of every run (their order is the order of their work in a moment)
         d, instrumented = cfg.diagnostics, diagnostics if diagnostics is not None else cfg.diagnostics.diagnostics
-        self.probe = Probe(d, own_model_dynamics(d, self.model) if instrumented else None, CollapseWarning(
-            predictor(d.predictor), stop=d.stop_on_collapse) if d.warn or d.stop_on_collapse else None)
+        self.probe = Probe(d, own_model_dynamics(d, self.model) if instrumented else None, collapse_warning(d))
         if instrumented:
             self.probe.build(parameter_groups(self.model))
         self.callbacks: list[Callback] = [self.probe, *(callbacks or []), Evaluation(), MetricsTable(), ExternalSinks(),
