@@ -24,7 +24,7 @@ from scipy.stats import binomtest, fisher_exact  # noqa: E402
 from flt_diag.judge.verdict import smoothed  # noqa: E402
 from flt_diag.results.report import markdown  # noqa: E402
 from flt_diag.storage import metric_names as M  # noqa: E402
-from flt_diag.storage.folders import StorageError, atomic_write_text, load_config, load_metrics, load_summary, run_dirs, series  # noqa: E402
+from flt_diag.storage.folders import StorageError, atomic_write_text, load_config, load_metrics, load_summary, run_dirs, run_name, series  # noqa: E402
 from script_exit import Parser, guarded  # noqa: E402  (analysis/script_exit.py: the one error path)
 
 FAILURES = ("collapsed", "stalled", "diverged")  # the plan's primary label
@@ -82,7 +82,7 @@ def run_row(run) -> dict:
         return sel.set_index("loop").value.sort_index() if last is not None else pd.Series(dtype=float)
     growth = at_last(M.LOOP_PERTURBATION_GROWTH)
     return dict(
-        run=Path(run).stem if Path(run).suffix else Path(run).name, arm=arm_name(cfg.model.variant, K, k),
+        run=run_name(run), arm=arm_name(cfg.model.variant, K, k),
         variant=cfg.model.variant, seed=int(cfg.train.seed), verdict=summary.verdict,
         failed=summary.verdict in FAILURES, onset=onset, climb=climb,
         A_first=float(A.iloc[0]) if len(A) else math.nan, A_before=float(before.iloc[-1]) if len(before) else math.nan,

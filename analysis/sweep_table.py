@@ -21,7 +21,8 @@ import pandas as pd  # noqa: E402
 from flt_diag.judge.summary_table import sweep_summary  # noqa: E402
 from flt_diag.results.report import markdown  # noqa: E402
 from flt_diag.results.archiving import code_lines  # noqa: E402
-from flt_diag.storage.folders import StorageError, is_archive, is_sweep, run_dirs  # noqa: E402
+from flt_diag.storage.file_models import SweepSpecFile  # noqa: E402
+from flt_diag.storage.folders import StorageError, is_archive, is_sweep, load_spec  # noqa: E402
 from script_exit import Parser, guarded  # noqa: E402
 
 
@@ -40,12 +41,13 @@ def table(sweep: Path) -> str:
         "peak final-loop norm": [(f"{n:.3g}" if n < 1000 else f"{n:.0f}") + ("*" if e else "") for n, e in zip(df.peak_resid_norm,
                                                                                   df.residual_explosion)],
         "median abs dlog g": df.osc_dlog_median.map("{:.3f}".format)})
-    unfinished = len(run_dirs(sweep)) - len(df)
+    spec = load_spec(sweep)  # (a map's spec names no cells: its probes are a search)
+    unfinished = len(spec.cell_names) - len(df) if isinstance(spec, SweepSpecFile) else 0
     lines = [markdown(rows), "Marked *: a residual explosion (the verdict's explosion ratio); gap to best: val loss minus "
              "the lowest at the same K, seed and lr scale (nats).", ""]
     lines += [f"Code: {text}." for text in code_lines(sweep)] if is_archive(sweep) else []
     if unfinished:
-        lines.append(f"Runs not finished: {unfinished}.")
+        lines.append(f"Runs of the grid not finished{' (or not archived)' if is_archive(sweep) else ''}: {unfinished}.")
     return "\n".join(lines) + "\n"
 
 

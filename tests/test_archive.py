@@ -122,8 +122,8 @@ def test_plot_report_and_predict_read_an_archive(archived, tmp_path, capsys):
     assert "lt_K06" in out or "lt" in out
     sweep, _ = archived
     finished = sorted(d.name for d in run_dirs(sweep) if load_summary(d) is not None)
-    code, out, err = run_cli(["predict", arch, "--online", "--csv", tmp_path / "p.csv"], capsys)  # (--at: past the
-    assert code == 0, err  # fake runs' 80 steps; its rows are named by the same run_row)
+    code, out, err = run_cli(["predict", arch, "--online", "--csv", tmp_path / "p.csv"], capsys)  # (--online: the
+    assert code == 0, err  # fake runs' 80 steps are too few for --at; its rows are named by the same run_row)
     assert sorted(pd.read_csv(tmp_path / "p.csv").cell) == finished  # as in the sweep, not "<cell>.parquet"
 
 

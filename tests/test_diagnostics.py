@@ -180,6 +180,8 @@ def test_cosine_of_tiny_and_huge_gradients_stays_a_cosine(scale):
         assert cos.item() == pytest.approx(expected, abs=1e-5)
     cos, _ = consecutive_stats(pair_sums(g, torch.zeros(64), None, torch.empty(64)))
     assert cos.item() == 0.0  # a zero gradient: no direction to compare
+    cos, _ = consecutive_stats(pair_sums(torch.full((64,), math.nan), g, None, torch.empty(64)))
+    assert math.isnan(cos.item())  # a diverged step says so (not a cosine of 0)
 
 
 def test_callback_global_and_group_cosines():

@@ -33,8 +33,9 @@ def consecutive_stats(sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     (g_i * prev_i < 0: a coordinate that is zero in either step does not count as flipped),
     from `pair_sums` (per group, or summed over groups for the global figures). The norms are multiplied after
     their square roots: the product of two squared norms of ~1e-20 underflows float32 (and of ~1e20 overflows),
-    which gave cosines far outside [-1, 1]; a gradient that is zero in either step gives 0."""
+    which gave cosines far outside [-1, 1] (or 0); a gradient that is zero in either step gives 0, a non-finite one
+    NaN (as the division gives it)."""
     dot, sq_g, sq_prev, flips, n = sums.unbind()
     norms = sq_g.sqrt() * sq_prev.sqrt()
-    cos = torch.where(norms > 0, dot / norms.clamp_min(torch.finfo(norms.dtype).tiny), 0.0)
+    cos = torch.where(norms == 0, 0.0, dot / norms)
     return cos.clamp(-1.0, 1.0), flips / n

@@ -1,4 +1,4 @@
-"""The sharpness of the training loss: its top Hessian eigenvalue w.r.t. all parameters, by power iteration
+"""The sharpness of the training loss: its top Hessian eigenvalue w.r.t. the trained parameters, by power iteration
 with Hessian-vector products (double backward). Recorded every `--sharpness-every` steps (off by default:
 DESIGN.md §3) by flt_diag.instruments.dynamics_callback; inside loop_dynamics.transparent()."""
 from __future__ import annotations

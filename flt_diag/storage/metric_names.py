@@ -40,7 +40,7 @@ LOOP_PERTURBATION_GROWTH = "loop_perturbation_growth"  # ||d(t)|| / ||d(t-1)|| o
 TOKEN_COSINE = "token_cosine"  # mean cosine between two positions' h(t) of a sequence (i != j), loop t
 EFFECTIVE_RANK = "effective_rank"  # exp(entropy of the normalised singular values) of a sequence's (T, d) h(t), loop t
 LOOP_GRAD_COSINE = "loop_grad_cosine"  # cos(loop t's gradient of block `layer`'s weights, their total gradient)
-SHARPNESS = "sharpness"  # top Hessian eigenvalue of the training loss w.r.t. all parameters (every N steps)
+SHARPNESS = "sharpness"  # top Hessian eigenvalue of the training loss w.r.t. the trained parameters (every N steps)
 
 
 # Derived (summary.json and the sweep table, not rows of the metrics table): the reference's
