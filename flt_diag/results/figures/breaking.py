@@ -75,8 +75,9 @@ def draw(df: pd.DataFrame):
     for ax, (criterion, loops) in zip(axes[0], panels):
         _panel(ax, df[(df.criterion == criterion) & (df.loops == loops)], axis, grid, criterion)
         ax.set_title(f"{CRITERION_TITLES.get(criterion, criterion)}, K={loops}")
-    fig.text(0.5, -0.02, "dot: one seed; bar: median over seeds; arrow: beyond the grid (held at its top, broke at "
-             "its bottom); dotted: the grid's ends; bold: the paper's five", ha="center", fontsize=8)
+    fig.text(0.5, -0.02, "dot: one seed, at the geometric middle of its bracket (last value held, first broken]; "
+             "bar: median over seeds;\narrow: beyond the grid (held at its top, broke at its bottom); dotted: the "
+             "grid's ends; bold: the paper's five", ha="center", va="top", fontsize=8)
     return finish(fig, "Where each variant breaks (sorted: held longest first)")
 
 
