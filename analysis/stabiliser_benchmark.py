@@ -6,9 +6,10 @@ No torch.
 Reads the benchmark's archive (one record per probe of `experiments/stabiliser-map.toml`: 12 variants at K = 12,
 L = 2, seeds 1-6, lr scale 1 ... 256 by 2, 600 steps) and prints Markdown: the probes archived and the code that
 made them; per line (variant, seed) its breaking lr read as the plan says (the lowest grid value whose probe is not
-`stable`; "> 256" when it held at the top); per variant the median and range over its finished lines; and, once all
-72 lines are finished (or with --final at the plan's cut-off), the primary: every variant against LT (one-sided
-exact Mann-Whitney, H1: breaks at a higher lr) and against FLT (two-sided), Holm-corrected within each family of 11.
+`stable`; "> 256" when it held at the top); per variant the median (on the log2 scale) and range over its finished
+lines; and, once all 72 lines are finished (or with --final at the plan's cut-off), the primary: every variant
+against LT (one-sided exact Mann-Whitney, H1: breaks at a higher lr) and against FLT (two-sided), Holm-corrected
+within each family of 11.
 The secondary failure count at lr x 1 is over the lines whose bisection probed x 1; the secondary loop dynamics
 (descriptive) are, per variant, the medians over its finished lines of the records at the last loop-dynamics
 snapshot of the probe just below the breaking lr (the last stable) and of the probe at it (the first broken).
@@ -159,7 +160,15 @@ def dynamics_table(lines: pd.DataFrame, probes: pd.DataFrame) -> pd.DataFrame:
 
 
 def lr_text(v: float) -> str:
-    return f"> {GRID[-1]:g}" if v >= ABOVE else f"{v:g}"
+    """A breaking lr as the table writes it: "> 256" above the grid's top (a median with a line above the grid
+    among its middle two is above the top as well), else three significant digits."""
+    return f"> {GRID[-1]:g}" if v > GRID[-1] else f"{v:.3g}"
+
+
+def log_median(values) -> float:
+    """The median on the log2 scale the tests use (2 ** median of log2): with an even count of lines, the
+    geometric middle of the middle two (16 and 128 give 45.3, not 72; amendment of 2026-12-04 22:35 UTC)."""
+    return float(2 ** np.median(np.log2(np.asarray(values, dtype=float))))
 
 
 def variants_table(lines: pd.DataFrame, probes: pd.DataFrame) -> pd.DataFrame:
@@ -168,7 +177,7 @@ def variants_table(lines: pd.DataFrame, probes: pd.DataFrame) -> pd.DataFrame:
         g, p1 = lines[lines.variant == v], probes[(probes.variant == v) & (probes.lr == GRID[0])]
         done = g[g.finished].sort_values("seed")
         rows.append({"variant": v + (" (paper)" if v in PAPER else ""), "lines finished": f"{len(done)}/{len(SEEDS)}",
-                     "breaking lr (median)": lr_text(float(np.median(done.breaking))) if len(done) else "-",
+                     "breaking lr (median)": lr_text(log_median(done.breaking)) if len(done) else "-",
                      "range": f"{lr_text(done.breaking.min())}-{lr_text(done.breaking.max())}" if len(done) else "-",
                      "per seed": " ".join(f"{s}:{lr_text(b)}" + ("" if m else "*")
                                           for s, b, m in zip(done.seed, done.breaking, done.monotone)) or "-",
@@ -185,8 +194,9 @@ def report_from(probes: pd.DataFrame, final: bool = False) -> str:
     out = [f"Probes archived: {len(probes)}; lines finished: {n_done} of {n_all}.", "",
            "Code: " + "; ".join(f"{c} ({n} probes)" for c, n in probes.code.value_counts().items()), "",
            markdown(variants_table(lines, probes)), "",
-           "A breaking lr is the lowest lr scale whose probe was not `stable` (criterion `training`); \"> 256\": held at "
-           "the grid's top; * marks a line whose probes were not monotone (one held above the breaking lr).", ""]
+           "A breaking lr is the lowest lr scale whose probe was not `stable` (criterion `training`); \"> 256\": held "
+           "at the grid's top; the median is taken on the log2 scale (with an even count, the geometric middle of the "
+           "middle two lines); * marks a line whose probes were not monotone (one held above the breaking lr).", ""]
     dynamics = dynamics_table(lines, probes)
     if len(dynamics):
         out += ["Secondary, descriptive: the loop dynamics at the last snapshot of the last stable and the "

@@ -3,6 +3,7 @@ made-up probes whose answer is known by hand, Holm's adjustment against a hand c
 against a full enumeration of the splits, no test before the plan's 72 lines are finished, and bad input as one
 line."""
 import itertools
+import math
 import sys
 from pathlib import Path
 
@@ -76,6 +77,24 @@ def test_no_test_before_every_line_is_finished_then_the_plans_two_families():
     assert lt_family["p (Holm)"].to_numpy() == pytest.approx(by_hand)
     assert res[(res.variant == "flt") & (res.against == "lt")].decision.item() == "holds longer than LT"
     assert "flt" in text.split("holds longer than LT:")[1].split(";")[0]
+
+
+def test_the_tables_median_is_on_the_log2_scale_and_above_the_grid_stays_above():
+    """Parcae-like lines 16, 128, 128, 16 (an even count): the median is sqrt(16 * 128) = 45.3, the geometric
+    middle on the scale the tests use, not the arithmetic 72; a middle pair 256 and "held at the top" is "> 256"."""
+    marks = {"parcae": [16.0, 128.0, 128.0, 16.0, 8.0, 256.0], "flt": [256.0, 256.0, 256.0, None, None, None]}
+    rows = []
+    for v, breaks in marks.items():
+        for s, b in zip(B.SEEDS, breaks):
+            if b is None:  # held at every probe up to the top: above the grid
+                rows += probes(v, s, {B.GRID[-1]: True})
+            else:
+                i = B.GRID.index(b)
+                rows += probes(v, s, {B.GRID[i - 1]: True, b: False})
+    table = pd.DataFrame(rows)
+    got = B.variants_table(B.lines_table(table), table).set_index("variant")["breaking lr (median)"]
+    assert got["parcae"] == f"{math.sqrt(16 * 128):.3g}" == "45.3"  # sorted 8 16 16 128 128 256: middle 16, 128
+    assert got["flt (paper)"] == "> 256"
 
 
 def test_bad_input_is_one_line(tmp_path, capsys):

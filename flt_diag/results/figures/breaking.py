@@ -2,7 +2,8 @@
 spread; a panel per loops K and criterion. One dot per seed at its boundary (the geometric middle of the bracket
 (last value that held, first that broke]); a seed that held at the grid's top is drawn at the top edge as an up
 arrow, one that broke at its lowest value at the bottom edge as a down arrow; the bar is the median over seeds
-(a line with a seed beyond the grid takes the grid's edge there). Variants are sorted by that median, highest
+on the log scale the axis draws (2 ** median of log2: with an even count, the geometric middle of the middle two; a
+line with a seed beyond the grid takes the grid's edge there). Variants are sorted by that median, highest
 (held longest) first; the paper's five are named in bold. Data: `flt_diag.judge.map_boundaries.boundaries`
 (a pure function of the map folder).
 """
@@ -24,9 +25,9 @@ from flt_diag.results.tables import Study
 
 def breaking_data(src) -> pd.DataFrame:
     """One row per (criterion, loops, variant, seed): `value` (the boundary, or the grid's edge beyond it),
-    `beyond` ("above", "below" or None), `median` over the line's seeds, `rank` (0 = highest median at that
-    criterion and K) and `paper` (one of the paper's five). attrs: the axis and the grid. Open or failed
-    searches are left out."""
+    `beyond` ("above", "below" or None), `median` over the line's seeds (on the log scale), `rank` (0 = highest
+    median at that criterion and K) and `paper` (one of the paper's five). attrs: the axis and the grid. Open or
+    failed searches are left out."""
     path = src.path if isinstance(src, Study) else Path(src)
     spec = spec_from_folder(path)
     b = first_break(boundaries(path))
@@ -34,7 +35,7 @@ def breaking_data(src) -> pd.DataFrame:
     grid = list(spec.grid)
     b["beyond"] = b.status.map({"above grid": "above", "below grid": "below"})
     b["value"] = np.where(b.status == "above grid", grid[-1], np.where(b.status == "below grid", grid[0], b.boundary))
-    b["median"] = b.groupby(["criterion", "loops", "variant"]).value.transform("median")
+    b["median"] = b.groupby(["criterion", "loops", "variant"]).value.transform(lambda x: 2 ** np.median(np.log2(x)))
     b["rank"] = b.groupby(["criterion", "loops"])["median"].rank(method="dense", ascending=False).astype(int) - 1
     b["paper"] = b.variant.isin(PAPER_VARIANTS)
     out = b[["criterion", "loops", "variant", "seed", "value", "beyond", "median", "rank", "paper"]]
@@ -76,8 +77,8 @@ def draw(df: pd.DataFrame):
         _panel(ax, df[(df.criterion == criterion) & (df.loops == loops)], axis, grid, criterion)
         ax.set_title(f"{CRITERION_TITLES.get(criterion, criterion)}, K={loops}")
     fig.text(0.5, -0.02, "dot: one seed, at the geometric middle of its bracket (last value held, first broken]; "
-             "bar: median over seeds;\narrow: beyond the grid (held at its top, broke at its bottom); dotted: the "
-             "grid's ends; bold: the paper's five", ha="center", va="top", fontsize=8)
+             "bar: median over seeds (log scale);\narrow: beyond the grid (held at its top, broke at its bottom); "
+             "dotted: the grid's ends; bold: the paper's five", ha="center", va="top", fontsize=8)
     return finish(fig, "Where each variant breaks (sorted: held longest first)")
 
 
