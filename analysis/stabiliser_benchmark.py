@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from scipy.stats import PermutationMethod, mannwhitneyu  # noqa: E402
 
+from flt_diag.judge.map_boundaries import log_median  # noqa: E402  (amendment of 2026-12-04 22:35 UTC)
 from flt_diag.results.report import markdown  # noqa: E402
 from flt_diag.storage import archive  # noqa: E402
 from flt_diag.storage import metric_names as M  # noqa: E402
@@ -164,11 +165,6 @@ def lr_text(v: float) -> str:
     among its middle two is above the top as well), else three significant digits."""
     return f"> {GRID[-1]:g}" if v > GRID[-1] else f"{v:.3g}"
 
-
-def log_median(values) -> float:
-    """The median on the log2 scale the tests use (2 ** median of log2): with an even count of lines, the
-    geometric middle of the middle two (16 and 128 give 45.3, not 72; amendment of 2026-12-04 22:35 UTC)."""
-    return float(2 ** np.median(np.log2(np.asarray(values, dtype=float))))
 
 
 def variants_table(lines: pd.DataFrame, probes: pd.DataFrame) -> pd.DataFrame:

@@ -33,6 +33,11 @@ CRITERIA: dict[str, Callable[[Summary], bool]] = {  # (residual_explosion_any: s
 MAP_CSV = "map.csv"
 
 
+def log_median(values) -> float:
+    """The median of boundaries (positive grid values) on the log scale a map's axis is read on: 2 ** median of
+    log2; with an even count the geometric middle of the middle two (16 and 128 give 45.3, not 72)."""
+    return float(2 ** pd.Series(values, dtype=float).map(math.log2).median())
+
 def map_lines(spec) -> list[RunId]:
     """The lines of a map (`spec`: grids.stability_map.MapSpec, or a map's sweep.json read back): identities
     without an lr scale."""

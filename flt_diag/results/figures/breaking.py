@@ -16,7 +16,7 @@ import pandas as pd
 from matplotlib.ticker import FuncFormatter
 
 from flt_diag.config.variants import PAPER_VARIANTS
-from flt_diag.judge.map_boundaries import AXES, boundaries, spec_from_folder
+from flt_diag.judge.map_boundaries import AXES, boundaries, log_median, spec_from_folder
 from flt_diag.results.figures import Figure, register
 from flt_diag.results.figures.map import CRITERION_TITLES, first_break
 from flt_diag.results.figures.style import finish, new_figure, variant_color
@@ -35,7 +35,7 @@ def breaking_data(src) -> pd.DataFrame:
     grid = list(spec.grid)
     b["beyond"] = b.status.map({"above grid": "above", "below grid": "below"})
     b["value"] = np.where(b.status == "above grid", grid[-1], np.where(b.status == "below grid", grid[0], b.boundary))
-    b["median"] = b.groupby(["criterion", "loops", "variant"]).value.transform(lambda x: 2 ** np.median(np.log2(x)))
+    b["median"] = b.groupby(["criterion", "loops", "variant"]).value.transform(log_median)
     b["rank"] = b.groupby(["criterion", "loops"])["median"].rank(method="dense", ascending=False).astype(int) - 1
     b["paper"] = b.variant.isin(PAPER_VARIANTS)
     out = b[["criterion", "loops", "variant", "seed", "value", "beyond", "median", "rank", "paper"]]
