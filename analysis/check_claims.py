@@ -237,6 +237,37 @@ def set_d_claims(data: Path) -> list[str]:
     ]
 
 
+def depth_claims(data: Path) -> list[str]:
+    """The reading of the paper's claims at L = 6 (issue 56 part 2), from the archived summaries themselves."""
+    rows = [load_summary(d) for d in run_dirs(data / "runs" / "ablation-claims-depth")]
+    by = {v: [s for s in rows if s is not None and s.variant == v and int(s.loops) == 12] for v in ("lt", "fla", "flt")}
+    if not all(by.values()):
+        raise LookupError("docs/data/runs/ablation-claims-depth: LT, FLA or FLT runs missing")
+    lt, fla, flt = by["lt"], by["fla"], by["flt"]
+    failed = lambda runs: sum(s.verdict != "stable" for s in runs)  # noqa: E731
+    kinds = lambda runs: ", ".join(f"{sum(s.verdict == k for s in runs)} {k}" for k in  # noqa: E731
+                                   ("collapsed", "stalled", "unstable", "diverged") if any(s.verdict == k for s in runs))
+    stalled = [s for s in lt if s.verdict == "stalled"]
+    med_flt = float(np.median([s.peak_resid_norm_any for s in flt]))
+    return [
+        f"{failed(lt)} of {len(lt)} LT runs failed ({kinds(lt)}), {failed(flt)} of {len(flt)} FLT runs",
+        f"the {len(stalled)} stalled runs never learned (LT's val loss {rng([s.val_loss for s in lt])} against FLT's"
+        f" {rng([s.val_loss for s in flt])})",
+        f"({rng([s.evidence.climb for s in stalled])} nats, still above every FLT run's"
+        f" {rng([s.evidence.climb for s in flt])})" if min(s.evidence.climb for s in stalled)
+        > max(s.evidence.climb for s in flt) else "a stalled LT run climbs no more than an FLT run",
+        f"{failed(fla)} of {len(fla)} FLA runs failed ({kinds(fla)}), FLT {failed(flt)} of {len(flt)}",
+        f"FLA's peak residual norm at any loop is {rng([s.peak_resid_norm_any for s in fla], 0)},"
+        f" {rng([s.peak_resid_norm_any / med_flt for s in fla], 1)}× FLT's median and inside LT's range"
+        f" ({rng([s.peak_resid_norm_any for s in lt], 0)})"
+        if min(s.peak_resid_norm_any for s in lt) <= min(s.peak_resid_norm_any for s in fla)
+        and max(s.peak_resid_norm_any for s in fla) <= max(s.peak_resid_norm_any for s in lt)
+        else "FLA's any-loop peak outside LT's range",
+        f"is it below LT's ({rng([s.peak_resid_norm for s in fla], 0)} against {rng([s.peak_resid_norm for s in lt], 0)})"
+        if max(s.peak_resid_norm for s in fla) < min(s.peak_resid_norm for s in lt) else "FLA's final loop not below LT's",
+    ]
+
+
 def w4_claims(data: Path) -> list[str]:
     t = pd.read_csv(data / "loop-dynamics-w4.csv")
     gain, fp = "final max loop gain", "final fixed-point residual (last loop)"
@@ -313,7 +344,8 @@ def check(pages: dict[str, str], claims: dict[str, list[str]]) -> list[tuple[boo
 def all_claims(data: Path) -> dict[str, list[str]]:
     runs = factorial_runs(data)
     return {"results": primary_claims(runs, data) + agreement_claims(runs) + cosine_claims(runs)
-            + contraction_claims(runs) + set_d_claims(data) + w4_claims(data) + results_w3_claims(data),
+            + contraction_claims(runs) + set_d_claims(data) + w4_claims(data) + results_w3_claims(data)
+            + depth_claims(data),
             "early-warning": early_warning_claims(data)}
 
 

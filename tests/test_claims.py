@@ -132,3 +132,58 @@ def test_the_corrections_hold_in_the_archive():
     for text in ("The 8 truncated `unstable` runs are all recovered loss spikes", "climbed 0.27-0.56 nats",
                  "in FLT k=2 ρ is below 1 in 4 of 10 runs", "in 7 of 10 LT full, 3 of 10 LT k=2 and 7 of 10 FLT k=2 runs"):
         assert text in said, text
+
+
+# ----------------------------------------------------------------------------- the paper's claims at L = 6 (issue 56)
+DEPTH = ROOT / "docs" / "data" / "runs" / "ablation-claims-depth"
+
+
+def depth_records() -> dict[str, list[dict]]:
+    """Per variant: verdict, climb, val loss and the two peaks recomputed from the recorded norms (Parquet alone)."""
+    out: dict[str, list[dict]] = {}
+    for path in sorted(DEPTH.glob("*.parquet")):
+        f = pq.ParquetFile(path)
+        meta = json.loads(f.schema_arrow.metadata[b"flt_diag.archive"])
+        df, s, K = f.read().to_pandas(), meta["summary"], meta["config"]["model"]["loops"]
+        out.setdefault(s["variant"], []).append(dict(
+            verdict=s["verdict"], climb=s["evidence"]["climb"], val=s["val_loss"],
+            any=df[df.metric == "resid_norm"].value.max(),
+            final=df[(df.metric == "resid_norm_loop_end") & (df.loop == K)].value.max()))
+    return out
+
+
+def exact_greater_p(x: list[float], y: list[float]) -> float:
+    """One-sided exact Mann-Whitney p by enumerating every split of the pooled values (no ties here)."""
+    from itertools import combinations
+    pooled = x + y
+    u = lambda xs: sum(a > b for a in xs for b in pooled if b not in xs)  # noqa: E731
+    observed = u(x)
+    splits = [list(c) for c in combinations(pooled, len(x))]
+    return sum(u(c) >= observed for c in splits) / len(splits)
+
+
+def test_the_depth_reading_holds_in_the_archive():
+    runs = depth_records()
+    assert {v: len(r) for v, r in runs.items()} == {v: 6 for v in ("lt", "lt-ii", "lt-ai", "fla", "flt")}
+    verdicts = {v: sorted(r["verdict"] for r in rs) for v, rs in runs.items()}
+    assert verdicts["lt"] == ["collapsed"] * 2 + ["stalled"] * 4
+    assert verdicts["fla"] == ["collapsed"] * 5 + ["unstable"]
+    assert all(verdicts[v] == ["stable"] * 6 for v in ("lt-ii", "lt-ai", "flt"))
+    climbs = {v: [r["climb"] for r in rs] for v, rs in runs.items()}
+    p = {v: exact_greater_p(climbs[v], climbs["flt"]) for v in ("lt", "fla")}
+    assert p == pytest.approx({"lt": 1 / 924, "fla": 1 / 924})  # every LT and FLA climb above every FLT climb
+    said = " ".join(RESULTS.read_text(encoding="utf-8").split())
+    assert "| lt | 6 vs 6 | 0.071 (0.037) | 0.00108 (0.00433) |" in said  # Holm: 4 x 1/924, the smallest p
+    assert "| fla | 6 vs 6 | 0.760 (0.037) | 0.00108 (0.00433) |" in said
+    fla_any, lt_any = [r["any"] for r in runs["fla"]], [r["any"] for r in runs["lt"]]
+    assert min(lt_any) < min(fla_any) and max(fla_any) < max(lt_any)  # "inside LT's range"
+    assert max(r["final"] for r in runs["fla"]) < min(r["final"] for r in runs["lt"])  # below LT's at the final loop
+    rng = lambda xs: f"{min(xs):.0f}-{max(xs):.0f}"  # noqa: E731
+    assert (f"at any loop is {rng(fla_any)}," in said and f"inside LT's range ({rng(lt_any)})" in said
+            and f"({rng([r['final'] for r in runs['fla']])} against {rng([r['final'] for r in runs['lt']])})" in said)
+
+
+def test_a_planted_wrong_depth_number_fails(claims):
+    page = planted("6 of 6 FLA runs failed (5 collapsed, 1 unstable)", "6 of 6 FLA runs failed (6 collapsed)")
+    assert failures(CC.check(pages(page), claims)) == [
+        "results: 6 of 6 FLA runs failed (5 collapsed, 1 unstable), FLT 0 of 6"]
