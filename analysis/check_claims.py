@@ -238,52 +238,45 @@ def set_d_claims(data: Path) -> list[str]:
 
 
 def depth_claims(data: Path) -> list[str]:
-    """The reading of the paper's claims at L = 6 (issue 56 part 2), from the archived summaries themselves, and the
-    reading's copies of the generated block's tests (recomputed by analysis/ablation_claims.py's own functions)."""
-    import ablation_claims as AC  # noqa: PLC0415  (analysis/ablation_claims.py: the plan's tests)
-    rows = [load_summary(d) for d in run_dirs(data / "runs" / "ablation-claims-depth")]
-    names = ("lt", "lt-ii", "lt-ai", "fla", "flt")
-    by = {v: [s for s in rows if s is not None and s.variant == v and int(s.loops) == 12] for v in names}
-    if not all(by.values()):
+    """The reading of the paper's claims at L = 6 (issue 56 part 2), from the archived runs (read once, by
+    analysis/ablation_claims.py's runs_of), and the reading's copies of the generated block's tests."""
+    import ablation_claims as AC  # noqa: PLC0415  (analysis/ablation_claims.py: the plan's runs and tests)
+    runs = AC.runs_of(data / "runs" / "ablation-claims-depth")
+    runs = runs[runs.loops == 12]
+    by = {v: runs[runs.variant == v] for v in AC.AGAINST_FLT + ["flt"]}
+    if any(g.empty for g in by.values()):
         raise LookupError("docs/data/runs/ablation-claims-depth: a variant of the paper's five has no run")
-    lt, fla, flt = by["lt"], by["fla"], by["flt"]
-    failed = lambda runs: sum(s.verdict != "stable" for s in runs)  # noqa: E731
-    kinds = lambda runs: ", ".join(f"{sum(s.verdict == k for s in runs)} {k}" for k in  # noqa: E731
-                                   ("collapsed", "stalled", "unstable", "diverged") if any(s.verdict == k for s in runs))
-    stalled = [s.evidence.climb for s in lt if s.verdict == "stalled"]
-    flt_climbs = [s.evidence.climb for s in flt]
-    med_flt = float(np.median([s.peak_resid_norm_any for s in flt]))
-    any_ = {v: [s.peak_resid_norm_any for s in by[v]] for v in ("lt", "fla")}
-    final = {v: [s.peak_resid_norm for s in by[v]] for v in ("lt", "fla")}
-    tests = AC.climb_tests(AC.runs_of(data / "runs" / "ablation-claims-depth")).set_index("variant")
+    lt, fla, flt, inj = by["lt"], by["fla"], by["flt"], runs[runs.variant.isin(["lt-ii", "lt-ai"])]
+    n_failed = lambda g: int(g.failed.sum())  # noqa: E731
+    kinds = lambda g: ", ".join(f"{(g.verdict == k).sum()} {k}" for k in AC.FAILED if (g.verdict == k).any())  # noqa: E731
+    stalled = lt[lt.verdict == "stalled"].climb
+    tests = AC.climb_tests(runs).set_index("variant")
     hl = lambda v: f"[{tests.low[v]:+.3f}, {tests.high[v]:+.3f}]"  # noqa: E731
-    inj = [s for v in ("lt-ii", "lt-ai") for s in by[v]]
-    val = {v: AC.hodges_lehmann(np.array([s.val_loss for s in by[v]]), np.array([s.val_loss for s in flt]))
-           for v in ("lt-ii", "lt-ai")}
-    _, fisher = fisher_exact([[failed(fla), len(fla) - failed(fla)], [failed(flt), len(flt) - failed(flt)]],
+    val = {v: AC.hodges_lehmann(by[v].val_loss.to_numpy(float), flt.val_loss.to_numpy(float)) for v in ("lt-ii", "lt-ai")}
+    _, fisher = fisher_exact([[n_failed(fla), len(fla) - n_failed(fla)], [n_failed(flt), len(flt) - n_failed(flt)]],
                              alternative="greater")
     return [
-        f"(p_Holm {tests.p_holm['lt']:.2g}): {failed(lt)} of {len(lt)} LT runs failed ({kinds(lt)}),"
-        f" {failed(flt)} of {len(flt)} FLT runs",
-        f"the {len(stalled)} stalled runs never learned (LT's val loss {rng([s.val_loss for s in lt])} against FLT's"
-        f" {rng([s.val_loss for s in flt])})",
-        f"({rng(stalled)} nats, still above every FLT run's {rng(flt_climbs)})"
-        if stalled and min(stalled) > max(flt_climbs) else "no stalled LT run climbs more than every FLT run",
+        f"(p_Holm {tests.p_holm['lt']:.2g}): {n_failed(lt)} of {len(lt)} LT runs failed ({kinds(lt)}),"
+        f" {n_failed(flt)} of {len(flt)} FLT runs",
+        f"the {len(stalled)} stalled runs never learned (LT's val loss {rng(lt.val_loss)} against FLT's"
+        f" {rng(flt.val_loss)})",
+        f"({rng(stalled)} nats, still above every FLT run's {rng(flt.climb)})"
+        if len(stalled) and stalled.min() > flt.climb.max() else "no stalled LT run climbs more than every FLT run",
         f"the shift's interval {hl('lt')} spans both kinds",
         f"(p_Holm {tests.p_holm['fla']:.2g}, shift {tests['shift']['fla']:+.3f} {hl('fla')} nats):"
-        f" {failed(fla)} of {len(fla)} FLA runs failed ({kinds(fla)}), FLT {failed(flt)} of {len(flt)}"
+        f" {n_failed(fla)} of {len(fla)} FLA runs failed ({kinds(fla)}), FLT {n_failed(flt)} of {len(flt)}"
         f" (one-sided Fisher p = {fisher:.3g})",
-        f"all {len(inj)} runs `stable`" if failed(inj) == 0 else "an LT-II or LT-AI run failed",
+        f"all {len(inj)} runs `stable`" if n_failed(inj) == 0 else "an LT-II or LT-AI run failed",
         f"within [{min(tests.low[['lt-ii', 'lt-ai']]):+.3f}, {max(tests.high[['lt-ii', 'lt-ai']]):+.3f}] nats"
         f" (upper ends below the plan's {AC.PARTIAL})" if max(tests.high[["lt-ii", "lt-ai"]]) < AC.PARTIAL
         else "an upper end at or above the plan's partial effect",
         "(LT-II {:+.3f} [{:+.3f}, {:+.3f}], LT-AI {:+.3f} [{:+.3f}, {:+.3f}] nats)".format(*val["lt-ii"], *val["lt-ai"]),
-        f"FLA's peak residual norm at any loop is {rng(any_['fla'], 0)},"
-        f" {rng([x / med_flt for x in any_['fla']], 1)}× FLT's median and inside LT's range ({rng(any_['lt'], 0)})"
-        if min(any_["lt"]) <= min(any_["fla"]) and max(any_["fla"]) <= max(any_["lt"])
+        f"FLA's peak residual norm at any loop is {rng(fla.peak_any, 0)},"
+        f" {rng(fla.peak_any / flt.peak_any.median(), 1)}× FLT's median and inside LT's range ({rng(lt.peak_any, 0)})"
+        if lt.peak_any.min() <= fla.peak_any.min() and fla.peak_any.max() <= lt.peak_any.max()
         else "FLA's any-loop peak outside LT's range",
-        f"is it below LT's ({rng(final['fla'], 0)} against {rng(final['lt'], 0)})"
-        if max(final["fla"]) < min(final["lt"]) else "FLA's final loop not below LT's",
+        f"is it below LT's ({rng(fla.peak, 0)} against {rng(lt.peak, 0)})"
+        if fla.peak.max() < lt.peak.min() else "FLA's final loop not below LT's",
     ]
 
 

@@ -166,7 +166,6 @@ def lr_text(v: float) -> str:
     return f"> {GRID[-1]:g}" if v > GRID[-1] else f"{v:.3g}"
 
 
-
 def variants_table(lines: pd.DataFrame, probes: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for v in VARIANTS:

@@ -38,6 +38,7 @@ def log_median(values) -> float:
     log2; with an even count the geometric middle of the middle two (16 and 128 give 45.3, not 72)."""
     return float(2 ** pd.Series(values, dtype=float).map(math.log2).median())
 
+
 def map_lines(spec) -> list[RunId]:
     """The lines of a map (`spec`: grids.stability_map.MapSpec, or a map's sweep.json read back): identities
     without an lr scale."""
