@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from scipy.stats import fisher_exact  # noqa: E402
 
+import benchmark_claims as BC  # noqa: E402  (analysis/benchmark_claims.py: the head-to-head's lr x 1 claims)
 import factorial as F  # noqa: E402  (analysis/factorial.py: the plan's per-run quantities)
 from flt_diag.storage import metric_names as M  # noqa: E402
 from flt_diag.storage.folders import load_config, load_metrics, load_summary, run_dirs  # noqa: E402
@@ -46,6 +47,7 @@ RETRACTED = {  # what the pages said before issue 53, and why it is wrong
     ],
     "early-warning": [],
 }
+RETRACTED["results"] += BC.RETRACTED_66  # what issue 66 found the head-to-head's reading saying beyond the archive
 
 
 def rng(values, digits: int = 2, sep: str = "-") -> str:
@@ -357,7 +359,7 @@ def all_claims(data: Path) -> dict[str, list[str]]:
     runs = factorial_runs(data)
     return {"results": primary_claims(runs, data) + agreement_claims(runs) + cosine_claims(runs)
             + contraction_claims(runs) + set_d_claims(data) + w4_claims(data) + results_w3_claims(data)
-            + depth_claims(data),
+            + depth_claims(data) + BC.head_to_head_claims(data, rng),
             "early-warning": early_warning_claims(data)}
 
 
