@@ -26,8 +26,7 @@ import pandas as pd  # noqa: E402
 from scipy.stats import mannwhitneyu  # noqa: E402
 
 from flt_diag.results.report import markdown  # noqa: E402
-from flt_diag.storage.folders import atomic_write_text  # noqa: E402
-from script_exit import Parser, guarded, whole  # noqa: E402
+from script_exit import Parser, emit, guarded, whole  # noqa: E402
 from stabiliser_benchmark import probes_table  # noqa: E402
 
 ALPHA = 0.05
@@ -79,12 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", type=whole(100, 100_000), default=4000, help="simulated experiments per setting")
     p.add_argument("--out", type=Path, default=None, help="write the Markdown here instead of printing it")
     args = p.parse_args(argv)
-    text = report(args.archive, args.trials)
-    if args.out:
-        atomic_write_text(args.out, text)
-    else:
-        print(text, end="")
-    return 0
+    return emit(report(args.archive, args.trials), args.out)
 
 
 if __name__ == "__main__":

@@ -76,19 +76,23 @@ def plan_report(doc: str, report, root_help: str):
     def main(argv=None) -> int:
         from pathlib import Path
 
-        from flt_diag.storage.folders import atomic_write_text
         parser = Parser(description=doc.splitlines()[0])
         parser.add_argument("root", type=Path, help=root_help)
         parser.add_argument("--final", action="store_true", help="the plan's cut-off: read what is archived")
         parser.add_argument("--out", type=Path, help="write the Markdown here instead of printing it")
         args = parser.parse_args(argv)
-        text = report(args.root, args.final)
-        if args.out:
-            atomic_write_text(args.out, text)
-        else:
-            print(text, end="")
-        return 0
+        return emit(report(args.root, args.final), args.out)
     return main
+
+
+def emit(text: str, out) -> int:
+    """A report's Markdown written to `out` (atomically) or, without one, printed; 0 (the scripts' success)."""
+    from flt_diag.storage.folders import atomic_write_text
+    if out:
+        atomic_write_text(out, text)
+    else:
+        print(text, end="")
+    return 0
 
 
 def run(main) -> None:
