@@ -44,6 +44,39 @@ def whole(lo: int = 0, hi: int | None = None):
     return parse
 
 
+def _given(text: str, folder_only: bool):
+    """`text` as a Path that exists as a folder (or, unless `folder_only`, a regular file: an archive record),
+    else argparse's one line saying what the path is: missing, or a FIFO, a device, a socket."""
+    import os
+    import stat
+    from pathlib import Path
+
+    from flt_diag.storage.safe_files import kind_of
+    wanted = "a folder" if folder_only else "a folder or a file"
+    try:
+        mode = os.stat(text).st_mode  # (never blocks, even on a FIFO)
+    except FileNotFoundError:
+        raise argparse.ArgumentTypeError(f"no such {'folder' if folder_only else 'file or folder'}: {text}") from None
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {text}: {e.strerror or e}") from None
+    if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode) and not folder_only):
+        raise argparse.ArgumentTypeError(f"{text} is {kind_of(mode)}, not {wanted}")
+    return Path(text)
+
+
+def folder(text: str):
+    """An argparse type: an existing folder (a FIFO, a file, a device or a missing path: one line saying which)."""
+    return _given(text, folder_only=True)
+
+
+def source(text: str):
+    """An argparse type: an existing folder or regular file (a run, a sweep, an archive or an archive record)."""
+    return _given(text, folder_only=False)
+
+
+folder.__name__, source.__name__ = "folder", "folder or file"
+
+
 def message(e: BaseException) -> str:
     """One line for an error: an OSError as its reason and file; anything else its text, whitespace joined
     (a message quoting a command's stderr spans lines), cut at 400 characters; its type where it has no text,
@@ -78,7 +111,7 @@ def plan_report(doc: str, report, root_help: str):
 
         from flt_diag.storage.folders import atomic_write_text
         parser = Parser(description=doc.splitlines()[0])
-        parser.add_argument("root", type=Path, help=root_help)
+        parser.add_argument("root", type=folder, help=root_help)
         parser.add_argument("--final", action="store_true", help="the plan's cut-off: read what is archived")
         parser.add_argument("--out", type=Path, help="write the Markdown here instead of printing it")
         args = parser.parse_args(argv)
