@@ -13,7 +13,6 @@ results.md) cannot be recomputed and are not listed.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import re
 import sys
@@ -26,7 +25,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from scipy.stats import fisher_exact  # noqa: E402
 
-from script_exit import folder  # noqa: E402  (an existing folder, or one line saying what the path is)
+from script_exit import Parser, folder, guarded  # noqa: E402  (an existing folder, or one line saying what the path is)
 import factorial as F  # noqa: E402  (analysis/factorial.py: the plan's per-run quantities)
 from flt_diag.storage import metric_names as M  # noqa: E402
 from flt_diag.storage.files import read_table  # noqa: E402  (bounded, regular files only: DESIGN.md §9)
@@ -364,15 +363,10 @@ def all_claims(data: Path) -> dict[str, list[str]]:
             "early-warning": early_warning_claims(data)}
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2 (argparse's own prints the usage first)
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 MAX_PAGE_BYTES = 4 << 20  # a docs page is tens of kilobytes
 
 
+@guarded
 def main(argv=None) -> int:
     ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=Path, default=ROOT / "docs" / "results.md")

@@ -3,6 +3,7 @@ into a traceback; every file an analysis script is named is read through the bou
 reader; a refusal leaves nothing it created and names the path for what it is."""
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -56,3 +57,83 @@ def test_a_study_file_whose_grid_cannot_be_made_is_named(tmp_path, capsys):
     assert main(["study", str(study), "--list"]) == 2
     line = _one_error_line(capsys)
     assert str(study) in line and "at most 65" in line
+
+
+# ------------------------------------------------------------------ 2. every named file through the bounded reader
+
+def _script(name: str, argv: list) -> int:
+    import importlib
+    try:
+        return importlib.import_module(name).main([str(a) for a in argv])
+    except SystemExit as e:
+        return e.code
+
+
+def test_check_claims_reads_a_fifo_page_not_at_all(tmp_path):
+    import subprocess
+    import processes
+    fifo = tmp_path / "page.md"
+    os.mkfifo(fifo)
+    try:  # a plain read blocks on the FIFO until the timeout
+        done = processes.run([sys.executable, str(ROOT / "analysis" / "check_claims.py"), "--results", str(fifo)],
+                             timeout=60, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    except subprocess.TimeoutExpired:
+        pytest.fail("check_claims blocked on a FIFO named by --results")
+    err = done.stderr.decode().strip().splitlines()
+    assert done.returncode == 2 and err == [f"error: {fifo} is a FIFO (named pipe), not a file; flt-diag reads only "
+                                            "regular files there"]
+
+
+@pytest.mark.parametrize("content, said", [(b"a,b\n1,\xff\n", "not text (UTF-8)"), (b"x" * 65, "over 64 bytes")])
+def test_a_table_is_read_bounded_and_named(tmp_path, content, said):
+    from flt_diag.storage.files import BadFile, read_table
+    table = tmp_path / "t.csv"
+    table.write_bytes(content)
+    with pytest.raises(BadFile, match=f"^{re.escape(f'{table}: {said}')}"):
+        read_table(table, limit=64)
+    fifo = tmp_path / "f.csv"
+    os.mkfifo(fifo)
+    with pytest.raises(BadFile, match="is a FIFO"):
+        read_table(fifo)
+    (tmp_path / "ok.csv").write_text("a,b\n1,2\n")
+    assert read_table(tmp_path / "ok.csv").to_dict("records") == [{"a": 1, "b": 2}]
+
+
+# ------------------------------------------------------------------ 7. silence where a user erred
+
+@pytest.mark.parametrize("name", ["factorial", "failure_rates", "sweep_table", "loop_dynamics_table", "regenerate",
+                                  "gradient_path_2", "ablation_claims", "stabiliser_benchmark"])
+def test_an_analysis_script_says_a_fifo_is_a_fifo(tmp_path, capsys, name):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert _script(name, [fifo]) == 2
+    assert f"{fifo} is a FIFO (named pipe), not a folder" in _one_error_line(capsys)
+
+
+def test_regenerate_refusing_leaves_no_out(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    out = tmp_path / "new" / "out"
+    assert _script("regenerate", [tmp_path / "empty", "--out", out]) == 2
+    assert "neither a run folder" in _one_error_line(capsys)
+    assert not (tmp_path / "new").exists()  # nothing it made is left, not even an empty folder
+
+
+def test_a_library_warning_before_bad_input_is_not_printed(capsys):
+    import warnings
+    from script_exit import guarded
+
+    @guarded
+    def refuses(argv=None):
+        warnings.warn("Mean of empty slice", RuntimeWarning)
+        raise ValueError("no runs of the plan in x")
+
+    @guarded
+    def succeeds(argv=None):
+        warnings.warn("said once it succeeded", UserWarning)
+        return 0
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        assert refuses() == 2
+    assert shown == [] and capsys.readouterr().err.strip() == "error: no runs of the plan in x"
+    with pytest.warns(UserWarning, match="said once it succeeded"):  # shown once main returned
+        assert succeeds() == 0
