@@ -137,3 +137,12 @@ def test_a_library_warning_before_bad_input_is_not_printed(capsys):
     assert shown == [] and capsys.readouterr().err.strip() == "error: no runs of the plan in x"
     with pytest.warns(UserWarning, match="said once it succeeded"):  # shown once main returned
         assert succeeds() == 0
+
+
+def test_a_failed_write_names_the_file_asked_for_not_its_temporary_file(tmp_path):
+    from flt_diag.storage.folders import atomic_path
+    target = tmp_path / "table.csv"
+    with pytest.raises(OSError) as failed:
+        with atomic_path(target) as tmp:  # a full disk while the temporary file is written names it
+            raise OSError(28, "No space left on device", str(tmp))
+    assert failed.value.filename == str(target) and list(tmp_path.iterdir()) == []
