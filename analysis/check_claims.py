@@ -13,7 +13,6 @@ results.md) cannot be recomputed and are not listed.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import re
 import sys
@@ -27,8 +26,11 @@ import pandas as pd  # noqa: E402
 from scipy.stats import fisher_exact  # noqa: E402
 
 import benchmark_claims as BC  # noqa: E402  (analysis/benchmark_claims.py: the head-to-head's lr x 1 claims)
+from script_exit import Parser, folder, guarded  # noqa: E402  (an existing folder, or one line saying what the path is)
 import factorial as F  # noqa: E402  (analysis/factorial.py: the plan's per-run quantities)
 from flt_diag.storage import metric_names as M  # noqa: E402
+from flt_diag.storage.files import read_table  # noqa: E402  (bounded, regular files only: DESIGN.md §9)
+from flt_diag.storage.schema import read_text  # noqa: E402
 from flt_diag.storage.folders import load_config, load_metrics, load_summary, run_dirs  # noqa: E402
 
 CONVERGED = 0.01  # DESIGN.md §3: loop_spectral_residual below this = converged
@@ -207,11 +209,11 @@ def ones_at(t: pd.DataFrame, record: str, steps=(100, 200, 300, 500)) -> list[in
 
 
 def set_d_claims(data: Path) -> list[str]:
-    d = pd.read_csv(data / "loop-dynamics-d.csv")
+    d = read_table(data / "loop-dynamics-d.csv")
     by = lambda v, K=12: d[(d.variant == v) & (d.loops == K)]  # noqa: E731
     lt12, lt9, flt, fla = by("lt"), by("lt", 9), by("flt"), by("fla")
     fp, gap = "final fixed-point residual (last loop)", "final exit-loss gap (last - best loop)"
-    l6 = pd.read_csv(data / "loop-dynamics-fla-l6.csv")
+    l6 = read_table(data / "loop-dynamics-fla-l6.csv")
     fpr, gain = "fixed-point residual (last loop)", "max loop gain"
     lt = d[d.variant == "lt"]
     exponent = f"{by('lt-ii')[fp].iloc[0]:.0e}".split("e")
@@ -283,7 +285,7 @@ def depth_claims(data: Path) -> list[str]:
 
 
 def w4_claims(data: Path) -> list[str]:
-    t = pd.read_csv(data / "loop-dynamics-w4.csv")
+    t = read_table(data / "loop-dynamics-w4.csv")
     gain, fp = "final max loop gain", "final fixed-point residual (last loop)"
     lt, ai, ii = t[t.variant == "lt"], t[t.variant == "lt-ai"], t[t.variant == "lt-ii"]
     gap = "exit-loss gap (last - best loop) @300"
@@ -299,7 +301,7 @@ def w4_claims(data: Path) -> list[str]:
 
 
 def comparison(data: Path, name: str) -> pd.DataFrame:
-    return pd.read_csv(data / name / "comparison.csv")
+    return read_table(data / name / "comparison.csv")
 
 
 def cell(c: pd.DataFrame, s: str, score: str, step: int, short: bool = False, ci: bool = False) -> str:
@@ -363,21 +365,19 @@ def all_claims(data: Path) -> dict[str, list[str]]:
             "early-warning": early_warning_claims(data)}
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2 (argparse's own prints the usage first)
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
+MAX_PAGE_BYTES = 4 << 20  # a docs page is tens of kilobytes
 
 
+@guarded
 def main(argv=None) -> int:
     ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=Path, default=ROOT / "docs" / "results.md")
     ap.add_argument("--early-warning", type=Path, default=ROOT / "docs" / "early-warning.md")
-    ap.add_argument("--data", type=Path, default=ROOT / "docs" / "data")
+    ap.add_argument("--data", type=folder, default=ROOT / "docs" / "data")
     args = ap.parse_args(argv)
     try:
-        pages = {"results": args.results.read_text(encoding="utf-8"),
-                 "early-warning": args.early_warning.read_text(encoding="utf-8")}
+        pages = {"results": read_text(args.results, MAX_PAGE_BYTES, "a docs page"),
+                 "early-warning": read_text(args.early_warning, MAX_PAGE_BYTES, "a docs page")}
         lines = check(pages, all_claims(args.data))
     except (ValueError, OSError, LookupError, TypeError) as e:  # a missing or crafted file: one line
         print(f"error: {e}", file=sys.stderr)

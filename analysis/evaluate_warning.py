@@ -23,7 +23,7 @@ from flt_diag.storage.files import load_predictor  # noqa: E402
 from flt_diag.storage.folders import atomic_write_text, make_folder, refuse_links  # noqa: E402
 from flt_diag.storage.safe_files import new_file  # noqa: E402
 from flt_diag.storage.predictor_names import PACKAGED  # noqa: E402
-from script_exit import Parser, guarded, whole  # noqa: E402  (analysis/script_exit.py: the one error path)
+from script_exit import Parser, guarded, whole, source  # noqa: E402  (analysis/script_exit.py: the one error path)
 
 
 def selector(conditions: list[str]):
@@ -55,7 +55,7 @@ def _num(value: str):
 @guarded
 def main(argv=None) -> int:
     ap = Parser(description=__doc__.splitlines()[0])
-    ap.add_argument("folders", nargs="+", type=Path)
+    ap.add_argument("folders", nargs="+", type=source)
     ap.add_argument("--at", nargs="+", type=whole(1), default=[100, 200, 300, 500])
     ap.add_argument("--out", type=Path, required=True, help="folder for the CSV tables")
     ap.add_argument("--set", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"),

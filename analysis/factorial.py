@@ -25,7 +25,7 @@ from flt_diag.judge.verdict import smoothed  # noqa: E402
 from flt_diag.results.report import markdown  # noqa: E402
 from flt_diag.storage import metric_names as M  # noqa: E402
 from flt_diag.storage.folders import StorageError, atomic_write_text, load_config, load_metrics, load_summary, run_dirs, run_name, series  # noqa: E402
-from script_exit import Parser, guarded  # noqa: E402  (analysis/script_exit.py: the one error path)
+from script_exit import Parser, guarded, source  # noqa: E402  (analysis/script_exit.py: the one error path)
 
 FAILURES = ("collapsed", "stalled", "diverged")  # the plan's primary label
 DEGENERATE = 0.9  # final-loop token cosine at or above: "degenerate" (fixed in the plan)
@@ -180,7 +180,7 @@ def report(folders: list[Path]) -> str:
 @guarded
 def main(argv=None) -> int:
     parser = Parser(description=__doc__.splitlines()[0])
-    parser.add_argument("folders", type=Path, nargs="+", help="sweep or archive folders of the factorial")
+    parser.add_argument("folders", type=source, nargs="+", help="sweep or archive folders of the factorial")
     parser.add_argument("--out", type=Path, help="also write the Markdown here")
     args = parser.parse_args(argv)
     text = report(args.folders)

@@ -22,7 +22,7 @@ from flt_diag.results.report import markdown  # noqa: E402
 from flt_diag.results.tables import pooled_summary, variant_rank  # noqa: E402
 from flt_diag.storage.folders import atomic_path, refuse_links  # noqa: E402
 from flt_diag.storage.safe_files import new_file  # noqa: E402
-from script_exit import Parser, guarded  # noqa: E402  (analysis/script_exit.py: the one error path)
+from script_exit import Parser, guarded, source  # noqa: E402  (analysis/script_exit.py: the one error path)
 
 SHORT = {"stable": "s", "unstable": "U", "stalled": "T", "collapsed": "C", "diverged": "D"}  # a seed's verdict in one letter (T: stalled)
 
@@ -71,7 +71,7 @@ def as_text(table: pd.DataFrame) -> pd.DataFrame:
 @guarded
 def main(argv=None) -> int:
     parser = Parser(description=__doc__.splitlines()[0])
-    parser.add_argument("sweeps", type=Path, nargs="+")
+    parser.add_argument("sweeps", type=source, nargs="+")
     parser.add_argument("--csv", type=Path, help="also write the table at full precision")
     args = parser.parse_args(argv)
     if args.csv:  # refused before anything is read or printed: a link, a FIFO, a folder (as flt-diag's --csv)

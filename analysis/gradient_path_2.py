@@ -29,7 +29,7 @@ from flt_diag.results.report import markdown  # noqa: E402
 from flt_diag.storage import archive  # noqa: E402
 from flt_diag.storage.code_version import describe  # noqa: E402
 from flt_diag.storage.folders import StorageError, atomic_write_text, load_config, load_summary, run_dirs  # noqa: E402
-from script_exit import Parser, guarded  # noqa: E402
+from script_exit import Parser, guarded, folder  # noqa: E402
 
 ARMS = {"g53-0": "LT full, frozen E", "g53-2": "LT k=2, frozen E", "f-0-flt": "FLT full"}
 PRIMARY_N = 10  # runs per LT arm (the plan)
@@ -164,7 +164,7 @@ def report(root: Path, final: bool = False) -> str:
 @guarded
 def main(argv=None) -> int:
     parser = Parser(description=__doc__.splitlines()[0])
-    parser.add_argument("root", type=Path, help="the plan's archive folder (holding g53-0, g53-2, f-0-flt)")
+    parser.add_argument("root", type=folder, help="the plan's archive folder (holding g53-0, g53-2, f-0-flt)")
     parser.add_argument("--final", action="store_true", help="the plan's final cut-off: analyse what is archived")
     parser.add_argument("--out", type=Path, help="also write the Markdown here")
     args = parser.parse_args(argv)

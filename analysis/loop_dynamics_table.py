@@ -22,7 +22,7 @@ from flt_diag.results.warning_evaluation import auroc, bootstrap_interval  # noq
 from flt_diag.storage import metric_names as M  # noqa: E402
 from flt_diag.storage.folders import atomic_path, load_config, load_metrics, load_summary, refuse_links, run_dirs  # noqa: E402
 from flt_diag.storage.safe_files import new_file  # noqa: E402
-from script_exit import Parser, guarded, whole  # noqa: E402  (analysis/script_exit.py: the one error path)
+from script_exit import Parser, guarded, whole, source  # noqa: E402  (analysis/script_exit.py: the one error path)
 
 WINDOW = 50  # the plan's window [s - 50, s)
 FINAL_STEPS = 100  # "final": the records of the last 100 steps
@@ -86,7 +86,7 @@ def run_row(d: Path, steps: list[int]) -> dict:
 @guarded
 def main(argv=None) -> int:
     ap = Parser(description=__doc__.splitlines()[0])
-    ap.add_argument("folders", nargs="+", type=Path)
+    ap.add_argument("folders", nargs="+", type=source)
     ap.add_argument("--at", nargs="+", type=whole(1), default=[100, 200, 300, 500],
                     help="steps to score at (1 or more: the records before each)")
     ap.add_argument("--csv", type=Path)

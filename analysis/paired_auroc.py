@@ -30,7 +30,6 @@ Rows without the score are left out. Any CSV with a `failed` column works (e.g. 
 """
 from __future__ import annotations
 
-import io
 import itertools
 import math
 import sys
@@ -44,7 +43,7 @@ from scipy.optimize import minimize
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]  # (a checkout)
 
 from flt_diag.results.warning_evaluation import auroc  # noqa: E402  (torch-free: the one AUROC of the project)
-from flt_diag.storage.safe_files import read_bounded  # noqa: E402
+from flt_diag.storage.files import read_table  # noqa: E402
 from script_exit import Parser, guarded, whole  # noqa: E402  (analysis/script_exit.py: the one error path)
 
 CONFIG = ["variant", "loops", "depth", "width", "lr_scale"]
@@ -266,7 +265,7 @@ def main(argv=None) -> int:
     ap.add_argument("--where", nargs="+", default=[], metavar="KEY=V", help="with --exact: the set's rows")
     args = ap.parse_args(argv)
     # a regular file (a FIFO, a device, a folder: one line, never read), at most MAX_ROWS_BYTES
-    rows = pd.read_csv(io.BytesIO(read_bounded(args.rows, MAX_ROWS_BYTES, "a table of runs (CSV)")))
+    rows = read_table(args.rows, MAX_ROWS_BYTES, "a table of runs (CSV)")
     if "failed" not in rows:
         raise ValueError(f"{args.rows} has no `failed` column")
     if args.exact:

@@ -10,15 +10,20 @@ traceback.
   parse), a file it cannot read or write (OSError: missing, no permission, a full disk; as flt-diag's commands
   say it), a command that fails or hangs (subprocess), and a crafted table whose cells are of the wrong kind
   or missing (TypeError, LookupError), a value nested too deep (RecursionError). Other exceptions (a bug)
-  keep their traceback.
+  keep their traceback. A library's warnings are held back while `main` runs: on bad input the one line is
+  all that is printed; otherwise they are shown once `main` returns.
 * `run(main)`: `sys.exit(guarded(main)())`, for `if __name__ == "__main__"`.
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import os
+import stat
 import subprocess
 import sys
+import warnings
+from pathlib import Path
 
 BAD_INPUT = (ValueError, OSError, subprocess.SubprocessError, TypeError, LookupError, RecursionError)
 
@@ -27,6 +32,16 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        """argparse's, then each path argument of type `folder` or `source` checked (after every other
+        refusal, so that an unknown option is named first; a path that is not one: a ValueError line)."""
+        parsed = super().parse_args(args, namespace)
+        for action in self._actions:
+            given = getattr(parsed, action.dest, None)
+            for path in (given if isinstance(given, list) else [given]) if hasattr(action.type, "check") else []:
+                action.type.check(path)  # type: ignore[union-attr]  # (a ValueError: `guarded`'s one line, 2)
+        return parsed
 
 
 def whole(lo: int = 0, hi: int | None = None):
@@ -42,6 +57,38 @@ def whole(lo: int = 0, hi: int | None = None):
         return n
     parse.__name__ = "whole number"
     return parse
+
+
+def _given(text: str, folder_only: bool):
+    """`text` as a Path that exists as a folder (or, unless `folder_only`, a regular file: an archive record),
+    else argparse's one line saying what the path is: missing, or a FIFO, a device, a socket."""
+    from flt_diag.storage.safe_files import kind_of
+    wanted = "a folder" if folder_only else "a folder or a file"
+    try:
+        mode = os.stat(text).st_mode  # (never blocks, even on a FIFO)
+    except FileNotFoundError:
+        raise ValueError(f"no such {'folder' if folder_only else 'file or folder'}: {text}") from None
+    except OSError as e:
+        raise ValueError(f"cannot read {text}: {e.strerror or e}") from None
+    if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode) and not folder_only):
+        raise ValueError(f"{text} is {kind_of(mode)}, not {wanted}")
+    return Path(text)
+
+
+def folder(text: str):
+    """An argparse type: an existing folder (a FIFO, a file, a device or a missing path: one line saying which,
+    by Parser.parse_args)."""
+    return Path(text)
+
+
+def source(text: str):
+    """An argparse type: an existing folder or regular file (a run, a sweep, an archive or an archive record)."""
+    return Path(text)
+
+
+folder.__name__, source.__name__ = "folder", "folder or file"
+folder.check = lambda path: _given(str(path), folder_only=True)  # type: ignore[attr-defined]
+source.check = lambda path: _given(str(path), folder_only=False)  # type: ignore[attr-defined]
 
 
 def message(e: BaseException) -> str:
@@ -61,11 +108,16 @@ def message(e: BaseException) -> str:
 def guarded(main):
     @functools.wraps(main)
     def checked(argv=None) -> int:
-        try:
-            return main(argv)
-        except BAD_INPUT as e:
-            print(f"error: {message(e)}", file=sys.stderr)
-            return 2
+        with warnings.catch_warnings(record=True) as said:  # a library's warning about bad input: held back
+            warnings.simplefilter("default")
+            try:
+                code = main(argv)
+            except BAD_INPUT as e:  # its one line says what is wrong; the warnings that led there are not shown
+                print(f"error: {message(e)}", file=sys.stderr)
+                return 2
+        for w in said:  # a run that succeeds shows them, as they came
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+        return code
     return checked
 
 
@@ -77,7 +129,7 @@ def plan_report(doc: str, report, root_help: str):
         from pathlib import Path
 
         parser = Parser(description=doc.splitlines()[0])
-        parser.add_argument("root", type=Path, help=root_help)
+        parser.add_argument("root", type=folder, help=root_help)
         parser.add_argument("--final", action="store_true", help="the plan's cut-off: read what is archived")
         parser.add_argument("--out", type=Path, help="write the Markdown here instead of printing it")
         args = parser.parse_args(argv)

@@ -24,7 +24,7 @@ from flt_diag.results.report import markdown  # noqa: E402
 from flt_diag.results.archiving import code_lines  # noqa: E402
 from flt_diag.storage.file_models import SweepSpecFile  # noqa: E402
 from flt_diag.storage.folders import StorageError, is_archive, is_sweep, load_spec  # noqa: E402
-from script_exit import Parser, guarded  # noqa: E402
+from script_exit import Parser, guarded, source  # noqa: E402
 
 
 def table(sweep: Path) -> str:
@@ -54,7 +54,7 @@ def table(sweep: Path) -> str:
 @guarded
 def main(argv=None) -> int:
     parser = Parser(description=__doc__.splitlines()[0])
-    parser.add_argument("sweep", type=Path, help="a sweep folder or an archived sweep")
+    parser.add_argument("sweep", type=source, help="a sweep folder or an archived sweep")
     args = parser.parse_args(argv)
     print(table(args.sweep), end="")
     return 0

@@ -13,9 +13,10 @@ from pydantic import Field
 from pydantic.fields import FieldInfo
 
 from flt_diag.results.fit_settings import FitSettings
-from flt_diag.config.run_config import PRESETS, SECTIONS, PresetOption
+from flt_diag.config.run_config import MAX_VOCAB, MAX_WIDTH, PRESETS, SECTIONS, PresetOption
+from flt_diag.config.variants import MAX_LOOPS
 from flt_diag.config.grid_options import Loops, MapAxes, MapGrid, SweepAxes
-from flt_diag.config.option_fields import Items, Options, arg, check, default, dest, fact, flag, form, opt
+from flt_diag.config.option_fields import MAX_NUMBER, Items, Options, arg, check, default, dest, fact, flag, form, opt
 
 SECTION_TITLES = {"run": "preset", "model": "model", "train": "training", "diagnostics": "diagnostics",
                   "verdict": "verdict thresholds", "sweep": "sweep grid", "map": "map grid", "cli": "this command"}
@@ -70,7 +71,7 @@ class FolderOptions(Options):
     workers: int = opt(0, "Cells (lines for maps) in parallel processes; 0 = auto (one per CPU core, each with one "
                        "thread; one per GPU on a multi-GPU machine).", ge=0)
     list_cells: bool = opt(False, "Print the cells (index, name, status) and exit.", alias="list")
-    cell: Optional[int] = opt(None, "Run only cell (map: line) I, for job arrays.", ge=0)
+    cell: Optional[int] = opt(None, "Run only cell (map: line) I, for job arrays.", ge=0, le=MAX_NUMBER)
     quiet: bool = opt(False, "No progress bar.")
 
 
@@ -108,7 +109,7 @@ class EvalLoopsOptions(Options):
     path: Path = arg("A finished run folder or a sweep folder.")
     loops: Optional[Items[Loops]] = opt(None, "Inference loop counts [default: 1 .. 2K, K the loops each run was "
                                         "trained with].")
-    batches: Optional[int] = opt(None, "Validation batches per count [default: the run's eval batches].", ge=1)
+    batches: Optional[int] = opt(None, "Validation batches per count [default: the run's eval batches].", ge=1, le=MAX_NUMBER)
     data: Optional[str] = opt(None, "Evaluate on another corpus (e.g. wikitext2) [default: the run's].")
     device: str = opt("cpu", "cpu, cuda or cuda:N.")
 
@@ -119,14 +120,14 @@ class ImportReferenceOptions(Options):
     variant: Optional[str] = opt(None, "LT, LT_i, LT_ia, FLT_res, FLT (or lt, ..., flt) [default: model_type of the "
                                  "meta_*.json beside the checkpoint].")
     loops: Optional[int] = opt(None, "Loop count the checkpoint was trained with [default: K of the meta_*.json].",
-                               ge=1)
-    heads: Optional[int] = opt(None, "Attention heads (if no meta json).", ge=1)
-    vocab_size: Optional[int] = opt(None, "True (unpadded) vocabulary size.", ge=1)
+                               ge=1, le=MAX_LOOPS)
+    heads: Optional[int] = opt(None, "Attention heads (if no meta json).", ge=1, le=MAX_WIDTH)
+    vocab_size: Optional[int] = opt(None, "True (unpadded) vocabulary size.", ge=1, le=MAX_VOCAB)
 
 
 class PredictOptions(Options):
     paths: list[Path] = arg(RUNS, many=True)
-    at: Items[Annotated[int, Field(ge=1)]] = opt([300], "Step(s) at which to predict.")
+    at: Items[Annotated[int, Field(ge=1, le=MAX_NUMBER)]] = opt([300], "Step(s) at which to predict.")
     predictor: Optional[Items[Path]] = opt(None, "Predictor JSON(s) from `flt-diag fit-predictor`; several are "
                                            "compared on the same runs [default: the packaged one].")
     csv: Optional[Path] = opt(None, "Also write the per-cell table (all steps; a predictor column) here.")

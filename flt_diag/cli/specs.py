@@ -60,8 +60,14 @@ def load_study(path: Path, **folder) -> tuple[str, RunAblationOptions | MapOptio
             if kind.kind is Path and x is not None:  # (text in the file)
                 x = [*map(Path, check(list[str], x, where(n, f)))] if kind.many else Path(check(str, x, where(n, f)))
             values[dest(n, f)] = x
-        return command, cast("RunAblationOptions | MapOptions", command_args(command, {**values, **folder}, where))
+        args = command_args(command, {**values, **folder}, where)
     except ConfigError as e:  # (a file's problem: the file's error)
         raise BadFile(str(e)) from None
     except RecursionError:  # a value nested too deep for the validator
         raise BadFile(f"{path}: [{table}] holds a value nested too deep to be an option") from None
+    if isinstance(args, MapOptions):
+        try:
+            args.values(args.axis)  # its grid, derived from lo, hi and ratio: the file's problem too
+        except ValueError as e:
+            raise BadFile(f"{path}: [{table}] {e}") from None
+    return command, cast("RunAblationOptions | MapOptions", args)

@@ -10,7 +10,7 @@ from typing import Annotated, Literal, get_args
 
 from pydantic import AliasChoices, Field
 
-from flt_diag.config.option_fields import Ascending, Distinct, Items, Options, opt, with_fact
+from flt_diag.config.option_fields import MAX_NUMBER, Ascending, Distinct, Items, Options, opt, with_fact
 from flt_diag.config.run_config import MAX_SEED, ModelConfig, RunConfig, TrainConfig
 from flt_diag.config.variants import MAX_LOOPS, PAPER_VARIANTS, Variant
 
@@ -30,10 +30,15 @@ def geometric_grid(lo: float, hi: float, ratio: float, integer: bool = False) ->
     """lo, lo*r, lo*r^2, ... up to hi (hi itself is the last value); integers rounded and made unique."""
     if not (lo > 0 and hi >= lo and ratio > 1 and math.isfinite(hi) and math.isfinite(ratio)):
         raise ValueError(f"the grid needs 0 < lo <= hi and ratio > 1 (got lo={lo}, hi={hi}, ratio={ratio})")
-    n = int(math.floor(math.log(hi / lo) / math.log(ratio) + 1e-9))
-    if n + 2 > MAX_GRID:
-        raise ValueError(f"the grid from {lo} to {hi} by x{ratio} has {n + 1} values; at most {MAX_GRID - 1}")
-    values = [lo * ratio ** i for i in range(n + 1)]
+    # The count in log space: hi / lo (and lo * ratio^n) may overflow where lo, hi and ratio are finite.
+    span = math.log(hi / lo) if math.isfinite(hi / lo) else math.log(hi) - math.log(lo)
+    steps = span / math.log(ratio) + 1e-9
+    if steps + 2 > MAX_GRID:
+        raise ValueError(f"the grid from {lo:g} to {hi:g} by x{ratio} has {math.floor(steps) + 1:.4g} values; "
+                         f"at most {MAX_GRID - 1} (raise --ratio or narrow --lo .. --hi)")
+    n = math.floor(steps)
+    values = [lo * ratio ** i if i * math.log(ratio) < 700 else math.exp(math.log(lo) + i * math.log(ratio))
+              for i in range(n + 1)]
     if values[-1] < hi * (1 - 1e-9):
         values.append(hi)
     if integer:
@@ -49,7 +54,7 @@ class SweepAxes(Options):
     variants: Items[Variant] = opt(list(PAPER_VARIANTS), "Variants [default: the paper's five; all: flt-diag variants].")
     loops: Items[Loops] = opt([3, 6, 9, 12], "Loop counts K.")
     seeds: Items[Seed] = opt([0], "Seeds.")
-    lr_scale: Items[Annotated[float, Field(gt=0)]] = opt(  # (sweep.json of earlier versions: lr_scales)
+    lr_scale: Items[Annotated[float, Field(gt=0, le=MAX_NUMBER)]] = opt(  # (sweep.json of earlier versions: lr_scales)
         [1.0], "Learning-rate multipliers (an lr x loops map).", validation_alias=AliasChoices("lr_scale", "lr_scales"))
 
 

@@ -17,6 +17,10 @@ from pydantic_core import ErrorDetails, PydanticUndefined
 
 MAX_ITEMS = 10_000  # entries of one list in any option or file flt-diag writes (a sweep's cells, a grid, ...)
 MAX_TEXT = 4096  # characters of one text value (a path, a name): more is not something flt-diag wrote
+# Every number an option takes is at most 2**53 unless its field says less: exact in float64 (steps are read
+# back into float64 columns), a C long where torch takes one, and any product of a few options stays finite
+# (lr x lr scale x a map's grid value; warm-down share x steps), so no quantity derived from two options overflows.
+MAX_NUMBER = 2**53
 T = TypeVar("T")
 
 
@@ -49,6 +53,8 @@ def opt(default, help: str, *, settled: bool = False, grid: tuple[str, ...] = ()
     run folder is resumed (it changes nothing a run computes). Which commands take it is the CLI's."""
     facts: dict[str, Any] = {k: v for k, v in dict(settled=settled, grid=list(grid), volatile=volatile).items() if v}
     given = dict(default_factory=lambda: list(default)) if isinstance(default, list) else dict(default=default)
+    if isinstance(default, (int, float)) and not isinstance(default, bool) and not {"le", "lt"} & set(field):
+        field["le"] = MAX_NUMBER  # (a None default or a list: its field or item type bounds it)
     return Field(**given, description=help, json_schema_extra=facts or None, **field)
 
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 
 from pydantic import AliasChoices, Field, ValidationError, create_model, model_validator
 
-from flt_diag.config.option_fields import ConfigError, Options, dotted, named, one_line, opt
+from flt_diag.config.option_fields import MAX_NUMBER, ConfigError, Options, dotted, named, one_line, opt
 from flt_diag.config.variants import MAX_LOOPS, Variant
 from flt_diag.records import all_records
 
@@ -25,6 +25,7 @@ TASK_DIALS = tuple(dial for dials in TASKS.values() for dial in dials)
 # checkpoint.pt, a reference meta json) obeys the same limits as the command line, so no file can ask for
 # a terabyte model or rotary table before anything checks it.
 MAX_DEPTH, MAX_WIDTH, MAX_SEQUENCE, MAX_VOCAB, MAX_BATCH = 1024, 32_768, 131_072, 2_097_152, 65_536
+MAX_THREADS = 4096  # torch takes a C int; more threads than cores only slow a run down
 MAX_SEED = 2**63 - 1  # torch.manual_seed and numpy's generators take a seed of 64 bits; larger ones fail every cell
 
 
@@ -142,7 +143,7 @@ class TrainConfig(Options):
     freeze_embedding: bool = opt(False, "Keep the token embedding at its initial values (no gradient, no update): "
                                  "holds the embedding equal between runs whose gradient paths differ (--grad-loops).")
     threads: int | None = opt(None, "CPU threads [default: 1 per process on CPU; parallelise with sweep workers].",
-                              ge=1, volatile=True)
+                              ge=1, le=MAX_THREADS, volatile=True)
     flush_denormal: bool = opt(True, "CPU: flush subnormal floats to zero (collapsed LT runs make many).")
     eval_every: int = opt(250, "Steps between validation losses (and at the end); 0 = only at the end.", ge=0,
                          volatile=True)
@@ -153,7 +154,7 @@ class TrainConfig(Options):
                     "(docs/DESIGN.md, Synthetic tasks).")
     tokenizer: str | None = opt("bytes", "bytes, a Hugging Face tokenizer name, or a tokenizer.json path (unset "
                                 "only in imported runs whose tokenizer is unknown).")
-    max_tokens: int | None = opt(None, "Cap on training tokens read from the corpus.", ge=2)
+    max_tokens: int | None = opt(None, "Cap on training tokens read from the corpus.", ge=2, le=MAX_NUMBER)
     hops: int = opt(3, "phop: pointers followed back through the context (its difficulty dial).", ge=1, le=16)
     alphabet: int = opt(4, "phop: symbols the context is drawn from.", ge=3, le=26)
     operands: int = opt(4, "addition: numbers added (its difficulty dial).", ge=2, le=10)

@@ -92,6 +92,22 @@ def check_metrics_part(path: Path) -> None:
         raise BadFile(f"{path}: column {extra[0]} is not a metrics column")
 
 
+# --------------------------------------------------------------------------- tables (CSV) a script is named
+
+MAX_TABLE_BYTES = 256 << 20  # the tables flt-diag and analysis/ write are kilobytes to a few megabytes
+
+
+def read_table(path: Path, limit: int = MAX_TABLE_BYTES, what: str = "a table (CSV)") -> pd.DataFrame:
+    """A CSV file as a DataFrame, read through the bounded, regular-file-only reader (read_text: a FIFO, a
+    device, a folder, a huge file or text that is not UTF-8 is one BadFile line naming the file); a table
+    pandas cannot parse is one line naming it too."""
+    text = read_text(path, limit, what)
+    try:
+        return pd.read_csv(io.StringIO(text))
+    except (ValueError, pd.errors.ParserError) as e:  # (EmptyDataError is a ValueError)
+        raise BadFile(f"{path}: not {what} ({' '.join(str(e).split())[:100]})") from None
+
+
 # --------------------------------------------------------------------------- predictor and fit examples
 
 INTEGER_COLUMNS = ("verdict_version",)  # the integer columns of a fit-examples table that may have empty cells

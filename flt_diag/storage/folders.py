@@ -40,7 +40,10 @@ def atomic_path(path: Path, root: Path | None = None):
     if path.is_dir():
         raise StorageError(f"{path} is a folder; give a file name")
     prefix, suffix = temporary_affixes(path)  # hidden, no .parquet/.json: a file left by kill -9 is no data
-    fd, name = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=path.parent)
+    try:
+        fd, name = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=path.parent)
+    except OSError as e:  # (it names its temporary file: the user named `path`)
+        raise OSError(e.errno, e.strerror or os.strerror(e.errno or 0), str(path)) from None
     try:
         os.fchmod(fd, file_mode())
     finally:
@@ -55,7 +58,8 @@ def atomic_path(path: Path, root: Path | None = None):
             tmp.unlink(missing_ok=True)
         except OSError:
             pass
-        if isinstance(e, OSError) and e.errno and not e.filename:  # (pyarrow's errors name no file)
+        if isinstance(e, OSError) and e.errno and (not e.filename or str(e.filename) == str(tmp)):
+            # (pyarrow's errors name no file; a write's or a rename's name the temporary file: say `path`)
             raise OSError(e.errno, os.strerror(e.errno), str(path)) from None
         raise
 
