@@ -252,7 +252,10 @@ def load_eval_loops(run_dir: Path) -> pd.DataFrame | None:
     if not p.exists():
         return None
     with open_regular(p) as f:
-        return pd.read_csv(f)
+        try:
+            return pd.read_csv(f)
+        except (ValueError, UnicodeDecodeError) as e:  # (pandas' errors name no file)
+            raise BadFile(f"{p}: not a table flt-diag reads ({' '.join(str(e).split())[:120] or type(e).__name__})") from None
 
 
 def cell_names(sweep: Path) -> list[str]:
