@@ -163,7 +163,8 @@ def _refuse_twice(plans: list[Plan]) -> None:
     seen: dict = {}
     for run_dir, _, _ in (run for plan in plans for run in plan.runs):
         cfg = load_config(run_dir)
-        keys = [("folder", run_dir.resolve())] + ([("run", key)] if (key := archive.identity(cfg)) else [])
+        ident = archive.identity(cfg)
+        keys: list[tuple[str, object]] = [("folder", run_dir.resolve())] + ([("run", ident)] if ident else [])
         for kind, key in keys:
             if (first := seen.setdefault((kind, key), run_dir)) != run_dir:
                 how = f"one folder, {key}" if kind == "folder" else "copies of one run: " + archive.started(cfg)
@@ -174,7 +175,7 @@ def _refuse_twice(plans: list[Plan]) -> None:
 def _refuse_held(plans: list[Plan], to: Path, replace: bool) -> None:
     """A run `to` holds already under another name (its record's stored config is the run's) is one line, or with
     `replace` that record is removed first: never a second record of one run."""
-    held = {}
+    held: dict[str | None, Path] = {}
     for record in archive.records_in(to):
         try:
             key = archive.identity(archive.read_meta(record).config)
