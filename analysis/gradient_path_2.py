@@ -32,6 +32,13 @@ from flt_diag.storage.folders import StorageError, atomic_write_text, load_confi
 from script_exit import Parser, guarded, folder  # noqa: E402
 
 ARMS = {"g53-0": "LT full, frozen E", "g53-2": "LT k=2, frozen E", "f-0-flt": "FLT full"}
+# What each arm's runs are, read from their stored config (never from a folder's or file's name): the plan's shared
+# settings (K = 9, L = 2, d = 64, 2,000 steps at lr x 1), then the arm's variant, embedding and gradient path
+PLAN = dict(loops=9, depth=2, width=64, steps=2000, lr_scale=1.0)
+ARM_RUNS = {"g53-0": dict(PLAN, variant="lt", freeze_embedding=True, grad_loops=0),
+            "g53-2": dict(PLAN, variant="lt", freeze_embedding=True, grad_loops=2),
+            "f-0-flt": dict(PLAN, variant="flt", freeze_embedding=False, grad_loops=0)}
+FLT_K2_RUNS = dict(PLAN, variant="flt", freeze_embedding=False, grad_loops=2)  # the first factorial's FLT k=2
 PRIMARY_N = 10  # runs per LT arm (the plan)
 PARTIAL = 0.15  # nats: the plan's partial effect (the interval's upper end below it: no effect of that size)
 FACTORIAL_FLT_K2 = Path(__file__).resolve().parents[1] / "docs" / "data" / "runs" / "gradient-path" / "f-2"
@@ -64,13 +71,29 @@ def hodges_lehmann(x: np.ndarray, y: np.ndarray, level: float = 0.95) -> tuple[f
     return float(np.median(d)), float(d[c - 1]), float(d[len(d) - c])  # D_(c), D_(mn-c+1), 1-based
 
 
-def run_rows(folder: Path, arm: str) -> list[dict]:
+def settings(cfg) -> dict:
+    """The settings of a run that place it in an arm (ARM_RUNS), from its stored config."""
+    m, t = cfg.model, cfg.train
+    return dict(loops=m.loops, depth=m.depth, width=m.width, steps=t.steps, lr_scale=t.lr_scale, variant=m.variant,
+                freeze_embedding=bool(t.freeze_embedding), grad_loops=t.grad_loops)
+
+
+def run_rows(folder: Path, arm: str, want: dict, others: str = "refuse") -> list[dict]:
+    """The finished runs of `folder` whose stored config is `want`'s; another run there is one line
+    (`others="refuse"`: a plan's folder holds its arm's runs only) or left out (`"skip"`: a folder shared by
+    arms, the factorial's)."""
     rows = []
     for d in run_dirs(folder):
+        cfg = load_config(d)
+        if (got := settings(cfg)) != want:
+            if others == "skip":
+                continue
+            diff = ", ".join(f"{k} {got[k]!r}, not {want[k]!r}" for k in want if got[k] != want[k])
+            raise StorageError(f"{d} is not a run of the arm {arm!r} its folder holds ({diff}, by its stored config): "
+                               f"move it out of {folder}")
         summary = load_summary(d)
         if summary is None:
             continue
-        cfg = load_config(d)
         ev, nan = summary.evidence, (lambda x: math.nan if x is None else x)
         code = archive.read_meta(d).code if archive.is_record(d) else None
         rows.append(dict(arm=arm, run=Path(d).stem, seed=int(cfg.train.seed), verdict=summary.verdict,
@@ -81,7 +104,8 @@ def run_rows(folder: Path, arm: str) -> list[dict]:
 
 
 def runs_table(root: Path) -> pd.DataFrame:
-    rows = [r for sub, arm in ARMS.items() if (Path(root) / sub).is_dir() for r in run_rows(Path(root) / sub, arm)]
+    rows = [r for sub, arm in ARMS.items() if (Path(root) / sub).is_dir()
+            for r in run_rows(Path(root) / sub, arm, ARM_RUNS[sub])]
     if not rows:
         raise StorageError(f"no finished runs of the plan in {root} (expected {', '.join(ARMS)})")
     return pd.DataFrame(rows).sort_values(["arm", "seed"]).reset_index(drop=True)
@@ -90,6 +114,9 @@ def runs_table(root: Path) -> pd.DataFrame:
 def primary(runs: pd.DataFrame) -> tuple[dict, str]:
     """The plan's test on the two LT arms (a diverged run, with no climb, ranks above every climb)."""
     full, trunc = (runs[runs.arm == a] for a in ("LT full, frozen E", "LT k=2, frozen E"))
+    if not (len(full) and len(trunc)):  # (no test, and no interval, of an arm without runs)
+        raise StorageError(f"the primary compares the two LT arms, and {'LT full' if not len(full) else 'LT k=2'} has "
+                           "no finished run")
     x, y = (g.climb.fillna(np.inf).to_numpy(float) for g in (full, trunc))
     # exact over every split of the runs, ties (diverged runs, equal climbs) included (scipy's "exact" assumes none)
     p = float(mannwhitneyu(x, y, alternative="greater", method=PermutationMethod(n_resamples=np.inf)).pvalue)
@@ -151,8 +178,7 @@ def report(root: Path, final: bool = False) -> str:
             "", f"By the plan: {reading}.", ""]
     flt = runs[runs.arm == "FLT full"]
     if len(flt) and FACTORIAL_FLT_K2.is_dir():
-        k2 = pd.DataFrame(run_rows(FACTORIAL_FLT_K2, "FLT k=2"))
-        k2 = k2[k2.run.str.startswith("flt")]
+        k2 = pd.DataFrame(run_rows(FACTORIAL_FLT_K2, "FLT k=2", FLT_K2_RUNS, others="skip"))
         ka, kb = int(k2.failed.sum()), int(flt.failed.sum())
         _, p = fisher_exact([[ka, len(k2) - ka], [kb, len(flt) - kb]], alternative="greater")
         out += [f"Secondary (the first factorial's FLT test): FLT k=2 failed {ka}/{len(k2)}, FLT full {kb}/{len(flt)}; "

@@ -25,7 +25,8 @@ def print_eval_loops(run: Path, df: pd.DataFrame) -> None:
     """One line per run of `flt-diag eval-loops`: the best loss, and the loss (and a task's accuracy) at every count."""
     finite = df[df.val_loss.apply(lambda x: x == x and abs(x) != float("inf"))]
     best = finite.loc[finite.val_loss.idxmin()] if len(finite) else None
-    line = (f"{run}: trained at K={int(df.trained_loops[0])}; "
+    on = f" (on {df.data[0]})" if "data" in df else ""
+    line = (f"{run}: trained at K={int(df.trained_loops[0])}{on}; "
             + (f"best val loss {best.val_loss:.3f} at {int(best.loops)} loops; " if best is not None else
                "no finite val loss; ")
             + " ".join(f"{int(k)}:{x:.2f}" for k, x in zip(df.loops, df.val_loss)))

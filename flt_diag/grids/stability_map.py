@@ -20,7 +20,7 @@ import pandas as pd
 from flt_diag.judge.map_boundaries import (CRITERIA, MAP_CSV, boundaries, bracket, map_lines,
                                            probe_cell, probe_outcomes)
 from flt_diag.storage.cells import RunId
-from flt_diag.storage.folders import CELLS, StorageError, atomic_path, folder_lock, load_summary
+from flt_diag.storage.folders import CELLS, atomic_path, folder_lock, load_summary, refuse_not_a_folder
 from flt_diag.config.run_config import RunConfig
 from flt_diag.config.grid_options import MapLinesGrid
 from flt_diag.grids.sweep import only, prepare_spec_folder, run_cell, write_summary
@@ -126,8 +126,7 @@ def run_map(spec: MapSpec, out: Path, workers: int = 1, only_line: int | None = 
     probe_ends (see `search`) is how the search runs, not what the map is: a map folder searched
     without it can be resumed with it, and its finished probes count."""
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise StorageError(f"{out} exists and is a file, not a map folder; use another --out")
+    refuse_not_a_folder(out, "a map folder", "use another --out")
     with (folder_lock(out, "map", root=out) if only_line is None else nullcontext()):  # (out may be a link)
         prepare_map_folder(spec, out)
         lines = only(spec.lines(), only_line, " (one per line)")

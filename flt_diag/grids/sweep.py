@@ -29,7 +29,7 @@ from flt_diag.storage.cells import RunId
 from flt_diag.storage.file_models import Summary
 from flt_diag.storage.folders import (BUSY, CELLS, ERROR, SWEEP_SPEC, StorageError, atomic_write_text, check_cells,
                                       folder_lock, has_content, load_spec as load_folder_spec, make_folder, refuse_links,
-                                      write_json)
+                                      refuse_not_a_folder, write_json)
 from flt_diag.storage.pooling import without_grid_fields
 from flt_diag.storage.schema import MAX_ITEMS
 from flt_diag.training.settle import comparable
@@ -156,8 +156,7 @@ def run_sweep(spec: SweepSpec, out: Path, workers: int = 1, only_cell: int | Non
     folder is owned by this process meanwhile (a job array's `--cell` tasks share it: they only
     lock their own cell's run folder)."""
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise StorageError(f"{out} exists and is a file, not a sweep folder; use another --out")
+    refuse_not_a_folder(out, "a sweep folder", "use another --out")
     # (`out` is the user's own choice and may be a link; a link below it is refused)
     with (folder_lock(out, "sweep", root=out) if only_cell is None else contextlib.nullcontext()):
         prepare_folder(spec, out)

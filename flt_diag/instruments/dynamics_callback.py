@@ -120,10 +120,19 @@ class LoopDynamicsCallback(Instrument):
         self._armed = False
         take = self.records.take
         if self.exit and self.head is not None and self.targets_of is not None:
-            self.targets = take((M.EXIT_LOSS,), lambda: checked_targets(  # (targets_of: checked above; a lambda
-                self.targets_of(*args, **kwargs), "targets="))  # type: ignore[misc]  # keeps no narrowing)
+            self.targets = take((M.EXIT_LOSS,), self._targets, self.targets_of, args, kwargs)
         if self.mapping and self.model is not None:
             take(LOOP_MAP, self._keep_batch, args, kwargs)
+
+    def _targets(self, targets_of: Callable, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        """targets= of the forward's arguments, checked; None from the user's (no targets for this forward: in
+        Hugging Face or Lightning, a batch without labels) is said once: no exit loss at such steps."""
+        given = targets_of(*args, **kwargs)
+        if given is None and self.model is None:
+            self._say("targets-none", "head= is given but the exit loss's targets (targets=, or the batch's labels) "
+                                      "were None for a recorded step's forward: no exit_loss at such steps (return "
+                                      "one class index per position, or leave head= out)")
+        return checked_targets(given, "targets=")
 
     def _keep_batch(self, args: tuple, kwargs: dict) -> None:
         assert self.model is not None  # (the protocol's model)

@@ -15,7 +15,7 @@ from torch import nn
 
 from flt_diag.judge.verdict import summarize, tokens_per_step
 from flt_diag.storage import metric_names as M
-from flt_diag.storage.folders import (SUMMARY, MetricsWriter, StorageError, folder_lock, has_content,
+from flt_diag.storage.folders import (SUMMARY, MetricsWriter, StorageError, folder_lock, has_content, not_a_folder,
                                       load_metrics, write_json)
 from flt_diag.instruments.callbacks import Callback
 from flt_diag.instruments.dynamics_callback import watched_model_dynamics
@@ -130,7 +130,9 @@ class LoopProbe(ProbeMoments):
         return True
 
     def _open(self) -> None:
-        if self.folder.exists() and (not self.folder.is_dir() or has_content(self.folder)):
+        if (it := not_a_folder(self.folder)) is not None:
+            raise ProbeError(f"{self.folder} is {it}, not a folder; give watch() a new folder")
+        if has_content(self.folder):
             raise ProbeError(f"{self.folder} exists and is not empty; give watch() a new folder")
         self._stack = contextlib.ExitStack()
         try:

@@ -16,14 +16,13 @@ again, or a sweep archived in slices as its cells finish, refreshes its own reco
 """
 from __future__ import annotations
 
-import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from flt_diag.storage import archive
 from flt_diag.storage.folders import (CELLS, CONFIG, METRICS, SWEEP_SPEC, BadFile, StorageError, is_archive, is_run,
-                                      is_sweep, load_config, load_spec, load_summary, read_json, refuse_links, run_dirs)
+                                      is_sweep, load_config, load_spec, load_summary, not_a_folder, read_json, refuse_links,
+                                      run_dirs)
 from flt_diag.storage.safe_files import is_temporary
 
 REPLACE = "give --replace to replace it, or archive into another --to"
@@ -47,15 +46,8 @@ class Plan:
 def check_destination(to: Path) -> None:
     """`to` is a folder (or missing: it is made) outside every run, sweep and map folder and archived sweep."""
     to = Path(to)
-    try:
-        mode = os.stat(to).st_mode  # (through a link: the folder named may be one)
-    except FileNotFoundError:
-        mode = None
-    except OSError as e:
-        raise StorageError(f"--to {to}: {e.strerror or e}") from None
-    if mode is not None and not stat.S_ISDIR(mode):
-        what = "a file" if stat.S_ISREG(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "not a folder"
-        raise StorageError(f"--to {to} is {what}; give a folder for the archive (it is made if missing)")
+    if (it := not_a_folder(to)) is not None:  # (a link to a folder is the user's choice)
+        raise StorageError(f"--to {to} is {it}; give a folder for the archive (it is made if missing)")
     here = to.resolve()
     for folder in (here, *here.parents):
         where = "is" if folder == here else "is inside"
@@ -63,6 +55,10 @@ def check_destination(to: Path) -> None:
             what = "a sweep or map folder" if (folder / CELLS).is_dir() else "an archived sweep or map"
         elif (folder / CONFIG).is_file() and (folder == here or (folder / METRICS).is_dir()):
             what = "a run folder"
+        elif folder != here and (records := archive.records_in(folder)):
+            raise StorageError(f"--to {to} is inside an archive of runs ({folder}, {len(records)} record(s)), whose "
+                               "readers read the records at its top only: archive into that folder itself, or into "
+                               "a folder outside it")
         else:
             continue
         raise StorageError(f"--to {to} {where} {what} ({folder}); readers would mix the records into it: archive "
@@ -155,4 +151,45 @@ def plan_sources(sources: list[Path], to: Path, replace: bool = False) -> list[P
                                    "into separate --to folders")
             seen[target] = src
         plans.append(plan)
+    _refuse_twice(plans)
+    _refuse_held(plans, to, replace)
     return plans
+
+
+def _refuse_twice(plans: list[Plan]) -> None:
+    """Each run archived once: two sources that are one folder (a link to it; a sweep and one of its cells) or
+    copies of one run (archive.identity: the same config.json, its host and start second included) are one line,
+    never two records that readers count as two runs."""
+    seen: dict = {}
+    for run_dir, _, _ in (run for plan in plans for run in plan.runs):
+        cfg = load_config(run_dir)
+        ident = archive.identity(cfg)
+        keys: list[tuple[str, object]] = [("folder", run_dir.resolve())] + ([("run", ident)] if ident else [])
+        for kind, key in keys:
+            if (first := seen.setdefault((kind, key), run_dir)) != run_dir:
+                how = f"one folder, {key}" if kind == "folder" else "copies of one run: " + archive.started(cfg)
+                raise StorageError(f"{first} and {run_dir} are the same run ({how}); a run is archived once: give "
+                                   "one of them")
+
+
+def _refuse_held(plans: list[Plan], to: Path, replace: bool) -> None:
+    """A run `to` holds already under another name (its record's stored config is the run's) is one line, or with
+    `replace` that record is removed first: never a second record of one run."""
+    held: dict[str | None, Path] = {}
+    for record in archive.records_in(to):
+        try:
+            key = archive.identity(archive.read_meta(record).config)
+        except (BadFile, StorageError):  # (not a record this flt-diag reads: _foreign says so where it matters)
+            continue
+        if key is not None:
+            held[key] = record
+    for plan in (p for p in plans if p.dest is None):
+        for run_dir, record, _ in plan.runs:
+            cfg = load_config(run_dir)
+            other = held.get(archive.identity(cfg))
+            if other is None or other == record or other in plan.foreign:
+                continue
+            if not replace:
+                raise StorageError(f"{run_dir} is archived in {to} already, as {other.name} ({archive.started(cfg)}); "
+                                   f"a second record would count it twice: {REPLACE}")
+            plan.foreign.append(other)

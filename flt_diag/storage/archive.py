@@ -47,6 +47,57 @@ def records_in(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if is_record(p))
 
 
+def identity(config: FileModel | dict) -> str | None:
+    """What a run is, whatever its folder or record is called: its config.json (as written) where that names the
+    host and the second the run started (env.started, written since 2026-11); None for an older one, which names
+    no single run."""
+    doc = config.as_written() if isinstance(config, FileModel) else config
+    env = doc.get("env") if isinstance(doc, dict) else None
+    return json.dumps(doc, sort_keys=True, default=str) if isinstance(env, dict) and env.get("started") else None
+
+
+def started(config: FileModel | dict) -> str:
+    """The words naming a run by identity(): "the same config.json, started <second> on <host>"."""
+    env = (config.as_written() if isinstance(config, FileModel) else config).get("env") or {}
+    return f"the same config.json, started {env.get('started')} on {env.get('host', 'an unnamed host')}"
+
+
+def _stored(path: Path) -> tuple[str | None, str | None]:
+    """(source, identity) of a record, read from its metadata alone (no table; unchecked: a record that is not
+    one is refused by its loaders, not here)."""
+    try:
+        doc = json.loads((_parquet_file(path).schema_arrow.metadata or {}).get(META_KEY) or b"null")
+    except (BadFile, StorageError, ValueError, RecursionError):
+        return None, None
+    if not isinstance(doc, dict) or not isinstance(doc.get("config"), dict):
+        return None, None
+    source = doc.get("source") if isinstance(doc.get("source"), str) else None
+    return source, identity(doc["config"])
+
+
+def refuse_copies(records: list[Path]) -> None:
+    """One run, one record: two records of a run (a record copied under another name, or one run archived twice
+    through a link before 2026-12-05) are one line naming the one whose name contradicts its stored source, never
+    a run counted twice."""
+    seen: dict[str, tuple[Path, str | None]] = {}
+    for record in records:
+        source, key = _stored(record)
+        if key is None:
+            continue
+        if key not in seen:
+            seen[key] = (record, source)
+            continue
+        first, first_source = seen[key]
+        copy, what = (first, first_source) if _misnamed(first, first_source) else (record, source)
+        named = f" is named {copy.stem!r} but holds the archive of {what!r}," if _misnamed(copy, what) else ""
+        raise StorageError(f"{copy}{named} the same run as {record if copy == first else first} "
+                           f"({started(json.loads(key))}); a copy counts the run twice: remove one of them")
+
+
+def _misnamed(record: Path, source: str | None) -> bool:
+    return source is not None and source.rsplit("/", 1)[-1] != record.stem
+
+
 def refuse_linked(folder: Path) -> None:
     """A link named like a record directly in `folder` (an archive from elsewhere) is one line, not a record
     skipped in silence (a cell left out of a summary, or another cell's rows under its name)."""

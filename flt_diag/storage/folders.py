@@ -15,7 +15,8 @@ from pathlib import Path
 import pandas as pd
 
 from flt_diag.storage import archive, files
-from flt_diag.storage.links import make_folder, refuse_links, refuse_symlink  # noqa: F401  (re-exported)
+from flt_diag.storage.links import (make_folder, not_a_folder, refuse_links, refuse_not_a_folder,  # noqa: F401
+                                    refuse_symlink)  # (re-exported)
 from flt_diag.storage.locks import BUSY, LOCK, folder_lock  # noqa: F401  (re-exported)
 from flt_diag.storage.safe_files import file_mode, kind_of, open_regular
 from flt_diag.storage.safe_files import temporary_affixes  # (the names atomic_path writes through)
@@ -255,7 +256,10 @@ def load_eval_loops(run_dir: Path) -> pd.DataFrame | None:
     if not p.exists():
         return None
     with open_regular(p) as f:
-        return pd.read_csv(f)
+        try:
+            return pd.read_csv(f)
+        except (ValueError, UnicodeDecodeError) as e:  # (pandas' errors name no file)
+            raise BadFile(f"{p}: not a table flt-diag reads ({' '.join(str(e).split())[:120] or type(e).__name__})") from None
 
 
 def cell_names(sweep: Path) -> list[str]:
@@ -307,10 +311,12 @@ def run_dirs(path: Path) -> list[Path]:
                 out.append(path / CELLS / name)
             elif archive.is_record(path / (name + archive.SUFFIX)):
                 out.append(path / (name + archive.SUFFIX))
+        archive.refuse_copies([d for d in out if archive.is_record(d)])  # (a copy under a cell's name)
         return out
     if is_run(path):
         return [path]
     if records := archive.records_in(path):  # a folder of archived runs
+        archive.refuse_copies(records)  # one run, one record: a copy under another name is one line, never counted twice
         return records
     if why := archive.why_not(path):  # a linked record, a temporary file a killed write left
         raise StorageError(why)

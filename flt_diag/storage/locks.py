@@ -8,7 +8,7 @@ import stat
 from pathlib import Path
 
 from flt_diag.storage.errors import StorageError
-from flt_diag.storage.links import make_folder, refuse_links, refuse_symlink
+from flt_diag.storage.links import make_folder, refuse_links, refuse_not_a_folder, refuse_symlink
 from flt_diag.storage.safe_files import kind_of
 
 BUSY = "is being written by another flt-diag process"  # folder_lock's refusal (a sweep tells it from a failure)
@@ -28,6 +28,7 @@ def folder_lock(folder: Path, kind: str = "run", root: Path | None = None):
         yield
         return
     refuse_links(folder, root)
+    refuse_not_a_folder(folder, f"a {kind} folder", "give a folder (it is made if missing)")  # never mkdir's "File exists"
     _refuse_odd_lock(folder / LOCK)  # a link, a folder or socket there: open() would say only "Is a directory" or ENXIO
     created = not folder.exists()
     try:

@@ -9,6 +9,7 @@ compiler (compiling costs seconds before the first step: benchmarks/README.md, "
 from __future__ import annotations
 
 import shutil
+import sys
 
 import torch
 
@@ -44,6 +45,22 @@ def compile_blocks(model: LoopedTransformer, **compile_kwargs) -> LoopedTransfor
         block.attend = torch.compile(block.attend, **compile_kwargs)  # type: ignore[assignment, arg-type]
         block.feed = torch.compile(block.feed, **compile_kwargs)  # type: ignore[assignment, arg-type]
     return model
+
+
+def drop_queued_compiles() -> None:
+    """On an interrupt: cancel the kernel builds torch.compile has queued and not started. On a CPU with more
+    than one compile thread, inductor builds each kernel (a C++ compiler run) on a thread pool while the step
+    waits for them; Ctrl-C ends that wait at once, but at exit Python joins the pool's threads, which first run
+    every queued build, one compiler run after another (49.5 s on a loaded machine, issue 67). Builds already
+    running (one per compile thread) finish or die with Ctrl-C's signal to their process group. The pool is
+    forgotten too, so that a later torch.compile in this process (a notebook) makes a new one. A torch whose
+    inductor has no such pool: nothing to do."""
+    async_compile = sys.modules.get("torch._inductor.async_compile")  # (never imported here: not compiling)
+    made = getattr(getattr(async_compile, "AsyncCompile", None), "pool", None)
+    if made is None or not hasattr(made, "cache_info") or not made.cache_info().currsize:
+        return
+    made().shutdown(wait=False, cancel_futures=True)
+    made.cache_clear()
 
 
 def reference_precision(model: LoopedTransformer) -> LoopedTransformer:

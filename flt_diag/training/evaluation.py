@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.errors import first_line
-from flt_diag.storage.folders import CHECKPOINT, EVAL_LOOPS, StorageError, atomic_path, load_config, refuse_links
+from flt_diag.storage.folders import (CHECKPOINT, EVAL_LOOPS, StorageError, atomic_path, folder_lock, load_config,
+                                      load_eval_loops, refuse_links)
 from flt_diag.data.sources import load_split
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig
 from flt_diag.training.checkpoint import load
@@ -98,11 +99,14 @@ def eval_loops(run_dir: Path, loops: list[int] | None = None, batches: int | Non
     """Validation loss, perplexity and (on a task) exact-match accuracy of a run's final checkpoint
     at each inference loop count (default 1 .. 2K, K the loops it was trained with).
 
-    Writes <run>/eval_loops.csv (columns: loops, trained_loops, val_loss, perplexity, accuracy, data,
-    batches; accuracy is empty for text), never through a link below `root` (the folder the command was
-    given: a sweep whose cell is a link to another run is refused before anything is evaluated)."""
+    Adds the rows to <run>/eval_loops.csv (columns: loops, trained_loops, val_loss, perplexity, accuracy, data,
+    batches; accuracy is empty for text), keyed by data: rows of other data (or batches, or loop counts) already
+    there are kept (with_earlier_rows); never written through a link below `root` (the folder the command was
+    given: a sweep whose cell is a link to another run is refused before anything is evaluated). Returns this
+    evaluation's rows."""
     run_dir = Path(run_dir)
     refuse_links(run_dir / EVAL_LOOPS, root)
+    load_eval_loops(run_dir)  # (one that cannot be read: one line before the minutes of evaluation, never replaced)
     model = _final_model(run_dir, device)
     t = load_config(run_dir).run_config().train
     data = data or t.data
@@ -118,9 +122,27 @@ def eval_loops(run_dir: Path, loops: list[int] | None = None, batches: int | Non
                          perplexity=math.exp(min(scores.loss, 700)),
                          accuracy=math.nan if scores.accuracy is None else scores.accuracy, data=data, batches=batches))
     df = pd.DataFrame(rows)
-    with atomic_path(run_dir / EVAL_LOOPS, root) as tmp:
-        df.to_csv(tmp, index=False)
+    with folder_lock(run_dir, root=root):  # (two evaluations of one run at once: each keeps the other's rows)
+        table = with_earlier_rows(load_eval_loops(run_dir), df)
+        with atomic_path(run_dir / EVAL_LOOPS, root) as tmp:
+            table.to_csv(tmp, index=False)
     return df
+
+
+KEY = ["data", "batches", "loops"]  # what one row of eval_loops.csv measured
+
+
+def with_earlier_rows(earlier: pd.DataFrame | None, new: pd.DataFrame) -> pd.DataFrame:
+    """eval_loops.csv after an evaluation: the rows it held first, then `new`'s. An earlier row is replaced only by
+    a measurement of the same thing (KEY: the same data, batches and loop count of the same final checkpoint);
+    every other is kept - the run's own corpus beside a task (`--data phop`), and the rows of a file written
+    before `data` and `batches` were columns (its key unknown: kept, never matched)."""
+    if earlier is None or earlier.empty:
+        return new
+    old = earlier.reindex(columns=list(dict.fromkeys([*new.columns, *earlier.columns])))
+    measured = set(new[KEY].itertuples(index=False, name=None))
+    again = [key in measured for key in old[KEY].astype(object).itertuples(index=False, name=None)]
+    return pd.concat([old[[not a for a in again]], new], ignore_index=True)
 
 
 def _final_model(run_dir: Path, device: str):

@@ -32,7 +32,7 @@ from flt_diag.training.checkpoint import load, save_weights
 from flt_diag.config.run_config import RunConfig, TrainConfig, padded_vocab
 from flt_diag.storage.files import META_LOOP_KEYS as LOOP_KEYS, META_VARIANT_KEYS as VARIANT_KEYS, check_reference_meta
 from flt_diag.storage.file_models import MetaModelConfig, ReferenceMeta
-from flt_diag.storage.folders import CHECKPOINT, CONFIG, StorageError, read_json, write_json
+from flt_diag.storage.folders import CHECKPOINT, CONFIG, StorageError, read_json, refuse_not_a_folder, write_json
 
 REFERENCE_VARIANTS: dict[str, str] = {"LT": "lt", "LT_i": "lt-ii", "LT_ia": "lt-ai", "FLT_res": "fla", "FLT": "flt"}
 PREFIXES = ("_orig_mod.", "module.")
@@ -279,6 +279,7 @@ def write_imported_run(model: LoopedTransformer, out_dir, source: str, step: int
     folder gets tokenizer null and a "note" saying to set it. No summary.json is written: an imported
     model has no training history here."""
     out = Path(out_dir)
+    refuse_not_a_folder(out, "a run folder", "choose another folder")
     if out.exists() and any(out.iterdir()):
         raise StorageError(f"{out} exists and is not empty; choose another folder")
     try:

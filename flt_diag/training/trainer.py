@@ -39,11 +39,11 @@ from flt_diag.training.process import start_process
 from flt_diag.instruments.dynamics_callback import own_model_dynamics
 from flt_diag.instruments.warning_callback import collapse_warning
 from flt_diag.integrations.probe import Probe
-from flt_diag.training.compile_precision import compile_blocks, compile_wanted, reference_precision
+from flt_diag.training.compile_precision import compile_blocks, compile_wanted, drop_queued_compiles, reference_precision
 from flt_diag.training.stabiliser_step import objective, step_loops
 from flt_diag.training.optim import build_optimizers, lr_multiplier, muon_momentum, set_lr, set_momentum
 from flt_diag.storage.folders import (CONFIG, METRICS, SUMMARY, StorageError, folder_lock, has_content, load_config, load_metrics,
-                      load_summary, write_json)
+                      load_summary, refuse_not_a_folder, write_json)
 from flt_diag.training.settle import check_settled, comparable, differences
 
 
@@ -278,13 +278,16 @@ class Trainer:
     def fit(self) -> Summary | dict:  # ({}: on DDP ranks other than 0)
         """Train (or resume) to the end and return the run's summary. Rank 0 owns the run folder
         (a second process writing the same folder is refused) until the summary is written."""
-        if self.run_dir.exists() and not self.run_dir.is_dir():
-            raise StorageError(f"{self.run_dir} exists and is a file, not a run folder; use another --out")
+        refuse_not_a_folder(self.run_dir, "a run folder", "use another --out")  # (a link to a folder: the user's)
         # no link at any depth below the given folder (a sweep's cells/ or cell folder), then none inside
         # (a run folder given on its own may itself be a link, the user's choice: only links inside are foreign)
         root = self.root if self.root is not None else self.run_dir
         with folder_lock(self.run_dir, root=root) if self.is_main else contextlib.nullcontext():
-            return self._fit()
+            try:
+                return self._fit()
+            except KeyboardInterrupt:  # (Ctrl-C while torch.compile waits for its kernels: none more is built)
+                drop_queued_compiles()
+                raise
 
     def _fit(self) -> Summary | dict:
         if not self.start():
