@@ -139,3 +139,35 @@ def test_the_early_warnings_gradient_features_are_net_of_the_loop_count():
     fixed = features_at(RunSeries(metrics(g, np.full(400, 12.0)), loops=12, depth=2), 300, d_model=64)
     plain = features_at(RunSeries(metrics(g, None), loops=12, depth=2), 300, d_model=64)
     assert pd.Series(fixed).equals(pd.Series(plain)) and plain["grad_dlog"] == float(np.abs(np.diff(np.log(g[200:300]))).mean())
+
+
+def test_a_watch_run_that_records_a_sampled_loop_count_is_judged_net_of_it(tmp_path):
+    """flt_diag.watch on a model drawing its loop count per forward (2 to 5): the summary's rule 4b is v4's, its
+    one window worked out here from the stored gradient norms and counts (no warm-down given: every step)."""
+    import torch
+    import flt_diag
+    from probe_models import UniversalTransformer, batches, lm_loss
+    from flt_diag.storage.folders import load_metrics, load_summary, series
+    torch.manual_seed(0)
+    model = UniversalTransformer(loops=4, sample_loops=True)
+    opt = torch.optim.AdamW(model.parameters(), 1e-3)
+    with flt_diag.watch(model, folder=tmp_path / "w", optimizer=opt, blocks=[model.layer]) as probe:
+        for x in batches(30):
+            loss = lm_loss(model(x), x)
+            loss.backward()
+            opt.step()
+            probe.step(loss=loss)
+            opt.zero_grad()
+    df, s = load_metrics(tmp_path / "w"), load_summary(tmp_path / "w")
+    g, r = series(df, M.GRAD_NORM).to_numpy(), series(df, M.LOOPS_RUN).to_numpy()
+    assert list(r) == model.sampled and len(set(model.sampled)) > 1
+    d, delta = np.diff(np.log(g)), np.diff(np.log(r))
+    changes = int((delta != 0).sum())
+    if changes >= 20:
+        beta = float(np.linalg.lstsq(delta[:, None], d, rcond=None)[0][0])
+        expected = float(np.median(np.abs(d - beta * delta)))
+    else:
+        expected = float(np.median(np.abs(d[delta == 0])))
+    assert s.evidence.osc_loop_count == "sampled" and s.osc_dlog_windows[0].count_changes == changes
+    assert s.osc_dlog_median == pytest.approx(expected, rel=1e-12)
+    assert s.osc_dlog_median_v3 == pytest.approx(float(np.median(np.abs(d))), rel=1e-12)
