@@ -1,8 +1,9 @@
 """Derived metrics and the verdict, computed from stored series only (numpy/pandas, no torch).
 
 The oscillation indices (OSC_INDICES, per window of `osc_window` recorded steps and over the whole run; a series
-recorded every N steps gives indices over N-step differences), the reference's milestone statistics, verdict v3's
-rules in the order applied (thresholds in VerdictConfig) and residual explosion: docs/DESIGN.md section 3.
+recorded every N steps gives indices over N-step differences), the reference's milestone statistics, verdict v4's
+rules in the order applied (thresholds in VerdictConfig; rule 4b, net of a sampled loop count, in
+gradient_oscillation.py; v3's verdict beside) and residual explosion: docs/DESIGN.md section 3.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from flt_diag.config.run_config import DiagnosticsConfig, ModelConfig, Preset, R
 from flt_diag.config.grid_options import MAX_GRID, MapAxes, SweepAxes
 from flt_diag.config.option_fields import MAX_ITEMS, Ascending, Distinct, Items, Options
 
-Verdict = Literal["stable", "unstable", "stalled", "collapsed", "diverged"]  # verdict v3 (flt_diag.judge.verdict)
+Verdict = Literal["stable", "unstable", "stalled", "collapsed", "diverged"]  # verdicts v3 and v4 (flt_diag.judge.verdict)
 M = TypeVar("M", bound="type[Options]")
 G = TypeVar("G")
 
