@@ -20,6 +20,7 @@ from annotated_types import Le
 from pydantic import AfterValidator, BaseModel
 
 from flt_diag.storage import file_models as F, files
+from flt_diag.storage.reference_meta import ReferenceMeta
 from flt_diag.storage.folders import StorageError
 from flt_diag.config.option_fields import MAX_ITEMS, ascending, distinct, form
 from flt_diag.cli import main
@@ -326,7 +327,7 @@ KINDS = {
     "predictor": (lambda: _model(F.PredictorFile), "predictor.json", _read_predictor),
     "study": (lambda: _study_entry("ablation"), "study-ablation.toml", _read_study),
     "study (map)": (lambda: _study_entry("map"), "study-map.toml", _read_study),
-    "reference meta": (lambda: _model(F.ReferenceMeta), "reference/meta_000004.json", _read_meta),
+    "reference meta": (lambda: _model(ReferenceMeta), "reference/meta_000004.json", _read_meta),
 }
 
 

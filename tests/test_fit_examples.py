@@ -54,7 +54,7 @@ def test_the_table_carries_the_verdict_version_and_the_stall_evidence_and_an_old
     table = pd.read_csv(fitted / "examples.csv")
     summary = json.loads((fitted / "sw" / "cells" / "lt_K06_seed1_lr1" / "summary.json").read_text())
     row = table[(table.variant == "lt") & (table.loops == 6) & (table.seed == 1)].iloc[0]
-    assert row.verdict_version == summary["verdict_version"] == 3
+    assert row.verdict_version == summary["verdict_version"] == 4
     for key in ("final_smoothed_loss", "stall_reference", "stall_margin"):
         assert row[key] == pytest.approx(summary["evidence"][key], rel=1e-12)
     older = table.drop(columns=["verdict_version", "final_smoothed_loss", "stall_reference", "stall_margin"])

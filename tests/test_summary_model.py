@@ -26,17 +26,19 @@ def _run(tmp_path):
 def _expected(cfg) -> dict:
     """By hand: the NaN at step 1 is rule 1 (diverged); no gradient norm, so no oscillation window (span end
     2 - round(0.2 * 2) = 2); no residual norm; milestones at steps 0 and 1 (the warm-down start, min(2, 1)):
-    std of [2.0] = 0, of [NaN] = NaN; throughput 8 tokens * 2 steps / 4 s."""
-    return {"verdict": "diverged", "verdict_version": 3,
+    std of [2.0] = 0, of [NaN] = NaN; throughput 8 tokens * 2 steps / 4 s; no loops_run: v3's verdict is v4's."""
+    return {"verdict": "diverged", "verdict_version": 4, "verdict_v3": "diverged",
             "evidence": {"nonfinite_step": 1, "reason": "non-finite loss", "osc_dlog_median": NAN,
                          "osc_alternation": NAN, "osc_dlog_window": None, "osc_dlog_threshold": math.log(1.5),
-                         "osc_windows_judged": 0, "osc_span_end": 2},
+                         "osc_windows_judged": 0, "osc_span_end": 2, "osc_loop_count": "fixed",
+                         "osc_loop_slope": NAN},
             "residual_explosion": False, "peak_resid_norm": NAN, "peak_resid_norm_any": NAN, "peak_resid_loop": None,
             "residual_explosion_any": False, "peak_resid_step": None, "final_resid_norm": NAN, "resid_ratio": NAN,
             "explosion_threshold": 100.0 * 4.0, "variant": cfg.model.variant, "loops": 2, "seed": cfg.train.seed,
             "lr_scale": cfg.train.lr_scale, "final_loss": 2.0, "best_loss": NAN, "val_loss": NAN, "val_ppl": NAN,
             "val_accuracy": NAN, "osc_cv": NAN, "osc_mean_abs_dlog": NAN, "osc_sign_alternation": NAN,
-            "osc_neg_cosine_share": NAN, "osc_dlog_median": NAN, "osc_alternation": NAN, "stall_reference": None,
+            "osc_neg_cosine_share": NAN, "osc_dlog_median": NAN, "osc_alternation": NAN, "osc_dlog_median_v3": NAN,
+            "stall_reference": None,
             "stall_margin": None, "loss_std": NAN, "grad_norm_std": NAN, "loss_std_warmdown": NAN,
             "grad_norm_std_warmdown": NAN,
             "milestones": [{"step": 0, "loss_std": 0.0, "grad_norm_std": NAN},
@@ -58,6 +60,7 @@ def test_a_summary_written_and_read_back_is_the_one_worked_out_by_hand(tmp_path)
 def test_an_older_summary_reads_and_its_missing_fields_are_none(tmp_path):
     cfg, _ = _run(tmp_path)
     v2 = {k: v for k, v in _expected(cfg).items() if k not in ("verdict_version", "val_accuracy", "osc_dlog_median",
+                                                                "verdict_v3", "osc_dlog_median_v3",
                                                                 "osc_alternation", "stall_reference", "stall_margin",
                                                                 "osc_dlog_windows", "peak_resid_norm_any")}
     v2["evidence"] = {"nonfinite_step": 1, "reason": "non-finite loss"}

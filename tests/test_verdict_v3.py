@@ -257,4 +257,4 @@ def test_summary_recompute_applies_v3_to_a_v2_folder(tmp_path):
     write_json(run / "summary.json", {**old, "verdict": "collapsed"})
     assert main(["summary", str(run), "--recompute"]) == 0
     new = load_summary(run)
-    assert new.verdict == "stalled" and new.verdict_version == 3
+    assert new.verdict == "stalled" and new.verdict_version == 4 and new.verdict_v3 == "stalled"

@@ -47,6 +47,7 @@ def console_progress(total: int, label: str) -> _ConsoleProgress:
 
 def print_run_summary(out: Path, s: Summary) -> None:
     verdict = s.verdict + (f" (predicted at step {s.prediction.step})" if s.prediction else "")
+    verdict += f" (v3: {s.verdict_v3})" if s.verdict_v3 not in (None, s.verdict) else ""  # (v4 netted the loop count)
     print(f"{out}: {verdict} ({s.evidence.reason or ''}); final loss {s.final_loss:.3f}, best "
           f"{s.best_loss:.3f}, val {s.val_loss:.3f}; peak final-loop residual norm {s.peak_resid_norm:.1f}"
           f"{' (EXPLODED)' if s.residual_explosion else ''}; median |dlog g| {_number(s.osc_dlog_median, '{:.3f}')}"

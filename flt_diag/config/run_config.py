@@ -222,7 +222,8 @@ class VerdictConfig(Options):
                                  gt=0)
     osc_window: int = opt(200, "Steps per window of the oscillation indices.", ge=2)
     osc_dlog_threshold: float = opt(math.log(1.5), "Verdict: unstable if, in any window before the warm-down, "
-                                    "the median |log g(t+1) - log g(t)| exceeds this (log 1.5; docs/DESIGN.md §3).",
+                                    "the median |log g(t+1) - log g(t)| (net of the loop count's change where loops_run "
+                                    "changes: verdict v4) exceeds this (log 1.5; docs/DESIGN.md §3).",
                                     gt=0)
 
 

@@ -8,6 +8,8 @@ recorded steps before s (numpy/scipy/pandas only; no torch):
     loop_ratio      log10(final-loop / first-loop residual norm)              (later vs earlier loops)
     grad_cv         coefficient of variation of the global gradient norm      (oscillation)
     grad_dlog       mean |delta log gradient norm|                            (oscillation)
+                    (both net of the loop count where `loops_run` changes in the window, as verdict v4's
+                    rule 4b: flt_diag.judge.gradient_oscillation.netted_levels)
     grad_cos        mean cosine between successive gradients                  (oscillation: < 0 when
                     each step undoes part of the last)
     act_grad_decay  log10(||dL/d out(loop 1, block 1)|| / ||dL/d out(loop K, block L)||)
@@ -33,6 +35,7 @@ from flt_diag.storage.cells import IDENTITY, RunId
 from flt_diag.storage.file_models import PredictorFile, Summary
 from flt_diag.storage.files import predictor_of
 from flt_diag.storage.folders import load_config, load_metrics, load_summary, run_dirs, run_name, series
+from flt_diag.judge.gradient_oscillation import netted_levels
 from flt_diag.judge.verdict import coefficient_of_variation, mean_abs_dlog, quiet
 
 SMOOTH = 50
@@ -93,7 +96,7 @@ class RunSeries:
             x = get(metric, loop, layer)
             return x if x.index.is_monotonic_increasing else x.sort_index(kind="stable")
         self.final, self.first, self.act_first, self.act_last = (one(*s) for s in loop_series(loops, depth))
-        self.grad, self.cos = one(M.GRAD_NORM), one(M.GRAD_COSINE)
+        self.grad, self.cos, self.loops = one(M.GRAD_NORM), one(M.GRAD_COSINE), one(M.LOOPS_RUN)
         self.loss = one(M.LOSS)
         smooth = self.loss.rolling(SMOOTH, min_periods=1).mean()
         self.climb = (smooth - smooth.cummin()).to_numpy(dtype=float)
@@ -116,7 +119,7 @@ def features_at(run: RunSeries, at: int, d_model: int) -> dict:
     lo = at - W
     final, first = _window(run.final, lo, at), _window(run.first, lo, at)
     g = _window(run.grad, lo, at)
-    g = g[np.isfinite(g.to_numpy()) & (g.to_numpy() > 0)]
+    g = netted_levels(g[np.isfinite(g.to_numpy()) & (g.to_numpy() > 0)], _window(run.loops, lo, at))  # verdict v4's
     cos = _window(run.cos, lo, at)
     cos = cos[np.isfinite(cos.to_numpy())]
     a_first, a_last = _window(run.act_first, lo, at), _window(run.act_last, lo, at)

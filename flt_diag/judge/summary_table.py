@@ -13,11 +13,13 @@ from flt_diag.storage.cells import RunId
 from flt_diag.storage.file_models import Summary
 from flt_diag.storage.folders import SWEEP_SUMMARY, atomic_path, load_config, load_summary, run_dirs, run_name
 
-# summary.json keys shown per run; SUMMARY_NUMBERS (final_loss .. grad_norm_std) are averaged per grid cell
-SUMMARY_COLUMNS = ["cell", "variant", "loops", "seed", "lr_scale", "verdict", "residual_explosion", "final_loss",
-                   "best_loss", "val_loss", "val_ppl", "val_accuracy", "peak_resid_norm", "osc_cv", "osc_mean_abs_dlog",
-                   "osc_sign_alternation", "osc_neg_cosine_share", "osc_dlog_median", "osc_alternation", "loss_std",
-                   "grad_norm_std", "steps_done", "wall_time", "verdict_version"]
+# summary.json keys shown per run (verdict_v3: v3's verdict beside v4's); SUMMARY_NUMBERS (final_loss .. grad_norm_std)
+# are averaged per grid cell
+SUMMARY_COLUMNS = ["cell", "variant", "loops", "seed", "lr_scale", "verdict", "verdict_v3", "residual_explosion",
+                   "final_loss", "best_loss", "val_loss", "val_ppl", "val_accuracy", "peak_resid_norm", "osc_cv",
+                   "osc_mean_abs_dlog", "osc_sign_alternation", "osc_neg_cosine_share", "osc_dlog_median",
+                   "osc_alternation", "osc_dlog_median_v3", "loss_std", "grad_norm_std", "steps_done", "wall_time",
+                   "verdict_version"]
 
 
 def summary_row(cell: str, summary: Summary, model, **labels) -> dict:

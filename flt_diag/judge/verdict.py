@@ -1,8 +1,9 @@
 """Derived metrics and the verdict, computed from stored series only (numpy/pandas, no torch).
 
 The oscillation indices (OSC_INDICES, per window of `osc_window` recorded steps and over the whole run; a series
-recorded every N steps gives indices over N-step differences), the reference's milestone statistics, verdict v3's
-rules in the order applied (thresholds in VerdictConfig) and residual explosion: docs/DESIGN.md section 3.
+recorded every N steps gives indices over N-step differences), the reference's milestone statistics, verdict v4's
+rules in the order applied (thresholds in VerdictConfig; rule 4b, net of a sampled loop count, in
+gradient_oscillation.py; v3's verdict beside) and residual explosion: docs/DESIGN.md section 3.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from flt_diag.storage.file_models import RunConfigFile, Summary
 from flt_diag.storage.folders import (SUMMARY, load_config, load_metrics, load_summary, rewrite_record_summary, series,
                                      write_json)
 from flt_diag.config.run_config import RunConfig, VerdictConfig, with_overrides
+from flt_diag.judge.gradient_oscillation import (MIN_DIFFERENCES, log_differences, oscillation_index,  # noqa: F401
+                                                 window_starts)  # (rule 4b; re-exported where it was)
 
 OSC_INDICES = ("cv", "mean_abs_dlog", "sign_alternation", "neg_cosine_share")
 
@@ -110,15 +113,6 @@ def windowed_oscillation(grad_norm: pd.Series, cosine: pd.Series | None, window:
     return pd.DataFrame(rows, columns=["start", "end", *OSC_INDICES])
 
 
-def window_starts(steps, window: int, end: int | None = None) -> list[int]:
-    """The starts (multiples of `window` from 0) of the windows [start, start + window) that hold a stored step
-    (below `end`): windows follow the rows stored, never a step count read from the folder (a config.json
-    or summary that says 10**12 steps asks for no 10**10 empty windows)."""
-    steps = np.asarray(steps, dtype=np.int64)
-    steps = steps[(steps >= 0) & (steps < end)] if end is not None else steps[steps >= 0]
-    return [int(k) * window for k in np.unique(steps // window)]
-
-
 def smoothed(loss: pd.Series, window: int) -> pd.Series:
     return loss.rolling(window, min_periods=min(window, len(loss))).mean()
 
@@ -174,47 +168,6 @@ def stall_evidence(final: float, unigram_entropy: float | None, v: VerdictConfig
                 stalled=bool(final > unigram_entropy - margin), stall_judged="yes: against the unigram entropy")
 
 
-MIN_DIFFERENCES = 20  # a window with fewer recorded consecutive-step differences is not judged
-
-
-def log_differences(grad_norm: pd.Series, end: int) -> pd.Series:
-    """log g(t+1) - log g(t), indexed by t, for each pair of recorded consecutive steps t, t+1 < end with a
-    finite positive gradient norm at both."""
-    g = grad_norm[grad_norm.index < end]
-    g = g[np.isfinite(g.to_numpy(dtype=float)) & (g.to_numpy(dtype=float) > 0)]
-    steps, logs = g.index.to_numpy(), np.log(g.to_numpy(dtype=float))
-    consecutive = np.diff(steps) == 1
-    return pd.Series(np.diff(logs)[consecutive], index=steps[:-1][consecutive], dtype=float)
-
-
-def _dlog_window(d: pd.Series, start: int, end: int) -> dict:
-    """One window's index: the median |dlog g| and the share of sign changes between successive differences."""
-    steps, v = d.index.to_numpy(), d.to_numpy()
-    successive = np.diff(steps) == 1
-    changes = (v[1:] * v[:-1] < 0)[successive]
-    return dict(start=start, end=end, differences=len(v), median_abs_dlog=float(np.median(np.abs(v))),
-                alternation=float(changes.mean()) if len(changes) else math.nan)
-
-
-def oscillation_index(grad_norm: pd.Series, span_end: int, window: int, threshold: float) -> dict:
-    """Rule 4b of verdict v3: over the recorded consecutive steps before `span_end` (the warm-down start), in
-    windows [start, start + window) of the first step of each difference, the median |log g(t+1) - log g(t)|;
-    oscillating if any judged window's (>= MIN_DIFFERENCES differences) exceeds `threshold`. The evidence
-    names the window with the largest median and its alternation share (osc_alternation)."""
-    d = log_differences(grad_norm, span_end)
-    windows = []
-    for start in window_starts(d.index.to_numpy(), window, span_end):
-        w = d[(d.index >= start) & (d.index < start + window)]
-        if len(w) >= MIN_DIFFERENCES:
-            windows.append(_dlog_window(w, start, min(start + window, span_end) - 1))
-    worst = max(windows, key=lambda w: w["median_abs_dlog"]) if windows else None
-    return dict(osc_dlog_median=worst["median_abs_dlog"] if worst else math.nan,
-                osc_alternation=worst["alternation"] if worst else math.nan,
-                osc_dlog_window=[worst["start"], worst["end"]] if worst else None,
-                osc_dlog_threshold=threshold, osc_windows_judged=len(windows), osc_span_end=int(span_end),
-                oscillating=bool(worst and worst["median_abs_dlog"] > threshold), osc_dlog_windows=windows)
-
-
 def warmdown_start(steps: int, warmdown_frac: float) -> int:
     """The warm-down milestone: the first step of the warm-down (the last step without one)."""
     return min(steps - round(warmdown_frac * steps), steps - 1)
@@ -254,38 +207,55 @@ def residual_explosion(df: pd.DataFrame, loops: int, d_model: int, ratio: float)
                 explosion_threshold=ratio * math.sqrt(d_model))
 
 
-VERDICT_VERSION = 3  # recorded in summary.json (`summary --recompute` rewrites older summaries)
+VERDICT_VERSION = 4  # recorded in summary.json (`summary --recompute` rewrites older summaries)
+
+
+def _oscillation_reason(index: dict, threshold: float) -> str:
+    a, b = index["osc_dlog_window"]
+    if index["osc_loop_count"] == "sampled":
+        return (f"gradient oscillation net of the loop count: median |dlog g - {index['osc_loop_slope']:.2f} dlog r| "
+                f"{index['osc_dlog_median']:.3f} over steps {a}-{b} exceeds {threshold:.3f} "
+                f"(alternation {index['osc_alternation']:.2f})")
+    return (f"gradient oscillation: median |dlog g| {index['osc_dlog_median']:.3f} over steps {a}-{b} exceeds "
+            f"{threshold:.3f} (alternation {index['osc_alternation']:.2f})")
 
 
 @quiet
 def judged(df: pd.DataFrame, recipe: Recipe | RunConfig, unigram_entropy: float | None, prediction: dict | None = None,
            stall_scale: float = 1.0) -> tuple[str, dict, dict]:
     """(verdict, evidence, oscillation index) of a run's metrics table under its recipe's verdict thresholds:
-    `verdict`'s loss rules, then rule 4b (gradient oscillation before the warm-down) for a run they call stable."""
+    `verdict`'s loss rules, then rule 4b (gradient oscillation before the warm-down, net of the loop count where
+    `loops_run` changes: v4) for a run they call stable. The index also holds v3's verdict and index
+    (`verdict_v3`, `osc_dlog_median_v3`: rule 4b on the gradient norm alone; v4's own at a fixed loop count)."""
     r = Recipe.of(recipe)
     v = r.verdict
     name, evidence = verdict(series(df, M.LOSS), unigram_entropy, v, stall_scale)
     span_end = r.steps - round(r.warmdown_frac * r.steps)  # the warm-down's start
-    index = oscillation_index(series(df, M.GRAD_NORM), span_end, v.osc_window, v.osc_dlog_threshold)
+    grad = series(df, M.GRAD_NORM)
+    index = oscillation_index(grad, span_end, v.osc_window, v.osc_dlog_threshold, series(df, M.LOOPS_RUN))
+    v3 = (oscillation_index(grad, span_end, v.osc_window, v.osc_dlog_threshold)
+          if index["osc_loop_count"] == "sampled" else index)
     windows = index.pop("osc_dlog_windows")
     evidence = {**evidence, **{k: x for k, x in index.items() if k != "oscillating"}}
+    name_v3 = name
     if prediction is not None:  # the run was ended early by the collapse predictor (--stop-on-collapse)
-        name, evidence = "collapsed", {**evidence, "predicted_at": prediction["step"],
-                                       "reason": f"collapse predicted at step {prediction['step']} "
-                                                 f"(P={prediction['p_collapse']:.2f}; {prediction['evidence']})"}
-    elif name == "stable" and index["oscillating"]:
-        a, b = index["osc_dlog_window"]
-        name, evidence = "unstable", {**evidence, "reason": f"gradient oscillation: median |dlog g| "
-                                      f"{index['osc_dlog_median']:.3f} over steps {a}-{b} exceeds "
-                                      f"{v.osc_dlog_threshold:.3f} (alternation {index['osc_alternation']:.2f})"}
-    return name, evidence, {**index, "osc_dlog_windows": windows}
+        name = name_v3 = "collapsed"
+        evidence = {**evidence, "predicted_at": prediction["step"],
+                    "reason": f"collapse predicted at step {prediction['step']} "
+                              f"(P={prediction['p_collapse']:.2f}; {prediction['evidence']})"}
+    elif name == "stable":
+        name_v3 = "unstable" if v3["oscillating"] else name
+        if index["oscillating"]:
+            name, evidence = "unstable", {**evidence, "reason": _oscillation_reason(index, v.osc_dlog_threshold)}
+    return name, evidence, {**index, "osc_dlog_windows": windows, "verdict_v3": name_v3,
+                            "osc_dlog_median_v3": v3["osc_dlog_median"]}
 
 
 @quiet
 def summarize(df: pd.DataFrame, recipe: Recipe | RunConfig, unigram_entropy: float | None = None,
               wall_time: float | None = None, stop_reason: str | None = None, tokens_per_step: int | None = None,
               prediction: dict | None = None) -> Summary:
-    """The run's summary (summary.json; v3): verdict, evidence and key figures, from its metrics table."""
+    """The run's summary (summary.json; v4, v3's verdict beside): verdict, evidence and key figures, from its metrics table."""
     r = Recipe.of(recipe)
     v, steps = r.verdict, r.steps
     loss = series(df, M.LOSS)
@@ -302,7 +272,7 @@ def summarize(df: pd.DataFrame, recipe: Recipe | RunConfig, unigram_entropy: flo
     mid, last = at.get(wd, {}), at.get(steps - 1, {}) if wd < steps - 1 else {}
     steps_done = int(loss.index.max()) + 1 if len(loss) else 0
     return Summary.model_validate(dict(
-        verdict=name, verdict_version=VERDICT_VERSION, evidence=evidence,
+        verdict=name, verdict_version=VERDICT_VERSION, verdict_v3=index["verdict_v3"], evidence=evidence,
         residual_explosion=resid.pop("residual_explosion"), **resid,
         variant=r.variant, loops=r.loops, seed=r.seed, lr_scale=r.lr_scale,
         final_loss=float(smoothed(finite_loss, v.smooth_window).iloc[-1]) if len(finite_loss) else math.nan,
@@ -312,6 +282,7 @@ def summarize(df: pd.DataFrame, recipe: Recipe | RunConfig, unigram_entropy: flo
         val_accuracy=float(accuracy.iloc[-1]) if len(accuracy) else math.nan,
         **{f"osc_{k}": val_ for k, val_ in osc.items()},
         osc_dlog_median=index["osc_dlog_median"], osc_alternation=index["osc_alternation"],
+        osc_dlog_median_v3=index["osc_dlog_median_v3"],
         stall_reference=evidence.get("stall_reference"), stall_margin=evidence.get("stall_margin"),
         loss_std=mid.get(M.LOSS_STD, math.nan), grad_norm_std=mid.get(M.GRAD_NORM_STD, math.nan),
         loss_std_warmdown=last.get(M.LOSS_STD, math.nan), grad_norm_std_warmdown=last.get(M.GRAD_NORM_STD, math.nan),

@@ -12,7 +12,6 @@ from scipy.optimize import minimize
 
 from flt_diag.judge.early_warning import (COLUMNS, FEATURES, TARGETS, feature_matrix, finished_runs, label,
                                              prediction_row, run_features_at, sigmoid, standardised, target_text)
-from flt_diag.judge.verdict import VERDICT_VERSION
 from flt_diag.storage.file_models import STALL_EVIDENCE, Evidence, ExampleRow, Summary, Verdict
 from flt_diag.storage.cells import STORED, RunId
 from flt_diag.storage.files import load_examples
@@ -118,11 +117,11 @@ def write_examples(path: Path, examples: list[dict]) -> None:
 def judged_before_v3(row: ExampleRow | Summary) -> bool:
     """Whether a fit-examples row (or a summary) was judged before verdict v3 (a lower version, or none: a
     table written before the column existed)."""
-    return (row.verdict_version or 0) < VERDICT_VERSION
+    return (row.verdict_version or 0) < 3  # (v4 changed rule 4b only; a v3 row's verdict needs no relabelling)
 
 
 def relabelled(row: ExampleRow) -> Verdict:
-    """The run's verdict by the current rule (v3), as far as its row allows (docs/DESIGN.md section 6): an older
+    """The run's verdict by v3's loss rules, as far as its row allows (docs/DESIGN.md section 6): an older
     row's `stable` with a loss climb that recovered (transient_rebound) is `unstable`; v3's stall and
     oscillation rules need the run's metrics (`summary --recompute` on the folders)."""
     if not judged_before_v3(row):

@@ -13,10 +13,10 @@ from pydantic_core import PydanticUndefined
 
 from flt_diag.storage.predictor_names import CLASS_WEIGHTS, FEATURES, TARGETS
 from flt_diag.config.run_config import DiagnosticsConfig, ModelConfig, Preset, RunConfig, TrainConfig, VerdictConfig
-from flt_diag.config.grid_options import MAX_GRID, Loops, MapAxes, SweepAxes
+from flt_diag.config.grid_options import MAX_GRID, MapAxes, SweepAxes
 from flt_diag.config.option_fields import MAX_ITEMS, Ascending, Distinct, Items, Options
 
-Verdict = Literal["stable", "unstable", "stalled", "collapsed", "diverged"]  # verdict v3 (flt_diag.judge.verdict)
+Verdict = Literal["stable", "unstable", "stalled", "collapsed", "diverged"]  # verdicts v3 and v4 (flt_diag.judge.verdict)
 M = TypeVar("M", bound="type[Options]")
 G = TypeVar("G")
 
@@ -176,6 +176,8 @@ class Evidence(FileModel):
     osc_dlog_threshold: float = figure(False)  # since v3: the threshold of rule 4b
     osc_windows_judged: int = Field(None, ge=0)  # since v3: windows with enough differences to judge
     osc_span_end: int = Field(None)  # since v3: the warm-down start (the first step rule 4b leaves out)
+    osc_loop_count: Literal["fixed", "sampled"] = None  # since v4: whether loops_run changed before the warm-down
+    osc_loop_slope: float = figure(False)  # since v4: the worst window's slope of dlog g on dlog r (NaN: none fitted)
     predicted_at: int = Field(None, ge=0)  # a run ended by the collapse predictor: the step it fired
     oscillation: str = None  # a run of flt_diag.watch: why 4b was not judged (clipped gradients, or no window)
     warmdown: str = None  # a run of flt_diag.watch: the warm-down rule 4b leaves out (the user's), or none
@@ -218,6 +220,8 @@ class DlogWindow(FileModel):
     differences: int = Field(ge=0)
     median_abs_dlog: float = figure()
     alternation: float = figure()
+    loop_slope: float = figure(False)  # since v4: its slope of dlog g on dlog r (NaN: none fitted)
+    count_changes: int = Field(None, ge=0)  # since v4: its pairs whose loop count changed
 
 
 class Summary(FileModel, frozen=True):
@@ -225,6 +229,7 @@ class Summary(FileModel, frozen=True):
 
     verdict: Verdict
     verdict_version: Optional[int] = Field(None, ge=1)  # since v3 (a summary without one was judged by v1/v2)
+    verdict_v3: Optional[Verdict] = None  # since v4: the verdict by v3's rules (rule 4b without the loop count)
     evidence: Evidence
     residual_explosion: bool  # the final loop's peak loop-end residual norm > explosion_ratio * sqrt(d)
     peak_resid_norm: Optional[float] = figure()  # that peak (NaN: none recorded)
@@ -250,6 +255,7 @@ class Summary(FileModel, frozen=True):
     osc_neg_cosine_share: Optional[float] = figure(False)
     osc_dlog_median: Optional[float] = figure(False)  # since v3: rule 4b's index (the evidence's)
     osc_alternation: Optional[float] = figure(False)  # since v3
+    osc_dlog_median_v3: Optional[float] = figure(False)  # since v4: v3's index (v4's own at a fixed loop count)
     stall_reference: Optional[float] = figure(False)  # since v3: as in the evidence
     stall_margin: Optional[float] = figure(False)  # since v3
     loss_std: Optional[float] = figure(False)  # the warm-down milestone's stds (the constant-lr phase)
@@ -366,33 +372,3 @@ else:
         **{f: (Optional[float], figure()) for f in FEATURES})
 ExamplesTable = Annotated[list[ExampleRow], Field(min_length=1, max_length=MAX_ITEMS)]
 
-
-# --------------------------------------------------------------------------- reference meta json
-
-META_LOOP_KEYS = ("K", "n_loops", "loops", "num_loops")  # "K": the reference's GPTConfig
-META_VARIANT_KEYS = ("model_type", "variant", "loop_type")  # "model_type": the reference's GPTConfig
-
-
-class MetaModelConfig(FreeFileModel):
-    """nanochat's sizes (bounded like the command line's), K and the variant under the reference's names (the
-    first of META_LOOP_KEYS and META_VARIANT_KEYS that a file holds is read)."""
-
-    sequence_len: Optional[config_type(ModelConfig, "seq_len")] = None  # type: ignore[valid-type]  # (as Summary)
-    vocab_size: Optional[config_type(ModelConfig, "vocab_size")] = None  # type: ignore[valid-type]
-    n_layer: Optional[config_type(ModelConfig, "depth")] = None  # type: ignore[valid-type]
-    n_head: Optional[config_type(ModelConfig, "heads")] = None  # type: ignore[valid-type]
-    n_embd: Optional[config_type(ModelConfig, "width")] = None  # type: ignore[valid-type]
-    n_kv_head: Optional[config_type(ModelConfig, "heads")] = None  # type: ignore[valid-type]
-    K: Optional[Loops] = None
-    n_loops: Optional[Loops] = None
-    loops: Optional[Loops] = None
-    num_loops: Optional[Loops] = None
-    model_type: Optional[str] = None
-    variant: Optional[str] = None
-    loop_type: Optional[str] = None
-
-
-class ReferenceMeta(MetaModelConfig):
-    """A reference checkpoint's meta_<step>.json: the sizes, K and variant at its top, or in its model_config."""
-
-    sizes: Optional[MetaModelConfig] = Field(None, alias="model_config")

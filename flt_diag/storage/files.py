@@ -14,7 +14,7 @@ import pandas as pd
 from pydantic import Field, field_validator, model_validator
 
 from flt_diag.storage import file_models as F
-from flt_diag.storage.file_models import META_LOOP_KEYS, META_VARIANT_KEYS  # noqa: F401 (re-exported)
+from flt_diag.storage.reference_meta import META_LOOP_KEYS, META_VARIANT_KEYS, ReferenceMeta  # noqa: F401 (re-exported)
 from flt_diag.storage.predictor_names import PACKAGED
 from flt_diag.storage.schema import MAX_ITEMS, BadFile, bad, checked, read_json, read_text
 from flt_diag.config.variants import Variant
@@ -176,8 +176,8 @@ def load_study(path: Path, tables: dict[str, Collection[str]], limit: int = MAX_
 
 # --------------------------------------------------------------------------- reference meta json
 
-def check_reference_meta(meta, path) -> F.ReferenceMeta:
-    return checked(path, F.ReferenceMeta, meta)
+def check_reference_meta(meta, path) -> ReferenceMeta:
+    return checked(path, ReferenceMeta, meta)
 
 
 # --------------------------------------------------------------------------- torch files

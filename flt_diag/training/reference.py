@@ -31,7 +31,7 @@ from flt_diag.storage.errors import first_line
 from flt_diag.training.checkpoint import load, save_weights
 from flt_diag.config.run_config import RunConfig, TrainConfig, padded_vocab
 from flt_diag.storage.files import META_LOOP_KEYS as LOOP_KEYS, META_VARIANT_KEYS as VARIANT_KEYS, check_reference_meta
-from flt_diag.storage.file_models import MetaModelConfig, ReferenceMeta
+from flt_diag.storage.reference_meta import MetaModelConfig, ReferenceMeta
 from flt_diag.storage.folders import CHECKPOINT, CONFIG, StorageError, read_json, refuse_not_a_folder, write_json
 
 REFERENCE_VARIANTS: dict[str, str] = {"LT": "lt", "LT_i": "lt-ii", "LT_ia": "lt-ai", "FLT_res": "fla", "FLT": "flt"}
