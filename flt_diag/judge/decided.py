@@ -59,11 +59,8 @@ def nonfinite_step(loss: pd.Series) -> int | None:
 def climb_step(loss: pd.Series, recipe: Recipe) -> int | None:
     """The first step s at which the loss records up to s make the climb of rule 2 exceed its threshold whatever
     follows: the largest rise of the smoothed loss above its running minimum so far > max(rebound_abs,
-    rebound_rel * running minimum). None before `smooth_window` losses (the verdict smooths a shorter run over
-    what it has, a mean no longer run shares)."""
+    rebound_rel * running minimum). (Fewer than `smooth_window` losses are smoothed into one value: no rise.)"""
     v = recipe.verdict
-    if len(loss) < v.smooth_window:
-        return None
     s = smoothed(loss, v.smooth_window).dropna()
     low = s.cummin()
     rise = (s - low).cummax()
@@ -104,8 +101,7 @@ def certain_broken(df: pd.DataFrame, recipe: Recipe, criterion: str) -> tuple[in
     loss = series(df, M.LOSS)
     found: list[tuple[int, str]] = []
     if (s := nonfinite_step(loss)) is not None:
-        found.append((s, "non-finite loss"))
-        loss = loss[loss.index < s]  # (what came before it: a climb there came first)
+        found.append((s, "non-finite loss"))  # (a climb before it, computed on the same values, comes first)
     if criterion == "training":
         if (s := climb_step(loss, recipe)) is not None:
             found.append((s, "the smoothed loss climbed past the spike threshold"))
