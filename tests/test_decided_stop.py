@@ -44,6 +44,7 @@ def test_a_run_certain_at_a_known_step_stops_there_with_the_same_records(tmp_pat
     cut = series(load_metrics(tmp_path / "stopped"), M.LOSS).to_numpy()
     assert np.array_equal(cut, loss[:expected + 1])  # the same run, cut at the decided step
     assert load_summary(tmp_path / "stopped").decided_at == expected  # (summary.json says it)
+    assert np.isfinite(stopped.val_loss)  # evaluated at the stop, as at a run's end
 
 
 def test_the_summary_recomputed_keeps_where_the_run_was_decided(tmp_path):
