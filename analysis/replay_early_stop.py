@@ -151,7 +151,7 @@ def report(root: Path, criteria: list[str]) -> str:
     out = [f"Archive: {root} ({len(table)} probes, {table.line.nunique()} lines; criteria replayed: "
            f"{', '.join(criteria)}).", "",
            markdown(pd.DataFrame([dict(search=s, **{"probe-hours": f"{h:.1f}", "probes": n,
-                                                     "of them not archived (estimated)": g}) for s, h, n, g in steps])),
+                                                     "of them not archived (estimated)": g}) for s, h, n, g in steps])).rstrip(),
            "",
            f"Probes decided before their last step: {len(decided)} of {len(table)} (of the "
            f"{int(table.broke.sum())} broken under `training`); decided step median {decided.decided.median():.0f}, "
