@@ -157,3 +157,15 @@ def _check(path):
         assert r["cut"] != "stable" and stored != "stable", path.name
         assert r["ran"] <= r["steps"]
     return r["decided"] is not None
+
+
+def test_the_replay_counts_the_steps_a_stopped_probe_runs():
+    """Through the decided step, one more for the snapshot where the decided step took none, never past the end."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "analysis"))
+    from replay_early_stop import stopped_steps
+    assert stopped_steps(None, 600, 500) == 600
+    assert stopped_steps(200, 600, 500) == 202  # steps 0..200, then 201 with its snapshot
+    assert stopped_steps(500, 600, 500) == 501  # step 500 took the snapshot itself
+    assert stopped_steps(200, 600, 0) == 201  # no snapshots in the run
+    assert stopped_steps(599, 600, 500) == 600
