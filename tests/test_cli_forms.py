@@ -47,7 +47,7 @@ LIST_OPTIONS = [(name, o) for name in COMMANDS for o in map(_view, command_optio
 
 def test_the_list_options_cover_every_command_that_has_one():
     assert {name for name, _ in LIST_OPTIONS} == {"run-ablation", "map", "eval-loops", "predict", "fit-predictor",
-                                                   "plot"}
+                                                   "plot", "train"}  # (train: --stop-when-decided)
 
 
 @pytest.mark.parametrize("command, o", LIST_OPTIONS, ids=[f"{c} {o.flag}" for c, o in LIST_OPTIONS])

@@ -48,6 +48,8 @@ def _should_accept(o: Field) -> set[str]:
         return {"train"}
     if o.flag == "--lr-scale":  # run-ablation's --lr-scale is its grid's list
         return {"train", "map"}
+    if o.flag == "--stop-when-decided":  # a map sets it to its --criteria (and --run-to-end to none)
+        return {"train", "run-ablation"}
     return set(TRAINING_COMMANDS)
 
 
@@ -55,7 +57,7 @@ def _sample(o):
     """A valid value of an option other than its default, as text and as the parsed value."""
     if o.choices:
         value = next((c for c in o.choices if c != o.default), o.choices[0])
-        return value, value
+        return value, [value] if o.many else value  # (a list option given one value)
     if o.kind is int:
         value = int(o.low or 0) + 3
         return str(value), value

@@ -88,6 +88,7 @@ def test_the_fields_that_may_change_on_resume_are_the_ones_that_change_nothing_c
     assert set(S.VOLATILE_TRAIN_FIELDS) == {"device", "threads", "compile", "eval_every", "checkpoint_every"}
     assert set(S.VOLATILE_DIAGNOSTICS_FIELDS) == {"flush_every", "tensorboard", "wandb", "warn", "loop_dynamics",
                                                   "exit_loss_every", "dynamics_every", "sharpness_every",
-                                                  "dynamics_batch", "dynamics_iters"}
+                                                  "dynamics_batch", "dynamics_iters",
+                                                  "stop_when_decided"}  # (where a run ends, once its outcome is certain)
     assert {k: set(v) for k, v in SWEEP_GRID_FIELDS.items()} == {"model": {"variant", "loops"},
                                                                 "train": {"seed", "lr_scale"}}

@@ -266,3 +266,67 @@ def test_the_criteria_read_the_verdict_as_documented(verdict, training, collapse
     from flt_diag.storage.file_models import Summary
     s = Summary.model_construct(verdict=verdict)
     assert (CRITERIA["training"](s), CRITERIA["collapse"](s)) == (training, collapse)
+
+
+# --------------------------------------------------------------------------- the informed start (issue 64)
+
+@pytest.mark.parametrize("threshold_index", [-1, 0, 3, 7, 8])
+@pytest.mark.parametrize("prior", [None, 0, 2, 4, 7, 8, 9])
+def test_a_line_started_at_a_prior_boundary_finds_the_bisection_boundary(threshold_index, prior):
+    """Grid of 9 (the benchmark's 1 ... 256): from any prior boundary (9: held everywhere), the bracket of a
+    monotone line is the one plain bisection finds, no probe twice; a right prior costs two probes (one at an end)."""
+    n, calls = 9, []
+    r = search(n, lambda i: calls.append(i) or i > threshold_index, prior=prior)
+    assert (r["a"], r["b"]) == (threshold_index, threshold_index + 1)
+    assert len(calls) == len(set(calls))
+    b = threshold_index + 1
+    if prior == b:
+        assert calls == [i for i in (b, b - 1) if 0 <= i < n]
+    if prior is not None and 0 <= prior < n:
+        assert calls[0] == prior
+
+
+def test_the_prior_is_the_lower_median_of_closed_monotone_brackets():
+    from flt_diag.judge.line_prior import closed_boundary, prior_index, start_probes
+    assert closed_boundary({3: False, 4: True}, 9) == 4
+    assert closed_boundary({8: False}, 9) == 9 and closed_boundary({0: True}, 9) == 0
+    assert closed_boundary({2: False, 5: True}, 9) is None  # open
+    assert closed_boundary({3: False, 4: True, 6: False}, 9) is None  # not monotone
+    assert prior_index([]) is None and prior_index([4]) == 4
+    assert prior_index([7, 4, 7, 4]) == 4 and prior_index([7, 4, 5]) == 5
+    assert start_probes(4) == (4, 3) and start_probes(None) == ()
+
+
+class Recorded(Synthetic):
+    """Synthetic, and the base config each probe was given."""
+
+    def __init__(self, thresholds):
+        super().__init__(thresholds)
+        self.bases = []
+
+    def __call__(self, base, cell, out):
+        self.bases.append(base)
+        return super().__call__(base, cell, out)
+
+
+def test_a_map_line_starts_where_its_variants_earlier_seed_broke(tmp_path):
+    """Seeds 0 and 1 of one variant: seed 1's first probe is seed 0's first broken lr, then the one below it;
+    the boundaries are those of a map of independent lines (bisection from the middle)."""
+    grid = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0]
+    spec = _spec(variants=["flt"], loops=[6], seeds=[0, 1], grid=grid, criteria=["training"])
+    runner = Recorded({"flt": 9.0})  # breaks above 9.0 (seed 0) and 9.9 (seed 1): first broken 16 for both
+    table = run_map(spec, tmp_path / "m", runner=runner, report=lambda s: None)
+    seed1 = [r for r in runner.runs if "seed1" in r]
+    assert seed1 == [spec.cell(spec.lines()[1], v).name for v in (16.0, 8.0)]
+    assert table.first_broken.tolist() == [16.0, 16.0] and table.last_ok.tolist() == [8.0, 8.0]
+    assert all(b["diagnostics"]["stop_when_decided"] == ["training"] for b in runner.bases)  # the map's criteria
+
+
+def test_run_to_end_gives_the_probes_no_criteria_to_stop_on(tmp_path):
+    spec = _spec(variants=["flt"], loops=[6], seeds=[0], criteria=["training", "explosion"])
+    runner = Recorded({"flt": 9.0})
+    run_map(spec, tmp_path / "m", runner=runner, report=lambda s: None, run_to_end=True)
+    assert runner.bases and all(b["diagnostics"]["stop_when_decided"] is None for b in runner.bases)
+    runner = Recorded({"flt": 9.0})
+    run_map(spec, tmp_path / "n", runner=runner, report=lambda s: None)
+    assert all(b["diagnostics"]["stop_when_decided"] == ["training", "explosion"] for b in runner.bases)

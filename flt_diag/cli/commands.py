@@ -95,7 +95,7 @@ def cmd_map(o: MapOptions) -> int:
     print(f"map: {len(spec.lines())} lines x {len(spec.criteria)} criteria; {spec.axis} grid "
           f"{', '.join(f'{x:g}' for x in spec.grid)} (each boundary within x{o.ratio:g})", flush=True)
     run_map(spec, out, workers=o.workers or auto_workers(spec.base.train.device), only_line=o.cell,
-            report=lambda text: print(text, flush=True), probe_ends=o.probe_ends)
+            report=lambda text: print(text, flush=True), probe_ends=o.probe_ends, run_to_end=o.run_to_end)
     for criterion, g in critical_values(out).groupby("criterion", sort=False):
         print(f"{criterion}: " + "; ".join(f"{r.variant} K={r.loops}: {r.text}" for r in g.itertuples()))
     print(f"map folder: {out}  (figure: flt-diag plot map {out}; report: flt-diag report {out})")

@@ -88,6 +88,8 @@ class MapOptions(MapAxes, MapGrid, FolderOptions, Given):
     probe_ends: bool = opt(False, "First probe both ends of the grid on every line, so that a boundary that is not "
                            "monotone along the axis (training breaks at the low end, holds higher up) is reported as "
                            "non-monotone instead of being missed (up to 2 more probes per line).")
+    run_to_end: bool = opt(False, "Train every probe to its last step, even once the map's criteria are decided "
+                           "(by default a probe ends at the step its criteria became certain: DESIGN.md §5).")
 
 
 class StudyOptions(FolderOptions):

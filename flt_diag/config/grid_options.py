@@ -11,11 +11,10 @@ from typing import Annotated, Literal, get_args
 from pydantic import AliasChoices, Field
 
 from flt_diag.config.option_fields import MAX_NUMBER, Ascending, Distinct, Items, Options, opt, with_fact
-from flt_diag.config.run_config import MAX_SEED, ModelConfig, RunConfig, TrainConfig
+from flt_diag.config.run_config import MAX_SEED, Criterion, ModelConfig, RunConfig, TrainConfig
 from flt_diag.config.variants import MAX_LOOPS, PAPER_VARIANTS, Variant
 
 MapAxis = Literal["lr", "depth"]  # what a map varies: the lr scale, or the number L of distinct blocks
-Criterion = Literal["training", "collapse", "explosion"]  # how a probe counts as broken (judge.map_boundaries)
 MAP_AXES, MAP_CRITERIA = get_args(MapAxis), get_args(Criterion)
 # The config fields a sweep's grid sets per cell (their fields say grid="sweep"): a folder's stored base is
 # compared without them (its base is cell 0's config; earlier versions stored seed 0 and lr scale 1 there),

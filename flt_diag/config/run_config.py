@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 
 from pydantic import AliasChoices, Field, ValidationError, create_model, model_validator
 
-from flt_diag.config.option_fields import MAX_NUMBER, ConfigError, Options, dotted, named, one_line, opt
+from flt_diag.config.option_fields import MAX_NUMBER, ConfigError, Items, Options, dotted, named, one_line, opt
 from flt_diag.config.variants import MAX_LOOPS, Variant
 from flt_diag.records import all_records
 
@@ -168,6 +168,9 @@ class TrainConfig(Options):
         return self
 
 
+Criterion = Literal["training", "collapse", "explosion"]  # how a run counts as broken (judge.map_boundaries)
+
+
 class CoreDiagnostics(Options):
     """The diagnostics' own options; DiagnosticsConfig adds each record's (flt_diag.records: one file each)."""
 
@@ -200,6 +203,10 @@ class CoreDiagnostics(Options):
     stop_on_collapse: bool = opt(False, "End the run there (verdict collapsed, predicted at step s); the run "
                                  "folder stays complete. Implies --warn.")
     predictor: str | None = opt(None, "Predictor JSON from `flt-diag fit-predictor` [default: the packaged one].")
+    stop_when_decided: Items[Criterion] | None = opt(
+        None, "End the run once each of these criteria (training, collapse, explosion: as a map's) is certainly "
+        "broken by the verdict's own rules, whatever the rest of the run would do (decided at step s; no "
+        "prediction). A map sets it to its criteria.", volatile=True, grid=("map",))
 
 
 if TYPE_CHECKING:  # (a record's options are read by name: getattr(cfg, record.switch))

@@ -17,6 +17,7 @@ from typing import Callable
 
 import pandas as pd
 
+from flt_diag.judge.line_prior import line_prior, start_probes
 from flt_diag.judge.map_boundaries import (CRITERIA, MAP_CSV, boundaries, bracket, map_lines,
                                            probe_cell, probe_outcomes)
 from flt_diag.storage.cells import RunId
@@ -52,13 +53,15 @@ class MapSpec(MapLinesGrid):
 
 
 def search(n: int, outcome: Callable[[int], bool | None], known: dict[int, bool] | None = None,
-           probe_ends: bool = False) -> dict:
+           probe_ends: bool = False, prior: int | None = None) -> dict:
     """Bisection over grid indices 0..n-1. `outcome(i)` runs (or reads) probe i and says whether it
     broke (None: the probe failed, and the search of this line stops). Returns the bracket.
 
     probe_ends: first probe indices 0 and n-1 (where not known), so that a line that breaks at the low
     end and holds at the high end shows up as non-monotone; plain bisection would start in the middle
-    and, finding it held, never look below it."""
+    and, finding it held, never look below it. prior: the first-broken index that earlier lines of the
+    variant found (flt_diag.judge.line_prior): it and the index below are probed first, where still
+    inside the bracket; the bisection goes on from the bracket they leave."""
     known = dict(known or {})
 
     def result(failed: int | None) -> dict:
@@ -74,6 +77,13 @@ def search(n: int, outcome: Callable[[int], bool | None], known: dict[int, bool]
     # holds then makes the line non-monotone (the bracket below), instead of ending the search at once.
     searched = {**known, 0: False} if probe_ends and known.get(0) else dict(known)
     a, b, _ = bracket(searched, n)
+    for i in start_probes(prior):
+        if a < i < b:
+            broke = outcome(i)
+            if broke is None:
+                return result(failed=i)
+            known[i] = searched[i] = broke
+            a, b, _ = bracket(searched, n)
     while b - a > 1:
         mid = (a + b) // 2
         broke = outcome(mid)
@@ -85,22 +95,28 @@ def search(n: int, outcome: Callable[[int], bool | None], known: dict[int, bool]
 
 
 def search_line(spec: MapSpec, out: Path, line: RunId, runner: Callable, report: Callable[[str], None] = print,
-                probe_ends: bool = False) -> None:
+                probe_ends: bool = False, run_to_end: bool = False) -> None:
     """Search every criterion along one line, running the probes that are missing with
-    `runner(base_dict, cell, out_str)` (flt_diag.grids.sweep.run_cell for real runs)."""
+    `runner(base_dict, cell, out_str)` (flt_diag.grids.sweep.run_cell for real runs). Each probe ends once
+    the map's criteria are decided (stop_when_decided), unless `run_to_end`; each criterion's search starts
+    where the variant's earlier lines found its boundary (line_prior)."""
     out = Path(out)
     base = spec.base.to_dict()
+    base["diagnostics"]["stop_when_decided"] = None if run_to_end else list(spec.criteria)
     for criterion in spec.criteria:
         def outcome(i: int) -> bool | None:
             cell = spec.cell(line, spec.grid[i])
             d = out / CELLS / cell.name
             if load_summary(d) is None:
                 result = runner(base, cell, str(out))
-                report(f"{line.name}: {spec.axis} {spec.grid[i]:g} -> {result}")
+                decided = getattr(load_summary(d), "decided_at", None)
+                report(f"{line.name}: {spec.axis} {spec.grid[i]:g} -> {result}"
+                       + (f" (decided at step {decided})" if decided is not None else ""))
             s = load_summary(d)
             return None if s is None else CRITERIA[criterion](s)
 
-        search(len(spec.grid), outcome, probe_outcomes(spec, out, line, criterion), probe_ends)
+        search(len(spec.grid), outcome, probe_outcomes(spec, out, line, criterion), probe_ends,
+               line_prior(spec, out, line, criterion))
 
 
 # --------------------------------------------------------------------------- the folder
@@ -112,19 +128,20 @@ def prepare_map_folder(spec: MapSpec, out: Path) -> None:
     prepare_spec_folder(Path(out), spec.to_dict(), "map", grid_fields)
 
 
-def _line_search_worker(spec: MapSpec, line: RunId, out: str, probe_ends: bool = False) -> str:
+def _line_search_worker(spec: MapSpec, line: RunId, out: str, probe_ends: bool = False,
+                        run_to_end: bool = False) -> str:
     with task():  # (the spec arrives pickled, as validated in the parent: it is not validated again)
         search_line(spec, Path(out), line, run_cell, report=lambda text: print(text, flush=True),
-                    probe_ends=probe_ends)
+                    probe_ends=probe_ends, run_to_end=run_to_end)
     return line.name
 
 
 def run_map(spec: MapSpec, out: Path, workers: int = 1, only_line: int | None = None,
             runner: Callable | None = None, report: Callable[[str], None] = print,
-            probe_ends: bool = False) -> pd.DataFrame:
+            probe_ends: bool = False, run_to_end: bool = False) -> pd.DataFrame:
     """Search every line (or just `only_line`), then write map.csv and the sweep summary.
-    probe_ends (see `search`) is how the search runs, not what the map is: a map folder searched
-    without it can be resumed with it, and its finished probes count."""
+    probe_ends (see `search`) and run_to_end (see `search_line`) are how the search runs, not what the map
+    is: a map folder searched without them can be resumed with them, and its finished probes count."""
     out = Path(out)
     refuse_not_a_folder(out, "a map folder", "use another --out")
     with (folder_lock(out, "map", root=out) if only_line is None else nullcontext()):  # (out may be a link)
@@ -132,12 +149,12 @@ def run_map(spec: MapSpec, out: Path, workers: int = 1, only_line: int | None = 
         lines = only(spec.lines(), only_line, " (one per line)")
         if runner is not None or workers <= 1 or len(lines) <= 1:
             for line in lines:
-                search_line(spec, out, line, runner or run_cell, report, probe_ends)
+                search_line(spec, out, line, runner or run_cell, report, probe_ends, run_to_end)
         else:
             pool = spawn_pool(workers)
             with interruptible(pool):  # Ctrl-C (or kill -INT of this process alone) stops the workers too
                 for name in pool.map(_line_search_worker, [spec] * len(lines), lines, [str(out)] * len(lines),
-                                     [probe_ends] * len(lines)):
+                                     [probe_ends] * len(lines), [run_to_end] * len(lines)):
                     report(f"{name}: searched")
         write_summary(out)
         table = boundaries(out)

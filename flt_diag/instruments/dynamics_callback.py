@@ -73,6 +73,7 @@ class LoopDynamicsCallback(Instrument):
         self.handles: list = []
         self.said: set[str] = set()
         self.recording = self.exit = self.mapping = self._armed = False
+        self.extra: set[int] = set()  # steps of a snapshot asked for besides the every-N ones (snapshot_at)
         self._reset()
 
     def _reset(self) -> None:
@@ -107,12 +108,27 @@ class LoopDynamicsCallback(Instrument):
         self.recording = self.cfg.loop_dynamics and should_record(step, self.cfg)
         self.exit = self.recording and due(step, self.cfg.exit_loss_every)
         if self.model is not None:  # (every N steps, recorded or not)
-            mapping = due(step, self.cfg.dynamics_every) or due(step, self.cfg.sharpness_every)
+            mapping = self.snapshot_due(step)
         else:
             mapping = self.recording and self.loop_step is not None and due(step, self.cfg.dynamics_every)
         self.mapping = trainer.is_main and mapping
         self._armed = self.mapping or (self.exit and self.head is not None and self.targets_of is not None)
         self._reset()
+
+    def _due(self, step: int, every: int) -> bool:
+        return due(step, every) or (every > 0 and step in self.extra)
+
+    def takes_snapshots(self) -> bool:
+        """Whether the run takes loop-map snapshots (own model, dynamics_every or sharpness_every set)."""
+        return self.model is not None and (self.cfg.dynamics_every > 0 or self.cfg.sharpness_every > 0)
+
+    def snapshot_due(self, step: int) -> bool:
+        """Whether the loop-map records (and the sharpness) are taken at `step`."""
+        return self._due(step, self.cfg.dynamics_every) or self._due(step, self.cfg.sharpness_every)
+
+    def snapshot_at(self, step: int) -> None:
+        """Take the every-N records at `step` too (a run that stops there: flt_diag.training.decided_stop)."""
+        self.extra.add(step)
 
     def _begin(self, module, args, kwargs) -> None:
         if not self._armed:
@@ -269,11 +285,11 @@ class LoopDynamicsCallback(Instrument):
         idx, targets = batch[0][:b], batch[1][:b]
         gen = torch.Generator(device=idx.device).manual_seed(step)
         with torch.autocast(idx.device.type, enabled=False):
-            if due(step, cfg.dynamics_every) and LoopStep.of(model, idx).loops > 1:
+            if self._due(step, cfg.dynamics_every) and LoopStep.of(model, idx).loops > 1:
                 records.take(LOOP_MAP, lambda: self._add(log, D.loop_map_stats(
                     model, idx, cfg.dynamics_iters, cfg.krylov_dim, cfg.perturbation_dirs, gen)))
                 records.take((M.LOOP_GRAD_COSINE,), self._agreement, log, idx, targets, loss_on)
-            if due(step, cfg.sharpness_every):
+            if self._due(step, cfg.sharpness_every):
                 records.take((M.SHARPNESS,), lambda: log.add(M.SHARPNESS, sharpness(
                     model, idx, targets, cfg.dynamics_iters, loss_on, gen)))
 

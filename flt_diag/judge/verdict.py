@@ -340,6 +340,8 @@ def resummarize(run_dir, verdict_overrides: dict | None = None, root=None) -> Su
     notes = {k: v for k in kept if (v := getattr(old.evidence, k, None)) is not None}
     if notes:
         new = Summary.model_validate({**new.as_written(), "evidence": {**notes, **new.evidence.as_written()}})
+    if old.decided_at is not None:  # a run stopped once decided (flt_diag.judge.decided): where, kept
+        new = Summary.model_validate({**new.as_written(), "decided_at": old.decided_at})
     if archive.is_record(run_dir):  # an archived run: its record's summary is rewritten in place
         rewrite_record_summary(Path(run_dir), new, root)
     else:

@@ -270,6 +270,7 @@ class Summary(FileModel, frozen=True):
     wall_time: Optional[float] = Field(None, ge=0)  # seconds (None: not timed)
     stop_reason: Optional[str] = None  # why the run ended before its steps (None: it did not)
     prediction: Optional[Prediction] = None  # the alarm that ended it (--stop-on-collapse)
+    decided_at: Optional[int] = Field(None, ge=0)  # the step its criteria were certain (--stop-when-decided)
     tokens_per_s: Optional[float] = Field(None, ge=0, allow_inf_nan=True)  # training throughput
 
 # --------------------------------------------------------------------------- sweep and map specs

@@ -79,7 +79,7 @@ class Evaluation(Callback):
             self.run(trainer, step)
 
     def on_finish(self, trainer, step: int) -> None:
-        if trainer.stop_reason is None or trainer.prediction is not None:
+        if math.isfinite(trainer.last_loss):  # (every end but a non-finite loss: a stop once decided too)
             self.run(trainer, step)
 
     @staticmethod

@@ -25,6 +25,7 @@ from flt_diag.storage.file_models import Summary
 from flt_diag.judge.verdict import Recipe, summarize, tokens_per_step, with_not_recorded
 from flt_diag.instruments.callbacks import Callback
 from flt_diag.training.run_callbacks import MetricsTable, Progress
+from flt_diag.training.decided_stop import DecidedStop, with_decision
 from flt_diag.training.checkpoint import Checkpoints, restore
 from flt_diag.config.run_config import RunConfig
 from flt_diag.data.batches import batch_generator, get_batch, stream_batch
@@ -94,8 +95,9 @@ class Trainer:
         self.probe = Probe(d, own_model_dynamics(d, self.model) if instrumented else None, collapse_warning(d))
         if instrumented:
             self.probe.build(parameter_groups(self.model))
-        self.callbacks: list[Callback] = [self.probe, *(callbacks or []), Evaluation(), MetricsTable(), ExternalSinks(),
-                                          Checkpoints(), Progress(progress)]
+        self.callbacks: list[Callback] = [self.probe, *(callbacks or []), DecidedStop(d.stop_when_decided),
+                                          Evaluation(), MetricsTable(), ExternalSinks(), Checkpoints(),
+                                          Progress(progress)]
         self.start_step = self.steps_done = 0
         self.wall_time = 0.0
         self.last_loss = math.nan
@@ -316,7 +318,7 @@ class Trainer:
         summary = summarize(load_metrics(self.run_dir), self.recipe, unigram_entropy=self.train_data.unigram_entropy,
                             wall_time=self.wall_time, stop_reason=self.stop_reason, prediction=self.prediction,
                             tokens_per_step=tokens_per_step(self.cfg, self.world))
-        summary = with_not_recorded(summary, self.callbacks)
+        summary = with_decision(with_not_recorded(summary, self.callbacks), self.callbacks)
         write_json(self.run_dir / SUMMARY, summary)
         self.call("on_summary", summary)
         if self.world > 1:
