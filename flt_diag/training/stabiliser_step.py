@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from flt_diag.model.stabilisers import provenance
 from flt_diag.model.transformer import hook, stabiliser_part
 
 _STREAM = {"loops": 0x4C4F4F50, "penalty": 0x50454E41}  # separate streams: a loop draw never shifts a probe
@@ -43,3 +44,10 @@ def step_metrics(model: torch.nn.Module) -> dict:
     """{metric: value} the model's stabiliser records every step (its `metrics` hook on its part)."""
     metrics = hook(model, "metrics")
     return {} if metrics is None else metrics(stabiliser_part(model))
+
+
+def stabiliser_env(model: torch.nn.Module) -> dict:
+    """config.json's env record of the stabiliser that ran: {"stabiliser": {name, module, file, version}}, so an
+    archive says which code it was (one from outside the package included); {} for none."""
+    stab = getattr(model, "stabiliser", None)
+    return {} if stab is None else {"stabiliser": provenance(stab)}

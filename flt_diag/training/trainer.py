@@ -40,7 +40,7 @@ from flt_diag.instruments.dynamics_callback import own_model_dynamics
 from flt_diag.instruments.warning_callback import collapse_warning
 from flt_diag.integrations.probe import Probe
 from flt_diag.training.compile_precision import compile_blocks, compile_wanted, reference_precision
-from flt_diag.training.stabiliser_step import objective, sampled_loops, step_loops, step_metrics
+from flt_diag.training.stabiliser_step import objective, sampled_loops, stabiliser_env, step_loops, step_metrics
 from flt_diag.training.optim import build_optimizers, lr_multiplier, muon_momentum, set_lr, set_momentum
 from flt_diag.storage.folders import (CONFIG, METRICS, SUMMARY, StorageError, folder_lock, has_content, load_config, load_metrics,
                       load_summary, write_json)
@@ -192,7 +192,7 @@ class Trainer:
 
     def _write_config(self) -> None:
         write_json(self.run_dir / CONFIG, {**self.cfg.to_dict(), "n_params": self.n_params,
-                                           "env": environment(self.device),
+                                           "env": {**environment(self.device), **stabiliser_env(self.model)},
                                            "corpus": describe(self.train_data, self.val_data)})
 
     def end(self) -> None:
