@@ -223,8 +223,8 @@ class LoopedTransformer(nn.Module):
             nn.init.zeros_(block.mlp.down.weight)
         if init := hook(self, "init"):
             init(self)
-        if (part := stabiliser_part(self)) is not None and hasattr(part, "reset_parameters"):
-            part.reset_parameters()
+        if (reset := getattr(stabiliser_part(self), "reset_parameters", None)) is not None:
+            reset()  # (the part's own initialisation)
 
     def _loop(self, x, h_prev, emb, cos, sin, t: int | None = None):
         """One pass through the L blocks. h_prev is None in loop 1 (a plain pass); x is the raw stream at the

@@ -7,6 +7,8 @@ does. A model without a stabiliser (`model.stabiliser` None or absent: a model o
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from flt_diag.model.stabilisers import provenance
@@ -24,7 +26,7 @@ def sampled_loops(model: torch.nn.Module) -> bool:
     return hook(model, "loop_count") is not None
 
 
-def step_loops(model: torch.nn.Module, seed: int, step: int) -> int | None:
+def step_loops(model: Any, seed: int, step: int) -> int | None:
     """The loop count of training step `step` (one draw a step, every micro-batch alike); None: the model's K."""
     sampler = hook(model, "loop_count")
     return None if sampler is None else sampler(model.cfg.loops, generator(seed, step, 0, "loops"))

@@ -12,7 +12,7 @@ embedding, where the variant injects it), never the state: h is detached, as bot
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import Any, Callable
 
 
 @contextlib.contextmanager
@@ -25,7 +25,7 @@ def differentiable(model):
         yield
 
 
-def final_loop_map(model) -> tuple[Callable, object]:
+def final_loop_map(model) -> tuple[Callable, Any]:
     """(g, h): the loop map at the last training forward's inputs and its final state h(K), detached, as a leaf
     that requires grad (so g's vector-Jacobian products can be taken)."""
     if model.penalty_inputs is None:
