@@ -101,3 +101,20 @@ def test_the_example_of_docs_extending_runs_as_written():
                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["torch.Size([1,", "8,", "256])", str(3 * 64)]
+
+
+def test_watch_takes_a_registered_stabiliser_as_its_variant_and_refuses_an_unknown_one(toy, tmp_path):
+    model = LoopedTransformer(ModelConfig(vocab_size=64, depth=1, width=16, heads=2, seq_len=8, variant="toy-halfway",
+                                          loops=2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(flt_diag.ProbeError, match="watch.variant='toy-halfwy'.: one of flt-diag's variants"):
+        flt_diag.watch(model, blocks=model.blocks, folder=tmp_path / "bad", optimizer=opt, variant="toy-halfwy")
+    probe = flt_diag.watch(model, blocks=model.blocks, folder=tmp_path / "w", optimizer=opt, variant="toy-halfway",
+                           loss=lambda out: out[1], steps=2)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        opt.zero_grad()
+        model(tokens, tokens)[1].backward()
+        probe.step()
+    probe.close()
+    assert json.loads((tmp_path / "w" / "config.json").read_text())["model"]["variant"] == "toy-halfway"
