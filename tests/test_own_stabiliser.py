@@ -118,3 +118,18 @@ def test_watch_takes_a_registered_stabiliser_as_its_variant_and_refuses_an_unkno
         probe.step()
     probe.close()
     assert json.loads((tmp_path / "w" / "config.json").read_text())["model"]["variant"] == "toy-halfway"
+
+
+@pytest.mark.parametrize("target, said", [("nosuchmodule:X", "ModuleNotFoundError"),
+                                          ("json:dumps", "a stabiliser is a flt_diag Stabiliser")])
+def test_a_broken_entry_point_is_one_warning_line_and_left_out(tmp_path, target, said):
+    info = tmp_path / "broken-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[flt_diag.stabilisers]\nbroken = {target}\n")
+    run = subprocess.run([sys.executable, "-m", "flt_diag", "train", "--variant", "broken"], capture_output=True,
+                         text=True, env={"PYTHONPATH": f"{REPO}:{tmp_path}", "PATH": "/usr/bin:/bin"}, timeout=120)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode != 0 and "Traceback" not in run.stderr and len(lines) == 2, run.stderr
+    assert lines[0].startswith(f"warning: stabiliser entry point broken = {target} left out") and said in lines[0]
+    assert lines[1].startswith("error: --variant must be one of lt,") and lines[1].endswith("got 'broken'")

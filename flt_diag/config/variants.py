@@ -11,6 +11,7 @@ scaled (COMPOSED; `flt-diag variants` lists them all); on its own base a stabili
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Annotated, Literal, Optional, get_args, get_type_hints
 
@@ -84,11 +85,20 @@ VARIANTS: dict[str, VariantSpec] = {}  # every variant: the five, the stabiliser
 VARIANT_DESCRIPTIONS: dict[str, str] = {}
 SOURCES: dict[str, str] = {}
 _REGISTERED: dict[str, Stabiliser] = {}  # joined by register_stabiliser
+_SAID: set[str] = set()  # entry points whose name clash was said
 
 
 def _assemble() -> None:
     """Fill the tables from the package's stabilisers, the entry points' and the registered ones."""
-    found = [*builtin(), *entry_points(), *_REGISTERED.values()]
+    own = builtin()
+    taken = {*PAPER, *(s.name for s in own)}
+    plugins = [s for s in entry_points() if s.name not in taken]  # (one that takes a name: said, left out)
+    for s in entry_points():
+        if s.name in taken and s.name not in _SAID:
+            _SAID.add(s.name)
+            print(f"warning: stabiliser entry point {s.name} ({s.module}) left out: flt-diag's own has that name",
+                  file=sys.stderr)
+    found = [*own, *plugins, *_REGISTERED.values()]
     order = {n: i for i, n in enumerate(FIRST)}
     found.sort(key=lambda s: (order.get(s.name, len(FIRST)), s.name))
     names = [s.name for s in found]

@@ -107,15 +107,16 @@ def builtin() -> tuple[Stabiliser, ...]:
                  for n in names)
 
 
+@functools.cache
 def entry_points() -> tuple[Stabiliser, ...]:
-    """The stabilisers named by installed distributions' entry points of the group ENTRY_POINTS (one that fails
-    to load: ValueError naming it)."""
+    """The stabilisers named by installed distributions' entry points of the group ENTRY_POINTS, loaded once. One
+    that fails to load, or names no Stabiliser, is said in one warning line on stderr and left out (a broken plugin
+    does not stop flt-diag; its name is then an unknown variant)."""
     found = []
     for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINTS), key=lambda ep: ep.name):
         try:
-            obj = ep.load()
+            found.append(_own(ep.load(), ep.module, f"entry point {ep.name} = {ep.value}"))
         except Exception as e:  # (a plugin's own error, whatever it is: said in one line)
-            raise ValueError(f"stabiliser entry point {ep.name} = {ep.value} does not load: "
-                             f"{type(e).__name__}: {e}") from None
-        found.append(_own(obj, ep.module, f"entry point {ep.name} = {ep.value}"))
+            print(f"warning: stabiliser entry point {ep.name} = {ep.value} left out: {type(e).__name__}: "
+                  f"{str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
     return tuple(found)
