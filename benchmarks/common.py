@@ -116,8 +116,8 @@ class UnrolledTransformer(nn.Module):
         self.head = nn.Linear(cfg.width, cfg.vocab_size, bias=False)
         self.checkpoint_loops = False
         self.table_dtype = torch.float32
-        self.rule = VARIANTS["lt"]  # no stabiliser: no parameters of its own, no loss term, K loops every step
-        self.injection = self.adapter = self.loop_embed = self.penalty_inputs = None
+        self.rule = VARIANTS["lt"].rule  # no stabiliser: no parameters of its own, no loss term, K loops every step
+        self.stabiliser = self.penalty_inputs = None
         self.grad_loops = 0
         LoopedTransformer._rotary(self, cfg.seq_len)  # the same tables, registered as buffers
         LoopedTransformer.reset_parameters(self)  # the same init, applied to all L*K blocks

@@ -99,6 +99,7 @@ def forward(model, idx, variant, K, record=None, softcap=True):
             raise ValueError(variant)
         if stab == "loop-embed":
             x = x + model.loop_embed.weight[t - 1]
+        x_in = x
         for i, block in enumerate(model.blocks):
             query = None
             if t >= 2 and base == "fla":
@@ -108,6 +109,9 @@ def forward(model, idx, variant, K, record=None, softcap=True):
             x = block_forward(block, x, cfg.heads, query, scale, post_norm, alpha)
             if record is not None:
                 record.append((t, i + 1, x))
+        if stab == "loop-gate":  # x_in + sigmoid(a_t) (F(x_in) - x_in)
+            g = 1 / (1 + torch.exp(-model.gate.a[t - 1]))
+            x = x_in + g * (x - x_in)
         if record is not None:
             record.append((t, None, x))
         h = rms(x)

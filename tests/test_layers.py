@@ -7,6 +7,8 @@ own layer and any layer below, never one above):
     0 records   flt_diag/records/ - a diagnostic record in one file each: its options, metric names, schedule,
                 moment and computation (torch-free: it computes through the tensors it is handed); config/ and
                 storage/ assemble DiagnosticsConfig and the metric names from them
+    0 stabilisers flt_diag/model/stabilisers/ - a stabiliser in one file each: its declaration torch-free (torch
+                only inside its hooks and factory); config/variants.py assembles the variant tables from them
     1 storage   flt_diag/storage/ - I/O: run, sweep and map folders (folders.py), the file kinds and their
                 validating loaders (files.py, schema.py), metric names, cell names, what may be pooled
     2 judge     flt_diag/judge/ - judgments on stored records, torch-free: the verdict, peer comparison,
@@ -45,14 +47,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "flt_diag"
 LAYERS = {  # folder (module-name prefix) -> layer; "flt_diag" itself matches only the package's __init__
-    "flt_diag.config": 0, "flt_diag.records": 0, "flt_diag.storage": 1, "flt_diag.judge": 2, "flt_diag.model": 3, "flt_diag.data": 4,
+    "flt_diag.config": 0, "flt_diag.records": 0, "flt_diag.model.stabilisers": 0, "flt_diag.storage": 1, "flt_diag.judge": 2, "flt_diag.model": 3, "flt_diag.data": 4,
     "flt_diag.instruments": 5, "flt_diag.integrations": 6, "flt_diag.training": 7, "flt_diag.grids": 8,
     "flt_diag.results": 9, "flt_diag.cli": 10, "flt_diag.__main__": 10,
 }
 ROOT, ROOT_LAYER = "flt_diag", 10
 APART = {"flt_diag.instruments": "flt_diag.model",  # layers that import nothing of each other, though one is below:
          "flt_diag.integrations": "flt_diag.model"}  # the instruments and the probe read a model through its protocol
-TORCH_FREE = ("flt_diag.config", "flt_diag.records", "flt_diag.storage", "flt_diag.judge", "flt_diag.results")
+TORCH_FREE = ("flt_diag.config", "flt_diag.records", "flt_diag.model.stabilisers", "flt_diag.storage", "flt_diag.judge", "flt_diag.results")
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 60
 
 

@@ -250,7 +250,7 @@ def test_extra_parameters_counted_by_hand(name):
     d, K, L = 16, 3, 2
     cfg = ModelConfig(vocab_size=64, depth=L, width=d, heads=2, variant=name, loops=K)
     by_hand = {"parcae": 2 * d + d * d, "huginn": 2 * d * d}.get(name, 0)
-    if "loop-embed" in name:
+    if "loop-embed" in name or "loop-gate" in name:  # (a_t, e_t in R^d per loop)
         by_hand += K * d
     assert extra_parameters(cfg) == by_hand
     model = LoopedTransformer(cfg)
@@ -258,8 +258,8 @@ def test_extra_parameters_counted_by_hand(name):
     assert grouped == sum(p.numel() for p in model.parameters())  # every parameter in a group the optimizer sees
 
 
-@pytest.mark.parametrize("field, value", [("start", "embed-prev"), ("query_from_prev", "last"),
-                                          ("loss_term", "jacobian"), ("loop_count", "poisson"), ("post_norm", 1)])
+@pytest.mark.parametrize("field, value", [("start", "embed-prev"), ("start", "parcae"), ("query_from_prev", "last"),
+                                          ("add_prev_before_block", 1)])  # (a stabiliser is no rule: its own file)
 def test_a_rule_with_a_value_outside_its_choices_is_refused_where_it_is_written(field, value):
     with pytest.raises(ValueError, match=f"variant rule: {field}="):
         VariantRule(**{"start": "prev", field: value})
@@ -267,7 +267,8 @@ def test_a_rule_with_a_value_outside_its_choices_is_refused_where_it_is_written(
 
 def test_every_stabiliser_and_composition_is_a_variant_with_a_description():
     from flt_diag.config.variants import SOURCES, VARIANT_DESCRIPTIONS
-    assert set(STABILISERS) == {"parcae", "huginn", "stars", "jacobian-fro", "residual-scale", "deeploop", "loop-embed"}
+    assert set(STABILISERS) == {"parcae", "huginn", "stars", "jacobian-fro", "residual-scale", "deeploop", "loop-embed",
+                                "loop-gate"}
     assert all(n in VARIANT_DESCRIPTIONS and n in SOURCES for n in list(PAPER_VARIANTS) + list(STABILISERS))
     assert all(n in VARIANT_DESCRIPTIONS for n in COMPOSED)
 

@@ -336,8 +336,8 @@ def _cross_validate(paths, o: FitPredictorOptions, examples, features) -> dict:
 
 
 def cmd_variants(o: Options) -> int:
-    """List the variants: the paper's five, the field's stabilisers (with the parameters each adds and its source)
-    and the compositions base+stabiliser."""
+    """List the variants: the paper's five, the field's stabilisers (with the parameters each adds, its source and
+    the values that are flt-diag's own choice, "ours") and the compositions base+stabiliser."""
     from flt_diag.config.variants import COMPOSED, PAPER_VARIANTS, SOURCES, STABILISERS, base_of
     from flt_diag.model.transformer import ModelConfig, extra_parameters
     shape = ModelConfig()  # the tiny preset's shape (d = 64, L = 2, K = 12): the extra parameters at that shape
@@ -349,8 +349,12 @@ def cmd_variants(o: Options) -> int:
         extra = extra_parameters(shape.model_copy(update=dict(variant=name)))
         print(f"  {name:15s} {VARIANT_DESCRIPTIONS[name]}\n  {'':15s} +{extra:,} parameters; on {base_of(name)}; "
               f"{SOURCES[name]}")
-    print("compositions (a loss term, a residual scale or a loop embedding on any of the five): "
-          + ", ".join(COMPOSED))
+        stab = STABILISERS[name]
+        if not stab.module.startswith("flt_diag."):
+            print(f"  {'':15s} from {stab.module} (not flt-diag's own)")
+        for what, why in stab.ours.items():  # values the source leaves open, chosen by flt-diag (or the author)
+            print(f"  {'':15s} ours: {what}: {why}")
+    print("compositions (a stabiliser that composes, on any other of the five): " + ", ".join(COMPOSED))
     return 0
 
 

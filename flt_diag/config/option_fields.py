@@ -44,6 +44,13 @@ Distinct, Ascending = AfterValidator(distinct), AfterValidator(ascending)
 Items = Annotated[list[T], Field(min_length=1, max_length=MAX_ITEMS), Distinct]  # one or more distinct Ts
 
 
+class Choices(NamedTuple):
+    """A str field's choices, read when asked (Annotated metadata: a table that grows, as the variants do when a
+    stabiliser joins); its validator refuses the others."""
+
+    values: Callable[[], Any]
+
+
 def opt(default, help: str, *, settled: bool = False, grid: tuple[str, ...] = (), volatile: bool = False,
         **field) -> Any:
     """A field that is also an option (`field`: pydantic's alias, validation_alias, ge, le, gt, lt; a name files
@@ -145,8 +152,9 @@ def form(x) -> Form:
     hint, found, optional = _bare(x.rebuild_annotation() if isinstance(x, FieldInfo) else x)
     many = typing.get_origin(hint) is list
     hint, found, _ = _bare(typing.get_args(hint)[0]) if many else (hint, found, optional)
-    choices = typing.get_args(hint) if typing.get_origin(hint) is Literal else None
     found = [m for x in found for m in (x.metadata if isinstance(x, FieldInfo) else [x])]
+    choices = typing.get_args(hint) if typing.get_origin(hint) is Literal else \
+        next((tuple(m.values()) for m in found if isinstance(m, Choices)), None)
     bounds = {BOUND_KINDS[type(m)]: getattr(m, BOUND_KINDS[type(m)]) for m in found if type(m) in BOUND_KINDS}
     return Form(type(choices[0]) if choices else hint, many, optional, choices, bounds)
 
@@ -261,5 +269,5 @@ def by_flag(cls) -> Callable[[tuple], str]:
     return name
 
 
-__all__ = ["MAX_ITEMS", "Ascending", "ConfigError", "Distinct", "Form", "Items", "Options", "arg", "by_flag", "default",
+__all__ = ["MAX_ITEMS", "Ascending", "Choices", "ConfigError", "Distinct", "Form", "Items", "Options", "arg", "by_flag", "default",
            "check", "dest", "dotted", "flag", "form", "named", "one_line", "opt", "with_fact"]

@@ -1,35 +1,33 @@
 """The variants as data (DESIGN.md §2 and §2b), importable without torch (the CLI, plots and reports use it).
 
-A variant is one rule: where loop t >= 2 starts (`start`), what each block does (`add_prev_before_block`,
-`query_from_prev`, `post_norm`, `deepnorm`, `residual_scale`), what is added at a loop's start
-(`loop_embedding`), what the training loss adds (`loss_term`) and how many loops a training step runs
-(`loop_count`). The paper's five (PAPER_VARIANTS) change only the first three; the field's stabilisers (issue 56)
-change the rest, each implemented in one file of flt_diag/model/stabilisers/ with its equation and source.
-A stabiliser that is a loss term, a residual scale or a loop embedding composes with any of the five:
-`flt+residual-scale` is FLT with its residual branches scaled (COMPOSABLE; `flt-diag variants` lists them all); on
-LT a stabiliser goes by its own name (`residual-scale` is LT + the residual scale).
+The paper's five (PAPER) are one rule each: where loop t >= 2 starts (`start`), whether h(t-1) is added before
+every block (`add_prev_before_block`) and which blocks take their attention query from h(t-1) (`query_from_prev`).
+The field's stabilisers are one file each (flt_diag.model.stabilisers, each file's STABILISER: its name,
+description, source, base, whether it composes, its parameters and hooks); this module assembles the tables from
+them. A stabiliser that composes goes with any of the five: `flt+residual-scale` is FLT with its residual branches
+scaled (COMPOSED; `flt-diag variants` lists them all); on its own base a stabiliser goes by its own name
+(`residual-scale` is LT + the residual scale). A researcher's own joins by `register_stabiliser` (flt_diag's
+`register_stabiliser`) or an entry point: the tables below grow in place, so every reader sees it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Literal, get_args, get_type_hints
+import sys
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Annotated, Literal, Optional, get_args, get_type_hints
+
+from pydantic import AfterValidator
+
+from flt_diag.config.option_fields import Choices
+from flt_diag.model.stabilisers import Stabiliser, builtin, entry_points
 
 
 @dataclass(frozen=True)
 class VariantRule:
-    """How a variant differs from plain LT (loop 1 is always a plain pass from norm(E))."""
+    """How a paper variant differs from plain LT (loop 1 is always a plain pass from norm(E))."""
 
-    start: Literal["prev", "embed", "embed+prev", "parcae", "adapter"]  # stream at loop t >= 2's start:
-    # h(t-1), norm(E), norm(E + h(t-1)); Parcae's A*x(t-1) + dt*B*norm(E); Huginn's W [x(t-1); norm(E)]
+    start: Literal["prev", "embed", "embed+prev"]  # stream at loop t >= 2's start: h(t-1), norm(E), norm(E + h(t-1))
     add_prev_before_block: bool = False  # FLA: x = norm(x + h(t-1)) before every block
     query_from_prev: Literal["none", "first", "all"] = "none"  # AI: blocks whose Q comes from norm(h(t-1))
-    post_norm: bool = False  # x = norm(alpha x + F(norm(x))) after each residual add (Huginn's sandwich; DeepLoop)
-    deepnorm: bool = False  # DeepLoop: alpha = (2N)^(1/2) and the init scale beta = (8N)^(-1/2), N = K L
-    residual_scale: bool = False  # every residual branch scaled by 1 / (K sqrt(L))
-    loop_embedding: bool = False  # a learned, zero-initialised vector per loop index added at the loop's start
-    loss_term: Literal["none", "stars", "jacobian-fro"] = "none"  # added to the training loss
-    loop_count: Literal["fixed", "poisson-lognormal", "lognormal"] = "fixed"  # loops of a training step
-    grad_loops: Literal["all", "quarter"] = "all"  # Huginn: the gradient through the last ceil(K/4) loops only
 
     def __post_init__(self):
         """A rule is checked where it is written: a value outside its field's choices (a misspelt `start`
@@ -44,6 +42,18 @@ class VariantRule:
                 raise ValueError(f"variant rule: {f.name}={value!r} must be True or False")
 
 
+@dataclass(frozen=True)
+class VariantSpec:
+    """A variant: a paper variant's rule (`base`) and at most one stabiliser on it."""
+
+    base: str
+    stabiliser: Optional[Stabiliser] = None
+
+    @property
+    def rule(self) -> VariantRule:
+        return PAPER[self.base]
+
+
 PAPER: dict[str, VariantRule] = {
     "lt": VariantRule(start="prev"),
     "lt-ii": VariantRule(start="embed+prev"),
@@ -52,64 +62,111 @@ PAPER: dict[str, VariantRule] = {
     "flt": VariantRule(start="embed", query_from_prev="all"),
 }
 PAPER_VARIANTS = list(PAPER)  # the paper's five: the default of every sweep and map
-
-LT = PAPER["lt"]
-STABILISERS: dict[str, VariantRule] = {
-    "parcae": replace(LT, start="parcae"),
-    "huginn": replace(LT, start="adapter", post_norm=True, loop_count="poisson-lognormal", grad_loops="quarter"),
-    "stars": replace(LT, loss_term="stars", loop_count="lognormal"),
-    "jacobian-fro": replace(LT, loss_term="jacobian-fro"),
-    "residual-scale": replace(LT, residual_scale=True),
-    "deeploop": replace(LT, post_norm=True, deepnorm=True),
-    "loop-embed": replace(LT, loop_embedding=True),
-}
-# What a composable stabiliser sets on any base (the rest replace LT's loop start or its block: not composable).
-COMPOSABLE: dict[str, dict] = {"residual-scale": dict(residual_scale=True), "loop-embed": dict(loop_embedding=True),
-                               "jacobian-fro": dict(loss_term="jacobian-fro"),
-                               "stars": dict(loss_term="stars", loop_count="lognormal")}
-COMPOSED: dict[str, VariantRule] = {f"{base}+{name}": replace(rule, **COMPOSABLE[name])  # (on LT: the stabiliser's
-                                    for base, rule in PAPER.items() if base != "lt" for name in COMPOSABLE}  # own name)
-
-VARIANTS: dict[str, VariantRule] = {**PAPER, **STABILISERS, **COMPOSED}
-if TYPE_CHECKING:  # (a Literal of names built at import: to mypy, a variant's name is a str)
-    Variant = str
-else:
-    Variant = Literal[tuple(VARIANTS)]  # a variant's name, as a type (in the order of VARIANTS: the figures' and tables')
-
-VARIANT_DESCRIPTIONS: dict[str, str] = {
+PAPER_DESCRIPTIONS = {
     "lt": "original looped transformer: loop t starts from h(t-1)",
     "lt-ii": "LT + additive input injection: loop t starts from norm(E + h(t-1))",
     "lt-ai": "LT + attention injection in the first block only",
     "fla": "fully looped architecture only: norm(x + h(t-1)) before every block",
     "flt": "full FLT: every block takes its attention query from h(t-1)",
-    "parcae": "loop t starts from A*x(t-1) + dt*B*norm(E), A = exp(-dt exp(A_log)) < 1 per channel (on LT)",
-    "huginn": "adapter W[x(t-1); norm(E)], sandwich norm, r ~ Poisson(LogNormal)+1 loops, gradient through the last K/4",
-    "stars": "loss (1-l) CE + l |v^T J|^2 of one loop at the detached final state, log-normal loop count (on LT)",
-    "jacobian-fro": "loss + g |J|_F^2 / n of one loop at the final state, Hutchinson with 2 probes (on LT)",
-    "residual-scale": "every residual branch scaled by 1 / (K sqrt(L)) (on LT)",
-    "deeploop": "post-norm DeepNorm residual norm(a x + F(x)), a = (2KL)^(1/2), init beta = (8KL)^(-1/2) (on LT)",
-    "loop-embed": "a learned loop-index vector, zero-initialised, added at each loop's start (on LT)",
 }
-VARIANT_DESCRIPTIONS.update({name: f"{base} + {name.split('+')[1]}" for name in COMPOSED for base in [name.split("+")[0]]})
-
-SOURCES: dict[str, str] = {
+PAPER_SOURCES = {
     "lt": "Fully Looped Transformer paper, LT baseline (FuRuF-11/FullyLoopedTransformer)",
     "lt-ii": "the same paper, LT_i", "lt-ai": "the same paper, LT_ia", "fla": "the same paper, FLT_res",
     "flt": "the same paper, FLT",
-    "parcae": "Parcae, arXiv 2604.12946 (sandyresearch/parcae, parcae_lm/modules/injection.py)",
-    "huginn": "Huginn, arXiv 2502.05171 (seal-rg/recurrent-pretraining, raven_modeling_minimal.py)",
-    "stars": "STARS, arXiv 2605.26733 (njuyxw/STARS)",
-    "jacobian-fro": "DEQ Jacobian regularisation, arXiv 2106.14342 (locuslab/deq, lib/jacobian.py)",
-    "residual-scale": "arXiv 2606.18524",
-    "deeploop": "DeepLoop, arXiv 2607.13491 (DeepNorm: arXiv 2203.00555)",
-    "loop-embed": "parameter-golf PR 319; TMLT, arXiv 2410.01405",
 }
+# issue 56's seven in the order they joined (the tables' and figures' order); any other after them, by name
+FIRST = ("parcae", "huginn", "stars", "jacobian-fro", "residual-scale", "deeploop", "loop-embed")
+
+# the tables, assembled from the stabilisers by `_assemble` (in place: a module that imported one sees it grow)
+STABILISERS: dict[str, Stabiliser] = {}  # name -> its stabiliser (on its own base)
+COMPOSABLE: list[str] = []  # the stabilisers that compose with the others of the paper's five
+COMPOSED: dict[str, VariantSpec] = {}  # "flt+residual-scale" -> FLT with the residual scale
+VARIANTS: dict[str, VariantSpec] = {}  # every variant: the five, the stabilisers, the compositions
+VARIANT_DESCRIPTIONS: dict[str, str] = {}
+SOURCES: dict[str, str] = {}
+_REGISTERED: dict[str, Stabiliser] = {}  # joined by register_stabiliser
+_SAID: set[str] = set()  # entry points whose name clash was said
+
+
+def _assemble() -> None:
+    """Fill the tables from the package's stabilisers, the entry points' and the registered ones."""
+    own = builtin()
+    taken = {*PAPER, *(s.name for s in own)}
+    plugins = [s for s in entry_points() if s.name not in taken]  # (one that takes a name: said, left out)
+    for s in entry_points():
+        if s.name in taken and s.name not in _SAID:
+            _SAID.add(s.name)
+            print(f"warning: stabiliser entry point {s.name} ({s.module}) left out: flt-diag's own has that name",
+                  file=sys.stderr)
+    found = [*own, *plugins, *_REGISTERED.values()]
+    order = {n: i for i, n in enumerate(FIRST)}
+    found.sort(key=lambda s: (order.get(s.name, len(FIRST)), s.name))
+    names = [s.name for s in found]
+    if twice := sorted({n for n in names if names.count(n) > 1 or n in PAPER or "+" in n}):
+        raise ValueError(f"two stabilisers, or a stabiliser and a paper variant, are named {', '.join(twice)}")
+    for table in (STABILISERS, COMPOSED, VARIANTS, VARIANT_DESCRIPTIONS, SOURCES):
+        table.clear()
+    STABILISERS.update({s.name: s for s in found})
+    COMPOSABLE[:] = [s.name for s in found if s.composes]
+    comp = [(b, s) for b in PAPER for s in found if s.composes and b != s.base]
+    COMPOSED.update({f"{b}+{s.name}": VariantSpec(b, s) for b, s in comp})
+    VARIANTS.update({**{n: VariantSpec(n) for n in PAPER}, **{s.name: VariantSpec(s.base, s) for s in found},
+                     **COMPOSED})
+    VARIANT_DESCRIPTIONS.update({**PAPER_DESCRIPTIONS, **{s.name: s.description for s in found},
+                                 **{f"{b}+{s.name}": f"{b} + {s.name}" for b, s in comp}})
+    SOURCES.update({**PAPER_SOURCES, **{s.name: s.source for s in found}})
+
+
+def register_stabiliser(stabiliser: Stabiliser) -> Stabiliser:
+    """A researcher's own stabiliser joins every variant table (and with them `flt-diag variants`, the options'
+    validation, the model and the Trainer) under its name, and, if it composes, as `<base>+<name>`. A name taken
+    by a paper variant or another stabiliser is refused (one ValueError line); registering a name again replaces
+    the one registered before (a notebook's cell run twice). Returns the stabiliser."""
+    if not isinstance(stabiliser, Stabiliser):
+        raise ValueError(f"register_stabiliser takes a flt_diag Stabiliser, got {type(stabiliser).__name__}")
+    before = _REGISTERED.get(stabiliser.name)
+    _REGISTERED[stabiliser.name] = stabiliser
+    try:
+        _assemble()
+    except ValueError:
+        _REGISTERED.pop(stabiliser.name)
+        if before is not None:
+            _REGISTERED[stabiliser.name] = before
+        _assemble()
+        raise
+    return stabiliser
+
+
+def unregister_stabiliser(name: str) -> None:
+    """Undo register_stabiliser(name) (tests; a notebook's experiment done with)."""
+    _REGISTERED.pop(name, None)
+    _assemble()
+
+
+_assemble()
+
+
+def _known(name: str) -> str:
+    if name not in VARIANTS:
+        raise ValueError(f"must be one of {', '.join(VARIANTS)}, got {name!r}")
+    return name
+
+
+if TYPE_CHECKING:  # (to mypy, a variant's name is a str)
+    Variant = str
+else:  # a variant's name, as a type: one of VARIANTS when it is validated (a registered one included)
+    Variant = Annotated[str, Choices(lambda: tuple(VARIANTS)), AfterValidator(_known)]
 
 
 def base_of(name: str) -> str:
     """The paper variant a variant builds on: its own name for the five, the part before '+' for a composition,
-    LT for a stabiliser on its own."""
-    return name if name in PAPER else name.split("+")[0] if "+" in name else "lt"
+    the stabiliser's base for a stabiliser on its own."""
+    return VARIANTS[name].base if name in VARIANTS else name.split("+")[0] if "+" in name else "lt"
+
+
+def stabiliser_of(name: str) -> Optional[Stabiliser]:
+    """The stabiliser of a variant (None: one of the paper's five)."""
+    return VARIANTS[name].stabiliser
 
 
 MAX_LOOPS = 1024  # far beyond any study; a mistyped 1e20 is refused instead of never finishing a step

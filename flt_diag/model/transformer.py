@@ -6,9 +6,12 @@ The model is built from flt-diag's ModelConfig itself, read under the names user
 seq_len): the one place a config becomes a model. Its modules keep nanochat's names where they mirror the
 reference's GPT (`Attention.n_head`, as nanochat's CausalSelfAttention).
 
-Loop 1 is a plain pass in every variant. For loops t >= 2 a variant is three rules
-(see VARIANTS): where the stream starts, whether h(t-1) is added before every block,
-and which blocks take their attention query from h(t-1) ("attention injection").
+Loop 1 is a plain pass in every variant. For loops t >= 2 a paper variant is three rules
+(flt_diag.config.variants.PAPER): where the stream starts, whether h(t-1) is added before every block,
+and which blocks take their attention query from h(t-1) ("attention injection"). A stabiliser
+(flt_diag.model.stabilisers, one file each) adds its part (`model.<part>`) and its hooks, which the model
+calls at the loop's seams: `start` and `enter` at a loop's start, `update` at its end, `block` and `init`
+once at build; `penalty` keeps the final state for the loss term the Trainer adds.
 
 The model has no diagnostic code. It exposes hook points that diagnostics attach to
 from outside (flt_diag.instruments.loop_hooks):
@@ -31,10 +34,6 @@ from torch.utils.checkpoint import checkpoint
 
 from flt_diag.config.run_config import ModelConfig, loss_loops  # noqa: F401 (ModelConfig re-exported)
 from flt_diag.config.variants import VARIANTS  # noqa: F401 (re-exported)
-from flt_diag.model.stabilisers import deeploop, huginn, residual_scale
-from flt_diag.model.stabilisers.huginn import Adapter
-from flt_diag.model.stabilisers.loop_embed import LoopEmbedding
-from flt_diag.model.stabilisers.parcae import ParcaeInjection
 
 
 def _inv_rms(x: torch.Tensor) -> torch.Tensor:
@@ -136,7 +135,7 @@ class Block(nn.Module):
     (flt_diag.training.compile_precision.compile_blocks); `after_attn`, an identity between them, is the hook
     point for the stream after the attention add (its gradient is the attention output's gradient).
 
-    Three stabilisers change the add (every paper variant has scale = 1, post_norm = False):
+    A stabiliser's `block` hook changes the add (every paper variant has scale = 1, post_norm = False):
     x + scale * F(norm(x)) (residual_scale.py); norm(alpha * x + F(norm(x))) (post_norm: Huginn's sandwich norm
     with alpha = 1, DeepLoop's DeepNorm with alpha = (2KL)^(1/2))."""
 
@@ -174,32 +173,30 @@ class Block(nn.Module):
 class LoopedTransformer(nn.Module):
     cos: torch.Tensor  # the rotary tables (buffers: _rotary)
     sin: torch.Tensor
-    injection: ParcaeInjection | None
-    adapter: Adapter | None
-    loop_embed: LoopEmbedding | None
     penalty_inputs: tuple | None
+    norm = staticmethod(norm)  # (the stabilisers' hooks take it from the model: they import no model code)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.rule = rule = VARIANTS[cfg.variant]  # type: ignore[index]  # (None: a watch run's config, never built)
+        spec = VARIANTS[cfg.variant]  # type: ignore[index]  # (None: a watch run's config, never built)
+        self.rule, self.stabiliser = spec.rule, spec.stabiliser
         K, L, d = cfg.loops, cfg.depth, cfg.width
-        scale = residual_scale.branch_scale(K, L) if rule.residual_scale else 1.0
-        alpha = deeploop.alpha(K, L) if rule.deepnorm else 1.0
+        block = hook(self, "block")
         self.embed = nn.Embedding(cfg.vocab_size, d)
-        self.blocks = nn.ModuleList(Block(cfg, scale, rule.post_norm, alpha) for _ in range(L))
-        # the stabilisers' own parameters (none for the paper's five): flt_diag.model.stabilisers; built without
+        self.blocks = nn.ModuleList(Block(cfg, **(block(cfg) if block else {})) for _ in range(L))
+        # the stabiliser's own parameters (none for the paper's five), under its part's name; built without
         # drawing from the global generator, so that a seed gives every variant the same shared weights
-        with torch.random.fork_rng(devices=[]):
-            self.injection = ParcaeInjection(d) if rule.start == "parcae" else None
-            self.adapter = Adapter(d) if rule.start == "adapter" else None
-            self.loop_embed = LoopEmbedding(K if rule.loop_count == "fixed" else 2 * K, d) if rule.loop_embedding else None
+        if self.stabiliser is not None and self.stabiliser.parameters is not None:
+            with torch.random.fork_rng(devices=[]):
+                setattr(self, cast(str, self.stabiliser.part), self.stabiliser.parameters(cfg))
         self.loop_end: nn.Module = nn.Identity()  # hook point: residual stream at each loop's end
         self.head = nn.Linear(d, cfg.vocab_size, bias=False)
         self.checkpoint_loops = False  # activation checkpointing, one segment per loop
         # truncated backpropagation: gradient through the last k loops only (0 = all; Huginn's default ceil(K/4))
-        self.grad_loops = huginn.truncated_loops(K) if rule.grad_loops == "quarter" else 0
-        self.penalty_inputs = None  # a loss-term variant's final state and loop inputs (stabilisers/penalty.py)
+        grad_loops = hook(self, "grad_loops")
+        self.grad_loops = grad_loops(K) if grad_loops else 0
+        self.penalty_inputs = None  # a loss-term variant's final state and loop inputs (stabilisers/_penalty.py)
         self.table_dtype = torch.float32  # dtype the rotary tables are kept in (bf16 for reference precision)
         self._rotary(cfg.seq_len)
         self.reset_parameters()
@@ -224,36 +221,32 @@ class LoopedTransformer(nn.Module):
                 nn.init.uniform_(lin.weight, -bound, bound)
             nn.init.zeros_(block.attn.o.weight)
             nn.init.zeros_(block.mlp.down.weight)
-        if self.rule.deepnorm:
-            deeploop.scale_init(self.blocks, deeploop.beta(self.cfg.loops, self.cfg.depth))
-        for part in (self.injection, self.adapter):
-            if part is not None:
-                part.reset_parameters()
-        if self.loop_embed is not None:
-            nn.init.zeros_(self.loop_embed.weight)
+        if init := hook(self, "init"):
+            init(self)
+        if (reset := getattr(stabiliser_part(self), "reset_parameters", None)) is not None:
+            reset()  # (the part's own initialisation)
 
     def _loop(self, x, h_prev, emb, cos, sin, t: int | None = None):
         """One pass through the L blocks. h_prev is None in loop 1 (a plain pass); x is the raw stream at the
-        previous loop's end (Parcae and Huginn start from it); emb is the raw embedding E[tokens]; t the loop's
-        index from 0 (needed by the loop embedding only)."""
-        rule = self.rule
+        previous loop's end (a stabiliser's `start` takes it); emb is the raw embedding E[tokens]; t the loop's
+        index from 0 (needed by a stabiliser's `enter` and `update` only)."""
+        rule, part, start, enter, update = self.rule, stabiliser_part(self), *hooks(self, "start", "enter", "update")
+        if (enter or update) and t is None:
+            raise ValueError(f"stabiliser {self.cfg.variant!r} needs the loop's index: call _loop(..., t=...)")
         if h_prev is not None:
-            if rule.start == "prev":
+            if start is not None:
+                x = start(part, x, norm(emb))
+            elif rule.start == "prev":
                 x = h_prev
             elif rule.start == "embed":
                 x = norm(emb)
             elif rule.start == "embed+prev":  # additive input injection
                 x = norm(emb + h_prev)
-            elif rule.start == "parcae":  # (built for this start: __init__)
-                x = cast(ParcaeInjection, self.injection)(x, norm(emb))
-            elif rule.start == "adapter":
-                x = cast(Adapter, self.adapter)(x, norm(emb))
             else:
                 raise ValueError(f"variant {self.cfg.variant!r}: unknown loop start {rule.start!r}")
-        if self.loop_embed is not None:
-            if t is None:
-                raise ValueError("the loop embedding needs the loop's index: call _loop(..., t=...)")
-            x = self.loop_embed(x, t)
+        if enter is not None:
+            x = enter(part, x, t)
+        x_in = x
         for i, block in enumerate(self.blocks):
             query = None
             if h_prev is not None:
@@ -262,6 +255,8 @@ class LoopedTransformer(nn.Module):
                 if rule.query_from_prev == "all" or (rule.query_from_prev == "first" and i == 0):
                     query = h_prev
             x = block(x, cos, sin, query)
+        if update is not None:
+            x = update(part, x_in, x, t)
         return self.loop_end(x)
 
     def forward_loops(self, idx: torch.Tensor, loops: int | None = None, keep: str = "end") -> list[torch.Tensor]:
@@ -287,7 +282,7 @@ class LoopedTransformer(nn.Module):
             h = norm(x)  # h(t)
             if keep == "all" or t == K - 1:
                 outs.append(h)
-        if self.rule.loss_term != "none" and self.training and torch.is_grad_enabled():
+        if hook(self, "penalty") and self.training and torch.is_grad_enabled():
             self.penalty_inputs = (h.detach(), emb, cos, sin, K)  # the loss term's loop runs at h(K) (penalty.py)
         return [self.loop_head(h) for h in outs]
 
@@ -365,11 +360,26 @@ def parameter_groups(model: LoopedTransformer) -> dict[str, list[nn.Parameter]]:
     return groups
 
 
+def hook(model, name: str):
+    """The model's stabiliser's hook `name` (flt_diag.model.stabilisers.HOOKS), or None."""
+    return getattr(getattr(model, "stabiliser", None), name, None)
+
+
+def hooks(model, *names: str) -> list:
+    return [hook(model, n) for n in names]
+
+
+def stabiliser_part(model) -> nn.Module | None:
+    """The module holding the stabiliser's parameters (`model.<part>`), or None."""
+    stab = getattr(model, "stabiliser", None)
+    return getattr(model, stab.part) if stab is not None and stab.part is not None else None
+
+
 def stabiliser_parameters(model: LoopedTransformer) -> list[nn.Parameter]:
     """The parameters a stabiliser adds (Parcae's A_log, dt, B; Huginn's adapter; the loop embedding): none for
     the paper's five (FLT's point: its changes add no parameters)."""
-    return [p for part in (model.injection, model.adapter, model.loop_embed) if part is not None
-            for p in part.parameters()]
+    part = stabiliser_part(model)
+    return list(part.parameters()) if part is not None else []
 
 
 def extra_parameters(cfg: ModelConfig) -> int:

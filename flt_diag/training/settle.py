@@ -18,9 +18,9 @@ import re
 from pathlib import Path
 
 from flt_diag.instruments.warning_callback import predictor
-from flt_diag.config.run_config import (TASK_DIALS, TASKS, DiagnosticsConfig, RunConfig, TrainConfig, build_config,
-                                        given_sections, padded_vocab, replaced, with_overrides)
-from flt_diag.config.option_fields import with_fact
+from flt_diag.config.run_config import (TASK_DIALS, TASKS, DiagnosticsConfig, ModelConfig, RunConfig, TrainConfig, build_config,
+                                        given_sections, padded_vocab, replaced)
+from flt_diag.config.option_fields import check, with_fact
 from flt_diag.data.corpus import DataError, get_tokenizer, resolve_corpus
 from flt_diag.data.tasks import bytes_only, make_task
 
@@ -58,8 +58,12 @@ def settle(cfg: RunConfig) -> RunConfig:
     d = cfg.diagnostics
     if d.warn or d.stop_on_collapse or d.predictor is not None:
         predictor(d.predictor)
-    return with_overrides(cfg, train=dict(device=device),
-                          model=dict(vocab_size=padded_vocab(tokenizer_vocab(cfg.train.tokenizer))))
+    # the two settled values alone are checked against their fields (the rest was validated when `cfg` was built:
+    # `loops` and every other option are checked where they are declared, once, not again here)
+    vocab = check(ModelConfig.model_fields["vocab_size"].rebuild_annotation(),
+                  padded_vocab(tokenizer_vocab(cfg.train.tokenizer)), "vocab_size", ModelConfig.model_fields["vocab_size"])
+    return cfg.model_copy(update=dict(model=cfg.model.model_copy(update=dict(vocab_size=vocab)),
+                                      train=cfg.train.model_copy(update=dict(device=device))))
 
 
 def check_settled(cfg: RunConfig, tokenizer_vocab: int) -> None:

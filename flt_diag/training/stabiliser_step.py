@@ -1,17 +1,19 @@
-"""What a stabiliser variant changes in a training step (flt_diag.model.stabilisers; DESIGN.md §2b): the step's
-loop count (Huginn's and STARS's sampled counts; every other variant runs K) and its objective (STARS's and the
-Jacobian penalty's loss terms; the recorded `loss` stays the cross-entropy, what the verdict judges). Both draw
-from generators seeded by (seed, step), so a resumed run draws exactly what an uninterrupted one does.
+"""What a stabiliser changes in a training step, through its hooks (flt_diag.model.stabilisers; DESIGN.md §2b): the
+step's loop count (its `loop_count`: Huginn's and STARS's sampled counts; every other variant runs K), its objective
+(its `penalty` and `objective`: STARS's and the Jacobian penalty's loss terms; the recorded `loss` stays the
+cross-entropy, what the verdict judges) and what it records every step (its `metrics`: Parcae's rho). The counts
+and penalties draw from generators seeded by (seed, step), so a resumed run draws exactly what an uninterrupted one
+does. A model without a stabiliser (`model.stabiliser` None or absent: a model of the Trainer's `model=`) has none.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from flt_diag.model.stabilisers import huginn, jacobian_fro, stars
-from flt_diag.model.transformer import LoopedTransformer
+from flt_diag.model.stabilisers import provenance
+from flt_diag.model.transformer import hook, stabiliser_part
 
-SAMPLERS = {"poisson-lognormal": huginn.sample_loops, "lognormal": stars.sample_loops}
-LOSS_TERMS = {"stars": stars, "jacobian-fro": jacobian_fro}
 _STREAM = {"loops": 0x4C4F4F50, "penalty": 0x50454E41}  # separate streams: a loop draw never shifts a probe
 
 
@@ -19,17 +21,35 @@ def generator(seed: int, step: int, micro: int, stream: str) -> torch.Generator:
     return torch.Generator().manual_seed(hash((seed, step, micro, _STREAM[stream])) & (2 ** 63 - 1))
 
 
-def step_loops(model: LoopedTransformer, seed: int, step: int) -> int | None:
+def sampled_loops(model: torch.nn.Module) -> bool:
+    """Whether the model's stabiliser samples each step's loop count (a count of 1 leaves a loop start unused)."""
+    return hook(model, "loop_count") is not None
+
+
+def step_loops(model: Any, seed: int, step: int) -> int | None:
     """The loop count of training step `step` (one draw a step, every micro-batch alike); None: the model's K."""
-    sampler = SAMPLERS.get(model.rule.loop_count)
+    sampler = hook(model, "loop_count")
     return None if sampler is None else sampler(model.cfg.loops, generator(seed, step, 0, "loops"))
 
 
-def objective(model: LoopedTransformer, ce: torch.Tensor, seed: int, step: int, micro: int,
+def objective(model: torch.nn.Module, ce: torch.Tensor, seed: int, step: int, micro: int,
               steps: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(what to backpropagate, the penalty or None): the variant's loss term at the forward just run."""
-    term = LOSS_TERMS.get(model.rule.loss_term)
-    if term is None:
+    penalty, objective = hook(model, "penalty"), hook(model, "objective")
+    if penalty is None:
         return ce, None
-    pen = term.penalty(model, generator(seed, step, micro, "penalty"))
-    return term.objective(ce, pen, step, steps), pen.detach()
+    pen = penalty(model, generator(seed, step, micro, "penalty"))
+    return objective(ce, pen, step, steps), pen.detach()
+
+
+def step_metrics(model: torch.nn.Module) -> dict:
+    """{metric: value} the model's stabiliser records every step (its `metrics` hook on its part)."""
+    metrics = hook(model, "metrics")
+    return {} if metrics is None else metrics(stabiliser_part(model))
+
+
+def stabiliser_env(model: torch.nn.Module) -> dict:
+    """config.json's env record of the stabiliser that ran: {"stabiliser": {name, module, file, version}}, so an
+    archive says which code it was (one from outside the package included); {} for none."""
+    stab = getattr(model, "stabiliser", None)
+    return {} if stab is None else {"stabiliser": provenance(stab)}

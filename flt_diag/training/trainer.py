@@ -41,7 +41,7 @@ from flt_diag.instruments.dynamics_callback import own_model_dynamics
 from flt_diag.instruments.warning_callback import collapse_warning
 from flt_diag.integrations.probe import Probe
 from flt_diag.training.compile_precision import compile_blocks, compile_wanted, drop_queued_compiles, reference_precision
-from flt_diag.training.stabiliser_step import objective, step_loops
+from flt_diag.training.stabiliser_step import objective, sampled_loops, stabiliser_env, step_loops, step_metrics
 from flt_diag.training.optim import build_optimizers, lr_multiplier, muon_momentum, set_lr, set_momentum
 from flt_diag.storage.folders import (CONFIG, METRICS, SUMMARY, StorageError, folder_lock, has_content, load_config, load_metrics,
                       load_summary, refuse_not_a_folder, write_json)
@@ -86,7 +86,7 @@ class Trainer:
         if self.world > 1:
             self.ddp_model = torch.nn.parallel.DistributedDataParallel(  # (a sampled loop count of 1 leaves a loop
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,  # start unused)
-                find_unused_parameters=getattr(self.model, "rule", None) is not None and self.model.rule.loop_count != "fixed")
+                find_unused_parameters=sampled_loops(self.model))
         self.optimizers = build_optimizers(self.model, cfg.train, fused=self.device.type == "cuda")
         self.log = StepLog()
         # the instruments, through the probe that flt_diag.watch runs too; then the caller's callbacks and the side
@@ -194,7 +194,7 @@ class Trainer:
 
     def _write_config(self) -> None:
         write_json(self.run_dir / CONFIG, {**self.cfg.to_dict(), "n_params": self.n_params,
-                                           "env": environment(self.device),
+                                           "env": {**environment(self.device), **stabiliser_env(self.model)},
                                            "corpus": describe(self.train_data, self.val_data)})
 
     def end(self) -> None:
@@ -248,8 +248,8 @@ class Trainer:
                 self.log.add(M.STABILISER_PENALTY, penalty)
         if loops is not None:
             self.log.add(M.LOOPS_RUN, float(loops))
-        if self.model.injection is not None:
-            self.log.add(M.INJECTION_RHO, self.model.injection.rho())
+        for metric, value in step_metrics(self.model).items():  # a stabiliser's own (Parcae's rho)
+            self.log.add(metric, value)
         if self.world > 1:  # every rank logs (and judges) the same, global mean loss
             torch.distributed.all_reduce(total)
             total /= self.world

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-import torch
+from flt_diag.model.stabilisers import Stabiliser
 
 
 def alpha(loops: int, n_layer: int) -> float:
@@ -26,9 +26,20 @@ def beta(loops: int, n_layer: int) -> float:
     return (8 * loops * n_layer) ** -0.5
 
 
-@torch.no_grad()
 def scale_init(blocks, b: float) -> None:
     """Multiply the value, output and MLP weights of every block by b (DeepNorm's beta)."""
-    for block in blocks:
-        for lin in (block.attn.v, block.attn.o, block.mlp.up, block.mlp.down):
-            lin.weight.mul_(b)
+    import torch
+    with torch.no_grad():
+        for block in blocks:
+            for lin in (block.attn.v, block.attn.o, block.mlp.up, block.mlp.down):
+                lin.weight.mul_(b)
+
+
+STABILISER = Stabiliser(
+    name="deeploop",
+    description="post-norm DeepNorm residual norm(a x + F(x)), a = (2KL)^(1/2), init beta = (8KL)^(-1/2) (on LT)",
+    source="DeepLoop, arXiv 2607.13491 (DeepNorm: arXiv 2203.00555)",
+    ours={"pre-norm": "the sublayer keeps its pre-norm input", "beta": "scales v and up (o, down start at zero)"},
+    block=lambda cfg: {"post_norm": True, "alpha": alpha(cfg.loops, cfg.depth)},
+    init=lambda model: scale_init(model.blocks, beta(model.cfg.loops, model.cfg.depth)),
+)

@@ -19,32 +19,41 @@ initialised as every block matrix (uniform, std 1 / sqrt(fan-in) = 1 / sqrt(2d))
 """
 from __future__ import annotations
 
+import functools
 import math
 
-import torch
-import torch.nn as nn
+from flt_diag.model.stabilisers import Stabiliser
 
 SIGMA = 0.5
 
 
-class Adapter(nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.W = nn.Linear(2 * d, d, bias=False)
-        self.reset_parameters()
+@functools.cache
+def adapter_class():
+    """Adapter(d), the stabiliser's part: x_start = W [x(t-1); norm(E)] (built on first use: torch lazily)."""
+    import torch
+    import torch.nn as nn
 
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        bound = math.sqrt(3.0 / self.W.in_features)
-        nn.init.uniform_(self.W.weight, -bound, bound)
+    class Adapter(nn.Module):
+        def __init__(self, d: int):
+            super().__init__()
+            self.W = nn.Linear(2 * d, d, bias=False)
+            self.reset_parameters()
 
-    def forward(self, x_prev: torch.Tensor, e_normed: torch.Tensor) -> torch.Tensor:
-        return self.W(torch.cat([x_prev, e_normed], dim=-1))  # (B, T, 2d) -> (B, T, d)
+        @torch.no_grad()
+        def reset_parameters(self) -> None:
+            bound = math.sqrt(3.0 / self.W.in_features)
+            nn.init.uniform_(self.W.weight, -bound, bound)
+
+        def forward(self, x_prev: torch.Tensor, e_normed: torch.Tensor) -> torch.Tensor:
+            return self.W(torch.cat([x_prev, e_normed], dim=-1))  # (B, T, 2d) -> (B, T, d)
+
+    return Adapter
 
 
-def sample_loops(K: int, generator: torch.Generator) -> int:
+def sample_loops(K: int, generator) -> int:
     """One training step's loop count r = Poisson(lambda) + 1, lambda ~ LogNormal(ln K - sigma^2/2, sigma),
     clipped to [1, 2K]."""
+    import torch
     z = torch.randn((), generator=generator, dtype=torch.float64)
     lam = torch.exp(math.log(K) - SIGMA ** 2 / 2 + SIGMA * z)
     r = int(torch.poisson(lam.reshape(1), generator=generator).item()) + 1
@@ -54,3 +63,19 @@ def sample_loops(K: int, generator: torch.Generator) -> int:
 def truncated_loops(K: int) -> int:
     """The loops Huginn backpropagates through by default: ceil(K / 4)."""
     return math.ceil(K / 4)
+
+
+STABILISER = Stabiliser(
+    name="huginn",
+    description="adapter W[x(t-1); norm(E)], sandwich norm, r ~ Poisson(LogNormal)+1 loops, gradient through the "
+                "last K/4",
+    source="Huginn, arXiv 2502.05171 (seal-rg/recurrent-pretraining, raven_modeling_minimal.py)",
+    ours={"norms": "parameter-free (the source's are learned)", "clip": "r clipped to [1, 2K] (issue 56's form)",
+          "W init": "uniform, std 1 / sqrt(2d)", "optimizer": "W trained by AdamW at --adamw-lr x --lr-scale"},
+    part="adapter",
+    parameters=lambda cfg: adapter_class()(cfg.width),
+    start=lambda part, x, e: part(x, e),
+    block=lambda cfg: {"post_norm": True},
+    loop_count=sample_loops,
+    grad_loops=truncated_loops,
+)

@@ -3,7 +3,7 @@ lib/jacobian.py), at the looped model's final state.
 
     loss = CE + gamma * |J_g(h)|_F^2 / n,   |J|_F^2 ~ (1/m) sum_i |v_i^T J|^2,  v_i ~ N(0, I),  m = 2 probes
 
-g one loop at the detached final state h = h(K) (penalty.py), n = the state's size (B x T x d), as the source
+g one loop at the detached final state h = h(K) (_penalty.py), n = the state's size (B x T x d), as the source
 normalises its Hutchinson estimate (an unbiased estimate of the Frobenius norm: E[|v^T J|^2] = |J|_F^2).
 
 flt-diag's choices: gamma = 0.1 (the source tunes it per task between 0.1 and a few; 0.1 keeps the term below a
@@ -12,17 +12,17 @@ The recorded `loss` is the CE alone; the penalty is recorded as `stabiliser_pena
 """
 from __future__ import annotations
 
-import torch
-
-from flt_diag.model.stabilisers.penalty import differentiable, final_loop_map, vjp
+from flt_diag.model.stabilisers import Stabiliser
+from flt_diag.model.stabilisers._penalty import differentiable, final_loop_map, vjp
 
 GAMMA, PROBES = 0.1, 2
 
 
-def penalty(model, generator: torch.Generator, probes: int = PROBES) -> torch.Tensor:
+def penalty(model, generator, probes: int = PROBES):
     """The Hutchinson estimate of |J|_F^2 / n at the last training forward's final state."""
+    import torch
     g, h = final_loop_map(model)
-    with differentiable(), torch.enable_grad():
+    with differentiable(model), torch.enable_grad():
         y = g(h)
         total = torch.zeros((), device=h.device)
         for _ in range(probes):
@@ -31,5 +31,17 @@ def penalty(model, generator: torch.Generator, probes: int = PROBES) -> torch.Te
         return total / (probes * h.numel())
 
 
-def objective(ce: torch.Tensor, pen: torch.Tensor, step: int, steps: int) -> torch.Tensor:
+def objective(ce, pen, step: int, steps: int):
     return ce + GAMMA * pen
+
+
+STABILISER = Stabiliser(
+    name="jacobian-fro",
+    description="loss + g |J|_F^2 / n of one loop at the final state, Hutchinson with 2 probes (on LT)",
+    source="DEQ Jacobian regularisation, arXiv 2106.14342 (locuslab/deq, lib/jacobian.py)",
+    composes=True,
+    ours={"gamma": "0.1 (the source tunes 0.1 to a few per task)", "probes": "drawn from a generator seeded by "
+          "(seed, step)"},
+    penalty=penalty,
+    objective=objective,
+)

@@ -16,41 +16,61 @@ Zero strength: with Abar = 1 and B = 0 the loop start is x(t-1) exactly (LT carr
 """
 from __future__ import annotations
 
+import functools
 import math
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
+from flt_diag.model.stabilisers import Stabiliser
 
 ABAR_INIT = 0.447
 
 
-class ParcaeInjection(nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.A_log = nn.Parameter(torch.zeros(d))
-        self.dt = nn.Parameter(torch.zeros(d))
-        self.B = nn.Linear(d, d, bias=False)
-        self.reset_parameters()
+@functools.cache
+def injection_class():
+    """ParcaeInjection(d), the stabiliser's part (a class built on first use: this file imports torch lazily)."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
 
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        dt = -math.log(ABAR_INIT)  # exp(-dt * exp(0)) = 0.447
-        self.A_log.zero_()
-        self.dt.fill_(math.log(math.expm1(dt)))  # softplus^-1(dt)
-        nn.init.eye_(self.B.weight)
+    class ParcaeInjection(nn.Module):
+        def __init__(self, d: int):
+            super().__init__()
+            self.A_log = nn.Parameter(torch.zeros(d))
+            self.dt = nn.Parameter(torch.zeros(d))
+            self.B = nn.Linear(d, d, bias=False)
+            self.reset_parameters()
 
-    def decay(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(Abar, dt), each (d,)."""
-        dt = F.softplus(self.dt)
-        return torch.exp(-dt * torch.exp(self.A_log)), dt
+        @torch.no_grad()
+        def reset_parameters(self) -> None:
+            dt = -math.log(ABAR_INIT)  # exp(-dt * exp(0)) = 0.447
+            self.A_log.zero_()
+            self.dt.fill_(math.log(math.expm1(dt)))  # softplus^-1(dt)
+            nn.init.eye_(self.B.weight)
 
-    def forward(self, x_prev: torch.Tensor, e_normed: torch.Tensor) -> torch.Tensor:
-        """x_prev: (B, T, d) raw stream; e_normed: (B, T, d) norm(E)."""
-        abar, dt = self.decay()
-        return (abar * x_prev + dt * self.B(e_normed)).to(x_prev.dtype)  # (bf16 under reference precision)
+        def decay(self) -> tuple[torch.Tensor, torch.Tensor]:
+            """(Abar, dt), each (d,)."""
+            dt = F.softplus(self.dt)
+            return torch.exp(-dt * torch.exp(self.A_log)), dt
 
-    def rho(self) -> torch.Tensor:
-        """rho(Abar) = max over channels (the recurrence's spectral radius), no gradient."""
-        with torch.no_grad():
-            return self.decay()[0].max()
+        def forward(self, x_prev: torch.Tensor, e_normed: torch.Tensor) -> torch.Tensor:
+            """x_prev: (B, T, d) raw stream; e_normed: (B, T, d) norm(E)."""
+            abar, dt = self.decay()
+            return (abar * x_prev + dt * self.B(e_normed)).to(x_prev.dtype)  # (bf16 under reference precision)
+
+        def rho(self) -> torch.Tensor:
+            """rho(Abar) = max over channels (the recurrence's spectral radius), no gradient."""
+            with torch.no_grad():
+                return self.decay()[0].max()
+
+    return ParcaeInjection
+
+
+STABILISER = Stabiliser(
+    name="parcae",
+    description="loop t starts from A*x(t-1) + dt*B*norm(E), A = exp(-dt exp(A_log)) < 1 per channel (on LT)",
+    source="Parcae, arXiv 2604.12946 (sandyresearch/parcae, parcae_lm/modules/injection.py)",
+    ours={"optimizer": "A_log, dt and B trained by AdamW at --adamw-lr x --lr-scale (the source: its AdamW groups)"},
+    part="injection",
+    parameters=lambda cfg: injection_class()(cfg.width),
+    start=lambda part, x, e: part(x, e),
+    metrics=lambda part: {"injection_rho": part.rho()},
+)

@@ -10,8 +10,20 @@ from __future__ import annotations
 
 import math
 
+from flt_diag.model.stabilisers import Stabiliser
+
 LAMBDA = 1.0
 
 
 def branch_scale(loops: int, n_layer: int, lam: float = LAMBDA) -> float:
     return lam / (loops * math.sqrt(n_layer))
+
+
+STABILISER = Stabiliser(
+    name="residual-scale",
+    description="every residual branch scaled by 1 / (K sqrt(L)) (on LT)",
+    source="arXiv 2606.18524",
+    composes=True,
+    ours={"lambda": "1", "K": "the configured loop count, also under a sampled one"},
+    block=lambda cfg: {"scale": branch_scale(cfg.loops, cfg.depth)},
+)

@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import math
 
-import torch
-
-from flt_diag.model.stabilisers.penalty import differentiable, final_loop_map, vjp
+from flt_diag.model.stabilisers import Stabiliser
+from flt_diag.model.stabilisers._penalty import differentiable, final_loop_map, vjp
 
 WEIGHT, WARMUP_FRAC, SIGMA = 0.1, 0.1, 0.5
 
 
-def sample_loops(K: int, generator: torch.Generator) -> int:
+def sample_loops(K: int, generator) -> int:
     """r = round(exp(N(ln K - sigma^2/2, sigma))), clipped to [1, 2K] (E[exp(...)] = K)."""
+    import torch
     z = torch.randn((), generator=generator, dtype=torch.float64).item()
     return min(max(round(math.exp(math.log(K) - SIGMA ** 2 / 2 + SIGMA * z)), 1), 2 * K)
 
@@ -35,10 +35,11 @@ def weight(step: int, steps: int) -> float:
     return WEIGHT * min(1.0, step / ramp)
 
 
-def penalty(model, generator: torch.Generator) -> torch.Tensor:
+def penalty(model, generator):
     """|v^T J|^2 at the last training forward's final state (a graph to the loop's weights)."""
+    import torch
     g, h = final_loop_map(model)
-    with differentiable(), torch.enable_grad():
+    with differentiable(model), torch.enable_grad():
         y = g(h)
         v0 = torch.randn(h.shape, generator=generator, dtype=h.dtype).to(h.device)
         v0 = v0 / torch.linalg.vector_norm(v0)
@@ -50,6 +51,19 @@ def penalty(model, generator: torch.Generator) -> torch.Tensor:
         return vjp(y, h, v, create_graph=True).square().sum()
 
 
-def objective(ce: torch.Tensor, pen: torch.Tensor, step: int, steps: int) -> torch.Tensor:
+def objective(ce, pen, step: int, steps: int):
     lam = weight(step, steps)
     return (1 - lam) * ce + lam * pen
+
+
+STABILISER = Stabiliser(
+    name="stars",
+    description="loss (1-l) CE + l |v^T J|^2 of one loop at the detached final state, log-normal loop count (on LT)",
+    source="STARS, arXiv 2605.26733 (njuyxw/STARS)",
+    composes=True,
+    ours={"warm-up": "lambda ramps linearly from 0 over the first 10 % of the steps", "sigma": "0.5 (Huginn's)",
+          "v0": "drawn from a generator seeded by (seed, step)", "v": "one unit vector over the micro-batch's state"},
+    penalty=penalty,
+    objective=objective,
+    loop_count=sample_loops,
+)

@@ -12,32 +12,30 @@ embedding, where the variant injects it), never the state: h is detached, as bot
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
-
-import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from typing import Any, Callable
 
 
 @contextlib.contextmanager
-def differentiable():
+def differentiable(model):
     """The written-out norm (the fast CPU norm's backward is not differentiable again), math attention and eager
     blocks (a compiled block is not double-differentiable)."""
-    from flt_diag.model.transformer import written_out_norm
-    with written_out_norm(), sdpa_kernel(SDPBackend.MATH), torch.compiler.set_stance("force_eager"):
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with model.differentiable(), sdpa_kernel(SDPBackend.MATH), torch.compiler.set_stance("force_eager"):
         yield
 
 
-def final_loop_map(model) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
+def final_loop_map(model) -> tuple[Callable, Any]:
     """(g, h): the loop map at the last training forward's inputs and its final state h(K), detached, as a leaf
     that requires grad (so g's vector-Jacobian products can be taken)."""
-    from flt_diag.model.transformer import norm
     if model.penalty_inputs is None:
         raise RuntimeError("no training forward to take the penalty at (the model ran no loops with grad enabled)")
     h, emb, cos, sin, t = model.penalty_inputs
     model.penalty_inputs = None  # (taken once a forward: nothing kept alive past the step)
-    return (lambda z: norm(model._loop(z, z, emb, cos, sin, t))), h.detach().clone().requires_grad_()
+    return (lambda z: model.norm(model._loop(z, z, emb, cos, sin, t))), h.detach().clone().requires_grad_()
 
 
-def vjp(y: torch.Tensor, h: torch.Tensor, v: torch.Tensor, create_graph: bool) -> torch.Tensor:
+def vjp(y, h, v, create_graph: bool):
     """v^T J = J^T v for y = g(h)."""
+    import torch
     return torch.autograd.grad(y, h, v, retain_graph=True, create_graph=create_graph)[0]
