@@ -3,7 +3,9 @@
 The public API (docs/api.md), imported on first use so that `import flt_diag` and the torch-free layers
 stay torch-free: `flt_diag.watch(model, blocks=..., folder=...)` returns a `LoopProbe`; its one-line
 errors are `ProbeError` (a ValueError) and its kinds `BlocksNotFound`, `NotLooped`, `BlockCalledTwice`; what it
-hands out: `Summary`, `EarlyWarning` (typed, read-only models: read their attributes). Type checkers read the names below.
+hands out: `Summary`, `EarlyWarning` (typed, read-only models: read their attributes); a record of the user's own
+joins by `register_record(RECORD)`, a `Record` of `RecordOptions` (docs/extending.md). Type checkers read the names
+below.
 """
 from __future__ import annotations
 
@@ -13,14 +15,16 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from flt_diag.instruments.loop_hooks import BlockCalledTwice, BlocksNotFound, NotLooped, ProbeError
     from flt_diag.integrations.results import EarlyWarning
+    from flt_diag.records import Record, RecordOptions, register_record
     from flt_diag.storage.file_models import Summary
     from flt_diag.integrations.watch import LoopProbe, watch
 
 _PUBLIC = {"watch": "flt_diag.integrations.watch", "LoopProbe": "flt_diag.integrations.watch",
            "Summary": "flt_diag.storage.file_models", "EarlyWarning": "flt_diag.integrations.results", **dict.fromkeys(
-               ("ProbeError", "BlocksNotFound", "NotLooped", "BlockCalledTwice"), "flt_diag.instruments.loop_hooks")}
-__all__ = ["BlockCalledTwice", "BlocksNotFound", "EarlyWarning", "LoopProbe", "NotLooped", "ProbeError", "Summary",
-           "watch"]
+               ("ProbeError", "BlocksNotFound", "NotLooped", "BlockCalledTwice"), "flt_diag.instruments.loop_hooks"),
+           **dict.fromkeys(("Record", "RecordOptions", "register_record"), "flt_diag.records")}
+__all__ = ["BlockCalledTwice", "BlocksNotFound", "EarlyWarning", "LoopProbe", "NotLooped", "ProbeError", "Record",
+           "RecordOptions", "Summary", "register_record", "watch"]
 
 
 def __getattr__(name: str):
