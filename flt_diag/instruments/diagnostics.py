@@ -76,7 +76,8 @@ class DiagnosticsCallback(Instrument):
         if ends:  # (flt_diag.records, moment loop_end: each loop end of a recorded forward)
             self.log = trainer.log
             self.final = trainer.model.loop_state if isinstance(trainer.model, LoopedModel) else None
-            self.hooks.on_loop_end.append(recording(*(m for r in ends for m in r.metrics))(self._loop_end))
+            self.hooks.on_loop_end.append(recording(*(m for r in ends for m in r.metrics))(
+                lambda loop, stream: self._loop_end(loop, stream)))
         self.hooks.on_loop_end += self.loop_end
         self.hooks.on_forward_end += self.forward_end
         self.hooks.grad_scale = trainer.recipe.grad_accum if self.grad_scale is None else self.grad_scale
