@@ -5,8 +5,9 @@ own layer and any layer below, never one above):
     0 config    flt_diag/config/ - the configuration: every option typed once (run_config.py, option_fields.py),
                 the variants as data (variants.py), the options of sweeps and maps (grid_options.py)
     0 records   flt_diag/records/ - a diagnostic record in one file each: its options, metric names, schedule,
-                moment and computation (torch-free: it computes through the tensors it is handed); config/ and
-                storage/ assemble DiagnosticsConfig and the metric names from them
+                moment, state and computation (torch-free: it computes through the tensors it is handed); config/
+                and storage/ assemble DiagnosticsConfig and the metric names from them (records/ imports nothing of
+                config/: no two folders import each other)
     0 stabilisers flt_diag/model/stabilisers/ - a stabiliser in one file each: its declaration torch-free (torch
                 only inside its hooks and factory); config/variants.py assembles the variant tables from them
     1 storage   flt_diag/storage/ - I/O: run, sweep and map folders (folders.py), the file kinds and their
@@ -170,6 +171,26 @@ def test_the_cycle_finder_finds_a_cycle_it_is_given(monkeypatch):
 
 def test_no_import_cycle_between_modules_type_only_imports_included():
     assert find_cycle() is None, " -> ".join(find_cycle())
+
+
+def folder_back_arrows() -> list[str]:
+    """Two folders of the package that import each other (each may be of one layer: records/ and config/ are)."""
+    def folder(m: str) -> str:
+        return ".".join(m.split(".")[:2])
+    edges = {(folder(m), folder(t)): f"{m}:{line} imports {t}" for m, es in GRAPH.items() for t, line in sorted(es)
+             if folder(m) != folder(t)}
+    return sorted(f"{why} and back" for (a, b), why in edges.items() if (b, a) in edges)
+
+
+def test_no_two_folders_import_each_other():
+    assert not folder_back_arrows(), "\n".join(folder_back_arrows())
+
+
+def test_a_folder_back_arrow_is_found(monkeypatch):
+    monkeypatch.setitem(GRAPH, "flt_diag.records.attention",
+                        GRAPH["flt_diag.records.attention"] | {("flt_diag.config.option_fields", 12)})
+    assert folder_back_arrows() == ["flt_diag.config.run_config:15 imports flt_diag.records and back",
+                                    "flt_diag.records.attention:12 imports flt_diag.config.option_fields and back"]
 
 
 def test_every_torch_free_module_imports_without_torch():

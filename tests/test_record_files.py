@@ -1,5 +1,5 @@
-"""A record is one file (flt_diag.records): a toy record in one file (tests/toy_records/gradient_square.py), added
-to the records' path, is an option of the config and a flag of the command line, a row of the generated
+"""A record is one file (flt_diag.records): a toy record in one file outside the package
+(tests/toy_records/gradient_square.py), registered by flt_diag.register_record, is an option of the config and a flag of the command line, a row of the generated
 docs/cli.md table, a metric name with its definition, and recorded, when switched on and only on its steps, by
 flt-diag's Trainer and by flt_diag.watch; its value against the gradients' own norm. Two records that name one
 option are refused."""
@@ -12,24 +12,25 @@ from pathlib import Path
 
 import pytest
 
+from pydantic import Field
+
 import flt_diag.records as records
-from flt_diag.config.option_fields import opt
-from flt_diag.records import Record
+from flt_diag.records import Record, RecordOptions
 
 TESTS = Path(__file__).resolve().parent
 TOY = TESTS / "toy_records"
 
-# One process (the records are found once, when the config is first imported): the toy folder joins the
-# records' path before anything else of flt_diag is imported.
+# One process (the records are read once, when the config is first imported): the toy record is registered
+# before anything else of flt_diag is imported.
 SCRIPT = """
 import json, math, sys
-import flt_diag.records
-flt_diag.records.__path__.append(sys.argv[1])
-sys.path.insert(0, sys.argv[2])
+import flt_diag
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+import gradient_square
+flt_diag.register_record(gradient_square.RECORD)
 out = sys.argv[3]
 
 import torch
-import flt_diag
 from flt_diag.cli import main
 from flt_diag.cli.table import options_markdown
 from flt_diag.config.run_config import DiagnosticsConfig
@@ -48,7 +49,8 @@ for name, flags in (("on", ["--toy-every", "2"]), ("off", [])):
                  "--out", f"{out}/{name}", *flags])
     result[name] = dict(code=code, toy=rows(f"{out}/{name}", "toy_grad_square"),
                         grad_norm=rows(f"{out}/{name}", "grad_norm"),
-                        option=load_config(f"{out}/{name}").diagnostics.toy_every)
+                        option=load_config(f"{out}/{name}").diagnostics.toy_every,
+                        modules=json.load(open(f"{out}/{name}/config.json"))["env"]["records"])
 
 torch.manual_seed(0)
 model = UniversalTransformer(loops=3)
@@ -86,6 +88,7 @@ def test_a_record_in_one_file_is_named_and_documented(toy):
 def test_a_record_in_one_file_is_recorded_by_the_trainer_when_switched_on(toy):
     on, off = toy["on"], toy["off"]
     assert on["code"] == off["code"] == 0 and (on["option"], off["option"]) == (2, 0)
+    assert on["modules"] == {"attention_stats": "flt_diag.records.attention", "toy_every": "gradient_square"}
     assert off["toy"] == {}
     assert sorted(on["toy"]) == ["0", "2"]  # (steps 0..3; JSON keys)
     for step, value in on["toy"].items():  # (before clipping: the global gradient norm the Trainer records)
@@ -99,20 +102,44 @@ def test_a_record_in_one_file_is_recorded_by_watch(toy):
         assert value == pytest.approx(watch["by_hand"][step], rel=1e-6)
 
 
-def test_two_records_naming_one_option_are_refused(tmp_path):
-    (tmp_path / "again.py").write_text((TOY / "gradient_square.py").read_text().replace('"toy_grad_square"', '"x"'))
-    records.__path__.extend([str(TOY), str(tmp_path)])
+def test_two_records_naming_one_option_are_refused(monkeypatch):
+    sys.path.insert(0, str(TOY))
+    import gradient_square
+    again = Record(options=gradient_square.ToyOptions, metrics={"x": "x"}, moment="after_backward", compute=dict)
+    monkeypatch.setattr(records, "_REGISTERED", [gradient_square.RECORD, again])
     records.all_records.cache_clear()
     try:
         with pytest.raises(ValueError, match="two records name the option toy_every"):
             records.all_records()
     finally:
-        del records.__path__[-2:]
+        monkeypatch.undo()
         records.all_records.cache_clear()
+        sys.path.remove(str(TOY))
     assert [r.switch for r in records.all_records()] == ["attention_stats"]
 
 
-@pytest.mark.parametrize("switch, moment", [(float, "after_block"), (bool, "after_forward")])
-def test_a_record_needs_a_bool_or_int_switch_and_a_known_moment(switch, moment):
+def test_a_record_registered_after_the_records_were_read_is_one_line():
+    records.all_records()
+    late = Record(options=ToyOptions, metrics={"late": "late"}, moment="after_step", compute=dict)
+    with pytest.raises(RuntimeError, match="^the record late_every .* came after flt-diag's records were read"):
+        records.register_record(late)
+    assert late not in records._REGISTERED
+
+
+class ToyOptions(RecordOptions):
+    late_every: int = Field(0, description="late", ge=0)
+
+
+class FloatSwitch(RecordOptions):
+    s: float = 0.0
+
+
+class BoolSwitch(RecordOptions):
+    s: bool = False
+
+
+@pytest.mark.parametrize("options, moment", [(FloatSwitch, "after_block"), (BoolSwitch, "after_forward"),
+                                             (dict, "after_step")])
+def test_a_record_needs_a_bool_or_int_switch_and_a_known_moment(options, moment):
     with pytest.raises(ValueError):
-        Record(options={"s": (switch, opt(0, "s"))}, metrics={"m": "m"}, moment=moment, compute=lambda *a: {})
+        Record(options=options, metrics={"m": "m"}, moment=moment, compute=lambda *a: {})

@@ -4,7 +4,8 @@ the public ones, the package's __init__, integrations/, the callback moments and
 and every other), nor in typed user code written against it
 (tests/typing/user_code.py: watch, LoopProbe, the results, the callbacks), nor in tests/typing/hosts.py (flt-diag's
 Trainer and the probe's stand-in are each the callbacks' Host); and each misuse in tests/typing/misuse.py (a
-keyword of the wrong type) is reported, so that the check can fail. --follow-imports=silent: what the checked
+keyword of the wrong type) is reported, so that the check can fail. --check-untyped-defs: the bodies of functions
+without annotations are checked too (the trainers' callback moments). --follow-imports=silent: what the checked
 files import is read for its types, its own errors are not reported."""
 import importlib.util
 import os
@@ -29,7 +30,8 @@ def mypy_report(tmp_path_factory) -> str:
             pytest.skip(f"{extra} is not installed: the typed callbacks need it (pip install 'flt-diag[{name}]')")
     cache = tmp_path_factory.mktemp("mypy-cache")
     env = {**os.environ, "MYPYPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "mypy", "--follow-imports=silent", "--cache-dir", str(cache),
+    proc = subprocess.run([sys.executable, "-m", "mypy", "--follow-imports=silent", "--check-untyped-defs",
+                           "--cache-dir", str(cache),
                            "--no-error-summary", "--show-error-codes", PACKAGE,
                            *(str(HERE / name) for name in ("user_code.py", "hosts.py", "misuse.py"))],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

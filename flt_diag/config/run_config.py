@@ -6,7 +6,7 @@ flt_diag.config.grid_options. A bad value is one ConfigError line naming the fla
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from pydantic import AliasChoices, Field, ValidationError, create_model, model_validator
 
@@ -209,11 +209,12 @@ class CoreDiagnostics(Options):
         "prediction). A map sets it to its criteria.", volatile=True, grid=("map",))
 
 
-if TYPE_CHECKING:  # (a record's options are read by name: getattr(cfg, record.switch))
-    DiagnosticsConfig = CoreDiagnostics
+if TYPE_CHECKING:  # a record's options are keywords (typed where read: record.options_of(cfg), its RecordOptions)
+    class DiagnosticsConfig(CoreDiagnostics):
+        def __init__(self, **options: Any) -> None: ...
 else:
-    DiagnosticsConfig = create_model("DiagnosticsConfig", __base__=CoreDiagnostics, __module__=__name__,
-                                     **{name: o for record in all_records() for name, o in record.options.items()})
+    DiagnosticsConfig = create_model("DiagnosticsConfig", __base__=CoreDiagnostics, __module__=__name__, **{
+        name: (info.annotation, info) for record in all_records() for name, info in record.options.model_fields.items()})
 
 
 class VerdictConfig(Options):

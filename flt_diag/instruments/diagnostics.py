@@ -5,13 +5,17 @@ the run's record guard (flt_diag.instruments.guard).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from flt_diag.storage import metric_names as M
-from flt_diag.instruments.guard import Instrument
+from flt_diag.instruments.guard import Instrument, recording
 from flt_diag.instruments.gradient_pairs import consecutive_stats, pair_sums, segment_squares
 from flt_diag.instruments.loop_hooks import LoopHooks
 from flt_diag.instruments.looped import LoopedModel
+from flt_diag.instruments.record_checks import take_record
+from flt_diag.instruments.records import StepLog
 from flt_diag.config.run_config import DiagnosticsConfig
 from flt_diag.records import Record, all_records
 
@@ -58,6 +62,8 @@ class DiagnosticsCallback(Instrument):
         self.unclipped_norm: torch.Tensor | None = None  # (the probe) the step's total gradient norm before clipping
         self.grad_norm: torch.Tensor | None = None  # the total gradient norm after_backward read (before clipping)
         self._seen: tuple[list, list[int], torch.Tensor] | None = None  # its gradients, their versions, group squares
+        self.log: StepLog | None = None  # (records of moment loop_end) the step log, and h(t) of a loop-end stream
+        self.final: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def on_start(self, trainer) -> None:
         self.groups = self.given_groups
@@ -66,6 +72,12 @@ class DiagnosticsCallback(Instrument):
         self.taken = [r for r in all_records() if getattr(self.cfg, r.switch)]  # (flt_diag.records: switched on)
         self.hooks = LoopHooks(trainer.model, trainer.log.add, records=self.records, **self.hook_options,
                                block_records=[r for r in self.taken if r.moment == "after_block"])
+        ends = [r for r in self.taken if r.moment == "loop_end"]
+        if ends:  # (flt_diag.records, moment loop_end: each loop end of a recorded forward)
+            self.log = trainer.log
+            self.final = trainer.model.loop_state if isinstance(trainer.model, LoopedModel) else None
+            self.hooks.on_loop_end.append(recording(*(m for r in ends for m in r.metrics))(
+                lambda loop, stream: self._loop_end(loop, stream)))
         self.hooks.on_loop_end += self.loop_end
         self.hooks.on_forward_end += self.forward_end
         self.hooks.grad_scale = trainer.recipe.grad_accum if self.grad_scale is None else self.grad_scale
@@ -80,10 +92,21 @@ class DiagnosticsCallback(Instrument):
 
     def _take(self, moment: str, trainer) -> None:
         """The records due this step (before_step) that are taken at `moment` (flt_diag.records), each guarded."""
-        for record in (r for r in self.due if r.moment == moment):
-            values = self.records.take(tuple(record.metrics), torch.no_grad()(record.compute), trainer.model)
-            for metric, value in (values or {}).items():
-                trainer.log.add(metric, value)
+        for record in (r for r in self.due if r.moment == moment):  # (its values checked inside its own guard)
+            self.records.take(tuple(record.metrics), take_record, record, trainer.log.add, (trainer.model,),
+                              self.hooks.states)
+
+    def _loop_end(self, loop: int, stream: torch.Tensor) -> None:
+        """The records of moment loop_end due this step, each through its own guard, at (loop,): given the
+        loop-end state h (the model's loop_state of the stream, on a LoopedModel; else the stream)."""
+        due = [r for r in self.due if r.moment == "loop_end"]
+        assert self.log is not None  # (on_start: there are records of moment loop_end)
+        if due:
+            with torch.no_grad():
+                h = self.final(stream.detach()) if self.final is not None else stream.detach()
+        for record in due:
+            self.records.take(tuple(record.metrics), take_record, record, self.log.add, (loop, h), self.hooks.states,
+                              loop)
 
     def _keys(self, metric: str, names) -> list[tuple[str, int, int]]:
         key = (metric, tuple(names))  # (the same few lists every recorded step: built once)

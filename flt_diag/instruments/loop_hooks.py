@@ -14,12 +14,14 @@ from __future__ import annotations
 import sys
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from flt_diag.records import Record
 from flt_diag.storage import metric_names as M
 from flt_diag.instruments.guard import ProbeError, Records, names_of
+from flt_diag.instruments.record_checks import take_record
 
 
 _last_norms: tuple = (None, -1, None)  # (weakref to a tensor, its _version, its per-token norms)
@@ -132,6 +134,7 @@ class LoopHooks:
         self.names = names or [f"block {i + 1}" for i in range(len(self.blocks))]
         self.act_grads, self.require_repeat = act_grads, require_repeat
         self.block_records = list(block_records)  # (flt_diag.records, moment after_block)
+        self.states: dict[Record, Any] = {}  # the records' states (those that keep one), made at their first call
         self.due = list(block_records)  # those of them the recorded forwards take (the diagnostics' schedule)
         self.grad_scale = 1.0
         self.detached = 0  # loops 1..detached send no gradient (truncated backpropagation): recorded as 0
@@ -314,8 +317,5 @@ class LoopHooks:
         """Forward hook on a block: `record` (moment after_block, flt_diag.records), when due, at (loop, layer)."""
         def hook(module, args, output):
             if self._active and record in self.due:
-                with torch.no_grad():
-                    values = record.compute(module, args, output)
-                for metric, value in values.items():
-                    self.log(metric, value, self.loop, layer)
+                take_record(record, self.log, (module, args, output), self.states, self.loop, layer)
         return hook

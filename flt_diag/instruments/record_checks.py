@@ -5,11 +5,15 @@ guard (flt_diag.instruments.guard) skips the record: never an IndexError or Attr
 forward, nor a cross-entropy on out-of-range targets (on a GPU a device-side assert that ends the process)."""
 from __future__ import annotations
 
-from collections.abc import Callable
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from flt_diag.instruments.guard import Unrecordable
+from flt_diag.records import Record
+from flt_diag.storage import metric_names as M
 
 IGNORE_INDEX = -100  # a target the exit loss leaves out (as F.cross_entropy)
 
@@ -76,3 +80,41 @@ def checked_step(loop_step: Callable) -> Callable:
                                f"({h.dtype}); it maps one stream to the next: a real tensor of the same shape")
         return out
     return step
+
+
+def recorded(record: Record, values) -> list[tuple[str, torch.Tensor | float]]:
+    """What a record's compute returned, as the step log takes it: {metric it declares: one real number (a tensor
+    of one element, or a number a float holds)}; anything else is Unrecordable, raised inside the record's own
+    guard (so the record at fault is the one named and skipped, and nothing of it is logged)."""
+    if not isinstance(values, dict):
+        raise Unrecordable(f"it returned {kind(values)}; a record returns {{metric: number}}")
+    out: list[tuple[str, torch.Tensor | float]] = []
+    for metric, value in values.items():
+        if metric not in record.metrics:
+            raise Unrecordable(f"it returned the metric {metric!r}, not one of its own ({', '.join(record.metrics)})")
+        if torch.is_tensor(value) and value.numel() == 1 and not value.is_complex():
+            out.append((metric, value.reshape(()) if value.dim() else value))
+        elif isinstance(value, numbers.Real) and not torch.is_tensor(value):
+            try:
+                out.append((metric, float(value)))
+            except OverflowError:
+                raise Unrecordable(f"its {metric} is {kind(value)} {str(value)[:20]}..., beyond a float") from None
+        else:
+            raise Unrecordable(f"its {metric} is {kind(value)}; a record's value is one real number (a tensor of "
+                               "one element, or a number)")
+    return out
+
+
+def take_record(record: Record, log: Callable[..., None], args: Sequence, states: dict[Record, Any],
+                loop: int = M.NONE, layer: int = M.NONE) -> None:
+    """`record` computed on `args` (no gradient; its state, if it keeps one, as `state=`: made at its first call,
+    kept in `states`), its values checked (`recorded`) and logged at (loop, layer). Called inside the record's guard."""
+    kwargs = {}
+    if record.state is not None:
+        if record not in states:
+            states[record] = record.state()
+        kwargs["state"] = states[record]
+    with torch.no_grad():
+        values = record.compute(*args, **kwargs)
+    for metric, value in recorded(record, values):
+        log(metric, value, loop, layer)

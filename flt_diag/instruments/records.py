@@ -13,6 +13,7 @@ import numpy
 import pandas  # type: ignore[import-untyped]  # (pandas ships no types; pandas-stubs is no dependency)
 import torch
 
+from flt_diag.records import all_records
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.code_version import code_version
 
@@ -35,7 +36,8 @@ def environment(device: torch.device) -> dict:
         env["gpu"] = torch.cuda.get_device_name(device)
     env["code"] = code_version()  # the version, commit and clean tree of the code that made the run
     env["flt_diag"] = env["code"]["flt_diag"]
-    return env
+    env["records"] = {r.switch: r.module for r in all_records()}  # each record the run knew (by its switch: the
+    return env  # config's diagnostics say which ran) and the module that defines it (a user's own: its module)
 
 
 class StepLog:

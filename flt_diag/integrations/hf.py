@@ -22,7 +22,7 @@ import torch
 
 from flt_diag.integrations import needs_extra, output_loss
 from flt_diag.storage.file_models import Summary
-from flt_diag.integrations.watch import Blocks, LoopProbe, watch
+from flt_diag.integrations.watch import Blocks, LoopProbe, started, watch
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -84,7 +84,7 @@ class FltDiagCallback(TrainerCallback):
     def on_init_end(self, args, state, control, **kwargs):
         trainer = building_trainer()
         if trainer is not None:
-            trainer.train = self._closing(trainer.train)
+            setattr(trainer, "train", self._closing(trainer.train))  # (an attribute over the method)
 
     def _closing(self, fn):
         """fn wrapped: an exception leaving it (the Trainer's train(), the model's forward) lets go of the probe
@@ -133,13 +133,13 @@ class FltDiagCallback(TrainerCallback):
             probe.__exit__(type(error), error, None)  # hooks removed, lock freed, rows kept, no summary
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.probe.after_backward()
+        started(self.probe, "FltDiagCallback").after_backward()
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        self.probe.step(step=state.global_step)
+        started(self.probe, "FltDiagCallback").step(step=state.global_step)
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.probe.should_stop:
+        if started(self.probe, "FltDiagCallback").should_stop:
             control.should_training_stop = True
 
     def on_train_end(self, args, state, control, **kwargs):

@@ -21,7 +21,7 @@ import torch
 from flt_diag.instruments.loop_hooks import ProbeError
 from flt_diag.integrations import needs_extra
 from flt_diag.storage.file_models import Summary
-from flt_diag.integrations.watch import Blocks, LoopProbe, watch
+from flt_diag.integrations.watch import Blocks, LoopProbe, started, watch
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -89,13 +89,13 @@ class FltDiagCallback(Callback):
             self.backward.append(loss.detach())
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.probe.after_backward()
+        started(self.probe, "FltDiagCallback").after_backward()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         taken, self.steps_taken = trainer.global_step - self.steps_taken, trainer.global_step
         loss = returned_loss(outputs)
         if taken == 0 and loss is None and not self.manual:  # training_step returned None: Lightning skipped the
-            self.probe.skip()                                 # batch (no optimizer step), and so does the probe
+            started(self.probe, "FltDiagCallback").skip()  # batch (no optimizer step), and so does the probe
             self.first = True  # (the next batch's forward is recorded in its place)
             return
         if self.first:
@@ -110,9 +110,10 @@ class FltDiagCallback(Callback):
                              "one optimizer step a batch; step once a batch, or watch() in your own loop")
         kept = self.losses or self.backward
         value = torch.stack(kept).float().mean() if kept else None
-        self.probe.step(loss=value, step=trainer.global_step - 1, targets=self.targets)
+        probe = started(self.probe, "FltDiagCallback")
+        probe.step(loss=value, step=trainer.global_step - 1, targets=self.targets)
         self._reset()
-        if self.probe.should_stop:
+        if probe.should_stop:
             trainer.should_stop = True
 
     def on_train_end(self, trainer, pl_module):

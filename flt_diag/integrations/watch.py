@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from flt_diag.instruments.callbacks import Callback
+from flt_diag.instruments.loop_hooks import ProbeError
 from flt_diag.integrations.loop_probe import Blocks, Head, LoopProbe, WatchOptions
 from flt_diag.config.run_config import DiagnosticsConfig
 
@@ -38,3 +39,12 @@ def watch(model: nn.Module, blocks: Blocks = "auto", folder: str | os.PathLike[s
     docs/api.md (blocks="auto": the outermost modules the first training forward calls more than once). Wrong
     use is one ProbeError line: BlocksNotFound, NotLooped, BlockCalledTwice."""
     return LoopProbe(**locals())
+
+
+def started(probe: LoopProbe | None, callback: str) -> LoopProbe:
+    """The probe a trainer's callback made when its training began (flt_diag.integrations.hf, lightning); a moment
+    before that is one ProbeError line."""
+    if probe is None:
+        raise ProbeError(f"{callback}: a training moment came before the training began (no probe yet): add the "
+                         "callback to the trainer before it trains")
+    return probe

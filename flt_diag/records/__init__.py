@@ -1,52 +1,86 @@
-"""Records in one file each: every module of this package (its folder, or any folder on its `__path__`) holds one
-diagnostic record, `RECORD`, with everything about it: its options (fields of DiagnosticsConfig, declared with
-`opt`: default and help beside them), its metric names with a one-line definition each, its schedule, the moment
-it is taken at, and its computation. DiagnosticsConfig's record options (flt_diag.config.run_config) and the
-recorded metric names (flt_diag.storage.metric_names.RECORDED) are assembled from `all_records()`; the
-diagnostics take each record that is switched on at its moment, for flt-diag's Trainer and flt_diag.watch alike
-(flt_diag.instruments.diagnostics, through the run's record guard: one that fails is said once and skipped).
+"""Records in one file each: every module of this package holds one diagnostic record, `RECORD`, with everything
+about it: its options (a small typed model, `RecordOptions`: default and help beside each field), its metric names
+with a one-line definition each, its schedule, the moment it is taken at, its state between calls if it keeps one,
+and its computation. A researcher's own record, outside the package, joins by `register_record(RECORD)` (also
+`flt_diag.register_record`) or by an entry point of the group `flt_diag.records` (docs/extending.md).
+DiagnosticsConfig's record options (flt_diag.config.run_config) and the recorded metric names
+(flt_diag.storage.metric_names.RECORDED) are assembled from `all_records()`; the diagnostics take each record that
+is switched on at its moment, for flt-diag's Trainer and flt_diag.watch alike (flt_diag.instruments.diagnostics,
+through the run's record guard: one that fails, or returns what is no {metric: number}, is said once and skipped).
 
 The schedule is the record's first option, its switch: a bool (on: every recorded step, `dense_steps` then
-`every`), or an int N (every recorded step that is a multiple of N; 0 = never). Torch-free: a record computes
-through the tensors it is handed (the diagnostics run it under no_grad), so config/ and storage/ read its
-declaration without torch (docs/DESIGN.md §7, "A record is one file").
+`every`), or an int N (every recorded step that is a multiple of N; 0 = never). Torch-free, and importing nothing
+of flt_diag.config (which imports it): a record computes through the tensors it is handed (the diagnostics run it
+under no_grad), so config/ and storage/ read its declaration without torch (docs/DESIGN.md §7, "A record is one
+file").
 """
 from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
 import pkgutil
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Generic, TypeVar
 
-MOMENTS = {  # when a record is taken, what its compute is given; it returns {metric: 0-d tensor or float}
+from pydantic import BaseModel, ConfigDict
+
+MOMENTS = {  # when a record is taken, what its compute is given; it returns {metric: 0-d tensor or number}
     "after_block": "after each block's forward in a recorded forward: compute(block, args, output), at (loop, layer)",
+    "loop_end": "at each recorded loop's end, after its last block: compute(loop, h), h the loop-end state (the "
+                "model's loop_state of the stream on flt-diag's own model, the stream itself on any other), at (loop,)",
     "after_backward": "the gradients ready, before clipping: compute(model), at no loop and no layer",
     "after_clip": "the gradients clipped: compute(model), at no loop and no layer",
     "after_step": "the optimizer stepped: compute(model), at no loop and no layer",
 }
+ENTRY_POINTS = "flt_diag.records"  # the entry-point group of records defined outside the package
+
+
+class RecordOptions(BaseModel):
+    """A record's options, a small typed model (a pydantic model: fields declared with pydantic's `Field(default,
+    description=help, ...)`); its first field is its switch. Validated as every option is (strict, finite)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, frozen=True, validate_by_name=True,
+                              validate_by_alias=True)
+
+
+O = TypeVar("O", bound=RecordOptions)
 
 
 @dataclass(frozen=True, eq=False)
-class Record:
-    """One record: `options` field name -> (type, opt(...)), the first its switch; `metrics` name -> definition;
-    `moment` one of MOMENTS; `compute` as its moment says."""
+class Record(Generic[O]):
+    """One record: `options` its RecordOptions model, the first field its switch; `metrics` name -> definition;
+    `moment` one of MOMENTS; `compute` as its moment says. `state`: for a quantity of two steps or two loops, a
+    factory of the record's state (made once per run, kept between calls and steps), handed to compute as
+    `state=`; the record resets it where it must (loop 1 starts a forward)."""
 
-    options: dict[str, tuple[Any, Any]]
+    options: type[O]
     metrics: dict[str, str]
     moment: str
     compute: Callable[..., dict]
+    state: Callable[[], Any] | None = None
 
     def __post_init__(self) -> None:
-        if self.moment not in MOMENTS or not self.options or not self.metrics:
+        if not (isinstance(self.options, type) and issubclass(self.options, RecordOptions)):
+            raise ValueError(f"a record's options are a RecordOptions model (got {self.options!r})")
+        if self.moment not in MOMENTS or not self.options.model_fields or not self.metrics:
             raise ValueError(f"a record needs options, metrics and one of the moments {', '.join(MOMENTS)} "
                              f"(got {self.moment!r})")
-        if self.options[self.switch][0] not in (bool, int):
+        if self.options.model_fields[self.switch].annotation not in (bool, int):
             raise ValueError(f"a record's first option ({self.switch}) is its switch: a bool or an int")
 
     @property
     def switch(self) -> str:
-        return next(iter(self.options))
+        return next(iter(self.options.model_fields))
+
+    @property
+    def module(self) -> str:
+        """The module that defines it (its compute's): what a run's environment names."""
+        return getattr(self.compute, "__module__", None) or "?"
+
+    def options_of(self, cfg) -> O:
+        """Its options as set in DiagnosticsConfig `cfg`, typed."""
+        return self.options.model_validate({name: getattr(cfg, name) for name in self.options.model_fields})
 
     def due(self, cfg, step: int) -> bool:
         """Whether a recorded `step` takes it under DiagnosticsConfig `cfg` (the module docstring's schedule)."""
@@ -54,13 +88,47 @@ class Record:
         return on if isinstance(on, bool) else on > 0 and step % on == 0
 
 
+_REGISTERED: list[Record] = []  # register_record's, in order
+
+
+def register_record(record: Record) -> Record:
+    """A record of the user's own joins the records (docs/extending.md): call it before flt-diag's config is
+    first read (before watch, the command line, DiagnosticsConfig); registering one record twice is once."""
+    if not isinstance(record, Record):
+        raise TypeError(f"register_record takes a flt_diag.records.Record, got {type(record).__name__}")
+    if any(r is record for r in _REGISTERED):
+        return record
+    if all_records.cache_info().currsize:
+        raise RuntimeError(f"the record {record.switch} ({record.module}) came after flt-diag's records were read: "
+                           "call register_record before anything of flt_diag.config is imported (watch, the command "
+                           "line, DiagnosticsConfig)")
+    _REGISTERED.append(record)
+    return record
+
+
+def _entry_point_records() -> list[Record]:
+    out = []
+    for point in sorted(importlib.metadata.entry_points(group=ENTRY_POINTS), key=lambda p: p.name):
+        found = point.load()
+        record = getattr(found, "RECORD", found)  # (a module holding RECORD, or the record itself)
+        if not isinstance(record, Record):
+            raise ValueError(f"the entry point {point.name} = {point.value} of {ENTRY_POINTS} is no Record")
+        out.append(record)
+    return out
+
+
 @functools.cache
 def all_records() -> tuple[Record, ...]:
-    """The RECORD of every module of this package, by module name (two that name one option or metric: ValueError)."""
-    records = tuple(importlib.import_module(f"{__name__}.{m.name}").RECORD
-                    for m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name))
+    """The RECORD of every module of this package, by module name, then the entry points' (by name), then those
+    registered (two that name one option or metric: ValueError)."""
+    own = [importlib.import_module(f"{__name__}.{m.name}").RECORD
+           for m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name)]
+    records: list[Record] = []
+    for record in [*own, *_entry_point_records(), *_REGISTERED]:
+        if not any(r is record for r in records):  # (an entry point's record registered too: once)
+            records.append(record)
     for kind in ("options", "metrics"):
-        names = [n for r in records for n in getattr(r, kind)]
+        names = [n for r in records for n in (r.options.model_fields if kind == "options" else r.metrics)]
         if twice := sorted({n for n in names if names.count(n) > 1}):
             raise ValueError(f"two records name the {kind[:-1]} {', '.join(twice)}")
-    return records
+    return tuple(records)

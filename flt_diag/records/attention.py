@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import math
 
-from pydantic import AliasChoices
+from pydantic import AliasChoices, Field
 
-from flt_diag.config.option_fields import opt
-from flt_diag.records import Record
+from flt_diag.records import Record, RecordOptions
 
 MAX_LOGIT, ENTROPY = "attn_max_logit", "attn_entropy"
 
@@ -25,9 +24,13 @@ def compute(block, args, output) -> dict:
     return {MAX_LOGIT: scores.amax(), ENTROPY: -(p * p.clamp_min(1e-30).log()).sum(-1).mean()}
 
 
+class AttentionOptions(RecordOptions):
+    attention_stats: bool = Field(False, description="Also record max attention logit and entropy per (loop, layer).",
+                                  validation_alias=AliasChoices("attention_stats", "attention"))
+
+
 RECORD = Record(
-    options={"attention_stats": (bool, opt(False, "Also record max attention logit and entropy per (loop, layer).",
-                                           validation_alias=AliasChoices("attention_stats", "attention")))},
+    options=AttentionOptions,
     metrics={MAX_LOGIT: "largest pre-softmax attention logit q.k / sqrt(D) at (loop, layer)",
              ENTROPY: "mean attention entropy (nats) over batch, heads and query positions at (loop, layer)"},
     moment="after_block", compute=compute)
