@@ -23,7 +23,8 @@ from flt_diag.storage.cells import RunId
 from flt_diag.storage.folders import CELLS, StorageError, atomic_path, folder_lock, load_summary
 from flt_diag.config.run_config import RunConfig
 from flt_diag.config.grid_options import MapLinesGrid
-from flt_diag.grids.sweep import only, prepare_spec_folder, run_cell, write_summary
+from flt_diag.grids.campaign import CampaignOptions, archiving, prepare_spec_folder
+from flt_diag.grids.sweep import cell_config, only, run_cell, write_summary
 from flt_diag.grids.worker_pool import interruptible, spawn_pool, task
 from flt_diag.training.settle import comparable
 
@@ -42,6 +43,10 @@ class MapSpec(MapLinesGrid):
 
     def cell(self, line: RunId, value: float):
         return probe_cell(self, line, value)
+
+    def cell_config(self, cell: RunId) -> RunConfig:
+        """The probe's own config: the base with the line's fields and the axis value (its lr scale or depth)."""
+        return cell_config(self.base, cell)
 
     def to_dict(self) -> dict:
         return dict(kind="map", variants=self.variants, loops=self.loops, seeds=self.seeds, axis=self.axis,
@@ -87,15 +92,14 @@ def search(n: int, outcome: Callable[[int], bool | None], known: dict[int, bool]
 def search_line(spec: MapSpec, out: Path, line: RunId, runner: Callable, report: Callable[[str], None] = print,
                 probe_ends: bool = False) -> None:
     """Search every criterion along one line, running the probes that are missing with
-    `runner(base_dict, cell, out_str)` (flt_diag.grids.sweep.run_cell for real runs)."""
+    `runner(probe_config, cell, out_str)` (flt_diag.grids.sweep.run_cell for real runs)."""
     out = Path(out)
-    base = spec.base.to_dict()
     for criterion in spec.criteria:
         def outcome(i: int) -> bool | None:
             cell = spec.cell(line, spec.grid[i])
             d = out / CELLS / cell.name
             if load_summary(d) is None:
-                result = runner(base, cell, str(out))
+                result = runner(spec.cell_config(cell), cell, str(out))
                 report(f"{line.name}: {spec.axis} {spec.grid[i]:g} -> {result}")
             s = load_summary(d)
             return None if s is None else CRITERIA[criterion](s)
@@ -105,40 +109,43 @@ def search_line(spec: MapSpec, out: Path, line: RunId, runner: Callable, report:
 
 # --------------------------------------------------------------------------- the folder
 
-def prepare_map_folder(spec: MapSpec, out: Path) -> None:
-    """Create the map folder, or check that an existing one holds the same map."""
+def prepare_map_folder(spec: MapSpec, out: Path, options: CampaignOptions = CampaignOptions()) -> None:
+    """Create the map folder, or check that an existing one holds the same map and code."""
     grid_fields = {"model": ("variant", "loops") + (("depth",) if spec.axis == "depth" else ()),
                    "train": ("seed",) + (("lr_scale",) if spec.axis == "lr" else ())}
-    prepare_spec_folder(Path(out), spec.to_dict(), "map", grid_fields)
+    prepare_spec_folder(Path(out), spec.to_dict(), "map", grid_fields, spec.base.train.device, options)
 
 
-def _line_search_worker(spec: MapSpec, line: RunId, out: str, probe_ends: bool = False) -> str:
+def _line_search_worker(spec: MapSpec, line: RunId, out: str, probe_ends: bool = False,
+                        runner: Callable = run_cell) -> str:
     with task():  # (the spec arrives pickled, as validated in the parent: it is not validated again)
-        search_line(spec, Path(out), line, run_cell, report=lambda text: print(text, flush=True),
+        search_line(spec, Path(out), line, runner, report=lambda text: print(text, flush=True),
                     probe_ends=probe_ends)
     return line.name
 
 
 def run_map(spec: MapSpec, out: Path, workers: int = 1, only_line: int | None = None,
             runner: Callable | None = None, report: Callable[[str], None] = print,
-            probe_ends: bool = False) -> pd.DataFrame:
+            probe_ends: bool = False, options: CampaignOptions = CampaignOptions()) -> pd.DataFrame:
     """Search every line (or just `only_line`), then write map.csv and the sweep summary.
     probe_ends (see `search`) is how the search runs, not what the map is: a map folder searched
-    without it can be resumed with it, and its finished probes count."""
+    without it can be resumed with it, and its finished probes count. `options`: the campaign's (resume under
+    other code, archive each probe as it finishes)."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise StorageError(f"{out} exists and is a file, not a map folder; use another --out")
     with (folder_lock(out, "map", root=out) if only_line is None else nullcontext()):  # (out may be a link)
-        prepare_map_folder(spec, out)
+        prepare_map_folder(spec, out, options)
         lines = only(spec.lines(), only_line, " (one per line)")
+        probe = archiving(runner or run_cell, options)
         if runner is not None or workers <= 1 or len(lines) <= 1:
             for line in lines:
-                search_line(spec, out, line, runner or run_cell, report, probe_ends)
+                search_line(spec, out, line, probe, report, probe_ends)
         else:
             pool = spawn_pool(workers)
             with interruptible(pool):  # Ctrl-C (or kill -INT of this process alone) stops the workers too
                 for name in pool.map(_line_search_worker, [spec] * len(lines), lines, [str(out)] * len(lines),
-                                     [probe_ends] * len(lines)):
+                                     [probe_ends] * len(lines), [probe] * len(lines)):
                     report(f"{name}: searched")
         write_summary(out)
         table = boundaries(out)

@@ -11,10 +11,9 @@ from typing import Callable
 
 import pandas as pd
 
-from flt_diag.storage import archive
 from flt_diag.storage.cells import RunId
 from flt_diag.storage.file_models import MapSpecFile, Summary
-from flt_diag.storage.folders import CELLS, ERROR, StorageError, load_spec, load_summary, run_state
+from flt_diag.storage.folders import CELLS, ERROR, StorageError, cell_path, load_spec, load_summary, run_state
 from flt_diag.storage.predictor_names import COLLAPSE
 from flt_diag.config.variants import VARIANTS
 
@@ -66,9 +65,9 @@ def bracket(known: dict[int, bool], n: int) -> tuple[int, int, bool]:
 
 def probe_path(out: Path, name: str) -> Path:
     """Where a probe's run is: its cell folder in a map folder, or its record in the map's archive
-    (`flt-diag archive` keeps a map as sweep.json and one `<cell>.parquet` per finished probe)."""
-    record = Path(out) / f"{name}{archive.SUFFIX}"
-    return record if archive.is_record(record) else Path(out) / CELLS / name
+    (`flt-diag archive` keeps a map as sweep.json and one `<cell>.parquet` per finished probe; a map resumed from
+    its archive holds the archived probes so: flt_diag.storage.folders.cell_path)."""
+    return cell_path(out, name)
 
 
 def probe_outcomes(spec, out: Path, line: RunId, criterion: str) -> dict[int, bool]:
