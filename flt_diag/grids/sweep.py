@@ -150,8 +150,8 @@ def run_sweep(spec: SweepSpec, out: Path, workers: int = 1, only_cell: int | Non
                                     progress=lambda info, c=cell: monitor.update(c, info))
                     monitor.finish(cell, result)
                     if only_cell is not None and result.startswith(BUSY_RESULT):
-                        raise StorageError(f"cell {cell.index} ({cell.name}) is already being run by another "
-                                           "process; wait for it to finish or stop it")
+                        raise StorageError(f"cell {cell.index} ({cell.name}) is busy: "
+                                           f"{result.removeprefix(BUSY_RESULT + ': ')}")
                     write_summary(out)
             else:
                 run_parallel([(c, spec.cell_config(c)) for c in longest_first(todo)], device, out, workers, monitor,

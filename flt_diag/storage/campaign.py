@@ -63,7 +63,7 @@ def resume_campaign(old: Campaign | None, where: Path, machine: dict, allow_chan
     else one StorageError line."""
     now = current_code()
     if old is None:
-        return Campaign(code=now, machine=machine)
+        return Campaign(code=now, machine=machine, changes=[])
     if same_code(old.code, now) or any(same_code(c.get("code") or {}, now) for c in old.changes):
         return old
     if not allow_change:
