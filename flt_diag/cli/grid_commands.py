@@ -14,13 +14,13 @@ def cmd_run_ablation(o: RunAblationOptions) -> int:
     """Train every variant at every loop count (x seeds x lr scales) and summarise how they collapse."""
     from flt_diag.cli.console import print_sweep_table
     from flt_diag.cli.specs import sweep_spec
-    from flt_diag.grids.progress import cell_status
     from flt_diag.grids.sweep import run_sweep
     from flt_diag.model.transformer import count_parameters
     spec = sweep_spec(o, settled=not o.list_cells)  # --list runs nothing: no tokenizer needed
     out = o.out or Path("runs") / f"ablation-{spec.base.preset}"
     cells, cell = spec.cells(), o.cell
-    if _listed_or_picked(cells, o, lambda c: f"{c.index:4d}  {c.name:32s} {cell_status(out, c)}"):
+    status = _cell_states(out) if o.list_cells else {}
+    if _listed_or_picked(cells, o, lambda c: f"{c.index:4d}  {c.name:32s} {status.get(c.name, 'open')}"):
         return 0
     m, n = spec.base.model, count_parameters(spec.base.model)
     print(f"model: L={m.depth} d={m.width} heads={m.heads}, {n:,} parameters ({n / 1e6:.1f}M) per cell", flush=True)
@@ -28,6 +28,13 @@ def cmd_run_ablation(o: RunAblationOptions) -> int:
     print_sweep_table(df)
     print(f"sweep folder: {out}  (plots: flt-diag plot all {out}; report: flt-diag report {out})")
     return _failed_cells(out, cells if cell is None else [cells[cell]])
+
+
+def _cell_states(out: Path) -> dict[str, str]:
+    """A sweep folder's cells' states as `flt-diag status` says them (none yet: every cell open)."""
+    from flt_diag.results.campaign_status import sweep_rows
+    from flt_diag.storage.folders import is_sweep
+    return {row.name: row.state for row in sweep_rows(out)} if is_sweep(out) else {}
 
 
 def _campaign(o: RunAblationOptions | MapOptions):
