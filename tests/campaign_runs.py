@@ -30,9 +30,7 @@ class Probe:
     def __call__(self, cfg, cell, out, *rest, **named) -> str:
         d = Path(out) / CELLS / cell.name
         with folder_lock(d, root=Path(out)):
-            if (d / SUMMARY).exists():  # (a second copy that waited: nothing to do)
-                return "done"
-            for p in d.iterdir():  # a killed attempt's files: started again from step 0, as the Trainer restarts
+            for p in d.iterdir():  # a killed attempt's files (or a finished run's, if asked again: the log tells)
                 if p.name != ".lock":
                     shutil.rmtree(p) if p.is_dir() else p.unlink()
             self.runs.append(cell.name)
