@@ -134,6 +134,11 @@ def test_runs_are_archived_as_they_finish_and_a_fresh_folder_resumes_from_the_ar
         found = boundaries(folder) if folder != tmp_path / "machine2" / "m" else table
         assert {(r.seed, r.last_ok, r.first_broken) for r in found.itertuples()} == \
             {(s, *expected_bracket(s, spec.grid)) for s in (0, 1)}
+    lost = arch / "m" / f"{fresh.runs[-1]}.parquet"  # a kill between a probe's summary and its record:
+    lost.unlink()
+    again = Probe()
+    run_map(spec, tmp_path / "machine2" / "m", runner=again, report=lambda s: None, options=options)
+    assert again.runs == [] and lost.is_file()  # the next start archives it, and runs nothing
     assert main(["archive", str(tmp_path / "machine1" / "m"), "--to", str(tmp_path / "again")]) == 0  # still archives
 
 
