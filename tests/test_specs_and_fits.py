@@ -2,6 +2,8 @@
 a spec is checked before anything trains; a checkpoint meets data of its own vocabulary only; the online
 replay is bounded by the metrics stored; only sweeps are pooled; a fit needs features that say something;
 a second copy of a `--cell` task is told apart from a failure. Each test runs over a list of cases."""
+import os
+import socket
 import json
 import math
 import time
@@ -222,6 +224,7 @@ def test_a_second_copy_of_a_cell_task_is_not_a_failure(tmp_path, capsys):
     (cell / "summary.json").unlink()  # unfinished again: a task would train it
     with folder_lock(cell):  # the first copy of the task, training the cell
         assert main(args) == 2
-        assert "already being run by another process" in _one_error_line(capsys)
+        line = _one_error_line(capsys)  # what it is: busy, whose, since when
+        assert "is busy" in line and f"held by pid {os.getpid()} on host {socket.gethostname()} since " in line
         assert not (cell / "error.txt").exists()
     assert main(args) == 0 and not (cell / "error.txt").exists()

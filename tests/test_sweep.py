@@ -57,7 +57,7 @@ def test_cli_list_parses_space_separated(tmp_path, capsys):
     assert main(["run-ablation", "--preset", "tiny", "--loops", "3", "6", "--variants", "lt", "flt",
                  "--seeds", "0", "1", "--out", str(out), "--list"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 8 and "lt_K03_seed0_lr1" in lines[0] and lines[0].split()[-1] == "pending"
+    assert len(lines) == 8 and "lt_K03_seed0_lr1" in lines[0] and lines[0].split()[-1] == "open"
     assert not out.exists()  # --list writes nothing
 
 
@@ -162,7 +162,7 @@ def test_cell_option_runs_one_cell(tmp_path, capsys):
     capsys.readouterr()
     assert main(argv + ["--list"]) == 0
     status = [line.split()[-1] for line in capsys.readouterr().out.strip().splitlines()]
-    assert status == ["pending", "done"]
+    assert status == ["open", "finished"]  # (flt-diag status's words)
 
 
 def test_parallel_workers(tmp_path):

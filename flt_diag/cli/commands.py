@@ -8,12 +8,11 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from flt_diag.cli.options import (FOLDER_OPTIONS, ArchiveOptions, EvalLoopsOptions, FitPredictorOptions,
-                                  ImportReferenceOptions, MapOptions, Options, PlotOptions, PredictOptions,
-                                  ReportOptions, RunAblationOptions, StudyOptions, SummaryOptions, TrainOptions,
+from flt_diag.cli.grid_commands import cmd_map, cmd_run_ablation, cmd_status, cmd_study
+from flt_diag.cli.options import (ArchiveOptions, EvalLoopsOptions, FitPredictorOptions, ImportReferenceOptions,
+                                  Options, PlotOptions, PredictOptions, ReportOptions, SummaryOptions, TrainOptions,
                                   UserError)
 from flt_diag.storage.errors import first_line
-from flt_diag.config.option_fields import dest
 from flt_diag.config.variants import VARIANT_DESCRIPTIONS
 
 # Each command imports what it needs (torch, pandas, matplotlib, the layers below) when it runs, so that
@@ -36,80 +35,6 @@ def cmd_train(o: TrainOptions) -> int:
     if isinstance(summary, Summary):  # ({}, empty, on DDP ranks other than 0)
         print_run_summary(out, summary)
     return 0
-
-
-def cmd_run_ablation(o: RunAblationOptions) -> int:
-    """Train every variant at every loop count (x seeds x lr scales) and summarise how they collapse."""
-    from flt_diag.cli.console import print_sweep_table
-    from flt_diag.cli.specs import sweep_spec
-    from flt_diag.grids.progress import cell_status
-    from flt_diag.grids.sweep import run_sweep
-    from flt_diag.model.transformer import count_parameters
-    spec = sweep_spec(o, settled=not o.list_cells)  # --list runs nothing: no tokenizer needed
-    out = o.out or Path("runs") / f"ablation-{spec.base.preset}"
-    cells, cell = spec.cells(), o.cell
-    if _listed_or_picked(cells, o, lambda c: f"{c.index:4d}  {c.name:32s} {cell_status(out, c)}"):
-        return 0
-    m, n = spec.base.model, count_parameters(spec.base.model)
-    print(f"model: L={m.depth} d={m.width} heads={m.heads}, {n:,} parameters ({n / 1e6:.1f}M) per cell", flush=True)
-    df = run_sweep(spec, out, workers=o.workers, only_cell=cell, show_progress=not o.quiet)
-    print_sweep_table(df)
-    print(f"sweep folder: {out}  (plots: flt-diag plot all {out}; report: flt-diag report {out})")
-    return _failed_cells(out, cells if cell is None else [cells[cell]])
-
-
-def _listed_or_picked(items: list, o: RunAblationOptions | MapOptions, line) -> bool:
-    """`--list`: print one line per cell (or map line) and say so; `--cell I` must name one of them."""
-    from flt_diag.grids.sweep import only
-    if o.list_cells:
-        for item in items:
-            print(line(item))
-        return True
-    only(items, o.cell)  # a bad --cell: the one check the sweep and the map also use
-    return False
-
-
-def _failed_cells(out: Path, cells) -> int:
-    """Exit status 1, with one line, when a cell failed or has no summary although the sweep ran it."""
-    from flt_diag.cli.output import print_failed_cells
-    from flt_diag.grids.progress import cell_status
-    status = {c.name: cell_status(out, c) for c in cells}
-    failed = [n for n, s in status.items() if s == "failed"]
-    missing = [n for n, s in status.items() if s not in ("done", "failed")]
-    if failed or missing:
-        print_failed_cells(out, len(cells), failed, missing)
-        return 1
-    return 0
-
-
-def cmd_map(o: MapOptions) -> int:
-    """Where each variant's training breaks: bisection along lr scale or depth, per variant and K."""
-    from flt_diag.cli.specs import map_spec
-    from flt_diag.grids.stability_map import run_map
-    from flt_diag.grids.worker_pool import auto_workers
-    from flt_diag.judge.map_boundaries import critical_values, unfinished
-    spec = map_spec(o, settled=not o.list_cells)
-    out = o.out or Path("runs") / f"map-{spec.axis}-{spec.base.preset}"
-    if _listed_or_picked(spec.lines(), o, lambda line: f"{line.index:4d}  {line.name}"):
-        return 0
-    print(f"map: {len(spec.lines())} lines x {len(spec.criteria)} criteria; {spec.axis} grid "
-          f"{', '.join(f'{x:g}' for x in spec.grid)} (each boundary within x{o.ratio:g})", flush=True)
-    run_map(spec, out, workers=o.workers or auto_workers(spec.base.train.device), only_line=o.cell,
-            report=lambda text: print(text, flush=True), probe_ends=o.probe_ends, run_to_end=o.run_to_end)
-    for criterion, g in critical_values(out).groupby("criterion", sort=False):
-        print(f"{criterion}: " + "; ".join(f"{r.variant} K={r.loops}: {r.text}" for r in g.itertuples()))
-    print(f"map folder: {out}  (figure: flt-diag plot map {out}; report: flt-diag report {out})")
-    problem = unfinished(out, spec.lines() if o.cell is None else [spec.lines()[o.cell]])
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-    return 1 if problem else 0
-
-
-def cmd_study(o: StudyOptions) -> int:
-    """Run a named study: the [ablation] (run-ablation options) or [map] (map options) table of a TOML file."""
-    from flt_diag.cli.specs import load_study
-    command, args = load_study(o.path, **{dest(n, f): getattr(o, n) for _, n, f in FOLDER_OPTIONS})
-    return cmd_run_ablation(args) if isinstance(args, RunAblationOptions) else cmd_map(args)  # (command's options)
 
 
 def cmd_summary(o: SummaryOptions) -> int:
@@ -392,6 +317,6 @@ def cmd_report(o: ReportOptions) -> int:
 
 COMMANDS: dict[str, Callable[..., int]] = {  # (each takes its command's options)
             "train": cmd_train, "run-ablation": cmd_run_ablation, "map": cmd_map, "study": cmd_study,
-            "summary": cmd_summary, "eval-loops": cmd_eval_loops, "import-reference": cmd_import_reference,
+            "status": cmd_status, "summary": cmd_summary, "eval-loops": cmd_eval_loops, "import-reference": cmd_import_reference,
             "predict": cmd_predict, "fit-predictor": cmd_fit_predictor, "variants": cmd_variants,
             "report": cmd_report, "plot": cmd_plot, "archive": cmd_archive}

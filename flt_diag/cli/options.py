@@ -73,6 +73,13 @@ class FolderOptions(Options):
     list_cells: bool = opt(False, "Print the cells (index, name, status) and exit.", alias="list")
     cell: Optional[int] = opt(None, "Run only cell (map: line) I, for job arrays.", ge=0, le=MAX_NUMBER)
     quiet: bool = opt(False, "No progress bar.")
+    archive_to: Optional[Path] = opt(None, "Archive each run into <DIR>/<folder name>/ the moment it finishes (a "
+                                     "record written once, as `flt-diag archive` writes it); a folder started with "
+                                     "it resumes from what that archive holds (its records count as finished runs), "
+                                     "e.g. on a fresh machine.")
+    allow_code_change: bool = opt(False, "Resume a folder started by other code (another commit, other uncommitted "
+                                  "changes, another flt-diag or torch version); without it that is refused. The "
+                                  "change is recorded in the folder's sweep.json.")
 
 
 class TrainOptions(Given):
@@ -94,6 +101,10 @@ class MapOptions(MapAxes, MapGrid, FolderOptions, Given):
 
 class StudyOptions(FolderOptions):
     path: Path = arg("A study file from experiments/ (TOML).")
+
+
+class StatusOptions(Options):
+    path: Path = arg("A sweep or map folder (also while it runs).")
 
 
 class SummaryOptions(Given):
@@ -180,7 +191,7 @@ class PlotOptions(Options):
 
 ARGS: dict[str, type[Options]] = {
     "train": TrainOptions, "run-ablation": RunAblationOptions, "map": MapOptions, "study": StudyOptions,
-    "summary": SummaryOptions, "eval-loops": EvalLoopsOptions, "import-reference": ImportReferenceOptions,
+    "status": StatusOptions, "summary": SummaryOptions, "eval-loops": EvalLoopsOptions, "import-reference": ImportReferenceOptions,
     "predict": PredictOptions, "fit-predictor": FitPredictorOptions, "variants": Options,
     "report": ReportOptions, "plot": PlotOptions, "archive": ArchiveOptions}
 FOLDER_OPTIONS = fields(FolderOptions, "cli")

@@ -11,12 +11,13 @@ from typing import cast
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from flt_diag.storage.cells import RunId
-from flt_diag.storage.folders import CELLS, load_progress, run_state
+from flt_diag.storage.folders import CELLS, cell_path, load_progress, run_state
 
 
 def cell_status(out: Path, cell: RunId) -> str:
-    """"done", "partial" (started, not finished), "failed" (raised an error) or "pending": the cell's run_state."""
-    return run_state(Path(out) / CELLS / cell.name)
+    """"done", "partial" (started, not finished), "failed" (raised an error) or "pending": the cell's run_state
+    (of its record, where the folder holds one taken in from its archive)."""
+    return run_state(cell_path(Path(out), cell.name))
 
 
 class SweepMonitor:

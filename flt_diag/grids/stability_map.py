@@ -22,9 +22,10 @@ from flt_diag.judge.map_boundaries import (CRITERIA, MAP_CSV, boundaries, bracke
                                            probe_cell, probe_outcomes)
 from flt_diag.storage.cells import RunId
 from flt_diag.storage.folders import CELLS, atomic_path, folder_lock, load_summary, refuse_not_a_folder
-from flt_diag.config.run_config import RunConfig
+from flt_diag.config.run_config import RunConfig, with_overrides
 from flt_diag.config.grid_options import MapLinesGrid
-from flt_diag.grids.sweep import only, prepare_spec_folder, run_cell, write_summary
+from flt_diag.grids.campaign import CampaignOptions, archiving, prepare_spec_folder
+from flt_diag.grids.sweep import cell_config, only, run_cell, write_summary
 from flt_diag.grids.worker_pool import interruptible, spawn_pool, task
 from flt_diag.training.settle import comparable
 
@@ -43,6 +44,10 @@ class MapSpec(MapLinesGrid):
 
     def cell(self, line: RunId, value: float):
         return probe_cell(self, line, value)
+
+    def cell_config(self, cell: RunId) -> RunConfig:
+        """The probe's own config: the base with the line's fields and the axis value (its lr scale or depth)."""
+        return cell_config(self.base, cell)
 
     def to_dict(self) -> dict:
         return dict(kind="map", variants=self.variants, loops=self.loops, seeds=self.seeds, axis=self.axis,
@@ -97,18 +102,18 @@ def search(n: int, outcome: Callable[[int], bool | None], known: dict[int, bool]
 def search_line(spec: MapSpec, out: Path, line: RunId, runner: Callable, report: Callable[[str], None] = print,
                 probe_ends: bool = False, run_to_end: bool = False) -> None:
     """Search every criterion along one line, running the probes that are missing with
-    `runner(base_dict, cell, out_str)` (flt_diag.grids.sweep.run_cell for real runs). Each probe ends once
+    `runner(probe_config, cell, out_str)` (flt_diag.grids.sweep.run_cell for real runs). Each probe ends once
     the map's criteria are decided (stop_when_decided), unless `run_to_end`; each criterion's search starts
     where the variant's earlier lines found its boundary (line_prior)."""
     out = Path(out)
-    base = spec.base.to_dict()
-    base["diagnostics"]["stop_when_decided"] = None if run_to_end else list(spec.criteria)
+    stop = None if run_to_end else list(spec.criteria)
     for criterion in spec.criteria:
         def outcome(i: int) -> bool | None:
             cell = spec.cell(line, spec.grid[i])
             d = out / CELLS / cell.name
             if load_summary(d) is None:
-                result = runner(base, cell, str(out))
+                result = runner(with_overrides(spec.cell_config(cell), diagnostics=dict(stop_when_decided=stop)),
+                                cell, str(out))
                 decided = getattr(load_summary(d), "decided_at", None)
                 report(f"{line.name}: {spec.axis} {spec.grid[i]:g} -> {result}"
                        + (f" (decided at step {decided})" if decided is not None else ""))
@@ -121,40 +126,43 @@ def search_line(spec: MapSpec, out: Path, line: RunId, runner: Callable, report:
 
 # --------------------------------------------------------------------------- the folder
 
-def prepare_map_folder(spec: MapSpec, out: Path) -> None:
-    """Create the map folder, or check that an existing one holds the same map."""
+def prepare_map_folder(spec: MapSpec, out: Path, options: CampaignOptions = CampaignOptions()) -> None:
+    """Create the map folder, or check that an existing one holds the same map and code."""
     grid_fields = {"model": ("variant", "loops") + (("depth",) if spec.axis == "depth" else ()),
                    "train": ("seed",) + (("lr_scale",) if spec.axis == "lr" else ())}
-    prepare_spec_folder(Path(out), spec.to_dict(), "map", grid_fields)
+    prepare_spec_folder(Path(out), spec.to_dict(), "map", grid_fields, spec.base.train.device, options)
 
 
 def _line_search_worker(spec: MapSpec, line: RunId, out: str, probe_ends: bool = False,
-                        run_to_end: bool = False) -> str:
+                        run_to_end: bool = False, runner: Callable = run_cell) -> str:
     with task():  # (the spec arrives pickled, as validated in the parent: it is not validated again)
-        search_line(spec, Path(out), line, run_cell, report=lambda text: print(text, flush=True),
+        search_line(spec, Path(out), line, runner, report=lambda text: print(text, flush=True),
                     probe_ends=probe_ends, run_to_end=run_to_end)
     return line.name
 
 
 def run_map(spec: MapSpec, out: Path, workers: int = 1, only_line: int | None = None,
             runner: Callable | None = None, report: Callable[[str], None] = print,
-            probe_ends: bool = False, run_to_end: bool = False) -> pd.DataFrame:
+            probe_ends: bool = False, run_to_end: bool = False,
+            options: CampaignOptions = CampaignOptions()) -> pd.DataFrame:
     """Search every line (or just `only_line`), then write map.csv and the sweep summary.
     probe_ends (see `search`) and run_to_end (see `search_line`) are how the search runs, not what the map
-    is: a map folder searched without them can be resumed with them, and its finished probes count."""
+    is: a map folder searched without them can be resumed with them, and its finished probes count. `options`:
+    the campaign's (resume under other code, archive each probe as it finishes)."""
     out = Path(out)
     refuse_not_a_folder(out, "a map folder", "use another --out")
     with (folder_lock(out, "map", root=out) if only_line is None else nullcontext()):  # (out may be a link)
-        prepare_map_folder(spec, out)
+        prepare_map_folder(spec, out, options)
         lines = only(spec.lines(), only_line, " (one per line)")
+        probe = archiving(runner or run_cell, options)
         if runner is not None or workers <= 1 or len(lines) <= 1:
             for line in lines:
-                search_line(spec, out, line, runner or run_cell, report, probe_ends, run_to_end)
+                search_line(spec, out, line, probe, report, probe_ends, run_to_end)
         else:
             pool = spawn_pool(workers)
             with interruptible(pool):  # Ctrl-C (or kill -INT of this process alone) stops the workers too
                 for name in pool.map(_line_search_worker, [spec] * len(lines), lines, [str(out)] * len(lines),
-                                     [probe_ends] * len(lines), [run_to_end] * len(lines)):
+                                     [probe_ends] * len(lines), [run_to_end] * len(lines), [probe] * len(lines)):
                     report(f"{name}: searched")
         write_summary(out)
         table = boundaries(out)

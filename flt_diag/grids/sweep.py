@@ -22,15 +22,14 @@ from typing import cast
 import pandas as pd
 from pydantic import model_validator
 
+from flt_diag.grids.campaign import CampaignOptions, archiving, prepare_spec_folder
 from flt_diag.grids.progress import SweepMonitor, cell_status
 from flt_diag.grids.worker_pool import auto_workers, run_parallel
 from flt_diag.judge.summary_table import write_summary
 from flt_diag.storage.cells import RunId
 from flt_diag.storage.file_models import Summary
-from flt_diag.storage.folders import (BUSY, CELLS, ERROR, SWEEP_SPEC, StorageError, atomic_write_text, check_cells,
-                                      folder_lock, has_content, load_spec as load_folder_spec, make_folder, refuse_links,
-                                      refuse_not_a_folder, write_json)
-from flt_diag.storage.pooling import without_grid_fields
+from flt_diag.storage.folders import (BUSY, CELLS, ERROR, StorageError, atomic_write_text, folder_lock, make_folder,
+                                      refuse_links, refuse_not_a_folder)
 from flt_diag.storage.schema import MAX_ITEMS
 from flt_diag.training.settle import comparable
 from flt_diag.config.run_config import RunConfig, with_overrides
@@ -79,50 +78,25 @@ def cell_config(base: RunConfig, cell: RunId, **train_overrides) -> RunConfig:
     return with_overrides(base, model=model, train=dict(seed=cell.seed, lr_scale=cell.lr_scale, **train_overrides))
 
 
-def prepare_folder(spec: SweepSpec, out: Path) -> None:
-    """Create the sweep folder, or check that an existing one holds the same spec."""
-    prepare_spec_folder(Path(out), spec.to_dict(), "sweep", SWEEP_GRID_FIELDS)
-
-
-def prepare_spec_folder(out: Path, new: dict, what: str, grid_fields: dict) -> None:
-    """Create a sweep or map folder holding spec `new` (sweep.json), or check that an existing one
-    holds the same spec (`what` names it in the messages; the bases are compared without the
-    `grid_fields` that every cell sets)."""
-    if (out / SWEEP_SPEC).exists():
-        old = load_folder_spec(out).as_written()  # checked: a damaged spec is one line, never compared field by field
-        refuse_links(out / CELLS, out)  # a linked cells/ would train every cell elsewhere
-        check_cells(out)  # a file there would fail every cell in turn: one line instead
-
-        def differs(k):
-            return without_grid_fields(old.get(k), grid_fields) != without_grid_fields(new[k], grid_fields) if k == "base" \
-                else old.get(k) != new[k]
-        keys = [k for k in new if differs(k)]
-        if keys:
-            raise StorageError(f"{out} holds a {'map' if old.get('kind') == 'map' else 'sweep'} with a different "
-                               f"spec (differs in: {', '.join(keys)}); use another --out, or the original options")
-        return
-    if has_content(out):
-        raise StorageError(f"{out} exists, is not empty and is not a {what} folder; use another --out")
-    try:
-        make_folder(out / CELLS, out)
-    except OSError as e:
-        raise StorageError(f"cannot create {what} folder {out}: {e.strerror}") from None
-    if not os.access(out, os.W_OK):
-        raise StorageError(f"cannot write to {out}")
-    write_json(out / SWEEP_SPEC, new)
+def prepare_folder(spec: SweepSpec, out: Path, options: CampaignOptions = CampaignOptions()) -> None:
+    """Create the sweep folder, or check that an existing one holds the same spec and code."""
+    prepare_spec_folder(Path(out), spec.to_dict(), "sweep", SWEEP_GRID_FIELDS, spec.base.train.device, options)
 
 
 BUSY_RESULT = "busy"  # run_cell's result for a cell another process is training (a second copy of a --cell task)
 
 
-def run_cell(base: dict, cell: RunId, out: str, threads: int | None = None,
+def run_cell(cfg: RunConfig, cell: RunId, out: str, threads: int | None = None,
              device: str | None = None, progress=None) -> str:
-    """Train one cell (in this process). Exceptions are written to the cell's error.txt."""
+    """Train one cell, of config `cfg` (the cell's own: its spec's cell_config, validated when the spec was made),
+    in this process; `threads` and `device` as the worker pool shares them out. Exceptions are written to the
+    cell's error.txt."""
     import torch  # most of the CLI's start-up (benchmarks/README.md); the CLI imports this module for its options
     from flt_diag.training.trainer import train
 
-    cfg = cell_config(RunConfig.from_dict(base), cell, **({"threads": threads} if threads else {}),
-                      **({"device": device} if device else {}))
+    if threads or device:
+        cfg = with_overrides(cfg, train={**({"threads": threads} if threads else {}),
+                                         **({"device": device} if device else {})})
     run_dir = Path(out) / CELLS / cell.name
     try:
         if threads:
@@ -151,35 +125,37 @@ def _failed(run_dir: Path, out, e: Exception) -> str:
 
 
 def run_sweep(spec: SweepSpec, out: Path, workers: int = 1, only_cell: int | None = None,
-              show_progress: bool = True) -> pd.DataFrame:
+              show_progress: bool = True, options: CampaignOptions = CampaignOptions()) -> pd.DataFrame:
     """Run the unfinished cells (all, or just `only_cell`) and write the summary table. The sweep
     folder is owned by this process meanwhile (a job array's `--cell` tasks share it: they only
-    lock their own cell's run folder)."""
+    lock their own cell's run folder). `options`: the campaign's (resume under other code, archive as it goes)."""
     out = Path(out)
     refuse_not_a_folder(out, "a sweep folder", "use another --out")
     # (`out` is the user's own choice and may be a link; a link below it is refused)
     with (folder_lock(out, "sweep", root=out) if only_cell is None else contextlib.nullcontext()):
-        prepare_folder(spec, out)
+        prepare_folder(spec, out, options)
         cells = only(spec.cells(), only_cell)
         for cell in cells:  # a cell that is a link is refused before anything trains (one line)
             refuse_links(out / CELLS / cell.name, out)
         todo = [c for c in cells if cell_status(out, c) != "done"]
-        base = spec.base.to_dict()
+        device, runner = spec.base.train.device, archiving(run_cell, options)
         if workers <= 0:
-            workers = auto_workers(base["train"]["device"])
+            workers = auto_workers(device)
         monitor = SweepMonitor(out, cells, spec.base.train.steps, show_progress)
         try:
             if workers <= 1 or len(todo) <= 1:
                 for cell in todo:
                     monitor.start(cell)
-                    result = run_cell(base, cell, str(out), progress=lambda info, c=cell: monitor.update(c, info))
+                    result = runner(spec.cell_config(cell), cell, str(out),
+                                    progress=lambda info, c=cell: monitor.update(c, info))
                     monitor.finish(cell, result)
                     if only_cell is not None and result.startswith(BUSY_RESULT):
-                        raise StorageError(f"cell {cell.index} ({cell.name}) is already being run by another "
-                                           "process; wait for it to finish or stop it")
+                        raise StorageError(f"cell {cell.index} ({cell.name}) is busy: "
+                                           f"{result.removeprefix(BUSY_RESULT + ': ')}")
                     write_summary(out)
             else:
-                run_parallel(base, longest_first(todo), out, workers, monitor, run_cell, lambda: write_summary(out))
+                run_parallel([(c, spec.cell_config(c)) for c in longest_first(todo)], device, out, workers, monitor,
+                             runner, lambda: write_summary(out))
         finally:
             monitor.close()
         return write_summary(out)

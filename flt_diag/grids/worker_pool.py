@@ -74,9 +74,9 @@ def spawn_pool(workers: int, gpu_queue=None) -> ProcessPoolExecutor:
                                initargs=(os.getpid(), gpu_queue))
 
 
-def _run_cell_in_worker(run_cell, base, cell, out, threads):
+def _run_cell_in_worker(run_cell, cfg, cell, out, threads):
     with task():
-        return run_cell(base, cell, out, threads, os.environ.get("FLT_DIAG_DEVICE"))
+        return run_cell(cfg, cell, out, threads, os.environ.get("FLT_DIAG_DEVICE"))
 
 
 def auto_workers(device: str) -> int:
@@ -87,9 +87,11 @@ def auto_workers(device: str) -> int:
     return os.cpu_count() or 1
 
 
-def run_parallel(base, todo, out, workers, monitor, run_cell: Callable, on_cell_done: Callable[[], None]):
+def run_parallel(todo: list, device: str, out, workers, monitor, run_cell: Callable, on_cell_done: Callable[[], None]):
+    """Run `todo`, (cell, its RunConfig) pairs, with `run_cell` in `workers` processes (one GPU each where `device`
+    is auto or cuda and there are GPUs), calling `on_cell_done` after each."""
     import torch  # (as in run_cell)
-    n_gpu = torch.cuda.device_count() if base["train"]["device"] in ("auto", "cuda") else 0
+    n_gpu = torch.cuda.device_count() if device in ("auto", "cuda") else 0
     gpu_queue, threads = None, max(1, (os.cpu_count() or 1) // workers)  # (on CPUs: the cores shared out)
     if n_gpu:  # one GPU each, from a queue
         workers, threads = min(workers, n_gpu), None
@@ -102,8 +104,8 @@ def run_parallel(base, todo, out, workers, monitor, run_cell: Callable, on_cell_
         queue = list(todo)
         while queue or pending:
             while queue and len(pending) < workers:
-                cell = queue.pop(0)
-                pending[pool.submit(_run_cell_in_worker, run_cell, base, cell, str(out), threads)] = cell
+                cell, cfg = queue.pop(0)
+                pending[pool.submit(_run_cell_in_worker, run_cell, cfg, cell, str(out), threads)] = cell
                 monitor.start(cell)
             done, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
             for fut in done:

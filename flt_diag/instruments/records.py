@@ -16,6 +16,7 @@ import torch
 from flt_diag.records import all_records
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.code_version import code_version
+from flt_diag.storage.machine import cpu_info
 
 
 class Row(NamedTuple):
@@ -32,6 +33,7 @@ def environment(device: torch.device) -> dict:
                pandas=pandas.__version__, platform=platform.platform(), host=socket.gethostname(),
                device=str(device), threads=torch.get_num_threads(), world_size=int(os.environ.get("WORLD_SIZE", 1)),
                started=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    env["cpu"] = cpu_info()  # the CPU's model and SIMD flags: another CPU kind gives other numbers (DESIGN.md §5)
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
     env["code"] = code_version()  # the version, commit and clean tree of the code that made the run

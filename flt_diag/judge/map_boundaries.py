@@ -11,11 +11,11 @@ from typing import Callable
 
 import pandas as pd
 
-from flt_diag.storage import archive
 from flt_diag.storage.cells import RunId
 from flt_diag.storage.file_models import MapSpecFile, Summary
-from flt_diag.storage.folders import CELLS, ERROR, StorageError, load_spec, load_summary, run_state
+from flt_diag.storage.folders import CELLS, ERROR, StorageError, cell_path, load_spec, load_summary, run_state
 from flt_diag.storage.predictor_names import COLLAPSE
+from flt_diag.storage.run_activity import activity
 from flt_diag.config.variants import VARIANTS
 
 
@@ -66,9 +66,9 @@ def bracket(known: dict[int, bool], n: int) -> tuple[int, int, bool]:
 
 def probe_path(out: Path, name: str) -> Path:
     """Where a probe's run is: its cell folder in a map folder, or its record in the map's archive
-    (`flt-diag archive` keeps a map as sweep.json and one `<cell>.parquet` per finished probe)."""
-    record = Path(out) / f"{name}{archive.SUFFIX}"
-    return record if archive.is_record(record) else Path(out) / CELLS / name
+    (`flt-diag archive` keeps a map as sweep.json and one `<cell>.parquet` per finished probe; a map resumed from
+    its archive holds the archived probes so: flt_diag.storage.folders.cell_path)."""
+    return cell_path(out, name)
 
 
 def probe_outcomes(spec, out: Path, line: RunId, criterion: str) -> dict[int, bool]:
@@ -118,19 +118,33 @@ def boundaries(out: Path) -> pd.DataFrame:
 
 
 def unfinished(out: Path, lines: list[RunId] | None = None) -> str | None:
-    """Why the map's search is not complete (one line), or None: the lines (all, or `lines`) where a
-    probe failed (its error.txt says why) or the search stopped short without even that record (a
-    failure that could not be written, e.g. on a full disk). A map that is not complete exits non-zero."""
+    """Why the map's search is not complete (one line), or None: the lines (all, or `lines`) where a probe is busy
+    (another process holds it: which, since when), where a probe failed (its error.txt says why) or where the search
+    stopped short without even that record (a failure that could not be written, e.g. on a full disk). A map that
+    is not complete exits non-zero."""
     table = boundaries(out)
     stuck = table[table.status.isin(["failed", "open"])]
+    spec = spec_from_folder(out)
     names = sorted({RunId(r.variant, r.loops, r.seed).name for r in stuck.itertuples()})
     if lines is not None:
         names = [n for n in names if n in {line.name for line in lines}]
     if not names:
         return None
-    total = len(lines) if lines is not None else len(map_lines(spec_from_folder(out)))
-    return (f"{len(names)} of {total} map lines did not finish their search ({', '.join(names[:4])}"
-            f"{', ...' if len(names) > 4 else ''}): a probe failed; see {out}/{CELLS}/<cell>/{ERROR} where it exists")
+    busy = {}
+    for line in (line for line in map_lines(spec) if line.name in names):
+        for value in spec.grid:
+            a = activity(probe_path(out, probe_cell(spec, line, value).name))
+            if a.state == "running":
+                busy[line.name] = f"{line.name}'s probe at {spec.axis} {value:g} is busy, {a.detail()}"
+    total = len(lines) if lines is not None else len(map_lines(spec))
+    failed = [n for n in names if n not in busy]
+    said = [f"{len(busy)} of {total} map lines are busy in another process ({'; '.join(list(busy.values())[:2])}"
+            f"{'; ...' if len(busy) > 2 else ''}): wait for it, or stop it"] if busy else []
+    if failed:
+        said.append(f"{len(failed)} of {total} map lines did not finish their search ({', '.join(failed[:4])}"
+                    f"{', ...' if len(failed) > 4 else ''}): a probe failed; see {out}/{CELLS}/<cell>/{ERROR} where it "
+                    "exists")
+    return "; ".join(said)
 
 
 def critical_values(out: Path) -> pd.DataFrame:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flt_diag.storage import archive
+from flt_diag.storage.campaign import without_campaign
 from flt_diag.storage.folders import (CELLS, CONFIG, METRICS, SWEEP_SPEC, BadFile, StorageError, is_archive, is_run,
                                       is_sweep, load_config, load_spec, load_summary, not_a_folder, read_json, refuse_links,
                                       run_dirs)
@@ -116,7 +117,8 @@ def _plan_sweep(src: Path, dirs: list[Path], to: Path, replace: bool) -> Plan:
     why = None
     if (dest / SWEEP_SPEC).exists():
         try:
-            why = None if read_json(dest / SWEEP_SPEC) == plan.spec else "another sweep or map (its sweep.json differs)"
+            same = without_campaign(read_json(dest / SWEEP_SPEC)) == without_campaign(plan.spec or {})
+            why = None if same else "another sweep or map (its sweep.json differs)"
         except (BadFile, StorageError) as e:
             why = f"a sweep.json this flt-diag does not read ({e})"
     elif any(p.suffix == archive.SUFFIX and not is_temporary(p) for p in dest.iterdir()):

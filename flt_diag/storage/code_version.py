@@ -6,6 +6,7 @@ be traced to the commit of its plan from the records alone (docs/DESIGN.md §9).
 from __future__ import annotations
 
 import functools
+import hashlib
 import subprocess
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -13,33 +14,42 @@ from pathlib import Path
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding flt_diag/ (a checkout, or site-packages)
 
 
-def _git(*args: str) -> str | None:
+def _git(*args: str, text: bool = True) -> str | bytes | None:
     try:
-        done = subprocess.run(["git", "-C", str(PACKAGE_ROOT), *args], capture_output=True, text=True, timeout=10,
+        done = subprocess.run(["git", "-C", str(PACKAGE_ROOT), *args], capture_output=True, text=text, timeout=10,
                               stdin=subprocess.DEVNULL)
     except (OSError, subprocess.SubprocessError):  # no git, or it hung
         return None
     return done.stdout if done.returncode == 0 else None
 
 
+def _text(*args: str) -> str | None:
+    out = _git(*args)
+    return out if isinstance(out, str) else None
+
+
 @functools.lru_cache(maxsize=1)
 def code_version() -> dict:
-    """{"flt_diag": version, "commit": 40 hex digits or None, "clean": True / False / None}. None: not run from
-    a git checkout of flt-diag (an installed wheel), or git is missing. `clean` looks at tracked files only (an
+    """{"flt_diag": version, "commit": 40 hex digits or None, "clean": True / False / None}, and where the tree is
+    not clean "diff": the first 16 hex digits of the SHA-256 of `git diff HEAD` (the uncommitted changes, told
+    apart: a campaign resumed under other changes is refused, docs/DESIGN.md §5). None: not run from a git
+    checkout of flt-diag (an installed wheel), or git is missing. `clean` looks at tracked files only (an
     untracked file is not code the run imported)."""
     try:
         ver = version("flt-diag")
     except PackageNotFoundError:
         ver = "unknown"
-    commit, clean = None, None
-    top = _git("rev-parse", "--show-toplevel")
+    commit, clean, diff = None, None, None
+    top = _text("rev-parse", "--show-toplevel")
     if top is not None and Path(top.strip()).resolve() == PACKAGE_ROOT and (PACKAGE_ROOT / "flt_diag").is_dir():
-        head = (_git("rev-parse", "HEAD") or "").strip()
+        head = (_text("rev-parse", "HEAD") or "").strip()
         if len(head) == 40:
             commit = head
-            status = _git("status", "--porcelain", "--untracked-files=no")
+            status = _text("status", "--porcelain", "--untracked-files=no")
             clean = None if status is None else status.strip() == ""
-    return {"flt_diag": ver, "commit": commit, "clean": clean}
+            if clean is False and isinstance(changes := _git("diff", "HEAD", "--binary", text=False), bytes):
+                diff = hashlib.sha256(changes).hexdigest()[:16]
+    return {"flt_diag": ver, "commit": commit, "clean": clean, **({"diff": diff} if diff else {})}
 
 
 def describe(code: dict | None) -> str:
@@ -48,5 +58,5 @@ def describe(code: dict | None) -> str:
         return "not recorded"
     commit = code.get("commit")
     where = "not from a git checkout" if not commit else \
-        f"commit {str(commit)[:12]} ({ {True: 'clean', False: 'with uncommitted changes'}.get(code.get('clean'), 'state unknown')})"  # type: ignore[arg-type]  # noqa: E501 (no flag: unknown)
+        f"commit {str(commit)[:12]} ({ {True: 'clean', False: 'with uncommitted changes'}.get(code.get('clean'), 'state unknown')}{' ' + str(code['diff'])[:8] if code.get('diff') else ''})"  # type: ignore[arg-type]  # noqa: E501 (no flag: unknown)
     return f"flt-diag {code.get('flt_diag', 'unknown')}, {where}"

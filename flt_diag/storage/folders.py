@@ -267,12 +267,18 @@ def cell_names(sweep: Path) -> list[str]:
     (whose probes are chosen as it runs) the cell folders present, by name."""
     spec = load_spec(sweep)
     check_cells(sweep)
-    if isinstance(spec, files.F.MapSpecFile):
-        folder = Path(sweep) / CELLS
-        if not folder.is_dir():  # an archived map: one record per probe
-            return [p.stem for p in archive.records_in(sweep)]
-        return sorted(p.name for p in folder.iterdir() if p.is_dir())
+    if isinstance(spec, files.F.MapSpecFile):  # its probes' folders, and its records (an archived map's; those a map
+        folder = Path(sweep) / CELLS  # resumed from its archive took in: flt_diag.results.run_archiver)
+        probes = {p.name for p in folder.iterdir() if p.is_dir()} if folder.is_dir() else set()
+        return sorted(probes | {p.stem for p in archive.records_in(sweep) if p.stem != Path(SWEEP_SUMMARY).stem})
     return list(spec.cell_names)
+
+
+def cell_path(sweep: Path, name: str) -> Path:
+    """Where a sweep's or map's cell `name` is: its record in the folder (an archived sweep or map, or one taken in
+    from the archive a folder resumed from), else its run folder in cells/."""
+    record = Path(sweep) / f"{name}{archive.SUFFIX}"
+    return record if archive.is_record(record) else Path(sweep) / CELLS / name
 
 
 def check_cells(sweep: Path) -> None:

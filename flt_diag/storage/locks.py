@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import stat
+import time
 from pathlib import Path
 
 from flt_diag.storage.errors import StorageError
@@ -12,7 +14,29 @@ from flt_diag.storage.links import make_folder, refuse_links, refuse_not_a_folde
 from flt_diag.storage.safe_files import kind_of
 
 BUSY = "is being written by another flt-diag process"  # folder_lock's refusal (a sweep tells it from a failure)
-LOCK = ".lock"  # held (flock) by the one process writing a run or sweep folder; holds its pid
+LOCK = ".lock"  # held (flock) by the one process writing a run or sweep folder; holds "pid host since" (holder_of)
+
+
+def holder_text() -> str:
+    """What a lock's holder writes into it: its pid, host and the second it took the lock (UTC)."""
+    return f"{os.getpid()} {socket.gethostname()} {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"
+
+
+def parse_holder(text: str) -> dict | None:
+    """{"pid", "host", "since"} from a lock's text ("pid host since"; a lock of before holds the pid alone), or None
+    where it is no holder's."""
+    parts = text.split()
+    if not parts or not parts[0].isdigit():
+        return None
+    return dict(pid=int(parts[0]), host=parts[1] if len(parts) > 1 else None, since=parts[2] if len(parts) > 2 else None)
+
+
+def describe_holder(holder: dict | None) -> str:
+    """"held by pid 12 on host h since 2026-12-05T09:00:00Z" (as much as the lock says), or ""."""
+    if holder is None:
+        return ""
+    return (f"held by pid {holder['pid']}" + (f" on host {holder['host']}" if holder.get("host") else "")
+            + (f" since {holder['since']}" if holder.get("since") else ""))
 
 
 @contextlib.contextmanager
@@ -49,13 +73,13 @@ def folder_lock(folder: Path, kind: str = "run", root: Path | None = None):
         if not _same_file(fd, folder / LOCK):
             raise BlockingIOError
     except OSError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        holder = describe_holder(parse_holder(os.pread(fd, 512, 0).decode(errors="replace")))
         os.close(fd)
-        raise StorageError(f"{folder} {BUSY}"
-                           f"{f' (pid {holder})' if holder.isdigit() else ''}; wait for it to finish or stop it") from None
+        raise StorageError(f"{folder} {BUSY}{f' ({holder})' if holder else ''}; wait for it to finish or stop "
+                           "it") from None
     try:
         os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        os.pwrite(fd, holder_text().encode(), 0)
         yield
     finally:
         with contextlib.suppress(OSError):

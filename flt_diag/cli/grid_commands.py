@@ -1,0 +1,115 @@
+"""The commands that run grids of runs and watch them (flt_diag.cli.commands lists them with the others):
+`run-ablation`, `map`, `study` (either, from a file) and `status`; each with the campaign options (--archive-to,
+--allow-code-change: docs/DESIGN.md §5, "Campaigns")."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from flt_diag.cli.options import FOLDER_OPTIONS, MapOptions, RunAblationOptions, StatusOptions, StudyOptions
+from flt_diag.config.option_fields import dest
+
+
+def cmd_run_ablation(o: RunAblationOptions) -> int:
+    """Train every variant at every loop count (x seeds x lr scales) and summarise how they collapse."""
+    from flt_diag.cli.console import print_sweep_table
+    from flt_diag.cli.specs import sweep_spec
+    from flt_diag.grids.sweep import run_sweep
+    from flt_diag.model.transformer import count_parameters
+    spec = sweep_spec(o, settled=not o.list_cells)  # --list runs nothing: no tokenizer needed
+    out = o.out or Path("runs") / f"ablation-{spec.base.preset}"
+    cells, cell = spec.cells(), o.cell
+    status = _cell_states(out) if o.list_cells else {}
+    if _listed_or_picked(cells, o, lambda c: f"{c.index:4d}  {c.name:32s} {status.get(c.name, 'open')}"):
+        return 0
+    m, n = spec.base.model, count_parameters(spec.base.model)
+    print(f"model: L={m.depth} d={m.width} heads={m.heads}, {n:,} parameters ({n / 1e6:.1f}M) per cell", flush=True)
+    df = run_sweep(spec, out, workers=o.workers, only_cell=cell, show_progress=not o.quiet, options=_campaign(o))
+    print_sweep_table(df)
+    print(f"sweep folder: {out}  (plots: flt-diag plot all {out}; report: flt-diag report {out})")
+    return _failed_cells(out, cells if cell is None else [cells[cell]])
+
+
+def _cell_states(out: Path) -> dict[str, str]:
+    """A sweep folder's cells' states as `flt-diag status` says them (none yet: every cell open)."""
+    from flt_diag.results.campaign_status import sweep_rows
+    from flt_diag.storage.folders import is_sweep
+    return {row.name: row.state for row in sweep_rows(out)} if is_sweep(out) else {}
+
+
+def _campaign(o: RunAblationOptions | MapOptions):
+    """The campaign options of a grid command: --allow-code-change, --archive-to."""
+    from flt_diag.grids.campaign import CampaignOptions
+    from flt_diag.results.run_archiver import FolderArchive
+    return CampaignOptions(o.allow_code_change, None if o.archive_to is None else FolderArchive(o.archive_to))
+
+
+def _listed_or_picked(items: list, o: RunAblationOptions | MapOptions, line) -> bool:
+    """`--list`: print one line per cell (or map line) and say so; `--cell I` must name one of them."""
+    from flt_diag.grids.sweep import only
+    if o.list_cells:
+        for item in items:
+            print(line(item))
+        return True
+    only(items, o.cell)  # a bad --cell: the one check the sweep and the map also use
+    return False
+
+
+def _failed_cells(out: Path, cells) -> int:
+    """Exit status 1, with one line, when a cell failed or has no summary although the sweep ran it."""
+    from flt_diag.cli.output import print_failed_cells
+    from flt_diag.grids.progress import cell_status
+    status = {c.name: cell_status(out, c) for c in cells}
+    failed = [n for n, s in status.items() if s == "failed"]
+    missing = [n for n, s in status.items() if s not in ("done", "failed")]
+    if failed or missing:
+        print_failed_cells(out, len(cells), failed, missing)
+        return 1
+    return 0
+
+
+def cmd_map(o: MapOptions) -> int:
+    """Where each variant's training breaks: bisection along lr scale or depth, per variant and K."""
+    from flt_diag.cli.specs import map_spec
+    from flt_diag.grids.stability_map import run_map
+    from flt_diag.grids.worker_pool import auto_workers
+    from flt_diag.judge.map_boundaries import critical_values, unfinished
+    from flt_diag.results.campaign_status import line_status
+    spec = map_spec(o, settled=not o.list_cells)
+    out = o.out or Path("runs") / f"map-{spec.axis}-{spec.base.preset}"
+    status = line_status(out, spec.lines()) if o.list_cells else {}
+    if _listed_or_picked(spec.lines(), o, lambda line: f"{line.index:4d}  {line.name:32s} {status[line.name]}"):
+        return 0
+    print(f"map: {len(spec.lines())} lines x {len(spec.criteria)} criteria; {spec.axis} grid "
+          f"{', '.join(f'{x:g}' for x in spec.grid)} (each boundary within x{o.ratio:g})", flush=True)
+    run_map(spec, out, workers=o.workers or auto_workers(spec.base.train.device), only_line=o.cell,
+            report=lambda text: print(text, flush=True), probe_ends=o.probe_ends, run_to_end=o.run_to_end,
+            options=_campaign(o))
+    for criterion, g in critical_values(out).groupby("criterion", sort=False):
+        print(f"{criterion}: " + "; ".join(f"{r.variant} K={r.loops}: {r.text}" for r in g.itertuples()))
+    print(f"map folder: {out}  (figure: flt-diag plot map {out}; report: flt-diag report {out})")
+    problem = unfinished(out, spec.lines() if o.cell is None else [spec.lines()[o.cell]])
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+    return 1 if problem else 0
+
+
+def cmd_study(o: StudyOptions) -> int:
+    """Run a named study: the [ablation] (run-ablation options) or [map] (map options) table of a TOML file."""
+    from flt_diag.cli.specs import load_study
+    command, args = load_study(o.path, **{dest(n, f): getattr(o, n) for _, n, f in FOLDER_OPTIONS})
+    return cmd_run_ablation(args) if isinstance(args, RunAblationOptions) else cmd_map(args)  # (command's options)
+
+
+def cmd_status(o: StatusOptions) -> int:
+    """Where each cell of a sweep (each line of a map) stands: finished, open, running (whose process, seen when),
+    failed (why), and the code that made its runs; and the code and machine the folder is pinned to."""
+    from flt_diag.results.campaign_status import campaign_lines, status_rows
+    rows = status_rows(o.path)
+    for line in campaign_lines(o.path):
+        print(line)
+    for row in rows:
+        print(row.line())
+    counts = {s: sum(r.state == s for r in rows) for s in ("finished", "running", "open", "failed")}
+    print(", ".join(f"{n} {s}" for s, n in counts.items() if n) or "nothing to show")
+    return 0

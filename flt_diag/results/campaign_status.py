@@ -1,0 +1,94 @@
+"""`flt-diag status FOLDER` (and the status column of `--list`): where each cell of a sweep, or each line of a map,
+stands: finished, open, running (whose process, how long since it last wrote) or failed (why), and the commits of
+the code that made its runs; and above them the code and machine the folder's campaign is pinned to
+(flt_diag.storage.campaign) and the code changes it was allowed. Torch-free.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from flt_diag.judge.map_boundaries import boundaries, map_lines, probe_cell, probe_path, spec_from_folder
+from flt_diag.storage.campaign import describe_code, read_campaign
+from flt_diag.storage.cells import RunId
+from flt_diag.storage.file_models import MapSpecFile
+from flt_diag.storage.folders import SWEEP_SPEC, StorageError, cell_path, is_sweep, load_spec, read_json
+from flt_diag.storage.machine import describe_machine
+from flt_diag.storage.run_activity import Activity, activity
+
+
+@dataclass(frozen=True)
+class Row:
+    index: int
+    name: str
+    state: str
+    detail: str
+    commits: tuple[str, ...]
+
+    def line(self) -> str:
+        commits = ", ".join(self.commits) or "-"
+        return f"{self.index:4d}  {self.name:32s} {self.state:9s} {self.detail}{'  ' if self.detail else ''}code {commits}"
+
+
+def _commits(acts: list[Activity]) -> tuple[str, ...]:
+    return tuple(sorted({a.commit for a in acts if a.commit}))
+
+
+def sweep_rows(out: Path) -> list[Row]:
+    """One row per cell of a sweep folder (cell order)."""
+    rows = []
+    for i, name in enumerate(load_spec(out).cell_names):  # type: ignore[union-attr]  # (a sweep's spec)
+        a = activity(cell_path(out, name))
+        rows.append(Row(i, name, a.state, a.detail(), _commits([a])))
+    return rows
+
+
+def map_rows(out: Path) -> list[Row]:
+    """One row per line of a map folder: running where a probe runs now (which), failed where a probe failed and the
+    search stopped there (why), finished where every criterion's bracket is closed, else open (probes so far)."""
+    spec = spec_from_folder(out)
+    table = boundaries(out)
+    rows = []
+    for line in map_lines(spec):
+        probes = {v: activity(probe_path(out, probe_cell(spec, line, v).name)) for v in spec.grid}
+        mine = table[(table.variant == line.variant) & (table.loops == line.loops) & (table.seed == line.seed)]
+        done = [a for a in probes.values() if a.state == "finished"]
+        running = [(v, a) for v, a in probes.items() if a.state == "running"]
+        failed = [(v, a) for v, a in probes.items() if a.state == "failed"]
+        if running:
+            v, a = running[0]
+            state, detail = "running", f"{spec.axis} {v:g}: {a.detail()}"
+        elif not mine.status.isin(["open", "failed"]).any():
+            state, detail = "finished", f"{len(done)} probes"
+        elif failed:
+            v, a = failed[0]
+            state, detail = "failed", f"{spec.axis} {v:g}: {a.detail()}"
+        else:
+            state, detail = "open", f"{len(done)} probes finished"
+        rows.append(Row(line.index, line.name, state, detail, _commits(list(probes.values()))))
+    return rows
+
+
+def status_rows(out: Path) -> list[Row]:
+    if not is_sweep(out):
+        raise StorageError(f"{out} is not a sweep or map folder (no {SWEEP_SPEC})")
+    return map_rows(out) if isinstance(load_spec(out), MapSpecFile) else sweep_rows(out)
+
+
+def campaign_lines(out: Path) -> list[str]:
+    """The folder's pinned code and machine, and each code change a resume was allowed."""
+    campaign = read_campaign(read_json(Path(out) / SWEEP_SPEC), Path(out) / SWEEP_SPEC)
+    if campaign is None:
+        return ["code: not pinned (a folder started before campaigns were pinned: its next run pins it)"]
+    lines = [f"code: {describe_code(campaign.code)}", f"machine: {describe_machine(campaign.machine)}"]
+    for change in campaign.changes:
+        lines.append(f"code change allowed {change.get('at', '?')} on {change.get('host', '?')}: "
+                     f"{describe_code(change.get('code') or {})}")
+    return lines
+
+
+def line_status(out: Path, lines: list[RunId]) -> dict[str, str]:
+    """Each of `lines`' (a map's) state, by line name: the status column of `map --list`."""
+    if not (Path(out) / SWEEP_SPEC).exists():
+        return {line.name: "open" for line in lines}
+    return {row.name: row.state for row in map_rows(out)}

@@ -1,0 +1,88 @@
+"""A campaign's pin: the code and machine a sweep or map folder was started with, kept in its sweep.json under
+`campaign` (docs/DESIGN.md §5, "Campaigns"). A folder is resumed only by the same code (commit, the same
+uncommitted changes or none, flt-diag's and torch's versions); other code is refused with one line unless the
+command is given --allow-code-change, and then the change is named in `campaign.changes` (the code, the host,
+when). Each run's own config.json names its code and CPU too (`env.code`, `env.cpu`). Torch-free.
+"""
+from __future__ import annotations
+
+import socket
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Optional
+
+from flt_diag.storage.code_version import code_version, describe
+from flt_diag.storage.file_models import FreeFileModel
+from flt_diag.storage.schema import MAX_ITEMS, StorageError, checked
+from pydantic import Field
+
+CAMPAIGN = "campaign"  # its key in sweep.json
+COMPARED = ("commit", "clean", "diff", "flt_diag", "torch")  # what makes two codes the same code
+ALLOW = "--allow-code-change"
+
+
+class Campaign(FreeFileModel):
+    """sweep.json's `campaign`: the pinned code and the machine that started the folder, and the code changes a
+    resume was allowed (each {"code", "host", "at"})."""
+
+    code: dict
+    machine: Optional[dict] = None
+    changes: list[dict] = Field(default_factory=list, max_length=MAX_ITEMS)
+
+
+def torch_version() -> str | None:
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return None
+
+
+def current_code() -> dict:
+    """The code running now: code_version() and torch's version."""
+    return {**code_version(), "torch": torch_version()}
+
+
+def same_code(a: dict, b: dict) -> bool:
+    return all(a.get(k) == b.get(k) for k in COMPARED)
+
+
+def describe_code(code: dict) -> str:
+    return describe(code) + (f", torch {code['torch']}" if code.get("torch") else "")
+
+
+def read_campaign(spec: dict, where: Path) -> Campaign | None:
+    """The campaign of a sweep.json's content (None: a folder started before campaigns were pinned); a damaged one
+    is one BadFile line naming the file."""
+    return None if spec.get(CAMPAIGN) is None else checked(f"{where} [{CAMPAIGN}]", Campaign, spec[CAMPAIGN])
+
+
+def resume_campaign(old: Campaign | None, where: Path, machine: dict, allow_change: bool) -> Campaign:
+    """The campaign a folder holds once this process resumes it: the same, where the code is the pinned code;
+    pinned now, where it had none; with this code named in `changes` where the code differs and `allow_change`;
+    else one StorageError line."""
+    now = current_code()
+    if old is None:
+        return Campaign(code=now, machine=machine, changes=[])
+    if same_code(old.code, now) or any(same_code(c.get("code") or {}, now) for c in old.changes):
+        return old
+    if not allow_change:
+        raise StorageError(f"{where} was started by {describe_code(old.code)}; this is {describe_code(now)}: "
+                           f"resuming would mix two codes in one campaign; run the pinned code, or give {ALLOW} "
+                           "(the change is then recorded in its sweep.json)")
+    change = dict(code=now, host=socket.gethostname(), at=time.strftime("%Y-%m-%dT%H:%M:%S"), machine=machine)
+    return old.model_copy(update=dict(changes=[*old.changes, change]))
+
+
+def without_campaign(spec: dict) -> dict:
+    """A sweep.json's content less its campaign: what two copies of one sweep or map (a folder and its archive)
+    share, whatever code changes each has recorded since."""
+    return {k: v for k, v in spec.items() if k != CAMPAIGN}
+
+
+def code_of(campaign: Campaign | None) -> str | None:
+    """The pinned commit (12 hex digits), "unpinned" for a folder without a campaign, None without a commit."""
+    if campaign is None:
+        return "unpinned"
+    commit = campaign.code.get("commit")
+    return str(commit)[:12] if commit else None
