@@ -187,7 +187,7 @@ CHANGES = {"device": {"--device": "auto"}, "threads": {"--threads": "2"}, "compi
            "loop_dynamics": {"--no-loop-dynamics": None}, "exit_loss_every": {"--exit-loss-every": "2"},
            "dynamics_every": {"--dynamics-every": "2"},
            "sharpness_every": {"--sharpness-every": "3"}, "dynamics_batch": {"--dynamics-batch": "2"},
-           "dynamics_iters": {"--dynamics-iters": "3"}}
+           "dynamics_iters": {"--dynamics-iters": "3"}, "stop_when_decided": {"--stop-when-decided": "explosion"}}
 
 
 def test_every_field_changeable_on_reuse_has_a_resume_case():

@@ -319,14 +319,14 @@ def test_a_map_line_starts_where_its_variants_earlier_seed_broke(tmp_path):
     seed1 = [r for r in runner.runs if "seed1" in r]
     assert seed1 == [spec.cell(spec.lines()[1], v).name for v in (16.0, 8.0)]
     assert table.first_broken.tolist() == [16.0, 16.0] and table.last_ok.tolist() == [8.0, 8.0]
-    assert all(b["diagnostics"]["stop_when_decided"] == ["training"] for b in runner.bases)  # the map's criteria
+    assert all(b.diagnostics.stop_when_decided == ["training"] for b in runner.bases)  # the map's criteria
 
 
 def test_run_to_end_gives_the_probes_no_criteria_to_stop_on(tmp_path):
     spec = _spec(variants=["flt"], loops=[6], seeds=[0], criteria=["training", "explosion"])
     runner = Recorded({"flt": 9.0})
     run_map(spec, tmp_path / "m", runner=runner, report=lambda s: None, run_to_end=True)
-    assert runner.bases and all(b["diagnostics"]["stop_when_decided"] is None for b in runner.bases)
+    assert runner.bases and all(b.diagnostics.stop_when_decided is None for b in runner.bases)
     runner = Recorded({"flt": 9.0})
     run_map(spec, tmp_path / "n", runner=runner, report=lambda s: None)
-    assert all(b["diagnostics"]["stop_when_decided"] == ["training", "explosion"] for b in runner.bases)
+    assert all(b.diagnostics.stop_when_decided == ["training", "explosion"] for b in runner.bases)

@@ -215,7 +215,7 @@ def test_one_value_of_a_list_option_in_a_study_file_is_a_list_of_one(tmp_path):
 
 @pytest.mark.parametrize("text, message", [
     ('[ablation]\nstep = 3\n', "unknown option 'step'"),
-    ('[ablation]\nsteps = 0\n', "[ablation] steps must be >= 1"),
+    ('[ablation]\nsteps = 0\n', "[ablation] steps must be in 1..9007199254740992, got 0"),
     ('[ablation]\nloops = [3, 3]\n', "duplicates"),
     ('[ablation]\nsteps = "many"\n', "[ablation] steps must be an integer"),
     ('[map]\nratio = 1\n', "[map] ratio must be > 1"),

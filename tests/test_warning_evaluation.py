@@ -133,7 +133,7 @@ def test_an_analysis_script_on_a_missing_folder_is_one_error_line(tmp_path, scri
     missing = tmp_path / "nope"
     done = subprocess.run([sys.executable, str(path), str(missing), *[str(tmp_path / a) if a == "OUT" else a for a in args]],
                           capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and done.stderr.strip() == f"error: no such folder: {missing}", done.stderr
+    assert done.returncode == 2 and done.stderr.strip() == f"error: no such file or folder: {missing}", done.stderr
 
 
 def test_record_scores_read_the_final_loop_at_the_latest_recorded_step_at_or_before_s():

@@ -22,6 +22,7 @@ MAP_AXES, MAP_CRITERIA = get_args(MapAxis), get_args(Criterion)
 SWEEP_GRID_FIELDS = {"model": with_fact(ModelConfig, "grid", "sweep"), "train": with_fact(TrainConfig, "grid", "sweep")}
 Loops = Annotated[int, Field(ge=1, le=MAX_LOOPS)]
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+MAX_AXIS = 2.0**20  # an lr scale (or depth) beyond a million times the recipe's is no study's: refused by its field
 MAX_GRID = 66  # values of one map grid (lo times up to 64 powers of the ratio, and hi): no study needs more
 
 
@@ -67,8 +68,8 @@ class SweepGrid(SweepAxes):
 class MapGrid(Options):
     """The axis values a map searches: lo, lo*r, lo*r^2, ... <= hi (see geometric_grid)."""
 
-    lo: float = opt(0.5, "Lowest axis value of the grid.", gt=0)
-    hi: float = opt(16.0, "Highest axis value of the grid.", gt=0)
+    lo: float = opt(0.5, "Lowest axis value of the grid.", gt=0, le=MAX_AXIS)
+    hi: float = opt(16.0, "Highest axis value of the grid.", gt=0, le=MAX_AXIS)
     ratio: float = opt(1.41, "Grid ratio: the tolerance of every boundary.", gt=1)
 
     def values(self, axis: str) -> list[float]:
