@@ -103,13 +103,13 @@ def test_stage_b_best_lr_reuses_stage_a_and_says_no_stable_lr():
                 val = {"flt": {0.5: 2.0, 1.0: 1.8, 2.0: 1.9, 4.0: 1.0}}.get(v, {0.5: 2.0, 1.0: 2.0, 2.0: 1.5,
                                                                                     4.0: 1.7})[lr]
                 spec.append((v, seed, lr, x, verdict, val))
-    a_runs = rows([("jacobian-fro", s, 1.0, 2.0, ST, 0.5) for s in (101, 102)]
-                  + [("jacobian-fro", s, 1.0, 1.0, ST, 0.1) for s in (101, 102)])  # another strength: not used
+    a_runs = rows([("jacobian-fro", s, 1.0, 1.0, ST, 9.0) for s in (101, 102)]  # another strength: not used
+                  + [("jacobian-fro", s, 1.0, 2.0, ST, 0.5) for s in (101, 102)])
     best, lines = S.stage_b((rows(spec), 0), a_runs, strengths)
     assert lines[0].endswith("all 96 runs in.")
     assert best["flt"]["value"] == 1.0  # x 4 is lowest but seed 102 unstable there
     assert best["lt"]["value"] == 0.5 and best["lt"]["label"] == "no stable lr in x 0.5-4"
-    assert best["jacobian-fro"]["value"] == 1.0  # stage A's run at strength x 2 (0.5) reused; x 1's 0.1 not
+    assert best["jacobian-fro"]["value"] == 1.0  # stage A's runs at strength x 2 (0.5) reused; x 1's (9.0) not
     assert best["huginn"]["value"] == 2.0
     short, lines = S.stage_b((rows(spec[1:]), 0), a_runs, strengths)
     assert short is None and "not finished (95 of 96 runs)" in lines[0]
