@@ -14,6 +14,7 @@ are in. --out DIR also draws the figure (val loss against lr per variant, breaki
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -80,16 +81,25 @@ def runs_in(folder: Path, strength: float | None = None) -> tuple[pd.DataFrame, 
     return pd.DataFrame(rows, columns=COLUMNS), unfinished
 
 
+def present(path: Path) -> bool:
+    """Whether a stage's folder is there (absent: not run); a file or FIFO under its name is one line."""
+    if not os.path.lexists(path):
+        return False
+    if not path.is_dir():
+        raise StorageError(f"{path} is not a folder (a stage's runs are archived in a folder of that name)")
+    return True
+
+
 def read_archive(root: Path) -> dict:
     """Every stage's runs as far as archived: {stage: (runs, unfinished) or None where its folder is absent}."""
     root = Path(root)
     out: dict = {}
-    a = [runs_in(root / f"A-strength-{x:g}", x) for x in STRENGTHS if (root / f"A-strength-{x:g}").is_dir()]
+    a = [runs_in(root / f"A-strength-{x:g}", x) for x in STRENGTHS if present(root / f"A-strength-{x:g}")]
     out["A"] = (pd.concat([r for r, _ in a], ignore_index=True), sum(n for _, n in a)) if a else None
-    b = [runs_in(p) for p in sorted(root.glob("B*")) if p.is_dir() and (p.name == "B" or p.name.startswith("B-"))]
+    b = [runs_in(p) for p in sorted(root.glob("B*")) if (p.name == "B" or p.name.startswith("B-")) and present(p)]
     out["B"] = (pd.concat([r for r, _ in b], ignore_index=True), sum(n for _, n in b)) if b else None
     for stage in ("C", "D", "L2000"):
-        out[stage] = runs_in(root / stage) if (root / stage).is_dir() else None
+        out[stage] = runs_in(root / stage) if present(root / stage) else None
     return out
 
 

@@ -207,6 +207,12 @@ def test_bad_input_is_one_line_and_exit_2(template, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
     assert S.main([str(tmp_path / "missing")]) == 2
+    capsys.readouterr()
+    (tmp_path / "C").rename(tmp_path / "moved")
+    (tmp_path / "C").write_text("not a folder")
+    assert S.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "is not a folder" in err and err.count("\n") == 1
 
 
 def test_the_figure_is_drawn(template, tmp_path):
