@@ -22,7 +22,7 @@ import docs_tables  # noqa: E402
 
 ROWS = ROOT / "docs" / "data" / "warning-eval-w4" / "rows.csv"
 SCRIPTS = ["docs_tables", "evaluate_warning", "factorial", "failure_rates", "loop_dynamics_table", "paired_auroc",
-           "regenerate", "sweep_table", "replay_early_stop"]
+           "regenerate", "sweep_table", "replay_early_stop", "stabiliser_benchmark_2"]
 
 
 def _status(name: str, argv: list) -> int:
@@ -50,7 +50,8 @@ def test_a_bad_argument_is_one_line_and_exit_2(tmp_path, name, capsys):
                                         ("factorial", ["{missing}"]), ("failure_rates", ["{missing}"]),
                                         ("loop_dynamics_table", ["{missing}"]), ("paired_auroc", ["{missing}"]),
                                         ("regenerate", ["{missing}"]), ("sweep_table", ["{missing}"]),
-                                        ("replay_early_stop", ["{missing}", "--out", "{tmp}/o"])])
+                                        ("replay_early_stop", ["{missing}", "--out", "{tmp}/o"]),
+                                        ("stabiliser_benchmark_2", ["{missing}", "--out", "{tmp}/o"])])
 def test_a_missing_input_is_one_line_and_exit_2(tmp_path, capsys, name, argv):
     missing = tmp_path / "nowhere"
     code = importlib.import_module(name).main([a.format(missing=missing, tmp=tmp_path) for a in argv])

@@ -1,0 +1,223 @@
+"""analysis/stabiliser_benchmark_2.py (issue 66 part 4): round two's rules applied as the plan words them, on
+synthetic archives whose answers are known by hand; the primary's statistics against scipy and brute force."""
+import itertools
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy.stats import mannwhitneyu
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "analysis"), str(Path(__file__).resolve().parent)]
+import benchmark_2_rules as R  # noqa: E402
+import stabiliser_benchmark_2 as S  # noqa: E402
+from fake_runs import make_run  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory):
+    """One synthetic run (stable, with loop dynamics), copied and edited into every run of the tests."""
+    return make_run(tmp_path_factory.mktemp("t") / "run", "lt", 3)
+
+
+def fake(template, where: Path, variant: str, seed: int, lr: float, verdict: str, val: float, **extra) -> Path:
+    """A copy of the template whose summary says what the test chooses."""
+    shutil.copytree(template, where)
+    s = json.loads((where / "summary.json").read_text())
+    s.update(variant=variant, seed=seed, lr_scale=lr, verdict=verdict, val_loss=val, **extra)
+    (where / "summary.json").write_text(json.dumps(s))
+    return where
+
+
+# Stage A by hand: (variant, strength) -> seed 101, seed 102 as (verdict, val loss)
+ST, UN = "stable", "unstable"
+A_PLAN = {
+    "jacobian-fro": {0.5: ((ST, 1.0), (UN, 1.0)), 1.0: ((ST, 2.0), (ST, 2.2)), 2.0: ((ST, 1.5), (ST, 1.7)),
+                     4.0: ((ST, 3.0), (ST, 3.0))},  # 0.5 is lowest but one seed unstable: 2 chosen
+    "stars": {x: ((UN, 1.0), (ST, 1.0)) for x in S.STRENGTHS},  # none stable on both: x 1, labelled
+    "residual-scale": {0.5: ((ST, 2.5), (ST, 2.0)), 1.0: ((ST, 2.5), (ST, 2.5)), 2.0: ((ST, 1.75), (ST, 2.25)),
+                       4.0: ((ST, 1.5), (ST, 2.5))},  # 2 and 4 tie at mean 2.0: nearest x 1 taken, 2
+    "deeploop": {0.5: ((ST, 2.0), (ST, 2.0)), 1.0: ((ST, 2.5), (ST, 2.5)), 2.0: ((ST, 2.0), (ST, 2.0)),
+                 4.0: ((ST, 1.0), (ST, 9.0))},  # 0.5 and 2 tie at the same distance: the lower, 0.5
+    "parcae": {0.5: ((ST, 2.0), (ST, 2.0)), 1.0: ((ST, 2.0), (ST, 1.9)), 2.0: ((ST, 2.0), (ST, 2.0)),
+               4.0: ((ST, 2.0), (ST, 2.0))},  # plain minimum: 1
+}
+A_CHOSEN = {"jacobian-fro": (2.0, ""), "stars": (1.0, "no stable strength at x 1"), "residual-scale": (2.0, ""),
+            "deeploop": (0.5, ""), "parcae": (1.0, "")}
+
+
+def stage_a_archive(template, root: Path, skip: int = 0) -> Path:
+    n = 0
+    for v, plan in A_PLAN.items():
+        for x, seeds in plan.items():
+            for seed, (verdict, val) in zip((101, 102), seeds):
+                n += 1
+                if n > 40 - skip:
+                    continue
+                fake(template, root / f"A-strength-{x:g}" / f"{v}-{seed}", v, seed, 1.0, verdict, val)
+    return root
+
+
+def test_stage_a_chooses_each_strength_as_the_plan_words_it(template, tmp_path):
+    stages = S.read_archive(stage_a_archive(template, tmp_path))
+    chosen, lines = S.stage_a(stages["A"])
+    assert lines == ["Stage A (strengths, seeds 101-102, lr x 1): all 40 runs in."]
+    assert {v: (c["value"], c["label"]) for v, c in chosen.items()} == A_CHOSEN
+    assert chosen["residual-scale"]["tie"] and chosen["deeploop"]["tie"] and not chosen["parcae"]["tie"]
+    table = S.answer(chosen, None, None, pd.DataFrame(), pd.DataFrame()).set_index("variant")
+    assert table.loc["stars", "strength"] == "x 1 (no stable strength at x 1)"
+    assert table.loc["jacobian-fro", "strength"].startswith("x 2")
+    assert table.loc["lt", "strength"] == "-" and table.loc["lt", "best lr"] == "not decided"
+
+
+def test_a_stage_short_of_its_runs_decides_nothing(template, tmp_path):
+    stages = S.read_archive(stage_a_archive(template, tmp_path, skip=3))
+    chosen, lines = S.stage_a(stages["A"])
+    assert chosen is None and lines == ["Stage A (strengths, seeds 101-102, lr x 1): not finished (37 of 40 runs)."]
+    text = S.report(tmp_path)
+    assert "not finished (37 of 40 runs)" in text and "Stage B (best lr): not run." in text
+    assert "Stage C (the primary, seeds 1-8): not run." in text
+
+
+def rows(spec) -> pd.DataFrame:
+    return pd.DataFrame([dict(variant=v, seed=s, lr=lr, strength=x, verdict=vd, val_loss=val, exploded=False,
+                              unigram=False, loops=12, path="")
+                         for v, s, lr, x, vd, val in spec], columns=S.COLUMNS)
+
+
+def test_stage_b_best_lr_reuses_stage_a_and_says_no_stable_lr():
+    strengths = {v: dict(value=2.0 if v == "jacobian-fro" else 1.0, label="") for v in S.TUNED}
+    spec = []
+    for v in S.VARIANTS:
+        x = strengths.get(v, {"value": 1.0})["value"]
+        for lr in S.LRS:
+            for seed in (101, 102):
+                if v == "jacobian-fro" and lr == 1.0:
+                    continue  # stage A's runs at the chosen strength stand in
+                verdict = UN if (v == "lt" or (v == "flt" and lr == 4.0 and seed == 102)) else ST
+                val = {"flt": {0.5: 2.0, 1.0: 1.8, 2.0: 1.9, 4.0: 1.0}}.get(v, {0.5: 2.0, 1.0: 2.0, 2.0: 1.5,
+                                                                                    4.0: 1.7})[lr]
+                spec.append((v, seed, lr, x, verdict, val))
+    a_runs = rows([("jacobian-fro", s, 1.0, 1.0, ST, 9.0) for s in (101, 102)]  # another strength: not used
+                  + [("jacobian-fro", s, 1.0, 2.0, ST, 0.5) for s in (101, 102)])
+    best, lines = S.stage_b((rows(spec), 0), a_runs, strengths)
+    assert lines[0].endswith("all 96 runs in.")
+    assert best["flt"]["value"] == 1.0  # x 4 is lowest but seed 102 unstable there
+    assert best["lt"]["value"] == 0.5 and best["lt"]["label"] == "no stable lr in x 0.5-4"
+    assert best["jacobian-fro"]["value"] == 1.0  # stage A's runs at strength x 2 (0.5) reused; x 1's (9.0) not
+    assert best["huginn"]["value"] == 2.0
+    short, lines = S.stage_b((rows(spec[1:]), 0), a_runs, strengths)
+    assert short is None and "not finished (95 of 96 runs)" in lines[0]
+
+
+def brute_hl(x, y, level=0.95):
+    """Hodges-Lehmann by brute force: the median of the differences, and the exact interval from the Mann-Whitney
+    null counted over every split of the pooled sample."""
+    d = sorted(a - b for a in x for b in y)
+    n, m = len(x), len(y)
+    pooled = list(range(n + m))
+    us = sorted(sum(1 for i in idx for j in set(pooled) - set(idx) if i > j) for idx in itertools.combinations(pooled, n))
+    c = max(u for u in range(n * m + 1) if sum(1 for w in us if w < u) / len(us) <= (1 - level) / 2)
+    return float(np.median(d)), d[c - 1], d[n * m - c]
+
+
+def test_primary_against_scipy_brute_force_and_holm_by_hand():
+    rng = np.random.default_rng(7)
+    shifts = dict(zip(S.VARIANTS, [0.3, 0.0, 0.01, -0.2, 0.0, 0.05, 0.5, -0.02, 0.0, 0.1, 0.2, 0.03]))
+    spec = [(v, s, 1.0, 1.0, ST if s != 3 or v != "lt" else UN, 2.0 + shifts[v] + rng.normal(0, 0.05))
+            for v in S.VARIANTS for s in S.CONFIRM_SEEDS]
+    t = R.primary(rows(spec))
+    assert list(t.variant) == [v for v in S.VARIANTS if v != "flt"]
+    flt = np.array([r[5] for r in spec if r[0] == "flt"])
+    for r in t.itertuples():
+        x = np.array([q[5] for q in spec if q[0] == r.variant])
+        assert r.p == pytest.approx(mannwhitneyu(x, flt, alternative="two-sided", method="exact").pvalue, rel=1e-9)
+        if r.variant in ("lt", "fla"):
+            assert (r.shift, r.low, r.high) == pytest.approx(brute_hl(x, flt))
+        assert r.median == pytest.approx(np.median(x)) and r.sd == pytest.approx(np.std(x, ddof=1))
+    assert t.set_index("variant").failed.to_dict()["lt"] == 1
+    p = t.p.to_numpy()
+    order = np.argsort(p)
+    by_hand = np.empty(11)
+    running = 0.0
+    for i, j in enumerate(order):  # Holm: (m - i) p_(i), made monotone, capped at 1
+        running = max(running, min(1.0, (11 - i) * p[j]))
+        by_hand[j] = running
+    assert t.p_holm.to_numpy() == pytest.approx(by_hand)
+    words = t.set_index("variant").reading
+    assert words["lt"] == "higher than FLT" and words["fla"] == "lower than FLT" and words["lt-ii"] == "indistinguishable"
+
+
+def test_a_partial_stage_c_is_not_finished_and_has_no_test(template, tmp_path):
+    for i, v in enumerate(["flt", "lt", "parcae"]):
+        fake(template, tmp_path / "C" / f"{v}-1", v, 1, 1.0, ST, 2.0 + i)
+    text = S.report(tmp_path)
+    assert "Stage C (the primary, seeds 1-8): not finished (3 of 96 runs)." in text
+    assert "No test until all are in." in text
+    assert "The primary (" not in text and "p (Holm)" not in text
+
+
+def test_stage_d_breaking_lr_margin_and_failure_kind():
+    spec = []
+    for seed, (last, kind) in zip(D_SEEDS := (1, 2, 3), [(2.0, "collapsed"), (4.0, "diverged"), (8.0, "unstable")]):
+        spec += [("lt", seed, lr, 1.0, ST, 2.0) for lr in (0.5, 1.0, last / 2, last)]
+        spec.append(("lt", seed, last * 2, 1.0, kind, 5.0))
+    spec += [("flt", 1, 1.0, 1.0, UN, 5.0), ("flt", 1, 4.0, 1.0, ST, 2.0)]  # not closed: 0.5 not probed
+    m = S.stage_d((rows(spec), 0), {"lt": dict(value=2.0), "flt": dict(value=1.0)})
+    assert list(m.variant) == ["lt"]
+    r = m.iloc[0]
+    assert r.breaking == pytest.approx(8.0) and r.margin == pytest.approx(4.0)  # median of 4, 8, 16; / 2
+    assert r.kinds == "collapsed diverged unstable"
+
+
+def test_stage_e_extrapolation_is_the_median_of_loss_at_k_minus_at_12(tmp_path):
+    spec = []
+    for seed, add in zip((1, 2, 3), (0.0, 0.1, 0.5)):
+        d = tmp_path / f"r{seed}"
+        d.mkdir()
+        pd.DataFrame(dict(loops=[6, 9, 12, 18, 24], val_loss=[3.0 + add, 2.5, 2.0, 2.2 + add, 2.4])).to_csv(
+            d / "eval_loops.csv", index=False)
+        spec.append(("parcae", seed, 1.0, 1.0, ST, 2.0))
+    runs = rows(spec).assign(path=[str(tmp_path / f"r{s}") for s in (1, 2, 3)])
+    e = S.stage_e(runs)
+    assert e.loc["parcae"].to_dict() == pytest.approx({"K=6": 1.1, "K=9": 0.5, "K=18": 0.3, "K=24": 0.4, "runs": 3})
+
+
+def test_the_dynamics_count_exploded_and_unigram_runs_instead_of_averaging_them(tmp_path):
+    calm = make_run(tmp_path / "calm", "lt", 3)
+    wild = make_run(tmp_path / "wild", "lt", 3, collapsed=True)
+    runs = rows([("lt", 101, 1.0, 1.0, ST, 2.0), ("lt", 102, 1.0, 1.0, "collapsed", 5.0),
+                 ("lt", 103, 1.0, 1.0, "collapsed", 5.0)])
+    runs = runs.assign(path=[str(calm), str(wild), str(wild)], loops=3, exploded=[False, True, False],
+                       unigram=[False, False, True])
+    d = S.dynamics(runs).iloc[0]
+    assert (d.runs, d.exploded, d.unigram) == (1, 1, 1)
+    assert d["spectral radius"] == pytest.approx(0.7)  # the calm run's alone (the wild one's is 1.1)
+
+
+def test_bad_input_is_one_line_and_exit_2(template, tmp_path, capsys):
+    run = fake(template, tmp_path / "C" / "flt-1", "flt", 1, 1.0, ST, 2.0)
+    (run / "summary.json").write_text('{"verdict": "sta')
+    assert S.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert S.main([str(tmp_path / "missing")]) == 2
+    capsys.readouterr()
+    (tmp_path / "C").rename(tmp_path / "moved")
+    (tmp_path / "C").write_text("not a folder")
+    assert S.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "is not a folder" in err and err.count("\n") == 1
+
+
+def test_the_figure_is_drawn(template, tmp_path):
+    for v in ("flt", "lt"):
+        for lr in (0.5, 1.0):
+            fake(template, tmp_path / "arch" / "B" / f"{v}-{lr:g}", v, 101, lr, ST, 2.0 + lr)
+    assert S.main([str(tmp_path / "arch"), "--out", str(tmp_path / "fig")]) == 0
+    assert (tmp_path / "fig" / "stabiliser-benchmark-2.png").stat().st_size > 1000
