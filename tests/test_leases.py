@@ -19,6 +19,7 @@ from flt_diag.grids.stability_map import prepare_map_folder
 from flt_diag.judge.map_boundaries import boundaries
 from flt_diag.storage.folders import CELLS, RESUME, SUMMARY
 from flt_diag.training.checkpoint import load
+from conftest import within
 from lease_runs import TIMES, Counted, train_spec
 from test_campaigns import expected_bracket, kill_spec
 
@@ -77,11 +78,11 @@ def test_two_workers_and_a_racing_duplicate_train_no_probe_twice_and_lose_none(t
 
 def test_a_worker_killed_mid_probe_has_its_probe_taken_over_and_resumed(tmp_path):
     out, log = tmp_path / "m", tmp_path / "starts.log"
-    spec = train_spec(checkpoint_every=2)
+    spec = train_spec(steps=100, checkpoint_every=2)
     prepare_map_folder(spec, out)
     cell = spec.cell(spec.lines()[0], 1.0)
     resume = out / CELLS / cell.name / RESUME
-    p = _worker("train", out, log, 2)
+    p = _worker("train", out, log, "100:2")
     try:
         _wait_for(resume.exists, what="no resume.pt")
     finally:
@@ -89,7 +90,8 @@ def test_a_worker_killed_mid_probe_has_its_probe_taken_over_and_resumed(tmp_path
     saved = int(load(resume)["step"])
     assert L.claim(out, cell.name, TIMES) is None  # the dead holder's lease is not yet expired
     time.sleep(TIMES.timeout_s + 0.5)
-    assert work(spec, out, runner=Counted(log), times=TIMES, report=lambda s: None) == 1
+    with within(90):  # (a lease that never expired would keep this worker waiting)
+        assert work(spec, out, runner=Counted(log), times=TIMES, report=lambda s: None) == 1
     starts = [line.split() for line in log.read_text().splitlines()]
     assert starts[0] == [cell.name, "0"] and len(starts) == 2 and int(starts[1][1]) >= saved > 0  # resumed
     assert (out / CELLS / cell.name / SUMMARY).exists()
@@ -101,7 +103,7 @@ def test_sigterm_leaves_a_checkpoint_and_a_released_lease(tmp_path):
     spec = train_spec(checkpoint_every=0)  # no periodic checkpoint: only the preemption writes one
     prepare_map_folder(spec, out)
     cell = spec.cell(spec.lines()[0], 1.0)
-    p = _worker("train", out, log, 0)
+    p = _worker("train", out, log, "400:0")
     try:
         _wait_for(lambda: (out / CELLS / cell.name / "config.json").exists(), what="no training started")
         time.sleep(0.5)
@@ -114,3 +116,12 @@ def test_sigterm_leaves_a_checkpoint_and_a_released_lease(tmp_path):
     generation, lease = L.current(out, cell.name)
     assert lease.released and lease.reason.startswith("preempted") and lease.retries == 0
     assert not (out / CELLS / cell.name / SUMMARY).exists()
+
+
+def test_of_two_claims_that_read_the_same_state_exactly_one_gets_the_lease(tmp_path, monkeypatch):
+    times = L.LeaseTimes()
+    read_before = L.current(tmp_path, "p")  # (nothing yet)
+    assert L.claim(tmp_path, "p", times) is not None
+    monkeypatch.setattr(L, "current", lambda folder, probe: read_before)  # the racer read before the first wrote
+    assert L.claim(tmp_path, "p", times) is None  # the same generation's file exists: refused, not overwritten
+    assert L.current.__module__ and [p.name for p in (tmp_path / L.LEASES).iterdir()] == ["p.0.json"]
