@@ -125,3 +125,22 @@ def test_of_two_claims_that_read_the_same_state_exactly_one_gets_the_lease(tmp_p
     monkeypatch.setattr(L, "current", lambda folder, probe: read_before)  # the racer read before the first wrote
     assert L.claim(tmp_path, "p", times) is None  # the same generation's file exists: refused, not overwritten
     assert L.current.__module__ and [p.name for p in (tmp_path / L.LEASES).iterdir()] == ["p.0.json"]
+
+
+def test_submitit_local_workers_make_the_map_the_in_process_search_makes(tmp_path, monkeypatch):
+    pytest.importorskip("submitit")
+    from campaign_runs import Probe
+    from flt_diag.cli.cluster_options import ClusterOptions
+    from flt_diag.grids.slurm import JOBS, submit_map
+    from flt_diag.grids.stability_map import run_map
+    from flt_diag.judge.map_boundaries import MAP_CSV
+    monkeypatch.setenv("PYTHONPATH", ENV["PYTHONPATH"])  # (submitit's local workers import the tests' runner)
+    spec, log = kill_spec(), tmp_path / "finished.log"
+    run_map(spec, tmp_path / "here", runner=Probe(), report=lambda s: None)
+    cluster = ClusterOptions(time=5, heartbeat=0.2, lease_timeout=5)
+    submit_map(spec, tmp_path / "there", "local", cluster, 2, runner=Probe(log), report=lambda s: None)
+    here, there = ((tmp_path / d / MAP_CSV).read_text() for d in ("here", "there"))
+    assert there == here and "nan" not in there.lower()
+    finished = log.read_text().split()  # trained by the two workers, none twice
+    assert len(finished) == len(set(finished)) > 0
+    assert len(list((tmp_path / "there" / JOBS).glob("*_result.pkl"))) == 2  # two submitit tasks ran
