@@ -144,3 +144,20 @@ def test_submitit_local_workers_make_the_map_the_in_process_search_makes(tmp_pat
     finished = log.read_text().split()  # trained by the two workers, none twice
     assert len(finished) == len(set(finished)) > 0
     assert len(list((tmp_path / "there" / JOBS).glob("*_result.pkl"))) == 2  # two submitit tasks ran
+
+
+def test_status_shows_the_running_and_the_expired_leases(tmp_path, capsys):
+    from flt_diag.cli import main
+    out, spec = tmp_path / "m", kill_spec()
+    prepare_map_folder(spec, out)
+    times = L.LeaseTimes(timeout_s=60)
+    running, stale = (L.claim(out, name, times) for name in ("lt_K06_seed0_lr2", "lt_K06_seed1_lr2"))
+    stale.path.write_text(stale.lease.model_copy(update=dict(heartbeat=time.time() - 100)).model_dump_json())
+    done = L.claim(out, "lt_K06_seed2_lr2", times)
+    L.release(done, "finished")
+    assert main(["status", str(out)]) == 0
+    text = capsys.readouterr().out
+    host = running.lease.host
+    assert f"lease lt_K06_seed0_lr2: running, {host} pid {os.getpid()}, heartbeat 0 s ago, retries 0" in text
+    assert f"lease lt_K06_seed1_lr2: expired, {host} pid {os.getpid()}, heartbeat 100 s ago, retries 0" in text
+    assert "seed2_lr2: " not in text.split("lease", 1)[1]  # a released lease is not listed

@@ -119,6 +119,9 @@ def cmd_status(o: StatusOptions) -> int:
         print(line)
     for row in rows:
         print(row.line())
+    from flt_diag.grids.leases import lease_lines  # (a map worked by --submit: whose probe is whose)
+    for line in lease_lines(o.path):
+        print(line)
     counts = {s: sum(r.state == s for r in rows) for s in ("finished", "running", "open", "failed")}
     print(", ".join(f"{n} {s}" for s, n in counts.items() if n) or "nothing to show")
     return 0

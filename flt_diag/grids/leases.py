@@ -44,6 +44,7 @@ class Lease(BaseModel):
     retries: NonNegativeInt = 0
     released: bool = False
     reason: str = ""  # (why it was released: finished, preempted)
+    timeout_s: float = 300.0  # (the holder's expiry, as `flt-diag status` reads it)
 
 
 @dataclass
@@ -153,7 +154,8 @@ def claim(folder: Path, probe: str, times: LeaseTimes) -> Held | None:
                 return None
         else:
             return None
-    lease = Lease(host=socket.gethostname(), pid=os.getpid(), start=now, heartbeat=now, retries=retries)
+    lease = Lease(host=socket.gethostname(), pid=os.getpid(), start=now, heartbeat=now, retries=retries,
+                  timeout_s=times.timeout_s)
     held = Held(folder, probe, generation, lease)
     return held if _publish(held.path, lease, exclusive=True) else None
 
@@ -197,10 +199,10 @@ def heartbeat(held: Held, every_s: float):
         thread.join()
 
 
-def lease_table(folder: Path, times: LeaseTimes | None = None, now: float | None = None) -> list[dict]:
+def lease_table(folder: Path, now: float | None = None) -> list[dict]:
     """Every probe's current lease, for `flt-diag status`: probe, holder, heartbeat age, retries, state
-    (running, expired, released, failed)."""
-    times, now = times or LeaseTimes(), time.time() if now is None else now
+    (running, expired by the holder's own timeout, released, failed)."""
+    now = time.time() if now is None else now
     probes = {p.name.rsplit(".", 2)[0] for p in (Path(folder) / LEASES).glob("*.json")}
     probes |= {p.name[:-len(FAILED)] for p in (Path(folder) / LEASES).glob("*" + FAILED)}
     rows = []
@@ -208,8 +210,16 @@ def lease_table(folder: Path, times: LeaseTimes | None = None, now: float | None
         cur, reason = current(folder, probe), failed_reason(folder, probe)
         lease = cur[1] if cur else None
         state = ("failed" if reason else "released" if lease is not None and lease.released
-                 else "expired" if lease is not None and expired(lease, times, now) else "running")
+                 else "expired" if lease is not None and expired(lease, LeaseTimes(timeout_s=lease.timeout_s), now)
+                 else "running")
         rows.append(dict(probe=probe, state=state, holder=f"{lease.host} pid {lease.pid}" if lease else "",
                          heartbeat_age_s=None if lease is None else round(now - lease.heartbeat, 1),
                          retries=None if lease is None else lease.retries, reason=reason or ""))
     return rows
+
+
+def lease_lines(folder: Path, now: float | None = None) -> list[str]:
+    """`flt-diag status`'s lines for the probes whose lease is running or expired (released ones are done)."""
+    return [f"lease {r['probe']}: {r['state']}, {r['holder']}, heartbeat {r['heartbeat_age_s']:.0f} s ago, "
+            f"retries {r['retries']}" if r["state"] != "failed" else f"lease {r['probe']}: failed: {r['reason']}"
+            for r in lease_table(folder, now) if r["state"] != "released"]
