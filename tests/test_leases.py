@@ -161,3 +161,15 @@ def test_status_shows_the_running_and_the_expired_leases(tmp_path, capsys):
     assert f"lease lt_K06_seed0_lr2: running, {host} pid {os.getpid()}, heartbeat 0 s ago, retries 0" in text
     assert f"lease lt_K06_seed1_lr2: expired, {host} pid {os.getpid()}, heartbeat 100 s ago, retries 0" in text
     assert "seed2_lr2: " not in text.split("lease", 1)[1]  # a released lease is not listed
+
+
+def test_submit_refuses_a_sweep_and_a_heartbeat_not_shorter_than_the_timeout(tmp_path, capsys):
+    from flt_diag.cli import main
+    assert main(["run-ablation", "--submit", "local", "--out", str(tmp_path / "s")]) == 2
+    assert "--submit is for map" in capsys.readouterr().err and not (tmp_path / "s").exists()
+    pytest.importorskip("submitit")
+    code = main(["map", "--submit", "local", "--heartbeat", "10", "--lease-timeout", "5", "--preset", "tiny",
+                 "--device", "cpu", "--out", str(tmp_path / "m")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and len(err) == 1 and "must be shorter than --lease-timeout" in err[0]
+    assert not (tmp_path / "m").exists()  # refused before anything was written

@@ -13,13 +13,14 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from flt_diag.grids.leases import LeaseTimes, claim, failed_reason, heartbeat, mark_failed, release
+from flt_diag.grids.leases import Held, LeaseTimes, claim, failed_reason, heartbeat, mark_failed, release
 from flt_diag.grids.stability_map import MapSpec, search_line
 from flt_diag.grids.sweep import BUSY_RESULT, run_cell
 from flt_diag.storage.folders import CELLS, load_summary
 from flt_diag.training import preemption
 
 POLL_S = 1.0  # how long a worker waits when every next probe is held by another
+holding: list[Held] = []  # the lease this worker holds now (for submitit's checkpoint: release_held)
 
 
 class _NextProbe(Exception):
@@ -57,12 +58,15 @@ def _try_one(spec: MapSpec, out: Path, runner: Callable, times: LeaseTimes, repo
         if load_summary(out / CELLS / cell.name) is not None:  # finished between the replay and the claim
             release(held, "finished")
             continue
+        holding[:] = [held]
         try:
             with heartbeat(held, times.heartbeat_s):
                 result = runner(cfg, cell, str(out))
         except preemption.Preempted as e:
             release(held, f"preempted: {e}")
             raise
+        finally:
+            holding.clear()
         if str(result).startswith(BUSY_RESULT):  # its run folder is locked by a live process: look elsewhere
             release(held, "busy")
             continue
@@ -90,3 +94,10 @@ def work(spec: MapSpec, out: Path, runner: Callable = run_cell, times: LeaseTime
         else:
             time.sleep(poll_s)
     raise preemption.Preempted("preempted between probes")
+
+
+def release_held(reason: str) -> None:
+    """Release the lease this worker holds (if any): it is about to exit without finishing its probe (submitit
+    requeues it at its time limit), so that the probe is taken over at once, from its last resume.pt."""
+    for held in list(holding):
+        release(held, reason)

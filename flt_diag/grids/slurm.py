@@ -11,7 +11,7 @@ from typing import Callable
 import pandas as pd
 
 from flt_diag.grids.campaign import CampaignOptions, archiving
-from flt_diag.grids.lease_worker import work
+from flt_diag.grids.lease_worker import release_held, work
 from flt_diag.grids.leases import LeaseTimes
 from flt_diag.grids.stability_map import MapSpec, prepare_map_folder
 from flt_diag.grids.sweep import run_cell, write_summary
@@ -50,7 +50,9 @@ class MapWorker:
             return -1
 
     def checkpoint(self, task: int):
+        """At the time limit: release the running probe's lease (resumed from its last resume.pt) and requeue."""
         submitit = _checkpointable()
+        release_held("requeued at the time limit")
         return submitit.helpers.DelayedSubmission(self, task)
 
 
@@ -74,6 +76,10 @@ def submit_map(spec: MapSpec, out: Path, how: str, cluster, tasks: int, probe_en
     line), each training probes with `runner` (run_cell), wait for them, then write map.csv and the sweep summary as `run_map` does."""
     out = Path(out)
     refuse_not_a_folder(out, "a map folder", "use another --out")
+    _checkpointable()  # (submitit missing: one line, before anything is written)
+    if cluster.heartbeat >= cluster.lease_timeout:
+        raise StorageError(f"--heartbeat ({cluster.heartbeat:g} s) must be shorter than --lease-timeout "
+                           f"({cluster.lease_timeout:g} s), or every lease expires while its holder is alive")
     prepare_map_folder(spec, out, options)
     times = LeaseTimes(heartbeat_s=cluster.heartbeat, timeout_s=cluster.lease_timeout,
                        max_retries=cluster.max_retries)
