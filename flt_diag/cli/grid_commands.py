@@ -16,6 +16,10 @@ def cmd_run_ablation(o: RunAblationOptions) -> int:
     from flt_diag.cli.specs import sweep_spec
     from flt_diag.grids.sweep import run_sweep
     from flt_diag.model.transformer import count_parameters
+    if o.submit:
+        print("error: --submit is for map (and a study's [map]); a sweep's cells go to a job array with --cell I",
+              file=sys.stderr)
+        return 2
     spec = sweep_spec(o, settled=not o.list_cells)  # --list runs nothing: no tokenizer needed
     out = o.out or Path("runs") / f"ablation-{spec.base.preset}"
     cells, cell = spec.cells(), o.cell
@@ -82,9 +86,14 @@ def cmd_map(o: MapOptions) -> int:
         return 0
     print(f"map: {len(spec.lines())} lines x {len(spec.criteria)} criteria; {spec.axis} grid "
           f"{', '.join(f'{x:g}' for x in spec.grid)} (each boundary within x{o.ratio:g})", flush=True)
-    run_map(spec, out, workers=o.workers or auto_workers(spec.base.train.device), only_line=o.cell,
-            report=lambda text: print(text, flush=True), probe_ends=o.probe_ends, run_to_end=o.run_to_end,
-            options=_campaign(o))
+    if o.submit:  # the workers to a scheduler, probes claimed under leases (flt_diag.grids.slurm)
+        from flt_diag.grids.slurm import submit_map
+        submit_map(spec, out, o.submit, o, o.workers, o.probe_ends, o.run_to_end, _campaign(o),
+                   report=lambda text: print(text, flush=True))
+    else:
+        run_map(spec, out, workers=o.workers or auto_workers(spec.base.train.device), only_line=o.cell,
+                report=lambda text: print(text, flush=True), probe_ends=o.probe_ends, run_to_end=o.run_to_end,
+                options=_campaign(o))
     for criterion, g in critical_values(out).groupby("criterion", sort=False):
         print(f"{criterion}: " + "; ".join(f"{r.variant} K={r.loops}: {r.text}" for r in g.itertuples()))
     print(f"map folder: {out}  (figure: flt-diag plot map {out}; report: flt-diag report {out})")
@@ -110,6 +119,9 @@ def cmd_status(o: StatusOptions) -> int:
         print(line)
     for row in rows:
         print(row.line())
+    from flt_diag.grids.leases import lease_lines  # (a map worked by --submit: whose probe is whose)
+    for line in lease_lines(o.path):
+        print(line)
     counts = {s: sum(r.state == s for r in rows) for s in ("finished", "running", "open", "failed")}
     print(", ".join(f"{n} {s}" for s, n in counts.items() if n) or "nothing to show")
     return 0

@@ -12,6 +12,7 @@ from typing import Annotated, Callable, Literal, Optional
 from pydantic import Field
 from pydantic.fields import FieldInfo
 
+from flt_diag.cli.cluster_options import ClusterOptions
 from flt_diag.results.fit_settings import FitSettings
 from flt_diag.config.run_config import MAX_VOCAB, MAX_WIDTH, PRESETS, SECTIONS, PresetOption
 from flt_diag.config.variants import MAX_LOOPS
@@ -67,7 +68,7 @@ class Given(Options):
     config: dict = Field(default_factory=dict)
 
 
-class FolderOptions(Options):
+class FolderOptions(ClusterOptions):
     workers: int = opt(0, "Cells (lines for maps) in parallel processes; 0 = auto (one per CPU core, each with one "
                        "thread; one per GPU on a multi-GPU machine).", ge=0)
     list_cells: bool = opt(False, "Print the cells (index, name, status) and exit.", alias="list")

@@ -38,10 +38,13 @@ def options_markdown() -> str:
     return "\n".join(rows)
 
 
-def document() -> str:
-    return f"{HEADER}\n{START}\n{options_markdown()}\n{END}\n"
+def document(current: str = "") -> str:
+    """docs/cli.md with its option table generated; what follows the table in `current` (the page's hand-written
+    sections) is kept."""
+    tail = current.split(END, 1)[1] if END in current else "\n"
+    return f"{HEADER}\n{START}\n{options_markdown()}\n{END}{tail}"
 
 
 if __name__ == "__main__":
-    DOC.write_text(document())
+    DOC.write_text(document(DOC.read_text() if DOC.exists() else ""))
     print(DOC, file=sys.stderr)

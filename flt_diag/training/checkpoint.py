@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from flt_diag.instruments.callbacks import Callback
+from flt_diag.training import preemption
 from flt_diag.storage.errors import first_line
 from flt_diag.storage.file_models import Summary
 from flt_diag.storage.files import check_resume_state
@@ -118,12 +119,15 @@ class Checkpoints(Callback):
     summary.json is finished; one without it resumes from resume.pt, or restarts without one)."""
 
     def on_step_end(self, trainer, step: int) -> None:
-        if trainer.is_main and checkpoint_due(trainer.cfg.train, step + 1):
+        preempted = preemption.requested() and step + 1 < trainer.cfg.train.steps  # (SIGTERM under a lease worker)
+        if trainer.is_main and (checkpoint_due(trainer.cfg.train, step + 1) or preempted):
             callbacks = zip(callback_names(trainer.callbacks), trainer.callbacks)
             save(trainer.run_dir / RESUME, dict(
                 step=step + 1, wall_time=trainer.elapsed(), model=trainer.model.state_dict(),
                 optimizers=[o.state_dict() for o in trainer.optimizers],
                 callbacks={name: c.state_dict() for name, c in callbacks}))
+        if preempted:
+            raise preemption.Preempted(f"preempted after step {step + 1}: resume.pt written")
 
     def on_finish(self, trainer, step: int) -> None:
         if trainer.is_main:
