@@ -134,3 +134,19 @@ def test_bad_baselines_are_one_line_and_exit_2(baseline, toy, tmp_path, capsys, 
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
     assert not (tmp_path / "o").exists()
+
+
+def test_another_cpu_kinds_canary_is_the_training_outcome_and_a_changed_one_differs(baseline, tmp_path):
+    from flt_diag.grids.canaries import boundary_probes, outcome_differs
+    probes = boundary_probes(baseline)
+    verdicts = archived(baseline)
+    held = max(lr for (v, lr), verdict in verdicts.items() if verdict == "stable")
+    broke = min(lr for (v, lr), verdict in verdicts.items() if verdict != "stable")
+    assert [p.name for p in probes] == [f"flt_K02_seed1_lr{held:g}.parquet", f"flt_K02_seed1_lr{broke:g}.parquet"]
+    assert outcome_differs(probes[1], tmp_path / "a") is None
+    copy = tmp_path / probes[1].name  # the archived broken probe said to have held
+    table = pq.read_table(probes[1])
+    meta = json.loads(table.schema.metadata[META_KEY])
+    meta["summary"]["verdict"] = "stable"
+    pq.write_table(table.replace_schema_metadata({**table.schema.metadata, META_KEY: json.dumps(meta).encode()}), copy)
+    assert "training held in the archive, broke here" in outcome_differs(copy, tmp_path / "b")
