@@ -26,8 +26,8 @@ def contradiction(o: MapOptions, spec: dict) -> str | None:
     return None
 
 
-def cmd_map_baseline(o: MapOptions) -> int:
-    from flt_diag.cli.grid_commands import _campaign
+def cmd_map_baseline(o: MapOptions, campaign) -> int:
+    """The pooled map (`campaign`: the command's CampaignOptions)."""
     from flt_diag.grids.baseline import read_baseline, run_baseline_map
     from flt_diag.grids.worker_pool import auto_workers
     from flt_diag.judge.map_boundaries import critical_values, unfinished
@@ -43,7 +43,7 @@ def cmd_map_baseline(o: MapOptions) -> int:
     print(f"map --baseline {o.baseline}: {len(spec['variants'])} baseline variants + {', '.join(o.variants)}; "
           f"canaries first", flush=True)
     run_baseline_map(o.baseline, list(o.variants), out, o.accept_baseline_drift,
-                     report=lambda text: print(text, flush=True), options=_campaign(o),
+                     report=lambda text: print(text, flush=True), options=campaign,
                      workers=o.workers or auto_workers(spec["base"]["train"].get("device", "cpu")), only_line=o.cell, probe_ends=o.probe_ends,
                      run_to_end=o.run_to_end)
     for criterion, g in critical_values(out).groupby("criterion", sort=False):

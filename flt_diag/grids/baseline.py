@@ -24,7 +24,7 @@ from flt_diag.grids.stability_map import MapSpec, run_map
 from flt_diag.grids.sweep import cell_config
 from flt_diag.judge.map_boundaries import spec_from_folder
 from flt_diag.storage import archive
-from flt_diag.training.settle import comparable, settle
+from flt_diag.training.settle import settle
 from flt_diag.storage.errors import BadFile
 from flt_diag.storage.folders import (CELLS, SWEEP_SPEC, StorageError, atomic_path, is_archive, load_summary,
                                       read_json, refuse_not_a_folder, write_json)
@@ -73,8 +73,8 @@ def pooled_spec(path: Path, spec: dict, new: list[str]) -> PooledMapSpec:
     if taken:
         raise StorageError(f"--variants {' '.join(taken)}: already in the baseline {path}; give new variants only")
     base = settle(RunConfig.from_dict(spec["base"]))  # (as the baseline map settled it: device, vocabulary)
-    pooled = PooledMapSpec(base, [*spec["variants"], *new], spec["loops"], spec["seeds"], spec["axis"],
-                           spec["grid"], spec["criteria"],
+    pooled = PooledMapSpec(base=base, variants=[*spec["variants"], *new], loops=spec["loops"], seeds=spec["seeds"],
+                           axis=spec["axis"], grid=spec["grid"], criteria=spec["criteria"],
                            baseline=dict(archive=str(Path(path).resolve()), variants=list(spec["variants"])))
     for line in pooled.searched_lines():
         for value in pooled.grid:

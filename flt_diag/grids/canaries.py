@@ -74,12 +74,15 @@ def first_steps_differ(record: Path, where: Path, steps: int = CANARY_STEPS) -> 
     return f"{r.metric} at step {int(r.step)}: archived {r.value_archived!r}, here {r.value_here!r}"
 
 
-def outcome_differs(record: Path, where: Path) -> str | None:
-    """Re-run an archived probe in full; None where its `training` outcome is the archived one."""
-    summary = load_summary(_rerun(record, where))
-    then, now = CRITERIA["training"](archive.read_meta(record).summary), CRITERIA["training"](summary)
+def outcome_differs(record: Path, where: Path, steps: int = 0) -> str | None:
+    """Re-run an archived probe in full (`steps`: unused, a check's signature); None where its `training` outcome is
+    the archived one."""
+    summary, archived = load_summary(_rerun(record, where)), archive.read_meta(record).summary
+    if summary is None or archived is None:
+        return "the probe did not finish here" if summary is None else "the archived probe has no summary"
+    then, now = CRITERIA["training"](archived), CRITERIA["training"](summary)
     return None if then == now else (f"training {'broke' if then else 'held'} in the archive, "
-                                     f"{'broke' if now else 'held'} here (verdict {summary.verdict if summary else '-'})")
+                                     f"{'broke' if now else 'held'} here (verdict {summary.verdict})")
 
 
 def boundary_probes(baseline: Path, lines: int = OTHER_KIND_LINES) -> list[Path]:
