@@ -73,6 +73,12 @@ def test_a_toy_stabiliser_is_mapped_against_the_archived_baseline_and_pooled(bas
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("│ ")]
     assert any(r.split("│")[1].strip() == "flt" for r in rows) and any(r.split("│")[1].strip() == "toy-damp" for r in rows)
     assert main(["plot", "breaking", str(out)]) == 0 and (out / "figures" / "breaking.png").is_file()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "analysis"))
+    import stabiliser_benchmark as B
+    text = B.report(out)  # the analysis reads variants, seeds, grid and K from the pooled map's spec
+    assert B.bench_of(out) == B.Bench(("flt", "toy-damp"), (1,), (1.0, 4.0, 16.0), 2, (("flt", "two-sided"),))
+    rows = {r.split("|")[1].strip() for r in text.splitlines() if r.startswith("| ")}
+    assert {"flt (paper)", "toy-damp"} <= rows and "lines finished: 2 of 2" in text
 
 
 def tamper(record: Path, step: int) -> None:
