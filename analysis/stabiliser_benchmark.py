@@ -4,7 +4,10 @@ No torch.
     python analysis/stabiliser_benchmark.py docs/data/runs/stabiliser-map [--final] [--out FILE]
 
 Reads the benchmark's archive (one record per probe of `experiments/stabiliser-map.toml`: 12 variants at K = 12,
-L = 2, seeds 1-6, lr scale 1 ... 256 by 2, 600 steps) and prints Markdown: the probes archived and the code that
+L = 2, seeds 1-6, lr scale 1 ... 256 by 2, 600 steps), or a map pooled with it by `flt-diag map --baseline` (new
+variants beside the 12): the variants, seeds, grid and K are read from the folder's sweep.json (`Bench`; the plan's
+where there is none), and the families are each variant against LT and against FLT, where the map has them. It
+prints Markdown: the probes archived and the code that
 made them; per line (variant, seed) its breaking lr read as the plan says (the lowest grid value whose probe is not
 `stable`; "> 256" when it held at the top); per variant the median (on the log2 scale) and range over its finished
 lines; and, once all 72 lines are finished (or with --final at the plan's cut-off), the primary: every variant
@@ -16,7 +19,9 @@ snapshot of the probe just below the breaking lr (the last stable) and of the pr
 """
 from __future__ import annotations
 
+import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -41,6 +46,47 @@ SEEDS = [1, 2, 3, 4, 5, 6]  # (the 13:15 amendment: six, not five)
 GRID = [2.0 ** i for i in range(9)]  # 1, 2, ..., 256 (ratio 2)
 ABOVE = 2 * GRID[-1]  # the rank of "held at the top of the grid" (above every grid value; rank tests only)
 ALPHA = 0.05
+FAMILIES = (("lt", "greater"), ("flt", "two-sided"))  # each variant against LT (holds longer), against FLT (differs)
+
+
+@dataclass(frozen=True)
+class Bench:
+    """What is analysed: the variants (in the map's order), the seeds, the grid, the loop count K, and the
+    families (reference, alternative), each reference one of the variants. PLAN is the plan's; `of_spec` reads them
+    from a map's sweep.json (a map pooled with new variants by `flt-diag map --baseline`: the baseline's and the
+    new ones), so a new variant needs no edit here."""
+
+    variants: tuple[str, ...]
+    seeds: tuple[int, ...]
+    grid: tuple[float, ...]
+    loops: int
+    families: tuple[tuple[str, str], ...] = FAMILIES
+
+    @property
+    def above(self) -> float:
+        return 2 * self.grid[-1]
+
+    @classmethod
+    def of_spec(cls, spec: dict) -> "Bench":
+        if spec.get("kind") != "map" or spec.get("axis") != "lr" or len(spec.get("loops") or []) != 1:
+            raise StorageError("the benchmark is a map along the lr scale at one loop count; this folder's map is not")
+        return cls(tuple(spec["variants"]), tuple(int(x) for x in spec["seeds"]), tuple(float(x) for x in spec["grid"]),
+                   int(spec["loops"][0]), tuple(f for f in FAMILIES if f[0] in spec["variants"]))
+
+
+PLAN = Bench(tuple(VARIANTS), tuple(SEEDS), tuple(GRID), 12)
+
+
+def bench_of(root: Path) -> Bench:
+    """The benchmark a map folder holds, from its sweep.json (the plan's where it holds no map's)."""
+    path = Path(root) / "sweep.json"
+    try:
+        spec = json.loads(path.read_text()) if path.is_file() else {}
+        return Bench.of_spec(spec) if isinstance(spec, dict) and spec.get("kind") == "map" else PLAN
+    except StorageError:
+        raise
+    except (ValueError, KeyError, TypeError) as e:
+        raise StorageError(f"{path}: not a map's spec ({str(e)[:80] or type(e).__name__})") from None
 
 
 def probes_table(root: Path) -> pd.DataFrame:
@@ -58,7 +104,7 @@ def probes_table(root: Path) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def read_line(probes: pd.DataFrame) -> dict:
+def read_line(probes: pd.DataFrame, grid=tuple(GRID)) -> dict:
     """One line's probes -> its breaking lr as the plan reads it (`probes`: lr, verdict of one variant and seed).
 
     breaking: the lowest grid value not `stable` (ABOVE when every probe held and the top was probed);
@@ -68,16 +114,16 @@ def read_line(probes: pd.DataFrame) -> dict:
     broke = {lr for lr, v in zip(probes.lr, probes.verdict) if v != "stable"}
     if broke:
         b = min(broke)
-        i = GRID.index(b) if b in GRID else None
-        finished = i == 0 or (i is not None and GRID[i - 1] in held)
+        i = grid.index(b) if b in grid else None
+        finished = i == 0 or (i is not None and grid[i - 1] in held)
         return dict(breaking=b, finished=finished, monotone=not any(lr > b for lr in held), probes=len(probes))
-    return dict(breaking=ABOVE, finished=GRID[-1] in held, monotone=True, probes=len(probes))
+    return dict(breaking=2 * grid[-1], finished=grid[-1] in held, monotone=True, probes=len(probes))
 
 
-def lines_table(probes: pd.DataFrame) -> pd.DataFrame:
-    rows = [dict(variant=v, seed=s, **read_line(g)) for (v, s), g in probes.groupby(["variant", "seed"], sort=False)]
+def lines_table(probes: pd.DataFrame, bench: Bench = PLAN) -> pd.DataFrame:
+    rows = [dict(variant=v, seed=s, **read_line(g, bench.grid)) for (v, s), g in probes.groupby(["variant", "seed"], sort=False)]
     out = pd.DataFrame(rows, columns=["variant", "seed", "breaking", "finished", "monotone", "probes"])
-    order = {v: i for i, v in enumerate(VARIANTS)}
+    order = {v: i for i, v in enumerate(bench.variants)}
     return out.sort_values(["variant", "seed"], key=lambda c: c.map(order) if c.name == "variant" else c,
                            ignore_index=True)
 
@@ -98,13 +144,13 @@ def exact_p(x, y, alternative: str) -> float:
     return float(mannwhitneyu(x, y, alternative=alternative, method=PermutationMethod(n_resamples=np.inf)).pvalue)
 
 
-def comparisons(lines: pd.DataFrame) -> pd.DataFrame:
-    """The plan's two families of 11: each variant against LT (one-sided, holds longer) and against FLT
-    (two-sided), Holm within each family."""
+def comparisons(lines: pd.DataFrame, bench: Bench = PLAN) -> pd.DataFrame:
+    """The plan's two families (of 11 for its 12 variants: one less than the variants): each variant against LT
+    (one-sided, holds longer) and against FLT (two-sided), Holm within each family."""
     done = lines[lines.finished]
-    of = {v: done[done.variant == v].breaking.to_numpy(float) for v in VARIANTS}
+    of = {v: done[done.variant == v].breaking.to_numpy(float) for v in bench.variants}
     rows = [dict(variant=v, against=ref, alternative=alt, n=len(of[v]), p=exact_p(of[v], of[ref], alt))
-            for ref, alt in (("lt", "greater"), ("flt", "two-sided")) for v in VARIANTS if v != ref]
+            for ref, alt in bench.families for v in bench.variants if v != ref]
     out = pd.DataFrame(rows)
     out["p (Holm)"] = out.groupby("against").p.transform(lambda p: holm(p.tolist()))
     out["decision"] = np.where(out["p (Holm)"] < ALPHA,
@@ -142,12 +188,12 @@ def snapshot(path: str, loops: int) -> dict:
             int((agreement.abs() > 1).sum())}
 
 
-def dynamics_table(lines: pd.DataFrame, probes: pd.DataFrame) -> pd.DataFrame:
+def dynamics_table(lines: pd.DataFrame, probes: pd.DataFrame, grid=tuple(GRID)) -> pd.DataFrame:
     """Per variant and side (last stable, first broken): the medians of `snapshot` over its finished lines."""
     rows = []
     for line in lines[lines.finished].itertuples() if "path" in probes else ():
-        i = GRID.index(line.breaking) if line.breaking in GRID else len(GRID)
-        sides = {"last stable": GRID[i - 1] if i > 0 else None, "first broken": line.breaking if i < len(GRID) else None}
+        i = grid.index(line.breaking) if line.breaking in grid else len(grid)
+        sides = {"last stable": grid[i - 1] if i > 0 else None, "first broken": line.breaking if i < len(grid) else None}
         for side, lr in sides.items():
             hit = probes[(probes.variant == line.variant) & (probes.seed == line.seed) & (probes.lr == lr)]
             if lr is not None and len(hit):
@@ -160,39 +206,43 @@ def dynamics_table(lines: pd.DataFrame, probes: pd.DataFrame) -> pd.DataFrame:
     return table.join(n).reset_index().round(3)
 
 
-def lr_text(v: float) -> str:
+def lr_text(v: float, grid=tuple(GRID)) -> str:
     """A breaking lr as the table writes it: "> 256" above the grid's top (a median with a line above the grid
     among its middle two is above the top as well), else three significant digits."""
-    return f"> {GRID[-1]:g}" if v > GRID[-1] else f"{v:.3g}"
+    return f"> {grid[-1]:g}" if v > grid[-1] else f"{v:.3g}"
 
 
-def variants_table(lines: pd.DataFrame, probes: pd.DataFrame) -> pd.DataFrame:
-    rows = []
-    for v in VARIANTS:
-        g, p1 = lines[lines.variant == v], probes[(probes.variant == v) & (probes.lr == GRID[0])]
+def variants_table(lines: pd.DataFrame, probes: pd.DataFrame, bench: Bench = PLAN) -> pd.DataFrame:
+    rows, grid = [], bench.grid
+
+    def text(x):
+        return lr_text(x, grid)
+    for v in bench.variants:
+        g, p1 = lines[lines.variant == v], probes[(probes.variant == v) & (probes.lr == grid[0])]
         done = g[g.finished].sort_values("seed")
-        rows.append({"variant": v + (" (paper)" if v in PAPER else ""), "lines finished": f"{len(done)}/{len(SEEDS)}",
-                     "breaking lr (median)": lr_text(log_median(done.breaking)) if len(done) else "-",
-                     "range": f"{lr_text(done.breaking.min())}-{lr_text(done.breaking.max())}" if len(done) else "-",
-                     "per seed": " ".join(f"{s}:{lr_text(b)}" + ("" if m else "*")
+        rows.append({"variant": v + (" (paper)" if v in PAPER else ""), "lines finished": f"{len(done)}/{len(bench.seeds)}",
+                     "breaking lr (median)": text(log_median(done.breaking)) if len(done) else "-",
+                     "range": f"{text(done.breaking.min())}-{text(done.breaking.max())}" if len(done) else "-",
+                     "per seed": " ".join(f"{s}:{text(b)}" + ("" if m else "*")
                                           for s, b, m in zip(done.seed, done.breaking, done.monotone)) or "-",
                      "failed at x 1 (where probed)": f"{int((p1.verdict != 'stable').sum())}/{len(p1)}"})
     return pd.DataFrame(rows)
 
 
-def report_from(probes: pd.DataFrame, final: bool = False) -> str:
-    probes = probes[probes.variant.isin(VARIANTS) & probes.seed.isin(SEEDS) & (probes.loops == 12)]
+def report_from(probes: pd.DataFrame, final: bool = False, bench: Bench = PLAN) -> str:
+    probes = probes[probes.variant.isin(bench.variants) & probes.seed.isin(bench.seeds) & (probes.loops == bench.loops)]
     if probes.empty:
-        raise StorageError("no probe of the benchmark (its 12 variants at K = 12, seeds 1-6) in these records")
-    lines = lines_table(probes)
-    n_done, n_all = int(lines.finished.sum()), len(VARIANTS) * len(SEEDS)
+        raise StorageError(f"no probe of the benchmark (its {len(bench.variants)} variants at K = {bench.loops}, seeds "
+                           f"{', '.join(map(str, bench.seeds))}) in these records")
+    lines = lines_table(probes, bench)
+    n_done, n_all = int(lines.finished.sum()), len(bench.variants) * len(bench.seeds)
     out = [f"Probes archived: {len(probes)}; lines finished: {n_done} of {n_all}.", "",
            "Code: " + "; ".join(f"{c} ({n} probes)" for c, n in probes.code.value_counts().items()), "",
-           markdown(variants_table(lines, probes)), "",
-           "A breaking lr is the lowest lr scale whose probe was not `stable` (criterion `training`); \"> 256\": held "
+           markdown(variants_table(lines, probes, bench)), "",
+           f"A breaking lr is the lowest lr scale whose probe was not `stable` (criterion `training`); \"> {bench.grid[-1]:g}\": held "
            "at the grid's top; the median is taken on the log2 scale (with an even count, the geometric middle of the "
            "middle two lines); * marks a line whose probes were not monotone (one held above the breaking lr).", ""]
-    dynamics = dynamics_table(lines, probes)
+    dynamics = dynamics_table(lines, probes, bench.grid)
     if len(dynamics):
         out += ["Secondary, descriptive: the loop dynamics at the last snapshot of the last stable and the "
                 "first broken probe, medians over the finished lines (spectral radius and growth of the final loop's "
@@ -201,9 +251,15 @@ def report_from(probes: pd.DataFrame, final: bool = False) -> str:
         out.append(f"**No test yet** (the plan: the primary is tested once all {n_all} lines are finished; "
                    f"{n_all - n_done} are not). The medians above are progress, not a result.")
         return "\n".join(out) + "\n"
-    table = comparisons(lines)
+    few = [v for v in bench.variants if (lines.finished & (lines.variant == v)).sum() < 2]
+    if few:
+        out.append(f"**No test**: the exact test needs two finished lines of each variant ({', '.join(few)} "
+                   "has fewer).")
+        return "\n".join(out) + "\n"
+    table = comparisons(lines, bench)
     shown = table.assign(p=table.p.map(lambda p: f"{p:.4f}"), **{"p (Holm)": table["p (Holm)"].map(lambda p: f"{p:.4f}")})
-    out += ["The primary (exact Mann-Whitney on log2 breaking lr, Holm within each family of 11, alpha 0.05):", "",
+    out += [f"The primary (exact Mann-Whitney on log2 breaking lr, Holm within each family of {len(bench.variants) - 1}, "
+            "alpha 0.05):", "",
             markdown(shown), ""]
     longer = table[(table.against == "lt") & (table["p (Holm)"] < ALPHA)].variant.tolist()
     differ = table[(table.against == "flt") & (table["p (Holm)"] < ALPHA)].variant.tolist()
@@ -215,7 +271,8 @@ def report_from(probes: pd.DataFrame, final: bool = False) -> str:
 
 
 def report(root: Path, final: bool = False) -> str:
-    return report_from(probes_table(root), final)
+    """The report of a benchmark folder or archive: variants, seeds, grid and K read from its sweep.json."""
+    return report_from(probes_table(root), final, bench_of(root))
 
 
 main = plan_report(__doc__, report, "the benchmark's archive (docs/data/runs/stabiliser-map)")

@@ -74,6 +74,9 @@ def _failed_cells(out: Path, cells) -> int:
 
 def cmd_map(o: MapOptions) -> int:
     """Where each variant's training breaks: bisection along lr scale or depth, per variant and K."""
+    if o.baseline is not None:
+        from flt_diag.cli.baseline_command import cmd_map_baseline
+        return cmd_map_baseline(o, _campaign(o))
     from flt_diag.cli.specs import map_spec
     from flt_diag.grids.stability_map import run_map
     from flt_diag.grids.worker_pool import auto_workers

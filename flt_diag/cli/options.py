@@ -98,6 +98,11 @@ class MapOptions(MapAxes, MapGrid, FolderOptions, Given):
                            "non-monotone instead of being missed (up to 2 more probes per line).")
     run_to_end: bool = opt(False, "Train every probe to its last step, even once the map's criteria are decided "
                            "(by default a probe ends at the step its criteria became certain: DESIGN.md §5).")
+    baseline: Optional[Path] = opt(None, "An archived map (of `flt-diag archive` or --archive-to) to extend: its spec "
+                                   "is reused exactly (give only --variants, the new ones, and folder options), "
+                                   "its probes are re-run as canaries first, and --out holds old and new lines pooled.")
+    accept_baseline_drift: bool = opt(False, "With --baseline: pool even where a canary disagrees with the archive "
+                                      "(recorded in sweep.json).")
 
 
 class StudyOptions(FolderOptions):

@@ -42,6 +42,10 @@ class MapSpec(MapLinesGrid):
     def lines(self) -> list[RunId]:
         return map_lines(self)
 
+    def searched_lines(self) -> list[RunId]:
+        """The lines this map searches (all; a map pooled with a baseline: the new ones, flt_diag.grids.baseline)."""
+        return self.lines()
+
     def cell(self, line: RunId, value: float):
         return probe_cell(self, line, value)
 
@@ -153,7 +157,7 @@ def run_map(spec: MapSpec, out: Path, workers: int = 1, only_line: int | None = 
     refuse_not_a_folder(out, "a map folder", "use another --out")
     with (folder_lock(out, "map", root=out) if only_line is None else nullcontext()):  # (out may be a link)
         prepare_map_folder(spec, out, options)
-        lines = only(spec.lines(), only_line, " (one per line)")
+        lines = only(spec.searched_lines(), only_line, " (one per line)")
         probe = archiving(runner or run_cell, options)
         if runner is not None or workers <= 1 or len(lines) <= 1:
             for line in lines:
