@@ -19,7 +19,6 @@ from pathlib import Path
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from flt_diag.config.run_config import RunConfig
 from flt_diag.judge.verdict import Recipe
 
 if TYPE_CHECKING:  # (types only: this base imports no torch)
@@ -39,8 +38,6 @@ class Host(Protocol):
 
     @property
     def model(self) -> "torch.nn.Module": ...
-    @property
-    def cfg(self) -> RunConfig | None: ...
     @property
     def recipe(self) -> Recipe | None: ...
     @property

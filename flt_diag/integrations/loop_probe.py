@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from flt_diag.judge.verdict import summarize, tokens_per_step
+from flt_diag.judge.verdict import summarize
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import (SUMMARY, MetricsWriter, StorageError, folder_lock, has_content, not_a_folder,
                                       load_metrics, write_json)
@@ -22,7 +22,7 @@ from flt_diag.instruments.dynamics_callback import watched_model_dynamics
 from flt_diag.integrations.probe import Probe
 from flt_diag.instruments.guard import recording
 from flt_diag.instruments.records import Row
-from flt_diag.integrations.folder import Host, evidence_notes, probe_run_config, recipe, write_probe_config
+from flt_diag.integrations.folder import Host, as_read, evidence_notes, probe_recipe, recipe, tokens_per_step, write_probe_config
 from flt_diag.integrations.checks import check_watch, leave_no_trace, lets_go_on_refusal, one_loss
 from flt_diag.integrations.moments import ProbeMoments
 from flt_diag.integrations.options import Blocks, Head, WatchOptions
@@ -158,7 +158,7 @@ class LoopProbe(ProbeMoments):
         self._handles = []
         self.probe.on_end(self.host)
         self.hooks = None
-        leave_no_trace(self.folder, getattr(self, "writer", None), self.host.cfg is not None)  # (nothing stored)
+        leave_no_trace(self.folder, getattr(self, "writer", None), self.host.recipe is not None)  # (nothing stored)
         self._stack.close()  # the lock, and the folder if the probe made it and it is empty
 
     def __enter__(self) -> "LoopProbe":
@@ -216,16 +216,16 @@ class LoopProbe(ProbeMoments):
 
     # ------------------------------------------------------------------ the run folder
     def _summarize(self) -> Summary:
-        cfg = probe_run_config(self, self.steps or self.step_index)
-        out = summarize(load_metrics(self.folder), cfg, unigram_entropy=self.unigram_entropy, stop_reason=self.host.stop_requested,
-                        prediction=self.host.prediction, tokens_per_step=tokens_per_step(cfg))
+        out = summarize(load_metrics(self.folder), as_read(probe_recipe(self, self.steps or self.step_index)),
+                        unigram_entropy=self.unigram_entropy, stop_reason=self.host.stop_requested,
+                        prediction=self.host.prediction, tokens_per_step=tokens_per_step(self))
         notes = evidence_notes(self.warmdown, self.warmdown_from, self.oscillation_unjudged, out.evidence,
                                self.not_recorded())
         return Summary.model_validate({**out.as_written(), "evidence": {**out.evidence.as_written(), **notes}})
 
     def verdict(self) -> Summary:
         """The summary (verdict, evidence, oscillation indices, residual explosion) of the steps so far."""
-        if self.host.cfg is None:
+        if self.host.recipe is None:
             raise ProbeError("no step recorded yet: call step() after each optimizer step")
         self.writer.flush()
         return self._summarize()
@@ -239,9 +239,9 @@ class LoopProbe(ProbeMoments):
             self.writer.flush()
             for cb in (self.probe, *self.callbacks):
                 cb.on_finish(self.host, self.step_index - 1)
-            if self.host.cfg is not None:
-                self.host.cfg = probe_run_config(self, self.steps or self.step_index)
-                write_probe_config(self, self.host.cfg)
+            if self.host.recipe is not None:
+                self.host.recipe = probe_recipe(self, self.steps or self.step_index)
+                write_probe_config(self, self.steps or self.step_index)
                 self.summary = self._summarize()
                 write_json(self.folder / SUMMARY, self.summary.as_written())
                 for cb in (self.probe, *self.callbacks):

@@ -19,7 +19,7 @@ from flt_diag.instruments.loop_hooks import ProbeError, gradient_norm
 from flt_diag.instruments.records import Row
 from flt_diag.instruments.warning_callback import CollapseWarning
 from flt_diag.integrations.checks import step_arguments
-from flt_diag.integrations.folder import Host, probe_run_config, write_probe_config
+from flt_diag.integrations.folder import Host, probe_recipe, write_probe_config
 from flt_diag.integrations.results import EarlyWarning
 from flt_diag.judge.verdict import Recipe
 from flt_diag.config.run_config import DiagnosticsConfig
@@ -112,7 +112,7 @@ class ProbeMoments:
         (docs/api.md, "Loop dynamics on your own model")."""
         if not self._handles:
             raise ProbeError("this probe is closed; watch() the model again")
-        s, given, lr = step_arguments(loss, step, self.optimizer, self.step_index, self.host.cfg is not None,
+        s, given, lr = step_arguments(loss, step, self.optimizer, self.step_index, self.host.recipe is not None,
                                       self._began)  # checked before anything of the step is recorded
         self.step_index = s
         late = not self._backward_done  # no after_backward() this step: the moments are read now
@@ -136,7 +136,7 @@ class ProbeMoments:
             self.step_index = s + 1
             self._reset_step()
             return rows
-        if self.host.cfg is None:
+        if self.host.recipe is None:
             self._start_run(s)
         rows, self._held = self._held + rows, []
         self.writer.extend(rows)
@@ -189,9 +189,8 @@ class ProbeMoments:
         return dict(self.records.not_recorded)
 
     def _start_run(self, s: int) -> None:
-        self.host.cfg = probe_run_config(self, self.steps or s + 1)
-        self.host.recipe = Recipe.of(self.host.cfg)
-        write_probe_config(self, self.host.cfg)
+        self.host.recipe = probe_recipe(self, self.steps or s + 1)
+        write_probe_config(self, self.steps or s + 1)
         self.probe.start(self.host, self.probe.warning)  # (the loop dynamics: at watch(); the diagnostics: attached)
         for cb in self.callbacks:
             cb.on_start(self.host)
