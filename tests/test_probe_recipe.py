@@ -55,6 +55,15 @@ def test_the_recipe_is_the_users_and_no_warm_down_is_assumed(tmp_path):
     assert [m["step"] for m in again["milestones"]] == [0, 19]  # recomputed without a warm-down: none was given
 
 
+def test_the_probes_host_holds_the_users_recipe_and_no_made_up_run_config(tmp_path):
+    probe = run(UniversalTransformer(), tmp_path / "r", steps=5)
+    host = probe.host
+    assert not hasattr(host, "cfg")  # no RunConfig of flt-diag's defaults in memory (issue 65 part 4)
+    r = host.recipe
+    assert r.seed is None and r.lr_scale is None  # not given: not made up (the old stand-in said 0 and 1.0)
+    assert (r.steps, r.loops, r.width) == (5, 3, D)  # observed: UniversalTransformer's 3 loops of width D
+
+
 def test_a_warm_down_given_moves_the_window_the_verdict_judges(tmp_path):
     probe = run(UniversalTransformer(), tmp_path / "wd", steps=20, warmdown=0.25, seed=3)
     assert [m.step for m in probe.summary.milestones] == [0, 20 - 5, 19]

@@ -33,8 +33,9 @@ class Host(Protocol):
     flt-diag's Trainer and the probe's stand-in (flt_diag.integrations.folder.Host) both are one, structurally
     (tests/typing/hosts.py); a Protocol, so that instruments import nothing of training/ or probe/. Read-only:
     a callback asks for the end of the run only through `request_stop`. The instruments read `recipe` (what the
-    verdict reads too), a caller's callback may read `cfg`; on the probe both are None until its first step is
-    recorded (a callback reading them before on_start checks for None)."""
+    verdict reads too; on the probe only what the user gave or the probe observed, never a run config of
+    flt-diag's defaults); on the probe it is None until its first step is recorded (a callback reading it
+    before on_start checks for None)."""
 
     @property
     def model(self) -> "torch.nn.Module": ...
