@@ -378,3 +378,10 @@ def test_strength_is_compared_on_resume_and_old_folders_still_resume():
     assert differences(comparable(old), comparable(new)) == []
     other = {"model": {"variant": "jacobian-fro", "loops": 3, "strength": 2.0}, "train": {"seed": 0}}
     assert differences(comparable(other), comparable(new)) and differences(comparable(old), comparable(other))
+
+
+def test_strength_multiplies_stars_lambda():
+    ce, pen = torch.tensor(2.5), torch.tensor(7.0)  # at step 200 of 2000 lambda has ramped to 0.1
+    assert stars.objective(ce, pen, 200, 2000, 3.0).item() == pytest.approx(0.7 * 2.5 + 0.3 * 7.0)
+    assert stars.objective(ce, pen, 200, 2000, 0.0).item() == pytest.approx(2.5)
+    assert ModelConfig(variant="stars", strength=3.0).strength == 3.0
