@@ -338,3 +338,50 @@ def test_the_loop_count_of_a_step_is_a_function_of_seed_and_step_alone():
     assert [step_loops(model, 3, s) for s in reversed(range(50))][::-1] == first
     assert first != [step_loops(model, 4, s) for s in range(50)]
     assert step_loops(LoopedTransformer(ModelConfig(variant="lt", width=16, heads=2, loops=6)), 3, 0) is None
+
+
+# ----------------------------------------------------------------------------- --strength (issue 66)
+@pytest.mark.parametrize("strength", [2.5, 0.0])
+def test_strength_multiplies_the_jacobian_penalty_weight(strength):
+    """The step's objective at --strength s: CE + s * 0.1 * pen, the penalty written out from the exact Jacobian
+    (as above, the same probes); s = 0 is the base's CE alone."""
+    from flt_diag.training.stabiliser_step import generator, objective
+    model, h = tiny_penalty_model("jacobian-fro")
+    model.cfg = model.cfg.model_copy(update={"strength": strength})
+    ce = torch.tensor(2.5, dtype=torch.float64)
+    got, pen = objective(model, ce, seed=4, step=7, micro=0, steps=10)
+    J = exact_jacobian(model, h)
+    gen = generator(4, 7, 0, "penalty")
+    vs = [torch.randn(h.shape, generator=gen, dtype=h.dtype).flatten() for _ in range(2)]
+    want_pen = sum((v @ J).square().sum() for v in vs) / (2 * h.numel())
+    torch.testing.assert_close(got, ce + strength * 0.1 * want_pen, rtol=1e-9, atol=1e-12)
+    if strength == 0:
+        assert got.item() == 2.5
+
+
+def test_strength_is_refused_where_it_scales_nothing():
+    from pydantic import ValidationError
+    assert ModelConfig(variant="jacobian-fro", strength=3.0).strength == 3.0
+    assert ModelConfig(variant="flt", strength=1.0).strength == 1.0
+    for variant in ("flt", "lt", "huginn"):
+        with pytest.raises(ValidationError, match="has no meaning"):
+            ModelConfig(variant=variant, strength=2.0)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValidationError):
+            ModelConfig(variant="jacobian-fro", strength=bad)
+
+
+def test_strength_is_compared_on_resume_and_old_folders_still_resume():
+    from flt_diag.training.settle import comparable, differences
+    new = {"model": {"variant": "jacobian-fro", "loops": 3, "strength": 1.0}, "train": {"seed": 0}}
+    old = {"model": {"variant": "jacobian-fro", "loops": 3}, "train": {"seed": 0}}  # written before --strength
+    assert differences(comparable(old), comparable(new)) == []
+    other = {"model": {"variant": "jacobian-fro", "loops": 3, "strength": 2.0}, "train": {"seed": 0}}
+    assert differences(comparable(other), comparable(new)) and differences(comparable(old), comparable(other))
+
+
+def test_strength_multiplies_stars_lambda():
+    ce, pen = torch.tensor(2.5), torch.tensor(7.0)  # at step 200 of 2000 lambda has ramped to 0.1
+    assert stars.objective(ce, pen, 200, 2000, 3.0).item() == pytest.approx(0.7 * 2.5 + 0.3 * 7.0)
+    assert stars.objective(ce, pen, 200, 2000, 0.0).item() == pytest.approx(2.5)
+    assert ModelConfig(variant="stars", strength=3.0).strength == 3.0

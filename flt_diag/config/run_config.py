@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from pydantic import AliasChoices, Field, ValidationError, create_model, model_validator
 
 from flt_diag.config.option_fields import MAX_NUMBER, ConfigError, Items, Options, dotted, named, one_line, opt
-from flt_diag.config.variants import MAX_LOOPS, Variant
+from flt_diag.config.variants import MAX_LOOPS, Variant, stabiliser_of
 from flt_diag.records import all_records
 
 
@@ -95,6 +95,8 @@ class ModelConfig(Options):
                                   grid=("sweep", "map"))                                   # run of a model of its own
     loops: int = opt(12, "Loops K: how often the L blocks are reused per forward.", ge=1, le=MAX_LOOPS,
                      grid=("sweep", "map"))
+    strength: float = opt(1.0, "Multiplies the stabiliser's source value (flt-diag variants: what each scales); 0 = "
+                          "its base for a loss term.", ge=0, le=MAX_NUMBER, allow_inf_nan=False)
     rotary_base: float = opt(10000.0, "Rotary embedding base.", gt=0)
     rotary_dtype: Literal["float32", "bfloat16"] = opt("float32", "Rotary tables: float32, or bfloat16 as the reference keeps them.")
     softcap: float = opt(15.0, "Logit soft cap: logits = c * tanh(head(h) / c).", gt=0)
@@ -103,6 +105,14 @@ class ModelConfig(Options):
     def _heads_split_the_width(self):
         if self.width % self.heads or (self.width // self.heads) % 2:
             raise ValueError(f"width {self.width} must split into {self.heads} heads of even size")
+        return self
+
+    @model_validator(mode="after")
+    def _strength_has_a_meaning(self):
+        stab = stabiliser_of(self.variant) if self.variant else None
+        if self.strength != 1 and (stab is None or not stab.strength):
+            raise ValueError(f"variant {self.variant}: --strength {self.strength} has no meaning (it scales no "
+                             "source value); flt-diag variants lists what each stabiliser's strength scales")
         return self
 
     @property

@@ -132,6 +132,8 @@ def comparable(cfg_dict: dict) -> dict:
         d["train"].pop(k, None)  # (and the dials of a task its data does not read)
     for k in VOLATILE_DIAGNOSTICS_FIELDS:
         d.get("diagnostics", {}).pop(k, None)
+    if isinstance(d.get("model"), dict) and d["model"].get("strength", 1.0) == 1.0:
+        d["model"].pop("strength", None)  # (folders written before --strength ran at 1: they still resume)
     return d
 
 

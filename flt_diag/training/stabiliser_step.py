@@ -39,7 +39,9 @@ def objective(model: torch.nn.Module, ce: torch.Tensor, seed: int, step: int, mi
     if penalty is None:
         return ce, None
     pen = penalty(model, generator(seed, step, micro, "penalty"))
-    return objective(ce, pen, step, steps), pen.detach()
+    stab = getattr(model, "stabiliser", None)  # one that declares what --strength scales is given it
+    extra = (float(getattr(model, "cfg").strength),) if stab is not None and stab.strength else ()
+    return objective(ce, pen, step, steps, *extra), pen.detach()
 
 
 def step_metrics(model: torch.nn.Module) -> dict:

@@ -31,7 +31,8 @@ HOOKS = {  # a hook's name -> when the model or the Trainer calls it, with what;
     "block": "the residual add of every block, once at build: block(cfg) -> {scale, post_norm, alpha} (Block's)",
     "init": "after the model's own initialisation: init(model) (the stabiliser's part resets itself)",
     "penalty": "after a training forward: penalty(model, generator) -> the loss term's penalty at the final state",
-    "objective": "objective(ce, penalty, step, steps) -> what to backpropagate (with `penalty`)",
+    "objective": "objective(ce, penalty, step, steps[, strength]) -> what to backpropagate (with `penalty`; "
+                 "strength: --strength, given where the stabiliser declares what it scales)",
     "loop_count": "before a training step: loop_count(K, generator) -> the step's loops",
     "grad_loops": "once at build: grad_loops(K) -> the loops the gradient flows through by default (0: all)",
     "metrics": "after a training step's backward: metrics(part) -> {metric: 0-d tensor} recorded every step",
@@ -49,6 +50,7 @@ class Stabiliser:
     base: str = "lt"  # the paper variant it builds on under its own name
     composes: bool = False  # also on the others of the paper's five, as `flt+<name>`
     ours: dict[str, str] = field(default_factory=dict)  # value -> why: flt-diag's choice, not the source's
+    strength: str = ""  # what --strength multiplies (its source value); "": strength != 1 is refused
     part: Optional[str] = None
     parameters: Optional[Callable[[Any], Any]] = None
     start: Optional[Callable] = None

@@ -31,8 +31,9 @@ def penalty(model, generator, probes: int = PROBES):
         return total / (probes * h.numel())
 
 
-def objective(ce, pen, step: int, steps: int):
-    return ce + GAMMA * pen
+def objective(ce, pen, step: int, steps: int, strength: float = 1.0):
+    """CE + strength * gamma * pen: --strength multiplies gamma (0: the base's CE alone)."""
+    return ce + strength * GAMMA * pen
 
 
 STABILISER = Stabiliser(
@@ -42,6 +43,7 @@ STABILISER = Stabiliser(
     composes=True,
     ours={"gamma": "0.1 (the source tunes 0.1 to a few per task)", "probes": "drawn from a generator seeded by "
           "(seed, step)"},
+    strength="gamma = 0.1 (ours; the source's LM value 1.9)",
     penalty=penalty,
     objective=objective,
 )

@@ -51,8 +51,9 @@ def penalty(model, generator):
         return vjp(y, h, v, create_graph=True).square().sum()
 
 
-def objective(ce, pen, step: int, steps: int):
-    lam = weight(step, steps)
+def objective(ce, pen, step: int, steps: int, strength: float = 1.0):
+    """(1 - lam) CE + lam pen, --strength multiplying lam (0: the base's CE alone)."""
+    lam = strength * weight(step, steps)
     return (1 - lam) * ce + lam * pen
 
 
@@ -64,6 +65,7 @@ STABILISER = Stabiliser(
     ours={"warm-up": "lambda ramps linearly from 0 over the first 10 % of the steps", "sigma": "0.5 (Huginn's)",
           "v0": "drawn from a generator seeded by (seed, step)", "v": "one unit vector over the micro-batch's state"},
     penalty=penalty,
+    strength="lambda = 0.1 (the source's), (1 - lambda) CE + lambda pen",
     objective=objective,
     loop_count=sample_loops,
 )
