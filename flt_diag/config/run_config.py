@@ -96,7 +96,8 @@ class ModelConfig(Options):
     loops: int = opt(12, "Loops K: how often the L blocks are reused per forward.", ge=1, le=MAX_LOOPS,
                      grid=("sweep", "map"))
     strength: float = opt(1.0, "Multiplies the stabiliser's source value (flt-diag variants: what each scales); 0 = "
-                          "its base for a loss term.", ge=0, le=MAX_NUMBER, allow_inf_nan=False)
+                          "its base for a loss term. At most 100 (a benchmark's grid spans x 1/2 .. x 4; STARS's weight "
+                          "0.1 x strength stays a weight up to 10).", ge=0, le=100, allow_inf_nan=False)
     rotary_base: float = opt(10000.0, "Rotary embedding base.", gt=0)
     rotary_dtype: Literal["float32", "bfloat16"] = opt("float32", "Rotary tables: float32, or bfloat16 as the reference keeps them.")
     softcap: float = opt(15.0, "Logit soft cap: logits = c * tanh(head(h) / c).", gt=0)
