@@ -76,9 +76,10 @@ def forward(model, idx, variant, K, record=None, softcap=True):
     L = cfg.depth
     E = model.embed.weight[idx]
     e = rms(E)
-    scale = 1.0 / (cfg.loops * math.sqrt(L)) if stab == "residual-scale" else 1.0
+    S = getattr(cfg, "strength", 1.0)  # --strength: residual-scale's lambda, DeepLoop's exponent over 1/2
+    scale = S / (cfg.loops * math.sqrt(L)) if stab == "residual-scale" else 1.0
     post_norm = stab in ("huginn", "deeploop")
-    alpha = math.sqrt(2 * cfg.loops * L) if stab == "deeploop" else 1.0
+    alpha = (2 * cfg.loops * L) ** (S / 2) if stab == "deeploop" else 1.0
     h = x = None
     for t in range(1, K + 1):
         if t == 1:

@@ -43,6 +43,15 @@ def test_forward_matches_written_out_equations(variant, K):
     assert_matches_equations(model, idx, variant, K)
 
 
+@pytest.mark.parametrize("variant", ["residual-scale", "flt+residual-scale", "deeploop"])
+@pytest.mark.parametrize("strength", [0.5, 4.0])
+def test_a_strength_matches_the_written_out_equations(variant, strength):
+    """--strength S: s = S / (K sqrt(L)) for residual-scale, alpha = (2KL)^(S/2) for DeepLoop (equations.py)."""
+    model = float64_model(make(variant, 3, strength=strength))
+    idx = torch.randint(0, 50, (3, 12), generator=torch.Generator().manual_seed(1))
+    assert_matches_equations(model, idx, variant, 3)
+
+
 @pytest.mark.parametrize("head_dim,seq_len", [(16, 16), (32, 64), (24, 1024)])
 def test_fp32_rotary_tables(head_dim, seq_len):
     """The model's own tables (fp32 angles, cos and sin; the float64 tests swap in exact ones)

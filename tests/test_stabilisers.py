@@ -82,6 +82,18 @@ def test_deeploop_at_alpha_1_is_the_post_norm_lt_and_beta_scales_the_init():
         assert torch.equal(a.attn.q.weight, b.attn.q.weight)
 
 
+def test_deeploops_strength_multiplies_the_exponent_of_its_init_scale():
+    cfg = dict(vocab_size=50, depth=2, width=32, heads=2, seq_len=16, loops=3)
+    torch.manual_seed(4)
+    deep = LoopedTransformer(ModelConfig(variant="deeploop", strength=3.0, **cfg))
+    torch.manual_seed(4)
+    plain = LoopedTransformer(ModelConfig(variant="lt", **cfg))
+    beta = (8 * 3 * 2) ** -1.5  # e = 3 x 1/2
+    assert all(b.alpha == pytest.approx((2 * 3 * 2) ** 1.5) for b in deep.blocks)
+    for a, b in zip(deep.blocks, plain.blocks):
+        torch.testing.assert_close(a.mlp.up.weight, b.mlp.up.weight * beta, rtol=1e-6, atol=0)
+
+
 def test_parcae_at_abar_1_and_b_0_starts_each_loop_from_the_raw_state():
     model = make("parcae")
     with torch.no_grad():

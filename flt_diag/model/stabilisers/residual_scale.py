@@ -4,7 +4,8 @@
 
 with K the loops and L the blocks: the update a loop adds shrinks with the depth it is repeated over, so the
 stream's growth over K loops stays bounded at initialisation. flt-diag's choice: lambda = 1; K is the configured
-loop count (also under a sampled loop count). Zero strength is s = 1 (the base variant bit for bit).
+loop count (also under a sampled loop count). `--strength S` multiplies lambda (s = S / (K sqrt(L)); S = 0 turns
+every branch off, so it is no base variant: s = 1, the base bit for bit, is S = K sqrt(L)).
 """
 from __future__ import annotations
 
@@ -25,5 +26,6 @@ STABILISER = Stabiliser(
     source="arXiv 2606.18524",
     composes=True,
     ours={"lambda": "1", "K": "the configured loop count, also under a sampled one"},
-    block=lambda cfg: {"scale": branch_scale(cfg.loops, cfg.depth)},
+    strength="lambda = 1 (ours) of s = lambda / (K sqrt(L))",
+    block=lambda cfg: {"scale": branch_scale(cfg.loops, cfg.depth, LAMBDA * cfg.strength)},
 )
