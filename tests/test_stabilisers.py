@@ -113,6 +113,14 @@ def test_parcae_initialisation_is_the_sources():
     assert torch.equal(P.B.weight, torch.eye(16)) and torch.all(dt > 0)
 
 
+@pytest.mark.parametrize("strength", [0.5, 4.0, 0.0])
+def test_parcaes_strength_multiplies_minus_log_abar_at_init(strength):
+    P = LoopedTransformer(ModelConfig(variant="parcae", width=16, heads=2, loops=3, strength=strength)).injection
+    abar, dt = P.decay()
+    torch.testing.assert_close(abar, torch.full((16,), math.exp(strength * math.log(0.447))), rtol=1e-6, atol=0)
+    torch.testing.assert_close(dt, torch.full((16,), -strength * math.log(0.447)), rtol=1e-6, atol=1e-12)
+
+
 def test_the_loss_terms_at_zero_weight_are_the_cross_entropy():
     ce, pen = torch.tensor(2.5), torch.tensor(7.0)
     assert torch.equal(stars.objective(ce, pen, 0, 2000), ce)  # lambda ramps from 0

@@ -13,6 +13,8 @@ B = I. The three take no weight decay (flt-diag's recipe has none anywhere) and 
 orthogonalise B's update away from the identity).
 
 Zero strength: with Abar = 1 and B = 0 the loop start is x(t-1) exactly (LT carrying the raw stream).
+`--strength S` multiplies -ln Abar at init (Abar = 0.447 ** S; S = 0: Abar = 1 and dt = 0, which then stays 0:
+softplus's gradient at -inf is 0).
 """
 from __future__ import annotations
 
@@ -32,8 +34,9 @@ def injection_class():
     import torch.nn.functional as F
 
     class ParcaeInjection(nn.Module):
-        def __init__(self, d: int):
+        def __init__(self, d: int, strength: float = 1.0):
             super().__init__()
+            self.strength = strength  # --strength S: -ln Abar at init is S x the source's -ln 0.447
             self.A_log = nn.Parameter(torch.zeros(d))
             self.dt = nn.Parameter(torch.zeros(d))
             self.B = nn.Linear(d, d, bias=False)
@@ -41,9 +44,9 @@ def injection_class():
 
         @torch.no_grad()
         def reset_parameters(self) -> None:
-            dt = -math.log(ABAR_INIT)  # exp(-dt * exp(0)) = 0.447
+            dt = -math.log(ABAR_INIT) * self.strength  # exp(-dt * exp(0)) = 0.447 ** S
             self.A_log.zero_()
-            self.dt.fill_(math.log(math.expm1(dt)))  # softplus^-1(dt)
+            self.dt.fill_(math.log(math.expm1(dt)) if dt > 0 else -math.inf)  # softplus^-1(dt) (S = 0: dt = 0)
             nn.init.eye_(self.B.weight)
 
         def decay(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,7 +73,8 @@ STABILISER = Stabiliser(
     source="Parcae, arXiv 2604.12946 (sandyresearch/parcae, parcae_lm/modules/injection.py)",
     ours={"optimizer": "A_log, dt and B trained by AdamW at --adamw-lr x --lr-scale (the source: its AdamW groups)"},
     part="injection",
-    parameters=lambda cfg: injection_class()(cfg.width),
+    strength="-ln Abar at init, Abar = 0.447 (the source's): Abar = 0.447 ** S",
+    parameters=lambda cfg: injection_class()(cfg.width, cfg.strength),
     start=lambda part, x, e: part(x, e),
     metrics=lambda part: {"injection_rho": part.rho()},
 )
