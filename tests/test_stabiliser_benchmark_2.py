@@ -25,9 +25,14 @@ def template(tmp_path_factory):
     return make_run(tmp_path_factory.mktemp("t") / "run", "lt", 3)
 
 
-def fake(template, where: Path, variant: str, seed: int, lr: float, verdict: str, val: float, **extra) -> Path:
-    """A copy of the template whose summary says what the test chooses."""
+def fake(template, where: Path, variant: str, seed: int, lr: float, verdict: str, val: float,
+         strength: float | None = None, **extra) -> Path:
+    """A copy of the template whose summary (and config's model.strength, where given) says what the test chooses."""
     shutil.copytree(template, where)
+    if strength is not None:
+        c = json.loads((where / "config.json").read_text())
+        c["model"].update(variant=variant, strength=strength)  # (a strength is refused on a variant without one)
+        (where / "config.json").write_text(json.dumps(c))
     s = json.loads((where / "summary.json").read_text())
     s.update(variant=variant, seed=seed, lr_scale=lr, verdict=verdict, val_loss=val, **extra)
     (where / "summary.json").write_text(json.dumps(s))
@@ -59,7 +64,7 @@ def stage_a_archive(template, root: Path, skip: int = 0) -> Path:
                 n += 1
                 if n > 40 - skip:
                     continue
-                fake(template, root / f"A-strength-{x:g}" / f"{v}-{seed}", v, seed, 1.0, verdict, val)
+                fake(template, root / f"A-strength-{x:g}" / f"{v}-{seed}", v, seed, 1.0, verdict, val, strength=x)
     return root
 
 
