@@ -363,3 +363,21 @@ def test_compiled_training_on_a_cpu_is_deterministic_and_follows_the_eager_run(t
     assert runs["a"].equals(runs["b"])
     loss = {k: series(v, M.LOSS).to_numpy() for k, v in runs.items()}
     np.testing.assert_allclose(loss["a"], loss["eager"], rtol=1e-4)
+
+
+def test_a_run_gives_the_caller_back_its_threads_and_its_subnormal_floats(tmp_path):
+    """A run trains at one thread with subnormals flushed (training/process.py); the caller (a notebook, a test
+    process) gets its own settings back when fit returns: a subnormal product computed by hand stays subnormal."""
+    import torch
+    from flt_diag.training.trainer import Trainer
+    if not torch.set_flush_denormal(False):
+        pytest.skip("this CPU has no flush-to-zero setting")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        Trainer(tiny_config(variant="lt", loops=2, steps=2, flush_denormal=True, threads=1), tmp_path / "run").fit()
+        assert torch.get_num_threads() == 3
+        x = torch.tensor([2.0 ** -130], dtype=torch.float32)  # subnormal in float32 (below 2 ** -126)
+        assert (x * 0.5).item() == 2.0 ** -131  # exact: halving a subnormal, not flushed to 0
+    finally:
+        torch.set_num_threads(threads)

@@ -1,8 +1,10 @@
 """The process a run trains in: its device, rank and world size (joining the process group under
-torchrun), and the CPU thread settings (the environment record: flt_diag.instruments.records)."""
+torchrun), and the CPU thread settings (the environment record: flt_diag.instruments.records), which a run holds
+from its Trainer's construction until its fit returns, then gives back as the caller had them."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -31,3 +33,25 @@ def start_process(cfg: RunConfig) -> tuple[torch.device, int, int]:
     elif cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     return device, rank, world
+
+
+@dataclass(frozen=True)
+class CpuSettings:
+    """What start_process changes in the calling process: torch's intra-op threads, and whether subnormal floats
+    are flushed to zero (the calling thread's)."""
+
+    threads: int
+    flush_denormal: bool
+
+
+def cpu_settings() -> CpuSettings:
+    """The caller's CpuSettings now. torch has no getter for the flush: a subnormal float doubled reads zero when it
+    is on (a CPU without the setting never flushes, and set_flush_denormal is a no-op there)."""
+    subnormal = torch.tensor(1e-40, dtype=torch.float32)
+    return CpuSettings(torch.get_num_threads(), bool((subnormal * 2.0).item() == 0.0))
+
+
+def restore_cpu_settings(settings: CpuSettings) -> None:
+    """Give the caller back its settings (a notebook or a test process trains on, then computes as before)."""
+    torch.set_num_threads(settings.threads)
+    torch.set_flush_denormal(settings.flush_denormal)
