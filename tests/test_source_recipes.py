@@ -217,6 +217,8 @@ def test_jacobian_fro_source_skipped_step_is_the_cross_entropy():
     off = next(s for s, on in taken.items() if not on)
     target, pen = stabiliser_step.objective(model, ce, seed, off, 0, steps)
     assert pen is None and target is ce and model.penalty_inputs is None
+    for s in (s for s, on in taken.items() if not on):  # one draw a step: every micro-batch of it skips alike
+        assert stabiliser_step.objective(model, ce, seed, s, 1, steps)[1] is None
     on = next(s for s, on in taken.items() if on)
     model(tokens(1, T=3), tokens(1, T=3))
     target, pen = stabiliser_step.objective(model, ce, seed, on, 0, steps)
