@@ -48,7 +48,7 @@ def objective(model: torch.nn.Module, ce: torch.Tensor, seed: int, step: int, mi
     if penalty is None:
         return ce, None
     if on is not None and not on(step, steps, generator(seed, step, 0, "gate")):  # (one draw a step)
-        model.penalty_inputs = None  # (not taken: nothing kept alive past the step)
+        setattr(model, "penalty_inputs", None)  # (not taken: nothing kept alive past the step)
         return ce, None
     pen = penalty(model, generator(seed, step, micro, "penalty"))
     stab = getattr(model, "stabiliser", None)  # one that declares what --strength scales is given it
