@@ -235,3 +235,24 @@ def test_each_source_recipe_trains_through_the_trainer(tmp_path, name):
     assert (len(m[m.metric == M.LOOPS_RUN]) == 4) == (name != "jacobian-fro-source")
     stab = STABILISERS[name]
     assert stab.strength and stab.ours  # what --strength scales, and flt-diag's choices, declared
+
+
+def test_zero_strength_is_the_cross_entropy_and_bad_depths_are_refused():
+    ce, pen = torch.tensor(2.5), torch.tensor(7.0)
+    assert stars_source.objective(ce, pen, 9000, 10_000, 0.0).item() == 2.5
+    assert jfs.objective(ce, pen, 299, 300, 0.0).item() == 2.5
+    model, idx = make("parcae-source", K=3), tokens(2)
+    for bad in [(torch.tensor([1]), torch.tensor([1])), (torch.tensor([1, -1]), torch.tensor([1, 1]))]:
+        with pytest.raises(ValueError, match="depths: n and k must be"):
+            model(idx, depths=bad)
+    with pytest.raises(ValueError, match="no loops="):
+        model(idx, loops=2, depths=(torch.tensor([1, 1]), torch.tensor([1, 1])))
+
+
+def test_a_stabiliser_with_depths_takes_no_loop_hooks_and_penalty_on_needs_a_penalty():
+    from flt_diag.model.stabilisers import Stabiliser
+    one = dict(name="x", description="", source="")
+    with pytest.raises(ValueError, match="takes no `enter`"):
+        Stabiliser(**one, depths=parcae_source.sample_depths, enter=lambda part, x, t: x)
+    with pytest.raises(ValueError, match="gates a `penalty`"):
+        Stabiliser(**one, penalty_on=jfs.penalty_on)
