@@ -6,9 +6,12 @@ parcae_source.py): sequence i of the batch runs n_i loops without the gradient, 
 
 as the source's iterate_forward does. A sequence's first loop (the first step at which it moves: step 0 of phase 1
 where n_i > 0, else step 0 of phase 2) is the base's loop 1, a plain pass from norm(E); each later one starts by
-the variant's rule for loop t >= 2 (the stabiliser's `start`), whatever step it falls in. Rows run independently
-(attention is within a sequence), so the rows that start at a step are run as a sub-batch of their own. A batch
-whose rows start together is the model's ordinary forward of r loops, truncated to its last k.
+the variant's rule for loop t >= 2 (the stabiliser's `start`, model.loop_start), whatever step it falls in. The
+rows' starts are chosen per row (torch.where) and the whole batch then runs one plain pass through the blocks: one
+`_loop` call a step, so the loop hooks see one full-batch loop end per step (a training step's per-loop records
+index these steps). That needs blocks that do not read h(t-1): a variant whose rule adds it before a block or takes
+queries from it (FLA, LT-AI, FLT) is refused. A batch whose rows start together is the model's ordinary forward of
+r loops, truncated to its last k.
 The result is h = norm(x) at each sequence's end (B, T, d).
 """
 from __future__ import annotations
@@ -20,9 +23,10 @@ from torch.utils.checkpoint import checkpoint
 def depth_loops(model, emb: torch.Tensor, cos, sin, n: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """h at the end of sequence i's n_i + k_i loops, its gradient through the last k_i (emb: E[tokens], (B, T, d);
     n, k: (B,) long)."""
-    norm, stab = model.norm, model.stabiliser  # (the model's own: this module imports no model code)
-    if stab is not None and (stab.enter or stab.update):
-        raise ValueError(f"variant {model.cfg.variant!r}: a loop count per sequence takes no enter/update hooks")
+    norm, stab, rule = model.norm, model.stabiliser, model.rule  # (the model's own: this module imports no model code)
+    if (stab is not None and (stab.enter or stab.update)) or rule.add_prev_before_block or rule.query_from_prev != "none":
+        raise ValueError(f"variant {model.cfg.variant!r}: a loop count per sequence takes no enter/update hooks and "
+                         "no blocks that read h(t-1)")
     if n.shape != (emb.shape[0],) or k.shape != n.shape or bool((n < 0).any() or (k < 0).any()):
         raise ValueError(f"depths: n and k must be ({emb.shape[0]},) non-negative counts, got {tuple(n.shape)}, "
                          f"{tuple(k.shape)}")
@@ -45,20 +49,12 @@ def _phase(model, x, started, counts, emb, cos, sin):
 
 def _step(model, x, started, emb, cos, sin):
     """One loop of every row: loop 1 (from norm(E)) for the rows not started, loop t >= 2 for the others."""
-    run = _checkpointed if model.checkpoint_loops and torch.is_grad_enabled() else _plain
     norm = model.norm
-    if not bool(started.any()):
-        return run(model, norm(emb), None, emb, cos, sin)
-    out = run(model, x, norm(x), emb, cos, sin)
-    if bool(started.all()):
-        return out
-    fresh = (~started).nonzero().squeeze(1)
-    return out.index_copy(0, fresh, run(model, norm(emb[fresh]), None, emb[fresh], cos, sin))
-
-
-def _plain(model, x, h_prev, emb, cos, sin):
-    return model._loop(x, h_prev, emb, cos, sin)
-
-
-def _checkpointed(model, x, h_prev, emb, cos, sin):
-    return checkpoint(model._loop, x, h_prev, emb, cos, sin, use_reentrant=False)
+    if bool(started.any()):
+        x_in = model.loop_start(x, norm(x), emb)
+        x_in = x_in if bool(started.all()) else torch.where(started[:, None, None], x_in, norm(emb))
+    else:
+        x_in = norm(emb)
+    if model.checkpoint_loops and torch.is_grad_enabled():
+        return checkpoint(model._loop, x_in, None, emb, cos, sin, use_reentrant=False)
+    return model._loop(x_in, None, emb, cos, sin)  # (h_prev None: a plain pass from x_in)

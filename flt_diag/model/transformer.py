@@ -231,20 +231,11 @@ class LoopedTransformer(nn.Module):
         """One pass through the L blocks. h_prev is None in loop 1 (a plain pass); x is the raw stream at the
         previous loop's end (a stabiliser's `start` takes it); emb is the raw embedding E[tokens]; t the loop's
         index from 0 (needed by a stabiliser's `enter` and `update` only)."""
-        rule, part, start, enter, update = self.rule, stabiliser_part(self), *hooks(self, "start", "enter", "update")
+        rule, part, enter, update = self.rule, stabiliser_part(self), *hooks(self, "enter", "update")
         if (enter or update) and t is None:
             raise ValueError(f"stabiliser {self.cfg.variant!r} needs the loop's index: call _loop(..., t=...)")
         if h_prev is not None:
-            if start is not None:
-                x = start(part, x, norm(emb))
-            elif rule.start == "prev":
-                x = h_prev
-            elif rule.start == "embed":
-                x = norm(emb)
-            elif rule.start == "embed+prev":  # additive input injection
-                x = norm(emb + h_prev)
-            else:
-                raise ValueError(f"variant {self.cfg.variant!r}: unknown loop start {rule.start!r}")
+            x = self.loop_start(x, h_prev, emb)
         if enter is not None:
             x = enter(part, x, t)
         x_in = x
@@ -259,6 +250,19 @@ class LoopedTransformer(nn.Module):
         if update is not None:
             x = update(part, x_in, x, t)
         return self.loop_end(x)
+
+    def loop_start(self, x, h_prev, emb):
+        """Loop t >= 2's start: the stabiliser's `start`, else the variant's rule (x, h_prev, emb: as `_loop`)."""
+        rule, part, start = self.rule, stabiliser_part(self), hook(self, "start")
+        if start is not None:
+            return start(part, x, norm(emb))
+        if rule.start == "prev":
+            return h_prev
+        if rule.start == "embed":
+            return norm(emb)
+        if rule.start == "embed+prev":  # additive input injection
+            return norm(emb + h_prev)
+        raise ValueError(f"variant {self.cfg.variant!r}: unknown loop start {rule.start!r}")
 
     def forward_loops(self, idx: torch.Tensor, loops: int | None = None, keep: str = "end",
                       depths: tuple | None = None) -> list[torch.Tensor]:
