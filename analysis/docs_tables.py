@@ -4,7 +4,7 @@
     ...
     <!-- end generated -->
 
-in docs/results.md and docs/early-warning.md is the output of COMMAND run from the repository root over the
+in docs/results.md, docs/early-warning.md and docs/DESIGN.md is the output of COMMAND run from the repository root over the
 run archive in docs/data/runs/ (COMMAND is `python analysis/<script>.py ...` or `flt-diag ...`). No torch
 beyond what the commands import.
 
@@ -33,7 +33,7 @@ from flt_diag.storage.folders import atomic_write_text  # noqa: E402
 from flt_diag.storage.schema import read_text  # noqa: E402
 from script_exit import Parser, guarded  # noqa: E402  (analysis/script_exit.py: the one error path)
 
-PAGES = [ROOT / "docs" / "results.md", ROOT / "docs" / "early-warning.md"]
+PAGES = [ROOT / "docs" / "results.md", ROOT / "docs" / "early-warning.md", ROOT / "docs" / "DESIGN.md"]
 BLOCK = re.compile(r"(<!-- generated: (?P<command>.+?) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.S)
 MAX_PAGE_BYTES = 4 << 20  # the pages are tens of kilobytes
 TIMEOUT = 600  # seconds one block's command may run

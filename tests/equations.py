@@ -59,6 +59,8 @@ PAPER = ("lt", "lt-ii", "lt-ai", "fla", "flt")
 
 def parts(variant):
     """(base, stabiliser) of a variant name: "flt+loop-embed" -> ("flt", "loop-embed"); "parcae" -> ("lt", "parcae")."""
+    variant = variant.removesuffix("-source")  # (a source recipe's forward is its round-one name's: it changes how
+    # it trains, its sampled depths and its loss term, not the K-loop forward)
     if variant in PAPER:
         return variant, None
     if "+" in variant:

@@ -22,7 +22,7 @@ import docs_tables  # noqa: E402
 
 ROWS = ROOT / "docs" / "data" / "warning-eval-w4" / "rows.csv"
 SCRIPTS = ["docs_tables", "evaluate_warning", "factorial", "failure_rates", "loop_dynamics_table", "paired_auroc",
-           "regenerate", "sweep_table", "replay_early_stop", "stabiliser_benchmark_2"]
+           "regenerate", "sweep_table", "replay_early_stop", "stabiliser_benchmark_2", "stabiliser_choices"]
 
 
 def _status(name: str, argv: list) -> int:

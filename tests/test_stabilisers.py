@@ -269,7 +269,7 @@ def test_parcae_rho_is_below_one_at_init_and_after_100_steps(tmp_path):
 def test_extra_parameters_counted_by_hand(name):
     d, K, L = 16, 3, 2
     cfg = ModelConfig(vocab_size=64, depth=L, width=d, heads=2, variant=name, loops=K)
-    by_hand = {"parcae": 2 * d + d * d, "huginn": 2 * d * d}.get(name, 0)
+    by_hand = {"parcae": 2 * d + d * d, "parcae-source": 2 * d + d * d, "huginn": 2 * d * d}.get(name, 0)
     if "loop-embed" in name or "loop-gate" in name:  # (a_t, e_t in R^d per loop)
         by_hand += K * d
     assert extra_parameters(cfg) == by_hand
@@ -288,7 +288,7 @@ def test_a_rule_with_a_value_outside_its_choices_is_refused_where_it_is_written(
 def test_every_stabiliser_and_composition_is_a_variant_with_a_description():
     from flt_diag.config.variants import SOURCES, VARIANT_DESCRIPTIONS
     assert set(STABILISERS) == {"parcae", "huginn", "stars", "jacobian-fro", "residual-scale", "deeploop", "loop-embed",
-                                "loop-gate"}
+                                "loop-gate", "parcae-source", "stars-source", "jacobian-fro-source"}
     assert all(n in VARIANT_DESCRIPTIONS and n in SOURCES for n in list(PAPER_VARIANTS) + list(STABILISERS))
     assert all(n in VARIANT_DESCRIPTIONS for n in COMPOSED)
 

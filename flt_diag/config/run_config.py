@@ -263,6 +263,14 @@ class RunConfig(Options):
     verdict: VerdictConfig = Field(default_factory=VerdictConfig)
     preset: Literal[Preset, "custom"] = "custom"  # type: ignore[valid-type]  # (as above)
 
+    @model_validator(mode="after")
+    def _per_sequence_counts_take_the_end_loss(self):
+        stab = stabiliser_of(self.model.variant) if self.model.variant else None
+        if stab is not None and stab.depths is not None and self.train.loss_on != "end":
+            raise ValueError(f"variant {self.model.variant} runs a loop count per sequence: --loss-on end only "
+                             f"(got {self.train.loss_on})")
+        return self
+
     @classmethod
     def from_dict(cls, d: dict) -> "RunConfig":
         """A config read back from config.json (its extra keys left out), or one ConfigError line."""

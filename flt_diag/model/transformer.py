@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from flt_diag.config.run_config import ModelConfig, loss_loops  # noqa: F401 (ModelConfig re-exported)
 from flt_diag.config.variants import VARIANTS  # noqa: F401 (re-exported)
+from flt_diag.model.per_sequence import depth_loops
 
 
 def _inv_rms(x: torch.Tensor) -> torch.Tensor:
@@ -230,20 +231,11 @@ class LoopedTransformer(nn.Module):
         """One pass through the L blocks. h_prev is None in loop 1 (a plain pass); x is the raw stream at the
         previous loop's end (a stabiliser's `start` takes it); emb is the raw embedding E[tokens]; t the loop's
         index from 0 (needed by a stabiliser's `enter` and `update` only)."""
-        rule, part, start, enter, update = self.rule, stabiliser_part(self), *hooks(self, "start", "enter", "update")
+        rule, part, enter, update = self.rule, stabiliser_part(self), *hooks(self, "enter", "update")
         if (enter or update) and t is None:
             raise ValueError(f"stabiliser {self.cfg.variant!r} needs the loop's index: call _loop(..., t=...)")
         if h_prev is not None:
-            if start is not None:
-                x = start(part, x, norm(emb))
-            elif rule.start == "prev":
-                x = h_prev
-            elif rule.start == "embed":
-                x = norm(emb)
-            elif rule.start == "embed+prev":  # additive input injection
-                x = norm(emb + h_prev)
-            else:
-                raise ValueError(f"variant {self.cfg.variant!r}: unknown loop start {rule.start!r}")
+            x = self.loop_start(x, h_prev, emb)
         if enter is not None:
             x = enter(part, x, t)
         x_in = x
@@ -259,16 +251,33 @@ class LoopedTransformer(nn.Module):
             x = update(part, x_in, x, t)
         return self.loop_end(x)
 
-    def forward_loops(self, idx: torch.Tensor, loops: int | None = None, keep: str = "end") -> list[torch.Tensor]:
-        """Logits (B, T, V) of the final loop (keep="end") or of every loop (keep="all")."""
+    def loop_start(self, x, h_prev, emb):
+        """Loop t >= 2's start: the stabiliser's `start`, else the variant's rule (x, h_prev, emb: as `_loop`)."""
+        rule, part, start = self.rule, stabiliser_part(self), hook(self, "start")
+        if start is not None:
+            return start(part, x, norm(emb))
+        if rule.start == "prev":
+            return h_prev
+        if rule.start == "embed":
+            return norm(emb)
+        if rule.start == "embed+prev":  # additive input injection
+            return norm(emb + h_prev)
+        raise ValueError(f"variant {self.cfg.variant!r}: unknown loop start {rule.start!r}")
+
+    def forward_loops(self, idx: torch.Tensor, loops: int | None = None, keep: str = "end",
+                      depths: tuple | None = None) -> list[torch.Tensor]:
+        """Logits (B, T, V) of the final loop (keep="end") or of every loop (keep="all"); depths = (n, k): sequence
+        i runs n_i loops without the gradient, then k_i with it (flt_diag.model.per_sequence; keep="end" only)."""
         K = self.cfg.loops if loops is None else loops
-        if K < 1:
-            raise ValueError(f"loops must be >= 1, got {K}")
+        if K < 1 or (depths is not None and (loops is not None or keep != "end")):
+            raise ValueError(f"loops must be >= 1, got {K}" if K < 1 else "depths: no loops= and keep='end' only")
         T = idx.shape[1]
         if T > self.cos.shape[1]:
             self._rotary(T)
         cos, sin = self.cos[:, :T], self.sin[:, :T]
         emb = self.embed(idx)  # (B, T, d)
+        if depths is not None:
+            return [self.loop_head(depth_loops(self, emb, cos, sin, *depths))]
         x, h = norm(emb), cast(torch.Tensor, None)  # (h: set by loop 1, before any reads it: K >= 1)
         outs = []
         cut = detached_loops(K, self.grad_loops)
@@ -287,16 +296,16 @@ class LoopedTransformer(nn.Module):
         return [self.loop_head(h) for h in outs]
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loops: int | None = None,
-                loss_on: str = "end"):
+                loss_on: str = "end", depths: tuple | None = None):
         """Logits (B, T, V) of the final loop; with targets, (logits, loss). Targets of -100
         (F.cross_entropy's ignore_index; a synthetic task's non-answer positions) are left out of the mean.
 
         loss_on: "end" (final loop), "all" (mean over loops) or "last-third" (mean over the
-        last ceil(K/3) loops)."""
+        last ceil(K/3) loops). depths: a loop count per sequence (forward_loops; loss_on "end" only)."""
         if targets is None:
-            return self.forward_loops(idx, loops)[-1]
+            return self.forward_loops(idx, loops, depths=depths)[-1]
         n = loss_loops(loss_on, self.cfg.loops if loops is None else loops)
-        logits = self.forward_loops(idx, loops, keep="end" if loss_on == "end" else "all")[-n:]
+        logits = self.forward_loops(idx, loops, keep="end" if loss_on == "end" else "all", depths=depths)[-n:]
         losses = [F.cross_entropy(lg.flatten(0, 1), targets.flatten()) for lg in logits]
         return logits[-1], torch.stack(losses).mean()
 

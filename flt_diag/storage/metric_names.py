@@ -25,7 +25,7 @@ GRAD_NORM_CLIPPED = "grad_norm_clipped"  # per-group gradient norm after clippin
 GRAD_COSINE = "grad_cosine"  # cosine between this step's and the previous step's gradient
 SIGN_FLIP = "sign_flip"  # share of coordinates whose gradient sign flipped since the previous step
 UPDATE_RATIO = "update_ratio"  # ||W_after - W_before|| / ||W_before||, per group
-LOOPS_RUN = "loops_run"  # loops the recorded forward ran (runs of flt_diag.watch, and stabilisers that sample their count)
+LOOPS_RUN = "loops_run"  # loops the recorded forward ran (runs of flt_diag.watch, and stabilisers that sample their count; per sequence: the batch mean)
 STABILISER_PENALTY = "stabiliser_penalty"  # a loss-term stabiliser's penalty on the step's first micro-batch (stars, jacobian-fro)
 INJECTION_RHO = "injection_rho"  # Parcae: rho(Abar) = max over channels of the loop start's decay, every step
 PARAM_NORM = "param_norm"  # ||W|| per group, before the optimizer step (the weights the step's gradient was taken at)

@@ -41,7 +41,8 @@ from flt_diag.instruments.dynamics_callback import own_model_dynamics
 from flt_diag.instruments.warning_callback import collapse_warning
 from flt_diag.integrations.probe import Probe
 from flt_diag.training.compile_precision import compile_blocks, compile_wanted, drop_queued_compiles, reference_precision
-from flt_diag.training.stabiliser_step import objective, sampled_loops, stabiliser_env, step_loops, step_metrics
+from flt_diag.training.stabiliser_step import (micro_depths, objective, sampled_loops, stabiliser_env, step_loops,
+                                               step_metrics)
 from flt_diag.training.optim import build_optimizers, lr_multiplier, muon_momentum, set_lr, set_momentum
 from flt_diag.storage.folders import (CONFIG, METRICS, SUMMARY, StorageError, folder_lock, has_content, load_config, load_metrics,
                       load_summary, refuse_not_a_folder, write_json)
@@ -236,19 +237,23 @@ class Trainer:
         self.call("before_step", step)
         total = torch.zeros((), device=self.device)
         loops = step_loops(self.model, t.seed, step)  # a stabiliser's sampled loop count; None: K
+        runs = []  # each micro-batch's mean loop count, where a stabiliser samples one per sequence
         for micro in range(t.grad_accum):
             x, y = self.batch(step, micro)
             sync = self.world == 1 or micro == t.grad_accum - 1
             wrapped = cast(torch.nn.parallel.DistributedDataParallel, self.ddp_model)  # (not sync: world > 1, wrapped)
+            depths = micro_depths(self.model, t.seed, step, micro, x.shape[0])  # (n, k) per sequence; None: none
+            runs += [] if depths is None else [float((depths[0] + depths[1]).double().mean())]
             with (contextlib.nullcontext() if sync else wrapped.no_sync()), self.autocast():
-                _, loss = self.ddp_model(x, y, loss_on=t.loss_on, loops=loops)
+                _, loss = self.ddp_model(x, y, loss_on=t.loss_on, loops=loops,
+                                         **({} if depths is None else {"depths": depths}))
                 target, penalty = objective(self.model, loss, t.seed, step, micro, t.steps)
             (target / t.grad_accum).backward()
             total += loss.detach() / t.grad_accum
             if penalty is not None and micro == 0:
                 self.log.add(M.STABILISER_PENALTY, penalty)
-        if loops is not None:
-            self.log.add(M.LOOPS_RUN, float(loops))
+        if loops is not None or runs:  # (per sequence: the batch mean of r_i)
+            self.log.add(M.LOOPS_RUN, float(loops) if loops is not None else sum(runs) / len(runs))
         for metric, value in step_metrics(self.model).items():  # a stabiliser's own (Parcae's rho)
             self.log.add(metric, value)
         if self.world > 1:  # every rank logs (and judges) the same, global mean loss

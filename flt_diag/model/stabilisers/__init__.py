@@ -33,7 +33,12 @@ HOOKS = {  # a hook's name -> when the model or the Trainer calls it, with what;
     "penalty": "after a training forward: penalty(model, generator) -> the loss term's penalty at the final state",
     "objective": "objective(ce, penalty, step, steps[, strength]) -> what to backpropagate (with `penalty`; "
                  "strength: --strength, given where the stabiliser declares what it scales)",
+    "penalty_on": "before a training step's penalty: penalty_on(step, steps, generator) -> whether the step takes "
+                  "it (one draw a step, every micro-batch alike; without it every step does)",
     "loop_count": "before a training step: loop_count(K, generator) -> the step's loops",
+    "depths": "before a training forward: depths(K, s, batch, generator) -> (n, k), (batch,) long tensors: "
+              "sequence i runs n_i loops without the gradient, then k_i with it (s: the model's grad_loops, 0: all; "
+              "flt_diag.model.per_sequence); no `enter` or `update` with it",
     "grad_loops": "once at build: grad_loops(K) -> the loops the gradient flows through by default (0: all)",
     "metrics": "after a training step's backward: metrics(part) -> {metric: 0-d tensor} recorded every step",
 }
@@ -60,7 +65,9 @@ class Stabiliser:
     init: Optional[Callable] = None
     penalty: Optional[Callable] = None
     objective: Optional[Callable] = None
+    penalty_on: Optional[Callable] = None
     loop_count: Optional[Callable] = None
+    depths: Optional[Callable] = None
     grad_loops: Optional[Callable] = None
     metrics: Optional[Callable] = None
     module: str = ""  # the module that defines it: filled where it joins (its file, entry point or register call)
@@ -74,6 +81,11 @@ class Stabiliser:
             raise ValueError(f"stabiliser {self.name}: `part` and `parameters` go together")
         if (self.penalty is None) != (self.objective is None):
             raise ValueError(f"stabiliser {self.name}: a loss term is `penalty` and `objective` together")
+        if self.penalty_on is not None and self.penalty is None:
+            raise ValueError(f"stabiliser {self.name}: `penalty_on` gates a `penalty`; it has none")
+        if self.depths is not None and (self.enter or self.update or self.loop_count or self.penalty):
+            raise ValueError(f"stabiliser {self.name}: `depths` (a loop count per sequence) takes no `enter`, "
+                             "`update`, `loop_count` or `penalty`")
         if not self.module:  # (its hooks' module: where it is written)
             hooks = [h for h in (getattr(self, n) for n in ("parameters", *HOOKS)) if h is not None]
             object.__setattr__(self, "module", getattr(hooks[0], "__module__", "") if hooks else "")

@@ -41,8 +41,9 @@ STABILISER = Stabiliser(
     description="loss + g |J|_F^2 / n of one loop at the final state, Hutchinson with 2 probes (on LT)",
     source="DEQ Jacobian regularisation, arXiv 2106.14342 (locuslab/deq, lib/jacobian.py)",
     composes=True,
-    ours={"gamma": "0.1 (the source tunes 0.1 to a few per task)", "probes": "drawn from a generator seeded by "
-          "(seed, step)"},
+    ours={"gamma": "0.1 (the source tunes 0.1 to a few per task; its LM script's 1.9: jacobian-fro-source)",
+          "probes": "2 (lib/jacobian.py's default; the LM model passes 1), drawn from a generator seeded by (seed, step)",
+          "frequency": "every step (the source's LM script: a step with probability 0.35)"},
     strength="gamma = 0.1 (ours; the source's LM value 1.9)",
     penalty=penalty,
     objective=objective,

@@ -71,7 +71,9 @@ STABILISER = Stabiliser(
     name="parcae",
     description="loop t starts from A*x(t-1) + dt*B*norm(E), A = exp(-dt exp(A_log)) < 1 per channel (on LT)",
     source="Parcae, arXiv 2604.12946 (sandyresearch/parcae, parcae_lm/modules/injection.py)",
-    ours={"optimizer": "A_log, dt and B trained by AdamW at --adamw-lr x --lr-scale (the source: its AdamW groups)"},
+    ours={"optimizer": "A_log, dt and B trained by AdamW at --adamw-lr x --lr-scale (the source: its AdamW groups)",
+          "depth": "K loops every step, the gradient through all (the source samples a Poisson depth per sequence and "
+                   "backpropagates through 4 of 8: parcae-source)"},
     part="injection",
     strength="-ln Abar at init, Abar = 0.447 (the source's): Abar = 0.447 ** S",
     parameters=lambda cfg: injection_class()(cfg.width, cfg.strength),

@@ -62,7 +62,10 @@ STABILISER = Stabiliser(
     description="loss (1-l) CE + l |v^T J|^2 of one loop at the detached final state, log-normal loop count (on LT)",
     source="STARS, arXiv 2605.26733 (njuyxw/STARS)",
     composes=True,
-    ours={"warm-up": "lambda ramps linearly from 0 over the first 10 % of the steps", "sigma": "0.5 (Huginn's)",
+    ours={"warm-up": "lambda ramps linearly from 0 over the first 10 % of the steps (the source: 0, then 0.1 past "
+                     "20 %)", "sigma": "0.5 (Huginn's; the source's 0.7)",
+          "power step": "one, v = J J^T v0 / |J J^T v0| (issue 56's request; the source takes none: stars-source)",
+          "depth": "mean K, clipped to [1, 2K] (the source: LogNormal(2, 0.7) in [1, 100] at eval depth 4)",
           "v0": "drawn from a generator seeded by (seed, step)", "v": "one unit vector over the micro-batch's state"},
     penalty=penalty,
     strength="lambda = 0.1 (the source's), (1 - lambda) CE + lambda pen",
