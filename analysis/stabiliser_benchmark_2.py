@@ -31,7 +31,7 @@ from flt_diag.storage import archive  # noqa: E402
 from flt_diag.storage.files import read_table  # noqa: E402
 from flt_diag.storage.folders import EVAL_LOOPS, StorageError, load_config, load_summary, run_dirs  # noqa: E402
 from script_exit import Parser, emit, folder, guarded  # noqa: E402
-from stabiliser_benchmark import VARIANTS, snapshot  # noqa: E402
+from stabiliser_benchmark import VARIANTS as ROUND_ONE, snapshot  # noqa: E402
 
 
 def markdown(df: pd.DataFrame) -> str:
@@ -40,8 +40,10 @@ def markdown(df: pd.DataFrame) -> str:
 
 STRENGTHS = (0.5, 1.0, 2.0, 4.0)  # stage A's multipliers of the source's value
 LRS = (0.5, 1.0, 2.0, 4.0)  # stage B's lr scales
-STRENGTH_KEY = {"parcae": "decay", "stars": "lambda", "jacobian-fro": "gamma", "residual-scale": "lambda",
-                "deeploop": "exponent"}  # the five strengths, by the name flt-diag's `ours` would give them
+SOURCE_RECIPES = {"parcae": "parcae-source", "stars": "stars-source", "jacobian-fro": "jacobian-fro-source"}
+VARIANTS = [SOURCE_RECIPES.get(v, v) for v in ROUND_ONE]  # the plan's 12: round one's, three as their sources train them
+STRENGTH_KEY = {"parcae-source": "decay", "stars-source": "lambda", "jacobian-fro-source": "gamma",
+                "residual-scale": "lambda", "deeploop": "exponent"}  # the five strengths, by the name `ours` gives them
 TUNED = list(STRENGTH_KEY)
 CONFIRM_SEEDS = tuple(range(1, 9))
 D_SEEDS = (1, 2, 3)
@@ -49,15 +51,16 @@ EXTRAPOLATE = (6, 9, 18, 24)  # stage E: val loss at these K minus at 12
 COLUMNS = ["variant", "seed", "lr", "strength", "verdict", "val_loss", "exploded", "unigram", "loops", "path"]
 
 
-def _dirs(folder: Path) -> list[Path]:
-    """The runs of a stage folder: its records or run folders, or those of each folder one level down."""
+def _dirs(folder: Path, depth: int = 2) -> list[Path]:
+    """The runs of a stage folder: its records or run folders, or those of the folders up to `depth` levels down
+    (a stage's slice folder holding the archive `--archive-to` names after its study: A-strength-1/fixed/<study>/)."""
     try:
         return run_dirs(folder)
     except StorageError:
-        subs = sorted(p for p in folder.iterdir() if p.is_dir())
-        if not subs:
+        subs = sorted(p for p in folder.iterdir() if p.is_dir() and not p.is_symlink())
+        if not subs or depth == 0:
             raise
-        return [d for p in subs for d in run_dirs(p)]
+        return [d for p in subs for d in _dirs(p, depth - 1)]
 
 
 def runs_in(folder: Path, strength: float | None = None) -> tuple[pd.DataFrame, int]:
@@ -153,13 +156,26 @@ def stage_b(got, a_runs, strengths: dict | None) -> tuple[dict | None, list[str]
     return best, [said]
 
 
-def stage_c(got) -> tuple[pd.DataFrame | None, pd.DataFrame, list[str]]:
+def stage_c(got, strengths: dict | None = None,
+            best: dict | None = None) -> tuple[pd.DataFrame | None, pd.DataFrame, list[str]]:
     """(the primary's table once all 96 runs are in, else None; C's runs; its lines). A partial stage C is
-    listed, never tested (the plan's cut-off)."""
+    listed, never tested (the plan's cut-off); nor is one before stage B has chosen each variant's lr, and a run at
+    another strength or lr than stages A and B chose is counted and left out (the plan runs C at those only)."""
     runs = pd.DataFrame(columns=COLUMNS) if got is None else got[0]
-    runs = runs[runs.variant.isin(VARIANTS) & runs.seed.isin(CONFIRM_SEEDS)].drop_duplicates(["variant", "seed"])
+    runs = runs[runs.variant.isin(VARIANTS) & runs.seed.isin(CONFIRM_SEEDS)]
+    if got is not None and best is None:
+        return None, runs.drop_duplicates(["variant", "seed"]), [
+            f"Stage C (the primary, seeds 1-8): {len(runs)} runs archived, not read (stage B has not chosen the lrs)."]
+    off = 0
+    if best is not None:
+        chosen = runs.variant.map(lambda v: (strengths or {}).get(v, {"value": 1.0})["value"])
+        at = (runs.strength == chosen) & (runs.lr == runs.variant.map(lambda v: best[v]["value"]))
+        runs, off = runs[at], int((~at).sum())
+    runs = runs.drop_duplicates(["variant", "seed"])
     done, said = status(None if got is None else (runs, got[1]), len(VARIANTS) * len(CONFIRM_SEEDS),
                         "Stage C (the primary, seeds 1-8)")
+    if off:
+        said += f" {off} runs at another strength or lr than stages A and B chose, left out."
     if not done:
         if len(runs):
             said += " Archived: " + ", ".join(f"{v} {len(g)}" for v, g in runs.groupby("variant", sort=False)) + \
@@ -282,7 +298,7 @@ def sections(stages: dict) -> tuple[list[str], dict]:
     a_runs = stages["A"][0] if stages["A"] else None
     strengths, a_lines = stage_a(stages["A"])
     best, b_lines = stage_b(stages["B"], a_runs, strengths)
-    tests, c_runs, c_lines = stage_c(stages["C"])
+    tests, c_runs, c_lines = stage_c(stages["C"], strengths, best)
     margins, extra = stage_d(stages["D"], best), stage_e(c_runs)
     out = ["**The answer** (stage C's val loss at each variant's tuned strength and best lr against FLT; "
            "margin: stage D's breaking lr over the best lr, median over seeds 1-3 on the log2 scale):", "",

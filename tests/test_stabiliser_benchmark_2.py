@@ -42,18 +42,18 @@ def fake(template, where: Path, variant: str, seed: int, lr: float, verdict: str
 # Stage A by hand: (variant, strength) -> seed 101, seed 102 as (verdict, val loss)
 ST, UN = "stable", "unstable"
 A_PLAN = {
-    "jacobian-fro": {0.5: ((ST, 1.0), (UN, 1.0)), 1.0: ((ST, 2.0), (ST, 2.2)), 2.0: ((ST, 1.5), (ST, 1.7)),
+    "jacobian-fro-source": {0.5: ((ST, 1.0), (UN, 1.0)), 1.0: ((ST, 2.0), (ST, 2.2)), 2.0: ((ST, 1.5), (ST, 1.7)),
                      4.0: ((ST, 3.0), (ST, 3.0))},  # 0.5 is lowest but one seed unstable: 2 chosen
-    "stars": {x: ((UN, 1.0), (ST, 1.0)) for x in S.STRENGTHS},  # none stable on both: x 1, labelled
+    "stars-source": {x: ((UN, 1.0), (ST, 1.0)) for x in S.STRENGTHS},  # none stable on both: x 1, labelled
     "residual-scale": {0.5: ((ST, 2.5), (ST, 2.0)), 1.0: ((ST, 2.5), (ST, 2.5)), 2.0: ((ST, 1.75), (ST, 2.25)),
                        4.0: ((ST, 1.5), (ST, 2.5))},  # 2 and 4 tie at mean 2.0: nearest x 1 taken, 2
     "deeploop": {0.5: ((ST, 2.0), (ST, 2.0)), 1.0: ((ST, 2.5), (ST, 2.5)), 2.0: ((ST, 2.0), (ST, 2.0)),
                  4.0: ((ST, 1.0), (ST, 9.0))},  # 0.5 and 2 tie at the same distance: the lower, 0.5
-    "parcae": {0.5: ((ST, 2.0), (ST, 2.0)), 1.0: ((ST, 2.0), (ST, 1.9)), 2.0: ((ST, 2.0), (ST, 2.0)),
+    "parcae-source": {0.5: ((ST, 2.0), (ST, 2.0)), 1.0: ((ST, 2.0), (ST, 1.9)), 2.0: ((ST, 2.0), (ST, 2.0)),
                4.0: ((ST, 2.0), (ST, 2.0))},  # plain minimum: 1
 }
-A_CHOSEN = {"jacobian-fro": (2.0, ""), "stars": (1.0, "no stable strength at x 1"), "residual-scale": (2.0, ""),
-            "deeploop": (0.5, ""), "parcae": (1.0, "")}
+A_CHOSEN = {"jacobian-fro-source": (2.0, ""), "stars-source": (1.0, "no stable strength at x 1"), "residual-scale": (2.0, ""),
+            "deeploop": (0.5, ""), "parcae-source": (1.0, "")}
 
 
 def stage_a_archive(template, root: Path, skip: int = 0) -> Path:
@@ -73,10 +73,10 @@ def test_stage_a_chooses_each_strength_as_the_plan_words_it(template, tmp_path):
     chosen, lines = S.stage_a(stages["A"])
     assert lines == ["Stage A (strengths, seeds 101-102, lr x 1): all 40 runs in."]
     assert {v: (c["value"], c["label"]) for v, c in chosen.items()} == A_CHOSEN
-    assert chosen["residual-scale"]["tie"] and chosen["deeploop"]["tie"] and not chosen["parcae"]["tie"]
+    assert chosen["residual-scale"]["tie"] and chosen["deeploop"]["tie"] and not chosen["parcae-source"]["tie"]
     table = S.answer(chosen, None, None, pd.DataFrame(), pd.DataFrame()).set_index("variant")
-    assert table.loc["stars", "strength"] == "x 1 (no stable strength at x 1)"
-    assert table.loc["jacobian-fro", "strength"].startswith("x 2")
+    assert table.loc["stars-source", "strength"] == "x 1 (no stable strength at x 1)"
+    assert table.loc["jacobian-fro-source", "strength"].startswith("x 2")
     assert table.loc["lt", "strength"] == "-" and table.loc["lt", "best lr"] == "not decided"
 
 
@@ -96,25 +96,25 @@ def rows(spec) -> pd.DataFrame:
 
 
 def test_stage_b_best_lr_reuses_stage_a_and_says_no_stable_lr():
-    strengths = {v: dict(value=2.0 if v == "jacobian-fro" else 1.0, label="") for v in S.TUNED}
+    strengths = {v: dict(value=2.0 if v == "jacobian-fro-source" else 1.0, label="") for v in S.TUNED}
     spec = []
     for v in S.VARIANTS:
         x = strengths.get(v, {"value": 1.0})["value"]
         for lr in S.LRS:
             for seed in (101, 102):
-                if v == "jacobian-fro" and lr == 1.0:
+                if v == "jacobian-fro-source" and lr == 1.0:
                     continue  # stage A's runs at the chosen strength stand in
                 verdict = UN if (v == "lt" or (v == "flt" and lr == 4.0 and seed == 102)) else ST
                 val = {"flt": {0.5: 2.0, 1.0: 1.8, 2.0: 1.9, 4.0: 1.0}}.get(v, {0.5: 2.0, 1.0: 2.0, 2.0: 1.5,
                                                                                     4.0: 1.7})[lr]
                 spec.append((v, seed, lr, x, verdict, val))
-    a_runs = rows([("jacobian-fro", s, 1.0, 1.0, ST, 9.0) for s in (101, 102)]  # another strength: not used
-                  + [("jacobian-fro", s, 1.0, 2.0, ST, 0.5) for s in (101, 102)])
+    a_runs = rows([("jacobian-fro-source", s, 1.0, 1.0, ST, 9.0) for s in (101, 102)]  # another strength: not used
+                  + [("jacobian-fro-source", s, 1.0, 2.0, ST, 0.5) for s in (101, 102)])
     best, lines = S.stage_b((rows(spec), 0), a_runs, strengths)
     assert lines[0].endswith("all 96 runs in.")
     assert best["flt"]["value"] == 1.0  # x 4 is lowest but seed 102 unstable there
     assert best["lt"]["value"] == 0.5 and best["lt"]["label"] == "no stable lr in x 0.5-4"
-    assert best["jacobian-fro"]["value"] == 1.0  # stage A's runs at strength x 2 (0.5) reused; x 1's (9.0) not
+    assert best["jacobian-fro-source"]["value"] == 1.0  # stage A's runs at strength x 2 (0.5) reused; x 1's (9.0) not
     assert best["huginn"]["value"] == 2.0
     short, lines = S.stage_b((rows(spec[1:]), 0), a_runs, strengths)
     assert short is None and "not finished (95 of 96 runs)" in lines[0]
@@ -159,12 +159,30 @@ def test_primary_against_scipy_brute_force_and_holm_by_hand():
 
 
 def test_a_partial_stage_c_is_not_finished_and_has_no_test(template, tmp_path):
-    for i, v in enumerate(["flt", "lt", "parcae"]):
+    for i, v in enumerate(["flt", "lt", "parcae-source"]):
         fake(template, tmp_path / "C" / f"{v}-1", v, 1, 1.0, ST, 2.0 + i)
     text = S.report(tmp_path)
-    assert "Stage C (the primary, seeds 1-8): not finished (3 of 96 runs)." in text
-    assert "No test until all are in." in text
+    assert "Stage C (the primary, seeds 1-8): 3 runs archived, not read (stage B has not chosen the lrs)." in text
     assert "The primary (" not in text and "p (Holm)" not in text
+    best = {v: dict(value=1.0) for v in S.VARIANTS}
+    tests, _, said = S.stage_c(S.read_archive(tmp_path)["C"], {}, best)
+    assert tests is None and said == ["Stage C (the primary, seeds 1-8): not finished (3 of 96 runs). Archived: flt 1, "
+                                      "lt 1, parcae-source 1. No test until all are in."]
+
+
+def test_stage_c_reads_only_runs_at_the_strength_and_lr_stages_a_and_b_chose():
+    """96 runs at the chosen settings and two beside them (another lr, another strength): the two are counted and
+    left out, and the test is the one of the 96 alone."""
+    strengths = {v: dict(value=2.0) for v in S.TUNED}
+    best = {v: dict(value=0.5 if v == "lt" else 1.0) for v in S.VARIANTS}
+    spec = [(v, s, best[v]["value"], strengths.get(v, {"value": 1.0})["value"], ST, 2.0 + 0.01 * s)
+            for v in S.VARIANTS for s in S.CONFIRM_SEEDS]
+    extra = [("lt", 1, 1.0, 1.0, ST, 0.1), ("deeploop", 2, 1.0, 1.0, ST, 0.1)]  # lt at x 1; deeploop at strength 1
+    tests, runs, said = S.stage_c((rows(extra + spec), 0), strengths, best)
+    assert said == ["Stage C (the primary, seeds 1-8): all 96 runs in. 2 runs at another strength or lr than stages A "
+                    "and B chose, left out."]
+    assert len(runs) == 96 and 0.1 not in set(runs.val_loss)
+    assert tests.set_index("variant").loc["lt", "median"] == pytest.approx(np.median([2.0 + 0.01 * s for s in range(1, 9)]))
 
 
 def test_stage_d_breaking_lr_margin_and_failure_kind():
@@ -187,10 +205,10 @@ def test_stage_e_extrapolation_is_the_median_of_loss_at_k_minus_at_12(tmp_path):
         d.mkdir()
         pd.DataFrame(dict(loops=[6, 9, 12, 18, 24], val_loss=[3.0 + add, 2.5, 2.0, 2.2 + add, 2.4])).to_csv(
             d / "eval_loops.csv", index=False)
-        spec.append(("parcae", seed, 1.0, 1.0, ST, 2.0))
+        spec.append(("parcae-source", seed, 1.0, 1.0, ST, 2.0))
     runs = rows(spec).assign(path=[str(tmp_path / f"r{s}") for s in (1, 2, 3)])
     e = S.stage_e(runs)
-    assert e.loc["parcae"].to_dict() == pytest.approx({"K=6": 1.1, "K=9": 0.5, "K=18": 0.3, "K=24": 0.4, "runs": 3})
+    assert e.loc["parcae-source"].to_dict() == pytest.approx({"K=6": 1.1, "K=9": 0.5, "K=18": 0.3, "K=24": 0.4, "runs": 3})
 
 
 def test_the_dynamics_count_exploded_and_unigram_runs_instead_of_averaging_them(tmp_path):
@@ -226,3 +244,20 @@ def test_the_figure_is_drawn(template, tmp_path):
             fake(template, tmp_path / "arch" / "B" / f"{v}-{lr:g}", v, 101, lr, ST, 2.0 + lr)
     assert S.main([str(tmp_path / "arch"), "--out", str(tmp_path / "fig")]) == 0
     assert (tmp_path / "fig" / "stabiliser-benchmark-2.png").stat().st_size > 1000
+
+
+def test_a_stage_folder_reads_runs_two_levels_down_as_slices_archive_them(template, tmp_path):
+    """`--archive-to A-strength-2/fixed` archives into A-strength-2/fixed/<study folder>/ (an archive of records):
+    those runs are stage A's; a third level down is not read (the reader looks no deeper than a slice's archive)."""
+    from flt_diag.cli import main
+    runs = [fake(template, tmp_path / "runs" / f"deeploop-{seed}", "deeploop", seed, 1.0, ST, 2.0, strength=2.0)
+            for seed in (101, 102)]
+    root = tmp_path / "bench"
+    assert main(["archive", *map(str, runs), "--to", str(root / "A-strength-2" / "fixed" / "study")]) == 0
+    got, unfinished = S.read_archive(root)["A"]
+    assert sorted(zip(got.variant, got.seed, got.strength)) == [("deeploop", 101, 2.0), ("deeploop", 102, 2.0)]
+    deeper = tmp_path / "deeper" / "A-strength-2" / "a" / "b"
+    deeper.mkdir(parents=True)
+    (root / "A-strength-2" / "fixed").rename(deeper / "c")
+    with pytest.raises(S.StorageError):
+        S.read_archive(tmp_path / "deeper")
