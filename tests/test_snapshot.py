@@ -5,6 +5,7 @@ started with --snapshot keeps training the pinned code after the checkout moves 
 makes its snapshot again once deleted, and a dirty or non-git checkout is refused with one line."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -98,12 +99,15 @@ def test_a_snapshot_campaign_runs_its_pinned_code_while_the_checkout_moves(tmp_p
     assert resumed.returncode == 0, resumed.stderr
     assert _probe_code(out, 1)["commit"] == pinned != moved
     assert Path(_probe_code(out, 1)["snapshot"]).resolve() == snap.resolve()
-    shutil.rmtree(snap)  # deleted: made again from its commit
-    rest = _flt_diag(checkout, *MAP, "--out", str(out))
+    shutil.rmtree(snap)  # deleted: made again from its commit; the last line by a submitit task where there is submitit
+    submit = ["--submit", "local"] if importlib.util.find_spec("submitit") else []
+    rest = _flt_diag(checkout, *MAP, "--out", str(out), *submit)
     assert rest.returncode == 0, rest.stderr
     assert f"code snapshot {snap} is missing: made again from commit {pinned[:12]}" in rest.stdout
     assert json.loads((snap / MARKER).read_text())["commit"] == pinned
     assert _probe_code(out, 2)["commit"] == pinned and not list(out.glob("cells/*/error.txt"))
+    assert Path(_probe_code(out, 2)["snapshot"]).resolve() == snap.resolve()
+    assert (out / "jobs").is_dir() == bool(submit)  # (submitit's folder: its task trained the probe)
     status = _flt_diag(checkout, "status", str(out))
     assert f"snapshot: {snap} (commit {pinned[:12]}, present)" in status.stdout.splitlines()
 
