@@ -18,7 +18,7 @@ from flt_diag.grids.leases import LeaseTimes
 from flt_diag.grids.stability_map import MapSpec, prepare_map_folder
 from flt_diag.grids.sweep import run_cell, write_summary
 from flt_diag.judge.map_boundaries import MAP_CSV, boundaries
-from flt_diag.storage.code_snapshot import ENV, imported_from
+from flt_diag.storage.code_snapshot import ENV, IMPORTED, imported_from
 from flt_diag.storage.errors import StorageError
 from flt_diag.storage.folders import atomic_path, refuse_not_a_folder
 from flt_diag.training import preemption
@@ -47,8 +47,7 @@ class MapWorker:
 
     def __call__(self, task: int) -> int:
         if self.snapshot and not imported_from(Path(self.snapshot)):  # (a task that imported other code: refused)
-            import flt_diag
-            raise StorageError(f"task {task} imported flt_diag from {Path(str(flt_diag.__file__)).parent}, not from "
+            raise StorageError(f"task {task} imported flt_diag from {IMPORTED}, not from "
                                f"the campaign's code snapshot {self.snapshot}")
         try:
             return work(self.spec, self.out, self.runner, self.times, lambda text: print(text, flush=True),

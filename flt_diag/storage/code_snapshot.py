@@ -111,14 +111,12 @@ def snapshot_code(root: Path) -> dict | None:
             "snapshot": str(root)}
 
 
+IMPORTED = Path(__file__).resolve().parents[1]  # the flt_diag package this process imported (this module's)
+
+
 def imported_from(root: Path) -> bool:
     """Whether the flt_diag this process imported lies in folder `root`."""
-    import flt_diag
-    try:
-        Path(str(flt_diag.__file__)).resolve().relative_to(Path(root).resolve())
-    except ValueError:
-        return False
-    return True
+    return IMPORTED.is_relative_to(Path(root).resolve())
 
 
 def check_snapshot() -> None:
@@ -126,9 +124,8 @@ def check_snapshot() -> None:
     the campaign runs from a snapshot (ENV names it), refuse unless flt_diag was imported from there."""
     root = os.environ.get(ENV)
     if root and not imported_from(Path(root)):
-        import flt_diag
         raise StorageError(f"this campaign runs from its code snapshot {root}, but flt_diag was imported from "
-                           f"{Path(str(flt_diag.__file__)).parent}: put the snapshot first on PYTHONPATH")
+                           f"{IMPORTED}: put the snapshot first on PYTHONPATH")
 
 
 def running_snapshot(out: Path) -> dict | None:
