@@ -49,6 +49,19 @@ def test_a_snapshot_holds_the_commits_files_and_names_that_commit_until_edited(t
         make_snapshot(REPO, "0" * 40, tmp_path / "other")
 
 
+def test_tasks_racing_to_make_one_snapshot_all_get_it(tmp_path):
+    """The tasks of a job array started with --snapshot make the same snapshot at once: one wins the rename, the
+    others find it made; no temporary folder is left."""
+    head, where = git(REPO, "rev-parse", "HEAD"), tmp_path / ".code" / "snap"
+    code = ("import sys; from pathlib import Path; from flt_diag.storage.code_snapshot import make_snapshot; "
+            "make_snapshot(Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]))")
+    tasks = [subprocess.Popen([sys.executable, "-c", code, str(REPO), head, str(where)], stderr=subprocess.PIPE)
+             for _ in range(4)]
+    assert [t.wait(timeout=120) for t in tasks] == [0] * 4, [t.stderr.read() for t in tasks if t.stderr]
+    assert json.loads((where / MARKER).read_text())["commit"] == head
+    assert [p.name for p in where.parent.iterdir()] == ["snap"]
+
+
 def test_a_process_that_imported_flt_diag_elsewhere_refuses_to_train(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV, str(tmp_path))  # this process imported flt_diag from the worktree, not from tmp_path
     with pytest.raises(StorageError, match="imported from"):

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -78,10 +79,12 @@ def make_snapshot(repo: Path, commit: str, where: Path) -> Path:
     if done.returncode != 0 or len(done.stdout) > MAX_ARCHIVE_BYTES:
         raise StorageError(f"git archive of commit {commit[:12]} failed: "
                            f"{done.stderr.decode(errors='replace').strip().splitlines()[-1:] or 'too large'}")
-    tmp = where.with_name(f".{where.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tmp.mkdir(parents=True)
+        where.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{where.name}.", suffix=".tmp", dir=where.parent))
+    except OSError as e:
+        raise StorageError(f"cannot write the code snapshot {where}: {e}") from None
+    try:
         with tarfile.open(fileobj=io.BytesIO(done.stdout)) as tar:
             tar.extractall(tmp, filter="data")
         info = dict(commit=commit, source=str(repo), digest=files_digest(tmp), made=time.strftime("%Y-%m-%dT%H:%M:%S"))
@@ -89,11 +92,12 @@ def make_snapshot(repo: Path, commit: str, where: Path) -> Path:
         for p in tmp.rglob("*"):
             if p.is_file():
                 p.chmod(0o444)
-        if where.exists():
-            where.rmdir()  # (empty: checked above)
-        os.replace(tmp, where)
+        os.replace(tmp, where)  # (onto an empty folder, or none)
     except (OSError, tarfile.TarError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        won = read_marker(where)  # another task of the same job array made it first: that one is used
+        if won is not None and won["commit"] == commit:
+            return where
         raise StorageError(f"cannot write the code snapshot {where}: {e}") from None
     return where
 
