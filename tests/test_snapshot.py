@@ -62,6 +62,22 @@ def test_tasks_racing_to_make_one_snapshot_all_get_it(tmp_path):
     assert [p.name for p in where.parent.iterdir()] == ["snap"]
 
 
+def test_a_crafted_snapshot_entry_is_one_line_and_no_commit_reaches_git_as_an_option(tmp_path):
+    from flt_diag.cli.snapshot_exec import recorded_snapshot
+    head = git(REPO, "rev-parse", "HEAD")
+    for entry in ({"path": ".code/x", "commit": "--output=/tmp/owned"}, {"path": 3, "commit": head}, {"commit": head}):
+        out = tmp_path / "m"
+        out.mkdir(exist_ok=True)
+        (out / "sweep.json").write_text(json.dumps({"campaign": {"code": {}, "snapshot": entry}}))
+        with pytest.raises(StorageError, match=r"\[campaign\] snapshot is not"):
+            recorded_snapshot(out, None)
+    (out / "sweep.json").write_text(json.dumps({"campaign": {"code": {}, "snapshot": {"path": "s", "commit": head}}}))
+    assert recorded_snapshot(out, None) == {"path": "s", "commit": head}
+    with pytest.raises(StorageError, match="is not a commit"):
+        make_snapshot(REPO, "--output=/tmp/owned", tmp_path / "s")
+    assert not (tmp_path / "s").exists()
+
+
 def test_a_process_that_imported_flt_diag_elsewhere_refuses_to_train(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV, str(tmp_path))  # this process imported flt_diag from the worktree, not from tmp_path
     with pytest.raises(StorageError, match="imported from"):

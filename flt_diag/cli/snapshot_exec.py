@@ -13,8 +13,9 @@ from pathlib import Path
 
 from flt_diag.cli.options import UserError
 from flt_diag.storage.campaign import read_campaign
-from flt_diag.storage.code_snapshot import (CODE_DIR, ENV, check_snapshot, make_snapshot, read_marker,
-                                            recorded_folder)
+from flt_diag.storage.code_snapshot import (CODE_DIR, ENV, check_snapshot, is_commit, make_snapshot,
+                                            read_marker, recorded_folder)
+from flt_diag.storage.errors import StorageError
 from flt_diag.storage.code_version import PACKAGE_ROOT, code_version
 from flt_diag.storage.folders import SWEEP_SPEC, read_json
 
@@ -23,7 +24,8 @@ command_line: list[str] = []  # this process's arguments (set by flt_diag.cli.ap
 
 def recorded_snapshot(out: Path, archive_to: Path | None) -> dict | None:
     """The snapshot ({"path", "commit"}) the campaign of folder `out` (or, for a fresh folder, of its archive)
-    records; None where none is recorded, or the spec cannot be read (the command then says why itself)."""
+    records; None where none is recorded, or the spec cannot be read (the command then says why itself); a
+    damaged entry is one line."""
     for spec in (Path(out) / SWEEP_SPEC, *([Path(archive_to) / Path(out).name / SWEEP_SPEC] if archive_to else [])):
         if spec.is_file():
             try:
@@ -31,8 +33,11 @@ def recorded_snapshot(out: Path, archive_to: Path | None) -> dict | None:
             except (OSError, ValueError):
                 return None
             snapshot = None if campaign is None else campaign.snapshot
-            ok = isinstance(snapshot, dict) and isinstance(snapshot.get("commit"), str) and snapshot.get("path")
-            return snapshot if ok else None
+            if snapshot is not None and not (is_commit(snapshot.get("commit")) and isinstance(snapshot.get("path"), str)
+                                             and snapshot["path"]):
+                raise StorageError(f"{spec}: [campaign] snapshot is not {{\"path\": a folder, \"commit\": 40 hex "
+                                   "digits}")
+            return snapshot
     return None
 
 

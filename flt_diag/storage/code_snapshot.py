@@ -11,6 +11,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import tarfile
@@ -42,6 +43,10 @@ def files_digest(root: Path) -> str:
     return h.hexdigest()
 
 
+def is_commit(text) -> bool:
+    return isinstance(text, str) and re.fullmatch(r"[0-9a-f]{40}", text) is not None
+
+
 def read_marker(root: Path) -> dict | None:
     """The marker of a snapshot folder ({"commit", "source", "digest", "made"}), None where there is none or it
     is damaged (then the folder is no snapshot)."""
@@ -49,8 +54,7 @@ def read_marker(root: Path) -> dict | None:
         marker = json.loads(read_bounded(Path(root) / MARKER, MAX_MARKER_BYTES, "snapshot marker"))
     except (OSError, ValueError):  # (StorageError is a ValueError)
         return None
-    ok = isinstance(marker, dict) and isinstance(marker.get("commit"), str) and len(marker["commit"]) == 40
-    return marker if ok else None
+    return marker if isinstance(marker, dict) and is_commit(marker.get("commit")) else None
 
 
 def _git(repo: Path, *args: str) -> subprocess.CompletedProcess:
@@ -67,6 +71,8 @@ def make_snapshot(repo: Path, commit: str, where: Path) -> Path:
     temporary sibling first and renamed into place, so that a kill leaves no half snapshot; they are made
     read-only (a snapshot is not edited)."""
     where = Path(where)
+    if not is_commit(commit):  # (never handed to git as an option)
+        raise StorageError(f"{str(commit)[:60]!r} is not a commit (40 hex digits): no code snapshot is made of it")
     marker = read_marker(where)
     if marker is not None and marker["commit"] == commit:
         return where
