@@ -154,3 +154,25 @@ def test_a_dirty_or_non_git_checkout_is_refused_with_one_line(tmp_path):
     bare = _flt_diag(copy, *MAP, "--out", str(tmp_path / "m"), "--snapshot")
     assert bare.returncode == 2 and len(bare.stderr.strip().splitlines()) == 1
     assert "not run from a git checkout" in bare.stderr and not (tmp_path / "m").exists()
+
+
+def test_a_fresh_folder_resumed_from_its_archive_runs_the_archived_campaigns_snapshot(tmp_path):
+    """On a fresh machine (a fresh folder of the same name, the same --archive-to) the campaign's snapshot is read
+    from the archive's sweep.json and made there from its commit, though the checkout has moved on."""
+    checkout, archive = tmp_path / "checkout", tmp_path / "archive"
+    git(tmp_path, "clone", "-q", str(REPO), str(checkout))
+    pinned = git(checkout, "rev-parse", "HEAD")
+    first = _flt_diag(checkout, *MAP, "--out", str(tmp_path / "a" / "m"), "--archive-to", str(archive), "--snapshot",
+                      "--cell", "0")
+    assert first.returncode == 0, first.stderr
+    trainer = checkout / "flt_diag" / "training" / "trainer.py"
+    trainer.write_text(trainer.read_text() + "\nraise RuntimeError('the moved checkout')\n")
+    git(checkout, "commit", "-qam", "a change that breaks training")
+    fresh = tmp_path / "b" / "m"
+    resumed = _flt_diag(checkout, *MAP, "--out", str(fresh), "--archive-to", str(archive), "--cell", "1")
+    assert resumed.returncode == 0, resumed.stderr
+    snap = fresh / ".code" / pinned[:12]
+    assert f"code snapshot {snap} is missing: made again from commit {pinned[:12]}" in resumed.stdout
+    assert _probe_code(fresh, 1)["commit"] == pinned
+    assert Path(_probe_code(fresh, 1)["snapshot"]).resolve() == snap.resolve()
+    assert json.loads((archive / "m" / "sweep.json").read_text())["campaign"]["snapshot"]["commit"] == pinned
