@@ -176,3 +176,13 @@ def test_a_fresh_folder_resumed_from_its_archive_runs_the_archived_campaigns_sna
     assert _probe_code(fresh, 1)["commit"] == pinned
     assert Path(_probe_code(fresh, 1)["snapshot"]).resolve() == snap.resolve()
     assert json.loads((archive / "m" / "sweep.json").read_text())["campaign"]["snapshot"]["commit"] == pinned
+    # moved on to a new snapshot only with --snapshot and --allow-code-change (the change recorded)
+    git(checkout, "revert", "--no-edit", "HEAD")
+    fixed = git(checkout, "rev-parse", "HEAD")
+    moved = _flt_diag(checkout, *MAP, "--out", str(fresh), "--archive-to", str(archive), "--cell", "2",
+                      "--snapshot", "--allow-code-change")
+    assert moved.returncode == 0, moved.stderr
+    campaign = json.loads((fresh / "sweep.json").read_text())["campaign"]
+    assert campaign["snapshot"] == {"path": f".code/{fixed[:12]}", "commit": fixed}
+    assert campaign["changes"][-1]["code"]["commit"] == fixed and campaign["code"]["commit"] == pinned
+    assert _probe_code(fresh, 2)["commit"] == fixed

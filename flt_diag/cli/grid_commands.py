@@ -52,7 +52,7 @@ def _campaign(o: RunAblationOptions | MapOptions):
 def _snapshot(o: RunAblationOptions | MapOptions, out: Path) -> None:
     """--snapshot (or a folder that records one): re-run this command from the campaign's code snapshot (exec)."""
     from flt_diag.cli.snapshot_exec import run_from_snapshot
-    run_from_snapshot(out, o.snapshot, o.snapshot_dir, o.archive_to)
+    run_from_snapshot(out, o.snapshot, o.snapshot_dir, o.archive_to, o.allow_code_change)
 
 
 def _listed_or_picked(items: list, o: RunAblationOptions | MapOptions, line) -> bool:

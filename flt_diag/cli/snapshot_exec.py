@@ -54,16 +54,21 @@ def _new_snapshot(out: Path, snapshot_dir: Path | None) -> tuple[str, Path]:
     return commit, Path(snapshot_dir) if snapshot_dir else Path(out) / CODE_DIR / commit[:12]
 
 
-def run_from_snapshot(out: Path, snapshot: bool, snapshot_dir: Path | None, archive_to: Path | None) -> None:
+def run_from_snapshot(out: Path, snapshot: bool, snapshot_dir: Path | None, archive_to: Path | None,
+                      allow_change: bool = False) -> None:
     """Return where this command runs here (no snapshot asked or recorded), or already in its snapshot (checked:
     flt_diag imported from there, else one line); otherwise make the snapshot where missing and exec the command
-    in it (never returns)."""
+    in it (never returns). --snapshot with --allow-code-change moves a campaign to a new snapshot of the checkout
+    (the change then recorded as any allowed change)."""
     if os.environ.get(ENV):
         check_snapshot()
         return
+    asked = snapshot or snapshot_dir is not None
     recorded = recorded_snapshot(out, archive_to)
-    if recorded is None and not (snapshot or snapshot_dir):
+    if recorded is None and not asked:
         return
+    if recorded is not None and asked and allow_change:
+        recorded = None  # (a new snapshot of the checkout's HEAD, recorded in place of the old)
     if sys.version_info < (3, 11):
         raise UserError("--snapshot needs Python 3.11 or later (PYTHONSAFEPATH keeps the working folder's flt_diag "
                         "from shadowing the snapshot's)")
