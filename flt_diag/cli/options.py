@@ -85,7 +85,8 @@ class FolderOptions(ClusterOptions):
                          "commit is written out (flt_diag/ of `git archive`) into <out>/.code/<commit>/, and every "
                          "process of the campaign imports flt_diag from there, so the checkout may change (even be "
                          "checked out at another commit) while it runs. A folder that records a snapshot always runs "
-                         "from it (made again from its commit where deleted).")
+                         "from it (made again from its commit where deleted); with --allow-code-change, a new snapshot "
+                         "of the checkout replaces it.")
     snapshot_dir: Optional[Path] = opt(None, "With --snapshot (implied): write the snapshot into this folder instead "
                                        "of <out>/.code/<commit>/.")
 
