@@ -186,3 +186,27 @@ def test_a_fresh_folder_resumed_from_its_archive_runs_the_archived_campaigns_sna
     assert campaign["snapshot"] == {"path": f".code/{fixed[:12]}", "commit": fixed}
     assert campaign["changes"][-1]["code"]["commit"] == fixed and campaign["code"]["commit"] == pinned
     assert _probe_code(fresh, 2)["commit"] == fixed
+
+
+def test_a_slurm_jobs_script_sets_the_snapshot_for_its_tasks(tmp_path, monkeypatch):
+    """`--submit slurm` from a snapshot: the sbatch script submitit writes exports the snapshot's variables before
+    the task starts (a fake `srun` on PATH stands in for a cluster; the script is submitit's own text)."""
+    from types import SimpleNamespace
+
+    from flt_diag.grids.slurm import executor
+    submitit_slurm = pytest.importorskip("submitit.slurm.slurm")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "srun").write_text("#!/bin/sh\n")
+    (tmp_path / "bin" / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    snap = tmp_path / "a snapshot"
+    monkeypatch.setenv(ENV, str(snap))
+    monkeypatch.setenv("PYTHONPATH", f"{snap}{os.pathsep}/elsewhere")
+    monkeypatch.setenv("PYTHONSAFEPATH", "1")
+    ex = executor("slurm", tmp_path / "jobs", SimpleNamespace(time=10, partition=None, array_parallelism=None))
+    script = submitit_slurm._make_sbatch_string(command="python -m submitit.core._submit", folder=tmp_path / "jobs",
+                                                **ex._executor.parameters)
+    lines = script.splitlines()
+    assert f"export {ENV}='{snap}'" in lines and f"export PYTHONPATH='{snap}{os.pathsep}/elsewhere'" in lines
+    assert "export PYTHONSAFEPATH=1" in lines
+    assert lines.index("export PYTHONSAFEPATH=1") < next(i for i, x in enumerate(lines) if "submitit.core._submit" in x)
