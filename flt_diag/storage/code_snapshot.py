@@ -83,8 +83,8 @@ def make_snapshot(repo: Path, commit: str, where: Path) -> Path:
                            f"snapshot {where} (fetch that commit there)")
     done = _git(repo, "archive", "--format=tar", commit, "--", PACKAGE)
     if done.returncode != 0 or len(done.stdout) > MAX_ARCHIVE_BYTES:
-        raise StorageError(f"git archive of commit {commit[:12]} failed: "
-                           f"{done.stderr.decode(errors='replace').strip().splitlines()[-1:] or 'too large'}")
+        said = done.stderr.decode(errors="replace").strip().splitlines()
+        raise StorageError(f"git archive of commit {commit[:12]} failed: {said[-1] if said else 'too large'}")
     try:
         where.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{where.name}.", suffix=".tmp", dir=where.parent))
@@ -95,6 +95,7 @@ def make_snapshot(repo: Path, commit: str, where: Path) -> Path:
             tar.extractall(tmp, filter="data")
         info = dict(commit=commit, source=str(repo), digest=files_digest(tmp), made=time.strftime("%Y-%m-%dT%H:%M:%S"))
         (tmp / MARKER).write_text(json.dumps(info, indent=1))
+        tmp.chmod(0o755)  # (mkdtemp's 0700: readable as any folder of the campaign's)
         for p in tmp.rglob("*"):
             if p.is_file():
                 p.chmod(0o444)
