@@ -170,6 +170,8 @@ def parse(argv: list[str]):
 
 
 def run(argv: list[str]) -> int:
+    from flt_diag.cli import snapshot_exec
+    snapshot_exec.command_line[:] = argv  # (what a command re-run from its code snapshot repeats)
     parsed = parse(argv)
     if isinstance(parsed, int) or parsed is None:
         return parsed or 0

@@ -26,6 +26,12 @@ def contradiction(o: MapOptions, spec: dict) -> str | None:
     return None
 
 
+def baseline_out(o: MapOptions) -> Path:
+    """The pooled folder: --out, or runs/<baseline>+<new variants>."""
+    assert o.baseline is not None
+    return o.out or Path("runs") / f"{Path(o.baseline).resolve().name}+{'+'.join(o.variants)}"
+
+
 def cmd_map_baseline(o: MapOptions, campaign) -> int:
     """The pooled map (`campaign`: the command's CampaignOptions)."""
     from flt_diag.grids.baseline import read_baseline, run_baseline_map
@@ -39,7 +45,7 @@ def cmd_map_baseline(o: MapOptions, campaign) -> int:
                            "and folder options")
     if o.list_cells:
         raise StorageError("--list with --baseline: list the pooled folder with `flt-diag status --out`")
-    out = o.out or Path("runs") / f"{Path(o.baseline).resolve().name}+{'+'.join(o.variants)}"
+    out = baseline_out(o)
     print(f"map --baseline {o.baseline}: {len(spec['variants'])} baseline variants + {', '.join(o.variants)}; "
           f"canaries first", flush=True)
     run_baseline_map(o.baseline, list(o.variants), out, o.accept_baseline_drift,

@@ -1,6 +1,6 @@
 """The commands that run grids of runs and watch them (flt_diag.cli.commands lists them with the others):
 `run-ablation`, `map`, `study` (either, from a file) and `status`; each with the campaign options (--archive-to,
---allow-code-change: docs/DESIGN.md §5, "Campaigns")."""
+--allow-code-change, --snapshot: docs/DESIGN.md §5, "Campaigns")."""
 from __future__ import annotations
 
 import sys
@@ -26,6 +26,7 @@ def cmd_run_ablation(o: RunAblationOptions) -> int:
     status = _cell_states(out) if o.list_cells else {}
     if _listed_or_picked(cells, o, lambda c: f"{c.index:4d}  {c.name:32s} {status.get(c.name, 'open')}"):
         return 0
+    _snapshot(o, out)
     m, n = spec.base.model, count_parameters(spec.base.model)
     print(f"model: L={m.depth} d={m.width} heads={m.heads}, {n:,} parameters ({n / 1e6:.1f}M) per cell", flush=True)
     df = run_sweep(spec, out, workers=o.workers, only_cell=cell, show_progress=not o.quiet, options=_campaign(o))
@@ -46,6 +47,12 @@ def _campaign(o: RunAblationOptions | MapOptions):
     from flt_diag.grids.campaign import CampaignOptions
     from flt_diag.results.run_archiver import FolderArchive
     return CampaignOptions(o.allow_code_change, None if o.archive_to is None else FolderArchive(o.archive_to))
+
+
+def _snapshot(o: RunAblationOptions | MapOptions, out: Path) -> None:
+    """--snapshot (or a folder that records one): re-run this command from the campaign's code snapshot (exec)."""
+    from flt_diag.cli.snapshot_exec import run_from_snapshot
+    run_from_snapshot(out, o.snapshot, o.snapshot_dir, o.archive_to, o.allow_code_change)
 
 
 def _listed_or_picked(items: list, o: RunAblationOptions | MapOptions, line) -> bool:
@@ -75,7 +82,9 @@ def _failed_cells(out: Path, cells) -> int:
 def cmd_map(o: MapOptions) -> int:
     """Where each variant's training breaks: bisection along lr scale or depth, per variant and K."""
     if o.baseline is not None:
-        from flt_diag.cli.baseline_command import cmd_map_baseline
+        from flt_diag.cli.baseline_command import baseline_out, cmd_map_baseline
+        if not o.list_cells:
+            _snapshot(o, baseline_out(o))
         return cmd_map_baseline(o, _campaign(o))
     from flt_diag.cli.specs import map_spec
     from flt_diag.grids.stability_map import run_map
@@ -87,6 +96,7 @@ def cmd_map(o: MapOptions) -> int:
     status = line_status(out, spec.lines()) if o.list_cells else {}
     if _listed_or_picked(spec.lines(), o, lambda line: f"{line.index:4d}  {line.name:32s} {status[line.name]}"):
         return 0
+    _snapshot(o, out)
     print(f"map: {len(spec.lines())} lines x {len(spec.criteria)} criteria; {spec.axis} grid "
           f"{', '.join(f'{x:g}' for x in spec.grid)} (each boundary within x{o.ratio:g})", flush=True)
     if o.submit:  # the workers to a scheduler, probes claimed under leases (flt_diag.grids.slurm)

@@ -81,6 +81,14 @@ class FolderOptions(ClusterOptions):
     allow_code_change: bool = opt(False, "Resume a folder started by other code (another commit, other uncommitted "
                                   "changes, another flt-diag or torch version); without it that is refused. The "
                                   "change is recorded in the folder's sweep.json.")
+    snapshot: bool = opt(False, "Run from a snapshot of the pinned code: at the first start the clean checkout's "
+                         "commit is written out (flt_diag/ of `git archive`) into <out>/.code/<commit>/, and every "
+                         "process of the campaign imports flt_diag from there, so the checkout may change (even be "
+                         "checked out at another commit) while it runs. A folder that records a snapshot always runs "
+                         "from it (made again from its commit where deleted); with --allow-code-change, a new snapshot "
+                         "of the checkout replaces it.")
+    snapshot_dir: Optional[Path] = opt(None, "With --snapshot (implied): write the snapshot into this folder instead "
+                                       "of <out>/.code/<commit>/.")
 
 
 class TrainOptions(Given):

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable, Optional, Protocol
 
 from flt_diag.storage.archive import records_in
+from flt_diag.storage.code_snapshot import running_snapshot
 from flt_diag.storage.campaign import CAMPAIGN, read_campaign, resume_campaign
 from flt_diag.storage.errors import first_line
 from flt_diag.storage.folders import (CELLS, SWEEP_SPEC, StorageError, check_cells, has_content, load_spec,
@@ -79,7 +80,7 @@ def prepare_spec_folder(out: Path, new: dict, what: str, grid_fields: dict, devi
     if old is not None:
         _same_spec(out, old, new, grid_fields)
     campaign = resume_campaign(read_campaign(old or {}, out / SWEEP_SPEC), out, this_machine(device),
-                               options.allow_code_change).as_written()
+                               options.allow_code_change, running_snapshot(out)).as_written()
     if not here:
         try:
             make_folder(out / CELLS, out)

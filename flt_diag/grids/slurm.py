@@ -5,6 +5,8 @@ section 5, "Many machines". submitit is the optional extra `cluster` (pip instal
 """
 from __future__ import annotations
 
+import os
+import shlex
 from pathlib import Path
 from typing import Callable
 
@@ -16,6 +18,7 @@ from flt_diag.grids.leases import LeaseTimes
 from flt_diag.grids.stability_map import MapSpec, prepare_map_folder
 from flt_diag.grids.sweep import run_cell, write_summary
 from flt_diag.judge.map_boundaries import MAP_CSV, boundaries
+from flt_diag.storage.code_snapshot import ENV, IMPORTED, imported_from
 from flt_diag.storage.errors import StorageError
 from flt_diag.storage.folders import atomic_path, refuse_not_a_folder
 from flt_diag.training import preemption
@@ -40,8 +43,12 @@ class MapWorker:
                  run_to_end: bool):
         self.spec, self.out, self.runner, self.times = spec, Path(out), runner, times
         self.probe_ends, self.run_to_end = probe_ends, run_to_end
+        self.snapshot = os.environ.get(ENV)  # the campaign's code snapshot, where it runs from one
 
     def __call__(self, task: int) -> int:
+        if self.snapshot and not imported_from(Path(self.snapshot)):  # (a task that imported other code: refused)
+            raise StorageError(f"task {task} imported flt_diag from {IMPORTED}, not from "
+                               f"the campaign's code snapshot {self.snapshot}")
         try:
             return work(self.spec, self.out, self.runner, self.times, lambda text: print(text, flush=True),
                         self.probe_ends, self.run_to_end)
@@ -65,6 +72,9 @@ def executor(how: str, folder: Path, cluster):
         params.update(slurm_partition=cluster.partition, slurm_additional_parameters={"requeue": True},
                       **({"slurm_array_parallelism": cluster.array_parallelism} if cluster.array_parallelism else {}))
         params = {k: v for k, v in params.items() if v is not None}
+        if os.environ.get(ENV):  # (a campaign run from its code snapshot: the tasks import it too)
+            params["slurm_setup"] = [f"export {name}={shlex.quote(os.environ[name])}"
+                                     for name in (ENV, "PYTHONPATH", "PYTHONSAFEPATH") if name in os.environ]
     ex.update_parameters(**params)
     return ex
 

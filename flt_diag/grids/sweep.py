@@ -27,6 +27,7 @@ from flt_diag.grids.progress import SweepMonitor, cell_status
 from flt_diag.grids.worker_pool import auto_workers, run_parallel
 from flt_diag.judge.summary_table import write_summary
 from flt_diag.storage.cells import RunId
+from flt_diag.storage.code_snapshot import check_snapshot
 from flt_diag.storage.file_models import Summary
 from flt_diag.storage.folders import (BUSY, CELLS, ERROR, StorageError, atomic_write_text, folder_lock, make_folder,
                                       refuse_links, refuse_not_a_folder)
@@ -99,6 +100,7 @@ def run_cell(cfg: RunConfig, cell: RunId, out: str, threads: int | None = None,
                                          **({"device": device} if device else {})})
     run_dir = Path(out) / CELLS / cell.name
     try:
+        check_snapshot()  # a campaign run from its code snapshot: this process must import flt_diag from there
         if threads:
             torch.set_num_threads(threads)
         summary = cast(Summary, train(cfg, run_dir, progress=progress, root=out))  # (one process: rank 0's summary;

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from flt_diag.judge.map_boundaries import boundaries, map_lines, probe_cell, probe_path, spec_from_folder
 from flt_diag.storage.campaign import describe_code, read_campaign
+from flt_diag.storage.code_snapshot import read_marker, recorded_folder
 from flt_diag.storage.cells import RunId
 from flt_diag.storage.file_models import MapSpecFile
 from flt_diag.storage.folders import SWEEP_SPEC, StorageError, cell_path, is_sweep, load_spec, read_json
@@ -81,6 +82,10 @@ def campaign_lines(out: Path) -> list[str]:
     if campaign is None:
         return ["code: not pinned (a folder started before campaigns were pinned: its next run pins it)"]
     lines = [f"code: {describe_code(campaign.code)}", f"machine: {describe_machine(campaign.machine)}"]
+    if campaign.snapshot:
+        where = recorded_folder(Path(out), campaign.snapshot)
+        lines.append(f"snapshot: {where} (commit {str(campaign.snapshot.get('commit'))[:12]}, "
+                     + ("present)" if read_marker(where) else "missing: the next run makes it again)"))
     for change in campaign.changes:
         lines.append(f"code change allowed {change.get('at', '?')} on {change.get('host', '?')}: "
                      f"{describe_code(change.get('code') or {})}")

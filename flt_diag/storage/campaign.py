@@ -29,6 +29,7 @@ class Campaign(FreeFileModel):
     code: dict
     machine: Optional[dict] = None
     changes: list[dict] = Field(default_factory=list, max_length=MAX_ITEMS)
+    snapshot: Optional[dict] = None  # {"path", "commit"}: the code snapshot its processes run from (--snapshot)
 
 
 def torch_version() -> str | None:
@@ -57,13 +58,17 @@ def read_campaign(spec: dict, where: Path) -> Campaign | None:
     return None if spec.get(CAMPAIGN) is None else checked(f"{where} [{CAMPAIGN}]", Campaign, spec[CAMPAIGN])
 
 
-def resume_campaign(old: Campaign | None, where: Path, machine: dict, allow_change: bool) -> Campaign:
+def resume_campaign(old: Campaign | None, where: Path, machine: dict, allow_change: bool,
+                    snapshot: dict | None = None) -> Campaign:
     """The campaign a folder holds once this process resumes it: the same, where the code is the pinned code;
     pinned now, where it had none; with this code named in `changes` where the code differs and `allow_change`;
-    else one StorageError line."""
+    else one StorageError line. `snapshot` (this process runs from a code snapshot: {"path", "commit"}) is
+    recorded, where the folder names none yet or another."""
     now = current_code()
     if old is None:
-        return Campaign(code=now, machine=machine, changes=[])
+        return Campaign(code=now, machine=machine, changes=[], **({"snapshot": snapshot} if snapshot else {}))
+    if snapshot is not None and old.snapshot != snapshot:
+        old = old.model_copy(update=dict(snapshot=snapshot))
     if same_code(old.code, now) or any(same_code(c.get("code") or {}, now) for c in old.changes):
         return old
     if not allow_change:

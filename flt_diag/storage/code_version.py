@@ -11,6 +11,8 @@ import subprocess
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from flt_diag.storage.code_snapshot import snapshot_code
+
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding flt_diag/ (a checkout, or site-packages)
 
 
@@ -39,6 +41,9 @@ def code_version() -> dict:
         ver = version("flt-diag")
     except PackageNotFoundError:
         ver = "unknown"
+    snapshot = snapshot_code(PACKAGE_ROOT)  # a campaign's code snapshot (no git checkout): its marker's commit
+    if snapshot is not None:
+        return {"flt_diag": ver, **snapshot}
     commit, clean, diff = None, None, None
     top = _text("rev-parse", "--show-toplevel")
     if top is not None and Path(top.strip()).resolve() == PACKAGE_ROOT and (PACKAGE_ROOT / "flt_diag").is_dir():

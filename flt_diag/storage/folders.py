@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from flt_diag.storage.code_snapshot import CODE_DIR
 from flt_diag.storage import archive, files
 from flt_diag.storage.links import (make_folder, not_a_folder, refuse_links, refuse_not_a_folder,  # noqa: F401
                                     refuse_symlink)  # (re-exported)
@@ -71,8 +72,9 @@ def atomic_write_text(path: Path, text: str, root: Path | None = None) -> None:
 
 
 def has_content(folder: Path) -> bool:
-    """Whether a folder holds anything besides its lock file."""
-    return Path(folder).is_dir() and any(p.name != LOCK for p in Path(folder).iterdir())
+    """Whether a folder holds anything besides its lock file and a campaign's code snapshots (.code/: made by
+    `--snapshot` before the folder is)."""
+    return Path(folder).is_dir() and any(p.name not in (LOCK, CODE_DIR) for p in Path(folder).iterdir())
 
 
 def write_json(path: Path, obj, root: Path | None = None) -> None:

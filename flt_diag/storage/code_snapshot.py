@@ -1,0 +1,156 @@
+"""A campaign's code snapshot (`--snapshot`, docs/DESIGN.md §5, "Campaigns"): the `flt_diag/` package of one
+commit, written out of the git repository that the running flt_diag lives in (`git archive`) into a folder of its
+own, so that a campaign's processes import that code whatever the developer's checkout does meanwhile (edited,
+committed, checked out at another commit). The folder holds MARKER: the commit, the repository it came from and
+a digest of its files; `code_version()` of a process run from it names that commit, and "clean" only while the
+files still have that digest. Torch-free.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+from flt_diag.storage.errors import StorageError
+from flt_diag.storage.safe_files import read_bounded
+
+MARKER = ".flt-diag-snapshot.json"  # in the snapshot's root, beside flt_diag/
+ENV = "FLT_DIAG_SNAPSHOT"  # the snapshot folder a campaign's processes must import flt_diag from
+CODE_DIR = ".code"  # the default snapshot folder: <out>/.code/<commit, 12 hex digits>/
+PACKAGE = "flt_diag"  # what a snapshot holds of the tree: the package that `import flt_diag` finds
+MAX_ARCHIVE_BYTES = 256 << 20  # far above the package's size (about 1 MB): a bound, never reached
+MAX_MARKER_BYTES = 1 << 16
+
+
+def files_digest(root: Path) -> str:
+    """SHA-256 over the snapshot's package files (path and bytes, in path order; caches left out): what tells an
+    edited snapshot from the commit's tree."""
+    h = hashlib.sha256()
+    for p in sorted((Path(root) / PACKAGE).rglob("*")):
+        if p.is_file() and not p.is_symlink() and "__pycache__" not in p.parts and p.suffix != ".pyc":
+            rel = p.relative_to(root).as_posix().encode()
+            h.update(len(rel).to_bytes(4, "big") + rel)
+            data = p.read_bytes()
+            h.update(len(data).to_bytes(8, "big") + data)
+    return h.hexdigest()
+
+
+def is_commit(text) -> bool:
+    return isinstance(text, str) and re.fullmatch(r"[0-9a-f]{40}", text) is not None
+
+
+def read_marker(root: Path) -> dict | None:
+    """The marker of a snapshot folder ({"commit", "source", "digest", "made"}), None where there is none or it
+    is damaged (then the folder is no snapshot)."""
+    try:
+        marker = json.loads(read_bounded(Path(root) / MARKER, MAX_MARKER_BYTES, "snapshot marker"))
+    except (OSError, ValueError):  # (StorageError is a ValueError)
+        return None
+    return marker if isinstance(marker, dict) and is_commit(marker.get("commit")) else None
+
+
+def _git(repo: Path, *args: str) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, timeout=120,
+                              stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise StorageError(f"cannot run git to make the code snapshot: {e}") from None
+
+
+def make_snapshot(repo: Path, commit: str, where: Path) -> Path:
+    """Write `flt_diag/` of `commit` (of the git repository at `repo`) into folder `where`, with its MARKER, and
+    return it; a folder already holding that commit's snapshot is kept as it is. The files are written into a
+    temporary sibling first and renamed into place, so that a kill leaves no half snapshot; they are made
+    read-only (a snapshot is not edited)."""
+    where = Path(where)
+    if not is_commit(commit):  # (never handed to git as an option)
+        raise StorageError(f"{str(commit)[:60]!r} is not a commit (40 hex digits): no code snapshot is made of it")
+    marker = read_marker(where)
+    if marker is not None and marker["commit"] == commit:
+        return where
+    if where.exists() and (not where.is_dir() or any(where.iterdir())):
+        raise StorageError(f"{where} exists and is not a snapshot of commit {commit[:12]}; give another folder")
+    if _git(repo, "cat-file", "-e", f"{commit}^{{commit}}").returncode != 0:
+        raise StorageError(f"commit {commit[:12]} is not in the repository at {repo}: cannot make the code "
+                           f"snapshot {where} (fetch that commit there)")
+    done = _git(repo, "archive", "--format=tar", commit, "--", PACKAGE)
+    if done.returncode != 0 or len(done.stdout) > MAX_ARCHIVE_BYTES:
+        said = done.stderr.decode(errors="replace").strip().splitlines()
+        raise StorageError(f"git archive of commit {commit[:12]} failed: {said[-1] if said else 'too large'}")
+    try:
+        where.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{where.name}.", suffix=".tmp", dir=where.parent))
+    except OSError as e:
+        raise StorageError(f"cannot write the code snapshot {where}: {e}") from None
+    try:
+        with tarfile.open(fileobj=io.BytesIO(done.stdout)) as tar:
+            tar.extractall(tmp, filter="data")
+        info = dict(commit=commit, source=str(repo), digest=files_digest(tmp), made=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        (tmp / MARKER).write_text(json.dumps(info, indent=1))
+        tmp.chmod(0o755)  # (mkdtemp's 0700: readable as any folder of the campaign's)
+        for p in tmp.rglob("*"):
+            if p.is_file():
+                p.chmod(0o444)
+        os.replace(tmp, where)  # (onto an empty folder, or none)
+    except (OSError, tarfile.TarError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        won = read_marker(where)  # another task of the same job array made it first: that one is used
+        if won is not None and won["commit"] == commit:
+            return where
+        raise StorageError(f"cannot write the code snapshot {where}: {e}") from None
+    return where
+
+
+def snapshot_code(root: Path) -> dict | None:
+    """What `code_version()` says of a process whose flt_diag lies in snapshot `root`: its commit, clean while the
+    files have the marker's digest (else the first 16 hex digits of theirs as `diff`), the folder; None where
+    `root` is no snapshot."""
+    marker = read_marker(root)
+    if marker is None:
+        return None
+    digest = files_digest(root)
+    clean = digest == marker.get("digest")
+    return {"commit": marker["commit"], "clean": clean, **({} if clean else {"diff": digest[:16]}),
+            "snapshot": str(root)}
+
+
+IMPORTED = Path(__file__).resolve().parents[1]  # the flt_diag package this process imported (this module's)
+
+
+def imported_from(root: Path) -> bool:
+    """Whether the flt_diag this process imported lies in folder `root`."""
+    return IMPORTED.is_relative_to(Path(root).resolve())
+
+
+def check_snapshot() -> None:
+    """In a campaign's process (the command re-run in its snapshot, a pool worker, a lease or submitit task): where
+    the campaign runs from a snapshot (ENV names it), refuse unless flt_diag was imported from there."""
+    root = os.environ.get(ENV)
+    if root and not imported_from(Path(root)):
+        raise StorageError(f"this campaign runs from its code snapshot {root}, but flt_diag was imported from "
+                           f"{IMPORTED}: put the snapshot first on PYTHONPATH")
+
+
+def running_snapshot(out: Path) -> dict | None:
+    """The snapshot this process runs from (ENV), as a campaign in folder `out` records it: {"path": relative to
+    `out` where it lies inside it (so the folder can move), else absolute; "commit"}. None: no snapshot."""
+    root = os.environ.get(ENV)
+    marker = None if not root else read_marker(Path(root))
+    if marker is None:
+        return None
+    path, base = Path(str(root)).resolve(), Path(out).resolve()
+    return {"path": str(path.relative_to(base) if path.is_relative_to(base) else path), "commit": marker["commit"]}
+
+
+def recorded_folder(out: Path, recorded: dict) -> Path:
+    """The folder of a campaign's recorded snapshot (a relative path lies in the campaign's folder `out`)."""
+    path = Path(str(recorded.get("path")))
+    return path if path.is_absolute() else Path(out) / path
