@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 import processes
@@ -139,8 +140,11 @@ def test_submitit_local_workers_make_the_map_the_in_process_search_makes(tmp_pat
     run_map(spec, tmp_path / "here", runner=Probe(), report=lambda s: None)
     cluster = ClusterOptions(time=5, heartbeat=0.2, lease_timeout=5)
     submit_map(spec, tmp_path / "there", "local", cluster, 2, runner=Probe(log), report=lambda s: None)
-    here, there = ((tmp_path / d / MAP_CSV).read_text() for d in ("here", "there"))
-    assert there == here and "nan" not in there.lower()
+    # the brackets and boundaries alike; not `probes`, the number a line ran, which its informed start (an earlier
+    # seed's bracket, issue 64 part 4) makes depend on which line a worker finished first
+    here, there = (pd.read_csv(tmp_path / d / MAP_CSV).drop(columns="probes") for d in ("here", "there"))
+    pd.testing.assert_frame_equal(there, here)
+    assert len(here) and not here.isna().any().any()
     finished = log.read_text().split()  # trained by the two workers, none twice
     assert len(finished) == len(set(finished)) > 0
     assert len(list((tmp_path / "there" / JOBS).glob("*_result.pkl"))) == 2  # two submitit tasks ran
