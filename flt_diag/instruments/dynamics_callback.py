@@ -25,7 +25,6 @@ from flt_diag.instruments.diagnostics import should_record
 from flt_diag.instruments.guard import Instrument, Unrecordable, recording, why_of
 from flt_diag.instruments import loop_dynamics as D
 from flt_diag.instruments.record_checks import checked_head, checked_step, checked_targets, target_span
-from flt_diag.instruments.loop_hooks import per_token_norms
 from flt_diag.instruments.sharpness import sharpness
 from flt_diag.instruments.looped import LoopedModel, LoopStep
 from flt_diag.config.run_config import DiagnosticsConfig
@@ -77,9 +76,6 @@ class LoopDynamicsCallback(Instrument):
         self._reset()
 
     def _reset(self) -> None:
-        self.h_prev: torch.Tensor | None = None
-        self.prev_norms: torch.Tensor | None = None  # ||h_prev|| per token
-        self.steps: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (loop, ||h - h_prev||, ||h_prev||) per token
         self.similar: list[tuple[int, torch.Tensor]] = []  # (loop, its first dynamics_batch sequences), copied
         self.kept: list[tuple[int, torch.Tensor]] = []  # (loop, stream) awaiting step(targets=) for the exit loss
         self.targets: torch.Tensor | None = None
@@ -173,7 +169,7 @@ class LoopDynamicsCallback(Instrument):
         head = checked_head(self.head, targets.numel(), self.span)
         self.log.add(M.EXIT_LOSS, D.exit_loss(h, head, targets.to(h.device)), loop, M.NONE)
 
-    @recording(M.FIXED_POINT_RESIDUAL, M.EXIT_LOSS, *SIMILARITY)
+    @recording(M.EXIT_LOSS, *SIMILARITY)
     def loop_end(self, loop: int, stream: torch.Tensor) -> None:
         """The records of one recorded loop's end (LoopHooks.on_loop_end), each through the guard."""
         if not self.recording:
@@ -191,43 +187,15 @@ class LoopDynamicsCallback(Instrument):
                     take(SIMILARITY, lambda: self.similar.append((loop, first.to(torch.float32, copy=True))))
                 else:  # (one copy, any dtype)
                     self._similarity_of([loop], first)
-            prev, self.prev_norms = self.prev_norms, None  # (a residual step that fails leaves none for the next)
-            self.prev_norms = take((M.FIXED_POINT_RESIDUAL,), self._residual_step, loop, stream, h, prev)
-        self.h_prev = h
         if self.mapping and self.model is None:
             self.states.append(h)
 
-    def _residual_step(self, loop: int, stream: torch.Tensor, h: torch.Tensor,
-                       prev_norms: torch.Tensor | None) -> torch.Tensor:
-        """||h - h_prev|| per token against the previous loop end's norms (kept for forward_end); h's norms."""
-        hf = h.float()
-        norms = per_token_norms(stream) if self.final is identity and stream.dtype == torch.float32 \
-            else torch.linalg.vector_norm(hf, dim=-1)  # (the hooks' own norms of this loop end, if taken)
-        if self.h_prev is not None and self.h_prev.shape == h.shape and prev_norms is not None:
-            self.steps.append((loop, torch.linalg.vector_norm(hf - self.h_prev.float(), dim=-1), prev_norms))
-        elif self.h_prev is not None and self.h_prev.shape != h.shape:
-            self._say("residual", f"the loop-end stream changed shape ({tuple(self.h_prev.shape)} -> "
-                                  f"{tuple(h.shape)}): no fixed_point_residual there")
-        return norms
-
-    @recording(M.FIXED_POINT_RESIDUAL, *SIMILARITY)
+    @recording(*SIMILARITY)
     def forward_end(self, loops: int) -> None:
-        """The fixed-point residuals of the recorded forward (LoopHooks.on_forward_end), from the per-token norms
-        its loop ends left: D.fixed_point_residual of each pair of consecutive loop-end streams, the ratio and the
-        mean over tokens taken once for all loops (a few operations a forward, not a few a loop); then the similarity
-        of the kept loop ends. A forward that raises before its end leaves none of these (cleared at the next step)."""
+        """The similarity of the loop ends kept for it (LoopHooks.on_forward_end), taken once for all loops (a few
+        operations a forward, not a few a loop). A forward that raises before its end leaves none (cleared at the
+        next step)."""
         self.records.take(SIMILARITY, self._similarity)
-        steps, self.steps = self.steps, []
-        if steps:
-            self.records.take((M.FIXED_POINT_RESIDUAL,), self._residuals, steps)
-
-    def _residuals(self, steps: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
-        keys = [(M.FIXED_POINT_RESIDUAL, loop, M.NONE) for loop, _, _ in steps]
-        if len({num.shape for _, num, _ in steps}) == 1:
-            num, den = torch.stack([n for _, n, _ in steps]), torch.stack([d for _, _, d in steps])
-            self.log.add_vector(keys, (num / den.clamp_min(1e-30)).reshape(len(steps), -1).mean(1))
-        else:  # (the batch or the sequence changed between loops: one at a time)
-            self.log.add_vector(keys, torch.stack([(n / d.clamp_min(1e-30)).mean() for _, n, d in steps]))
 
     def _similarity(self) -> None:
         """Token cosine and effective rank of the loop ends kept for them: one call of each D.*_per_sequence

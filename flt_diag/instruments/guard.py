@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from flt_diag.instruments.callbacks import Callback
+from flt_diag.records import Unrecordable  # (defined with the records, which raise it too)
 
 F = TypeVar("F", bound=Callable[..., Any])
 MOMENTS = ("before_step", "after_backward", "after_clip", "after_step", "on_rows", "on_step_end")  # (per step)
@@ -27,11 +28,6 @@ MOMENTS = ("before_step", "after_backward", "after_clip", "after_step", "on_rows
 class ProbeError(ValueError):
     """A model the loop hooks cannot diagnose as given (one line, naming what to change); a refusal, which the
     record guard lets through (its kinds: flt_diag.instruments.loop_hooks)."""
-
-
-class Unrecordable(Exception):
-    """A value a record cannot take (the line says what it is and what the record needs): the record is
-    skipped, and this line is why."""
 
 
 def why_of(error: BaseException) -> str:

@@ -5,6 +5,7 @@ guard (flt_diag.instruments.guard) skips the record: never an IndexError or Attr
 forward, nor a cross-entropy on out-of-range targets (on a GPU a device-side assert that ends the process)."""
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 
 from flt_diag.instruments.guard import Unrecordable
-from flt_diag.records import Record
+from flt_diag.records import Record, RecordContext
 from flt_diag.storage import metric_names as M
 
 IGNORE_INDEX = -100  # a target the exit loss leaves out (as F.cross_entropy)
@@ -106,15 +107,36 @@ def recorded(record: Record, values) -> list[tuple[str, torch.Tensor | float]]:
 
 
 def take_record(record: Record, log: Callable[..., None], args: Sequence, states: dict[Record, Any],
-                loop: int = M.NONE, layer: int = M.NONE) -> None:
+                loop: int = M.NONE, layer: int = M.NONE, context: RecordContext | None = None) -> None:
     """`record` computed on `args` (no gradient; its state, if it keeps one, as `state=`: made at its first call,
-    kept in `states`), its values checked (`recorded`) and logged at (loop, layer). Called inside the record's guard."""
-    kwargs = {}
-    if record.state is not None:
-        if record not in states:
-            states[record] = record.state()
+    kept in `states`; a record of `context=True` gets `ctx=`, the step's `context` with its own state), its values
+    checked (`recorded`) and logged at (loop, layer). Called inside the record's guard."""
+    kwargs: dict[str, Any] = {}
+    if record.state is not None and record not in states:
+        states[record] = record.state()
+    if record.context:
+        if context is None:
+            raise Unrecordable("it needs the step's context, which this moment does not give")
+        kwargs["ctx"] = dataclasses.replace(context, state=states.get(record))
+    elif record.state is not None:
         kwargs["state"] = states[record]
     with torch.no_grad():
         values = record.compute(*args, **kwargs)
     for metric, value in recorded(record, values):
         log(metric, value, loop, layer)
+
+
+def take_finish(record: Record, log: Callable[..., None], loops: int, states: dict[Record, Any]) -> None:
+    """A loop_end record's `finish` at the recorded forward's end, on its state (none yet: nothing kept, nothing
+    taken): {metric: {loop: value}}, every value checked (`recorded`) before any is logged, at (loop,). Called
+    inside the record's guard."""
+    if record.finish is None or record not in states:
+        return
+    with torch.no_grad():
+        values = record.finish(loops, state=states[record])
+    if not (isinstance(values, dict) and all(isinstance(v, dict) for v in values.values())):
+        raise Unrecordable(f"its finish returned {kind(values)}; a finish returns {{metric: {{loop: number}}}}")
+    rows = [(name, value, loop) for metric, by_loop in values.items() for loop, one in by_loop.items()
+            for name, value in recorded(record, {metric: one})]
+    for metric, value, loop in rows:
+        log(metric, value, loop, M.NONE)
