@@ -41,12 +41,12 @@ class DiagnosticsCallback(Instrument):
                "after_step": (M.UPDATE_RATIO + PER_GROUP, M.PARAM_NORM + PER_GROUP)}
 
     def __init__(self, cfg: DiagnosticsConfig, groups: dict[str, list], hooks: dict | None = None,
-                 grad_scale: float | None = None, loop_end: tuple | list = (), forward_end: tuple | list = ()):
+                 grad_scale: float | None = None, loop_end: tuple | list = ()):
         """`groups` (the parameter groups: flt-diag's model's parameter_groups, or those of any looped model under
         flt_diag.watch), `hooks` (LoopHooks keyword arguments) and `grad_scale` (default the run's grad_accum);
-        `loop_end`: fn(loop, stream), fed each recorded loop-end stream (LoopHooks.on_loop_end: the loop dynamics);
-        `forward_end`: fn(loops) at the end of each recorded forward (LoopHooks.on_forward_end)."""
-        self.cfg, self.loop_end, self.forward_end = cfg, list(loop_end), list(forward_end)
+        `loop_end`: fn(loop, stream), fed each recorded loop-end stream (LoopHooks.on_loop_end: the loop dynamics'
+        exit loss and loop-map states), before the records of moment loop_end (flt_diag.records)."""
+        self.cfg, self.loop_end = cfg, list(loop_end)
         self.given_groups, self.hook_options, self.grad_scale = groups, dict(hooks or {}), grad_scale
         self.prev_flat: torch.Tensor | None = None  # the previous step's flat gradient (one of `buffers`, or loaded)
         self.prev_layout: tuple[list[str], list[int]] = ([], [])  # its groups and their sizes
@@ -77,7 +77,8 @@ class DiagnosticsCallback(Instrument):
         self.taken = [r for r in all_records() if getattr(self.cfg, r.switch)]  # (flt_diag.records: switched on)
         self.hooks = LoopHooks(trainer.model, trainer.log.add, records=self.records, **self.hook_options,
                                block_records=[r for r in self.taken if r.moment == "after_block"])
-        ends = [r for r in self.taken if r.moment == "loop_end"]
+        self.hooks.on_loop_end += self.loop_end  # (the loop dynamics' own first: their line on a stream that is not
+        ends = [r for r in self.taken if r.moment == "loop_end"]  # (batch, seq, dim) names the records' metrics too)
         if ends:  # (flt_diag.records, moment loop_end: each loop end of a recorded forward)
             self.log = trainer.log
             self.final = trainer.model.loop_state if isinstance(trainer.model, LoopedModel) else None
@@ -90,8 +91,6 @@ class DiagnosticsCallback(Instrument):
         if any(r.context for r in self.taken):
             self.handles.append(trainer.model.register_forward_pre_hook(self.records.hook(
                 tuple(m for r in self.taken if r.context for m in r.metrics), self._keep_batch), with_kwargs=True))
-        self.hooks.on_loop_end += self.loop_end
-        self.hooks.on_forward_end += self.forward_end
         self.hooks.grad_scale = trainer.recipe.grad_accum if self.grad_scale is None else self.grad_scale
         if isinstance(trainer.model, LoopedModel):
             self.hooks.detached = trainer.model.detached_loops

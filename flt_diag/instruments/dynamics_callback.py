@@ -44,8 +44,6 @@ def due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
 
 
-KEEP_FOR_SIMILARITY = 1 << 20  # elements: a loop end's first dynamics_batch sequences up to this size are copied and
-BATCH_SIMILARITY = 1 << 22  # taken together at the forward's end, this many elements a call (larger: at the loop end)
 
 
 class LoopDynamicsCallback(Instrument):
@@ -76,7 +74,6 @@ class LoopDynamicsCallback(Instrument):
         self._reset()
 
     def _reset(self) -> None:
-        self.similar: list[tuple[int, torch.Tensor]] = []  # (loop, its first dynamics_batch sequences), copied
         self.kept: list[tuple[int, torch.Tensor]] = []  # (loop, stream) awaiting step(targets=) for the exit loss
         self.targets: torch.Tensor | None = None
         self.span: tuple[int, int] | None = None  # the targets' lowest and highest class (target_span) ...
@@ -152,6 +149,8 @@ class LoopDynamicsCallback(Instrument):
         self.batch = (idx.detach(), targets.detach()) if torch.is_tensor(idx) and torch.is_tensor(targets) else None
 
     def _fits(self, h: torch.Tensor) -> bool:
+        """Whether h is (batch, seq, dim); if not, said once for the exit loss and the similarity records of the same
+        steps (flt_diag.records.token_similarity, taken after this: one line for the three)."""
         if h.dim() == 3:
             return True
         self.records.skip(SIMILARITY + ((M.EXIT_LOSS,) if self.head is not None else ()),
@@ -169,7 +168,7 @@ class LoopDynamicsCallback(Instrument):
         head = checked_head(self.head, targets.numel(), self.span)
         self.log.add(M.EXIT_LOSS, D.exit_loss(h, head, targets.to(h.device)), loop, M.NONE)
 
-    @recording(M.EXIT_LOSS, *SIMILARITY)
+    @recording(M.EXIT_LOSS)
     def loop_end(self, loop: int, stream: torch.Tensor) -> None:
         """The records of one recorded loop's end (LoopHooks.on_loop_end), each through the guard."""
         if not self.recording:
@@ -182,46 +181,8 @@ class LoopDynamicsCallback(Instrument):
                     take((M.EXIT_LOSS,), self._exit_loss, loop, h, self.targets)
                 elif self.head is not None and self.targets_of is None:
                     self.kept.append((loop, h))
-                first = h[:self.cfg.dynamics_batch]  # (the loop map's sequences)
-                if first.numel() <= KEEP_FOR_SIMILARITY:  # taken for all loops at once at the forward's end
-                    take(SIMILARITY, lambda: self.similar.append((loop, first.to(torch.float32, copy=True))))
-                else:  # (one copy, any dtype)
-                    self._similarity_of([loop], first)
         if self.mapping and self.model is None:
             self.states.append(h)
-
-    @recording(*SIMILARITY)
-    def forward_end(self, loops: int) -> None:
-        """The similarity of the loop ends kept for it (LoopHooks.on_forward_end), taken once for all loops (a few
-        operations a forward, not a few a loop). A forward that raises before its end leaves none (cleared at the
-        next step)."""
-        self.records.take(SIMILARITY, self._similarity)
-
-    def _similarity(self) -> None:
-        """Token cosine and effective rank of the loop ends kept for them: one call of each D.*_per_sequence
-        for each run of loops whose kept streams have one shape, up to BATCH_SIMILARITY elements at a time."""
-        kept, self.similar = self.similar, []
-        while kept:
-            shape, n = kept[0][1].shape, 0
-            while n < len(kept) and kept[n][1].shape == shape and (
-                    n == 0 or (n + 1) * kept[0][1].numel() <= BATCH_SIMILARITY):  # (one at least)
-                n += 1
-            chunk, kept = kept[:n], kept[n:]
-            self._similarity_of([loop for loop, _ in chunk], torch.cat([h for _, h in chunk]) if n > 1 else chunk[0][1])
-
-    def _similarity_of(self, loops: list[int], x: torch.Tensor) -> None:
-        """token_cosine and effective_rank of `x`, the first sequences of the loop ends `loops` laid end to end: each
-        record through the guard (a non-finite stream has no effective rank: not recorded there)."""
-        def add(metric: str, values: torch.Tensor) -> None:
-            self.log.add_vector([(metric, loop, M.NONE) for loop in loops], values.reshape(len(loops), -1).mean(1))
-
-        def rank() -> None:
-            if not bool(torch.isfinite(x).all()):  # (linalg.eigh would fail on it: said plainly instead)
-                raise Unrecordable("the loop-end stream is not finite (NaN or inf): its singular values, and so its "
-                                   "effective rank, are not defined")
-            add(M.EFFECTIVE_RANK, D.effective_rank_per_sequence(x))
-        self.records.take((M.TOKEN_COSINE,), lambda: add(M.TOKEN_COSINE, D.token_cosine_per_sequence(x)))
-        self.records.take((M.EFFECTIVE_RANK,), rank)
 
     def at_step(self, targets: torch.Tensor | None = None) -> None:
         """probe.step(targets=): the exit loss of the streams kept for it."""

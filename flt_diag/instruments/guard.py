@@ -30,6 +30,15 @@ class ProbeError(ValueError):
     record guard lets through (its kinds: flt_diag.instruments.loop_hooks)."""
 
 
+class Skipped(Exception):
+    """Some metrics of a record could not be taken (`whys`: metric -> why), the record's others were logged: each
+    is skipped alone (Records.take)."""
+
+    def __init__(self, whys: dict[str, str]):
+        super().__init__("; ".join(f"{m}: {why}" for m, why in whys.items()))
+        self.whys = whys
+
+
 def why_of(error: BaseException) -> str:
     """One line for a record's failure: an Unrecordable's own text, else the error's kind and its first line."""
     first = (str(error).strip().splitlines() or [""])[0][:200]
@@ -62,6 +71,10 @@ class Records:
             return fn(*args, **kwargs)
         except ProbeError:
             raise
+        except Skipped as e:  # (the metrics named, each with its why: the others were taken)
+            for name, why in e.whys.items():
+                self.skip((name,), why)
+            return None
         except Exception as e:  # (any error of the record itself: the training must not see it)
             self.skip(names, why_of(e))
             return None
