@@ -3,8 +3,9 @@ flt_diag.watch both stand on. What is recorded when, its cost and switches: DESI
 model flt-diag did not write: docs/api.md, "Loop dynamics on your own model".
 
 The Probe (flt_diag.integrations.probe) builds what both run on every step: the diagnostics, whose LoopHooks
-feed each recorded loop-end stream to LoopDynamicsCallback.loop_end (a new record per loop: its function in loop_dynamics.py, its
-metric name, one call in `loop_end`). The every-N records go through a loop map after the backward, on rank 0,
+feed each recorded loop-end stream to LoopDynamicsCallback.loop_end (the exit loss, and the loop map's states on a
+model flt-diag did not write). The fixed-point residual and the streams' similarity are record files
+(flt_diag.records: fixed_point_residual.py, token_similarity.py), as a new per-loop record is. The every-N records go through a loop map after the backward, on rank 0,
 in fp32 outside autocast, with a generator of their own, leaving nothing on any .grad (the training trajectory
 is the same with or without them), one path for every model: on a LoopedModel (flt-diag's own: the protocol of
 flt_diag.instruments.looped) its loop-end state, head, loop step and targets; on any other the raw stream, head=
@@ -47,7 +48,8 @@ def due(step: int, every: int) -> bool:
 
 
 class LoopDynamicsCallback(Instrument):
-    """The records of DESIGN.md §3, "Loop dynamics": `loop_end(loop, stream)` is fed each recorded loop-end stream; a
+    """The records of DESIGN.md §3, "Loop dynamics" that are no record files (DESIGN.md §7, "A record is one file",
+    says why): `loop_end(loop, stream)` is fed each recorded loop-end stream (the exit loss); a
     forward pre-hook on the model (from on_start) reads the step's targets and the loop map's inputs off the
     first forward after before_step; `at_step(targets)` (probe.step(targets=)) scores the streams kept for it.
 

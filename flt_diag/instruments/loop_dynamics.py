@@ -1,10 +1,11 @@
 """Loop dynamics: the loop seen as a map h(t-1) -> h(t), measured from outside the model.
 
 Pure functions (definitions and cost: DESIGN.md §3, "Loop dynamics"), usable on any looped model given a
-loop-step callable `step(h_prev) -> h_next`, a head callable `head(h) -> logits` and a loss: the fixed-point
-residual, the exit loss, the loop map's gain and spectral radius (by Jacobian-vector products), its mean gain
-and perturbation growth, the streams' similarity, each loop's own gradient and its agreement (the sharpness:
-flt_diag.instruments.sharpness). For a model of the instruments' protocol (flt_diag.instruments.looped.LoopedModel:
+loop-step callable `step(h_prev) -> h_next`, a head callable `head(h) -> logits` and a loss: the exit loss, the
+loop map's gain and spectral radius (by Jacobian-vector products), its mean gain and perturbation growth, the
+streams' similarity (its per-sequence functions those of flt_diag.records.token_similarity, the record that takes
+it), each loop's own gradient and its agreement (the sharpness: flt_diag.instruments.sharpness). The fixed-point
+residual is a record: flt_diag.records.fixed_point_residual. For a model of the instruments' protocol (flt_diag.instruments.looped.LoopedModel:
 flt-diag's own): `loop_states`, `loop_map_stats`, `looped_loss` (one alias of the block weights per loop).
 Everything that differentiates runs inside `transparent()`; random start vectors come from the caller's generator,
 never the global RNG; nothing is left on any `.grad`. The training callback that records them:
@@ -40,14 +41,6 @@ def transparent(model: LoopedModel | None = None):
 
 
 # ----------------------------------------------------------------------------- cheap: every recorded step
-def fixed_point_residual(h: Tensor, h_prev: Tensor) -> Tensor:
-    """Mean over tokens of ||h - h_prev|| / ||h_prev|| (norms over the last dim). One subtraction and
-    two norms of the stream: no forward, no matmul."""
-    h, h_prev = h.detach().float(), h_prev.detach().float()
-    num = torch.linalg.vector_norm(h - h_prev, dim=-1)
-    return (num / torch.linalg.vector_norm(h_prev, dim=-1).clamp_min(1e-30)).mean()
-
-
 def exit_loss(h: Tensor, head: Callable[[Tensor], Tensor], targets: Tensor) -> Tensor:
     """Cross-entropy of head(h) against targets (-100 ignored), no gradient. One head matmul of the
     stream (B*T*d*V multiply-adds) per loop."""
