@@ -103,11 +103,11 @@ def value(df, step, metric, loop):
 def test_fixed_point_residual_and_stream_similarity_from_the_captured_streams(tmp_path, boundary, keep, batch,
                                                                               monkeypatch):
     """keep 0: each loop's similarity at its loop end; batch 2 T D: the loops' kept streams two at a time."""
-    from flt_diag.instruments import dynamics_callback
+    from flt_diag.records import token_similarity
     if keep is not None:
-        monkeypatch.setattr(dynamics_callback, "KEEP_FOR_SIMILARITY", keep)
+        monkeypatch.setattr(token_similarity, "KEEP", keep)
     if batch is not None:
-        monkeypatch.setattr(dynamics_callback, "BATCH_SIMILARITY", batch)
+        monkeypatch.setattr(token_similarity, "BATCH", batch)
     torch.manual_seed(0)
     model = PlainLoop()
     _, streams = run(tmp_path / "r", model, boundary=boundary)

@@ -28,6 +28,8 @@ from flt_diag.integrations import moments
 from flt_diag.integrations.loop_probe import LoopProbe
 from flt_diag.integrations.moments import ProbeMoments
 from flt_diag.records import attention as ATTENTION
+from flt_diag.records import fixed_point_residual as RESIDUAL
+from flt_diag.records import token_similarity as SIMILARITY
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import load_metrics
 from flt_diag.training import trainer
@@ -143,12 +145,12 @@ FAULTS = {
     "gradient pairs": (diagnostics, "pair_sums", ("grad_norm/<group>", M.GRAD_COSINE, M.SIGN_FLIP), {}),
     "cosines and flips": (diagnostics, "consecutive_stats", ("grad_norm/<group>", M.GRAD_COSINE, M.SIGN_FLIP), {}),
     "parameters kept": (DiagnosticsCallback, "_keep_before", ("update_ratio/<group>", "param_norm/<group>"), {}),
-    "token_cosine": (D, "token_cosine_per_sequence", (M.TOKEN_COSINE,), {}),
-    "effective_rank": (D, "effective_rank_per_sequence", (M.EFFECTIVE_RANK,), {}),
+    "token_cosine": (SIMILARITY, "token_cosine_per_sequence", (M.TOKEN_COSINE,), {}),
+    "effective_rank": (SIMILARITY, "effective_rank_per_sequence", (M.EFFECTIVE_RANK,), {}),
     "exit_loss": (D, "exit_loss", (M.EXIT_LOSS,), {}),
     "targets": (dynamics_callback, "checked_targets", (M.EXIT_LOSS,), {}),
-    "fixed_point_residual per loop": (dynamics_callback, "per_token_norms", (M.FIXED_POINT_RESIDUAL,), {}),
-    "fixed_point_residual ratios": (LoopDynamicsCallback, "_residuals", (M.FIXED_POINT_RESIDUAL,), {}),
+    "fixed_point_residual per loop": (RESIDUAL, "keep", (M.FIXED_POINT_RESIDUAL,), {}),
+    "fixed_point_residual ratios": (RESIDUAL, "ratios", (M.FIXED_POINT_RESIDUAL,), {}),
     "loop map": (D, "loop_map_records", LOOP_MAP, {}),
     "early warning": (CollapseWarning, "_keep", ("early_warning",), {}),
     "grad_norm, total": (ProbeMoments, "_total_norm", (M.GRAD_NORM,), {"diagnostics": DiagnosticsConfig(dense_steps=1, record_every=3)}),

@@ -226,6 +226,8 @@ if TYPE_CHECKING:  # a record's options are keywords (typed where read: record.o
 else:
     DiagnosticsConfig = create_model("DiagnosticsConfig", __base__=CoreDiagnostics, __module__=__name__, **{
         name: (info.annotation, info) for record in all_records() for name, info in record.options.model_fields.items()})
+    if unswitched := sorted({r.switch for r in all_records()} - set(DiagnosticsConfig.model_fields)):
+        raise ValueError(f"a record is switched by {', '.join(unswitched)}, which is no diagnostics option")
 
 
 class VerdictConfig(Options):

@@ -5,6 +5,7 @@ the run's record guard (flt_diag.instruments.guard).
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -14,10 +15,11 @@ from flt_diag.instruments.guard import Instrument, recording
 from flt_diag.instruments.gradient_pairs import consecutive_stats, pair_sums, segment_squares
 from flt_diag.instruments.loop_hooks import LoopHooks
 from flt_diag.instruments.looped import LoopedModel
-from flt_diag.instruments.record_checks import take_record
+from flt_diag.instruments.record_checks import take_finish, take_record
 from flt_diag.instruments.records import StepLog
 from flt_diag.config.run_config import DiagnosticsConfig
-from flt_diag.records import Record, all_records
+from flt_diag.records import Record, RecordContext, all_records
+from flt_diag.records._streams import alias_norms
 
 
 def should_record(step: int, cfg: DiagnosticsConfig) -> bool:
@@ -39,12 +41,12 @@ class DiagnosticsCallback(Instrument):
                "after_step": (M.UPDATE_RATIO + PER_GROUP, M.PARAM_NORM + PER_GROUP)}
 
     def __init__(self, cfg: DiagnosticsConfig, groups: dict[str, list], hooks: dict | None = None,
-                 grad_scale: float | None = None, loop_end: tuple | list = (), forward_end: tuple | list = ()):
+                 grad_scale: float | None = None, loop_end: tuple | list = ()):
         """`groups` (the parameter groups: flt-diag's model's parameter_groups, or those of any looped model under
         flt_diag.watch), `hooks` (LoopHooks keyword arguments) and `grad_scale` (default the run's grad_accum);
-        `loop_end`: fn(loop, stream), fed each recorded loop-end stream (LoopHooks.on_loop_end: the loop dynamics);
-        `forward_end`: fn(loops) at the end of each recorded forward (LoopHooks.on_forward_end)."""
-        self.cfg, self.loop_end, self.forward_end = cfg, list(loop_end), list(forward_end)
+        `loop_end`: fn(loop, stream), fed each recorded loop-end stream (LoopHooks.on_loop_end: the loop dynamics'
+        exit loss and loop-map states), before the records of moment loop_end (flt_diag.records)."""
+        self.cfg, self.loop_end = cfg, list(loop_end)
         self.given_groups, self.hook_options, self.grad_scale = groups, dict(hooks or {}), grad_scale
         self.prev_flat: torch.Tensor | None = None  # the previous step's flat gradient (one of `buffers`, or loaded)
         self.prev_layout: tuple[list[str], list[int]] = ([], [])  # its groups and their sizes
@@ -64,6 +66,9 @@ class DiagnosticsCallback(Instrument):
         self._seen: tuple[list, list[int], torch.Tensor] | None = None  # its gradients, their versions, group squares
         self.log: StepLog | None = None  # (records of moment loop_end) the step log, and h(t) of a loop-end stream
         self.final: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.context: RecordContext | None = None  # (records of context=True) the step, cfg and the step's batch
+        self.batch_due = False  # the step's recorded forward is still to give its batch (_keep_batch)
+        self.handles: list = []
 
     def on_start(self, trainer) -> None:
         self.groups = self.given_groups
@@ -72,14 +77,20 @@ class DiagnosticsCallback(Instrument):
         self.taken = [r for r in all_records() if getattr(self.cfg, r.switch)]  # (flt_diag.records: switched on)
         self.hooks = LoopHooks(trainer.model, trainer.log.add, records=self.records, **self.hook_options,
                                block_records=[r for r in self.taken if r.moment == "after_block"])
-        ends = [r for r in self.taken if r.moment == "loop_end"]
+        self.hooks.on_loop_end += self.loop_end  # (the loop dynamics' own first: their line on a stream that is not
+        ends = [r for r in self.taken if r.moment == "loop_end"]  # (batch, seq, dim) names the records' metrics too)
         if ends:  # (flt_diag.records, moment loop_end: each loop end of a recorded forward)
             self.log = trainer.log
             self.final = trainer.model.loop_state if isinstance(trainer.model, LoopedModel) else None
             self.hooks.on_loop_end.append(recording(*(m for r in ends for m in r.metrics))(
                 lambda loop, stream: self._loop_end(loop, stream)))
-        self.hooks.on_loop_end += self.loop_end
-        self.hooks.on_forward_end += self.forward_end
+            if any(r.finish for r in ends):
+                self.hooks.on_forward_end.append(recording(*(m for r in ends if r.finish for m in r.metrics))(
+                    lambda loops: self._forward_end(loops)))
+        self.model = trainer.model
+        if any(r.context for r in self.taken):
+            self.handles.append(trainer.model.register_forward_pre_hook(self.records.hook(
+                tuple(m for r in self.taken if r.context for m in r.metrics), self._keep_batch), with_kwargs=True))
         self.hooks.grad_scale = trainer.recipe.grad_accum if self.grad_scale is None else self.grad_scale
         if isinstance(trainer.model, LoopedModel):
             self.hooks.detached = trainer.model.detached_loops
@@ -89,12 +100,24 @@ class DiagnosticsCallback(Instrument):
         self.recording = should_record(step, self.cfg)
         self.hooks.due = self.due = [r for r in self.taken if self.recording and r.due(self.cfg, step)]
         self.hooks.arm(self.recording)
+        self.context = self.hooks.context = RecordContext(step, self.cfg)
+        self.batch_due = self.recording and bool(self.handles)
+
+    def _keep_batch(self, module, args: tuple, kwargs: dict) -> None:
+        """The batch of the step's first recorded forward, into the records' context (RecordContext: idx its first
+        argument or idx=, targets the model's loop_targets of them on a LoopedModel, else None)."""
+        if not self.batch_due or self.context is None:
+            return
+        self.batch_due = False
+        idx = args[0] if args else kwargs.get("idx")
+        targets = self.model.loop_targets(*args, **kwargs) if isinstance(self.model, LoopedModel) else None
+        self.context = self.hooks.context = dataclasses.replace(self.context, idx=idx, targets=targets)
 
     def _take(self, moment: str, trainer) -> None:
         """The records due this step (before_step) that are taken at `moment` (flt_diag.records), each guarded."""
         for record in (r for r in self.due if r.moment == moment):  # (its values checked inside its own guard)
             self.records.take(tuple(record.metrics), take_record, record, trainer.log.add, (trainer.model,),
-                              self.hooks.states)
+                              self.hooks.states, M.NONE, M.NONE, self.context)
 
     def _loop_end(self, loop: int, stream: torch.Tensor) -> None:
         """The records of moment loop_end due this step, each through its own guard, at (loop,): given the
@@ -104,9 +127,17 @@ class DiagnosticsCallback(Instrument):
         if due:
             with torch.no_grad():
                 h = self.final(stream.detach()) if self.final is not None else stream.detach()
+            if self.final is None:  # (h is the stream: its per-token norms, if the hooks took them, are h's)
+                alias_norms(h, stream)
         for record in due:
             self.records.take(tuple(record.metrics), take_record, record, self.log.add, (loop, h), self.hooks.states,
-                              loop)
+                              loop, M.NONE, self.context)
+
+    def _forward_end(self, loops: int) -> None:
+        """The `finish` of each record of moment loop_end due this step that has one, each through its own guard."""
+        assert self.log is not None  # (on_start: there are records of moment loop_end)
+        for record in (r for r in self.due if r.moment == "loop_end" and r.finish is not None):
+            self.records.take(tuple(record.metrics), take_finish, record, self.log.add, loops, self.hooks.states)
 
     def _keys(self, metric: str, names) -> list[tuple[str, int, int]]:
         key = (metric, tuple(names))  # (the same few lists every recorded step: built once)
@@ -240,6 +271,9 @@ class DiagnosticsCallback(Instrument):
 
     def on_end(self, trainer) -> None:
         self.hooks.__exit__(None, None, None)
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
 
     def state_dict(self) -> dict:
         names, sizes = self.prev_layout

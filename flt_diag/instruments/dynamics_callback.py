@@ -3,8 +3,9 @@ flt_diag.watch both stand on. What is recorded when, its cost and switches: DESI
 model flt-diag did not write: docs/api.md, "Loop dynamics on your own model".
 
 The Probe (flt_diag.integrations.probe) builds what both run on every step: the diagnostics, whose LoopHooks
-feed each recorded loop-end stream to LoopDynamicsCallback.loop_end (a new record per loop: its function in loop_dynamics.py, its
-metric name, one call in `loop_end`). The every-N records go through a loop map after the backward, on rank 0,
+feed each recorded loop-end stream to LoopDynamicsCallback.loop_end (the exit loss, and the loop map's states on a
+model flt-diag did not write). The fixed-point residual and the streams' similarity are record files
+(flt_diag.records: fixed_point_residual.py, token_similarity.py), as a new per-loop record is. The every-N records go through a loop map after the backward, on rank 0,
 in fp32 outside autocast, with a generator of their own, leaving nothing on any .grad (the training trajectory
 is the same with or without them), one path for every model: on a LoopedModel (flt-diag's own: the protocol of
 flt_diag.instruments.looped) its loop-end state, head, loop step and targets; on any other the raw stream, head=
@@ -25,7 +26,6 @@ from flt_diag.instruments.diagnostics import should_record
 from flt_diag.instruments.guard import Instrument, Unrecordable, recording, why_of
 from flt_diag.instruments import loop_dynamics as D
 from flt_diag.instruments.record_checks import checked_head, checked_step, checked_targets, target_span
-from flt_diag.instruments.loop_hooks import per_token_norms
 from flt_diag.instruments.sharpness import sharpness
 from flt_diag.instruments.looped import LoopedModel, LoopStep
 from flt_diag.config.run_config import DiagnosticsConfig
@@ -45,12 +45,11 @@ def due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
 
 
-KEEP_FOR_SIMILARITY = 1 << 20  # elements: a loop end's first dynamics_batch sequences up to this size are copied and
-BATCH_SIMILARITY = 1 << 22  # taken together at the forward's end, this many elements a call (larger: at the loop end)
 
 
 class LoopDynamicsCallback(Instrument):
-    """The records of DESIGN.md §3, "Loop dynamics": `loop_end(loop, stream)` is fed each recorded loop-end stream; a
+    """The records of DESIGN.md §3, "Loop dynamics" that are no record files (DESIGN.md §7, "A record is one file",
+    says why): `loop_end(loop, stream)` is fed each recorded loop-end stream (the exit loss); a
     forward pre-hook on the model (from on_start) reads the step's targets and the loop map's inputs off the
     first forward after before_step; `at_step(targets)` (probe.step(targets=)) scores the streams kept for it.
 
@@ -77,10 +76,6 @@ class LoopDynamicsCallback(Instrument):
         self._reset()
 
     def _reset(self) -> None:
-        self.h_prev: torch.Tensor | None = None
-        self.prev_norms: torch.Tensor | None = None  # ||h_prev|| per token
-        self.steps: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (loop, ||h - h_prev||, ||h_prev||) per token
-        self.similar: list[tuple[int, torch.Tensor]] = []  # (loop, its first dynamics_batch sequences), copied
         self.kept: list[tuple[int, torch.Tensor]] = []  # (loop, stream) awaiting step(targets=) for the exit loss
         self.targets: torch.Tensor | None = None
         self.span: tuple[int, int] | None = None  # the targets' lowest and highest class (target_span) ...
@@ -156,6 +151,8 @@ class LoopDynamicsCallback(Instrument):
         self.batch = (idx.detach(), targets.detach()) if torch.is_tensor(idx) and torch.is_tensor(targets) else None
 
     def _fits(self, h: torch.Tensor) -> bool:
+        """Whether h is (batch, seq, dim); if not, said once for the exit loss and the similarity records of the same
+        steps (flt_diag.records.token_similarity, taken after this: one line for the three)."""
         if h.dim() == 3:
             return True
         self.records.skip(SIMILARITY + ((M.EXIT_LOSS,) if self.head is not None else ()),
@@ -173,7 +170,7 @@ class LoopDynamicsCallback(Instrument):
         head = checked_head(self.head, targets.numel(), self.span)
         self.log.add(M.EXIT_LOSS, D.exit_loss(h, head, targets.to(h.device)), loop, M.NONE)
 
-    @recording(M.FIXED_POINT_RESIDUAL, M.EXIT_LOSS, *SIMILARITY)
+    @recording(M.EXIT_LOSS)
     def loop_end(self, loop: int, stream: torch.Tensor) -> None:
         """The records of one recorded loop's end (LoopHooks.on_loop_end), each through the guard."""
         if not self.recording:
@@ -186,74 +183,8 @@ class LoopDynamicsCallback(Instrument):
                     take((M.EXIT_LOSS,), self._exit_loss, loop, h, self.targets)
                 elif self.head is not None and self.targets_of is None:
                     self.kept.append((loop, h))
-                first = h[:self.cfg.dynamics_batch]  # (the loop map's sequences)
-                if first.numel() <= KEEP_FOR_SIMILARITY:  # taken for all loops at once at the forward's end
-                    take(SIMILARITY, lambda: self.similar.append((loop, first.to(torch.float32, copy=True))))
-                else:  # (one copy, any dtype)
-                    self._similarity_of([loop], first)
-            prev, self.prev_norms = self.prev_norms, None  # (a residual step that fails leaves none for the next)
-            self.prev_norms = take((M.FIXED_POINT_RESIDUAL,), self._residual_step, loop, stream, h, prev)
-        self.h_prev = h
         if self.mapping and self.model is None:
             self.states.append(h)
-
-    def _residual_step(self, loop: int, stream: torch.Tensor, h: torch.Tensor,
-                       prev_norms: torch.Tensor | None) -> torch.Tensor:
-        """||h - h_prev|| per token against the previous loop end's norms (kept for forward_end); h's norms."""
-        hf = h.float()
-        norms = per_token_norms(stream) if self.final is identity and stream.dtype == torch.float32 \
-            else torch.linalg.vector_norm(hf, dim=-1)  # (the hooks' own norms of this loop end, if taken)
-        if self.h_prev is not None and self.h_prev.shape == h.shape and prev_norms is not None:
-            self.steps.append((loop, torch.linalg.vector_norm(hf - self.h_prev.float(), dim=-1), prev_norms))
-        elif self.h_prev is not None and self.h_prev.shape != h.shape:
-            self._say("residual", f"the loop-end stream changed shape ({tuple(self.h_prev.shape)} -> "
-                                  f"{tuple(h.shape)}): no fixed_point_residual there")
-        return norms
-
-    @recording(M.FIXED_POINT_RESIDUAL, *SIMILARITY)
-    def forward_end(self, loops: int) -> None:
-        """The fixed-point residuals of the recorded forward (LoopHooks.on_forward_end), from the per-token norms
-        its loop ends left: D.fixed_point_residual of each pair of consecutive loop-end streams, the ratio and the
-        mean over tokens taken once for all loops (a few operations a forward, not a few a loop); then the similarity
-        of the kept loop ends. A forward that raises before its end leaves none of these (cleared at the next step)."""
-        self.records.take(SIMILARITY, self._similarity)
-        steps, self.steps = self.steps, []
-        if steps:
-            self.records.take((M.FIXED_POINT_RESIDUAL,), self._residuals, steps)
-
-    def _residuals(self, steps: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
-        keys = [(M.FIXED_POINT_RESIDUAL, loop, M.NONE) for loop, _, _ in steps]
-        if len({num.shape for _, num, _ in steps}) == 1:
-            num, den = torch.stack([n for _, n, _ in steps]), torch.stack([d for _, _, d in steps])
-            self.log.add_vector(keys, (num / den.clamp_min(1e-30)).reshape(len(steps), -1).mean(1))
-        else:  # (the batch or the sequence changed between loops: one at a time)
-            self.log.add_vector(keys, torch.stack([(n / d.clamp_min(1e-30)).mean() for _, n, d in steps]))
-
-    def _similarity(self) -> None:
-        """Token cosine and effective rank of the loop ends kept for them: one call of each D.*_per_sequence
-        for each run of loops whose kept streams have one shape, up to BATCH_SIMILARITY elements at a time."""
-        kept, self.similar = self.similar, []
-        while kept:
-            shape, n = kept[0][1].shape, 0
-            while n < len(kept) and kept[n][1].shape == shape and (
-                    n == 0 or (n + 1) * kept[0][1].numel() <= BATCH_SIMILARITY):  # (one at least)
-                n += 1
-            chunk, kept = kept[:n], kept[n:]
-            self._similarity_of([loop for loop, _ in chunk], torch.cat([h for _, h in chunk]) if n > 1 else chunk[0][1])
-
-    def _similarity_of(self, loops: list[int], x: torch.Tensor) -> None:
-        """token_cosine and effective_rank of `x`, the first sequences of the loop ends `loops` laid end to end: each
-        record through the guard (a non-finite stream has no effective rank: not recorded there)."""
-        def add(metric: str, values: torch.Tensor) -> None:
-            self.log.add_vector([(metric, loop, M.NONE) for loop in loops], values.reshape(len(loops), -1).mean(1))
-
-        def rank() -> None:
-            if not bool(torch.isfinite(x).all()):  # (linalg.eigh would fail on it: said plainly instead)
-                raise Unrecordable("the loop-end stream is not finite (NaN or inf): its singular values, and so its "
-                                   "effective rank, are not defined")
-            add(M.EFFECTIVE_RANK, D.effective_rank_per_sequence(x))
-        self.records.take((M.TOKEN_COSINE,), lambda: add(M.TOKEN_COSINE, D.token_cosine_per_sequence(x)))
-        self.records.take((M.EFFECTIVE_RANK,), rank)
 
     def at_step(self, targets: torch.Tensor | None = None) -> None:
         """probe.step(targets=): the exit loss of the streams kept for it."""

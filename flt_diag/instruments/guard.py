@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from flt_diag.instruments.callbacks import Callback
+from flt_diag.records import Unrecordable  # (defined with the records, which raise it too)
 
 F = TypeVar("F", bound=Callable[..., Any])
 MOMENTS = ("before_step", "after_backward", "after_clip", "after_step", "on_rows", "on_step_end")  # (per step)
@@ -29,9 +30,13 @@ class ProbeError(ValueError):
     record guard lets through (its kinds: flt_diag.instruments.loop_hooks)."""
 
 
-class Unrecordable(Exception):
-    """A value a record cannot take (the line says what it is and what the record needs): the record is
-    skipped, and this line is why."""
+class Skipped(Exception):
+    """Some metrics of a record could not be taken (`whys`: metric -> why), the record's others were logged: each
+    is skipped alone (Records.take)."""
+
+    def __init__(self, whys: dict[str, str]):
+        super().__init__("; ".join(f"{m}: {why}" for m, why in whys.items()))
+        self.whys = whys
 
 
 def why_of(error: BaseException) -> str:
@@ -66,6 +71,10 @@ class Records:
             return fn(*args, **kwargs)
         except ProbeError:
             raise
+        except Skipped as e:  # (the metrics named, each with its why: the others were taken)
+            for name, why in e.whys.items():
+                self.skip((name,), why)
+            return None
         except Exception as e:  # (any error of the record itself: the training must not see it)
             self.skip(names, why_of(e))
             return None

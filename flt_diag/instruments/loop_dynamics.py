@@ -1,10 +1,11 @@
 """Loop dynamics: the loop seen as a map h(t-1) -> h(t), measured from outside the model.
 
 Pure functions (definitions and cost: DESIGN.md §3, "Loop dynamics"), usable on any looped model given a
-loop-step callable `step(h_prev) -> h_next`, a head callable `head(h) -> logits` and a loss: the fixed-point
-residual, the exit loss, the loop map's gain and spectral radius (by Jacobian-vector products), its mean gain
-and perturbation growth, the streams' similarity, each loop's own gradient and its agreement (the sharpness:
-flt_diag.instruments.sharpness). For a model of the instruments' protocol (flt_diag.instruments.looped.LoopedModel:
+loop-step callable `step(h_prev) -> h_next`, a head callable `head(h) -> logits` and a loss: the exit loss, the
+loop map's gain and spectral radius (by Jacobian-vector products), its mean gain and perturbation growth, the
+streams' similarity (its per-sequence functions those of flt_diag.records.token_similarity, the record that takes
+it), each loop's own gradient and its agreement (the sharpness: flt_diag.instruments.sharpness). The fixed-point
+residual is a record: flt_diag.records.fixed_point_residual. For a model of the instruments' protocol (flt_diag.instruments.looped.LoopedModel:
 flt-diag's own): `loop_states`, `loop_map_stats`, `looped_loss` (one alias of the block weights per loop).
 Everything that differentiates runs inside `transparent()`; random start vectors come from the caller's generator,
 never the global RNG; nothing is left on any `.grad`. The training callback that records them:
@@ -23,6 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flt_diag.config.run_config import loss_loops
 from flt_diag.instruments.looped import LoopedModel, LoopStep
+from flt_diag.records.token_similarity import effective_rank_per_sequence, token_cosine_per_sequence
 from flt_diag.storage import metric_names as M
 
 Tensor = torch.Tensor
@@ -39,14 +41,6 @@ def transparent(model: LoopedModel | None = None):
 
 
 # ----------------------------------------------------------------------------- cheap: every recorded step
-def fixed_point_residual(h: Tensor, h_prev: Tensor) -> Tensor:
-    """Mean over tokens of ||h - h_prev|| / ||h_prev|| (norms over the last dim). One subtraction and
-    two norms of the stream: no forward, no matmul."""
-    h, h_prev = h.detach().float(), h_prev.detach().float()
-    num = torch.linalg.vector_norm(h - h_prev, dim=-1)
-    return (num / torch.linalg.vector_norm(h_prev, dim=-1).clamp_min(1e-30)).mean()
-
-
 def exit_loss(h: Tensor, head: Callable[[Tensor], Tensor], targets: Tensor) -> Tensor:
     """Cross-entropy of head(h) against targets (-100 ignored), no gradient. One head matmul of the
     stream (B*T*d*V multiply-adds) per loop."""
@@ -227,37 +221,9 @@ def stream_similarity(h: Tensor) -> tuple[Tensor, Tensor]:
     vector, the stream has forgotten its tokens). effective_rank: exp(-sum p log p) of the singular values
     of the (T, d) matrix normalised to p = sigma / sum(sigma) (Roy and Vetterli 2007): 1 for a rank-one
     stream, min(T, d) for a flat spectrum. Per sequence (h (..., T, d) flattened to (N,) sequences; a (T, d) h: one
-    sequence): `token_cosine_per_sequence` and `effective_rank_per_sequence`."""
+    sequence): `token_cosine_per_sequence` and `effective_rank_per_sequence`, those of the record that takes them at
+    each loop end (flt_diag.records.token_similarity)."""
     return token_cosine_per_sequence(h).mean(), effective_rank_per_sequence(h).mean()
-
-
-def _sequences(h: Tensor) -> Tensor:
-    """h (..., T, d) as (N, T, d) in fp32, detached (a (T, d) h: one sequence)."""
-    h = h.detach().float()
-    return (h[None] if h.dim() == 2 else h).flatten(0, -3)
-
-
-def token_cosine_per_sequence(h: Tensor) -> Tensor:
-    """(N,): the mean cosine of each sequence's position pairs. Cost: the unit rows' sum (the pairs' cosines add up
-    to its squared norm less the diagonal: no T x T product)."""
-    h = _sequences(h)
-    T = h.shape[-2]
-    u = h / torch.linalg.vector_norm(h, dim=-1, keepdim=True).clamp_min(1e-30)
-    # sum over all pairs i, j of u_i . u_j = |sum_i u_i|^2; the pairs i = j add |u_i|^2 (1, or 0 for a zero row)
-    pairs = torch.linalg.vector_norm(u.sum(-2), dim=-1) ** 2 - (u * u).sum((-1, -2))
-    return pairs / max(T * (T - 1), 1)
-
-
-def effective_rank_per_sequence(h: Tensor) -> Tensor:
-    """(N,): each sequence's effective rank, from the eigenvalues of the smaller Gram matrix of h (sigma^2, in
-    float64: cheaper than an SVD of (T, d), to ~1e-7 of sigma_max), one batched call for all the sequences. A
-    non-finite h has none (linalg.eigh fails on the host: the caller checks, flt_diag.instruments.guard)."""
-    h = _sequences(h)
-    hd = h.double()
-    small = hd @ hd.transpose(-1, -2) if h.shape[-2] <= h.shape[-1] else hd.transpose(-1, -2) @ hd
-    sv = torch.linalg.eigvalsh(small).clamp_min(0).sqrt()
-    p = sv / sv.sum(-1, keepdim=True).clamp_min(1e-30)
-    return torch.exp(-(p * torch.log(p.clamp_min(1e-30))).sum(-1)).float()
 
 
 # ----------------------------------------------------------------------------- per-loop gradient agreement

@@ -12,33 +12,16 @@ raised into the forward or the backward.
 from __future__ import annotations
 
 import sys
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from flt_diag.records import Record
+from flt_diag.records import Record, RecordContext
+from flt_diag.records._streams import per_token_norms  # (shared with the records)
 from flt_diag.storage import metric_names as M
 from flt_diag.instruments.guard import ProbeError, Records, names_of
 from flt_diag.instruments.record_checks import take_record
-
-
-_last_norms: tuple = (None, -1, None)  # (weakref to a tensor, its _version, its per-token norms)
-
-
-def per_token_norms(x: torch.Tensor) -> torch.Tensor:
-    """The L2 norm of x's last dim per token, outside autograd by no_grad (not a detach: one dispatched operation
-    fewer). The last tensor's norms are kept, by identity and version (a weak reference: the tensor is not kept
-    alive), so that the loop hooks and the loop dynamics take one norm per loop end, not one each."""
-    global _last_norms
-    ref, version, norms = _last_norms
-    if ref is not None and ref() is x and not x.is_inference() and x._version == version:
-        return norms
-    with torch.no_grad():
-        norms = torch.linalg.vector_norm(x, dim=-1)
-    _last_norms = (None, -1, None) if x.is_inference() else (weakref.ref(x), x._version, norms)
-    return norms
 
 
 def token_norm(x: torch.Tensor) -> torch.Tensor:
@@ -136,6 +119,7 @@ class LoopHooks:
         self.block_records = list(block_records)  # (flt_diag.records, moment after_block)
         self.states: dict[Record, Any] = {}  # the records' states (those that keep one), made at their first call
         self.due = list(block_records)  # those of them the recorded forwards take (the diagnostics' schedule)
+        self.context: RecordContext | None = None  # the step's, for those of context=True (the diagnostics set it)
         self.grad_scale = 1.0
         self.detached = 0  # loops 1..detached send no gradient (truncated backpropagation): recorded as 0
         self.listeners: list = []
@@ -317,5 +301,5 @@ class LoopHooks:
         """Forward hook on a block: `record` (moment after_block, flt_diag.records), when due, at (loop, layer)."""
         def hook(module, args, output):
             if self._active and record in self.due:
-                take_record(record, self.log, (module, args, output), self.states, self.loop, layer)
+                take_record(record, self.log, (module, args, output), self.states, self.loop, layer, self.context)
         return hook

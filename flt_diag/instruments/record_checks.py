@@ -5,14 +5,15 @@ guard (flt_diag.instruments.guard) skips the record: never an IndexError or Attr
 forward, nor a cross-entropy on out-of-range targets (on a GPU a device-side assert that ends the process)."""
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from flt_diag.instruments.guard import Unrecordable
-from flt_diag.records import Record
+from flt_diag.instruments.guard import Skipped, Unrecordable, why_of
+from flt_diag.records import Record, RecordContext
 from flt_diag.storage import metric_names as M
 
 IGNORE_INDEX = -100  # a target the exit loss leaves out (as F.cross_entropy)
@@ -105,16 +106,53 @@ def recorded(record: Record, values) -> list[tuple[str, torch.Tensor | float]]:
     return out
 
 
+def logged(record: Record, log: Callable[..., None], values, loop: int, layer: int) -> None:
+    """`values` ({metric: number}) checked (`recorded`) and logged at (loop, layer); a metric whose value is an
+    error (the record could not take it) is skipped alone, with why (Skipped, after the others are logged)."""
+    if not isinstance(values, dict):
+        recorded(record, values)  # (its line: no dict)
+    failed = {m: why_of(v) for m, v in values.items() if isinstance(v, Exception) and m in record.metrics}
+    rows = recorded(record, {m: v for m, v in values.items() if m not in failed})
+    for metric, value in rows:
+        log(metric, value, loop, layer)
+    if failed:
+        raise Skipped(failed)
+
+
 def take_record(record: Record, log: Callable[..., None], args: Sequence, states: dict[Record, Any],
-                loop: int = M.NONE, layer: int = M.NONE) -> None:
+                loop: int = M.NONE, layer: int = M.NONE, context: RecordContext | None = None) -> None:
     """`record` computed on `args` (no gradient; its state, if it keeps one, as `state=`: made at its first call,
-    kept in `states`), its values checked (`recorded`) and logged at (loop, layer). Called inside the record's guard."""
-    kwargs = {}
-    if record.state is not None:
-        if record not in states:
-            states[record] = record.state()
+    kept in `states`; a record of `context=True` gets `ctx=`, the step's `context` with its own state), its values
+    checked and logged at (loop, layer) (`logged`). Called inside the record's guard."""
+    kwargs: dict[str, Any] = {}
+    if record.state is not None and record not in states:
+        states[record] = record.state()
+    if record.context:
+        if context is None:
+            raise Unrecordable("it needs the step's context, which this moment does not give")
+        kwargs["ctx"] = dataclasses.replace(context, state=states.get(record))
+    elif record.state is not None:
         kwargs["state"] = states[record]
     with torch.no_grad():
         values = record.compute(*args, **kwargs)
-    for metric, value in recorded(record, values):
-        log(metric, value, loop, layer)
+    logged(record, log, values, loop, layer)
+
+
+def take_finish(record: Record, log: Callable[..., None], loops: int, states: dict[Record, Any]) -> None:
+    """A loop_end record's `finish` at the recorded forward's end, on its state (none yet: nothing kept, nothing
+    taken): {metric: {loop: value}}, every value checked, at (loop,) (`logged`: a failed value skipped alone).
+    Called inside the record's guard."""
+    if record.finish is None or record not in states:
+        return
+    with torch.no_grad():
+        values = record.finish(loops, state=states[record])
+    if not (isinstance(values, dict) and all(isinstance(v, dict) for v in values.values())):
+        raise Unrecordable(f"its finish returned {kind(values)}; a finish returns {{metric: {{loop: number}}}}")
+    failed: dict[str, str] = {}
+    for loop in sorted({t for by_loop in values.values() for t in by_loop}):
+        try:
+            logged(record, log, {m: by_loop[loop] for m, by_loop in values.items() if loop in by_loop}, loop, M.NONE)
+        except Skipped as e:
+            failed |= {m: why for m, why in e.whys.items() if m not in failed}
+    if failed:
+        raise Skipped(failed)

@@ -38,8 +38,11 @@ def environment(device: torch.device) -> dict:
         env["gpu"] = torch.cuda.get_device_name(device)
     env["code"] = code_version()  # the version, commit and clean tree of the code that made the run
     env["flt_diag"] = env["code"]["flt_diag"]
-    env["records"] = {r.switch: r.module for r in all_records()}  # each record the run knew (by its switch: the
-    return env  # config's diagnostics say which ran) and the module that defines it (a user's own: its module)
+    modules: dict[str, list[str]] = {}  # each record the run knew (by its switch: the config's diagnostics say which
+    for r in all_records():  # ran) and the module that defines it (a user's own: its module; records that share
+        modules.setdefault(r.switch, []).append(r.module)  # one switch, the loop dynamics: theirs, joined by ", ")
+    env["records"] = {switch: ", ".join(names) for switch, names in modules.items()}
+    return env
 
 
 class StepLog:

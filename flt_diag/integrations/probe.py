@@ -33,7 +33,7 @@ class Probe(Callback):
         model flt-diag did not write), whose hooks feed the loop dynamics each recorded loop end."""
         d = self.dynamics
         assert d is not None  # (the diagnostics feed the loop dynamics)
-        self.diag = DiagnosticsCallback(self.cfg, groups, loop_end=[d.loop_end], forward_end=[d.forward_end],
+        self.diag = DiagnosticsCallback(self.cfg, groups, loop_end=[d.loop_end],
                                         **diagnostics)
         self.diag.records = self.records
         return self.diag

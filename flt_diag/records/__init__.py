@@ -45,6 +45,27 @@ class RecordOptions(BaseModel):
 
 
 O = TypeVar("O", bound=RecordOptions)
+S = TypeVar("S")
+
+
+class Unrecordable(Exception):
+    """A value a record cannot take (the line says what it is and what the record needs): the record is
+    skipped, and this line is why (the run's record guard, flt_diag.instruments.guard)."""
+
+
+@dataclass(frozen=True)
+class RecordContext(Generic[S]):
+    """What a record of `context=True` is handed as `ctx=`, besides its moment's arguments: the `step`; the run's
+    diagnostics options `cfg` (DiagnosticsConfig: the core options by name, e.g. `cfg.dynamics_batch`); the batch of
+    the step's recorded forward, `idx` (its first argument, or `idx=`) and `targets` (the model's `loop_targets` of
+    the forward's arguments on flt-diag's own model, else None); and the record's own `state` (its `state`
+    factory's, made once per run; None without one). Built per call by the diagnostics (flt_diag.instruments)."""
+
+    step: int
+    cfg: Any
+    idx: Any = None
+    targets: Any = None
+    state: S | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,26 +73,38 @@ class Record(Generic[O]):
     """One record: `options` its RecordOptions model, the first field its switch; `metrics` name -> definition;
     `moment` one of MOMENTS; `compute` as its moment says. `state`: for a quantity of two steps or two loops, a
     factory of the record's state (made once per run, kept between calls and steps), handed to compute as
-    `state=`; the record resets it where it must (loop 1 starts a forward)."""
+    `state=`; the record resets it where it must (loop 1 starts a forward). `context`: compute is handed
+    `ctx=` a RecordContext (the step, the diagnostics options, the step's batch, its state) instead of `state=`.
+    `switched_by`: the switch is that option of DiagnosticsConfig, declared elsewhere (a core option, or another
+    record's), shared by a family of records (the loop dynamics: `loop_dynamics`); its own options may then be none
+    (`RecordOptions` itself). `finish` (moment loop_end only): called at each recorded forward's end as
+    finish(loops, state=), it returns {metric: {loop: value}}, values its loop ends kept for taking together (a few
+    operations a forward, not a few a loop; the fixed-point residual's)."""
 
     options: type[O]
     metrics: dict[str, str]
     moment: str
     compute: Callable[..., dict]
     state: Callable[[], Any] | None = None
+    context: bool = False
+    switched_by: str | None = None
+    finish: Callable[..., dict] | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.options, type) and issubclass(self.options, RecordOptions)):
             raise ValueError(f"a record's options are a RecordOptions model (got {self.options!r})")
-        if self.moment not in MOMENTS or not self.options.model_fields or not self.metrics:
-            raise ValueError(f"a record needs options, metrics and one of the moments {', '.join(MOMENTS)} "
-                             f"(got {self.moment!r})")
-        if self.options.model_fields[self.switch].annotation not in (bool, int):
+        if self.moment not in MOMENTS or not (self.options.model_fields or self.switched_by) or not self.metrics:
+            raise ValueError(f"a record needs options (or switched_by), metrics and one of the moments "
+                             f"{', '.join(MOMENTS)} (got {self.moment!r})")
+        if self.finish is not None and (self.moment != "loop_end" or self.state is None):
+            raise ValueError("a record's finish is for a record of moment loop_end that keeps a state")
+        if self.switched_by is None and self.options.model_fields[self.switch].annotation not in (bool, int):
             raise ValueError(f"a record's first option ({self.switch}) is its switch: a bool or an int")
 
     @property
     def switch(self) -> str:
-        return next(iter(self.options.model_fields))
+        """The option that switches it on: `switched_by`, else its first option."""
+        return self.switched_by or next(iter(self.options.model_fields))
 
     @property
     def module(self) -> str:
@@ -119,10 +152,10 @@ def _entry_point_records() -> list[Record]:
 
 @functools.cache
 def all_records() -> tuple[Record, ...]:
-    """The RECORD of every module of this package, by module name, then the entry points' (by name), then those
+    """The RECORD of every module of this package (but its helpers, named _*), by module name, then the entry points' (by name), then those
     registered (two that name one option or metric: ValueError)."""
     own = [importlib.import_module(f"{__name__}.{m.name}").RECORD
-           for m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name)]
+           for m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name) if not m.name.startswith("_")]
     records: list[Record] = []
     for record in [*own, *_entry_point_records(), *_REGISTERED]:
         if not any(r is record for r in records):  # (an entry point's record registered too: once)
