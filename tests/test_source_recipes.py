@@ -16,7 +16,7 @@ from flt_diag.model.stabilisers import jacobian_fro_source as jfs
 from flt_diag.model.stabilisers import parcae_source, stars_source
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig
 from flt_diag.storage import metric_names as M
-from flt_diag.storage.folders import load_metrics
+from flt_diag.storage.folders import load_metrics, load_summary
 from flt_diag.training import stabiliser_step
 from flt_diag.training.trainer import Trainer
 
@@ -223,6 +223,25 @@ def test_jacobian_fro_source_skipped_step_is_the_cross_entropy():
     model(tokens(1, T=3), tokens(1, T=3))
     target, pen = stabiliser_step.objective(model, ce, seed, on, 0, steps)
     assert pen is not None and target.item() == pytest.approx(2.5 + jfs.gamma(on, steps) * pen.item())
+
+
+def test_parcae_source_records_its_no_gradient_loops_as_zero_activation_gradient(tmp_path):
+    """The first max(n) loops of a step run under no_grad by design (not a reentrant checkpoint): their activation
+    gradient is recorded as 0, the last max(k) loops' as measured (> 0), and nothing is `not_recorded`. n and k are
+    drawn again by hand: r = max(1, Poisson(3)) per sequence, k = min(r, ceil(3 / 2)), n = r - k."""
+    cfg = tiny_config(variant="parcae-source", loops=3, steps=2, batch_size=4, diagnostics=dict(dynamics_every=0))
+    Trainer(cfg, tmp_path / "run").fit()
+    m = load_metrics(tmp_path / "run")
+    a = m[m.metric == M.ACT_GRAD_NORM]
+    for step in range(2):
+        gen = torch.Generator().manual_seed(hash((cfg.train.seed, step, 0, 0x4C4F4F50)) & (2 ** 63 - 1))
+        r = torch.poisson(torch.full((4,), 3.0, dtype=torch.float64), generator=gen).clamp_min(1)
+        k = r.clamp(max=2)
+        n_max, k_max = int((r - k).max()), int(k.max())
+        at = a[a.step == step]
+        assert sorted(set(at.loop)) == list(range(1, n_max + k_max + 1))
+        assert (at[at.loop <= n_max].value == 0).all() and (at[at.loop > n_max].value > 0).all()
+    assert not any(n.startswith("act_grad_norm") for n in load_summary(tmp_path / "run").evidence.not_recorded or {})
 
 
 # ----------------------------------------------------------------------------- all three

@@ -272,12 +272,15 @@ class LoopHooks:
         the residual stream, outside the compiled halves: h = x + a has d(loss)/d(h) = d(loss)/d(a) exactly (an
         add passes its gradient through), and likewise the block output for the MLP output."""
         def hook(module, args, output):
-            if self._active and self._grad and not torch.is_grad_enabled():
+            # a loop count per sequence (model/per_sequence.py): its first phase sends no gradient by design, and its
+            # loops' indices are the phases' steps, so `detached` (loops 1..n of a K-loop forward) does not apply
+            phase = getattr(self.model, "gradless_loops", None)
+            if self._active and self._grad and not torch.is_grad_enabled() and phase is not True:
                 self._without_grad(metrics, layer)
-            if not self._active or not output.requires_grad:
+            if not self._active or not (output.requires_grad or phase is True):
                 return
             loop, scale = self.loop, self.grad_scale
-            if loop <= self.detached:  # no gradient reaches a detached loop: its activation gradient is 0
+            if phase is True or (phase is None and loop <= self.detached):  # no gradient reaches it: recorded as 0
                 zero = torch.zeros((), device=output.device)
                 for metric in metrics:
                     self.log(metric, zero, loop, layer)

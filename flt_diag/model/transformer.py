@@ -176,6 +176,7 @@ class LoopedTransformer(nn.Module):
     sin: torch.Tensor
     penalty_inputs: tuple | None
     norm = staticmethod(norm)  # (the stabilisers' hooks take it from the model: they import no model code)
+    gradless_loops: bool | None = None  # per_sequence.py's phase: True no-grad loops, False the gradient's, None none
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
