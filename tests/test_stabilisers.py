@@ -405,3 +405,17 @@ def test_strength_multiplies_stars_lambda():
     assert stars.objective(ce, pen, 200, 2000, 3.0).item() == pytest.approx(0.7 * 2.5 + 0.3 * 7.0)
     assert stars.objective(ce, pen, 200, 2000, 0.0).item() == pytest.approx(2.5)
     assert ModelConfig(variant="stars", strength=3.0).strength == 3.0
+
+
+@pytest.mark.parametrize("name", ["stars", "stars-source"])
+def test_stars_strength_stops_where_lambda_reaches_one(name):
+    """lambda = 0.1 S: at S = 10 the objective is the penalty alone, (1 - 1) CE + 1 pen (written out); above 10,
+    (1 - lambda) < 0 would weigh the cross-entropy negatively, so the config refuses it in one line."""
+    from flt_diag.config.run_config import build_config
+    from flt_diag.model.stabilisers import stars, stars_source
+    module = {"stars": stars, "stars-source": stars_source}[name]
+    ce, pen = torch.tensor(2.5), torch.tensor(7.0)
+    assert module.objective(ce, pen, 999, 1000, 10.0).item() == pytest.approx(7.0)
+    build_config("tiny", model=dict(variant=name, strength=10.0), train=dict(device="cpu"))
+    with pytest.raises(Exception, match=f"variant {name}: --strength 10.5 is above 10, the largest with a meaning"):
+        build_config("tiny", model=dict(variant=name, strength=10.5), train=dict(device="cpu"))

@@ -278,7 +278,8 @@ def cmd_variants(o: Options) -> int:
         if not stab.module.startswith("flt_diag."):
             print(f"  {'':15s} from {stab.module} (not flt-diag's own)")
         if stab.strength:  # what --strength multiplies
-            print(f"  {'':15s} strength scales: {stab.strength}")
+            most = f" (S at most {stab.strength_max:g})" if stab.strength_max < 100 else ""
+            print(f"  {'':15s} strength scales: {stab.strength}{most}")
         for what, why in stab.ours.items():  # values the source leaves open, chosen by flt-diag (or the author)
             print(f"  {'':15s} ours: {what}: {why}")
     print("compositions (a stabiliser that composes, on any other of the five): " + ", ".join(COMPOSED))

@@ -114,6 +114,9 @@ class ModelConfig(Options):
         if self.strength != 1 and (stab is None or not stab.strength):
             raise ValueError(f"variant {self.variant}: --strength {self.strength} has no meaning (it scales no "
                              "source value); flt-diag variants lists what each stabiliser's strength scales")
+        if stab is not None and self.strength > stab.strength_max:
+            raise ValueError(f"variant {self.variant}: --strength {self.strength} is above {stab.strength_max:g}, the "
+                             f"largest with a meaning ({stab.strength})")
         return self
 
     @property

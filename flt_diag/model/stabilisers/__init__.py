@@ -56,6 +56,7 @@ class Stabiliser:
     composes: bool = False  # also on the others of the paper's five, as `flt+<name>`
     ours: dict[str, str] = field(default_factory=dict)  # value -> why: flt-diag's choice, not the source's
     strength: str = ""  # what --strength multiplies (its source value); "": strength != 1 is refused
+    strength_max: float = 100.0  # the largest --strength with a meaning (STARS: lambda = 0.1 S stays a weight <= 1)
     part: Optional[str] = None
     parameters: Optional[Callable[[Any], Any]] = None
     start: Optional[Callable] = None

@@ -69,6 +69,7 @@ STABILISER = Stabiliser(
           "v0": "drawn from a generator seeded by (seed, step)", "v": "one unit vector over the micro-batch's state"},
     penalty=penalty,
     strength="lambda = 0.1 (the source's), (1 - lambda) CE + lambda pen",
+    strength_max=10.0,  # lambda = 0.1 S <= 1: beyond, (1 - lambda) would weigh the CE negatively
     objective=objective,
     loop_count=sample_loops,
 )

@@ -77,6 +77,7 @@ STABILISER = Stabiliser(
           "v": "drawn from a generator seeded by (seed, step, micro-batch), one unit vector over the micro-batch",
           "g": "one loop at the detached normed final state norm(x(K)) (the source: its raw state)"},
     strength="lambda = 0.1 (the source's), (1 - lambda) CE + lambda pen",
+    strength_max=10.0,  # lambda = 0.1 S <= 1: beyond, (1 - lambda) would weigh the CE negatively
     penalty=penalty,
     objective=objective,
     loop_count=sample_loops,
