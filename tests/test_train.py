@@ -365,6 +365,34 @@ def test_compiled_training_on_a_cpu_is_deterministic_and_follows_the_eager_run(t
     np.testing.assert_allclose(loss["a"], loss["eager"], rtol=1e-4)
 
 
+def test_two_trainers_made_before_either_fits_each_train_at_their_own_threads(tmp_path):
+    """Each run's threads hold while it trains, whatever Trainer was made or fitted in between, and the caller's
+    come back after (before: the settings were set when a Trainer was made and given back when one fitted, so the
+    first fit ran at the second's threads and the second at the caller's)."""
+    import torch
+    from flt_diag.instruments.callbacks import Callback
+    from flt_diag.training.trainer import Trainer
+
+    class Threads(Callback):
+        def __init__(self):
+            self.seen = set()
+
+        def on_step_end(self, trainer, step):
+            self.seen.add(torch.get_num_threads())
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        seen = [Threads(), Threads()]
+        first, second = (Trainer(tiny_config(variant="lt", loops=2, steps=2, threads=n), tmp_path / f"run{n}",
+                                 callbacks=[s]) for n, s in zip((1, 2), seen))
+        assert torch.get_num_threads() == 3
+        first.fit()
+        second.fit()
+        assert [s.seen for s in seen] == [{1}, {2}] and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_run_gives_the_caller_back_its_threads_and_its_subnormal_floats(tmp_path):
     """A run trains at one thread with subnormals flushed (training/process.py); the caller (a notebook, a test
     process) gets its own settings back when fit returns: a subnormal product computed by hand stays subnormal."""

@@ -1,8 +1,10 @@
 """The process a run trains in: its device, rank and world size (joining the process group under
 torchrun), and the CPU thread settings (the environment record: flt_diag.instruments.records), which a run holds
-from its Trainer's construction until its fit returns, then gives back as the caller had them."""
+while its Trainer builds the model and while its fit runs, and gives back as the caller had them after each (two
+Trainers made before either fits each train under their own settings, and the caller keeps its own)."""
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -13,7 +15,7 @@ from flt_diag.config.run_config import RunConfig
 
 def start_process(cfg: RunConfig) -> tuple[torch.device, int, int]:
     """(device, rank, world size) of this process; joins the process group when launched with
-    torchrun (WORLD_SIZE > 1: nccl on CUDA, gloo on CPU) and sets the CPU thread settings."""
+    torchrun (WORLD_SIZE > 1: nccl on CUDA, gloo on CPU). The thread settings: run_cpu_settings."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device(cfg.train.device)  # settled: cpu, cuda or cuda:N, checked against this machine
     if world > 1:
@@ -21,6 +23,11 @@ def start_process(cfg: RunConfig) -> tuple[torch.device, int, int]:
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(device)
+    return device, rank, world
+
+
+def set_run_cpu_settings(cfg: RunConfig, device: torch.device) -> None:
+    """The run's thread count and subnormal flush in this process."""
     if device.type == "cpu":
         # One thread by default: tiny models are bound by per-op overhead, and OpenMP threads
         # that wait for a core slow a step down many times when other processes share the machine
@@ -32,7 +39,17 @@ def start_process(cfg: RunConfig) -> tuple[torch.device, int, int]:
         torch.set_flush_denormal(cfg.train.flush_denormal)
     elif cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    return device, rank, world
+
+
+@contextlib.contextmanager
+def run_cpu_settings(cfg: RunConfig, device: torch.device):
+    """The run's CPU settings inside the block, the caller's as they were after it (also when it raises)."""
+    caller = cpu_settings()
+    set_run_cpu_settings(cfg, device)
+    try:
+        yield
+    finally:
+        restore_cpu_settings(caller)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from flt_diag.training.evaluation import Evaluation
 from flt_diag.training.external import ExternalSinks
 from flt_diag.model.transformer import LoopedTransformer, ModelConfig, count_parameters, parameter_groups
 from flt_diag.instruments.records import Row, StepLog, environment
-from flt_diag.training.process import cpu_settings, restore_cpu_settings, start_process
+from flt_diag.training.process import run_cpu_settings, start_process
 from flt_diag.instruments.dynamics_callback import own_model_dynamics
 from flt_diag.instruments.warning_callback import collapse_warning
 from flt_diag.integrations.probe import Probe
@@ -79,10 +79,10 @@ class Trainer:
         self.root = Path(root) if root is not None else None  # the folder the command was given (a sweep)
         self.train_data, self.val_data = _load_splits(cfg.train, cfg.model.seq_len)
         check_settled(cfg, self.train_data.vocab_size)  # a guard: the Trainer settles nothing itself
-        self.caller_cpu = cpu_settings()  # (given back when fit returns: training/process.py)
         self.device, self.rank, self.world = start_process(cfg)
         self.is_main = self.rank == 0
-        self.model = self._build_model(model or LoopedTransformer)
+        with run_cpu_settings(cfg, self.device):  # (the caller's back after: training/process.py)
+            self.model = self._build_model(model or LoopedTransformer)
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.ddp_model: torch.nn.Module = self.model
         if self.world > 1:
@@ -290,15 +290,15 @@ class Trainer:
         # no link at any depth below the given folder (a sweep's cells/ or cell folder), then none inside
         # (a run folder given on its own may itself be a link, the user's choice: only links inside are foreign)
         root = self.root if self.root is not None else self.run_dir
-        try:
-            with folder_lock(self.run_dir, root=root) if self.is_main else contextlib.nullcontext():
-                try:
-                    return self._fit()
-                except KeyboardInterrupt:  # (Ctrl-C while torch.compile waits for its kernels: none more is built)
-                    drop_queued_compiles()
-                    raise
-        finally:  # the caller's threads and subnormal floats, as they were before this Trainer
-            restore_cpu_settings(self.caller_cpu)
+        # the run's threads and subnormal flush while it trains, the caller's as they were after (also when two
+        # Trainers were made before either fits)
+        with run_cpu_settings(self.cfg, self.device), \
+                folder_lock(self.run_dir, root=root) if self.is_main else contextlib.nullcontext():
+            try:
+                return self._fit()
+            except KeyboardInterrupt:  # (Ctrl-C while torch.compile waits for its kernels: none more is built)
+                drop_queued_compiles()
+                raise
 
     def _fit(self) -> Summary | dict:
         if not self.start():
