@@ -265,6 +265,17 @@ def _working(out: Path, log: Path, before: int, timeout: float = 60) -> None:
     raise TimeoutError("the campaign wrote nothing")
 
 
+def _inside_a_probe(out: Path, timeout: float = 60) -> None:
+    """Wait until a probe is under way (a cell folder without its summary), so that one kill surely lands inside one
+    whatever the machine's load (a random point alone may fall between two probes on a busy machine)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (out / CELLS).is_dir() and any(d.is_dir() and not (d / SUMMARY).exists() for d in (out / CELLS).iterdir()):
+            return
+        time.sleep(0.01)
+    raise TimeoutError("no probe was seen under way")
+
+
 @pytest.mark.parametrize("trials,pause", [(2, 0.1), pytest.param(6, 0.3, marks=pytest.mark.slow)])  # (~50 s)
 def test_a_campaign_killed_at_random_points_loses_no_finished_probe_and_runs_none_twice(tmp_path, trials, pause):
     out, arch, log = tmp_path / "m", tmp_path / "archive", tmp_path / "finished.log"
@@ -273,10 +284,13 @@ def test_a_campaign_killed_at_random_points_loses_no_finished_probe_and_runs_non
     command = [sys.executable, str(TESTS / "campaign_runs.py"), str(out), str(arch), str(log), str(pause)]
     spec = kill_spec()
     mid_probe = 0
-    for _ in range(trials):
+    for trial in range(trials):
         p = processes.start(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         _working(out, log, sum(1 for _ in (out / CELLS).rglob("*")) if (out / CELLS).is_dir() else 0)
-        time.sleep(rng.uniform(0.0, 1.5))  # a probe takes 2 pauses plus its archiving
+        if trial == 0:  # the first kill inside a probe, the others at random points
+            _inside_a_probe(out)
+        else:
+            time.sleep(rng.uniform(0.0, 1.5))  # a probe takes 2 pauses plus its archiving
         processes.kill_group(p)  # SIGKILL, no clean-up
         finished = log.read_text().split() if log.exists() else []
         assert len(finished) == len(set(finished))  # no probe finished twice
