@@ -275,3 +275,30 @@ def test_the_estimate_extrapolates_the_work_done_weighted_by_loops_and_depth(mon
     assert printed == ["  estimate from 60 s of training: the whole sweep takes about 4 min, 2 min from now"]
     m._estimate(work=800, elapsed=120.0)
     assert len(printed) == 1  # once
+
+
+def _study(path: Path, out: Path) -> Path:
+    path.write_text(f'[ablation]\npreset = "tiny"\nvariants = ["lt"]\nloops = [2]\nsteps = 2\ndepth = 1\nseq_len = 16\n'
+                    f'batch_size = 2\neval_batches = 1\ndevice = "cpu"\nout = "{out}"\n')
+    return path
+
+
+def test_several_study_files_run_one_after_another_and_the_first_failure_ends_them(tmp_path, capsys):
+    """`flt-diag study A B`: both run, in order, with the folder options given once; a bad file among them is
+    refused before anything runs; a study that fails ends the command with its status, the next not started."""
+    a, b = _study(tmp_path / "a.toml", tmp_path / "ra"), _study(tmp_path / "b.toml", tmp_path / "rb")
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[ablation]\nstep = 3\n')
+    assert main(["study", str(a), str(bad), "--quiet", "--workers", "1"]) == 2
+    assert not (tmp_path / "ra").exists() and "unknown option 'step'" in capsys.readouterr().err
+    assert main(["study", str(a), str(b), "--quiet", "--workers", "1", "--archive-to", str(tmp_path / "arch")]) == 0
+    out = capsys.readouterr().out
+    assert out.index(f"study {a}") < out.index(f"study {b}")
+    for name in ("ra", "rb"):
+        assert (tmp_path / name / "cells" / "lt_K02_seed0_lr1" / "summary.json").is_file()
+        assert (tmp_path / "arch" / name / "lt_K02_seed0_lr1.parquet").is_file()
+    (tmp_path / "rc").write_text("a file where the study's folder goes")
+    c, d = _study(tmp_path / "c.toml", tmp_path / "rc"), _study(tmp_path / "d.toml", tmp_path / "rd")
+    assert main(["study", str(c), str(d), "--quiet", "--workers", "1"]) != 0
+    assert not (tmp_path / "rd").exists() and len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert main(["study", str(a), str(a), "--list"]) == 2 and "folder name ra" in capsys.readouterr().err

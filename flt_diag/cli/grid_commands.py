@@ -6,7 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from flt_diag.cli.options import FOLDER_OPTIONS, MapOptions, RunAblationOptions, StatusOptions, StudyOptions
+from flt_diag.cli.options import (FOLDER_OPTIONS, MapOptions, RunAblationOptions, StatusOptions, StudyOptions,
+                                  UserError)
 from flt_diag.config.option_fields import dest
 
 
@@ -117,10 +118,25 @@ def cmd_map(o: MapOptions) -> int:
 
 
 def cmd_study(o: StudyOptions) -> int:
-    """Run a named study: the [ablation] (run-ablation options) or [map] (map options) table of a TOML file."""
+    """Run a named study: the [ablation] (run-ablation options) or [map] (map options) table of a TOML file; or
+    several, one after another (every file read and checked first; the first that fails ends the command)."""
     from flt_diag.cli.specs import load_study
-    command, args = load_study(o.path, **{dest(n, f): getattr(o, n) for _, n, f in FOLDER_OPTIONS})
-    return cmd_run_ablation(args) if isinstance(args, RunAblationOptions) else cmd_map(args)  # (command's options)
+    folder = {dest(n, f): getattr(o, n) for _, n, f in FOLDER_OPTIONS}
+    studies = [(path, *load_study(path, **folder)) for path in o.paths]
+    if len(studies) > 1:
+        if o.cell is not None:
+            raise UserError("--cell runs one cell of one study: give one study file")
+        outs = [args.out.name for _, _, args in studies if args.out is not None]
+        if twice := sorted({n for n in outs if outs.count(n) > 1}):
+            raise UserError(f"two of the study files write the folder name {twice[0]} (their `out`): each needs its "
+                            "own (and its own archive under --archive-to)")
+    for path, _, args in studies:
+        if len(studies) > 1:
+            print(f"study {path}", flush=True)
+        code = cmd_run_ablation(args) if isinstance(args, RunAblationOptions) else cmd_map(args)  # (command's options)
+        if code:
+            return code
+    return 0
 
 
 def cmd_status(o: StatusOptions) -> int:

@@ -114,7 +114,10 @@ class MapOptions(MapAxes, MapGrid, FolderOptions, Given):
 
 
 class StudyOptions(FolderOptions):
-    path: Path = arg("A study file from experiments/ (TOML).")
+    paths: list[Path] = arg("A study file from experiments/ (TOML); or several, run one after another in the order "
+                            "given with the same folder options (a campaign's stages or slices in one command: each "
+                            "file checked before any runs, the next started when one finishes, the first that fails "
+                            "ends the command with its status).", many=True)
 
 
 class StatusOptions(Options):
