@@ -210,3 +210,26 @@ def test_a_slurm_jobs_script_sets_the_snapshot_for_its_tasks(tmp_path, monkeypat
     assert f"export {ENV}='{snap}'" in lines and f"export PYTHONPATH='{snap}{os.pathsep}/elsewhere'" in lines
     assert "export PYTHONSAFEPATH=1" in lines
     assert lines.index("export PYTHONSAFEPATH=1") < next(i for i, x in enumerate(lines) if "submitit.core._submit" in x)
+
+
+def test_several_study_files_run_from_one_snapshot_the_first_study_makes(tmp_path):
+    """`flt-diag study A B --snapshot`: one snapshot of the pinned commit, in the first study's folder; the second
+    study runs from it too (its probes' code names it) and records it, so either resumes from it alone."""
+    checkout = tmp_path / "checkout"
+    git(tmp_path, "clone", "-q", str(REPO), str(checkout))
+    pinned = git(checkout, "rev-parse", "HEAD")
+    files = []
+    for name in ("a", "b"):
+        files.append(tmp_path / f"{name}.toml")
+        files[-1].write_text(f'[ablation]\npreset = "tiny"\nvariants = ["lt"]\nloops = [2]\nsteps = 2\ndepth = 1\n'
+                             f'seq_len = 16\nbatch_size = 2\neval_batches = 1\ndevice = "cpu"\n'
+                             f'out = "{tmp_path / name}"\n')
+    done = _flt_diag(checkout, "study", *map(str, files), "--snapshot", "--quiet", "--workers", "1")
+    assert done.returncode == 0, done.stderr
+    snap = tmp_path / "a" / ".code" / pinned[:12]
+    assert json.loads((snap / MARKER).read_text())["commit"] == pinned and not (tmp_path / "b" / ".code").exists()
+    for name in ("a", "b"):
+        code = json.loads((tmp_path / name / "cells" / "lt_K02_seed0_lr1" / "config.json").read_text())["env"]["code"]
+        assert code["commit"] == pinned and Path(code["snapshot"]).resolve() == snap.resolve()
+        campaign = json.loads((tmp_path / name / "sweep.json").read_text())["campaign"]
+        assert campaign["snapshot"]["commit"] == pinned
