@@ -48,7 +48,8 @@ TUNED = list(STRENGTH_KEY)
 CONFIRM_SEEDS = tuple(range(1, 9))
 D_SEEDS = (1, 2, 3)
 EXTRAPOLATE = (6, 9, 18, 24)  # stage E: val loss at these K minus at 12
-COLUMNS = ["variant", "seed", "lr", "strength", "verdict", "val_loss", "exploded", "unigram", "loops", "path"]
+COLUMNS = ["variant", "seed", "lr", "strength", "verdict", "val_loss", "exploded", "unigram", "loops", "path",
+           "steps", "steps_done", "wall_time"]
 
 
 def _dirs(folder: Path, depth: int = 2) -> list[Path]:
@@ -80,7 +81,8 @@ def runs_in(folder: Path, strength: float | None = None) -> tuple[pd.DataFrame, 
         rows.append(dict(variant=s.variant, seed=int(s.seed), lr=float(s.lr_scale),
                          strength=float(given if given is not None else (strength or 1.0)), verdict=s.verdict,
                          val_loss=val, exploded=bool(s.residual_explosion_any or s.residual_explosion),
-                         unigram=bool(h1 is not None and not val < h1), loops=int(s.loops), path=str(d)))
+                         unigram=bool(h1 is not None and not val < h1), loops=int(s.loops), path=str(d),
+                         steps=int(s.steps), steps_done=int(s.steps_done), wall_time=float(s.wall_time or 0.0)))
     return pd.DataFrame(rows, columns=COLUMNS), unfinished
 
 
@@ -294,6 +296,23 @@ def descriptive(got) -> list[str]:
     return ["At 2,000 steps (seeds 1-4, descriptive, no test):", "", markdown(t)]
 
 
+def compute(stages: dict) -> list[str]:
+    """The benchmark's real hours as far as archived (issue 64): per stage its runs, the sum of their own wall times,
+    and the share of their steps trained (a run stopped once its outcome was certain trains fewer)."""
+    lines = []
+    for stage in ("A", "B", "C", "D", "L2000"):
+        runs = stages[stage][0] if stages[stage] else None
+        if runs is None or runs.empty:
+            continue
+        lines.append(f"stage {stage}: {len(runs)} runs, {runs.wall_time.sum() / 3600:.1f} lane-hours, "
+                     f"{100 * runs.steps_done.sum() / runs.steps.sum():.0f} % of their steps trained")
+    if not lines:
+        return []
+    return ["Compute so far (each archived run's own wall time, summed: lane-hours on the machine that ran it, shared "
+            "with other work, so not a cost benchmark; the steps not trained are those the stop once decided saved):",
+            "", *[f"* {line}" for line in lines], ""]
+
+
 def sections(stages: dict) -> tuple[list[str], dict]:
     a_runs = stages["A"][0] if stages["A"] else None
     strengths, a_lines = stage_a(stages["A"])
@@ -314,7 +333,8 @@ def sections(stages: dict) -> tuple[list[str], dict]:
     out += (["Secondary loop dynamics at matched lrs (stage B's runs; medians of the last snapshot over runs neither "
              "exploded nor at unigram level, which are counted instead):", "", markdown(dyn), ""]
             if len(dyn) else ["Secondary loop dynamics: not run.", ""])
-    return out + descriptive(stages["L2000"]), dict(best=best, margins=margins, stages=stages)
+    return out + descriptive(stages["L2000"]) + [""] + compute(stages), dict(best=best, margins=margins,
+                                                                             stages=stages)
 
 
 def report(root: Path, out: Path | None = None) -> str:

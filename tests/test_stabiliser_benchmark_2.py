@@ -261,3 +261,17 @@ def test_a_stage_folder_reads_runs_two_levels_down_as_slices_archive_them(templa
     (root / "A-strength-2" / "fixed").rename(deeper / "c")
     with pytest.raises(S.StorageError):
         S.read_archive(tmp_path / "deeper")
+
+
+def test_the_benchmarks_hours_are_the_runs_own_wall_times_summed_per_stage():
+    """Issue 64's real hours: 1,800 s + 3,600 s of stage A is 1.5 lane-hours; 900 of 1,200 steps trained is 75 %;
+    a stage with no runs is not listed, and nothing archived lists nothing."""
+    runs = pd.DataFrame([dict(zip(S.COLUMNS, ["lt", 101, 1.0, 1.0, "stable", 4.0, False, False, 12, "a", 600, 600,
+                                              1800.0])),
+                         dict(zip(S.COLUMNS, ["lt", 102, 1.0, 1.0, "collapsed", 9.0, True, False, 12, "b", 600, 300,
+                                              3600.0]))], columns=S.COLUMNS)
+    stages = {"A": (runs, 0), "B": None, "C": None, "D": None, "L2000": None}
+    lines = S.compute(stages)
+    assert "* stage A: 2 runs, 1.5 lane-hours, 75 % of their steps trained" in lines
+    assert not any("stage B" in line for line in lines)
+    assert S.compute({k: None for k in stages}) == []
