@@ -89,7 +89,7 @@ def test_a_record_in_one_file_is_recorded_by_the_trainer_when_switched_on(toy):
     on, off = toy["on"], toy["off"]
     assert on["code"] == off["code"] == 0 and (on["option"], off["option"]) == (2, 0)
     assert on["modules"] == {"attention_stats": "flt_diag.records.attention", "toy_every": "gradient_square",
-                             "loop_dynamics": "flt_diag.records.fixed_point_residual, "
+                             "loop_dynamics": "flt_diag.records.exit_loss, flt_diag.records.fixed_point_residual, "
                                               "flt_diag.records.token_similarity"}
     assert off["toy"] == {}
     assert sorted(on["toy"]) == ["0", "2"]  # (steps 0..3; JSON keys)
@@ -117,7 +117,8 @@ def test_two_records_naming_one_option_are_refused(monkeypatch):
         monkeypatch.undo()
         records.all_records.cache_clear()
         sys.path.remove(str(TOY))
-    assert [r.switch for r in records.all_records()] == ["attention_stats", "loop_dynamics", "loop_dynamics"]
+    assert [r.switch for r in records.all_records()] == ["attention_stats", "loop_dynamics", "loop_dynamics",
+                                                             "loop_dynamics"]
 
 
 def test_a_record_registered_after_the_records_were_read_is_one_line():

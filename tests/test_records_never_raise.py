@@ -28,6 +28,7 @@ from flt_diag.integrations import moments
 from flt_diag.integrations.loop_probe import LoopProbe
 from flt_diag.integrations.moments import ProbeMoments
 from flt_diag.records import attention as ATTENTION
+from flt_diag.records import exit_loss as EXIT
 from flt_diag.records import fixed_point_residual as RESIDUAL
 from flt_diag.records import token_similarity as SIMILARITY
 from flt_diag.storage import metric_names as M
@@ -147,8 +148,8 @@ FAULTS = {
     "parameters kept": (DiagnosticsCallback, "_keep_before", ("update_ratio/<group>", "param_norm/<group>"), {}),
     "token_cosine": (SIMILARITY, "token_cosine_per_sequence", (M.TOKEN_COSINE,), {}),
     "effective_rank": (SIMILARITY, "effective_rank_per_sequence", (M.EFFECTIVE_RANK,), {}),
-    "exit_loss": (D, "exit_loss", (M.EXIT_LOSS,), {}),
-    "targets": (dynamics_callback, "checked_targets", (M.EXIT_LOSS,), {}),
+    "exit_loss": (EXIT, "exit_loss", (M.EXIT_LOSS,), {}),
+    "targets": (EXIT, "checked_targets", (M.EXIT_LOSS,), {}),
     "fixed_point_residual per loop": (RESIDUAL, "keep", (M.FIXED_POINT_RESIDUAL,), {}),
     "fixed_point_residual ratios": (RESIDUAL, "ratios", (M.FIXED_POINT_RESIDUAL,), {}),
     "loop map": (D, "loop_map_records", LOOP_MAP, {}),

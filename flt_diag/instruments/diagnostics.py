@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from flt_diag.storage import metric_names as M
-from flt_diag.instruments.guard import Instrument, recording
+from flt_diag.instruments.guard import Instrument, ProbeError, Skipped, recording, why_of
 from flt_diag.instruments.gradient_pairs import consecutive_stats, pair_sums, segment_squares
 from flt_diag.instruments.loop_hooks import LoopHooks
 from flt_diag.instruments.looped import LoopedModel
@@ -41,12 +41,16 @@ class DiagnosticsCallback(Instrument):
                "after_step": (M.UPDATE_RATIO + PER_GROUP, M.PARAM_NORM + PER_GROUP)}
 
     def __init__(self, cfg: DiagnosticsConfig, groups: dict[str, list], hooks: dict | None = None,
-                 grad_scale: float | None = None, loop_end: tuple | list = ()):
+                 grad_scale: float | None = None, loop_end: tuple | list = (), head: Callable | None = None,
+                 targets: Callable | None = None):
         """`groups` (the parameter groups: flt-diag's model's parameter_groups, or those of any looped model under
         flt_diag.watch), `hooks` (LoopHooks keyword arguments) and `grad_scale` (default the run's grad_accum);
         `loop_end`: fn(loop, stream), fed each recorded loop-end stream (LoopHooks.on_loop_end: the loop dynamics'
-        exit loss and loop-map states), before the records of moment loop_end (flt_diag.records)."""
+        loop-map states), before the records of moment loop_end (flt_diag.records). `head` and `targets` (a
+        function of the forward's arguments): the records' context's (RecordContext; on flt-diag's own model its
+        loop_head and loop_targets); a head without targets: the targets come at the step (`at_step`)."""
         self.cfg, self.loop_end = cfg, list(loop_end)
+        self.head, self.targets_of = head, targets
         self.given_groups, self.hook_options, self.grad_scale = groups, dict(hooks or {}), grad_scale
         self.prev_flat: torch.Tensor | None = None  # the previous step's flat gradient (one of `buffers`, or loaded)
         self.prev_layout: tuple[list[str], list[int]] = ([], [])  # its groups and their sizes
@@ -84,10 +88,12 @@ class DiagnosticsCallback(Instrument):
             self.final = trainer.model.loop_state if isinstance(trainer.model, LoopedModel) else None
             self.hooks.on_loop_end.append(recording(*(m for r in ends for m in r.metrics))(
                 lambda loop, stream: self._loop_end(loop, stream)))
-            if any(r.finish for r in ends):
+            if any(r.finish and r.finish_at == "forward" for r in ends):
                 self.hooks.on_forward_end.append(recording(*(m for r in ends if r.finish for m in r.metrics))(
                     lambda loops: self._forward_end(loops)))
         self.model = trainer.model
+        if isinstance(trainer.model, LoopedModel) and self.head is None and self.targets_of is None:
+            self.head, self.targets_of = trainer.model.loop_head, trainer.model.loop_targets
         if any(r.context for r in self.taken):
             self.handles.append(trainer.model.register_forward_pre_hook(self.records.hook(
                 tuple(m for r in self.taken if r.context for m in r.metrics), self._keep_batch), with_kwargs=True))
@@ -100,17 +106,22 @@ class DiagnosticsCallback(Instrument):
         self.recording = should_record(step, self.cfg)
         self.hooks.due = self.due = [r for r in self.taken if self.recording and r.due(self.cfg, step)]
         self.hooks.arm(self.recording)
-        self.context = self.hooks.context = RecordContext(step, self.cfg)
-        self.batch_due = self.recording and bool(self.handles)
+        self.context = self.hooks.context = RecordContext(step, self.cfg, head=self.head, targets_at_step=(
+            self.head is not None and self.targets_of is None))
+        self.batch_due = bool(self.handles) and any(r.context for r in self.due)
 
     def _keep_batch(self, module, args: tuple, kwargs: dict) -> None:
         """The batch of the step's first recorded forward, into the records' context (RecordContext: idx its first
-        argument or idx=, targets the model's loop_targets of them on a LoopedModel, else None)."""
+        argument or idx=, targets `targets` of them, else None; an error of the user's targets= is kept as the
+        targets, raised in the record that checks them: flt_diag.records._targets)."""
         if not self.batch_due or self.context is None:
             return
         self.batch_due = False
         idx = args[0] if args else kwargs.get("idx")
-        targets = self.model.loop_targets(*args, **kwargs) if isinstance(self.model, LoopedModel) else None
+        try:
+            targets = self.targets_of(*args, **kwargs) if self.targets_of is not None else None
+        except Exception as e:  # (the record that takes them says it)
+            targets = e
         self.context = self.hooks.context = dataclasses.replace(self.context, idx=idx, targets=targets)
 
     def _take(self, moment: str, trainer) -> None:
@@ -129,15 +140,35 @@ class DiagnosticsCallback(Instrument):
                 h = self.final(stream.detach()) if self.final is not None else stream.detach()
             if self.final is None:  # (h is the stream: its per-token norms, if the hooks took them, are h's)
                 alias_norms(h, stream)
+        failed: dict[str, list[str]] = {}  # why -> the metrics it skips (one line for records failing alike)
         for record in due:
-            self.records.take(tuple(record.metrics), take_record, record, self.log.add, (loop, h), self.hooks.states,
-                              loop, M.NONE, self.context)
+            try:
+                take_record(record, self.log.add, (loop, h), self.hooks.states, loop, M.NONE, self.context)
+            except ProbeError:
+                raise
+            except Skipped as e:
+                for metric, why in e.whys.items():
+                    failed.setdefault(why, []).append(metric)
+            except Exception as e:  # (the record's own failure: through the guard, below)
+                failed.setdefault(why_of(e), []).extend(record.metrics)
+        for why, metrics in failed.items():
+            self.records.skip(metrics, why)
 
     def _forward_end(self, loops: int) -> None:
-        """The `finish` of each record of moment loop_end due this step that has one, each through its own guard."""
+        """The `finish` of each record of moment loop_end due this step that has one at the forward's end, each
+        through its own guard."""
         assert self.log is not None  # (on_start: there are records of moment loop_end)
-        for record in (r for r in self.due if r.moment == "loop_end" and r.finish is not None):
+        for record in (r for r in self.due if r.moment == "loop_end" and r.finish and r.finish_at == "forward"):
             self.records.take(tuple(record.metrics), take_finish, record, self.log.add, loops, self.hooks.states)
+
+    def at_step(self, targets=None) -> None:
+        """At the step's end (probe.step(targets=)): the `finish` of each record due this step whose finish is at
+        the step, given the step's `targets` (its context's), each through its own guard."""
+        if self.log is None or self.context is None:
+            return
+        context = dataclasses.replace(self.context, targets=targets)
+        for record in (r for r in self.due if r.moment == "loop_end" and r.finish and r.finish_at == "step"):
+            self.records.take(tuple(record.metrics), take_finish, record, self.log.add, 0, self.hooks.states, context)
 
     def _keys(self, metric: str, names) -> list[tuple[str, int, int]]:
         key = (metric, tuple(names))  # (the same few lists every recorded step: built once)

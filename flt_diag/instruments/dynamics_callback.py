@@ -3,19 +3,19 @@ flt_diag.watch both stand on. What is recorded when, its cost and switches: DESI
 model flt-diag did not write: docs/api.md, "Loop dynamics on your own model".
 
 The Probe (flt_diag.integrations.probe) builds what both run on every step: the diagnostics, whose LoopHooks
-feed each recorded loop-end stream to LoopDynamicsCallback.loop_end (the exit loss, and the loop map's states on a
-model flt-diag did not write). The fixed-point residual and the streams' similarity are record files
-(flt_diag.records: fixed_point_residual.py, token_similarity.py), as a new per-loop record is. The every-N records go through a loop map after the backward, on rank 0,
-in fp32 outside autocast, with a generator of their own, leaving nothing on any .grad (the training trajectory
-is the same with or without them), one path for every model: on a LoopedModel (flt-diag's own: the protocol of
-flt_diag.instruments.looped) its loop-end state, head, loop step and targets; on any other the raw stream, head=
-and targets= as given, the user's loop_step=. Every record here is taken through the run's record guard
-(flt_diag.instruments.guard), and what the user's head=, targets= and loop_step= return is checked at the record
-(flt_diag.instruments.record_checks): one that cannot be taken is said once and skipped, the training goes on.
+feed each recorded loop-end stream to LoopDynamicsCallback.loop_end (the loop map's states on a model flt-diag did
+not write). The exit loss, the fixed-point residual and the streams' similarity are record files (flt_diag.records:
+exit_loss.py, fixed_point_residual.py, token_similarity.py), as a new per-loop record is; this instrument hands the
+diagnostics the head and targets their context carries. The every-N records go through a loop map after the
+backward, on rank 0, in fp32 outside autocast, with a generator of their own, leaving nothing on any .grad (the
+training trajectory is the same with or without them), one path for every model: on a LoopedModel (flt-diag's own:
+the protocol of flt_diag.instruments.looped) its loop-end state, loop step and targets; on any other the raw stream
+and the user's loop_step=. Every record here is taken through the run's record guard (flt_diag.instruments.guard),
+and what the user's loop_step= returns is checked at the record (flt_diag.instruments.record_checks): one that
+cannot be taken is said once and skipped, the training goes on.
 """
 from __future__ import annotations
 
-import sys
 from typing import Callable
 
 import torch
@@ -25,14 +25,13 @@ from flt_diag.instruments.callbacks import Host
 from flt_diag.instruments.diagnostics import should_record
 from flt_diag.instruments.guard import Instrument, Unrecordable, recording, why_of
 from flt_diag.instruments import loop_dynamics as D
-from flt_diag.instruments.record_checks import checked_head, checked_step, checked_targets, target_span
+from flt_diag.instruments.record_checks import checked_step
 from flt_diag.instruments.sharpness import sharpness
 from flt_diag.instruments.looped import LoopedModel, LoopStep
 from flt_diag.config.run_config import DiagnosticsConfig
 
 
 LOOP_MAP = (M.LOOP_GAIN, M.LOOP_SPECTRAL_RADIUS, M.LOOP_SPECTRAL_RESIDUAL, M.LOOP_MEAN_GAIN, M.LOOP_PERTURBATION_GROWTH)
-SIMILARITY = (M.TOKEN_COSINE, M.EFFECTIVE_RANK)
 
 
 def identity(h: torch.Tensor) -> torch.Tensor:
@@ -45,13 +44,12 @@ def due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
 
 
-
-
 class LoopDynamicsCallback(Instrument):
     """The records of DESIGN.md §3, "Loop dynamics" that are no record files (DESIGN.md §7, "A record is one file",
-    says why): `loop_end(loop, stream)` is fed each recorded loop-end stream (the exit loss); a
-    forward pre-hook on the model (from on_start) reads the step's targets and the loop map's inputs off the
-    first forward after before_step; `at_step(targets)` (probe.step(targets=)) scores the streams kept for it.
+    says why): `loop_end(loop, stream)` is fed each recorded loop-end stream (the loop map's states on a model
+    flt-diag did not write); a forward pre-hook on the model (from on_start) reads the loop map's inputs off the
+    first forward after before_step. `head` and `targets_of` (the model's loop_head and loop_targets, or head= and
+    targets=) are handed to the diagnostics, the records' context (the exit loss: flt_diag.records.exit_loss).
 
     The every-N loop-map records, one path for every model, after the backward (`after_backward`). On a LoopedModel
     (`model`: flt-diag's own, the protocol of flt_diag.instruments.looped; its head, targets and loop-end state too):
@@ -70,22 +68,17 @@ class LoopDynamicsCallback(Instrument):
         self.targets_of: Callable | None = model.loop_targets if model is not None else targets
         self.final = model.loop_state if model is not None else identity  # h(t) from the loop-end stream
         self.handles: list = []
-        self.said: set[str] = set()
-        self.recording = self.exit = self.mapping = self._armed = False
+        self.recording = self.mapping = self._armed = False
         self.extra: set[int] = set()  # steps of a snapshot asked for besides the every-N ones (snapshot_at)
         self._reset()
 
     def _reset(self) -> None:
-        self.kept: list[tuple[int, torch.Tensor]] = []  # (loop, stream) awaiting step(targets=) for the exit loss
-        self.targets: torch.Tensor | None = None
-        self.span: tuple[int, int] | None = None  # the targets' lowest and highest class (target_span) ...
-        self.span_taken = False  # ... once taken this step
         self.batch: tuple[torch.Tensor, torch.Tensor] | None = None  # (a LoopedModel) the loop map's idx, targets
         self.states: list[torch.Tensor] = []  # (any other) the loop-end streams the loop map is taken at
 
     def on_start(self, trainer: Host) -> None:
         self.handles = [trainer.model.register_forward_pre_hook(
-            self.records.hook((M.EXIT_LOSS, *LOOP_MAP), self._begin), with_kwargs=True)]
+            self.records.hook(LOOP_MAP, self._begin), with_kwargs=True)]
 
     def on_end(self, trainer: Host) -> None:
         for h in self.handles:
@@ -93,21 +86,15 @@ class LoopDynamicsCallback(Instrument):
         self.handles.clear()
         self._armed = False
 
-    def _say(self, what: str, text: str) -> None:
-        if what not in self.said:
-            self.said.add(what)
-            print(f"flt_diag.watch: {text}", file=sys.stderr, flush=True)
-
     def before_step(self, trainer: Host, step: int) -> None:
         self.log = trainer.log
         self.recording = self.cfg.loop_dynamics and should_record(step, self.cfg)
-        self.exit = self.recording and due(step, self.cfg.exit_loss_every)
         if self.model is not None:  # (every N steps, recorded or not)
             mapping = self.snapshot_due(step)
         else:
             mapping = self.recording and self.loop_step is not None and due(step, self.cfg.dynamics_every)
         self.mapping = trainer.is_main and mapping
-        self._armed = self.mapping or (self.exit and self.head is not None and self.targets_of is not None)
+        self._armed = self.mapping
         self._reset()
 
     def _due(self, step: int, every: int) -> bool:
@@ -129,74 +116,21 @@ class LoopDynamicsCallback(Instrument):
         if not self._armed:
             return
         self._armed = False
-        take = self.records.take
-        if self.exit and self.head is not None and self.targets_of is not None:
-            self.targets = take((M.EXIT_LOSS,), self._targets, self.targets_of, args, kwargs)
-        if self.mapping and self.model is not None:
-            take(LOOP_MAP, self._keep_batch, args, kwargs)
-
-    def _targets(self, targets_of: Callable, args: tuple, kwargs: dict) -> torch.Tensor | None:
-        """targets= of the forward's arguments, checked; None from the user's (no targets for this forward: in
-        Hugging Face or Lightning, a batch without labels) is said once: no exit loss at such steps."""
-        given = targets_of(*args, **kwargs)
-        if given is None and self.model is None:
-            self._say("targets-none", "head= is given but the exit loss's targets (targets=, or the batch's labels) "
-                                      "were None for a recorded step's forward: no exit_loss at such steps (return "
-                                      "one class index per position, or leave head= out)")
-        return checked_targets(given, "targets=")
+        if self.model is not None:
+            self._keep_batch(args, kwargs)
 
     def _keep_batch(self, args: tuple, kwargs: dict) -> None:
         assert self.model is not None  # (the protocol's model)
         idx, targets = args[0] if args else kwargs.get("idx"), self.model.loop_targets(*args, **kwargs)
         self.batch = (idx.detach(), targets.detach()) if torch.is_tensor(idx) and torch.is_tensor(targets) else None
 
-    def _fits(self, h: torch.Tensor) -> bool:
-        """Whether h is (batch, seq, dim); if not, said once for the exit loss and the similarity records of the same
-        steps (flt_diag.records.token_similarity, taken after this: one line for the three)."""
-        if h.dim() == 3:
-            return True
-        self.records.skip(SIMILARITY + ((M.EXIT_LOSS,) if self.head is not None else ()),
-                          f"a loop-end stream of shape {tuple(h.shape)} is not (batch, seq, dim)")
-        return False
-
-    def _exit_loss(self, loop: int, h: torch.Tensor, targets: torch.Tensor) -> None:
-        """The exit loss of one loop end (through the guard: targets and logits checked, record_checks)."""
-        if tuple(targets.shape) != tuple(h.shape[:-1]):
-            raise Unrecordable(f"targets of shape {tuple(targets.shape)} do not fit the loop-end stream "
-                               f"{tuple(h.shape)} (one target per position)")
-        if not self.span_taken:  # (once a step: one host transfer)
-            self.span, self.span_taken = target_span(targets), True
-        assert self.head is not None  # (scored only with a head)
-        head = checked_head(self.head, targets.numel(), self.span)
-        self.log.add(M.EXIT_LOSS, D.exit_loss(h, head, targets.to(h.device)), loop, M.NONE)
-
-    @recording(M.EXIT_LOSS)
+    @recording(*LOOP_MAP)
     def loop_end(self, loop: int, stream: torch.Tensor) -> None:
-        """The records of one recorded loop's end (LoopHooks.on_loop_end), each through the guard."""
-        if not self.recording:
-            return
-        take = self.records.take
-        with torch.no_grad():
-            h = self.final(stream.detach())
-            if self.exit and self._fits(h):
-                if self.head is not None and self.targets is not None:
-                    take((M.EXIT_LOSS,), self._exit_loss, loop, h, self.targets)
-                elif self.head is not None and self.targets_of is None:
-                    self.kept.append((loop, h))
-        if self.mapping and self.model is None:
-            self.states.append(h)
-
-    def at_step(self, targets: torch.Tensor | None = None) -> None:
-        """probe.step(targets=): the exit loss of the streams kept for it."""
-        if self.kept and targets is not None:
-            given = self.records.take((M.EXIT_LOSS,), checked_targets, targets, "step(targets=)")
+        """A recorded loop's end (LoopHooks.on_loop_end): on a model flt-diag did not write, the loop-end states the
+        loop map is taken at."""
+        if self.recording and self.mapping and self.model is None:
             with torch.no_grad():
-                for loop, h in self.kept if given is not None else ():
-                    self.records.take((M.EXIT_LOSS,), self._exit_loss, loop, h, given)
-        elif self.kept and targets is None:
-            self._say("no-targets", "head= is given but no targets: give probe.step(targets=) or watch(targets=) "
-                                    "for exit_loss")
-        self._reset()
+                self.states.append(self.final(stream.detach()))
 
     def after_backward(self, trainer: Host, step: int) -> None:
         """The every-N records (class docstring), each through the guard (one that fails leaves the others)."""

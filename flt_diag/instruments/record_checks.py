@@ -1,5 +1,6 @@
 """What a record is handed by the user's code, checked at the record for kind, shape, dtype and range: the
-targets (watch(targets=), probe.step(targets=)), the logits head= returns, the stream loop_step= returns. A value
+stream loop_step= returns (the targets and the logits of head=: flt_diag.records._targets, beside the exit loss that
+takes them), and what a record returns. A value
 that does not fit raises Unrecordable, one line saying what it is and what the record needs, and the run's record
 guard (flt_diag.instruments.guard) skips the record: never an IndexError or AttributeError from inside the
 forward, nor a cross-entropy on out-of-range targets (on a GPU a device-side assert that ends the process)."""
@@ -14,61 +15,8 @@ import torch
 
 from flt_diag.instruments.guard import Skipped, Unrecordable, why_of
 from flt_diag.records import Record, RecordContext
+from flt_diag.records._targets import IGNORE_INDEX, checked_head, checked_targets, kind, target_span  # noqa: F401
 from flt_diag.storage import metric_names as M
-
-IGNORE_INDEX = -100  # a target the exit loss leaves out (as F.cross_entropy)
-
-
-def kind(x) -> str:
-    """What a value is, in a few words (a tensor: its shape and dtype)."""
-    return f"a tensor of shape {tuple(x.shape)} ({x.dtype})" if torch.is_tensor(x) else type(x).__name__
-
-
-def checked_targets(targets, where: str) -> torch.Tensor | None:
-    """The step's targets as the exit loss takes them - class indices, an integer tensor (-100 ignored), dense,
-    detached - or None for none; anything else is Unrecordable (`where` names what gave it)."""
-    if targets is None:
-        return None
-    if not torch.is_tensor(targets):
-        raise Unrecordable(f"{where} gave {kind(targets)}; the exit loss needs a tensor of class indices, one per "
-                           "position of the loop-end stream")
-    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
-        raise Unrecordable(f"{where} gave {targets.dtype} targets; the exit loss needs class indices (an integer "
-                           f"tensor, {IGNORE_INDEX} ignored), one per position of the loop-end stream")
-    if targets.layout != torch.strided:
-        targets = targets.to_dense()
-    return targets.detach()
-
-
-def target_span(targets: torch.Tensor) -> tuple[int, int] | None:
-    """(lowest, highest) of the targets that are not ignored (one host transfer), None if all are."""
-    kept = targets != IGNORE_INDEX
-    if targets.numel() == 0 or not bool(kept.any()):
-        return None
-    lo, hi = torch.stack([torch.where(kept, targets, targets.max()).min(),
-                          torch.where(kept, targets, targets.min()).max()]).tolist()
-    return int(lo), int(hi)
-
-
-def checked_head(head: Callable, positions: int, span: tuple[int, int] | None) -> Callable:
-    """head, whose logits are checked before the exit loss takes them: a real tensor (..., classes), one row per
-    position of the stream (`positions` of them), with a class for every target (`span`)."""
-    def logits_of(h: torch.Tensor) -> torch.Tensor:
-        logits = head(h)
-        if not torch.is_tensor(logits):
-            raise Unrecordable(f"head= gave {kind(logits)}; the exit loss needs logits, a tensor (..., classes) "
-                               "with one row per position of the loop-end stream")
-        if not logits.is_floating_point():
-            raise Unrecordable(f"head= gave {logits.dtype} logits; the exit loss needs real (floating-point) ones")
-        if logits.dim() < 2 or logits.shape[:-1].numel() != positions:
-            raise Unrecordable(f"head= gave logits of shape {tuple(logits.shape)} for a loop-end stream of shape "
-                               f"{tuple(h.shape)}: one row of class scores per position is needed")
-        classes = logits.shape[-1]
-        if span is not None and (span[0] < 0 or span[1] >= classes):
-            raise Unrecordable(f"the targets run from {span[0]} to {span[1]}, outside the {classes} classes of "
-                               f"head='s logits (0 to {classes - 1}; {IGNORE_INDEX} ignored)")
-        return logits
-    return logits_of
 
 
 def checked_step(loop_step: Callable) -> Callable:
@@ -138,14 +86,21 @@ def take_record(record: Record, log: Callable[..., None], args: Sequence, states
     logged(record, log, values, loop, layer)
 
 
-def take_finish(record: Record, log: Callable[..., None], loops: int, states: dict[Record, Any]) -> None:
+def take_finish(record: Record, log: Callable[..., None], loops: int, states: dict[Record, Any],
+                context: RecordContext | None = None) -> None:
     """A loop_end record's `finish` at the recorded forward's end, on its state (none yet: nothing kept, nothing
-    taken): {metric: {loop: value}}, every value checked, at (loop,) (`logged`: a failed value skipped alone).
-    Called inside the record's guard."""
+    taken), or at the step (`finish_at="step"`: given `context`, the step's, with its state): {metric: {loop:
+    value}}, every value checked, at (loop,) (`logged`: a failed value skipped alone). Called inside the record's
+    guard."""
     if record.finish is None or record not in states:
         return
     with torch.no_grad():
-        values = record.finish(loops, state=states[record])
+        if record.finish_at == "step":
+            if context is None:
+                raise Unrecordable("its finish needs the step's context, which this moment does not give")
+            values = record.finish(ctx=dataclasses.replace(context, state=states[record]))
+        else:
+            values = record.finish(loops, state=states[record])
     if not (isinstance(values, dict) and all(isinstance(v, dict) for v in values.values())):
         raise Unrecordable(f"its finish returned {kind(values)}; a finish returns {{metric: {{loop: number}}}}")
     failed: dict[str, str] = {}

@@ -128,8 +128,7 @@ class ProbeMoments:
                 self._check_finite(s, value)
         if lr is not None:
             self.host.log.add(M.LR, lr)
-        assert self.probe.dynamics is not None  # (a LoopProbe's probe has them)
-        self.probe.dynamics.at_step(targets)  # the exit loss of the kept loop-end streams (head= without targets=)
+        self.probe.at_step(targets)  # the exit loss of the kept loop-end streams (head= without targets=)
         rows = self.host.log.collect(s)
         if self.hooks is None:  # (blocks="auto", none chosen yet: held, written with the first step that has them)
             self._held += rows

@@ -33,10 +33,15 @@ class Probe(Callback):
         model flt-diag did not write), whose hooks feed the loop dynamics each recorded loop end."""
         d = self.dynamics
         assert d is not None  # (the diagnostics feed the loop dynamics)
-        self.diag = DiagnosticsCallback(self.cfg, groups, loop_end=[d.loop_end],
+        self.diag = DiagnosticsCallback(self.cfg, groups, loop_end=[d.loop_end], head=d.head, targets=d.targets_of,
                                         **diagnostics)
         self.diag.records = self.records
         return self.diag
+
+    def at_step(self, targets=None) -> None:
+        """probe.step(targets=): the records whose finish is at the step (the exit loss of the kept loop ends)."""
+        if self.diag is not None and self.diag in self.started:
+            self.diag.at_step(targets)
 
     @property
     def parts(self) -> list[Callback]:

@@ -9,7 +9,9 @@ is switched on at its moment, for flt-diag's Trainer and flt_diag.watch alike (f
 through the run's record guard: one that fails, or returns what is no {metric: number}, is said once and skipped).
 
 The schedule is the record's first option, its switch: a bool (on: every recorded step, `dense_steps` then
-`every`), or an int N (every recorded step that is a multiple of N; 0 = never). Torch-free, and importing nothing
+`every`), or an int N (every recorded step that is a multiple of N; 0 = never); `every` (an int option of
+DiagnosticsConfig, by name) thins it to the recorded steps that are multiples of that option (the exit loss's and the
+streams' similarity's `exit_loss_every`). Torch-free, and importing nothing
 of flt_diag.config (which imports it): a record computes through the tensors it is handed (the diagnostics run it
 under no_grad), so config/ and storage/ read its declaration without torch (docs/DESIGN.md §7, "A record is one
 file").
@@ -58,14 +60,21 @@ class RecordContext(Generic[S]):
     """What a record of `context=True` is handed as `ctx=`, besides its moment's arguments: the `step`; the run's
     diagnostics options `cfg` (DiagnosticsConfig: the core options by name, e.g. `cfg.dynamics_batch`); the batch of
     the step's recorded forward, `idx` (its first argument, or `idx=`) and `targets` (the model's `loop_targets` of
-    the forward's arguments on flt-diag's own model, else None); and the record's own `state` (its `state`
-    factory's, made once per run; None without one). Built per call by the diagnostics (flt_diag.instruments)."""
+    the forward's arguments on flt-diag's own model, the user's `targets=` of them under flt_diag.watch, else None;
+    as given: a record checks what it takes); the loop's `head` (h -> logits: the model's loop_head on flt-diag's own
+    model, watch's head=, else None; as given); `targets_at_step`: the targets come only at the step
+    (flt_diag.watch with head= and no targets=: probe.step(targets=)), so a record that needs them keeps what it
+    needs and takes them in its finish at the step (Record `finish_at="step"`, where `targets` are the step's); and
+    the record's own `state` (its `state` factory's, made once per run; None without one). Built per call by the
+    diagnostics (flt_diag.instruments)."""
 
     step: int
     cfg: Any
     idx: Any = None
     targets: Any = None
     state: S | None = None
+    head: Any = None
+    targets_at_step: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -79,7 +88,11 @@ class Record(Generic[O]):
     record's), shared by a family of records (the loop dynamics: `loop_dynamics`); its own options may then be none
     (`RecordOptions` itself). `finish` (moment loop_end only): called at each recorded forward's end as
     finish(loops, state=), it returns {metric: {loop: value}}, values its loop ends kept for taking together (a few
-    operations a forward, not a few a loop; the fixed-point residual's)."""
+    operations a forward, not a few a loop; the fixed-point residual's). `finish_at="step"` (a record of
+    `context=True`): finish is called instead at the step's end, as finish(ctx=), ctx the step's context whose
+    `targets` are those the step was given (probe.step(targets=); None if none): what its loop ends kept for targets
+    that come only then (the exit loss under flt_diag.watch without targets=). `every`: an int option of
+    DiagnosticsConfig by name; the record is due only on recorded steps that are multiples of it (0 = never)."""
 
     options: type[O]
     metrics: dict[str, str]
@@ -89,6 +102,8 @@ class Record(Generic[O]):
     context: bool = False
     switched_by: str | None = None
     finish: Callable[..., dict] | None = None
+    finish_at: str = "forward"
+    every: str | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.options, type) and issubclass(self.options, RecordOptions)):
@@ -98,6 +113,9 @@ class Record(Generic[O]):
                              f"{', '.join(MOMENTS)} (got {self.moment!r})")
         if self.finish is not None and (self.moment != "loop_end" or self.state is None):
             raise ValueError("a record's finish is for a record of moment loop_end that keeps a state")
+        if self.finish_at not in ("forward", "step") or (self.finish_at == "step" and not self.context):
+            raise ValueError(f"a record's finish_at is 'forward' or 'step' (a record of context=True; got "
+                             f"{self.finish_at!r})")
         if self.switched_by is None and self.options.model_fields[self.switch].annotation not in (bool, int):
             raise ValueError(f"a record's first option ({self.switch}) is its switch: a bool or an int")
 
@@ -118,6 +136,8 @@ class Record(Generic[O]):
     def due(self, cfg, step: int) -> bool:
         """Whether a recorded `step` takes it under DiagnosticsConfig `cfg` (the module docstring's schedule)."""
         on = getattr(cfg, self.switch)
+        if self.every is not None and not (getattr(cfg, self.every) > 0 and step % getattr(cfg, self.every) == 0):
+            return False
         return on if isinstance(on, bool) else on > 0 and step % on == 0
 
 

@@ -80,8 +80,6 @@ def compute(loop: int, h, ctx: RecordContext[Kept]) -> dict:
     assert state is not None  # (a state it keeps)
     if loop == 1:
         state.loops = []
-    if not (cfg.exit_loss_every > 0 and ctx.step % cfg.exit_loss_every == 0):
-        return {}
     if h.dim() != 3:
         raise Unrecordable(f"a loop-end stream of shape {tuple(h.shape)} is not (batch, seq, dim)")
     first = h[:cfg.dynamics_batch]
@@ -110,8 +108,8 @@ def finish(loops: int, state: Kept) -> dict:
     return out
 
 
-RECORD = Record(options=RecordOptions, switched_by="loop_dynamics", moment="loop_end", compute=compute,
-                finish=finish, state=Kept, context=True,
+RECORD = Record(options=RecordOptions, switched_by="loop_dynamics", every="exit_loss_every", moment="loop_end",
+                compute=compute, finish=finish, state=Kept, context=True,
                 metrics={TOKEN_COSINE: "mean cosine between two positions' h(t) of a sequence (i != j), loop t",
                          EFFECTIVE_RANK: "exp(entropy of the normalised singular values) of a sequence's (T, d) h(t), "
                                          "loop t"})

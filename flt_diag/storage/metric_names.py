@@ -6,7 +6,7 @@ Rows of a run's metrics table are (step, metric, loop, layer, value). `loop` cou
 the suffixes below: "<metric>/embedding" and "<metric>/head" with layer NONE, and
 "<metric>/attn", "<metric>/mlp" with the block in `layer`.
 """
-from flt_diag.records import all_records, fixed_point_residual, token_similarity
+from flt_diag.records import all_records, exit_loss, fixed_point_residual, token_similarity
 
 NONE = -1
 
@@ -30,7 +30,6 @@ STABILISER_PENALTY = "stabiliser_penalty"  # a loss-term stabiliser's penalty on
 INJECTION_RHO = "injection_rho"  # Parcae: rho(Abar) = max over channels of the loop start's decay, every step
 PARAM_NORM = "param_norm"  # ||W|| per group, before the optimizer step (the weights the step's gradient was taken at)
 # Loop dynamics (flt_diag.instruments.loop_dynamics; DESIGN.md §3, "Loop dynamics"), h(t) = norm(stream at loop t's end):
-EXIT_LOSS = "exit_loss"  # cross-entropy of the (soft-capped) head applied to h(t), loop t, no gradient
 LOOP_GAIN = "loop_gain"  # largest singular value of the Jacobian of h(t-1) -> h(t), loop t >= 2 (every N steps)
 LOOP_SPECTRAL_RADIUS = "loop_spectral_radius"  # spectral radius of the same Jacobian (Arnoldi; earlier runs: 8 power steps)
 LOOP_SPECTRAL_RESIDUAL = "loop_spectral_residual"  # ||J y - lambda y|| / |lambda| of that Ritz pair: < 0.01 = converged
@@ -60,3 +59,4 @@ if clash := sorted(set(RECORDED) & {v for k, v in dict(globals()).items() if k.i
     raise ValueError(f"a record names a core metric: {', '.join(clash)}")
 FIXED_POINT_RESIDUAL = fixed_point_residual.RESIDUAL  # (a record's, its definition there: flt_diag.records)
 TOKEN_COSINE, EFFECTIVE_RANK = token_similarity.TOKEN_COSINE, token_similarity.EFFECTIVE_RANK  # (a record's, too)
+EXIT_LOSS = exit_loss.EXIT_LOSS  # (a record's: the head applied to h(t), loop t, against the step's targets)
