@@ -118,9 +118,12 @@ def test_help_is_typers_with_panels_by_config_section_and_defaults(capsys):
 
 
 def test_shell_completion_installs_and_completes_choices(tmp_path):
-    env = {**os.environ, "HOME": str(tmp_path), "SHELL": "/bin/bash"}
-    done = subprocess.run([sys.executable, "-m", "flt_diag", "--install-completion"], env=env, capture_output=True,
-                          text=True, timeout=120)
+    # (the shell named, not detected: typer detects it from the process's ancestors, and a test process reparented to
+    # init, as one started in the background from a subshell, has no shell among them: "Shell None is not supported")
+    env = {**os.environ, "HOME": str(tmp_path), "SHELL": "/bin/bash",
+           "_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION": "1"}
+    done = subprocess.run([sys.executable, "-m", "flt_diag", "--install-completion", "bash"], env=env,
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     script = tmp_path / ".bash_completions" / "flt-diag.sh"
     assert "_FLT_DIAG_COMPLETE" in script.read_text() and str(script) in (tmp_path / ".bashrc").read_text()
