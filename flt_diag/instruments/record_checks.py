@@ -15,7 +15,7 @@ import torch
 
 from flt_diag.instruments.guard import Skipped, Unrecordable, why_of
 from flt_diag.records import Record, RecordContext
-from flt_diag.records._targets import IGNORE_INDEX, checked_head, checked_targets, kind, target_span  # noqa: F401
+from flt_diag.records._targets import kind
 from flt_diag.storage import metric_names as M
 
 
