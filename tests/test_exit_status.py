@@ -307,3 +307,14 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):
     p.stdout.close()  # (the reader is gone before the command writes)
     err = p.stderr.read().decode()
     assert p.wait() == 141 and "error" not in err, err
+
+
+def test_a_study_that_fails_ends_a_chain_of_studies_with_its_status(tmp_path, capsys, monkeypatch):
+    """`flt-diag study A B`: A's lines fail (status 1, no exception), so B is not started and the status is A's."""
+    monkeypatch.setattr("flt_diag.training.trainer.train", _boom)
+    (tmp_path / "a.toml").write_text('[map]\nvariants = ["lt"]\nloops = [2]\nlo = 1\nhi = 2\nratio = 2\nsteps = 2\n'
+                                     f'device = "cpu"\npreset = "tiny"\ndepth = 1\nout = "{tmp_path / "m"}"\n')
+    (tmp_path / "b.toml").write_text('[ablation]\nvariants = ["lt"]\nloops = [2]\nsteps = 2\ndevice = "cpu"\n'
+                                     f'preset = "tiny"\ndepth = 1\nout = "{tmp_path / "b"}"\n')
+    assert main(["study", str(tmp_path / "a.toml"), str(tmp_path / "b.toml"), "--workers", "1", "--quiet"]) == 1
+    assert (tmp_path / "m").is_dir() and not (tmp_path / "b").exists()
