@@ -187,6 +187,7 @@ def test_status_of_a_map_folder_built_by_hand(tmp_path, capsys):
     (_probe(out, "lt_K06_seed1_lr1", 1, 1, None, one) / "error.txt").write_text(
         "Traceback (most recent call last):\n  File x\nRuntimeError: out of memory\n\n")
     running = _probe(out, "lt_K06_seed2_lr1", 2, 1, None, one)
+    (running / "progress.json").write_text(json.dumps(dict(step=3, steps=10, loss=5.0, elapsed=1.0, final=False)))
     stopped = _probe(out, "lt_K06_seed3_lr1", 3, 1, None, one)
     (stopped / LOCK).write_text(f"{2 ** 22 + 7} {socket.gethostname()} 2026-12-01T00:00:00Z")
     old = time.time() - 3600
@@ -206,12 +207,38 @@ def test_status_of_a_map_folder_built_by_hand(tmp_path, capsys):
     assert rows["lt_K06_seed1"].split()[2:] == ["failed", "lr", "1:", "RuntimeError:", "out", "of", "memory", "code",
                                                 one[:12]]
     assert rows["lt_K06_seed2"].split()[2] == "running"
-    assert f"lr 1: held by pid {os.getpid()} on host {socket.gethostname()} since " in rows["lt_K06_seed2"]
+    assert f"lr 1: step 3 of 10, held by pid {os.getpid()} on host {socket.gethostname()} since " in rows["lt_K06_seed2"]
     assert ", last seen 0 s ago" in rows["lt_K06_seed2"] or ", last seen 1 s ago" in rows["lt_K06_seed2"]
     assert rows["lt_K06_seed3"].split()[2:5] == ["open", "0", "probes"]
     assert lines[6] == "1 finished, 1 running, 1 open, 1 failed"
     assert [line.split()[1:] for line in listed] == [["lt_K06_seed0", "finished"], ["lt_K06_seed1", "failed"],
                                                      ["lt_K06_seed2", "running"], ["lt_K06_seed3", "open"]]
+
+
+@pytest.mark.parametrize("progress, said", [
+    (dict(step=250, steps=600), "step 250 of 600, "), (dict(step=600, steps=600), "step 600 of 600, "),
+    (dict(step=601, steps=600), ""), (dict(step=-1, steps=600), ""), (dict(step="250", steps=600), ""),
+    (dict(step=2.5, steps=600), ""), (dict(step=True, steps=600), ""), ([250, 600], ""), (None, "")])
+def test_a_running_run_says_the_step_it_reached_and_a_crafted_progress_file_says_nothing(tmp_path, progress, said):
+    """The step of a running run is its progress.json's, two counts 0 <= done <= steps; anything else (a bool, a
+    float, a string, a list, more done than steps, no file) leaves the step out and the rest of the line as it was."""
+    from flt_diag.storage.run_activity import activity
+    run = tmp_path / "r"
+    run.mkdir()
+    if progress is not None:
+        (run / "progress.json").write_text(json.dumps(progress))
+    with folder_lock(run):
+        a = activity(run)
+    assert a.state == "running"
+    assert a.detail().startswith(f"{said}held by pid {os.getpid()} on host {socket.gethostname()} since ")
+
+
+def test_status_pads_names_to_the_longest_so_the_columns_line_up():
+    """A sweep whose cell names are longer than the default column (32): every state starts in one column."""
+    from flt_diag.results.campaign_status import Row, row_lines
+    rows = [Row(0, "a" * 40, "running", "x", ()), Row(1, "b", "open", "", ("c" * 12,))]
+    assert row_lines(rows) == [f"   0  {'a' * 40} running   x  code -", f"   1  b{' ' * 40}open      code {'c' * 12}"]
+    assert row_lines(rows[1:]) == [f"   1  b{' ' * 32}open      code {'c' * 12}"]  # (short names: the 32 of before)
 
 
 def test_a_busy_probe_is_said_to_be_busy_by_whom_not_failed(tmp_path, capsys):

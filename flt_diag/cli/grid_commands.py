@@ -142,12 +142,10 @@ def cmd_study(o: StudyOptions) -> int:
 def cmd_status(o: StatusOptions) -> int:
     """Where each cell of a sweep (each line of a map) stands: finished, open, running (whose process, seen when),
     failed (why), and the code that made its runs; and the code and machine the folder is pinned to."""
-    from flt_diag.results.campaign_status import campaign_lines, status_rows
+    from flt_diag.results.campaign_status import campaign_lines, row_lines, status_rows
     rows = status_rows(o.path)
-    for line in campaign_lines(o.path):
+    for line in campaign_lines(o.path) + row_lines(rows):
         print(line)
-    for row in rows:
-        print(row.line())
     from flt_diag.grids.leases import lease_lines  # (a map worked by --submit: whose probe is whose)
     for line in lease_lines(o.path):
         print(line)

@@ -26,9 +26,17 @@ class Row:
     detail: str
     commits: tuple[str, ...]
 
-    def line(self) -> str:
+    def line(self, width: int = 32) -> str:
+        """The row as `flt-diag status` prints it, its name padded to `width` (the longest name of the folder's)."""
         commits = ", ".join(self.commits) or "-"
-        return f"{self.index:4d}  {self.name:32s} {self.state:9s} {self.detail}{'  ' if self.detail else ''}code {commits}"
+        return f"{self.index:4d}  {self.name:{width}s} {self.state:9s} {self.detail}{'  ' if self.detail else ''}" \
+               f"code {commits}"
+
+
+def row_lines(rows: list[Row]) -> list[str]:
+    """The rows as `flt-diag status` prints them: names padded to the longest (at least 32), so the states line up."""
+    width = max([32, *(len(r.name) for r in rows)])
+    return [r.line(width) for r in rows]
 
 
 def _commits(acts: list[Activity]) -> tuple[str, ...]:

@@ -1,6 +1,6 @@
 """What a run of a sweep or map is doing now, read from its folder alone (`flt-diag status`, the map's busy-probe
-line): finished, failed (with the last line of its error.txt), running (the holder of its lock: pid, host, since,
-and how long since the run last wrote anything), or open (not started, or stopped: a lock nobody holds). And the
+line): finished, failed (with the last line of its error.txt), running (the step it reached of its steps, from its
+progress.json; the holder of its lock: pid, host, since; and how long since the run last wrote anything), or open (not started, or stopped: a lock nobody holds). And the
 code that made it (its config's env.code). Torch-free.
 """
 from __future__ import annotations
@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flt_diag.storage import archive
-from flt_diag.storage.folders import (CONFIG, ERROR, LOCK, METRICS, PROGRESS, StorageError, load_config, load_summary)
+from flt_diag.storage.folders import (CONFIG, ERROR, LOCK, METRICS, PROGRESS, StorageError, load_config, load_progress,
+                                      load_summary)
 from flt_diag.storage.locks import describe_holder, parse_holder
 from flt_diag.storage.safe_files import open_regular, read_bounded
 
@@ -27,15 +28,18 @@ class Activity:
     seen_s: float | None = None  # seconds since the run last wrote a file (running or stopped)
     reason: str | None = None  # failed: the last line of its error.txt
     commit: str | None = None  # the code that made it: 12 hex digits, "+" where the tree had changes
+    progress: tuple[int, int] | None = None  # running: (steps done, steps) as its progress.json last said
 
     def detail(self) -> str:
-        """The words after the state: whose lock and since when, why it failed."""
+        """The words after the state: the step a running run reached, whose lock and since when, why it failed."""
         if self.state == "failed":
             return self.reason or ""
         if self.holder is None:
             return ""
         seen = f", last seen {self.seen_s:.0f} s ago" if self.seen_s is not None else ""
-        return describe_holder(self.holder) + seen + ("" if self.state == "running" else " (a stopped run's lock)")
+        reached = f"step {self.progress[0]} of {self.progress[1]}, " if self.progress is not None else ""
+        return reached + describe_holder(self.holder) + seen + ("" if self.state == "running" else
+                                                                 " (a stopped run's lock)")
 
 
 def _holder_alive(lock: Path, holder: dict, seen_s: float | None) -> bool:
@@ -83,6 +87,16 @@ def _reason(error: Path) -> str:
     return next((line for line in reversed(lines) if line), "an empty error.txt")[:200]
 
 
+def progress_of(run: Path) -> tuple[int, int] | None:
+    """(steps done, steps) from the run's progress.json; None where there is none or it is not two counts
+    0 <= done <= steps (a half-written or crafted file says nothing)."""
+    info = load_progress(run)
+    done, steps = (info.get("step"), info.get("steps")) if isinstance(info, dict) else (None, None)
+    if type(done) is not int or type(steps) is not int or not 0 <= done <= steps:
+        return None
+    return done, steps
+
+
 def commit_of(run: Path) -> str | None:
     """The commit of the code that made the run (12 hex digits, "+" where it ran with uncommitted changes)."""
     try:
@@ -108,5 +122,5 @@ def activity(run: Path) -> Activity:
         holder = None
     seen = _seen_s(run) if run.exists() else None
     if holder is not None and _holder_alive(run / LOCK, holder, seen):
-        return Activity("running", holder, seen, commit=commit)
+        return Activity("running", holder, seen, commit=commit, progress=progress_of(run))
     return Activity("open", holder, seen, commit=commit)
