@@ -215,6 +215,46 @@ def test_status_of_a_map_folder_built_by_hand(tmp_path, capsys):
                                                      ["lt_K06_seed2", "running"], ["lt_K06_seed3", "open"]]
 
 
+def _hand_map(out: Path, finished: int, failed: int) -> None:
+    """A map folder by hand (lt, K 6, `finished + failed` seeds, lr 1 and 2): seeds 0.. finished (holds at 1, breaks
+    at 2), the next `failed` failed at lr 1 (error.txt)."""
+    spec = MapSpec(tiny_config(steps=10), ["lt"], [6], list(range(finished + failed)), "lr", [1, 2], ["training"])
+    out.mkdir(parents=True)
+    (out / "sweep.json").write_text(json.dumps(spec.to_dict()))
+    for s in range(finished):
+        _probe(out, f"lt_K06_seed{s}_lr1", s, 1, "stable", "1" * 40)
+        _probe(out, f"lt_K06_seed{s}_lr2", s, 2, "collapsed", "1" * 40)
+    for s in range(finished, finished + failed):
+        (_probe(out, f"lt_K06_seed{s}_lr1", s, 1, None, "1" * 40) / "error.txt").write_text("RuntimeError: x\n")
+
+
+def test_status_of_a_folder_of_campaigns_counts_each_and_all(tmp_path, capsys):
+    """A campaign's folder holding maps at several depths (a stage's strength, slice, study): a line of counts per
+    map folder found (up to three levels down, not into a link), then the total; a crafted one is its own line,
+    the others still counted, exit 1."""
+    root = tmp_path / "bench"
+    _hand_map(root / "A" / "x1" / "study", 2, 0)
+    _hand_map(root / "B" / "slice", 1, 1)
+    _hand_map(tmp_path / "elsewhere", 3, 0)
+    (root / "B" / "linked").symlink_to(tmp_path / "elsewhere")  # (a link: not followed)
+    _hand_map(root / "C" / "a" / "b" / "too-deep", 1, 0)  # (four levels down: not looked for)
+    assert main(["status", str(root)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "A/x1/study: 2 finished", "B/slice: 1 finished, 1 failed", "all: 3 finished, 1 failed"]
+    (root / "D").mkdir()
+    (root / "D" / "sweep.json").write_text("{not json")
+    assert main(["status", str(root)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[:2] == ["A/x1/study: 2 finished", "B/slice: 1 finished, 1 failed"]
+    assert out[2].startswith("D: cannot be read (") and out[3] == "all: 3 finished, 1 failed" and len(out) == 4
+    assert main(["status", str(root / "A")]) == 0 and capsys.readouterr().out.splitlines()[-1] == "all: 2 finished"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["status", str(empty)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not a sweep or map folder" in err[0] and "holds none" in err[0]
+
+
 @pytest.mark.parametrize("progress, said", [
     (dict(step=250, steps=600), "step 250 of 600, "), (dict(step=600, steps=600), "step 600 of 600, "),
     (dict(step=601, steps=600), ""), (dict(step=-1, steps=600), ""), (dict(step="250", steps=600), ""),

@@ -142,13 +142,17 @@ def cmd_study(o: StudyOptions) -> int:
 def cmd_status(o: StatusOptions) -> int:
     """Where each cell of a sweep (each line of a map) stands: finished, open, running (whose process, seen when),
     failed (why), and the code that made its runs; and the code and machine the folder is pinned to."""
-    from flt_diag.results.campaign_status import campaign_lines, row_lines, status_rows
+    from flt_diag.results.campaign_status import campaign_lines, counts_line, folders_lines, row_lines, status_rows
+    from flt_diag.storage.folders import is_sweep
+    if not is_sweep(o.path):  # a campaign's folder of sweeps and maps: a line of counts each
+        lines, ok = folders_lines(o.path)
+        print("\n".join(lines))
+        return 0 if ok else 1
     rows = status_rows(o.path)
     for line in campaign_lines(o.path) + row_lines(rows):
         print(line)
     from flt_diag.grids.leases import lease_lines  # (a map worked by --submit: whose probe is whose)
     for line in lease_lines(o.path):
         print(line)
-    counts = {s: sum(r.state == s for r in rows) for s in ("finished", "running", "open", "failed")}
-    print(", ".join(f"{n} {s}" for s, n in counts.items() if n) or "nothing to show")
+    print(counts_line(rows))
     return 0

@@ -121,7 +121,8 @@ class StudyOptions(FolderOptions):
 
 
 class StatusOptions(Options):
-    path: Path = arg("A sweep or map folder (also while it runs).")
+    path: Path = arg("A sweep or map folder (also while it runs), or its archive; or a folder holding several (a "
+                     "campaign's studies or stages): a line of counts for each.")
 
 
 class SummaryOptions(Given):

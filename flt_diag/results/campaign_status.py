@@ -1,7 +1,8 @@
 """`flt-diag status FOLDER` (and the status column of `--list`): where each cell of a sweep, or each line of a map,
-stands: finished, open, running (whose process, how long since it last wrote) or failed (why), and the commits of
-the code that made its runs; and above them the code and machine the folder's campaign is pinned to
-(flt_diag.storage.campaign) and the code changes it was allowed. Torch-free.
+stands: finished, open, running (the step it reached, whose process, how long since it last wrote) or failed (why),
+and the commits of the code that made its runs; and above them the code and machine the folder's campaign is pinned
+to (flt_diag.storage.campaign) and the code changes it was allowed. A folder holding sweeps and maps (a campaign's
+stages or a chain's studies, or their archive) gets a line of counts per folder and the total. Torch-free.
 """
 from __future__ import annotations
 
@@ -82,6 +83,51 @@ def status_rows(out: Path) -> list[Row]:
     if not is_sweep(out):
         raise StorageError(f"{out} is not a sweep or map folder (no {SWEEP_SPEC})")
     return map_rows(out) if isinstance(load_spec(out), MapSpecFile) else sweep_rows(out)
+
+
+STATES = ("finished", "running", "open", "failed")
+
+
+def counts_line(rows: list[Row]) -> str:
+    """"3 finished, 1 running, 20 open" (the states with any), or "nothing to show"."""
+    counts = {s: sum(r.state == s for r in rows) for s in STATES}
+    return ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "nothing to show"
+
+
+def campaign_folders(path: Path, depth: int = 3) -> list[Path]:
+    """The sweep and map folders a campaign's folder holds (e.g. one per study of a chain, or per stage: its
+    children and theirs, `depth` levels down: a stage's strengths, their slices, their studies), not through links
+    and not into a sweep, in name order."""
+    found: list[Path] = []
+    try:
+        subs = sorted(p for p in Path(path).iterdir() if p.is_dir() and not p.is_symlink())
+    except OSError:
+        return found
+    for p in subs:
+        if is_sweep(p):
+            found.append(p)
+        elif depth > 1:
+            found += campaign_folders(p, depth - 1)
+    return found
+
+
+def folders_lines(path: Path) -> tuple[list[str], bool]:
+    """(one line per sweep or map folder under `path`: its place and its counts, then the total; whether every one
+    could be read). A folder that cannot be read is its own line, the others still counted."""
+    lines, total, ok = [], [], True
+    for folder in campaign_folders(path):
+        name = folder.relative_to(path)
+        try:
+            rows = status_rows(folder)
+        except (StorageError, OSError) as e:
+            lines.append(f"{name}: cannot be read ({e})")
+            ok = False
+            continue
+        lines.append(f"{name}: {counts_line(rows)}")
+        total += rows
+    if not lines:
+        raise StorageError(f"{path} is not a sweep or map folder (no {SWEEP_SPEC}) and holds none")
+    return lines + [f"all: {counts_line(total)}"], ok
 
 
 def campaign_lines(out: Path) -> list[str]:
