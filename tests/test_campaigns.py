@@ -273,6 +273,31 @@ def test_a_running_run_says_the_step_it_reached_and_a_crafted_progress_file_says
     assert a.detail().startswith(f"{said}held by pid {os.getpid()} on host {socket.gethostname()} since ")
 
 
+def test_time_left_is_the_open_and_unfinished_runs_at_the_median_over_the_lanes_running():
+    from flt_diag.results.campaign_status import time_left
+    # median of 100, 300, 200 = 200 s; 4 open (800 lane-s) + one 25 % done (150) + one of unknown progress (200)
+    # = 1150 lane-s over 2 lanes = 575 s = 9.6 min
+    assert time_left([100.0, 300.0, 200.0], 4, [0.25, None]) == (
+        "about 10 min left: 4 open and 2 running at the finished runs' median of 200 s a run, on the 2 lanes running now")
+    assert time_left([60.0, 120.0], 0, [0.5]) == (  # 90 s x 0.5 on one lane; under two minutes in seconds
+        "about 45 s left: 0 open and 1 running at the finished runs' median of 90 s a run, on the 1 lane running now")
+    assert time_left([], 4, [0.5]) is None and time_left([100.0], 4, []) is None  # nothing timed; no lane to count
+
+
+def test_status_of_a_running_sweep_ends_with_its_time_left(tmp_path, capsys):
+    """fake_runs' sweep: four cells finished (wall time 1 s each), fla K 3 half written, fla K 6 not started. With
+    fla K 3's lock held it runs: 1 open + 1 running of unknown progress at 1 s a run on 1 lane = 2 s; without, no
+    lane runs and no time is guessed."""
+    from fake_runs import make_sweep
+    out = make_sweep(tmp_path / "sw")
+    assert main(["status", str(out)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "4 finished, 2 open"
+    with folder_lock(out / CELLS / "fla_K03_seed0_lr1"):
+        assert main(["status", str(out)]) == 0
+    assert capsys.readouterr().out.splitlines()[-2:] == ["4 finished, 1 running, 1 open", (
+        "about 2 s left: 1 open and 1 running at the finished runs' median of 1 s a run, on the 1 lane running now")]
+
+
 def test_status_pads_names_to_the_longest_so_the_columns_line_up():
     """A sweep whose cell names are longer than the default column (32): every state starts in one column."""
     from flt_diag.results.campaign_status import Row, row_lines

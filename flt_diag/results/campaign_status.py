@@ -14,7 +14,8 @@ from flt_diag.storage.campaign import describe_code, read_campaign
 from flt_diag.storage.code_snapshot import read_marker, recorded_folder
 from flt_diag.storage.cells import RunId
 from flt_diag.storage.file_models import MapSpecFile
-from flt_diag.storage.folders import SWEEP_SPEC, StorageError, cell_path, is_sweep, load_spec, read_json
+from flt_diag.storage.folders import (SWEEP_SPEC, StorageError, cell_path, is_sweep, load_spec, load_summary,
+                                      read_json)
 from flt_diag.storage.machine import describe_machine
 from flt_diag.storage.run_activity import Activity, activity
 
@@ -26,12 +27,28 @@ class Row:
     state: str
     detail: str
     commits: tuple[str, ...]
+    progress: tuple[int, int] | None = None  # a running run's (steps done, steps)
 
     def line(self, width: int = 32) -> str:
         """The row as `flt-diag status` prints it, its name padded to `width` (the longest name of the folder's)."""
         commits = ", ".join(self.commits) or "-"
         return f"{self.index:4d}  {self.name:{width}s} {self.state:9s} {self.detail}{'  ' if self.detail else ''}" \
                f"code {commits}"
+
+
+def time_left(walls: list[float], open_runs: int, running: list[float | None]) -> str | None:
+    """A sweep's time to go, roughly: each open run at the finished runs' median wall time `walls`, each running
+    one at the part of it not yet done (`running`: its share of steps done, None where unknown: a whole run), over
+    as many lanes as run now. None without a finished run to time, a running one to count lanes, or runs to go."""
+    import statistics
+    if not walls or not running or not open_runs + len(running):
+        return None
+    median = statistics.median(walls)
+    lane_s = median * (open_runs + sum(1.0 - (0.0 if d is None else d) for d in running))
+    left, lanes = lane_s / len(running), len(running)
+    when = f"{left:.0f} s" if left < 120 else f"{left / 60:.0f} min"
+    return (f"about {when} left: {open_runs} open and {lanes} running at the finished runs' median of {median:.0f} s "
+            f"a run, on the {lanes} lane{'s' if lanes > 1 else ''} running now")
 
 
 def row_lines(rows: list[Row]) -> list[str]:
@@ -49,8 +66,21 @@ def sweep_rows(out: Path) -> list[Row]:
     rows = []
     for i, name in enumerate(load_spec(out).cell_names):  # type: ignore[union-attr]  # (a sweep's spec)
         a = activity(cell_path(out, name))
-        rows.append(Row(i, name, a.state, a.detail(), _commits([a])))
+        rows.append(Row(i, name, a.state, a.detail(), _commits([a]), a.progress))
     return rows
+
+
+def sweep_time_left(out: Path, rows: list[Row]) -> str | None:
+    """time_left of a sweep folder's rows: its finished cells' own wall times (their summaries)."""
+    walls = []
+    for r in rows:
+        if r.state == "finished":
+            s = load_summary(cell_path(out, r.name))
+            if s is not None and s.wall_time:
+                walls.append(float(s.wall_time))
+    running = [None if r.progress is None else r.progress[0] / max(r.progress[1], 1) for r in rows
+               if r.state == "running"]
+    return time_left(walls, sum(r.state == "open" for r in rows), running)
 
 
 def map_rows(out: Path) -> list[Row]:
