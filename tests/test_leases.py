@@ -167,13 +167,58 @@ def test_status_shows_the_running_and_the_expired_leases(tmp_path, capsys):
     assert "seed2_lr2: " not in text.split("lease", 1)[1]  # a released lease is not listed
 
 
-def test_submit_refuses_a_sweep_and_a_heartbeat_not_shorter_than_the_timeout(tmp_path, capsys):
+def test_submit_refuses_a_cell_and_a_heartbeat_not_shorter_than_the_timeout(tmp_path, capsys):
     from flt_diag.cli import main
-    assert main(["run-ablation", "--submit", "local", "--out", str(tmp_path / "s")]) == 2
-    assert "--submit is for map" in capsys.readouterr().err and not (tmp_path / "s").exists()
+    for command in ("run-ablation", "map"):
+        assert main([command, "--submit", "local", "--cell", "0", "--out", str(tmp_path / "s")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--cell" in err[0] and "leases" in err[0] and not (tmp_path / "s").exists()
     pytest.importorskip("submitit")
-    code = main(["map", "--submit", "local", "--heartbeat", "10", "--lease-timeout", "5", "--preset", "tiny",
-                 "--device", "cpu", "--out", str(tmp_path / "m")])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code != 0 and len(err) == 1 and "must be shorter than --lease-timeout" in err[0]
-    assert not (tmp_path / "m").exists()  # refused before anything was written
+    for command, out in (("map", tmp_path / "m"), ("run-ablation", tmp_path / "a")):
+        code = main([command, "--submit", "local", "--heartbeat", "10", "--lease-timeout", "5", "--preset", "tiny",
+                     "--device", "cpu", "--out", str(out)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code != 0 and len(err) == 1 and "must be shorter than --lease-timeout" in err[0]
+        assert not out.exists()  # refused before anything was written
+
+
+def _sweep_spec():
+    from conftest import tiny_config
+    from flt_diag.grids.sweep import SweepSpec
+    return SweepSpec(tiny_config(steps=10), ["lt"], [6], [0, 1, 2, 3], [1.0, 2.0])
+
+
+def _expected_verdicts(spec) -> dict[str, str]:
+    """The fake probe's verdict of each cell, written out: it breaks above lr 1.3 x (1 + 0.1 seed)."""
+    return {c.name: "collapsed" if c.lr_scale > 1.3 * (1 + 0.1 * c.seed) else "stable" for c in spec.cells()}
+
+
+def test_a_lease_worker_on_a_sweep_trains_every_cell_once_in_grid_order_but_one_marked_failed(tmp_path):
+    from campaign_runs import Probe
+    from flt_diag.grids.sweep import prepare_folder
+    from flt_diag.storage.folders import load_summary
+    spec, out, log = _sweep_spec(), tmp_path / "s", tmp_path / "finished.log"
+    prepare_folder(spec, out)
+    names = [c.name for c in spec.cells()]
+    L.mark_failed(out, names[3], "RuntimeError: by hand")
+    assert work(spec, out, Probe(log), TIMES, report=lambda s: None) == 7
+    assert log.read_text().split() == names[:3] + names[4:]  # each once, in the grid's order; the failed one never
+    assert load_summary(out / CELLS / names[3]) is None
+    assert {n: load_summary(out / CELLS / n).verdict for n in names if n != names[3]} == \
+        {n: v for n, v in _expected_verdicts(spec).items() if n != names[3]}
+    assert work(spec, out, Probe(log), TIMES, report=lambda s: None) == 0  # nothing left: a second worker ends
+
+
+def test_submitit_local_workers_train_a_sweep_each_cell_once(tmp_path, monkeypatch):
+    pytest.importorskip("submitit")
+    from campaign_runs import Probe
+    from flt_diag.cli.cluster_options import ClusterOptions
+    from flt_diag.grids.slurm import JOBS, submit_sweep
+    monkeypatch.setenv("PYTHONPATH", ENV["PYTHONPATH"])  # (submitit's local workers import the tests' runner)
+    spec, log = _sweep_spec(), tmp_path / "finished.log"
+    cluster = ClusterOptions(time=5, heartbeat=0.2, lease_timeout=5)
+    table = submit_sweep(spec, tmp_path / "s", "local", cluster, 2, runner=Probe(log), report=lambda s: None)
+    finished = log.read_text().split()
+    assert sorted(finished) == sorted(c.name for c in spec.cells())  # every cell, none twice
+    assert dict(zip(table.cell, table.verdict)) == _expected_verdicts(spec)
+    assert len(list((tmp_path / "s" / JOBS).glob("*_result.pkl"))) == 2  # two submitit tasks ran

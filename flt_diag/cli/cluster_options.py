@@ -1,4 +1,4 @@
-"""The options that hand a map's workers to a cluster (`--submit`, docs/DESIGN.md §5, "Many machines"): where
+"""The options that hand a map's (a sweep's) workers to a cluster (`--submit`, docs/DESIGN.md §5, "Many machines"): where
 the workers run, the SLURM job's partition and time, how many of its array tasks run at once, and the leases
 the workers hold their probes under (flt_diag.grids.leases)."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ from flt_diag.config.option_fields import Options, opt
 
 class ClusterOptions(Options):
     submit: Optional[Literal["local", "slurm"]] = opt(
-        None, "Hand the map's workers to a scheduler through submitit: `slurm` (a job array of --workers tasks, "
-        "0 = one per line; each task claims probes under a lease; requeued on preemption) or `local` (the same "
-        "workers as local processes). Map and study [map] only.")
+        None, "Hand the workers to a scheduler through submitit: `slurm` (a job array of --workers tasks, 0 = one "
+        "per map line or per sweep cell still to train; each task claims probes or cells under a lease; requeued on "
+        "preemption) or `local` (the same workers as local processes).")
     partition: Optional[str] = opt(None, "SLURM partition of the job array (--submit slurm).")
     time: int = opt(240, "Minutes each array task may run (--submit); a requeued task goes on where it stopped.",
                     ge=1)

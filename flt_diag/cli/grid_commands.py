@@ -17,10 +17,7 @@ def cmd_run_ablation(o: RunAblationOptions) -> int:
     from flt_diag.cli.specs import sweep_spec
     from flt_diag.grids.sweep import run_sweep
     from flt_diag.model.transformer import count_parameters
-    if o.submit:
-        print("error: --submit is for map (and a study's [map]); a sweep's cells go to a job array with --cell I",
-              file=sys.stderr)
-        return 2
+    _submit_or_cell(o)
     spec = sweep_spec(o, settled=not o.list_cells)  # --list runs nothing: no tokenizer needed
     out = o.out or Path("runs") / f"ablation-{spec.base.preset}"
     cells, cell = spec.cells(), o.cell
@@ -30,10 +27,21 @@ def cmd_run_ablation(o: RunAblationOptions) -> int:
     _snapshot(o, out)
     m, n = spec.base.model, count_parameters(spec.base.model)
     print(f"model: L={m.depth} d={m.width} heads={m.heads}, {n:,} parameters ({n / 1e6:.1f}M) per cell", flush=True)
-    df = run_sweep(spec, out, workers=o.workers, only_cell=cell, show_progress=not o.quiet, options=_campaign(o))
+    if o.submit:  # the workers to a scheduler, cells claimed under leases (flt_diag.grids.slurm)
+        from flt_diag.grids.slurm import submit_sweep
+        df = submit_sweep(spec, out, o.submit, o, o.workers, _campaign(o), report=lambda text: print(text, flush=True))
+    else:
+        df = run_sweep(spec, out, workers=o.workers, only_cell=cell, show_progress=not o.quiet, options=_campaign(o))
     print_sweep_table(df)
     print(f"sweep folder: {out}  (plots: flt-diag plot all {out}; report: flt-diag report {out})")
     return _failed_cells(out, cells if cell is None else [cells[cell]])
+
+
+def _submit_or_cell(o: RunAblationOptions | MapOptions) -> None:
+    """--submit and --cell are two ways to spread a grid over machines: one at a time."""
+    if o.submit and o.cell is not None:
+        raise UserError("--submit hands every cell (map line) to workers that claim them under leases; --cell I is "
+                        "for a job array of your own: give one of them")
 
 
 def _cell_states(out: Path) -> dict[str, str]:
@@ -92,6 +100,7 @@ def cmd_map(o: MapOptions) -> int:
     from flt_diag.grids.worker_pool import auto_workers
     from flt_diag.judge.map_boundaries import critical_values, unfinished
     from flt_diag.results.campaign_status import line_status
+    _submit_or_cell(o)
     spec = map_spec(o, settled=not o.list_cells)
     out = o.out or Path("runs") / f"map-{spec.axis}-{spec.base.preset}"
     status = line_status(out, spec.lines()) if o.list_cells else {}

@@ -1,7 +1,9 @@
-"""A lease worker: trains a map's probes one at a time, claimed under a lease (flt_diag.grids.leases), until
-every line is searched. Many of them (processes, machines, a SLURM job array) share one map folder.
+"""A lease worker: trains a map's probes (a sweep's cells) one at a time, claimed under a lease
+(flt_diag.grids.leases), until every line is searched (every cell finished). Many of them (processes, machines, a
+SLURM job array) share one map or sweep folder.
 
-A line's bisection is sequential (its next probe depends on the last outcome), so a worker claims the *next
+A sweep's cells are independent: a worker claims the first cell not finished, not marked failed and not held. A
+line's bisection is sequential (its next probe depends on the last outcome), so a worker claims the *next
 probe* of a line: it replays every line's search from the finished probes (`search_line` with a runner that
 stops at the first probe it would run), and takes the first such probe whose lease is free or expired. Where
 all are held it waits and looks again; where no line has a next probe, it ends. SIGTERM checkpoints the
@@ -15,7 +17,8 @@ from typing import Callable, Iterator
 
 from flt_diag.grids.leases import Held, LeaseTimes, claim, failed_reason, heartbeat, mark_failed, release
 from flt_diag.grids.stability_map import MapSpec, search_line
-from flt_diag.grids.sweep import BUSY_RESULT, run_cell
+from flt_diag.grids.progress import cell_status
+from flt_diag.grids.sweep import BUSY_RESULT, SweepSpec, run_cell
 from flt_diag.storage.folders import CELLS, load_summary
 from flt_diag.training import preemption
 
@@ -44,11 +47,19 @@ def next_probes(spec: MapSpec, out: Path, probe_ends: bool = False, run_to_end: 
             yield nxt.cfg, nxt.cell
 
 
-def _try_one(spec: MapSpec, out: Path, runner: Callable, times: LeaseTimes, report, probe_ends: bool,
+def next_cells(spec: SweepSpec, out: Path) -> list:
+    """A sweep's cells still to train as (cell config, cell), in the grid's order: not finished, not marked failed
+    (a cell that failed under the leases is not trained again by this submission, as a map's probe)."""
+    return [(spec.cell_config(c), c) for c in spec.cells()
+            if cell_status(out, c) != "done" and failed_reason(out, c.name) is None]
+
+
+def _try_one(spec: MapSpec | SweepSpec, out: Path, runner: Callable, times: LeaseTimes, report, probe_ends: bool,
              run_to_end: bool) -> bool | None:
-    """Claim and train one probe: True where one was trained, False where every next probe is held, None where
-    the map has none left."""
-    pending = list(next_probes(spec, out, probe_ends, run_to_end))
+    """Claim and train one probe (cell): True where one was trained, False where every next probe is held, None
+    where the map (sweep) has none left."""
+    pending = next_cells(spec, out) if isinstance(spec, SweepSpec) else \
+        list(next_probes(spec, out, probe_ends, run_to_end))
     if not pending:
         return None
     for cfg, cell in pending:
@@ -78,10 +89,11 @@ def _try_one(spec: MapSpec, out: Path, runner: Callable, times: LeaseTimes, repo
     return False
 
 
-def work(spec: MapSpec, out: Path, runner: Callable = run_cell, times: LeaseTimes = LeaseTimes(),
+def work(spec: MapSpec | SweepSpec, out: Path, runner: Callable = run_cell, times: LeaseTimes = LeaseTimes(),
          report: Callable[[str], None] = print, probe_ends: bool = False, run_to_end: bool = False,
          poll_s: float = POLL_S) -> int:
-    """Train claimed probes until no line has a next probe; returns how many this worker trained. SIGTERM
+    """Train claimed probes until no line has a next probe (a sweep: no cell is left); returns how many this worker
+    trained. SIGTERM
     (installed here) ends it after a checkpoint of the running probe, by `preemption.Preempted`."""
     out, trained = Path(out), 0
     preemption.install()

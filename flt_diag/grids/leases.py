@@ -125,6 +125,8 @@ def _publish(path: Path, lease: Lease, exclusive: bool) -> bool:
 
 
 def mark_failed(folder: Path, probe: str, reason: str) -> None:
+    """Mark the probe failed with a line (never claimed again); its run folder's error.txt says the same."""
+    (Path(folder) / LEASES).mkdir(parents=True, exist_ok=True)
     atomic_write_text(Path(folder) / LEASES / (probe + FAILED), reason + "\n")
     run_dir = Path(folder) / CELLS / probe
     if run_dir.is_dir() and not run_dir.is_symlink():
