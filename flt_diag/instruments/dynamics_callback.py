@@ -221,10 +221,10 @@ class LoopDynamicsCallback(Instrument):
         if self.model is not None and batch is None:
             return
         loop_map = LoopMap(self, step, batch, states, loss_on)
-        context = RecordContext(step, self.cfg, idx=loop_map.idx, targets=loop_map.targets, loop_map=loop_map)
+        context: RecordContext = RecordContext(step, self.cfg, idx=loop_map.idx, targets=loop_map.targets,
+                                               loop_map=loop_map)
         for record in self.due:
-            self.records.take(tuple(record.metrics), take_loop_map, record, trainer.log.add, self.record_states,
-                              context)
+            self.records.take(tuple(record.metrics), take_loop_map, record, trainer.log.add, self.record_states, context)
 
 
 def own_model_dynamics(cfg: DiagnosticsConfig, model: LoopedModel) -> LoopDynamicsCallback:
