@@ -90,7 +90,9 @@ def test_a_record_in_one_file_is_recorded_by_the_trainer_when_switched_on(toy):
     assert on["code"] == off["code"] == 0 and (on["option"], off["option"]) == (2, 0)
     assert on["modules"] == {"attention_stats": "flt_diag.records.attention", "toy_every": "gradient_square",
                              "loop_dynamics": "flt_diag.records.exit_loss, flt_diag.records.fixed_point_residual, "
-                                              "flt_diag.records.token_similarity"}
+                                              "flt_diag.records.token_similarity",
+                             "dynamics_every": "flt_diag.records.loop_map, flt_diag.records.loop_map_agreement",
+                             "sharpness_every": "flt_diag.records.sharpness"}
     assert off["toy"] == {}
     assert sorted(on["toy"]) == ["0", "2"]  # (steps 0..3; JSON keys)
     for step, value in on["toy"].items():  # (before clipping: the global gradient norm the Trainer records)
@@ -118,6 +120,7 @@ def test_two_records_naming_one_option_are_refused(monkeypatch):
         records.all_records.cache_clear()
         sys.path.remove(str(TOY))
     assert [r.switch for r in records.all_records()] == ["attention_stats", "loop_dynamics", "loop_dynamics",
+                                                             "dynamics_every", "dynamics_every", "sharpness_every",
                                                              "loop_dynamics"]
 
 

@@ -78,7 +78,8 @@ class DiagnosticsCallback(Instrument):
         self.groups = self.given_groups
         self.params = [p for ps in self.groups.values() for p in ps]
         self.param_sizes = [sum(p.numel() for p in ps) for ps in self.groups.values()]
-        self.taken = [r for r in all_records() if getattr(self.cfg, r.switch)]  # (flt_diag.records: switched on)
+        self.taken = [r for r in all_records() if getattr(self.cfg, r.switch) and r.schedule == "recorded"]  # (switched
+        # on; flt_diag.records: those of schedule every_n, moment loop_map, are the loop dynamics' own)
         self.hooks = LoopHooks(trainer.model, trainer.log.add, records=self.records, **self.hook_options,
                                block_records=[r for r in self.taken if r.moment == "after_block"])
         self.hooks.on_loop_end += self.loop_end  # (the loop dynamics' own first: their line on a stream that is not

@@ -4,28 +4,32 @@ model flt-diag did not write: docs/api.md, "Loop dynamics on your own model".
 
 The Probe (flt_diag.integrations.probe) builds what both run on every step: the diagnostics, whose LoopHooks
 feed each recorded loop-end stream to LoopDynamicsCallback.loop_end (the loop map's states on a model flt-diag did
-not write). The exit loss, the fixed-point residual and the streams' similarity are record files (flt_diag.records:
-exit_loss.py, fixed_point_residual.py, token_similarity.py), as a new per-loop record is; this instrument hands the
-diagnostics the head and targets their context carries. The every-N records go through a loop map after the
-backward, on rank 0, in fp32 outside autocast, with a generator of their own, leaving nothing on any .grad (the
-training trajectory is the same with or without them), one path for every model: on a LoopedModel (flt-diag's own:
-the protocol of flt_diag.instruments.looped) its loop-end state, loop step and targets; on any other the raw stream
-and the user's loop_step=. Every record here is taken through the run's record guard (flt_diag.instruments.guard),
-and what the user's loop_step= returns is checked at the record (flt_diag.instruments.record_checks): one that
-cannot be taken is said once and skipped, the training goes on.
+not write). Every loop-dynamics record is a record file (flt_diag.records): the exit loss, the fixed-point residual
+and the streams' similarity (moment loop_end, taken by the diagnostics; this instrument hands them the head and
+targets their context carries), and the every-N ones, the loop map, the per-loop gradient agreement and the sharpness
+(loop_map.py, loop_map_agreement.py, sharpness.py: moment loop_map, schedule every_n), taken here. What is this
+instrument's own: their schedule (every N steps, recorded or not, and a decided stop's extra step), the step's batch
+kept by a forward pre-hook, the loop-end streams kept at loop_end, and the step's loop map (LoopMap) their context
+carries, which computes after the backward, on rank 0, in fp32 outside autocast, with a generator of its own,
+leaving nothing on any .grad (the training trajectory is the same with or without them), one path for every model:
+on a LoopedModel (flt-diag's own: the protocol of flt_diag.instruments.looped) its loop-end state, loop step and
+targets; on any other the raw stream and the user's loop_step=. Every record here is taken through the run's record
+guard (flt_diag.instruments.guard), and what the user's loop_step= returns is checked at the record
+(flt_diag.instruments.record_checks): one that cannot be taken is said once and skipped, the training goes on.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
+from flt_diag.records import Record, RecordContext, all_records
 from flt_diag.storage import metric_names as M
 from flt_diag.instruments.callbacks import Host
 from flt_diag.instruments.diagnostics import should_record
 from flt_diag.instruments.guard import Instrument, Unrecordable, recording, why_of
 from flt_diag.instruments import loop_dynamics as D
-from flt_diag.instruments.record_checks import checked_step
+from flt_diag.instruments.record_checks import checked_step, take_loop_map
 from flt_diag.instruments.sharpness import sharpness
 from flt_diag.instruments.looped import LoopedModel, LoopStep
 from flt_diag.config.run_config import DiagnosticsConfig
@@ -39,25 +43,96 @@ def identity(h: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def due(step: int, every: int) -> bool:
-    """Whether an every-N record is taken at `step` (0 = never)."""
-    return every > 0 and step % every == 0
+class LoopMap:
+    """The step's loop map, what the records of moment loop_map compute through (`ctx.loop_map`; flt_diag.records:
+    loop_map.py, loop_map_agreement.py, sharpness.py), each at the step's first micro-batch (its first
+    `dynamics_batch` sequences), in fp32 outside autocast, with one generator seeded by the step (drawn from in the
+    order the records are taken), after the backward, writing to no .grad. On flt-diag's own model (`owner.model`,
+    `batch` its idx and targets): `stats()` (the loop map's records, metric -> values of loops 2..K), `agreement()`
+    (the per-loop gradient agreement, (K, L)) and `sharpness()`. On any other: `stats()` only, by the user's
+    loop_step at the recorded loop-end `states` (the owner's `loop_step`, dropped where it fails: said once, the loop
+    map records no more). Each gives None where the model has no such record (K = 1, no loop_step=, a model flt-diag
+    did not write)."""
+
+    def __init__(self, owner: LoopDynamicsCallback, step: int, batch: tuple[torch.Tensor, torch.Tensor] | None,
+                 states: list[torch.Tensor], loss_on: str):
+        self.owner, self.cfg, self.model, self.step, self.states, self.loss_on = \
+            owner, owner.cfg, owner.model, step, states, loss_on
+        self.idx = self.targets = self.gen = None
+        if self.model is not None and batch is not None:
+            self.idx, self.targets = batch[0][:self.cfg.dynamics_batch], batch[1][:self.cfg.dynamics_batch]
+            self.gen = torch.Generator(device=self.idx.device).manual_seed(step)
+        self._loops: int | None = None
+
+    def _own(self) -> tuple[LoopedModel, torch.Tensor] | None:
+        return (self.model, self.idx) if self.model is not None and self.idx is not None else None
+
+    def _looped(self) -> tuple[LoopedModel, torch.Tensor] | None:
+        """The model and idx where the loop map exists there (flt-diag's own model, K > 1)."""
+        own = self._own()
+        if own is not None and self._loops is None:
+            with torch.autocast(own[1].device.type, enabled=False):
+                self._loops = LoopStep.of(*own).loops
+        return own if own is not None and self._loops is not None and self._loops > 1 else None
+
+    def stats(self) -> dict[str, torch.Tensor] | None:
+        if self.model is None:
+            return self._given() if len(self.states) >= 2 and self.owner.loop_step is not None else None
+        if (looped := self._looped()) is None:
+            return None
+        cfg = self.cfg
+        with torch.autocast(looped[1].device.type, enabled=False):
+            return D.loop_map_stats(*looped, cfg.dynamics_iters, cfg.krylov_dim, cfg.perturbation_dirs, self.gen)
+
+    def agreement(self) -> torch.Tensor | None:
+        if (looped := self._looped()) is None or self.targets is None:
+            return None
+        with torch.autocast(looped[1].device.type, enabled=False):
+            return D.loop_gradient_agreement(*looped, self.targets, self.loss_on)
+
+    def sharpness(self) -> torch.Tensor | None:
+        if (own := self._own()) is None or self.targets is None:
+            return None
+        with torch.autocast(own[1].device.type, enabled=False):
+            return sharpness(*own, self.targets, self.cfg.dynamics_iters, self.loss_on, self.gen)
+
+    def _given(self) -> dict[str, torch.Tensor]:
+        cfg, owner = self.cfg, self.owner
+        if len({s.shape for s in self.states}) > 1:
+            raise Unrecordable("the loop-end streams change shape from loop to loop: no loop-map records there")
+        states = [s[:cfg.dynamics_batch] if s.dim() == 3 else s for s in self.states]
+        device = states[0].device
+        gen = torch.Generator(device=device).manual_seed(self.step)
+        devices = [device.index or 0] if device.type == "cuda" else []
+        assert owner.loop_step is not None  # (stats: there is one)
+        try:  # (math attention etc.: D.transparent; the fused kernels are not differentiated twice)
+            with torch.random.fork_rng(devices=devices), torch.autocast(device.type, enabled=False), \
+                    torch.no_grad(), D.transparent():
+                return D.loop_map_records(checked_step(owner.loop_step), states, cfg.dynamics_iters, cfg.krylov_dim,
+                                          cfg.perturbation_dirs, gen)
+        except Exception as e:  # the user's loop map failed, or gave no next stream: said once (the guard), no
+            owner.loop_step = None  # record from now on, and the training goes on
+            why = why_of(e) if isinstance(e, Unrecordable) else f"loop_step= failed under double backward ({why_of(e)})"
+            raise Unrecordable(f"{why}: no loop-map records from here on") from None
 
 
 class LoopDynamicsCallback(Instrument):
-    """The records of DESIGN.md §3, "Loop dynamics" that are no record files (DESIGN.md §7, "A record is one file",
-    says why): `loop_end(loop, stream)` is fed each recorded loop-end stream (the loop map's states on a model
-    flt-diag did not write); a forward pre-hook on the model (from on_start) reads the loop map's inputs off the
-    first forward after before_step. `head` and `targets_of` (the model's loop_head and loop_targets, or head= and
-    targets=) are handed to the diagnostics, the records' context (the exit loss: flt_diag.records.exit_loss).
+    """The instrument of DESIGN.md §3, "Loop dynamics": `loop_end(loop, stream)` is fed each recorded loop-end
+    stream (the loop map's states on a model flt-diag did not write); a forward pre-hook on the model (from on_start)
+    keeps the step's batch off the first forward after before_step. `head` and `targets_of` (the model's loop_head
+    and loop_targets, or head= and targets=) are handed to the diagnostics, the records' context (the exit loss:
+    flt_diag.records.exit_loss).
 
-    The every-N loop-map records, one path for every model, after the backward (`after_backward`). On a LoopedModel
-    (`model`: flt-diag's own, the protocol of flt_diag.instruments.looped; its head, targets and loop-end state too):
-    the loop map at its own states of the step's first micro-batch (the forward's idx and its targets), with the
-    per-loop gradient agreement and the sharpness. On any other: the user's `loop_step` (h(t-1) -> h(t)) at the
-    step's recorded loop-end streams, under torch.no_grad, the global random state restored after (a loop_step that
-    draws, e.g. dropout, leaves the training's draws unchanged); one that fails there, or returns what is no next
-    stream (record_checks.checked_step), is said once and records no more. Both write their records through `_add`."""
+    It takes the records of moment loop_map (flt_diag.records, schedule every_n: the loop map, the per-loop gradient
+    agreement, the sharpness, and any of the user's own), each through the run's record guard, after the backward
+    (`after_backward`), on rank 0, given the step's loop map (LoopMap) in their context. On a LoopedModel (`model`:
+    flt-diag's own, the protocol of flt_diag.instruments.looped; its head, targets and loop-end state too): every N
+    steps of each record's switch, recorded or not, and at the steps a decided stop asks for (`snapshot_at`), at the
+    step's first micro-batch (the forward's idx and its targets). On any other: on the recorded steps with
+    loop_dynamics on, at the step's recorded loop-end streams, through the user's `loop_step` (h(t-1) -> h(t)) under
+    torch.no_grad, the global random state restored after (a loop_step that draws, e.g. dropout, leaves the
+    training's draws unchanged); one that fails there, or returns what is no next stream (record_checks.checked_step),
+    is said once and records no more."""
 
     RECORDS = {"after_backward": LOOP_MAP}
 
@@ -70,6 +145,9 @@ class LoopDynamicsCallback(Instrument):
         self.handles: list = []
         self.recording = self.mapping = self._armed = False
         self.extra: set[int] = set()  # steps of a snapshot asked for besides the every-N ones (snapshot_at)
+        self.taken = [r for r in all_records() if r.schedule == "every_n" and getattr(cfg, r.switch)]  # (switched on)
+        self.due: list[Record] = []  # those this step takes
+        self.record_states: dict[Record, Any] = {}  # (a record that keeps a state: its state)
         self._reset()
 
     def _reset(self) -> None:
@@ -89,24 +167,24 @@ class LoopDynamicsCallback(Instrument):
     def before_step(self, trainer: Host, step: int) -> None:
         self.log = trainer.log
         self.recording = self.cfg.loop_dynamics and should_record(step, self.cfg)
-        if self.model is not None:  # (every N steps, recorded or not)
-            mapping = self.snapshot_due(step)
-        else:
-            mapping = self.recording and self.loop_step is not None and due(step, self.cfg.dynamics_every)
-        self.mapping = trainer.is_main and mapping
+        on = self.model is not None or self.recording  # (own model: every N steps, recorded or not)
+        self.due = [r for r in self.taken if on and self._due(r, step)]
+        self.mapping = trainer.is_main and bool(self.due)
         self._armed = self.mapping
         self._reset()
 
-    def _due(self, step: int, every: int) -> bool:
-        return due(step, every) or (every > 0 and step in self.extra)
+    def _due(self, record: Record, step: int) -> bool:
+        every = getattr(self.cfg, record.switch)
+        return every > 0 and (step % every == 0 or step in self.extra)
 
     def takes_snapshots(self) -> bool:
-        """Whether the run takes loop-map snapshots (own model, dynamics_every or sharpness_every set)."""
-        return self.model is not None and (self.cfg.dynamics_every > 0 or self.cfg.sharpness_every > 0)
+        """Whether the run takes loop-map snapshots (own model, dynamics_every, sharpness_every or the switch of
+        another record of moment loop_map set)."""
+        return self.model is not None and bool(self.taken)
 
     def snapshot_due(self, step: int) -> bool:
-        """Whether the loop-map records (and the sharpness) are taken at `step`."""
-        return self._due(step, self.cfg.dynamics_every) or self._due(step, self.cfg.sharpness_every)
+        """Whether a record of moment loop_map (the loop map, the sharpness) is taken at `step`."""
+        return any(self._due(r, step) for r in self.taken)
 
     def snapshot_at(self, step: int) -> None:
         """Take the every-N records at `step` too (a run that stops there: flt_diag.training.decided_stop)."""
@@ -133,62 +211,20 @@ class LoopDynamicsCallback(Instrument):
                 self.states.append(self.final(stream.detach()))
 
     def after_backward(self, trainer: Host, step: int) -> None:
-        """The every-N records (class docstring), each through the guard (one that fails leaves the others)."""
+        """The records of moment loop_map due this step (class docstring), each through the guard (one that fails
+        leaves the others)."""
         if not self.mapping:
             return
         self.mapping = False
         loss_on = trainer.recipe.loss_on if trainer.recipe is not None else "end"  # (a probe: the end loop)
         batch, states, self.batch, self.states = self.batch, self.states, None, []
-        if self.model is not None and batch is not None:
-            self._own(trainer.log, step, batch, loss_on)
-        elif self.model is None and len(states) >= 2 and self.loop_step is not None:
-            self.records.take(LOOP_MAP, self._given, trainer.log, step, states)
-
-    def _own(self, log, step: int, batch, loss_on: str) -> None:
-        model, cfg, records, b = self.model, self.cfg, self.records, self.cfg.dynamics_batch
-        assert model is not None  # (_own: the protocol's model)
-        idx, targets = batch[0][:b], batch[1][:b]
-        gen = torch.Generator(device=idx.device).manual_seed(step)
-        with torch.autocast(idx.device.type, enabled=False):
-            if self._due(step, cfg.dynamics_every) and LoopStep.of(model, idx).loops > 1:
-                records.take(LOOP_MAP, lambda: self._add(log, D.loop_map_stats(
-                    model, idx, cfg.dynamics_iters, cfg.krylov_dim, cfg.perturbation_dirs, gen)))
-                records.take((M.LOOP_GRAD_COSINE,), self._agreement, log, idx, targets, loss_on)
-            if self._due(step, cfg.sharpness_every):
-                records.take((M.SHARPNESS,), lambda: log.add(M.SHARPNESS, sharpness(
-                    model, idx, targets, cfg.dynamics_iters, loss_on, gen)))
-
-    def _agreement(self, log, idx: torch.Tensor, targets: torch.Tensor, loss_on: str) -> None:
-        assert self.model is not None  # (_own: the protocol's model)
-        cos = D.loop_gradient_agreement(self.model, idx, targets, loss_on)  # (K, L)
-        log.add_vector([(M.LOOP_GRAD_COSINE, t + 1, layer + 1) for t in range(cos.shape[0])
-                        for layer in range(cos.shape[1])], cos.flatten())
-
-    def _given(self, log, step: int, states: list[torch.Tensor]) -> None:
-        cfg = self.cfg
-        if len({s.shape for s in states}) > 1:
-            raise Unrecordable("the loop-end streams change shape from loop to loop: no loop-map records there")
-        states = [s[:cfg.dynamics_batch] if s.dim() == 3 else s for s in states]
-        device = states[0].device
-        gen = torch.Generator(device=device).manual_seed(step)
-        devices = [device.index or 0] if device.type == "cuda" else []
-        assert self.loop_step is not None  # (record: there is one)
-        try:  # (math attention etc.: D.transparent; the fused kernels are not differentiated twice)
-            with torch.random.fork_rng(devices=devices), torch.autocast(device.type, enabled=False), \
-                    torch.no_grad(), D.transparent():
-                stats = D.loop_map_records(checked_step(self.loop_step), states, cfg.dynamics_iters, cfg.krylov_dim,
-                                           cfg.perturbation_dirs, gen)
-        except Exception as e:  # the user's loop map failed, or gave no next stream: said once (the guard), no
-            self.loop_step = None  # record from now on, and the training goes on
-            why = why_of(e) if isinstance(e, Unrecordable) else f"loop_step= failed under double backward ({why_of(e)})"
-            raise Unrecordable(f"{why}: no loop-map records from here on") from None
-        self._add(log, stats)
-
-    @staticmethod
-    def _add(log, stats: dict[str, torch.Tensor]) -> None:
-        """The loop map's records, metric -> values of loops 2..K."""
-        for metric, values in stats.items():
-            log.add_vector([(metric, t, M.NONE) for t in range(2, len(values) + 2)], values)
+        if self.model is not None and batch is None:
+            return
+        loop_map = LoopMap(self, step, batch, states, loss_on)
+        context: RecordContext = RecordContext(step, self.cfg, idx=loop_map.idx, targets=loop_map.targets,
+                                               loop_map=loop_map)
+        for record in self.due:
+            self.records.take(tuple(record.metrics), take_loop_map, record, trainer.log.add, self.record_states, context)
 
 
 def own_model_dynamics(cfg: DiagnosticsConfig, model: LoopedModel) -> LoopDynamicsCallback:

@@ -8,8 +8,8 @@ it), each loop's own gradient and its agreement (the sharpness: flt_diag.instrum
 residual is a record: flt_diag.records.fixed_point_residual. For a model of the instruments' protocol (flt_diag.instruments.looped.LoopedModel:
 flt-diag's own): `loop_states`, `loop_map_stats`, `looped_loss` (one alias of the block weights per loop).
 Everything that differentiates runs inside `transparent()`; random start vectors come from the caller's generator,
-never the global RNG; nothing is left on any `.grad`. The training callback that records them:
-flt_diag.instruments.dynamics_callback.
+never the global RNG; nothing is left on any `.grad`. The records that take the every-N ones: flt_diag.records.loop_map
+and loop_map_agreement, through the step's loop map of the training callback flt_diag.instruments.dynamics_callback.
 """
 from __future__ import annotations
 

@@ -111,3 +111,25 @@ def take_finish(record: Record, log: Callable[..., None], loops: int, states: di
             failed |= {m: why for m, why in e.whys.items() if m not in failed}
     if failed:
         raise Skipped(failed)
+
+
+def take_loop_map(record: Record, log: Callable[..., None], states: dict[Record, Any], context: RecordContext) -> None:
+    """A record of moment loop_map computed on the step's `context` (its state, if it keeps one, made at its first
+    call, kept in `states`), not under no_grad (the step's loop map differentiates: its methods take their own grad
+    mode): {metric: number, {loop: number} or {(loop, layer): number}}, every value checked (`recorded`) before any is
+    logged, at (loop, layer) (NONE where not given), metric by metric in the order returned. Called inside the
+    record's guard."""
+    if record.state is not None and record not in states:
+        states[record] = record.state()
+    values = record.compute(ctx=dataclasses.replace(context, state=states.get(record)))
+    if not isinstance(values, dict):
+        recorded(record, values)  # (its line: no dict)
+    rows: list[tuple[str, torch.Tensor | float, int, int]] = []
+    for metric, by_place in values.items():
+        for place, value in (by_place.items() if isinstance(by_place, dict) else [((M.NONE, M.NONE), by_place)]):
+            loop, layer = place if isinstance(place, tuple) else (place, M.NONE)
+            if not (isinstance(loop, int) and isinstance(layer, int)):
+                raise Unrecordable(f"its {metric} is at {kind(place)}; a place is a loop or (loop, layer), ints")
+            rows += [(m, v, loop, layer) for m, v in recorded(record, {metric: value})]
+    for metric, value, loop, layer in rows:
+        log(metric, value, loop, layer)

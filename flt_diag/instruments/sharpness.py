@@ -1,6 +1,7 @@
 """The sharpness of the training loss: its top Hessian eigenvalue w.r.t. the trained parameters, by power iteration
 with Hessian-vector products (double backward). Recorded every `--sharpness-every` steps (off by default:
-DESIGN.md §3) by flt_diag.instruments.dynamics_callback; inside loop_dynamics.transparent()."""
+DESIGN.md §3) by the record flt_diag.records.sharpness, through the step's loop map
+(flt_diag.instruments.dynamics_callback.LoopMap); inside loop_dynamics.transparent()."""
 from __future__ import annotations
 
 from typing import Callable, Sequence, cast

@@ -11,7 +11,9 @@ through the run's record guard: one that fails, or returns what is no {metric: n
 The schedule is the record's first option, its switch: a bool (on: every recorded step, `dense_steps` then
 `every`), or an int N (every recorded step that is a multiple of N; 0 = never); `every` (an int option of
 DiagnosticsConfig, by name) thins it to the recorded steps that are multiples of that option (the exit loss's and the
-streams' similarity's `exit_loss_every`). Torch-free, and importing nothing
+streams' similarity's `exit_loss_every`). A record of `schedule="every_n"` (moment loop_map: the loop map, the per-loop
+gradient agreement, the sharpness) has an int switch N and is taken every N steps whether or not the step is recorded,
+and at the steps a decided stop asks for besides (flt_diag.training.decided_stop). Torch-free, and importing nothing
 of flt_diag.config (which imports it): a record computes through the tensors it is handed (the diagnostics run it
 under no_grad), so config/ and storage/ read its declaration without torch (docs/DESIGN.md §7, "A record is one
 file").
@@ -23,7 +25,7 @@ import importlib
 import importlib.metadata
 import pkgutil
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -31,6 +33,12 @@ MOMENTS = {  # when a record is taken, what its compute is given; it returns {me
     "after_block": "after each block's forward in a recorded forward: compute(block, args, output), at (loop, layer)",
     "loop_end": "at each recorded loop's end, after its last block: compute(loop, h), h the loop-end state (the "
                 "model's loop_state of the stream on flt-diag's own model, the stream itself on any other), at (loop,)",
+    "loop_map": "every N steps, recorded or not (schedule every_n), after the backward, on rank 0 only: compute(ctx=), "
+                "ctx.loop_map the step's loop map (flt_diag.instruments.dynamics_callback.LoopMap: stats(), agreement(), "
+                "sharpness() at the step's first micro-batch, fp32 outside autocast, a generator seeded by the step, "
+                "nothing written to any .grad; on a model flt-diag did not write only the recorded steps, stats() from "
+                "the loop-end streams), ctx.idx and ctx.targets that micro-batch; returns {metric: number, {loop: "
+                "number} or {(loop, layer): number}}, without no_grad",
     "after_backward": "the gradients ready, before clipping: compute(model), at no loop and no layer",
     "after_clip": "the gradients clipped: compute(model), at no loop and no layer",
     "after_step": "the optimizer stepped: compute(model), at no loop and no layer",
@@ -47,6 +55,7 @@ class RecordOptions(BaseModel):
 
 
 O = TypeVar("O", bound=RecordOptions)
+Schedule = Literal["recorded", "every_n"]  # (Record.schedule)
 S = TypeVar("S")
 
 
@@ -65,8 +74,9 @@ class RecordContext(Generic[S]):
     model, watch's head=, else None; as given); `targets_at_step`: the targets come only at the step
     (flt_diag.watch with head= and no targets=: probe.step(targets=)), so a record that needs them keeps what it
     needs and takes them in its finish at the step (Record `finish_at="step"`, where `targets` are the step's); and
-    the record's own `state` (its `state` factory's, made once per run; None without one). Built per call by the
-    diagnostics (flt_diag.instruments)."""
+    the record's own `state` (its `state` factory's, made once per run; None without one); `loop_map` (moment
+    loop_map only) the step's loop map the records of that moment compute through (MOMENTS). Built per call by the
+    diagnostics and the loop dynamics (flt_diag.instruments)."""
 
     step: int
     cfg: Any
@@ -75,6 +85,7 @@ class RecordContext(Generic[S]):
     state: S | None = None
     head: Any = None
     targets_at_step: bool = False
+    loop_map: Any = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -92,7 +103,10 @@ class Record(Generic[O]):
     `context=True`): finish is called instead at the step's end, as finish(ctx=), ctx the step's context whose
     `targets` are those the step was given (probe.step(targets=); None if none): what its loop ends kept for targets
     that come only then (the exit loss under flt_diag.watch without targets=). `every`: an int option of
-    DiagnosticsConfig by name; the record is due only on recorded steps that are multiples of it (0 = never)."""
+    DiagnosticsConfig by name; the record is due only on recorded steps that are multiples of it (0 = never).
+    `schedule`: "recorded" (the recorded steps, as the module docstring says) or "every_n" (moment loop_map and
+    `context=True` only: the switch, an int N, takes it every N steps whether recorded or not, and at the steps a
+    decided stop asks for: flt_diag.instruments.dynamics_callback)."""
 
     options: type[O]
     metrics: dict[str, str]
@@ -104,6 +118,7 @@ class Record(Generic[O]):
     finish: Callable[..., dict] | None = None
     finish_at: str = "forward"
     every: str | None = None
+    schedule: Schedule = "recorded"
 
     def __post_init__(self) -> None:
         if not (isinstance(self.options, type) and issubclass(self.options, RecordOptions)):
@@ -116,6 +131,10 @@ class Record(Generic[O]):
         if self.finish_at not in ("forward", "step") or (self.finish_at == "step" and not self.context):
             raise ValueError(f"a record's finish_at is 'forward' or 'step' (a record of context=True; got "
                              f"{self.finish_at!r})")
+        if (self.schedule == "every_n") != (self.moment == "loop_map") or self.schedule not in ("recorded", "every_n") \
+                or (self.moment == "loop_map" and (not self.context or self.every is not None)):
+            raise ValueError(f"a record of moment loop_map has schedule='every_n' and context=True, and only it (got "
+                             f"{self.moment!r}, {self.schedule!r})")
         if self.switched_by is None and self.options.model_fields[self.switch].annotation not in (bool, int):
             raise ValueError(f"a record's first option ({self.switch}) is its switch: a bool or an int")
 

@@ -6,7 +6,8 @@ Rows of a run's metrics table are (step, metric, loop, layer, value). `loop` cou
 the suffixes below: "<metric>/embedding" and "<metric>/head" with layer NONE, and
 "<metric>/attn", "<metric>/mlp" with the block in `layer`.
 """
-from flt_diag.records import all_records, exit_loss, fixed_point_residual, token_similarity
+from flt_diag.records import all_records, exit_loss, fixed_point_residual, loop_map, loop_map_agreement, sharpness, \
+    token_similarity
 
 NONE = -1
 
@@ -29,14 +30,6 @@ LOOPS_RUN = "loops_run"  # loops the recorded forward ran (runs of flt_diag.watc
 STABILISER_PENALTY = "stabiliser_penalty"  # a loss-term stabiliser's penalty on the step's first micro-batch (stars, jacobian-fro)
 INJECTION_RHO = "injection_rho"  # Parcae: rho(Abar) = max over channels of the loop start's decay, every step
 PARAM_NORM = "param_norm"  # ||W|| per group, before the optimizer step (the weights the step's gradient was taken at)
-# Loop dynamics (flt_diag.instruments.loop_dynamics; DESIGN.md §3, "Loop dynamics"), h(t) = norm(stream at loop t's end):
-LOOP_GAIN = "loop_gain"  # largest singular value of the Jacobian of h(t-1) -> h(t), loop t >= 2 (every N steps)
-LOOP_SPECTRAL_RADIUS = "loop_spectral_radius"  # spectral radius of the same Jacobian (Arnoldi; earlier runs: 8 power steps)
-LOOP_SPECTRAL_RESIDUAL = "loop_spectral_residual"  # ||J y - lambda y|| / |lambda| of that Ritz pair: < 0.01 = converged
-LOOP_MEAN_GAIN = "loop_mean_gain"  # mean of ||J v|| over random unit directions v at h(t-1) (the rms singular value)
-LOOP_PERTURBATION_GROWTH = "loop_perturbation_growth"  # ||d(t)|| / ||d(t-1)|| of a perturbation carried from h(1)
-LOOP_GRAD_COSINE = "loop_grad_cosine"  # cos(loop t's gradient of block `layer`'s weights, their total gradient)
-SHARPNESS = "sharpness"  # top Hessian eigenvalue of the training loss w.r.t. the trained parameters (every N steps)
 
 
 # Derived (summary.json and the sweep table, not rows of the metrics table): the reference's
@@ -60,3 +53,10 @@ if clash := sorted(set(RECORDED) & {v for k, v in dict(globals()).items() if k.i
 FIXED_POINT_RESIDUAL = fixed_point_residual.RESIDUAL  # (a record's, its definition there: flt_diag.records)
 TOKEN_COSINE, EFFECTIVE_RANK = token_similarity.TOKEN_COSINE, token_similarity.EFFECTIVE_RANK  # (a record's, too)
 EXIT_LOSS = exit_loss.EXIT_LOSS  # (a record's: the head applied to h(t), loop t, against the step's targets)
+# The loop map's, the per-loop gradient agreement's and the sharpness's (records of moment loop_map, every N steps;
+# DESIGN.md §3, "Loop dynamics"; h(t) the loop-end state of loop t):
+LOOP_GAIN, LOOP_SPECTRAL_RADIUS = loop_map.LOOP_GAIN, loop_map.LOOP_SPECTRAL_RADIUS
+LOOP_SPECTRAL_RESIDUAL, LOOP_MEAN_GAIN = loop_map.LOOP_SPECTRAL_RESIDUAL, loop_map.LOOP_MEAN_GAIN
+LOOP_PERTURBATION_GROWTH = loop_map.LOOP_PERTURBATION_GROWTH
+LOOP_GRAD_COSINE = loop_map_agreement.LOOP_GRAD_COSINE
+SHARPNESS = sharpness.SHARPNESS
