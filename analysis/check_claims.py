@@ -4,7 +4,8 @@ No torch.
     python analysis/check_claims.py [--results FILE] [--early-warning FILE] [--data DIR]
 
 Each claim is a piece of text built from the data: from the gradient-path factorial's run archive
-(DIR/runs/gradient-path/, read with flt_diag.storage), from the loop-dynamics tables (DIR/loop-dynamics-*.csv) and
+(DIR/runs/gradient-path/, read with flt_diag.storage), from the head-to-head's two rounds (DIR/runs/stabiliser-map/,
+DIR/runs/stabiliser-bench-2/), from the loop-dynamics tables (DIR/loop-dynamics-*.csv) and
 from the early-warning evaluations (DIR/warning-eval*/comparison.csv). PASS when the page says that text
 (whitespace and ** aside), FAIL when it does not (the page says another number, or no longer says it). The
 statements found wrong (issue 53) are checked too: FAIL if a page says one again. Exit 1 on any FAIL; bad input
@@ -26,6 +27,7 @@ import pandas as pd  # noqa: E402
 from scipy.stats import fisher_exact  # noqa: E402
 
 import benchmark_claims as BC  # noqa: E402  (analysis/benchmark_claims.py: the head-to-head's lr x 1 claims)
+import benchmark_2_claims as B2C  # noqa: E402  (analysis/benchmark_2_claims.py: round two's stage B reading)
 from script_exit import Parser, folder, guarded  # noqa: E402  (an existing folder, or one line saying what the path is)
 import factorial as F  # noqa: E402  (analysis/factorial.py: the plan's per-run quantities)
 from flt_diag.storage import metric_names as M  # noqa: E402
@@ -361,7 +363,7 @@ def all_claims(data: Path) -> dict[str, list[str]]:
     runs = factorial_runs(data)
     return {"results": primary_claims(runs, data) + agreement_claims(runs) + cosine_claims(runs)
             + contraction_claims(runs) + set_d_claims(data) + w4_claims(data) + results_w3_claims(data)
-            + depth_claims(data) + BC.head_to_head_claims(data, rng),
+            + depth_claims(data) + BC.head_to_head_claims(data, rng) + B2C.stage_b_claims(data),
             "early-warning": early_warning_claims(data)}
 
 

@@ -191,3 +191,48 @@ def test_a_planted_wrong_depth_number_fails(claims):
     assert failures(CC.check(pages(page), claims)) == [
         "results: (p_Holm 0.0043, shift +0.724 [+0.415, +0.961] nats): 6 of 6 FLA runs failed (5 collapsed, 1 unstable),"
         " FLT 0 of 6 (one-sided Fisher p = 0.00108)"]
+
+
+# ---------------------------------------------------------------- round two's stage B, from Parquet alone
+BENCH_2 = ROOT / "docs" / "data" / "runs" / "stabiliser-bench-2"
+
+
+def stage_b_records() -> dict[tuple[str, float, int], tuple[str, float]]:
+    """(variant, lr, seed) -> (verdict, val loss) of every archived run at lr x 0.5-4 on the selection seeds at the
+    strength stage A chose (parcae-source x 2, every other x 1: the page's stage-A reading), read with pyarrow."""
+    out = {}
+    for path in sorted(BENCH_2.glob("[AB]*/**/*.parquet")):
+        meta = json.loads(pq.ParquetFile(path).schema_arrow.metadata[b"flt_diag.archive"])
+        model, train, summary = meta["config"]["model"], meta["config"]["train"], meta["summary"]
+        chosen = 2.0 if model["variant"] == "parcae-source" else 1.0
+        if float(model.get("strength") or 1.0) == chosen and train["seed"] in (101, 102):
+            out[(model["variant"], float(train["lr_scale"]), int(train["seed"]))] = (summary["verdict"],
+                                                                                    summary["val_loss"])
+    return out
+
+
+def test_the_stage_b_reading_holds_in_the_archive():
+    """The best lrs of results.md's stage-B reading, by the plan's rule written out: the lowest mean val loss over
+    both seeds among the lrs where both are `stable`."""
+    runs = stage_b_records()
+    variants = sorted({v for v, _, _ in runs})
+    assert len(variants) == 12 and all((v, lr, s) in runs for v in variants for lr in (0.5, 1, 2, 4)
+                                       for s in (101, 102))
+    best = {}
+    for v in variants:
+        means = {lr: (runs[(v, lr, 101)][1] + runs[(v, lr, 102)][1]) / 2 for lr in (0.5, 1.0, 2.0, 4.0)
+                 if runs[(v, lr, 101)][0] == runs[(v, lr, 102)][0] == "stable"}
+        best[v] = min(means, key=means.get) if means else None
+    assert best == {"lt": 0.5, "lt-ii": 0.5, "lt-ai": 1.0, "fla": 0.5, "flt": 1.0, "parcae-source": 1.0,
+                    "huginn": 1.0, "stars-source": None, "jacobian-fro-source": None, "residual-scale": 1.0,
+                    "deeploop": 1.0, "loop-embed": 0.5}
+    said = " ".join(RESULTS.read_text(encoding="utf-8").split())
+    assert ("stage B chose lr × 1 for lt-ai, flt, parcae-source, huginn, residual-scale and deeploop and × 0.5 for "
+            "lt, lt-ii, fla and loop-embed") in said
+
+
+def test_a_planted_wrong_stage_b_number_fails(claims):
+    page = planted("(ended at step 481, index 0.439)", "(ended at step 481, index 0.349)")
+    assert failures(CC.check(pages(page), claims)) == [
+        "results: at × 0.5 jacobian-fro-source was `unstable` on seed 101 (ended at step 481, index 0.439) and "
+        "`stable` on seed 102 (index 0.396)"]

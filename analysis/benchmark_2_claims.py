@@ -1,0 +1,81 @@
+"""The sentences of results.md's reading of round two's stage B ("Stage B, read as measured"), recomputed from the
+archive (DIR/runs/stabiliser-bench-2/, through analysis/stabiliser_benchmark_2.py's reading of it and the rules of
+analysis/benchmark_2_rules.py) for analysis/check_claims.py. Each is a piece of text built from the data; where the
+data no longer gives it, the text says what it found instead (so the page's sentence FAILs). No torch.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+import benchmark_2_rules as R
+import stabiliser_benchmark_2 as B2
+from flt_diag.storage.folders import load_summary
+
+
+def _names(variants: list[str]) -> str:
+    """'a, b and c'."""
+    return ", ".join(variants[:-1]) + f" and {variants[-1]}" if len(variants) > 1 else "".join(variants)
+
+
+def stage_b_pool(data: Path) -> tuple[pd.DataFrame, dict, dict]:
+    """(stage B's runs at the chosen strengths, lr x 0.5-4, selection seeds; the strengths; the best lrs)."""
+    got = B2.read_archive(data / "runs" / "stabiliser-bench-2")
+    strengths, _ = B2.stage_a(got["A"])
+    best, _ = B2.stage_b(got["B"], None if got["A"] is None else got["A"][0], strengths)
+    if strengths is None or best is None or got["B"] is None:
+        raise LookupError("round two's stages A and B are not complete in the archive")
+    pool = pd.concat([got["B"][0], got["A"][0]], ignore_index=True)
+    want = pool.variant.map(lambda v: strengths.get(v, {"value": 1.0})["value"])
+    pool = pool[(pool.strength == want) & pool.lr.isin(B2.LRS) & pool.seed.isin(R.SELECTION_SEEDS)]
+    return pool.drop_duplicates(["variant", "lr", "seed"]), strengths, best
+
+
+def _means(runs: pd.DataFrame) -> dict[float, float]:
+    """Mean val loss per lr over the two selection seeds, at the lrs where both are `stable`."""
+    out = {}
+    for lr, g in runs.groupby("lr"):
+        if len(g) == len(R.SELECTION_SEEDS) and (g.verdict == "stable").all():
+            out[float(lr)] = float(g.val_loss.mean())
+    return out
+
+
+def _broken_runs(runs: pd.DataFrame) -> str:
+    """'`unstable` on seed 101 (ended at step 481, index 0.439) and `stable` on seed 102 (index 0.396)': each
+    run's verdict, the step it ended at where it ended early, and its oscillation index (net of a sampled loop
+    count), with the rule that made an `unstable` verdict where it is not the oscillation rule."""
+    parts = []
+    for r in runs.sort_values("seed").itertuples():
+        s = load_summary(Path(r.path))
+        ev = s.evidence.model_dump() if s is not None and s.evidence is not None else {}
+        rule = "" if r.verdict != "unstable" or str(ev.get("reason", "")).startswith("gradient oscillation") \
+            else f", by {str(ev.get('reason', '?')).split(':')[0]}"
+        ended = f"ended at step {r.steps_done}, " if r.steps_done < r.steps else ""
+        parts.append(f"`{r.verdict}` on seed {r.seed} ({ended}index {float(ev.get('osc_dlog_median', np.nan)):.3f}"
+                     f"{rule})")
+    return " and ".join(parts)
+
+
+def stage_b_claims(data: Path) -> list[str]:
+    pool, strengths, best = stage_b_pool(data)
+    lr = lambda x: [v for v in B2.VARIANTS if best[v]["value"] == x and not best[v]["label"]]  # noqa: E731
+    unlabelled = [v for v in B2.VARIANTS if best[v]["label"]]
+    leads = {}
+    for v in B2.VARIANTS:
+        m = _means(pool[pool.variant == v])
+        if len(m) >= 2:
+            chosen = m.pop(best[v]["value"])
+            leads[v] = min(m.values()) - chosen
+    only = [v for v in B2.VARIANTS if len(_means(pool[pool.variant == v])) == 1]
+    close = sorted(v for v, d in leads.items() if d < 0.01)
+    return [
+        f"stage B chose lr × 1 for {_names(lr(1.0))} and × 0.5 for {_names(lr(0.5))}",
+        f"{_names(unlabelled)} have no stable lr in × 0.5-4",
+        *(f"at × 0.5 {v} was {_broken_runs(pool[(pool.variant == v) & (pool.lr == 0.5)])}" for v in unlabelled),
+        f"{_names(only)} were `stable` on both seeds at × 0.5 only",
+        f"over the {len(leads)} variants with two stable lrs or more, the chosen lr's mean val loss leads the next "
+        f"stable lr's by {min(leads.values()):.3f}-{max(leads.values()):.3f} nats (two seeds each), under 0.01 for "
+        f"{len(close)} of them ({_names(close)})",
+    ]
