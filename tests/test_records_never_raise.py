@@ -310,3 +310,29 @@ def test_the_trainers_records_share_the_guard(tmp_path, monkeypatch, capfd):
         assert name in written and "injected fault" in written[name], written
     from flt_diag.judge.verdict import resummarize
     assert resummarize(tmp_path / "run").evidence.not_recorded == written  # and kept when the run is re-judged
+
+
+def test_records_taken_together_that_fail_alike_are_said_in_one_line_each_why(capsys):
+    """The guard's take_all (the records of one loop end): failures grouped by why, one stderr line per why naming
+    every record it skips, in the order first met; a record that works is taken; a ProbeError goes through."""
+    from flt_diag.instruments.guard import ProbeError, Records, Skipped
+    from flt_diag.records import Unrecordable
+    taken = []
+
+    def fails(why):
+        def f(*args):
+            raise Unrecordable(why)
+        return f
+
+    def skips(*args):
+        raise Skipped({"c1": "a stream of the wrong shape", "c2": "no targets"})
+
+    guard = Records()
+    guard.take_all([(("a",), fails("a stream of the wrong shape"), ()), (("b",), lambda x: taken.append(x), (7,)),
+                    (("c1", "c2"), skips, ()), (("d",), fails("no targets"), ())])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert taken == [7] and len(lines) == 2
+    assert lines[0].startswith("flt_diag: a, c1 not recorded: a stream of the wrong shape; skipped where")
+    assert lines[1].startswith("flt_diag: c2, d not recorded: no targets; skipped where")
+    with pytest.raises(ProbeError):
+        guard.take_all([(("e",), lambda: (_ for _ in ()).throw(ProbeError("refused")), ())])

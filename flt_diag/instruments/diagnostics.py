@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from flt_diag.storage import metric_names as M
-from flt_diag.instruments.guard import Instrument, ProbeError, Skipped, recording, why_of
+from flt_diag.instruments.guard import Instrument, recording
 from flt_diag.instruments.gradient_pairs import consecutive_stats, pair_sums, segment_squares
 from flt_diag.instruments.loop_hooks import LoopHooks
 from flt_diag.instruments.looped import LoopedModel
@@ -141,19 +141,9 @@ class DiagnosticsCallback(Instrument):
                 h = self.final(stream.detach()) if self.final is not None else stream.detach()
             if self.final is None:  # (h is the stream: its per-token norms, if the hooks took them, are h's)
                 alias_norms(h, stream)
-        failed: dict[str, list[str]] = {}  # why -> the metrics it skips (one line for records failing alike)
-        for record in due:
-            try:
-                take_record(record, self.log.add, (loop, h), self.hooks.states, loop, M.NONE, self.context)
-            except ProbeError:
-                raise
-            except Skipped as e:
-                for metric, why in e.whys.items():
-                    failed.setdefault(why, []).append(metric)
-            except Exception as e:  # (the record's own failure: through the guard, below)
-                failed.setdefault(why_of(e), []).extend(record.metrics)
-        for why, metrics in failed.items():
-            self.records.skip(metrics, why)
+        self.records.take_all((tuple(r.metrics), take_record, (r, self.log.add, (loop, h), self.hooks.states, loop,
+                                                             M.NONE, self.context)) for r in due)  # (one line for
+        # records failing alike: the guard's)
 
     def _forward_end(self, loops: int) -> None:
         """The `finish` of each record of moment loop_end due this step that has one at the forward's end, each

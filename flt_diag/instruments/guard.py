@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from flt_diag.instruments.callbacks import Callback
@@ -67,17 +67,37 @@ class Records:
     def take(self, names: Sequence[str], fn: Callable[..., Any], *args, **kwargs) -> Any:
         """fn(*args, **kwargs), the record(s) `names`; None if it raised (skipped: `skip`). A ProbeError (a
         refusal) and what is no Exception (KeyboardInterrupt) go through."""
+        failed: dict[str, list[str]] = {}
+        out = self._attempt(names, fn, args, kwargs, failed)
+        self._said(failed)
+        return out
+
+    def take_all(self, calls: Iterable[tuple[Sequence[str], Callable[..., Any], tuple]]) -> None:
+        """Each (names, fn, args) of `calls` taken as `take` takes one, and those that fail alike said in one line
+        (the records of one loop end refusing one stream: one line naming them all)."""
+        failed: dict[str, list[str]] = {}
+        for names, fn, args in calls:
+            self._attempt(names, fn, args, {}, failed)
+        self._said(failed)
+
+    @staticmethod
+    def _attempt(names: Sequence[str], fn: Callable[..., Any], args: tuple, kwargs: dict,
+                 failed: dict[str, list[str]]) -> Any:
+        """fn(*args, **kwargs), or None with what failed added to `failed` (why -> names)."""
         try:
             return fn(*args, **kwargs)
         except ProbeError:
             raise
         except Skipped as e:  # (the metrics named, each with its why: the others were taken)
             for name, why in e.whys.items():
-                self.skip((name,), why)
-            return None
+                failed.setdefault(why, []).append(name)
         except Exception as e:  # (any error of the record itself: the training must not see it)
-            self.skip(names, why_of(e))
-            return None
+            failed.setdefault(why_of(e), []).extend(names)
+        return None
+
+    def _said(self, failed: dict[str, list[str]]) -> None:
+        for why, names in failed.items():
+            self.skip(names, why)
 
     def hook(self, names: Sequence[str], fn: F) -> F:
         """fn guarded, for a register_*hook: returns None where fn raised (the forward's output, the gradient,
