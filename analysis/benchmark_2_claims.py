@@ -27,19 +27,12 @@ def stage_b_pool(data: Path) -> tuple[pd.DataFrame, dict, dict]:
     best, _ = B2.stage_b(got["B"], None if got["A"] is None else got["A"][0], strengths)
     if strengths is None or best is None or got["B"] is None:
         raise LookupError("round two's stages A and B are not complete in the archive")
-    pool = pd.concat([got["B"][0], got["A"][0]], ignore_index=True)
-    want = pool.variant.map(lambda v: strengths.get(v, {"value": 1.0})["value"])
-    pool = pool[(pool.strength == want) & pool.lr.isin(B2.LRS) & pool.seed.isin(R.SELECTION_SEEDS)]
-    return pool.drop_duplicates(["variant", "lr", "seed"]), strengths, best
+    return B2.stage_b_pool(got["B"], got["A"][0], strengths), strengths, best
 
 
 def _means(runs: pd.DataFrame) -> dict[float, float]:
-    """Mean val loss per lr over the two selection seeds, at the lrs where both are `stable`."""
-    out = {}
-    for lr, g in runs.groupby("lr"):
-        if len(g) == len(R.SELECTION_SEEDS) and (g.verdict == "stable").all():
-            out[float(lr)] = float(g.val_loss.mean())
-    return out
+    """Mean val loss per lr over the two selection seeds, at the lrs where both are `stable` (the rule's own)."""
+    return dict(R.choose(runs, "lr")["means"])
 
 
 def _broken_runs(runs: pd.DataFrame) -> str:

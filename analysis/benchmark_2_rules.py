@@ -31,17 +31,18 @@ GRID_D = [2.0 ** i for i in range(-4, 9)]  # stage D: 1/16 ... 256, ratio 2
 
 def choose(runs: pd.DataFrame, key: str) -> dict:
     """One variant's runs on the selection seeds -> {value, mean, tie, stable_values}; value None: none stable
-    on both seeds. A value counts only with both selection seeds archived and `stable`."""
+    on both seeds; `means`: the mean val loss of every value that counts. A value counts only with both selection
+    seeds archived and `stable`."""
     means = {}
     for value, g in runs.groupby(key):
         by_seed = {int(s): (v, x) for s, v, x in zip(g.seed, g.verdict, g.val_loss)}
         if all(s in by_seed and by_seed[s][0] == "stable" for s in SELECTION_SEEDS):
             means[float(value)] = float(np.mean([by_seed[s][1] for s in SELECTION_SEEDS]))
     if not means:
-        return dict(value=None, mean=math.nan, tie=False, stable_values=[])
+        return dict(value=None, mean=math.nan, tie=False, stable_values=[], means={})
     low = min(means.values())
     best = sorted((v for v, m in means.items() if m == low), key=lambda v: (abs(math.log2(v)), v))
-    return dict(value=best[0], mean=low, tie=len(best) > 1, stable_values=sorted(means))
+    return dict(value=best[0], mean=low, tie=len(best) > 1, stable_values=sorted(means), means=means)
 
 
 def exact_p(x: np.ndarray, y: np.ndarray) -> float:

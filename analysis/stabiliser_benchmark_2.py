@@ -136,16 +136,21 @@ def stage_a(got) -> tuple[dict | None, list[str]]:
     return chosen, [said]
 
 
+def stage_b_pool(got, a_runs, strengths: dict) -> pd.DataFrame:
+    """Stage B's runs and stage A's reused ones at each variant's chosen strength, lr x 0.5-4, selection seeds."""
+    pool = pd.concat([x for x in (None if got is None else got[0], a_runs) if x is not None], ignore_index=True)
+    want = pool.variant.map(lambda v: strengths.get(v, {"value": 1.0})["value"])
+    pool = pool[(pool.strength == want) & pool.lr.isin(LRS) & pool.seed.isin(R.SELECTION_SEEDS)]
+    return pool.drop_duplicates(["variant", "lr", "seed"])
+
+
 def stage_b(got, a_runs, strengths: dict | None) -> tuple[dict | None, list[str]]:
     """{variant: choice} once stage B is complete (every variant at its strength, 4 lrs x 2 seeds, with stage A's
     runs at lr x 1 reused), else None; and its lines."""
     if strengths is None:
         return None, ["Stage B (best lr): not read (stage A not finished)." if got is not None else
                       "Stage B (best lr): not run."]
-    pool = pd.concat([x for x in (None if got is None else got[0], a_runs) if x is not None], ignore_index=True)
-    want = pool.variant.map(lambda v: strengths.get(v, {"value": 1.0})["value"])
-    pool = pool[(pool.strength == want) & pool.lr.isin(LRS) & pool.seed.isin(R.SELECTION_SEEDS)]
-    pool = pool.drop_duplicates(["variant", "lr", "seed"])
+    pool = stage_b_pool(got, a_runs, strengths)
     done, said = status(None if got is None else (pool[pool.variant.isin(VARIANTS)], got[1]),
                         len(VARIANTS) * len(LRS) * 2, "Stage B (lr x 0.5-4 at the chosen strength, seeds 101-102)")
     if not done:
