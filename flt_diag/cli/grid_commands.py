@@ -167,6 +167,6 @@ def cmd_status(o: StatusOptions) -> int:
         print(line)
     print(counts_line(rows))
     if not isinstance(load_spec(o.path), MapSpecFile):  # (a map's probes to go are not known in advance)
-        if left := sweep_time_left(o.path, rows):
+        if left := sweep_time_left(rows):
             print(left)
     return 0

@@ -14,8 +14,7 @@ from flt_diag.storage.campaign import describe_code, read_campaign
 from flt_diag.storage.code_snapshot import read_marker, recorded_folder
 from flt_diag.storage.cells import RunId
 from flt_diag.storage.file_models import MapSpecFile
-from flt_diag.storage.folders import (SWEEP_SPEC, StorageError, cell_path, is_sweep, load_spec, load_summary,
-                                      read_json)
+from flt_diag.storage.folders import SWEEP_SPEC, StorageError, cell_path, is_sweep, load_spec, read_json
 from flt_diag.storage.machine import describe_machine
 from flt_diag.storage.run_activity import Activity, activity
 
@@ -28,6 +27,7 @@ class Row:
     detail: str
     commits: tuple[str, ...]
     progress: tuple[int, int] | None = None  # a running run's (steps done, steps)
+    wall_s: float | None = None  # a finished run's wall time
 
     def line(self, width: int = 32) -> str:
         """The row as `flt-diag status` prints it, its name padded to `width` (the longest name of the folder's)."""
@@ -66,18 +66,13 @@ def sweep_rows(out: Path) -> list[Row]:
     rows = []
     for i, name in enumerate(load_spec(out).cell_names):  # type: ignore[union-attr]  # (a sweep's spec)
         a = activity(cell_path(out, name))
-        rows.append(Row(i, name, a.state, a.detail(), _commits([a]), a.progress))
+        rows.append(Row(i, name, a.state, a.detail(), _commits([a]), a.progress, a.wall_s))
     return rows
 
 
-def sweep_time_left(out: Path, rows: list[Row]) -> str | None:
+def sweep_time_left(rows: list[Row]) -> str | None:
     """time_left of a sweep folder's rows: its finished cells' own wall times (their summaries)."""
-    walls = []
-    for r in rows:
-        if r.state == "finished":
-            s = load_summary(cell_path(out, r.name))
-            if s is not None and s.wall_time:
-                walls.append(float(s.wall_time))
+    walls = [float(r.wall_s) for r in rows if r.state == "finished" and r.wall_s]
     running = [None if r.progress is None else r.progress[0] / max(r.progress[1], 1) for r in rows
                if r.state == "running"]
     return time_left(walls, sum(r.state == "open" for r in rows), running)

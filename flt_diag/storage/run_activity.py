@@ -11,7 +11,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from flt_diag.storage import archive
 from flt_diag.storage.folders import (CONFIG, ERROR, LOCK, METRICS, PROGRESS, StorageError, load_config, load_progress,
                                       load_summary)
 from flt_diag.storage.locks import describe_holder, parse_holder
@@ -29,6 +28,7 @@ class Activity:
     reason: str | None = None  # failed: the last line of its error.txt
     commit: str | None = None  # the code that made it: 12 hex digits, "+" where the tree had changes
     progress: tuple[int, int] | None = None  # running: (steps done, steps) as its progress.json last said
+    wall_s: float | None = None  # finished: its summary's wall time (None: not timed)
 
     def detail(self) -> str:
         """The words after the state: the step a running run reached, whose lock and since when, why it failed."""
@@ -111,8 +111,9 @@ def commit_of(run: Path) -> str | None:
 def activity(run: Path) -> Activity:
     """Where run folder (or record) `run` stands now."""
     run = Path(run)
-    if archive.is_record(run) or load_summary(run) is not None:
-        return Activity("finished", commit=commit_of(run))
+    summary = load_summary(run)
+    if summary is not None:  # (a run folder with its summary.json, or an archive's record)
+        return Activity("finished", commit=commit_of(run), wall_s=summary.wall_time)
     commit = commit_of(run) if (run / CONFIG).exists() else None
     if (run / ERROR).exists():
         return Activity("failed", reason=_reason(run / ERROR), commit=commit)
