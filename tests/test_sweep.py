@@ -178,7 +178,7 @@ def test_parallel_workers(tmp_path):
 def test_every_study_file_lists_its_cells(capsys):
     from pathlib import Path
     from flt_diag.cli.specs import load_study
-    studies = sorted((Path(__file__).parent.parent / "experiments").glob("*.toml"))
+    studies = sorted((Path(__file__).parent.parent / "experiments").rglob("*.toml"))  # the benchmark stages too
     assert len(studies) >= 6
     for path in studies:
         command, args = load_study(path)
