@@ -233,3 +233,30 @@ def test_several_study_files_run_from_one_snapshot_the_first_study_makes(tmp_pat
         assert code["commit"] == pinned and Path(code["snapshot"]).resolve() == snap.resolve()
         campaign = json.loads((tmp_path / name / "sweep.json").read_text())["campaign"]
         assert campaign["snapshot"]["commit"] == pinned
+    # recorded relative to each study's folder, so that the chain's folders (or their archive) can move together
+    assert json.loads((tmp_path / "b" / "sweep.json").read_text())["campaign"]["snapshot"]["path"] == \
+        os.path.join("..", "a", ".code", pinned[:12])
+
+
+def test_a_snapshot_is_recorded_relative_where_it_moves_with_the_campaigns_folders(tmp_path, monkeypatch):
+    """In the campaign's folder: relative to it; in another campaign's `.code` folder (a chain's first study): relative
+    too, through `..`; elsewhere (--snapshot-dir): absolute. Each path, read back against its folder, is the
+    snapshot; after the folders move together the relative ones still are."""
+    from flt_diag.storage.code_snapshot import recorded_folder, running_snapshot
+    commit = "ab" * 20
+    snaps = [tmp_path / "runs" / "a" / ".code" / "abababababab", tmp_path / "elsewhere" / "snap"]
+    for snap in snaps:
+        snap.mkdir(parents=True)
+        (snap / MARKER).write_text(json.dumps({"commit": commit}))
+    expected = {("a", 0): os.path.join(".code", "abababababab"),
+                ("b", 0): os.path.join("..", "a", ".code", "abababababab"), ("b", 1): str(snaps[1].resolve())}
+    for (name, i), path in expected.items():
+        out = tmp_path / "runs" / name
+        out.mkdir(exist_ok=True)
+        monkeypatch.setenv(ENV, str(snaps[i]))
+        got = running_snapshot(out)
+        assert got == {"path": path, "commit": commit}
+        assert recorded_folder(out, got).resolve() == snaps[i].resolve()
+    shutil.move(tmp_path / "runs", tmp_path / "moved")
+    moved = recorded_folder(tmp_path / "moved" / "b", {"path": expected[("b", 0)], "commit": commit})
+    assert json.loads((moved / MARKER).read_text())["commit"] == commit

@@ -140,14 +140,18 @@ def check_snapshot() -> None:
 
 
 def running_snapshot(out: Path) -> dict | None:
-    """The snapshot this process runs from (ENV), as a campaign in folder `out` records it: {"path": relative to
-    `out` where it lies inside it (so the folder can move), else absolute; "commit"}. None: no snapshot."""
+    """The snapshot this process runs from (ENV), as a campaign in folder `out` records it: {"path", "commit"}. The
+    path is relative to `out` where the snapshot lies inside it, or inside another campaign's folder (a `.code`
+    folder: a chain of studies runs from the first study's snapshot), so that the folders can move together, to
+    another machine or checkout; a snapshot elsewhere (--snapshot-dir) is recorded absolute. None: no snapshot."""
     root = os.environ.get(ENV)
     marker = None if not root else read_marker(Path(root))
     if marker is None:
         return None
     path, base = Path(str(root)).resolve(), Path(out).resolve()
-    return {"path": str(path.relative_to(base) if path.is_relative_to(base) else path), "commit": marker["commit"]}
+    if path.is_relative_to(base) or path.parent.name == CODE_DIR:
+        return {"path": os.path.relpath(path, base), "commit": marker["commit"]}
+    return {"path": str(path), "commit": marker["commit"]}
 
 
 def recorded_folder(out: Path, recorded: dict) -> Path:
