@@ -329,7 +329,9 @@ def sections(stages: dict) -> tuple[list[str], dict]:
            markdown(answer(strengths, best, tests, margins, extra)), "", *a_lines, *b_lines, *c_lines, ""]
     if tests is not None:
         out += ["The primary (two-sided exact Mann-Whitney against FLT, Holm over the 11, Hodges-Lehmann shift "
-                "variant - FLT with its exact 95 % interval):", "", primary_table(tests), ""]
+                "variant - FLT with its exact 95 % interval):", "", primary_table(tests), "",
+                "At 2,000 steps by the plan's rule (the three lowest stage-C medians, and FLT): "
+                + ", ".join(R.long_runs(c_runs)) + ".", ""]
     out += (["Stage D (breaking lr, seeds 1-3, as far as archived):", "", markdown(margins.round(3)), ""]
             if len(margins) else ["Stage D (stability margin): not run.", ""])
     out += (["Stage E (val loss at K minus at K = 12, median over seeds):", "", markdown(extra.round(3).reset_index()), ""]

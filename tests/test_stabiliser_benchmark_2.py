@@ -185,6 +185,17 @@ def test_stage_c_reads_only_runs_at_the_strength_and_lr_stages_a_and_b_chose():
     assert tests.set_index("variant").loc["lt", "median"] == pytest.approx(np.median([2.0 + 0.01 * s for s in range(1, 9)]))
 
 
+def test_the_long_runs_are_the_three_lowest_medians_and_flt():
+    """Medians written out by hand: huginn 1.60, lt-ii 1.61, fla 1.62 lead; flt (1.65) joins them; a variant whose
+    mean is lowest but median is not (lt: one seed at 0.1) is not chosen."""
+    medians = {"huginn": 1.60, "lt-ii": 1.61, "fla": 1.62, "flt": 1.65, "lt": 1.70, "deeploop": 1.63}
+    spec = [(v, s, 1.0, 1.0, ST, m + (0.001 * s if s != 1 or v != "lt" else -1.6)) for v, m in medians.items()
+            for s in S.CONFIRM_SEEDS]
+    assert R.long_runs(rows(spec)) == ["huginn", "lt-ii", "fla", "flt"]
+    spec = [r if r[0] != "flt" else (*r[:5], r[5] - 0.1) for r in spec]  # now flt leads: three in all
+    assert R.long_runs(rows(spec)) == ["flt", "huginn", "lt-ii"]
+
+
 def test_stage_d_breaking_lr_margin_and_failure_kind():
     spec = []
     for seed, (last, kind) in zip(D_SEEDS := (1, 2, 3), [(2.0, "collapsed"), (4.0, "diverged"), (8.0, "unstable")]):
