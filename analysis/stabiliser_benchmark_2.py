@@ -340,15 +340,17 @@ def sections(stages: dict) -> tuple[list[str], dict]:
     out += (["Secondary loop dynamics at matched lrs (stage B's runs; medians of the last snapshot over runs neither "
              "exploded nor at unigram level, which are counted instead):", "", markdown(dyn), ""]
             if len(dyn) else ["Secondary loop dynamics: not run.", ""])
+    pool = stage_b_pool(stages["B"], a_runs, strengths) if strengths is not None and stages["B"] else None
+    curves = [x for x in (pool, c_runs, stages["D"][0] if stages["D"] else None) if x is not None]
     return out + descriptive(stages["L2000"]) + [""] + compute(stages), dict(best=best, margins=margins,
-                                                                             stages=stages)
+                                                                             curves=curves)
 
 
 def report(root: Path, out: Path | None = None) -> str:
     lines, data = sections(read_archive(root))
     if out is not None:
         from benchmark_2_figure import draw
-        path = draw(data["stages"], data["best"], data["margins"], Path(out))
+        path = draw(data["curves"], VARIANTS, data["best"], data["margins"], Path(out))
         lines += ["", f"Figure: {path}"]
     return "\n".join(lines).rstrip("\n") + "\n"
 

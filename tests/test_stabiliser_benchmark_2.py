@@ -249,6 +249,21 @@ def test_bad_input_is_one_line_and_exit_2(template, tmp_path, capsys):
     assert "is not a folder" in err and err.count("\n") == 1
 
 
+def test_the_figures_points_are_medians_of_stable_runs_with_the_others_counted():
+    """Per (variant, lr), written out: the median and range over the `stable` runs only (a broken run's val loss,
+    9.0 here, is never a point), the broken ones counted; the frames (B's pool, C, D) are pooled."""
+    import benchmark_2_figure as F
+    b = rows([("lt", 101, 0.5, 1.0, ST, 1.70), ("lt", 102, 0.5, 1.0, ST, 1.74), ("lt", 101, 1.0, 1.0, UN, 9.0),
+              ("lt", 102, 1.0, 1.0, ST, 1.80)])
+    c = rows([("lt", s, 0.5, 1.0, ST if s != 2 else "collapsed", 1.60 + 0.1 * s) for s in (1, 2, 3)])
+    p = F.points([b, c, None]).set_index(["variant", "lr"])
+    assert p.loc[("lt", 0.5)][["median", "min", "max", "stable", "broken"]].tolist() == \
+        pytest.approx([np.median([1.70, 1.74, 1.70, 1.90]), 1.70, 1.90, 4, 1])
+    assert p.loc[("lt", 1.0)][["median", "min", "max", "stable", "broken"]].tolist() == pytest.approx([1.8, 1.8, 1.8, 1, 1])
+    only_broken = F.points([rows([("fla", 1, 4.0, 1.0, "diverged", 7.0)])]).iloc[0]
+    assert math.isnan(only_broken["median"]) and (only_broken.stable, only_broken.broken) == (0, 1)
+
+
 def test_the_figure_is_drawn(template, tmp_path):
     for v in ("flt", "lt"):
         for lr in (0.5, 1.0):
