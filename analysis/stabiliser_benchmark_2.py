@@ -217,7 +217,10 @@ def eval_loops(path: str) -> pd.DataFrame | None:
 
 
 def stage_e(c_runs: pd.DataFrame) -> pd.DataFrame:
-    """Per variant: the median over its seeds of val loss at each K of EXTRAPOLATE minus at K = 12."""
+    """Per variant: the median over its seeds of val loss at each K of EXTRAPOLATE minus at K = 12; the seed spread
+    at K = 12 (max - min over its seeds of the val loss there, "spread@12"); and, for K = 18 and 24 (the loop counts
+    above training's), whether that median lies within the spread (|median| <= spread: the plan's "stays within the
+    seed spread of their loss at 12"; the amendment of 2026-12-07 12:52 UTC fixed this reading)."""
     rows = []
     for r in c_runs.itertuples():
         t = eval_loops(r.path)
@@ -225,11 +228,18 @@ def stage_e(c_runs: pd.DataFrame) -> pd.DataFrame:
             continue
         at = dict(zip(t.loops.astype(int), t.val_loss.astype(float)))
         if 12 in at:
-            rows.append(dict(variant=r.variant, **{f"K={k}": at.get(k, math.nan) - at[12] for k in EXTRAPOLATE}))
+            rows.append(dict(variant=r.variant, at12=at[12],
+                             **{f"K={k}": at.get(k, math.nan) - at[12] for k in EXTRAPOLATE}))
     if not rows:
         return pd.DataFrame()
     df = pd.DataFrame(rows)
-    return df.groupby("variant", sort=False).median().join(df.groupby("variant", sort=False).size().rename("runs"))
+    g = df.groupby("variant", sort=False)
+    out = g[[f"K={k}" for k in EXTRAPOLATE]].median()
+    out["spread@12"] = g.at12.max() - g.at12.min()
+    for k in (18, 24):
+        out[f"within@{k}"] = ["yes" if abs(m) <= s else "no" if math.isfinite(m) else "-"
+                              for m, s in zip(out[f"K={k}"], out["spread@12"])]
+    return out.join(g.size().rename("runs"))
 
 
 def dynamics(b_runs: pd.DataFrame | None) -> pd.DataFrame:

@@ -219,7 +219,18 @@ def test_stage_e_extrapolation_is_the_median_of_loss_at_k_minus_at_12(tmp_path):
         spec.append(("parcae-source", seed, 1.0, 1.0, ST, 2.0))
     runs = rows(spec).assign(path=[str(tmp_path / f"r{s}") for s in (1, 2, 3)])
     e = S.stage_e(runs)
-    assert e.loc["parcae-source"].to_dict() == pytest.approx({"K=6": 1.1, "K=9": 0.5, "K=18": 0.3, "K=24": 0.4, "runs": 3})
+    row = e.loc["parcae-source"].to_dict()
+    assert {k: row.pop(k) for k in ("within@18", "within@24")} == {"within@18": "no", "within@24": "no"}
+    assert row == pytest.approx({"K=6": 1.1, "K=9": 0.5, "K=18": 0.3, "K=24": 0.4, "spread@12": 0.0, "runs": 3})
+    # at K = 12 the seeds now differ by 0.35 (2.0, 2.35, 2.1); the differences at 18 are 0.3, 0.2, 0.34 (median
+    # 0.3) and at 24 all 0.4: read against that spread
+    for seed, at12 in zip((1, 2, 3), (2.0, 2.35, 2.1)):
+        pd.DataFrame(dict(loops=[6, 9, 12, 18, 24], val_loss=[3.0, 2.5, at12, at12 + (0.3, 0.2, 0.34)[seed - 1],
+                                                                 at12 + 0.4])).to_csv(tmp_path / f"r{seed}" /
+                                                                                       "eval_loops.csv", index=False)
+    e = S.stage_e(runs).loc["parcae-source"]
+    assert e["spread@12"] == pytest.approx(0.35) and e["K=18"] == pytest.approx(0.3) and e["K=24"] == pytest.approx(0.4)
+    assert (e["within@18"], e["within@24"]) == ("yes", "no")  # 0.3 <= 0.35 < 0.4
 
 
 def test_the_dynamics_count_exploded_and_unigram_runs_instead_of_averaging_them(tmp_path):
