@@ -156,7 +156,8 @@ def test_a_map_pointed_at_its_archive_is_refused_and_the_archive_left_as_it_was(
 # ---------------------------------------------------------------- status
 
 
-def _probe(out: Path, name: str, seed: int, lr: float, verdict: str | None, commit: str) -> Path:
+def _probe(out: Path, name: str, seed: int, lr: float, verdict: str | None, commit: str,
+           wall: float | None = None) -> Path:
     """A probe's run folder by hand: config.json naming its code, one metrics part, summary.json where finished."""
     from flt_diag.judge.verdict import summarize
     from flt_diag.storage.folders import MetricsWriter, load_metrics
@@ -169,7 +170,7 @@ def _probe(out: Path, name: str, seed: int, lr: float, verdict: str | None, comm
     w.add(0, "loss", -1, -1, 3.0)
     w.flush()
     if verdict:
-        write_json(d / SUMMARY, summarize(load_metrics(d), cfg).as_written() | dict(verdict=verdict))
+        write_json(d / SUMMARY, summarize(load_metrics(d), cfg).as_written() | dict(verdict=verdict, wall_time=wall))
     return d
 
 
@@ -182,8 +183,8 @@ def test_status_of_a_map_folder_built_by_hand(tmp_path, capsys):
     (out / "sweep.json").write_text(json.dumps(spec.to_dict() | {"campaign": {"code": CODE, "machine": {
         "model": "Hand-made CPU", "simd": ["avx2"]}, "changes": []}}))
     one, two = "1" * 40, "2" * 40
-    _probe(out, "lt_K06_seed0_lr1", 0, 1, "stable", one)
-    _probe(out, "lt_K06_seed0_lr2", 0, 2, "collapsed", two)
+    _probe(out, "lt_K06_seed0_lr1", 0, 1, "stable", one, wall=30.0)
+    _probe(out, "lt_K06_seed0_lr2", 0, 2, "collapsed", two, wall=50.0)
     (_probe(out, "lt_K06_seed1_lr1", 1, 1, None, one) / "error.txt").write_text(
         "Traceback (most recent call last):\n  File x\nRuntimeError: out of memory\n\n")
     running = _probe(out, "lt_K06_seed2_lr1", 2, 1, None, one)
@@ -211,6 +212,10 @@ def test_status_of_a_map_folder_built_by_hand(tmp_path, capsys):
     assert ", last seen 0 s ago" in rows["lt_K06_seed2"] or ", last seen 1 s ago" in rows["lt_K06_seed2"]
     assert rows["lt_K06_seed3"].split()[2:5] == ["open", "0", "probes"]
     assert lines[6] == "1 finished, 1 running, 1 open, 1 failed"
+    # the finished line's 2 probes (30 and 50 s: median 40 s); to go: the running line 2 - 0.3 (step 3 of 10), the
+    # open one 2, the failed one none: 3.7 probes x 40 s = 148 s on one lane
+    assert lines[7] == ("roughly 2 min left: about 4 probes to go (a finished line took a median of 2 probes, a probe "
+                        "a median of 40 s), on the 1 lane running now")
     assert [line.split()[1:] for line in listed] == [["lt_K06_seed0", "finished"], ["lt_K06_seed1", "failed"],
                                                      ["lt_K06_seed2", "running"], ["lt_K06_seed3", "open"]]
 
@@ -282,6 +287,23 @@ def test_time_left_is_the_open_and_unfinished_runs_at_the_median_over_the_lanes_
     assert time_left([60.0, 120.0], 0, [0.5]) == (  # 90 s x 0.5 on one lane; under two minutes in seconds
         "about 45 s left: 0 open and 1 running at the finished runs' median of 90 s a run, on the 1 lane running now")
     assert time_left([], 4, [0.5]) is None and time_left([100.0], 4, []) is None  # nothing timed; no lane to count
+
+
+def test_a_maps_time_left_is_the_lines_to_go_at_the_finished_lines_median_probes():
+    """Written out: finished lines of 3 and 5 probes (median 4); a running line with 1 probe done and its second a
+    quarter through needs 4 - 1 - 0.25 = 2.75 more, an open line without probes 4, an open line of 6 probes (past
+    the median) 1, a failed line none: 7.75 probes. The map's 15 timed probes (100 x 3, 50 x 5, 200, 40, 60, 30, 70,
+    45, 55) have a median of 50 s: 387.5 s on one lane, about 6 min."""
+    from flt_diag.results.campaign_status import Row, map_time_left
+
+    def row(state, walls, progress=None):
+        return Row(0, "x", state, "", (), progress, probe_walls=tuple(walls))
+    rows = [row("finished", [100.0] * 3), row("finished", [50.0] * 5), row("running", [200.0], (150, 600)),
+            row("open", []), row("open", [40.0, 60.0, 30.0, 70.0, 45.0, 55.0]), row("failed", [])]
+    assert map_time_left(rows) == ("roughly 6 min left: about 8 probes to go (a finished line took a median of 4 "
+                                   "probes, a probe a median of 50 s), on the 1 lane running now")
+    assert map_time_left([r for r in rows if r.state != "running"]) is None  # no lane runs now
+    assert map_time_left([r for r in rows if r.state != "finished"]) is None  # no finished line to count probes
 
 
 def test_status_of_a_running_sweep_ends_with_its_time_left(tmp_path, capsys):

@@ -151,8 +151,8 @@ def cmd_study(o: StudyOptions) -> int:
 def cmd_status(o: StatusOptions) -> int:
     """Where each cell of a sweep (each line of a map) stands: finished, open, running (whose process, seen when),
     failed (why), and the code that made its runs; and the code and machine the folder is pinned to."""
-    from flt_diag.results.campaign_status import (campaign_lines, counts_line, folders_lines, row_lines, status_rows,
-                                                  sweep_time_left)
+    from flt_diag.results.campaign_status import (campaign_lines, counts_line, folders_lines, map_time_left,
+                                                  row_lines, status_rows, sweep_time_left)
     from flt_diag.storage.file_models import MapSpecFile
     from flt_diag.storage.folders import is_sweep, load_spec
     if not is_sweep(o.path):  # a campaign's folder of sweeps and maps: a line of counts each
@@ -166,7 +166,6 @@ def cmd_status(o: StatusOptions) -> int:
     for line in lease_lines(o.path):
         print(line)
     print(counts_line(rows))
-    if not isinstance(load_spec(o.path), MapSpecFile):  # (a map's probes to go are not known in advance)
-        if left := sweep_time_left(rows):
-            print(left)
+    if left := (map_time_left if isinstance(load_spec(o.path), MapSpecFile) else sweep_time_left)(rows):
+        print(left)
     return 0

@@ -26,8 +26,9 @@ class Row:
     state: str
     detail: str
     commits: tuple[str, ...]
-    progress: tuple[int, int] | None = None  # a running run's (steps done, steps)
+    progress: tuple[int, int] | None = None  # a running run's (steps done, steps); a map line's: its running probe's
     wall_s: float | None = None  # a finished run's wall time
+    probe_walls: tuple[float, ...] = ()  # a map line's finished probes' wall times
 
     def line(self, width: int = 32) -> str:
         """The row as `flt-diag status` prints it, its name padded to `width` (the longest name of the folder's)."""
@@ -78,6 +79,32 @@ def sweep_time_left(rows: list[Row]) -> str | None:
     return time_left(walls, sum(r.state == "open" for r in rows), running)
 
 
+def map_time_left(rows: list[Row]) -> str | None:
+    """A map's time to go, more roughly than a sweep's (its probes are not known in advance): every line neither
+    finished nor failed takes as many probes as the finished lines' median (at least one more), each at the median
+    wall time of the map's finished probes (a probe stopped once decided is shorter, and counts so), the running
+    probe at its share not done, over as many lanes as run now. None without a finished line, a timed probe, a
+    running line to count lanes, or lines to go."""
+    import statistics
+    finished = [r for r in rows if r.state == "finished"]
+    walls = [w for r in rows for w in r.probe_walls]
+    running = [r for r in rows if r.state == "running"]
+    if not finished or not walls or not running:
+        return None
+    per_line = statistics.median(len(r.probe_walls) for r in finished)
+    to_go = 0.0
+    for r in rows:
+        if r.state in ("open", "running"):
+            share = 0.0 if r.state == "open" or r.progress is None else r.progress[0] / max(r.progress[1], 1)
+            to_go += max(per_line - len(r.probe_walls), 1.0) - share
+    median = statistics.median(walls)
+    left = median * to_go / len(running)
+    when = f"{left:.0f} s" if left < 120 else f"{left / 60:.0f} min"
+    return (f"roughly {when} left: about {to_go:.0f} probes to go (a finished line took a median of {per_line:g} "
+            f"probes, a probe a median of {median:.0f} s), on the {len(running)} lane{'s' if len(running) > 1 else ''} "
+            "running now")
+
+
 def map_rows(out: Path) -> list[Row]:
     """One row per line of a map folder: running where a probe runs now (which), failed where a probe failed and the
     search stopped there (why), finished where every criterion's bracket is closed, else open (probes so far)."""
@@ -90,9 +117,10 @@ def map_rows(out: Path) -> list[Row]:
         done = [a for a in probes.values() if a.state == "finished"]
         running = [(v, a) for v, a in probes.items() if a.state == "running"]
         failed = [(v, a) for v, a in probes.items() if a.state == "failed"]
+        progress = None
         if running:
             v, a = running[0]
-            state, detail = "running", f"{spec.axis} {v:g}: {a.detail()}"
+            state, detail, progress = "running", f"{spec.axis} {v:g}: {a.detail()}", a.progress
         elif not mine.status.isin(["open", "failed"]).any():
             state, detail = "finished", f"{len(done)} probes"
         elif failed:
@@ -100,7 +128,8 @@ def map_rows(out: Path) -> list[Row]:
             state, detail = "failed", f"{spec.axis} {v:g}: {a.detail()}"
         else:
             state, detail = "open", f"{len(done)} probes finished"
-        rows.append(Row(line.index, line.name, state, detail, _commits(list(probes.values()))))
+        rows.append(Row(line.index, line.name, state, detail, _commits(list(probes.values())), progress,
+                        probe_walls=tuple(float(a.wall_s) for a in done if a.wall_s)))
     return rows
 
 
