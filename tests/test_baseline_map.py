@@ -81,6 +81,36 @@ def test_a_toy_stabiliser_is_mapped_against_the_archived_baseline_and_pooled(bas
     assert {"flt (paper)", "toy-damp"} <= rows and "lines finished: 2 of 2" in text
 
 
+def test_a_pooled_map_archived_as_it_goes_resumes_and_its_archive_stays_valid(baseline, tmp_path, capsys):
+    """`map --baseline --archive-to`, started twice (the second start a resume, and a fresh folder resuming from the
+    archive a third): each start records its canaries, which the archive's check does not take for another map."""
+    out, arch = tmp_path / "work" / "pooled", tmp_path / "arch"
+    for folder in (out, out, tmp_path / "fresh" / "pooled"):
+        assert main(["map", "--baseline", str(baseline), "--variants", "lt", "--out", str(folder),
+                     "--archive-to", str(arch)]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert len(json.loads((out / "sweep.json").read_text())["canaries"]) == 2
+    assert {v for v, _ in archived(arch / "pooled")} == {"lt"}  # only the new runs archived
+    assert main(["summary", str(arch / "pooled")]) == 0
+
+
+def test_a_pooled_map_goes_to_lease_workers_with_submit(baseline, tmp_path, capsys):
+    """`--submit local` with --baseline: canaries here, then the pooled map's lines claimed by lease workers
+    (submitit's local executor); `--submit` with `--cell` is refused in one line."""
+    pytest.importorskip("submitit")
+    out = tmp_path / "pooled"
+    code = main(["map", "--baseline", str(baseline), "--variants", "lt", "--out", str(out), "--cell", "0",
+                 "--submit", "local"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--cell" in err[0] and not out.exists()
+    assert main(["map", "--baseline", str(baseline), "--variants", "lt", "--out", str(out), "--submit", "local",
+                 "--workers", "1"]) == 0, capsys.readouterr().err
+    assert "canar" in capsys.readouterr().out
+    table = __import__("pandas").read_csv(out / "map.csv")
+    assert set(table.variant) == {"flt", "lt"} and (table.status != "open").all()
+    assert (out / "jobs").is_dir()  # (submitit's folder: the workers ran as its tasks)
+
+
 def tamper(record: Path, step: int) -> None:
     """Add 1e-6 to the archived loss at one step (metadata kept)."""
     table = pq.read_table(record)

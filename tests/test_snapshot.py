@@ -38,7 +38,13 @@ def test_a_snapshot_holds_the_commits_files_and_names_that_commit_until_edited(t
         assert (where / name).read_bytes() == committed
     assert sorted(p.name for p in where.iterdir()) == sorted([MARKER, "flt_diag"])  # the package only
     code = snapshot_code(where)
-    assert code == {"commit": head, "clean": True, "snapshot": str(where)}
+    pyproject = subprocess.run(["git", "-C", str(REPO), "show", f"{head}:pyproject.toml"], check=True,
+                               capture_output=True, text=True).stdout
+    stated = next(line.split('"')[1] for line in pyproject.splitlines() if line.startswith("version = "))
+    # the version the commit states, not the installed package's metadata (a checkout re-installed at another
+    # version would otherwise make a resumed snapshot campaign look like other code)
+    assert code == {"commit": head, "clean": True, "snapshot": str(where), "flt_diag": stated}
+    assert json.loads((where / MARKER).read_text())["version"] == stated
     assert make_snapshot(REPO, head, where) == where  # kept as it is
     init = where / "flt_diag" / "__init__.py"
     init.chmod(0o644)

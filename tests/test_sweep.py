@@ -301,4 +301,15 @@ def test_several_study_files_run_one_after_another_and_the_first_failure_ends_th
     c, d = _study(tmp_path / "c.toml", tmp_path / "rc"), _study(tmp_path / "d.toml", tmp_path / "rd")
     assert main(["study", str(c), str(d), "--quiet", "--workers", "1"]) != 0
     assert not (tmp_path / "rd").exists() and len(capsys.readouterr().err.strip().splitlines()) == 1
-    assert main(["study", str(a), str(a), "--list"]) == 2 and "folder name ra" in capsys.readouterr().err
+    assert main(["study", str(a), str(a), "--list"]) == 2
+    assert f"write the folder {(tmp_path / 'ra').resolve()}" in capsys.readouterr().err
+    (tmp_path / "x").mkdir()
+    e = _study(tmp_path / "e.toml", tmp_path / "x" / "ra")  # another folder of the same name as a's
+    assert main(["study", str(a), str(e), "--list"]) == 0  # two folders: fine ...
+    capsys.readouterr()
+    assert main(["study", str(a), str(e), "--list", "--archive-to", str(tmp_path / "arch2")]) == 2  # ... unless
+    assert "named ra: under --archive-to" in capsys.readouterr().err  # both would be archived into arch2/ra
+    unnamed = tmp_path / "f.toml"
+    unnamed.write_text('[ablation]\npreset = "tiny"\nvariants = ["lt"]\nloops = [2]\nsteps = 2\n')
+    assert main(["study", str(a), str(unnamed), "--list"]) == 2
+    assert f"{unnamed} names no `out`" in capsys.readouterr().err

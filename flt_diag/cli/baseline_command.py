@@ -44,14 +44,18 @@ def cmd_map_baseline(o: MapOptions, campaign) -> int:
         raise StorageError(f"{problem}; map --baseline reuses the baseline's spec: give only --variants (new ones) "
                            "and folder options")
     if o.list_cells:
-        raise StorageError("--list with --baseline: list the pooled folder with `flt-diag status --out`")
+        raise StorageError("--list with --baseline: list the pooled folder with `flt-diag status FOLDER`")
+    if o.submit and o.cell is not None:
+        raise StorageError("--submit hands every map line to workers that claim them under leases; --cell I is for a "
+                           "job array of your own: give one of them")
     out = baseline_out(o)
     print(f"map --baseline {o.baseline}: {len(spec['variants'])} baseline variants + {', '.join(o.variants)}; "
           f"canaries first", flush=True)
     run_baseline_map(o.baseline, list(o.variants), out, o.accept_baseline_drift,
                      report=lambda text: print(text, flush=True), options=campaign,
-                     workers=o.workers or auto_workers(spec["base"]["train"].get("device", "cpu")), only_line=o.cell, probe_ends=o.probe_ends,
-                     run_to_end=o.run_to_end)
+                     submit=(o.submit, o, o.workers) if o.submit else None,
+                     workers=o.workers or auto_workers(spec["base"]["train"].get("device", "cpu")), only_line=o.cell,
+                     probe_ends=o.probe_ends, run_to_end=o.run_to_end)
     for criterion, g in critical_values(out).groupby("criterion", sort=False):
         print(f"{criterion}: " + "; ".join(f"{r.variant} K={r.loops}: {r.text}" for r in g.itertuples()))
     print(f"pooled map folder: {out}  (flt-diag summary {out}; flt-diag plot breaking {out})")

@@ -135,10 +135,15 @@ def cmd_study(o: StudyOptions) -> int:
     if len(studies) > 1:
         if o.cell is not None:
             raise UserError("--cell runs one cell of one study: give one study file")
-        outs = [args.out.name for _, _, args in studies if args.out is not None]
-        if twice := sorted({n for n in outs if outs.count(n) > 1}):
-            raise UserError(f"two of the study files write the folder name {twice[0]} (their `out`): each needs its "
-                            "own (and its own archive under --archive-to)")
+        if unnamed := [str(path) for path, _, args in studies if args.out is None]:
+            raise UserError(f"{unnamed[0]} names no `out`: with several study files each names its own folder")
+        names = [args.out.name for _, _, args in studies]  # (an archive under --archive-to is named after it)
+        paths = [args.out.resolve() for _, _, args in studies]
+        if twice := sorted({str(p) for p in paths if paths.count(p) > 1}):
+            raise UserError(f"two of the study files write the folder {twice[0]} (their `out`): each needs its own")
+        if o.archive_to is not None and (twice := sorted({n for n in names if names.count(n) > 1})):
+            raise UserError(f"two of the study files' folders are named {twice[0]}: under --archive-to both would be "
+                            "archived into one folder of that name; give each its own name")
     for path, _, args in studies:
         if len(studies) > 1:
             print(f"study {path}", flush=True)

@@ -19,6 +19,7 @@ import pandas as pd
 
 from flt_diag.config.run_config import RunConfig
 from flt_diag.grids.campaign import Archiver, CampaignOptions
+from flt_diag.storage.campaign import CANARIES
 from flt_diag.grids.canaries import run_canaries
 from flt_diag.grids.stability_map import MapSpec, run_map
 from flt_diag.grids.sweep import cell_config
@@ -29,7 +30,7 @@ from flt_diag.storage.errors import BadFile
 from flt_diag.storage.folders import (CELLS, SWEEP_SPEC, StorageError, atomic_path, is_archive, load_summary,
                                       read_json, refuse_not_a_folder, write_json)
 
-BASELINE, CANARIES = "baseline", "canaries"  # their keys in sweep.json
+BASELINE = "baseline"  # its key in sweep.json (the canaries': flt_diag.storage.campaign.CANARIES)
 ACCEPT = "--accept-baseline-drift"
 
 
@@ -135,9 +136,12 @@ class WithBaseline:
 
 
 def run_baseline_map(path: Path, new: list[str], out: Path, accept_drift: bool = False, report=print,
-                     options: CampaignOptions = CampaignOptions(), **how) -> pd.DataFrame:
+                     options: CampaignOptions = CampaignOptions(), submit: tuple | None = None,
+                     **how) -> pd.DataFrame:
     """Check the baseline archive at `path`, run its canaries (a disagreement: one line, unless `accept_drift`),
-    then run the pooled map in `out` (`how`: run_map's workers, only_line, probe_ends, run_to_end)."""
+    then run the pooled map in `out` (`how`: run_map's workers, only_line, probe_ends, run_to_end), here or, with
+    `submit` = (how, cluster options, tasks), by lease workers under a scheduler (flt_diag.grids.slurm.submit_map;
+    the canaries still run here, first)."""
     spec, records = read_baseline(path)
     pooled = pooled_spec(path, spec, new)
     refuse_not_a_folder(Path(out), "a map folder", "use another --out")
@@ -148,4 +152,9 @@ def run_baseline_map(path: Path, new: list[str], out: Path, accept_drift: bool =
     if problem:
         report(f"warning: {problem.split('; pooling')[0]}; pooled anyway ({ACCEPT}, recorded in sweep.json)")
     hook = WithBaseline(tuple(records), tuple(results), bool(problem), options.archive)
+    if submit is not None:
+        from flt_diag.grids.slurm import submit_map
+        scheduler, cluster, tasks = submit
+        return submit_map(pooled, Path(out), scheduler, cluster, tasks, how.get("probe_ends", False),
+                          how.get("run_to_end", False), replace(options, archive=hook), report)
     return run_map(pooled, Path(out), report=report, options=replace(options, archive=hook), **how)

@@ -79,10 +79,14 @@ def resume_campaign(old: Campaign | None, where: Path, machine: dict, allow_chan
     return old.model_copy(update=dict(changes=[*old.changes, change]))
 
 
+CANARIES = "canaries"  # a baseline map's canaries, an entry per start (flt_diag.grids.baseline)
+PER_START = (CAMPAIGN, CANARIES)  # what each start of a folder may add to its sweep.json
+
+
 def without_campaign(spec: dict) -> dict:
-    """A sweep.json's content less its campaign: what two copies of one sweep or map (a folder and its archive)
-    share, whatever code changes each has recorded since."""
-    return {k: v for k, v in spec.items() if k != CAMPAIGN}
+    """A sweep.json's content less what each start records (its campaign's code changes, a baseline map's canaries):
+    what two copies of one sweep or map (a folder and its archive) share, whatever starts each has seen since."""
+    return {k: v for k, v in spec.items() if k not in PER_START}
 
 
 def code_of(campaign: Campaign | None) -> str | None:

@@ -65,6 +65,18 @@ def _git(repo: Path, *args: str) -> subprocess.CompletedProcess:
         raise StorageError(f"cannot run git to make the code snapshot: {e}") from None
 
 
+def commit_version(repo: Path, commit: str) -> str | None:
+    """flt-diag's version as the commit's own pyproject.toml states it (None where it does not say): what a snapshot
+    of that commit is, whatever version the installed package's metadata names."""
+    import tomllib
+    done = _git(repo, "show", f"{commit}:pyproject.toml")
+    try:
+        ver = tomllib.loads(done.stdout.decode()).get("project", {}).get("version") if done.returncode == 0 else None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError):
+        return None
+    return ver if isinstance(ver, str) and len(ver) <= 64 else None
+
+
 def make_snapshot(repo: Path, commit: str, where: Path) -> Path:
     """Write `flt_diag/` of `commit` (of the git repository at `repo`) into folder `where`, with its MARKER, and
     return it; a folder already holding that commit's snapshot is kept as it is. The files are written into a
@@ -93,7 +105,8 @@ def make_snapshot(repo: Path, commit: str, where: Path) -> Path:
     try:
         with tarfile.open(fileobj=io.BytesIO(done.stdout)) as tar:
             tar.extractall(tmp, filter="data")
-        info = dict(commit=commit, source=str(repo), digest=files_digest(tmp), made=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        info = dict(commit=commit, source=str(repo), digest=files_digest(tmp), made=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                    **({"version": v} if (v := commit_version(repo, commit)) else {}))
         (tmp / MARKER).write_text(json.dumps(info, indent=1))
         tmp.chmod(0o755)  # (mkdtemp's 0700: readable as any folder of the campaign's)
         for p in tmp.rglob("*"):
@@ -111,15 +124,17 @@ def make_snapshot(repo: Path, commit: str, where: Path) -> Path:
 
 def snapshot_code(root: Path) -> dict | None:
     """What `code_version()` says of a process whose flt_diag lies in snapshot `root`: its commit, clean while the
-    files have the marker's digest (else the first 16 hex digits of theirs as `diff`), the folder; None where
+    files have the marker's digest (else the first 16 hex digits of theirs as `diff`), the folder, and flt-diag's
+    version as the commit states it (where the marker records it: snapshots made since 2026-12-07); None where
     `root` is no snapshot."""
     marker = read_marker(root)
     if marker is None:
         return None
     digest = files_digest(root)
     clean = digest == marker.get("digest")
+    ver = marker.get("version")
     return {"commit": marker["commit"], "clean": clean, **({} if clean else {"diff": digest[:16]}),
-            "snapshot": str(root)}
+            "snapshot": str(root), **({"flt_diag": ver} if isinstance(ver, str) and ver else {})}
 
 
 IMPORTED = Path(__file__).resolve().parents[1]  # the flt_diag package this process imported (this module's)
