@@ -140,6 +140,18 @@ def test_runs_are_archived_as_they_finish_and_a_fresh_folder_resumes_from_the_ar
     run_map(spec, tmp_path / "machine2" / "m", runner=again, report=lambda s: None, options=options)
     assert again.runs == [] and lost.is_file()  # the next start archives it, and runs nothing
     assert main(["archive", str(tmp_path / "machine1" / "m"), "--to", str(tmp_path / "again")]) == 0  # still archives
+    # a damaged record (truncated) is never resumed over: one line, nothing changed; removed, it is archived anew
+    damaged = arch / "m" / f"{fresh.runs[0]}.parquet"
+    whole = damaged.read_bytes()
+    damaged.write_bytes(whole[:500])
+    with pytest.raises(StorageError, match="damaged record in the archive; its run is finished in") as e:
+        run_map(spec, tmp_path / "machine2" / "m", runner=again, report=lambda s: None, options=options)
+    assert len(str(e.value).splitlines()) == 1 and damaged.read_bytes() == whole[:500] and again.runs == []
+    with pytest.raises(StorageError, match="only copy of that run"):  # a fresh folder lacks that run
+        run_map(spec, tmp_path / "machine3" / "m", runner=again, report=lambda s: None, options=options)
+    damaged.unlink()
+    run_map(spec, tmp_path / "machine2" / "m", runner=again, report=lambda s: None, options=options)
+    assert again.runs == [] and damaged.read_bytes() != whole[:500] and is_archive(arch / "m")
 
 
 def test_a_map_pointed_at_its_archive_is_refused_and_the_archive_left_as_it_was(tmp_path, capsys):

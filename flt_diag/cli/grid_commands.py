@@ -171,6 +171,10 @@ def cmd_status(o: StatusOptions) -> int:
     for line in lease_lines(o.path):
         print(line)
     print(counts_line(rows))
+    if any(r.state == "damaged" for r in rows):
+        print(f"error: {sum(r.state == 'damaged' for r in rows)} of {len(rows)} runs are damaged (above: why); "
+              "nothing was changed", file=sys.stderr)
+        return 1
     if left := (map_time_left if isinstance(load_spec(o.path), MapSpecFile) else sweep_time_left)(rows):
         print(left)
     return 0

@@ -18,8 +18,8 @@ import pandas as pd
 
 from flt_diag.storage import archive, metric_names as M
 from flt_diag.storage.file_models import RunConfigFile, Summary
-from flt_diag.storage.folders import (SUMMARY, load_config, load_metrics, load_summary, rewrite_record_summary, series,
-                                     write_json)
+from flt_diag.storage.folders import (SUMMARY, StorageError, load_config, load_metrics, load_summary,
+                                     rewrite_record_summary, series, write_json)
 from flt_diag.config.run_config import RunConfig, VerdictConfig, with_overrides
 from flt_diag.judge.gradient_oscillation import (MIN_DIFFERENCES, log_differences, oscillation_index,  # noqa: F401
                                                  window_starts)  # (rule 4b; re-exported where it was)
@@ -331,7 +331,11 @@ def resummarize(run_dir, verdict_overrides: dict | None = None, root=None) -> Su
         raise ValueError(f"{run_dir} has not finished (no {SUMMARY})")
     stored = load_config(run_dir)
     cfg = stored_config(stored, verdict_overrides)
-    new = summarize(load_metrics(run_dir), cfg, unigram_entropy=stored.unigram_entropy,
+    metrics = load_metrics(run_dir)
+    if not (metrics.metric == "loss").any():  # (its metrics/ missing, emptied or not a folder of parts)
+        raise StorageError(f"{run_dir} is finished but holds no stored loss to judge (its metrics are missing or "
+                           f"empty): its {SUMMARY} is left as it was")
+    new = summarize(metrics, cfg, unigram_entropy=stored.unigram_entropy,
                     wall_time=old.wall_time, stop_reason=old.stop_reason,
                     prediction=old.prediction and old.prediction.as_written(),
                     tokens_per_step=tokens_per_step(cfg, (stored.env or {}).get("world_size", 1)))

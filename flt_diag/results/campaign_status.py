@@ -117,10 +117,14 @@ def map_rows(out: Path) -> list[Row]:
         done = [a for a in probes.values() if a.state == "finished"]
         running = [(v, a) for v, a in probes.items() if a.state == "running"]
         failed = [(v, a) for v, a in probes.items() if a.state == "failed"]
+        damaged = [(v, a) for v, a in probes.items() if a.state == "damaged"]
         progress = None
         if running:
             v, a = running[0]
             state, detail, progress = "running", f"{spec.axis} {v:g}: {a.detail()}", a.progress
+        elif damaged:  # (its summary reads, so the bracket may look closed: the line is not finished for that)
+            v, a = damaged[0]
+            state, detail = "damaged", f"{spec.axis} {v:g}: {a.detail()}"
         elif not mine.status.isin(["open", "failed"]).any():
             state, detail = "finished", f"{len(done)} probes"
         elif failed:
@@ -139,7 +143,7 @@ def status_rows(out: Path) -> list[Row]:
     return map_rows(out) if isinstance(load_spec(out), MapSpecFile) else sweep_rows(out)
 
 
-STATES = ("finished", "running", "open", "failed")
+STATES = ("finished", "running", "open", "failed", "damaged")
 
 
 def counts_line(rows: list[Row]) -> str:

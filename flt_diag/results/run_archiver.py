@@ -67,6 +67,15 @@ class FolderArchive:
         if (dest / SWEEP_SPEC).exists() and without_campaign(read_json(dest / SWEEP_SPEC)) != without_campaign(spec):
             raise StorageError(f"{dest} holds the archive of another sweep or map (its sweep.json differs); give "
                                "another --archive-to")
+        for record in archive.records_in(dest):  # (each read once here: a damaged one is never resumed over)
+            try:
+                archive.read_meta(record)
+            except StorageError as e:
+                finished = load_summary(out / CELLS / record.stem) is not None
+                raise StorageError(f"{' '.join(str(e).split())[:200]}: a damaged record in the archive; "
+                                   + (f"its run is finished in {out}: remove the record and start again (it is "
+                                      "archived anew)" if finished else "it is the archive's only copy of that run: "
+                                      "restore it (e.g. git checkout), or remove it to run it again")) from None
         write_json(dest / SWEEP_SPEC, spec, root=self.to)
         for record in archive.records_in(dest):
             mine = out / record.name

@@ -219,8 +219,17 @@ def load_metrics(run_dir: Path, metrics: list[str] | None = None) -> pd.DataFram
     """The long metrics table of a run (COLUMNS), of a run in progress the parts written so far; `metrics`
     keeps only those metric names."""
     filters = [("metric", "in", list(metrics))] if metrics else None
-    frames = [archive.load_metrics(run_dir)] if archive.is_record(run_dir) else \
-        [read_part(p, filters) for p in sorted((Path(run_dir) / METRICS).glob("part-*.parquet"))]
+    if archive.is_record(run_dir):
+        frames = [archive.load_metrics(run_dir)]
+    else:
+        frames, reached = [], None
+        for p in sorted((Path(run_dir) / METRICS).glob("part-*.parquet")):
+            frames.append(read_part(p, filters))
+            if len(frames[-1]):  # a run writes its steps once, in order: a part reaching back is a copy or stale
+                if reached is not None and int(frames[-1].step.min()) < reached:
+                    raise BadFile(f"{p}: its steps from {int(frames[-1].step.min())} were written by an earlier part "
+                                  f"already (up to step {reached}): a copied or stale metrics part, not read")
+                reached = max(reached or 0, int(frames[-1].step.max()))
     frames = [f for f in frames if len(f)]
     if not frames:
         return _frame([])
@@ -315,8 +324,16 @@ def run_dirs(path: Path) -> list[Path]:
     if is_sweep(path):
         out = []
         for name in cell_names(path):
-            if is_run(path / CELLS / name):
-                out.append(path / CELLS / name)
+            cell = path / CELLS / name
+            if cell.is_symlink() or (cell.exists() and not cell.is_dir()):
+                what = "a symbolic link" if cell.is_symlink() else "a file"
+                raise StorageError(f"{cell} is {what} where a cell's folder goes: nothing is read or written through "
+                                   "it (a sweep's cells are its own folders)")
+            if is_run(cell):
+                out.append(cell)
+            elif (cell / SUMMARY).exists():
+                raise StorageError(f"{cell} has a {SUMMARY} but no {CONFIG}: a damaged run, not read (and not left "
+                                   "out in silence)")
             elif archive.is_record(path / (name + archive.SUFFIX)):
                 out.append(path / (name + archive.SUFFIX))
         archive.refuse_copies([d for d in out if archive.is_record(d)])  # (a copy under a cell's name)

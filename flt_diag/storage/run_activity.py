@@ -13,6 +13,7 @@ from pathlib import Path
 
 from flt_diag.storage.folders import (CONFIG, ERROR, LOCK, METRICS, PROGRESS, StorageError, load_config, load_progress,
                                       load_summary)
+from flt_diag.storage import archive
 from flt_diag.storage.locks import describe_holder, parse_holder
 from flt_diag.storage.safe_files import open_regular, read_bounded
 
@@ -22,7 +23,7 @@ MAX_ERROR_TAIL = 64 << 10  # what is read of an error.txt: its end
 
 @dataclass(frozen=True)
 class Activity:
-    state: str  # "finished", "failed", "running" or "open"
+    state: str  # "finished", "failed", "running", "open" or "damaged" (a summary without a readable run beside it)
     holder: dict | None = None  # the lock's: pid, host, since (running, or a stale lock of an open run)
     seen_s: float | None = None  # seconds since the run last wrote a file (running or stopped)
     reason: str | None = None  # failed: the last line of its error.txt
@@ -32,7 +33,7 @@ class Activity:
 
     def detail(self) -> str:
         """The words after the state: the step a running run reached, whose lock and since when, why it failed."""
-        if self.state == "failed":
+        if self.state in ("failed", "damaged"):
             return self.reason or ""
         if self.holder is None:
             return ""
@@ -108,11 +109,29 @@ def commit_of(run: Path) -> str | None:
     return str(code["commit"])[:12] + ("+" if code.get("clean") is False else "")
 
 
+def damaged(run: Path) -> str | None:
+    """Why a run folder whose summary.json reads is no finished run after all (its config.json unreadable, its
+    metrics/ not a folder of parts), in one line; None where it is whole as far as this cheap look goes (a record's
+    summary and config are one file, read already)."""
+    if archive.is_record(run):
+        return None
+    try:
+        load_config(run)
+    except (OSError, StorageError) as e:
+        return f"damaged: {' '.join(str(e).split())[:160]}"
+    parts = run / METRICS
+    if parts.is_symlink() or not parts.is_dir() or not any(parts.glob("part-*.parquet")):
+        return f"damaged: {parts} is not a folder of metrics parts"
+    return None
+
+
 def activity(run: Path) -> Activity:
     """Where run folder (or record) `run` stands now."""
     run = Path(run)
     summary = load_summary(run)
     if summary is not None:  # (a run folder with its summary.json, or an archive's record)
+        if (why := damaged(run)) is not None:
+            return Activity("damaged", reason=why)
         return Activity("finished", commit=commit_of(run), wall_s=summary.wall_time)
     commit = commit_of(run) if (run / CONFIG).exists() else None
     if (run / ERROR).exists():
