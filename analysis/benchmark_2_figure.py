@@ -5,8 +5,9 @@ stage A's runs at x 1 among them as stage B reuses them; confirmation seeds 1-8 
 on seeds 1-3 along 1/16 ... 256): per lr the median val loss
 over the runs whose verdict is `stable` (a line, its range as a bar), the runs that are not `stable` as crosses on
 the panel's top edge (their val loss is not what the variant reaches: the plan reads a broken run's loss nowhere),
-the best lr that stage B chose as a star, stage D's breaking lr (median over its lines) as a dashed line, and FLT's
-median curve in grey in every other panel for reference. Drawn with flt-diag's figure style (seaborn,
+the best lr that stage B chose as a star, stage D's breaking lr (median over its lines) as a dotted line, and FLT's
+median curve in grey (dashed) in every other panel for reference. A run in two frames (a stage-D probe of a seed
+and lr stage C ran too) counts once. Drawn with flt-diag's figure style (seaborn,
 flt_diag.results.figures.style)."""
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def points(frames: list[pd.DataFrame]) -> pd.DataFrame:
     frames = [f for f in frames if f is not None and len(f)]
     if not frames:
         return pd.DataFrame(columns=COLUMNS)
-    df = pd.concat(frames, ignore_index=True)
+    df = pd.concat(frames, ignore_index=True)  # (a run in two frames, e.g. stage D's probe at the best lr of a
+    df = df.drop_duplicates(["variant", "seed", "lr", "strength"])  # seed stage C ran too, counts once: the first)
     rows = []
     for (v, lr), g in df.groupby(["variant", "lr"], sort=False):
         held = g.val_loss[(g.verdict == "stable") & np.isfinite(g.val_loss.astype(float))].astype(float)

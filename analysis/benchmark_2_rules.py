@@ -99,8 +99,7 @@ def log2_median(values) -> float:
 def long_runs(runs: pd.DataFrame, against: str = "flt", n: int = 3) -> list[str]:
     """The plan's 2,000-step runs: the `n` variants with the lowest stage-C median val loss (an exact tie: the one
     seen first), and `against` where it is not among them."""
-    medians = runs.groupby("variant", sort=False).val_loss.median()
+    medians = runs.groupby("variant", sort=False).val_loss.median().dropna()  # (no val loss at all: not a candidate)
     order = sorted(range(len(medians)), key=lambda i: (medians.iloc[i], i))
     chosen = [str(medians.index[i]) for i in order[:n]]
     return chosen + ([against] if against not in chosen else [])
-

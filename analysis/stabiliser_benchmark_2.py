@@ -351,7 +351,10 @@ def sections(stages: dict) -> tuple[list[str], dict]:
              "exploded nor at unigram level, which are counted instead):", "", markdown(dyn), ""]
             if len(dyn) else ["Secondary loop dynamics: not run.", ""])
     pool = stage_b_pool(stages["B"], a_runs, strengths) if strengths is not None and stages["B"] else None
-    curves = [x for x in (pool, c_runs, stages["D"][0] if stages["D"] else None) if x is not None]
+    d_runs = stages["D"][0] if stages["D"] else None
+    if d_runs is not None and strengths is not None:  # (stage D runs each variant at its chosen strength only)
+        d_runs = d_runs[d_runs.strength == d_runs.variant.map(lambda v: strengths.get(v, {"value": 1.0})["value"])]
+    curves = [x for x in (pool, c_runs, d_runs) if x is not None]
     return out + descriptive(stages["L2000"]) + [""] + compute(stages), dict(best=best, margins=margins,
                                                                              curves=curves)
 

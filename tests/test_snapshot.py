@@ -266,3 +266,27 @@ def test_a_snapshot_is_recorded_relative_where_it_moves_with_the_campaigns_folde
     shutil.move(tmp_path / "runs", tmp_path / "moved")
     moved = recorded_folder(tmp_path / "moved" / "b", {"path": expected[("b", 0)], "commit": commit})
     assert json.loads((moved / MARKER).read_text())["commit"] == commit
+
+
+def test_a_snapshot_folder_that_is_not_its_commits_files_is_never_run(tmp_path):
+    """A snapshot folder whose marker names the commit but whose files differ (edited, or sent along with a
+    crafted run folder) is refused in one line by make_snapshot, which every start of a campaign goes through."""
+    head = git(REPO, "rev-parse", "HEAD")
+    where = make_snapshot(REPO, head, tmp_path / "snap")
+    init = where / "flt_diag" / "__init__.py"
+    init.chmod(0o644)
+    init.write_text(init.read_text() + "\nprint('code that came with the folder')\n")
+    with pytest.raises(StorageError, match="not commit .*'s .*not run"):
+        make_snapshot(REPO, head, where)
+
+
+def test_a_missing_snapshot_is_made_again_only_in_a_campaigns_code_folder(tmp_path):
+    """remakeable, written out: the campaign's own .code/<commit12> and a sibling study's are; a path a crafted
+    sweep.json names elsewhere, a folder not named after the commit, or one two levels up are not."""
+    from flt_diag.cli.snapshot_exec import remakeable
+    commit = "ab" * 20
+    out = tmp_path / "runs" / "study-b"
+    cases = {out / ".code" / commit[:12]: True, tmp_path / "runs" / "study-a" / ".code" / commit[:12]: True,
+             out / ".code" / "something": False, tmp_path / "elsewhere" / ".code" / commit[:12]: False,
+             out / "sub" / commit[:12]: False, out / ".." / ".." / ".." / "x" / ".code" / commit[:12]: False}
+    assert {where: remakeable(out, where, commit) for where in cases} == cases

@@ -194,6 +194,8 @@ def test_the_long_runs_are_the_three_lowest_medians_and_flt():
     assert R.long_runs(rows(spec)) == ["huginn", "lt-ii", "fla", "flt"]
     spec = [r if r[0] != "flt" else (*r[:5], r[5] - 0.1) for r in spec]  # now flt leads: three in all
     assert R.long_runs(rows(spec)) == ["flt", "huginn", "lt-ii"]
+    nan = [("lt-ai", s, 1.0, 1.0, ST, float("nan")) for s in S.CONFIRM_SEEDS]  # no val loss at all, listed first
+    assert R.long_runs(rows(nan + spec)) == ["flt", "huginn", "lt-ii"]
 
 
 def test_stage_d_breaking_lr_margin_and_failure_kind():
@@ -271,6 +273,10 @@ def test_the_figures_points_are_medians_of_stable_runs_with_the_others_counted()
     assert p.loc[("lt", 0.5)][["median", "min", "max", "stable", "broken"]].tolist() == \
         pytest.approx([np.median([1.70, 1.74, 1.70, 1.90]), 1.70, 1.90, 4, 1])
     assert p.loc[("lt", 1.0)][["median", "min", "max", "stable", "broken"]].tolist() == pytest.approx([1.8, 1.8, 1.8, 1, 1])
+    d = rows([("lt", 1, 0.5, 1.0, ST, 1.70 + 0.1), ("lt", 9, 0.5, 1.0, ST, 1.5)])  # seed 1 at 0.5: C's run again
+    p = F.points([b, c, d]).set_index(["variant", "lr"])
+    assert p.loc[("lt", 0.5)][["median", "stable", "broken"]].tolist() == \
+        pytest.approx([np.median([1.70, 1.74, 1.70, 1.90, 1.5]), 5, 1])  # seed 1 counted once (C's), seed 9 added
     only_broken = F.points([rows([("fla", 1, 4.0, 1.0, "diverged", 7.0)])]).iloc[0]
     assert math.isnan(only_broken["median"]) and (only_broken.stable, only_broken.broken) == (0, 1)
 

@@ -45,9 +45,6 @@ def cmd_map_baseline(o: MapOptions, campaign) -> int:
                            "and folder options")
     if o.list_cells:
         raise StorageError("--list with --baseline: list the pooled folder with `flt-diag status FOLDER`")
-    if o.submit and o.cell is not None:
-        raise StorageError("--submit hands every map line to workers that claim them under leases; --cell I is for a "
-                           "job array of your own: give one of them")
     out = baseline_out(o)
     print(f"map --baseline {o.baseline}: {len(spec['variants'])} baseline variants + {', '.join(o.variants)}; "
           f"canaries first", flush=True)

@@ -41,7 +41,7 @@ def cmd_summary(o: SummaryOptions) -> int:
     """Print the summary table of a sweep (or the summary of one run; or of several sweeps pooled)."""
     from flt_diag.cli.console import print_run_summary, print_sweep_table
     from flt_diag.judge.summary_table import sweep_summary, write_summary
-    from flt_diag.judge.verdict import resummarize
+    from flt_diag.judge.verdict import rejudged, write_rejudged
     from flt_diag.results.tables import folders_summary
     from flt_diag.storage.folders import is_archive, is_sweep, load_config, load_summary, run_dirs
     overrides = o.config
@@ -53,10 +53,11 @@ def cmd_summary(o: SummaryOptions) -> int:
     if o.sensitivity:
         return _sensitivity(paths, overrides, o.sensitivity_csv)
     if o.recompute:
+        finished = [(path, d) for path in paths for d in run_dirs(path) if load_summary(d) is not None]
+        new = [rejudged(d, overrides) for _, d in finished]  # (all judged before any is written: a refusal, e.g.
+        for (path, d), summary in zip(finished, new):        # a run without metrics, leaves every one as it was)
+            write_rejudged(d, summary, root=path)
         for path in paths:
-            for d in run_dirs(path):
-                if load_summary(d) is not None:
-                    resummarize(d, overrides, root=path)
             if is_sweep(path) and not is_archive(path):
                 write_summary(path)
     if len(paths) > 1:

@@ -92,6 +92,7 @@ def cmd_map(o: MapOptions) -> int:
     """Where each variant's training breaks: bisection along lr scale or depth, per variant and K."""
     if o.baseline is not None:
         from flt_diag.cli.baseline_command import baseline_out, cmd_map_baseline
+        _submit_or_cell(o)  # (refused before a snapshot is written into the pooled folder)
         if not o.list_cells:
             _snapshot(o, baseline_out(o))
         return cmd_map_baseline(o, _campaign(o))
@@ -137,7 +138,7 @@ def cmd_study(o: StudyOptions) -> int:
             raise UserError("--cell runs one cell of one study: give one study file")
         if unnamed := [str(path) for path, _, args in studies if args.out is None]:
             raise UserError(f"{unnamed[0]} names no `out`: with several study files each names its own folder")
-        names = [args.out.name for _, _, args in studies]  # (an archive under --archive-to is named after it)
+        names = [args.out.resolve().name for _, _, args in studies]  # (its archive is named so: FolderArchive.dest)
         paths = [args.out.resolve() for _, _, args in studies]
         if twice := sorted({str(p) for p in paths if paths.count(p) > 1}):
             raise UserError(f"two of the study files write the folder {twice[0]} (their `out`): each needs its own")

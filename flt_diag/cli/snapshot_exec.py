@@ -29,16 +29,27 @@ def recorded_snapshot(out: Path, archive_to: Path | None) -> dict | None:
     for spec in (Path(out) / SWEEP_SPEC, *([Path(archive_to) / Path(out).name / SWEEP_SPEC] if archive_to else [])):
         if spec.is_file():
             try:
-                campaign = read_campaign(read_json(spec), spec)
-            except (OSError, ValueError):
-                return None
+                data = read_json(spec)
+            except OSError:
+                return None  # (unreadable: the command says why itself)
+            if not isinstance(data, dict):
+                return None  # (not a sweep.json: the command says so itself)
+            campaign = read_campaign(data, spec)
             snapshot = None if campaign is None else campaign.snapshot
             if snapshot is not None and not (is_commit(snapshot.get("commit")) and isinstance(snapshot.get("path"), str)
-                                             and snapshot["path"]):
+                                             and snapshot["path"] and "\x00" not in snapshot["path"]):
                 raise StorageError(f"{spec}: [campaign] snapshot is not {{\"path\": a folder, \"commit\": 40 hex "
                                    "digits}")
             return snapshot
     return None
+
+
+def remakeable(out: Path, where: Path, commit: str) -> bool:
+    """Whether a missing recorded snapshot may be made again where recorded without being asked: only at a
+    `.code/<commit, 12 digits>` folder of this campaign's folder or of a sibling's (a chain's first study), never at
+    a path a crafted sweep.json names elsewhere."""
+    where, home = Path(where).resolve(), Path(out).resolve().parent
+    return where.name == commit[:12] and where.parent.name == CODE_DIR and where.is_relative_to(home)
 
 
 def _new_snapshot(out: Path, snapshot_dir: Path | None) -> tuple[str, Path]:
@@ -77,6 +88,9 @@ def run_from_snapshot(out: Path, snapshot: bool, snapshot_dir: Path | None, arch
         if snapshot_dir and Path(snapshot_dir).resolve() != where.resolve():
             raise UserError(f"{out} runs from its code snapshot {where}; --snapshot-dir cannot move it")
         if read_marker(where) is None:
+            if not remakeable(out, where, commit) and snapshot_dir is None:
+                raise UserError(f"{out} runs from its code snapshot {where}, which is missing and lies outside the "
+                                f"campaign's own .code folders: give --snapshot-dir {where} to make it again there")
             print(f"code snapshot {where} is missing: made again from commit {commit[:12]}", flush=True)
     else:
         commit, where = _new_snapshot(out, snapshot_dir)

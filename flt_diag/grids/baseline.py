@@ -145,6 +145,9 @@ def run_baseline_map(path: Path, new: list[str], out: Path, accept_drift: bool =
     spec, records = read_baseline(path)
     pooled = pooled_spec(path, spec, new)
     refuse_not_a_folder(Path(out), "a map folder", "use another --out")
+    if submit is not None:  # (submitit there, heartbeat below the lease timeout: checked before any canary trains)
+        from flt_diag.grids.slurm import submittable
+        submittable(submit[1])
     results = run_canaries(Path(path), report)
     problem = drift_line(Path(path), results)
     if problem and not accept_drift:

@@ -21,7 +21,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, NonNegativeFloat, NonNegativeInt, PositiveFloat
 
+from flt_diag.storage.errors import StorageError
 from flt_diag.storage.folders import CELLS, ERROR, atomic_write_text
+from flt_diag.storage.safe_files import read_bounded
 
 LEASES = "leases"
 FAILED = ".failed"
@@ -100,10 +102,16 @@ def expired(lease: Lease, times: LeaseTimes, now: float | None = None) -> bool:
 
 
 def failed_reason(folder: Path, probe: str) -> str | None:
-    """The one line a probe was marked failed with, None where it was not."""
-    with contextlib.suppress(OSError):
-        return (Path(folder) / LEASES / (probe + FAILED)).read_text().strip() or "failed"
-    return None
+    """The one line a probe was marked failed with, None where it was not; a mark that is not a small regular file
+    (a folder, a FIFO, a link, huge) still marks it failed, saying so (never a blocked read)."""
+    mark = Path(folder) / LEASES / (probe + FAILED)
+    if not (mark.exists() or mark.is_symlink()):
+        return None
+    try:
+        text = read_bounded(mark, 4096, "a probe's failed mark").decode(errors="replace")
+    except (OSError, StorageError):
+        return "failed (its mark is not a readable file)"
+    return " ".join(text.split())[:300] or "failed"
 
 
 def _publish(path: Path, lease: Lease, exclusive: bool) -> bool:
@@ -222,6 +230,8 @@ def lease_table(folder: Path, now: float | None = None) -> list[dict]:
 
 def lease_lines(folder: Path, now: float | None = None) -> list[str]:
     """`flt-diag status`'s lines for the probes whose lease is running or expired (released ones are done)."""
-    return [f"lease {r['probe']}: {r['state']}, {r['holder']}, heartbeat {r['heartbeat_age_s']:.0f} s ago, "
-            f"retries {r['retries']}" if r["state"] != "failed" else f"lease {r['probe']}: failed: {r['reason']}"
+    return [(f"lease {r['probe']}: {r['state']}, {r['holder']}, heartbeat {r['heartbeat_age_s']:.0f} s ago, "
+             f"retries {r['retries']}" if r["heartbeat_age_s"] is not None else
+             f"lease {r['probe']}: {r['state']}, no readable lease file")
+            if r["state"] != "failed" else f"lease {r['probe']}: failed: {r['reason']}"
             for r in lease_table(folder, now) if r["state"] != "released"]

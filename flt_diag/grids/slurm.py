@@ -86,7 +86,7 @@ def submit_map(spec: MapSpec, out: Path, how: str, cluster, tasks: int, probe_en
     line), each training probes with `runner` (run_cell), wait for them, then write map.csv and the sweep summary as `run_map` does."""
     out = Path(out)
     refuse_not_a_folder(out, "a map folder", "use another --out")
-    _submittable(cluster)
+    submittable(cluster)
     prepare_map_folder(spec, out, options)
     _run_workers(MapWorker(spec, out, archiving(runner, options), _times(cluster), probe_ends, run_to_end),
                  executor(how, out / JOBS, cluster), tasks or len(spec.lines()), how, out, report)
@@ -105,7 +105,7 @@ def submit_sweep(spec: SweepSpec, out: Path, how: str, cluster, tasks: int,
     the summary written once they end."""
     out = Path(out)
     refuse_not_a_folder(out, "a sweep folder", "use another --out")
-    _submittable(cluster)
+    submittable(cluster)
     prepare_folder(spec, out, options)
     n = tasks or max(1, len(next_cells(spec, out)))
     _run_workers(MapWorker(spec, out, archiving(runner, options), _times(cluster), False, False),
@@ -113,7 +113,7 @@ def submit_sweep(spec: SweepSpec, out: Path, how: str, cluster, tasks: int,
     return write_summary(out)
 
 
-def _submittable(cluster) -> None:
+def submittable(cluster) -> None:
     """submitit there and the lease times coherent: one line each, before anything is written."""
     _checkpointable()
     if cluster.heartbeat >= cluster.lease_timeout:

@@ -19,7 +19,7 @@ import pandas as pd
 from flt_diag.storage import archive, metric_names as M
 from flt_diag.storage.file_models import RunConfigFile, Summary
 from flt_diag.storage.folders import (SUMMARY, StorageError, load_config, load_metrics, load_summary,
-                                     rewrite_record_summary, series, write_json)
+                                     metrics_missing, rewrite_record_summary, series, write_json)
 from flt_diag.config.run_config import RunConfig, VerdictConfig, with_overrides
 from flt_diag.judge.gradient_oscillation import (MIN_DIFFERENCES, log_differences, oscillation_index,  # noqa: F401
                                                  window_starts)  # (rule 4b; re-exported where it was)
@@ -324,18 +324,31 @@ def with_not_recorded(summary: Summary, callbacks) -> Summary:
 
 def resummarize(run_dir, verdict_overrides: dict | None = None, root=None) -> Summary:
     """Recompute a finished run's summary.json from its stored metrics (for example with other
-    verdict thresholds); wall time and stop reason are kept from the old summary. `root`: the folder
+    verdict thresholds) and write it; wall time and stop reason are kept from the old summary. `root`: the folder
     the command was given (a sweep): no link below it is written through."""
+    new = rejudged(run_dir, verdict_overrides)
+    write_rejudged(run_dir, new, root)
+    return new
+
+
+def write_rejudged(run_dir, new: Summary, root=None) -> None:
+    """A summary `rejudged` computed, written where the run keeps its summary."""
+    if archive.is_record(run_dir):  # an archived run: its record's summary is rewritten in place
+        rewrite_record_summary(Path(run_dir), new, root)
+    else:
+        write_json(Path(run_dir) / SUMMARY, new, root)
+
+
+def rejudged(run_dir, verdict_overrides: dict | None = None) -> Summary:
+    """The summary `resummarize` writes, computed and not written (a run without stored metrics: one line)."""
     old = load_summary(run_dir)
     if old is None:
         raise ValueError(f"{run_dir} has not finished (no {SUMMARY})")
     stored = load_config(run_dir)
     cfg = stored_config(stored, verdict_overrides)
-    metrics = load_metrics(run_dir)
-    if not (metrics.metric == "loss").any():  # (its metrics/ missing, emptied or not a folder of parts)
-        raise StorageError(f"{run_dir} is finished but holds no stored loss to judge (its metrics are missing or "
-                           f"empty): its {SUMMARY} is left as it was")
-    new = summarize(metrics, cfg, unigram_entropy=stored.unigram_entropy,
+    if (why := metrics_missing(run_dir)) is not None:
+        raise StorageError(f"{why}: nothing to judge, its {SUMMARY} is left as it was")
+    new = summarize(load_metrics(run_dir), cfg, unigram_entropy=stored.unigram_entropy,
                     wall_time=old.wall_time, stop_reason=old.stop_reason,
                     prediction=old.prediction and old.prediction.as_written(),
                     tokens_per_step=tokens_per_step(cfg, (stored.env or {}).get("world_size", 1)))
@@ -346,8 +359,4 @@ def resummarize(run_dir, verdict_overrides: dict | None = None, root=None) -> Su
         new = Summary.model_validate({**new.as_written(), "evidence": {**notes, **new.evidence.as_written()}})
     if old.decided_at is not None:  # a run stopped once decided (flt_diag.judge.decided): where, kept
         new = Summary.model_validate({**new.as_written(), "decided_at": old.decided_at})
-    if archive.is_record(run_dir):  # an archived run: its record's summary is rewritten in place
-        rewrite_record_summary(Path(run_dir), new, root)
-    else:
-        write_json(Path(run_dir) / SUMMARY, new, root)
     return new

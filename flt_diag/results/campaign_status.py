@@ -6,10 +6,12 @@ stages or a chain's studies, or their archive) gets a line of counts per folder 
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from flt_diag.judge.map_boundaries import boundaries, map_lines, probe_cell, probe_path, spec_from_folder
+from flt_diag.judge.map_boundaries import boundaries, map_lines, probe_cell, spec_from_folder
+from flt_diag.storage import archive
 from flt_diag.storage.campaign import describe_code, read_campaign
 from flt_diag.storage.code_snapshot import read_marker, recorded_folder
 from flt_diag.storage.cells import RunId
@@ -62,11 +64,18 @@ def _commits(acts: list[Activity]) -> tuple[str, ...]:
     return tuple(sorted({a.commit for a in acts if a.commit}))
 
 
+def _where(out: Path, name: str) -> Path:
+    """The path status reads for cell `name`: its record, its run folder in cells/, or a path named like its record
+    that is none (a folder, a link), which activity() then says is damaged instead of the cell looking open."""
+    odd = Path(out) / f"{name}{archive.SUFFIX}"
+    return odd if os.path.lexists(odd) and not archive.is_record(odd) else cell_path(out, name)
+
+
 def sweep_rows(out: Path) -> list[Row]:
     """One row per cell of a sweep folder (cell order)."""
     rows = []
     for i, name in enumerate(load_spec(out).cell_names):  # type: ignore[union-attr]  # (a sweep's spec)
-        a = activity(cell_path(out, name))
+        a = activity(_where(out, name))
         rows.append(Row(i, name, a.state, a.detail(), _commits([a]), a.progress, a.wall_s))
     return rows
 
@@ -112,7 +121,7 @@ def map_rows(out: Path) -> list[Row]:
     table = boundaries(out)
     rows = []
     for line in map_lines(spec):
-        probes = {v: activity(probe_path(out, probe_cell(spec, line, v).name)) for v in spec.grid}
+        probes = {v: activity(_where(out, probe_cell(spec, line, v).name)) for v in spec.grid}
         mine = table[(table.variant == line.variant) & (table.loops == line.loops) & (table.seed == line.seed)]
         done = [a for a in probes.values() if a.state == "finished"]
         running = [(v, a) for v, a in probes.items() if a.state == "running"]
@@ -171,7 +180,8 @@ def campaign_folders(path: Path, depth: int = 3) -> list[Path]:
 
 def folders_lines(path: Path) -> tuple[list[str], bool]:
     """(one line per sweep or map folder under `path`: its place and its counts, then the total; whether every one
-    could be read). A folder that cannot be read is its own line, the others still counted."""
+    could be read and holds no damaged run). A folder that cannot be read is its own line, the others still
+    counted."""
     lines, total, ok = [], [], True
     for folder in campaign_folders(path):
         name = folder.relative_to(path)
@@ -182,6 +192,7 @@ def folders_lines(path: Path) -> tuple[list[str], bool]:
             ok = False
             continue
         lines.append(f"{name}: {counts_line(rows)}")
+        ok = ok and not any(r.state == "damaged" for r in rows)
         total += rows
     if not lines:
         raise StorageError(f"{path} is not a sweep or map folder (no {SWEEP_SPEC}) and holds none")

@@ -71,7 +71,10 @@ class FolderArchive:
             try:
                 archive.read_meta(record)
             except StorageError as e:
-                finished = load_summary(out / CELLS / record.stem) is not None
+                try:
+                    finished = archive.is_record(out / record.name) or load_summary(out / CELLS / record.stem) is not None
+                except StorageError:
+                    finished = False
                 raise StorageError(f"{' '.join(str(e).split())[:200]}: a damaged record in the archive; "
                                    + (f"its run is finished in {out}: remove the record and start again (it is "
                                       "archived anew)" if finished else "it is the archive's only copy of that run: "

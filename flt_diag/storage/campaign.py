@@ -15,7 +15,7 @@ from typing import Optional
 from flt_diag.storage.code_version import code_version, describe
 from flt_diag.storage.file_models import FreeFileModel
 from flt_diag.storage.schema import MAX_ITEMS, StorageError, checked
-from pydantic import Field
+from pydantic import Field, field_validator
 
 CAMPAIGN = "campaign"  # its key in sweep.json
 COMPARED = ("commit", "clean", "diff", "flt_diag", "torch")  # what makes two codes the same code
@@ -30,6 +30,17 @@ class Campaign(FreeFileModel):
     machine: Optional[dict] = None
     changes: list[dict] = Field(default_factory=list, max_length=MAX_ITEMS)
     snapshot: Optional[dict] = None  # {"path", "commit"}: the code snapshot its processes run from (--snapshot)
+
+    @field_validator("changes")
+    @classmethod
+    def _changes(cls, changes: list[dict]) -> list[dict]:
+        """Each change as resume_campaign writes it: its code a table, its host and time text, its machine a
+        table (a crafted entry is one line, never a traceback where status or a resume reads it)."""
+        for i, c in enumerate(changes):
+            kinds = dict(code=dict, host=str, at=str, machine=dict)
+            if bad := next((k for k, t in kinds.items() if c.get(k) is not None and not isinstance(c[k], t)), None):
+                raise ValueError(f"entry {i}: its {bad} is not {'a table' if kinds[bad] is dict else 'text'}")
+        return changes
 
 
 def torch_version() -> str | None:

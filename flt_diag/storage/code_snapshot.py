@@ -77,6 +77,32 @@ def commit_version(repo: Path, commit: str) -> str | None:
     return ver if isinstance(ver, str) and len(ver) <= 64 else None
 
 
+def _archive(repo: Path, commit: str, where: Path) -> bytes:
+    """`git archive` of the package at `commit` (a tar), or one line: the commit not in the repository, git failing."""
+    if _git(repo, "cat-file", "-e", f"{commit}^{{commit}}").returncode != 0:
+        raise StorageError(f"commit {commit[:12]} is not in the repository at {repo}: cannot make or check the code "
+                           f"snapshot {where} (fetch that commit there)")
+    done = _git(repo, "archive", "--format=tar", commit, "--", PACKAGE)
+    if done.returncode != 0 or len(done.stdout) > MAX_ARCHIVE_BYTES:
+        said = done.stderr.decode(errors="replace").strip().splitlines()
+        raise StorageError(f"git archive of commit {commit[:12]} failed: {said[-1] if said else 'too large'}")
+    return done.stdout
+
+
+def tar_digest(data: bytes) -> str:
+    """files_digest of the tree a `git archive` tar holds, computed from the tar itself (nothing extracted)."""
+    h = hashlib.sha256()
+    with tarfile.open(fileobj=io.BytesIO(data)) as t:
+        members = sorted((m for m in t.getmembers() if m.isfile() and "__pycache__" not in m.name.split("/")
+                          and not m.name.endswith(".pyc")), key=lambda m: Path(m.name).parts)
+        for m in members:
+            rel = Path(m.name).as_posix().encode()
+            h.update(len(rel).to_bytes(4, "big") + rel)
+            body = t.extractfile(m).read()  # type: ignore[union-attr]  # (a regular member has a body)
+            h.update(len(body).to_bytes(8, "big") + body)
+    return h.hexdigest()
+
+
 def make_snapshot(repo: Path, commit: str, where: Path) -> Path:
     """Write `flt_diag/` of `commit` (of the git repository at `repo`) into folder `where`, with its MARKER, and
     return it; a folder already holding that commit's snapshot is kept as it is. The files are written into a
@@ -86,25 +112,22 @@ def make_snapshot(repo: Path, commit: str, where: Path) -> Path:
     if not is_commit(commit):  # (never handed to git as an option)
         raise StorageError(f"{str(commit)[:60]!r} is not a commit (40 hex digits): no code snapshot is made of it")
     marker = read_marker(where)
-    if marker is not None and marker["commit"] == commit:
+    if marker is not None and marker["commit"] == commit:  # (its files checked against the commit's: a folder
+        if files_digest(where) != tar_digest(_archive(repo, commit, where)):  # sent along is never run unchecked)
+            raise StorageError(f"{where} holds files that are not commit {commit[:12]}'s (edited, or come with the "
+                               "folder from elsewhere): not run; remove it, and it is made again from the commit")
         return where
     if where.exists() and (not where.is_dir() or any(where.iterdir())):
         raise StorageError(f"{where} exists and is not a snapshot of commit {commit[:12]}; give another folder")
-    if _git(repo, "cat-file", "-e", f"{commit}^{{commit}}").returncode != 0:
-        raise StorageError(f"commit {commit[:12]} is not in the repository at {repo}: cannot make the code "
-                           f"snapshot {where} (fetch that commit there)")
-    done = _git(repo, "archive", "--format=tar", commit, "--", PACKAGE)
-    if done.returncode != 0 or len(done.stdout) > MAX_ARCHIVE_BYTES:
-        said = done.stderr.decode(errors="replace").strip().splitlines()
-        raise StorageError(f"git archive of commit {commit[:12]} failed: {said[-1] if said else 'too large'}")
+    tar = _archive(repo, commit, where)
     try:
         where.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{where.name}.", suffix=".tmp", dir=where.parent))
     except OSError as e:
         raise StorageError(f"cannot write the code snapshot {where}: {e}") from None
     try:
-        with tarfile.open(fileobj=io.BytesIO(done.stdout)) as tar:
-            tar.extractall(tmp, filter="data")
+        with tarfile.open(fileobj=io.BytesIO(tar)) as t:
+            t.extractall(tmp, filter="data")
         info = dict(commit=commit, source=str(repo), digest=files_digest(tmp), made=time.strftime("%Y-%m-%dT%H:%M:%S"),
                     **({"version": v} if (v := commit_version(repo, commit)) else {}))
         (tmp / MARKER).write_text(json.dumps(info, indent=1))
@@ -156,9 +179,10 @@ def check_snapshot() -> None:
 
 def running_snapshot(out: Path) -> dict | None:
     """The snapshot this process runs from (ENV), as a campaign in folder `out` records it: {"path", "commit"}. The
-    path is relative to `out` where the snapshot lies inside it, or inside another campaign's folder (a `.code`
-    folder: a chain of studies runs from the first study's snapshot), so that the folders can move together, to
-    another machine or checkout; a snapshot elsewhere (--snapshot-dir) is recorded absolute. None: no snapshot."""
+    path is relative to `out` where the snapshot lies inside it, or in any `.code` folder (a chain of studies runs
+    from the first study's `<first>/.code/<commit>`; a --snapshot-dir that ends in `.code/<x>` counts so too), so
+    that the folders can move together, to another machine or checkout; any other snapshot folder is recorded
+    absolute. None: no snapshot."""
     root = os.environ.get(ENV)
     marker = None if not root else read_marker(Path(root))
     if marker is None:

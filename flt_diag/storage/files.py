@@ -40,8 +40,13 @@ MAP_KEYS = {"axis", "grid", "criteria"}  # what only a map's spec holds
 
 
 def load_spec(path: Path) -> F.SweepSpecFile | F.MapSpecFile:
-    """sweep.json of a sweep, or of a map (`kind: map`): the grid, the cells, the shared base config."""
+    """sweep.json of a sweep, or of a map (`kind: map`): the grid, the cells, the shared base config, and its
+    campaign where it records one (flt_diag.storage.campaign: a damaged one is one line for every reader, never
+    copied into an archive)."""
     raw = read_json(path)
+    if isinstance(raw, dict) and raw.get("campaign") is not None:
+        from flt_diag.storage.campaign import read_campaign  # (it imports the code's version: not at import time)
+        read_campaign(raw, path)
     if isinstance(raw, dict) and ("kind" in raw or MAP_KEYS & set(raw) and "cell_names" not in raw):
         return checked(path, F.map_spec_model(raw.get("axis")), raw)  # (raw JSON)
     spec = checked(path, F.SweepSpecFile, raw)
@@ -67,6 +72,13 @@ def part_steps(path: Path) -> tuple[int, int]:
     if m is None or int(m.group(1)) > int(m.group(2)):
         raise BadFile(f"{path}: not a metrics part name (part-<first step>-<last step>-<n>.parquet)")
     return int(m.group(1)), int(m.group(2))
+
+
+def part_order(path: Path) -> tuple[int, int, int]:
+    """(first step, last step, part number) of a part's name: the order parts are read in (by number, not by name:
+    names pad steps to 9 digits, and a step of 10**9 or more is longer)."""
+    first, last = part_steps(path)
+    return first, last, int(PART_NAME.fullmatch(Path(path).name).group(3))  # type: ignore[union-attr]
 
 
 def check_metrics_part(path: Path) -> None:

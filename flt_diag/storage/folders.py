@@ -215,15 +215,29 @@ def load_progress(run_dir: Path) -> dict | None:
         return None
 
 
+def metrics_missing(run_dir: Path) -> str | None:
+    """Why a finished run folder holds no stored metrics (its metrics/ missing, a link, a file, or without parts),
+    in one line; None where it holds parts (or is a record, whose table is in the file)."""
+    if archive.is_record(run_dir):
+        return None
+    parts = Path(run_dir) / METRICS
+    if parts.is_symlink() or not parts.is_dir() or not any(parts.glob("part-*.parquet")):
+        return f"{parts} is not a folder of metrics parts (missing, a link, a file or emptied)"
+    return None
+
+
 def load_metrics(run_dir: Path, metrics: list[str] | None = None) -> pd.DataFrame:
     """The long metrics table of a run (COLUMNS), of a run in progress the parts written so far; `metrics`
-    keeps only those metric names."""
+    keeps only those metric names. Parts are read in step order (the numbers in their names); one whose steps
+    reach back below an earlier part's last step (a copied or stale part: a run writes each step once, in order,
+    and a resume truncates the parts past its checkpoint) is one BadFile line. A copy of a part that starts at the
+    step the previous one ended (the final evaluation's part) is not told from a legitimate one by this check."""
     filters = [("metric", "in", list(metrics))] if metrics else None
     if archive.is_record(run_dir):
         frames = [archive.load_metrics(run_dir)]
     else:
         frames, reached = [], None
-        for p in sorted((Path(run_dir) / METRICS).glob("part-*.parquet")):
+        for p in sorted((Path(run_dir) / METRICS).glob("part-*.parquet"), key=files.part_order):
             frames.append(read_part(p, filters))
             if len(frames[-1]):  # a run writes its steps once, in order: a part reaching back is a copy or stale
                 if reached is not None and int(frames[-1].step.min()) < reached:
@@ -314,6 +328,11 @@ def is_archive(path: Path) -> bool:
                                        and bool(archive.records_in(path)))
 
 
+def _not_a_record(p: Path) -> str:
+    """Why a path named like an archive record is not read as one, in one line."""
+    return archive.why_not(p) or f"{p} is named like a run record but is not a file (a folder?): move it away"
+
+
 def run_dirs(path: Path) -> list[Path]:
     """The run folders of a sweep (in cell order), or [path] for a single run folder."""
     path = Path(path)
@@ -336,10 +355,14 @@ def run_dirs(path: Path) -> list[Path]:
                                    "out in silence)")
             elif archive.is_record(path / (name + archive.SUFFIX)):
                 out.append(path / (name + archive.SUFFIX))
+            elif os.path.lexists(path / (name + archive.SUFFIX)):
+                raise StorageError(_not_a_record(path / (name + archive.SUFFIX)))
         archive.refuse_copies([d for d in out if archive.is_record(d)])  # (a copy under a cell's name)
         return out
     if is_run(path):
         return [path]
+    if odd := [p for p in sorted(path.glob("*" + archive.SUFFIX)) if not archive.is_record(p)] if path.is_dir() else []:
+        raise StorageError(_not_a_record(odd[0]))  # (never a run left out of the folder's runs in silence)
     if records := archive.records_in(path):  # a folder of archived runs
         archive.refuse_copies(records)  # one run, one record: a copy under another name is one line, never counted twice
         return records

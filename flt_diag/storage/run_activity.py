@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flt_diag.storage.folders import (CONFIG, ERROR, LOCK, METRICS, PROGRESS, StorageError, load_config, load_progress,
-                                      load_summary)
+                                      load_summary, metrics_missing)
 from flt_diag.storage import archive
 from flt_diag.storage.locks import describe_holder, parse_holder
 from flt_diag.storage.safe_files import open_regular, read_bounded
@@ -119,15 +119,17 @@ def damaged(run: Path) -> str | None:
         load_config(run)
     except (OSError, StorageError) as e:
         return f"damaged: {' '.join(str(e).split())[:160]}"
-    parts = run / METRICS
-    if parts.is_symlink() or not parts.is_dir() or not any(parts.glob("part-*.parquet")):
-        return f"damaged: {parts} is not a folder of metrics parts"
-    return None
+    return None if (why := metrics_missing(run)) is None else f"damaged: {why}"
 
 
 def activity(run: Path) -> Activity:
     """Where run folder (or record) `run` stands now."""
     run = Path(run)
+    if run.suffix == archive.SUFFIX and os.path.lexists(run) and not archive.is_record(run):
+        return Activity("damaged", reason=f"damaged: {archive.why_not(run) or 'named like a record, not a file'}")
+    if run.is_symlink() or (run.exists() and not run.is_dir() and not archive.is_record(run)):
+        return Activity("damaged", reason=f"damaged: {'a symbolic link' if run.is_symlink() else 'a file'} where a "
+                                          "run's folder goes")
     summary = load_summary(run)
     if summary is not None:  # (a run folder with its summary.json, or an archive's record)
         if (why := damaged(run)) is not None:
