@@ -72,3 +72,57 @@ def stage_b_claims(data: Path) -> list[str]:
         f"stable lr's by {min(leads.values()):.3f}-{max(leads.values()):.3f} nats (two seeds each), under 0.01 for "
         f"{len(close)} of them ({_names(close)})",
     ]
+
+
+def stage_c(data: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(stage C's tests against FLT, its 96 runs), as the reader computes them; LookupError short of its runs."""
+    got = B2.read_archive(data / "runs" / "stabiliser-bench-2")
+    strengths, _ = B2.stage_a(got["A"])
+    best, _ = B2.stage_b(got["B"], None if got["A"] is None else got["A"][0], strengths)
+    tests, runs, _ = B2.stage_c(got["C"], strengths, best)
+    if tests is None:
+        raise LookupError("round two's stage C is not complete in the archive")
+    return tests, runs
+
+
+def stage_c_claims(data: Path) -> list[str]:
+    """The sentences of "Stage C, read as measured": the failures, the three readings after Holm with each
+    difference's shift and interval, FLT's spread and the lowest median."""
+    tests, runs = stage_c(data)
+    failed = runs[runs.verdict != "stable"]
+    by = {w: [r for r in tests.itertuples() if r.reading == w] for w in ("lower than FLT", "higher than FLT",
+                                                                         "indistinguishable")}
+    flt = runs[runs.variant == "flt"].val_loss
+    medians = runs.groupby("variant", sort=False).val_loss.median().sort_values(kind="stable")
+
+    def shifts(rows) -> str:
+        return "; ".join(f"{r.variant} {r.shift:+.3f} [{r.low:+.3f}, {r.high:+.3f}], p_Holm {r.p_holm:.4f}" for r in rows)
+    said = [f"all {len(runs)} runs of stage C are in, {len(failed)} of them not `stable`"
+            + (f" ({', '.join(f'{v} {len(g)}' for v, g in failed.groupby('variant', sort=False))})" if len(failed) else "")]
+    said.append(f"FLT's eight seeds reached {flt.min():.3f}-{flt.max():.3f} nats (median {flt.median():.3f})")
+    for word, rows in by.items():
+        if rows and word != "indistinguishable":
+            said.append(f"{_names([r.variant for r in rows])} reached a {word.split()[0]} val loss than FLT "
+                        f"(shift variant - FLT [95 %]: {shifts(rows)})")
+    if by["indistinguishable"]:
+        rows = by["indistinguishable"]
+        said.append(f"{_names([r.variant for r in rows])} are indistinguishable from FLT at eight seeds (shifts "
+                    f"{min(r.shift for r in rows):+.3f} to {max(r.shift for r in rows):+.3f} nats, intervals within "
+                    f"{min(r.low for r in rows):+.3f} to {max(r.high for r in rows):+.3f})")
+    said.append(f"the lowest median is {medians.index[0]}'s ({medians.iloc[0]:.3f}), then {medians.index[1]}'s "
+                f"({medians.iloc[1]:.3f}) and {medians.index[2]}'s ({medians.iloc[2]:.3f})")
+    return said
+
+
+def stage_e_claims(data: Path) -> list[str]:
+    """The sentences of stage E's reading: which variants stay within their seed spread at K = 18 and 24."""
+    _, runs = stage_c(data)
+    e = B2.stage_e(runs)
+    said = []
+    for k in (18, 24):
+        within = [v for v in e.index if e.loc[v, f"within@{k}"] == "yes"]
+        out = [f"{v} ({e.loc[v, f'K={k}']:+.3f} against {e.loc[v, 'spread@12']:.3f})" for v in e.index
+               if e.loc[v, f"within@{k}"] == "no"]
+        said.append(f"at K = {k}, {_names(within) if within else 'none'} stay within their seed spread at 12"
+                    + (f"; {', '.join(out)} do not" if out else ""))
+    return said

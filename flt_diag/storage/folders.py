@@ -334,7 +334,9 @@ def _not_a_record(p: Path) -> str:
 
 
 def run_dirs(path: Path) -> list[Path]:
-    """The run folders of a sweep (in cell order), or [path] for a single run folder."""
+    """The run folders of a sweep (in cell order), or [path] for a single run folder. A cell that is a link or a
+    file, one with a summary.json but no config.json, and a path named like a record that is none are one line
+    each, never a run left out in silence."""
     path = Path(path)
     if not path.exists():
         raise StorageError(f"no such folder: {path}")
