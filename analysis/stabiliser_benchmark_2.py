@@ -268,7 +268,9 @@ def fmt(x: float, spec: str = ".3f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def answer(strengths, best, tests, margins, extra) -> pd.DataFrame:
+def answer(strengths, best, tests, margins, extra, c_runs: pd.DataFrame | None = None) -> pd.DataFrame:
+    """The table a researcher reads first: a row per variant; FLT's val loss is its own stage-C runs' (the
+    reference every test is against), once stage C is tested."""
     rows = []
     for v in VARIANTS:
         s = (strengths or {}).get(v)
@@ -279,10 +281,14 @@ def answer(strengths, best, tests, margins, extra) -> pd.DataFrame:
         m = margins[margins.variant == v] if len(margins) else pd.DataFrame()
         row = {"variant": v, "strength": strength,
                "best lr": "not decided" if b is None else f"x {b['value']:g}" + (f" ({b['label']})" if b["label"] else "")}
+        ref = c_runs.val_loss[c_runs.variant == v] if v == "flt" and tests is not None and c_runs is not None else ()
         if len(t):
             r = t.iloc[0]
             row["val loss (median, range)"] = f"{r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})"
             row["minus FLT [95 %]"] = f"{r['shift']:+.3f} [{r.low:+.3f}, {r.high:+.3f}]: {r.reading}"
+        elif len(ref):
+            row["val loss (median, range)"] = f"{ref.median():.3f} ({ref.min():.3f}-{ref.max():.3f})"
+            row["minus FLT [95 %]"] = "(the reference)"
         else:
             row["val loss (median, range)"] = row["minus FLT [95 %]"] = "-"
         row["margin"] = fmt(m.margin.iloc[0], ".3g") if len(m) else "-"
@@ -336,7 +342,7 @@ def sections(stages: dict) -> tuple[list[str], dict]:
     margins, extra = stage_d(stages["D"], best), stage_e(c_runs)
     out = ["**The answer** (stage C's val loss at each variant's tuned strength and best lr against FLT; "
            "margin: stage D's breaking lr over the best lr, median over seeds 1-3 on the log2 scale):", "",
-           markdown(answer(strengths, best, tests, margins, extra)), "", *a_lines, *b_lines, *c_lines, ""]
+           markdown(answer(strengths, best, tests, margins, extra, c_runs)), "", *a_lines, *b_lines, *c_lines, ""]
     if tests is not None:
         out += ["The primary (two-sided exact Mann-Whitney against FLT, Holm over the 11, Hodges-Lehmann shift "
                 "variant - FLT with its exact 95 % interval):", "", primary_table(tests), "",
