@@ -96,6 +96,7 @@ def make_run(run_dir: Path, variant: str, loops: int, seed: int = 0, lr_scale: f
     rng = np.random.default_rng(zlib.crc32(f"{variant}-{loops}-{seed}-{lr_scale}".encode()))
     rows = _rows(cfg, collapsed, STEPS if finished else STEPS // 2, rng, val_shift, resid_scale)
     writer = MetricsWriter(run_dir)
+    writer.truncate_after(-1)  # (as the Trainer starts a run from step 0: the parts of an earlier try go)
     for t0 in range(0, STEPS, 40):
         writer.extend(r for r in rows if t0 <= r[0] < t0 + 40)
         writer.flush()

@@ -140,6 +140,15 @@ def test_runs_are_archived_as_they_finish_and_a_fresh_folder_resumes_from_the_ar
     run_map(spec, tmp_path / "machine2" / "m", runner=again, report=lambda s: None, options=options)
     assert again.runs == [] and lost.is_file()  # the next start archives it, and runs nothing
     assert main(["archive", str(tmp_path / "machine1" / "m"), "--to", str(tmp_path / "again")]) == 0  # still archives
+    # the fresh folder holds machine 1's runs as records taken from the archive: `archive` of it into that archive
+    # (e.g. after eval-loops refreshed its own runs) writes only its own runs, never the taken records again
+    records = {p.name: p.read_bytes() for p in (arch / "m").glob("*.parquet")}
+    assert main(["archive", str(tmp_path / "machine2" / "m"), "--to", str(arch)]) == 0
+    assert {p.name: p.read_bytes() for p in (arch / "m").glob("*.parquet") if f"{p.stem}" in first.runs} == \
+        {n: b for n, b in records.items() if n[:-8] in first.runs}
+    assert main(["archive", str(tmp_path / "machine2" / "m"), "--to", str(tmp_path / "other")]) == 0  # elsewhere:
+    assert sorted(p.name for p in (tmp_path / "other" / "m").glob("*.parquet")) == sorted(records)  # all, copied
+    assert all((tmp_path / "other" / "m" / f"{n}.parquet").read_bytes() == records[f"{n}.parquet"] for n in first.runs)
     # a damaged record (truncated) is never resumed over: one line, nothing changed; removed, it is archived anew
     damaged = arch / "m" / f"{fresh.runs[0]}.parquet"
     whole = damaged.read_bytes()

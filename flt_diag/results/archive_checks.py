@@ -39,6 +39,8 @@ class Plan:
     dest: Path | None = None
     spec: dict | None = None
     foreign: list[Path] = field(default_factory=list)
+    copies: list[tuple[Path, Path]] = field(default_factory=list)  # a folder's records (taken in from an archive
+    #                                                                 it resumed from) -> the archive, as they are
 
     def targets(self) -> list[Path]:
         return [self.dest] if self.dest is not None else [record for _, record, _ in self.runs]
@@ -97,12 +99,25 @@ def _plan_run(src: Path, to: Path, replace: bool) -> Plan:
     return plan
 
 
+def _same_run(record: Path, other: Path) -> bool:
+    """Whether two paths are records of one run (the same source and config): an archive's record and the copy a
+    folder resumed from it holds. A damaged one is one line."""
+    if not (archive.is_record(record) and archive.is_record(other)):
+        return False
+    a, b = archive.read_meta(record), archive.read_meta(other)
+    return a.source == b.source and a.config == b.config
+
+
 def _plan_sweep(src: Path, dirs: list[Path], to: Path, replace: bool) -> Plan:
     dest = to / src.name
     refuse_links(dest, to)
     load_spec(src)  # checked before it is copied
     plan = Plan(src, dest=dest, spec=read_json(src / SWEEP_SPEC))
     for d in dirs:
+        if archive.is_record(d):  # already a record (the folder resumed from an archive): copied as it is, where
+            if not _same_run(dest / d.name, d):  # the archive does not hold that run already
+                plan.copies.append((d, dest / d.name))
+            continue
         (plan.runs.append((d, dest / (d.name + archive.SUFFIX), f"{src.name}/{d.name}")) if load_summary(d) is not None
          else plan.skipped.append(d))
     if not dest.exists():
@@ -126,6 +141,8 @@ def _plan_sweep(src: Path, dirs: list[Path], to: Path, replace: bool) -> Plan:
     if why and not replace:
         raise StorageError(f"{dest} holds the archive of {why}; {REPLACE}")
     for record in sorted(p for p in dest.iterdir() if p.suffix == archive.SUFFIX and not is_temporary(p)):
+        if _same_run(record, src / record.name):  # the folder holds this very run as a record taken from here
+            continue
         cell = src / CELLS / record.stem
         if (problem := _foreign(record, f"{src.name}/{record.stem}", cell if is_run(cell) else None)) is not None:
             if not replace:

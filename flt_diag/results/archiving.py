@@ -8,6 +8,7 @@ DESIGN.md section 9, "Run archives".
 from __future__ import annotations
 
 import math
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,8 +19,8 @@ from flt_diag.judge import early_warning as EW
 from flt_diag.judge.verdict import stored_config, summarize, tokens_per_step
 from flt_diag.storage.file_models import RunConfigFile
 from flt_diag.storage import archive, metric_names as M
-from flt_diag.storage.folders import (EVAL_LOOPS, SWEEP_SPEC, StorageError, folder_lock, load_config, load_metrics,
-                                      load_summary, make_folder, write_json, write_record)
+from flt_diag.storage.folders import (EVAL_LOOPS, SWEEP_SPEC, StorageError, atomic_path, folder_lock, load_config,
+                                      load_metrics, load_summary, make_folder, write_json, write_record)
 from flt_diag.storage.safe_files import open_regular, stale_temporaries
 from flt_diag.storage.schema import BadFile
 from flt_diag.results.archive_checks import Plan, check_destination, plan_sources
@@ -164,6 +165,10 @@ def _write(plan: Plan, to: Path, report) -> list[Archived]:
         write_json(plan.dest / SWEEP_SPEC, plan.spec, root=to)
     for d in plan.skipped:
         report(f"{d}: not finished, not archived")
+    for record, target in plan.copies:  # (records already: byte for byte)
+        with atomic_path(target, to) as tmp:
+            shutil.copyfile(record, tmp)
+        report(f"{target}: copied (the folder held it as a record already)")
     out = []
     for run_dir, record, label in plan.runs:
         for stale in stale_temporaries(record):  # a killed archive's (we hold the lock: none is in flight)

@@ -19,7 +19,7 @@ from flt_diag.storage import archive, files
 from flt_diag.storage.links import (make_folder, not_a_folder, refuse_links, refuse_not_a_folder,  # noqa: F401
                                     refuse_symlink)  # (re-exported)
 from flt_diag.storage.locks import BUSY, LOCK, folder_lock  # noqa: F401  (re-exported)
-from flt_diag.storage.safe_files import file_mode, kind_of, open_regular
+from flt_diag.storage.safe_files import file_mode, is_temporary, kind_of, open_regular
 from flt_diag.storage.safe_files import temporary_affixes  # (the names atomic_path writes through)
 from flt_diag.storage.schema import BadFile, StorageError, read_json  # noqa: F401  (re-exported: one error type)
 
@@ -363,7 +363,8 @@ def run_dirs(path: Path) -> list[Path]:
         return out
     if is_run(path):
         return [path]
-    if odd := [p for p in sorted(path.glob("*" + archive.SUFFIX)) if not archive.is_record(p)] if path.is_dir() else []:
+    if odd := [p for p in sorted(path.glob("*" + archive.SUFFIX)) if not archive.is_record(p) and not
+               is_temporary(p)] if path.is_dir() else []:  # (a killed write's temporary file: skipped, as always)
         raise StorageError(_not_a_record(odd[0]))  # (never a run left out of the folder's runs in silence)
     if records := archive.records_in(path):  # a folder of archived runs
         archive.refuse_copies(records)  # one run, one record: a copy under another name is one line, never counted twice
