@@ -334,7 +334,7 @@ def compute(stages: dict) -> list[str]:
             "", *[f"* {line}" for line in lines], ""]
 
 
-def sections(stages: dict) -> tuple[list[str], dict]:
+def sections(stages: dict, root: Path | None = None) -> tuple[list[str], dict]:
     a_runs = stages["A"][0] if stages["A"] else None
     strengths, a_lines = stage_a(stages["A"])
     best, b_lines = stage_b(stages["B"], a_runs, strengths)
@@ -344,6 +344,8 @@ def sections(stages: dict) -> tuple[list[str], dict]:
            "margin: stage D's breaking lr over the best lr, median over seeds 1-3 on the log2 scale):", "",
            markdown(answer(strengths, best, tests, margins, extra, c_runs)), "", *a_lines, *b_lines, *c_lines, ""]
     if tests is not None:
+        import benchmark_2_cpu as CPU
+        out += [CPU.kinds_line(c_runs), "", *(CPU.check_lines(root, c_runs) + [""] if root is not None else [])]
         out += ["The primary (two-sided exact Mann-Whitney against FLT, Holm over the 11, Hodges-Lehmann shift "
                 "variant - FLT with its exact 95 % interval):", "", primary_table(tests), "",
                 "At 2,000 steps by the plan's rule (the three lowest stage-C medians, and FLT): "
@@ -366,7 +368,7 @@ def sections(stages: dict) -> tuple[list[str], dict]:
 
 
 def report(root: Path, out: Path | None = None) -> str:
-    lines, data = sections(read_archive(root))
+    lines, data = sections(read_archive(root), Path(root))
     if out is not None:
         from benchmark_2_figure import draw
         path = draw(data["curves"], VARIANTS, data["best"], data["margins"], Path(out))

@@ -318,3 +318,32 @@ def test_the_benchmarks_hours_are_the_runs_own_wall_times_summed_per_stage():
     assert "* stage A: 2 runs, 1.5 lane-hours, 75 % of their steps trained" in lines
     assert not any("stage B" in line for line in lines)
     assert S.compute({k: None for k in stages}) == []
+
+
+def _with_cpu(run: Path, simd: list[str] | None) -> Path:
+    c = json.loads((run / "config.json").read_text())
+    c["env"] = {**(c.get("env") or {}), **({"cpu": {"model": "Test CPU", "simd": simd}} if simd is not None else {})}
+    (run / "config.json").write_text(json.dumps(c))
+    return run
+
+
+def test_the_cpu_kind_check_against_scipy_and_the_kinds_from_each_runs_config(template, tmp_path):
+    """FLT's eight stage-C runs on AVX2 (val 1.60 + 0.01 s) and eight re-runs on AVX-512 (0.015 higher each): the
+    kinds read from each config, the p from scipy's exact test, the plan's reading for p >= 0.05 written out."""
+    import benchmark_2_cpu as CPU
+    old = [_with_cpu(fake(template, tmp_path / "C" / f"flt-{s}", "flt", s, 1.0, ST, 1.60 + 0.01 * s), ["avx2"])
+           for s in range(1, 9)]
+    new = [_with_cpu(fake(template, tmp_path / CPU.CHECK / "CPU-check-flt" / f"flt-{s}", "flt", s, 1.0, ST,
+                          1.615 + 0.01 * s), ["avx2", "avx512f"]) for s in range(1, 9)]
+    assert (CPU.kind(old[0]), CPU.kind(new[0]), CPU.kind(_with_cpu(fake(template, tmp_path / "x", "flt", 1, 1.0, ST,
+                                                                            1.0), None))) == \
+        ("Test CPU (AVX2)", "Test CPU (AVX-512)", "unknown")
+    c_runs = rows([("flt", s, 1.0, 1.0, ST, 1.60 + 0.01 * s) for s in range(1, 9)]).assign(path=[str(p) for p in old])
+    assert CPU.kinds_line(c_runs) == "Stage C's runs by CPU kind (each run's own env.cpu): Test CPU (AVX2): flt 8."
+    (line,) = CPU.check_lines(tmp_path, c_runs)
+    p = mannwhitneyu([1.615 + 0.01 * s for s in range(1, 9)], [1.60 + 0.01 * s for s in range(1, 9)],
+                     alternative="two-sided", method="exact").pvalue
+    assert p >= 0.05 and f"exact two-sided p = {p:.4f}" in line and "the primary stands as computed" in line
+    shutil.rmtree(new[-1])
+    assert CPU.check_lines(tmp_path, c_runs) == [
+        "CPU-kind check (amendment of 2026-12-07 14:50 UTC): not finished (7 of 8 runs)."]
