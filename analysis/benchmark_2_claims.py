@@ -126,3 +126,14 @@ def stage_e_claims(data: Path) -> list[str]:
         said.append(f"at K = {k}, {_names(within) if within else 'none'} stay within their seed spread at 12"
                     + (f"; {', '.join(out)} do not" if out else ""))
     return said
+
+
+def stage_c_cpu_claims(data: Path) -> list[str]:
+    """The reading's sentence on the CPU kinds stage C's runs ran on (each record's own env.cpu)."""
+    import benchmark_2_cpu as CPU
+    _, runs = stage_c(data)
+    by = runs.assign(kind=[CPU.kind(p) for p in runs.path])
+    parts = [f"{', '.join(f'{v} ({len(g)})' for v, g in g_k.groupby('variant', sort=False))} on {k}"
+             for k, g_k in by.groupby("kind", sort=True)]
+    return ["stage C's runs span two CPU kinds: " + "; ".join(parts)] if len(parts) == 2 else \
+        [f"stage C's runs ran on {len(parts)} CPU kind(s): " + "; ".join(parts)]
