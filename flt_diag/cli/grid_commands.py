@@ -138,8 +138,8 @@ def cmd_study(o: StudyOptions) -> int:
             raise UserError("--cell runs one cell of one study: give one study file")
         if unnamed := [str(path) for path, _, args in studies if args.out is None]:
             raise UserError(f"{unnamed[0]} names no `out`: with several study files each names its own folder")
-        names = [args.out.resolve().name for _, _, args in studies]  # (its archive is named so: FolderArchive.dest)
-        paths = [args.out.resolve() for _, _, args in studies]
+        paths = [args.out.resolve() for _, _, args in studies if args.out is not None]  # (every one: checked above)
+        names = [p.name for p in paths]  # (its archive is named so: FolderArchive.dest)
         if twice := sorted({str(p) for p in paths if paths.count(p) > 1}):
             raise UserError(f"two of the study files write the folder {twice[0]} (their `out`): each needs its own")
         if o.archive_to is not None and (twice := sorted({n for n in names if names.count(n) > 1})):

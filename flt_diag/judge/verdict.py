@@ -334,7 +334,7 @@ def resummarize(run_dir, verdict_overrides: dict | None = None, root=None) -> Su
 def write_rejudged(run_dir, new: Summary, root=None) -> None:
     """A summary `rejudged` computed, written where the run keeps its summary."""
     if archive.is_record(run_dir):  # an archived run: its record's summary is rewritten in place
-        rewrite_record_summary(Path(run_dir), new, root)
+        rewrite_record_summary(Path(run_dir), new.as_written(), root)
     else:
         write_json(Path(run_dir) / SUMMARY, new, root)
 
