@@ -39,6 +39,11 @@ class Row:
                f"code {commits}"
 
 
+def _duration(seconds: float) -> str:
+    """A time to go as status says it: seconds under two minutes, else minutes."""
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
 def time_left(walls: list[float], open_runs: int, running: list[float | None]) -> str | None:
     """A sweep's time to go, roughly: each open run at the finished runs' median wall time `walls`, each running
     one at the part of it not yet done (`running`: its share of steps done, None where unknown: a whole run), over
@@ -49,7 +54,7 @@ def time_left(walls: list[float], open_runs: int, running: list[float | None]) -
     median = statistics.median(walls)
     lane_s = median * (open_runs + sum(1.0 - (0.0 if d is None else d) for d in running))
     left, lanes = lane_s / len(running), len(running)
-    when = f"{left:.0f} s" if left < 120 else f"{left / 60:.0f} min"
+    when = _duration(left)
     return (f"about {when} left: {open_runs} open and {lanes} running at the finished runs' median of {median:.0f} s "
             f"a run, on the {lanes} lane{'s' if lanes > 1 else ''} running now")
 
@@ -108,7 +113,7 @@ def map_time_left(rows: list[Row]) -> str | None:
             to_go += max(per_line - len(r.probe_walls), 1.0) - share
     median = statistics.median(walls)
     left = median * to_go / len(running)
-    when = f"{left:.0f} s" if left < 120 else f"{left / 60:.0f} min"
+    when = _duration(left)
     return (f"roughly {when} left: about {to_go:.0f} probes to go (a finished line took a median of {per_line:g} "
             f"probes, a probe a median of {median:.0f} s), on the {len(running)} lane{'s' if len(running) > 1 else ''} "
             "running now")
