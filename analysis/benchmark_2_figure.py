@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from flt_diag.results.figures import save
 from flt_diag.results.figures.style import OTHER_COLOR, empty, finish, new_figure, style, variant_color
 
 NAME = "stabiliser-benchmark-2.png"
@@ -93,6 +94,5 @@ def draw(frames: list[pd.DataFrame], order, best: dict | None, margins: pd.DataF
                 ax.set_ylabel("val loss (nats)")
         finish(fig, "Val loss against lr at each variant's tuned strength\n(median of the stable runs, range as a "
                     "bar; x: runs not stable; *: best lr; dotted: breaking lr; grey dashed: FLT)")
-        path = out / NAME
-        fig.savefig(path, dpi=120)
+        path = save(fig, out / NAME, dpi=120)  # (atomic, links refused: flt-diag's one figure writer)
     return path

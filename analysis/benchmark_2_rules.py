@@ -7,7 +7,8 @@ runs (one row per run: variant, seed, lr, strength, verdict, val_loss). No torch
   the lower, and the tie is said.
 * `primary(runs)`: stage C's test: each variant against FLT, two-sided exact Mann-Whitney on the val loss, Holm over
   the family, Hodges-Lehmann shift (variant - FLT) with its exact 95 % interval; medians, ranges, sd, failures.
-* `breaking(runs)`: stage D's line: the lowest grid lr not `stable`, finished when the grid value below it held.
+* `breaking(runs)`: stage D's line: the lowest grid lr not `stable`, finished when the grid value below it held;
+  `line_cost(runs)`: the probes and probe-hours of its finished lines (issue 64's measure).
 """
 from __future__ import annotations
 
@@ -81,14 +82,20 @@ def primary(runs: pd.DataFrame, against: str = "flt") -> pd.DataFrame:
 def breaking(runs: pd.DataFrame) -> dict:
     """One (variant, seed) line of stage D (lr, verdict) -> breaking lr (the lowest grid value not `stable`; None
     when every probe held), the verdict there (its failure kind), and whether the bracket is closed (the grid's
-    lowest value broke, or the value just below the breaking one held; held at the grid's top)."""
+    lowest value broke, or the value just below the breaking one held; held at the grid's top), and the step the
+    breaking probe ended at where the table has `steps_done` (its failure kind is the verdict there: a probe stopped
+    once decided is judged at its stop, not at the schedule's end)."""
     held = {float(lr) for lr, v in zip(runs.lr, runs.verdict) if v == "stable"}
     broke = {float(lr): v for lr, v in zip(runs.lr, runs.verdict) if v != "stable"}
     if not broke:
-        return dict(breaking=None, kind="held", finished=GRID_D[-1] in held)
+        return dict(breaking=None, kind="held", finished=GRID_D[-1] in held, stop=None)
     b = min(broke)
     i = GRID_D.index(b) if b in GRID_D else None
-    return dict(breaking=b, kind=broke[b], finished=i == 0 or (i is not None and GRID_D[i - 1] in held))
+    stop = None
+    if "steps_done" in runs:  # the step the breaking probe ended at (before `steps`: it stopped once decided)
+        done = float(runs[runs.lr.astype(float) == b].steps_done.iloc[0])
+        stop = int(done) if math.isfinite(done) else None
+    return dict(breaking=b, kind=broke[b], finished=i == 0 or (i is not None and GRID_D[i - 1] in held), stop=stop)
 
 
 def log2_median(values) -> float:
@@ -103,3 +110,17 @@ def long_runs(runs: pd.DataFrame, against: str = "flt", n: int = 3) -> list[str]
     order = sorted(range(len(medians)), key=lambda i: (medians.iloc[i], i))
     chosen = [str(medians.index[i]) for i in order[:n]]
     return chosen + ([against] if against not in chosen else [])
+
+
+def line_cost(runs: pd.DataFrame) -> str:
+    """Stage D's cost per finished line (issue 64's measure), beside round one's 312 probes and 18.6 probe-hours
+    over 72 lines (means of 4.3 probes and 0.26 probe-hours a line): the probes and lane-hours (each probe's own
+    wall time, summed: round one's probe-hours) of the finished lines, in all and as means and medians a line."""
+    lines = [(breaking(g)["finished"], len(g), g.wall_time.sum() / 3600) for _, g in runs.groupby(["variant", "seed"])]
+    done = [(n, h) for finished, n, h in lines if finished]
+    if not done:
+        return f"; no line finished ({len(lines)} started)"
+    probes, hours = [n for n, _ in done], [h for _, h in done]
+    return (f"; of the {len(lines)} lines started, {len(done)} are finished, with {sum(probes)} probes and "
+            f"{sum(hours):.1f} lane-hours: a mean of {np.mean(probes):.1f} probes and {np.mean(hours):.2f} lane-hours "
+            f"a line (medians {np.median(probes):g} and {np.median(hours):.2f})")

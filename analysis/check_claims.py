@@ -72,6 +72,8 @@ def factorial_runs(data: Path) -> pd.DataFrame:
     rows = []
     for folder in (data / "runs" / "gradient-path" / "f-0", data / "runs" / "gradient-path" / "f-2"):
         for run in run_dirs(folder):
+            if load_summary(run) is None:  # (the claims read a finished archive: a run without a summary is damage)
+                raise ValueError(f"{run} has no summary (an unfinished or damaged run); the claims read finished runs")
             row, ev = F.run_row(run), load_summary(run).evidence
             cfg = load_config(run)
             K, k = cfg.model.loops, cfg.run_config().train.grad_loops

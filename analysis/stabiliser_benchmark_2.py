@@ -27,9 +27,7 @@ import pandas as pd  # noqa: E402
 import benchmark_2_rules as R  # noqa: E402
 from flt_diag.config.variants import STABILISERS  # noqa: E402
 from flt_diag.results.report import markdown as _markdown  # noqa: E402
-from flt_diag.storage import archive  # noqa: E402
-from flt_diag.storage.files import read_table  # noqa: E402
-from flt_diag.storage.folders import EVAL_LOOPS, StorageError, load_config, load_summary, run_dirs  # noqa: E402
+from flt_diag.storage.folders import StorageError, load_config, load_eval_loops, load_summary, run_dirs  # noqa: E402
 from script_exit import Parser, emit, folder, guarded  # noqa: E402
 from stabiliser_benchmark import VARIANTS as ROUND_ONE, snapshot  # noqa: E402
 
@@ -194,26 +192,33 @@ def stage_c(got, strengths: dict | None = None,
 
 
 def stage_d(got, best: dict | None) -> pd.DataFrame:
-    """Per variant: finished lines of stage D (seeds 1-3), median breaking lr (log2), margin over the best lr,
-    failure kinds at the breaking lr."""
+    """Per variant (in the benchmark's order): finished lines of stage D (seeds 1-3), median breaking lr (log2),
+    margin over the best lr, failure kinds at the breaking lr, the step each breaking probe ended at (`stopped`: a
+    kind is the verdict there), and the lines started but not finished (`open`: left out of the medians)."""
     if got is None or got[0].empty:
         return pd.DataFrame()
     runs = got[0][got[0].seed.isin(D_SEEDS)]
     lines = pd.DataFrame([dict(variant=v, seed=s, **R.breaking(g)) for (v, s), g in runs.groupby(["variant", "seed"])])
     rows = []
-    for v, g in lines[lines.finished].groupby("variant"):
+    order = {v: i for i, v in enumerate(VARIANTS)}
+    for v, g in sorted(lines.groupby("variant"), key=lambda vg: order.get(vg[0], len(order))):
+        open_lines, g = int((~g.finished).sum()), g[g.finished]
+        if g.empty:  # (started, none finished: a row that says so, no median)
+            rows.append(dict(variant=v, lines=0, breaking=math.nan, margin=math.nan, kinds="", stopped="",
+                             open=open_lines))
+            continue
         at = g.breaking.fillna(2 * R.GRID_D[-1]).to_numpy(float)
         b = best.get(v, {}).get("value") if best else None
         rows.append(dict(variant=v, lines=len(g), breaking=R.log2_median(at),
-                         margin=R.log2_median(at / b) if b else math.nan, kinds=" ".join(g.kind)))
+                         margin=R.log2_median(at / b) if b else math.nan, kinds=" ".join(g.kind),
+                         stopped=" ".join("-" if s is None or s != s else str(int(s)) for s in g.stop),
+                         open=open_lines))
     return pd.DataFrame(rows)
 
 
 def eval_loops(path: str) -> pd.DataFrame | None:
-    p = Path(path)
-    if archive.is_record(p):
-        return archive.load_eval_loops(p)
-    return read_table(p / EVAL_LOOPS, what="eval_loops.csv") if (p / EVAL_LOOPS).is_file() else None
+    """A run's or record's eval_loops table, checked as every reader checks it (None: not evaluated)."""
+    return load_eval_loops(Path(path))
 
 
 def stage_e(c_runs: pd.DataFrame) -> pd.DataFrame:
@@ -292,7 +297,7 @@ def answer(strengths, best, tests, margins, extra, c_runs: pd.DataFrame | None =
         else:
             row["val loss (median, range)"] = row["minus FLT [95 %]"] = "-"
         row["margin"] = fmt(m.margin.iloc[0], ".3g") if len(m) else "-"
-        row["failure at breaking lr"] = m.kinds.iloc[0] if len(m) else "-"
+        row["failure at breaking lr"] = (m.kinds.iloc[0] or "-") if len(m) else "-"
         row["val loss at K=6/9/18/24 minus K=12"] = (" / ".join(fmt(extra.loc[v, f"K={k}"], "+.3f") for k in EXTRAPOLATE)
                                                      if len(extra) and v in extra.index else "-")
         rows.append(row)
@@ -326,7 +331,8 @@ def compute(stages: dict) -> list[str]:
         if runs is None or runs.empty:
             continue
         lines.append(f"stage {stage}: {len(runs)} runs, {runs.wall_time.sum() / 3600:.1f} lane-hours, "
-                     f"{100 * runs.steps_done.sum() / runs.steps.sum():.0f} % of their steps trained")
+                     f"{100 * runs.steps_done.sum() / runs.steps.sum():.0f} % of their steps trained"
+                     + (R.line_cost(runs[runs.seed.isin(D_SEEDS)]) if stage == "D" else ""))
     if not lines:
         return []
     return ["Compute so far (each archived run's own wall time, summed: lane-hours on the machine that ran it, shared "

@@ -204,11 +204,17 @@ def test_stage_d_breaking_lr_margin_and_failure_kind():
         spec += [("lt", seed, lr, 1.0, ST, 2.0) for lr in (0.5, 1.0, last / 2, last)]
         spec.append(("lt", seed, last * 2, 1.0, kind, 5.0))
     spec += [("flt", 1, 1.0, 1.0, UN, 5.0), ("flt", 1, 4.0, 1.0, ST, 2.0)]  # not closed: 0.5 not probed
-    m = S.stage_d((rows(spec), 0), {"lt": dict(value=2.0), "flt": dict(value=1.0)})
-    assert list(m.variant) == ["lt"]
-    r = m.iloc[0]
+    runs = rows(spec)
+    runs["steps_done"] = [150 + 100 * seed if vd != ST else 600 for _, seed, _, _, vd, _ in spec]
+    m = S.stage_d((runs, 0), {"lt": dict(value=2.0), "flt": dict(value=1.0)})
+    assert list(m.variant) == sorted(["lt", "flt"], key=S.VARIANTS.index)  # (the benchmark's order)
+    flt = m[m.variant == "flt"].iloc[0]
+    assert flt.lines == 0 and flt.open == 1 and math.isnan(flt.breaking)  # (started, not finished: said, no median)
+    r = m[m.variant == "lt"].iloc[0]
     assert r.breaking == pytest.approx(8.0) and r.margin == pytest.approx(4.0)  # median of 4, 8, 16; / 2
     assert r.kinds == "collapsed diverged unstable"
+    assert r.stopped == "250 350 450" and r.open == 0  # the step each breaking probe ended at, by seed
+    assert S.stage_d((rows(spec), 0), None).set_index("variant").loc["lt"].stopped == "- - -"  # no step recorded: said, not guessed
 
 
 def test_stage_e_extrapolation_is_the_median_of_loss_at_k_minus_at_12(tmp_path):
@@ -318,6 +324,23 @@ def test_the_benchmarks_hours_are_the_runs_own_wall_times_summed_per_stage():
     assert "* stage A: 2 runs, 1.5 lane-hours, 75 % of their steps trained" in lines
     assert not any("stage B" in line for line in lines)
     assert S.compute({k: None for k in stages}) == []
+
+
+def test_stage_d_cost_per_finished_line_counts_its_probes_and_hours():
+    """Two finished lines (lt seed 1: 1 and 2 held, 4 broke, 3 probes of 1,200 s = 1.0 h; lt seed 2: 1 held, 2 broke,
+    2 probes of 900 s = 0.5 h) and one open (flt seed 1: 4 broke, 2 not probed): 2 of 3 finished, 5 probes and
+    1.5 probe-hours, means and medians 2.5 probes and 0.75 h; a seed outside 1-3 is not a line of stage D."""
+    spec = [("lt", 1, lr, v, 1200.0) for lr, v in ((1.0, ST), (2.0, ST), (4.0, UN))]
+    spec += [("lt", 2, lr, v, 900.0) for lr, v in ((1.0, ST), (2.0, UN))] + [("flt", 1, 4.0, UN, 500.0)]
+    spec += [("flt", 9, 1.0, UN, 7000.0)]
+    runs = pd.DataFrame([dict(variant=v, seed=s, lr=lr, strength=1.0, verdict=vd, val_loss=2.0, exploded=False,
+                              unigram=False, loops=12, path="", steps=600, steps_done=600, wall_time=w)
+                         for v, s, lr, vd, w in spec], columns=S.COLUMNS)
+    got = R.line_cost(runs[runs.seed.isin(S.D_SEEDS)])
+    assert ("of the 3 lines started, 2 are finished, with 5 probes and 1.5 lane-hours: a mean of 2.5 probes and "
+            "0.75 lane-hours a line (medians 2.5 and 0.75)") in got
+    assert "no line finished (1 started)" in R.line_cost(runs[(runs.variant == "flt") & (runs.seed == 1)])
+    assert "stage D: 7 runs" in "".join(S.compute({"A": None, "B": None, "C": None, "D": (runs, 0), "L2000": None}))
 
 
 def _with_cpu(run: Path, simd: list[str] | None) -> Path:

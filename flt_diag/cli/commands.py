@@ -49,6 +49,7 @@ def cmd_summary(o: SummaryOptions) -> int:
         raise UserError("verdict thresholds need --recompute or --sensitivity")
     if o.sensitivity_csv is not None and not o.sensitivity:
         raise UserError("--sensitivity-csv needs --sensitivity")
+    _output_file("--sensitivity-csv", o.sensitivity_csv, make_folder=True)
     paths = o.paths
     if o.sensitivity:
         return _sensitivity(paths, overrides, o.sensitivity_csv)
@@ -103,6 +104,7 @@ def _sensitivity(paths: list[Path], overrides: dict, csv: Path | None) -> int:
 def cmd_eval_loops(o: EvalLoopsOptions) -> int:
     """Held-out loss and perplexity of each trained checkpoint at every inference loop count."""
     from flt_diag.cli.output import print_eval_loops
+    from flt_diag.storage.archive import is_record
     from flt_diag.storage.folders import CHECKPOINT, StorageError, is_archive, run_dirs
     from flt_diag.training.evaluation import eval_loops
     from flt_diag.training.settle import check_data, choose_device
@@ -114,6 +116,9 @@ def cmd_eval_loops(o: EvalLoopsOptions) -> int:
         raise UserError(f"{o.path} is a run archive: it keeps no checkpoints, and eval-loops needs the trained "
                         "weights (run it on the run folders, then archive them again)")
     for d in run_dirs(o.path):
+        if is_record(d):  # (a cell of a sweep archived as it went: its record keeps no weights)
+            print(f"{d}: an archive record (no checkpoint kept), skipped; evaluate its run folder before archiving")
+            continue
         if not (d / CHECKPOINT).exists():
             print(f"{d}: no final checkpoint yet, skipped")
             continue
@@ -132,7 +137,15 @@ def cmd_import_reference(o: ImportReferenceOptions) -> int:
     if not o.checkpoint.exists():
         raise UserError(f"no such checkpoint: {o.checkpoint}")
     model = import_reference(o.checkpoint, o.variant, o.loops, n_head=o.heads, vocab_size=o.vocab_size)
-    write_imported_run(model, o.out, str(o.checkpoint))
+    if o.tokenizer is not None:  # (loaded now: a wrong name is one line before the folder is made)
+        from flt_diag.data.corpus import get_tokenizer
+        if (n := get_tokenizer(o.tokenizer).vocab_size) > model.cfg.vocab_size:
+            raise UserError(f"--tokenizer {o.tokenizer} has {n} tokens, more than the checkpoint's vocabulary of "
+                            f"{model.cfg.vocab_size}: not the tokenizer it was trained with")
+    tokenizer = o.tokenizer  # (a local file kept by its absolute path: eval-loops may run from elsewhere)
+    if tokenizer is not None and Path(tokenizer).exists():
+        tokenizer = str(Path(tokenizer).resolve())
+    write_imported_run(model, o.out, str(o.checkpoint), tokenizer=tokenizer)
     print(f"imported {o.checkpoint} as {model.cfg.variant} (K={model.cfg.loops}) into {o.out}")
     return 0
 
@@ -145,9 +158,10 @@ def cmd_predict(o: PredictOptions) -> int:
     from flt_diag.judge import early_warning as EW
     from flt_diag.judge.spike_detectors import detector_sweep
     from flt_diag.results.figures import save as save_figure
-    from flt_diag.results.figures.agreement import draw_agreement
+    from flt_diag.results.figures.agreement import STYLES as AGREEMENT_STYLES, draw_agreement
     from flt_diag.storage.files import load_predictor
     from flt_diag.storage.folders import atomic_write_text, run_dirs
+    from flt_diag.storage.output_paths import refuse_same_file
     from flt_diag.storage.predictor_names import PACKAGED
     paths = o.paths
     for path in paths:
@@ -158,6 +172,11 @@ def cmd_predict(o: PredictOptions) -> int:
         raise UserError(f"--figure must end in .png, .pdf or .svg, got {o.figure.name}")
     for flag, file in (("--csv", o.csv), ("--figure", o.figure)):
         _output_file(flag, file)
+    refuse_same_file({**{f"--predictor {p}": Path(p) for p in o.predictor or []}, "--csv": o.csv,
+                      "--figure": o.figure})
+    if o.figure is not None and len(o.predictor or []) > len(AGREEMENT_STYLES):
+        raise UserError(f"--figure draws at most {len(AGREEMENT_STYLES)} predictors (one line style each); "
+                        f"{len(o.predictor or [])} given: draw them in groups")
     models = {("packaged" if p is None else str(p)): load_predictor(p)
               for p in o.predictor or [None]}  # type: ignore[list-item]  # (None: the packaged predictor)
     tables = []
@@ -174,9 +193,11 @@ def cmd_predict(o: PredictOptions) -> int:
         atomic_write_text(o.csv, pd.concat(tables, ignore_index=True).to_csv(index=False))
     if o.figure is not None:
         where = " + ".join(p.name for p in paths) if len(paths) <= 3 else f"{len(paths)} folders"
-        curves = {(where if len(models) == 1 else Path(name).stem):
+        stems = [Path(name).stem for name in models]
+        labels = [stem if stems.count(stem) == 1 else name for stem, name in zip(stems, models)]  # (a/p, b/p: paths)
+        curves = {(where if len(models) == 1 else label):
                   [dict(step=s, **EW.agreement(t[t.step == s])) for s in o.at if (t.step == s).any()]
-                  for name, t in zip(models, tables)}
+                  for label, t in zip(labels, tables)}
         print(save_figure(draw_agreement(curves, runs=None if len(models) == 1 else where), o.figure))
     return 0
 
@@ -208,6 +229,7 @@ def _predict_online(paths, model):
 def cmd_fit_predictor(o: FitPredictorOptions) -> int:
     """Fit the early-warning predictor (one logistic regression per step) on labelled runs."""
     from flt_diag.cli.output import fit_command, print_fitted
+    from flt_diag.storage.output_paths import refuse_same_file
     from flt_diag.results import predictor_fit as FIT
     from flt_diag.storage.folders import run_dirs, write_json
     paths, at, l2, target, weight, features = o.paths, o.at, o.l2, o.target, o.class_weight, o.features
@@ -216,6 +238,8 @@ def cmd_fit_predictor(o: FitPredictorOptions) -> int:
             run_dirs(p)
     for flag, path in (("--out", o.out), ("--examples-out", o.examples_out)):
         _output_file(flag, path)  # both, before either is written
+    refuse_same_file({**{f"the input {p}": Path(p) for p in paths if Path(p).suffix == ".csv"},
+                      "--out": o.out, "--examples-out": o.examples_out})
     examples = FIT.training_examples(paths, at, target)  # features computed once, for the fit and the CV
     older = sum(FIT.judged_before_v3(e["summary"]) for e in examples)
     if older:
@@ -233,15 +257,18 @@ def cmd_fit_predictor(o: FitPredictorOptions) -> int:
     return 0
 
 
-def _output_file(flag: str, path: Path | None) -> None:
+def _output_file(flag: str, path: Path | None, make_folder: bool = False) -> None:
     """A file a command is to write, refused (one line) before any work if it is a link, a FIFO, a device, a
-    folder, or has no folder to hold it."""
+    folder, one of flt-diag's own data files (a run's config, a sweep's spec, a record: output_paths), or has no
+    folder to hold it (unless the command makes it: `make_folder`)."""
     from flt_diag.storage.folders import refuse_links
+    from flt_diag.storage.output_paths import refuse_data_file
     from flt_diag.storage.safe_files import new_file
     if path is None:
         return
     refuse_links(new_file(path))
-    if not path.parent.is_dir():
+    refuse_data_file(flag, path)
+    if not make_folder and not path.parent.is_dir():
         raise UserError(f"{flag} {path}: there is no folder {path.parent} to write it into")
 
 
@@ -315,6 +342,7 @@ def cmd_report(o: ReportOptions) -> int:
     from flt_diag.storage.archive import is_record
     if o.out is None and is_record(o.paths[0]):  # (its default, <path>/report.html, cannot be below a file)
         raise UserError(f"{o.paths[0]} is an archive record (a file); give --out, the report's HTML file")
+    _output_file("--out", o.out, make_folder=True)  # (its folder is made, as before)
     print(write_report(o.paths, o.out))
     return 0
 

@@ -154,6 +154,9 @@ class ImportReferenceOptions(Options):
                                ge=1, le=MAX_LOOPS)
     heads: Optional[int] = opt(None, "Attention heads (if no meta json).", ge=1, le=MAX_WIDTH)
     vocab_size: Optional[int] = opt(None, "True (unpadded) vocabulary size.", ge=1, le=MAX_VOCAB)
+    tokenizer: Optional[str] = opt(None, "The tokenizer the reference was trained with (a tokenizer.json path or hub "
+                                   "name), for eval-loops [default: bytes for a 256-token vocabulary; else none, "
+                                   "which eval-loops asks for].")
 
 
 class PredictOptions(Options):

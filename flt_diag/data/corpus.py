@@ -114,7 +114,13 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def get_tokenizer(name: str):
+def get_tokenizer(name: str | None):
+    """"bytes", or a Hugging Face tokenizer by hub name or tokenizer.json path; None (an imported model's config
+    whose tokenizer was not given) is one line saying what to set."""
+    if name is None:
+        raise DataError("no tokenizer: the run's config.json has train.tokenizer null (a model imported without "
+                        "--tokenizer); set it to the tokenizer the model was trained with (a tokenizer.json path "
+                        "or hub name), or import again with --tokenizer")
     return ByteTokenizer() if name == "bytes" else HFTokenizer(name)
 
 

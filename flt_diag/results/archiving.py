@@ -20,7 +20,8 @@ from flt_diag.judge.verdict import stored_config, summarize, tokens_per_step
 from flt_diag.storage.file_models import RunConfigFile
 from flt_diag.storage import archive, metric_names as M
 from flt_diag.storage.folders import (EVAL_LOOPS, SWEEP_SPEC, StorageError, atomic_path, folder_lock, load_config,
-                                      load_metrics, load_summary, make_folder, write_json, write_record)
+                                      load_eval_loops, load_metrics, load_summary, make_folder, write_json,
+                                      write_record)
 from flt_diag.storage.safe_files import open_regular, stale_temporaries
 from flt_diag.storage.schema import BadFile
 from flt_diag.results.archive_checks import Plan, check_destination, plan_sources
@@ -109,9 +110,11 @@ def _eval_loops_text(run_dir: Path) -> str | None:
         raise BadFile(f"{p}: over {limit:,} bytes, more than a record keeps of an eval_loops.csv (a line per loop "
                       "count); not archived")
     try:
-        return data.decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise BadFile(f"{p}: not text (UTF-8); not archived") from None
+    load_eval_loops(run_dir)  # (checked as every reader checks it: a table they would refuse is not archived)
+    return text
 
 
 def archive_run(run_dir: Path, record: Path, source: str, root: Path) -> Archived:

@@ -171,7 +171,13 @@ def read_meta(path: Path) -> RecordMeta:
 
 def load_eval_loops(path: Path) -> pd.DataFrame | None:
     text = read_meta(path).eval_loops
-    return None if text is None else pd.read_csv(io.StringIO(text))
+    if text is None:
+        return None
+    try:
+        table = pd.read_csv(io.StringIO(text))
+    except ValueError as e:  # (pandas' errors name no file)
+        raise BadFile(f"{path}: its eval_loops table cannot be read ({' '.join(str(e).split())[:120]})") from None
+    return files.check_eval_loops(table, f"{path} (its eval_loops table)")
 
 
 def row_count(path: Path) -> int:

@@ -120,6 +120,36 @@ def read_table(path: Path, limit: int = MAX_TABLE_BYTES, what: str = "a table (C
         raise BadFile(f"{path}: not {what} ({' '.join(str(e).split())[:100]})") from None
 
 
+# --------------------------------------------------------------------------- eval_loops.csv
+
+EVAL_LOOPS_NEEDED = ("loops", "val_loss")  # every eval_loops table has these (older ones lack the others)
+EVAL_LOOPS_INTEGERS = ("loops", "trained_loops", "batches")
+EVAL_LOOPS_NUMBERS = ("val_loss", "perplexity", "accuracy")
+
+
+def check_eval_loops(df: pd.DataFrame, where) -> pd.DataFrame:
+    """An eval_loops table (a run's eval_loops.csv, a record's copy) as its readers take it: the columns `loops`
+    and `val_loss`, whole numbers >= 1 in the integer columns, numbers (or empty) in the number columns, the data's
+    name as text. A hand-edited or foreign table is one BadFile line naming it, never a figure's TypeError."""
+    missing = [c for c in EVAL_LOOPS_NEEDED if c not in df.columns]
+    if missing:
+        raise BadFile(f"{where}: no {' and '.join(missing)} column; not an eval_loops table")
+    df = df.copy()
+    for column in (c for c in (*EVAL_LOOPS_INTEGERS, *EVAL_LOOPS_NUMBERS) if c in df.columns):
+        values = pd.to_numeric(df[column], errors="coerce")
+        if (wrong := values.isna() & df[column].notna()).any():
+            raise BadFile(f"{where}: column {column} holds {df[column][wrong].iloc[0]!r}, not a number")
+        given = values.dropna()
+        if column in EVAL_LOOPS_INTEGERS and ((given % 1 != 0) | (given < 1)).any():
+            raise BadFile(f"{where}: column {column} must hold whole numbers >= 1")
+        df[column] = values
+    if df["loops"].isna().any():
+        raise BadFile(f"{where}: a row without its loop count (column loops)")
+    if "data" in df.columns:
+        df["data"] = df["data"].astype(object).where(df["data"].isna(), df["data"].astype(str))
+    return df
+
+
 # --------------------------------------------------------------------------- predictor and fit examples
 
 INTEGER_COLUMNS = ("verdict_version",)  # the integer columns of a fit-examples table that may have empty cells

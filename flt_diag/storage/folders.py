@@ -282,9 +282,10 @@ def load_eval_loops(run_dir: Path) -> pd.DataFrame | None:
         return None
     with open_regular(p) as f:
         try:
-            return pd.read_csv(f)
+            table = pd.read_csv(f)
         except (ValueError, UnicodeDecodeError) as e:  # (pandas' errors name no file)
             raise BadFile(f"{p}: not a table flt-diag reads ({' '.join(str(e).split())[:120] or type(e).__name__})") from None
+    return files.check_eval_loops(table, p)
 
 
 def cell_names(sweep: Path) -> list[str]:

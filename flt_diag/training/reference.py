@@ -53,14 +53,20 @@ class ReferenceImportError(ValueError):
 # --------------------------------------------------------------------------- names and shapes
 
 def variant_name(name: str) -> str:
-    """flt-diag's name for a variant given by its flt-diag name (flt) or its reference name, in any case (FLT)."""
-    if name in VARIANTS:
+    """flt-diag's name for a variant given by its flt-diag name (flt) or its reference name, in any case (FLT). Only
+    the paper's five: the reference trains no stabiliser, so its checkpoints hold none of a stabiliser's parameters."""
+    ours = list(REFERENCE_VARIANTS.values())
+    if name in ours:
         return name
     folded = {k.lower(): v for k, v in REFERENCE_VARIANTS.items()}
     if str(name).lower() in folded:
         return folded[str(name).lower()]
+    if name in VARIANTS:
+        raise ReferenceImportError(f"variant {name!r} is not one the reference trains (a stabiliser's parameters are "
+                                   f"not in its checkpoints); choose from {', '.join(REFERENCE_VARIANTS)} (reference) "
+                                   f"or {', '.join(ours)}")
     raise ReferenceImportError(f"unknown variant {name!r}; choose from {', '.join(REFERENCE_VARIANTS)} "
-                               f"(reference) or {', '.join(VARIANTS)}")
+                               f"(reference) or {', '.join(ours)}")
 
 
 def _few(keys, n: int = 3) -> str:
@@ -266,7 +272,10 @@ def import_reference(checkpoint, variant: str | None = None, loops: int | None =
         model = LoopedTransformer(cfg)
     except (ValueError, TypeError, RuntimeError, MemoryError) as e:  # (sizes are bounded; memory may still lack)
         raise ReferenceImportError(f"reference checkpoint: {first_line(e)}") from None
-    model.load_state_dict(state)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:  # (names and shapes were checked above; whatever still disagrees is one line)
+        raise ReferenceImportError(f"reference checkpoint: {first_line(e)}") from None
     return model
 
 

@@ -5,14 +5,19 @@ from __future__ import annotations
 from matplotlib.figure import Figure
 
 
+STYLES = ["-", "--", ":", "-.", (0, (8, 2, 1, 2, 1, 2)), (0, (1, 4)), (0, (12, 3)), (0, (4, 1, 1, 1, 1, 1))]
+
+
 def draw_agreement(curves: dict[str, list[dict]], runs: str | None = None):
     """Agreement of the prediction at step s with the final verdict, against s: one line per set of
     runs (e.g. "fitted on", "held out") or per predictor on the same `runs`, from `agreement` dicts
     that carry their "step"."""
     fig = Figure(figsize=(5.6, 3.6 + 0.25 * len(curves)), layout="constrained")
     ax = fig.subplots()
-    styles = ["-", "--", ":", "-."]
-    for (name, rows), ls in zip(curves.items(), styles):
+    if len(curves) > len(STYLES):
+        raise ValueError(f"the agreement figure tells at most {len(STYLES)} curves apart (one line style each); "
+                         f"got {len(curves)}: draw them in groups")
+    for (name, rows), ls in zip(curves.items(), STYLES):
         rows = sorted(rows, key=lambda r: r["step"])
         steps = [r["step"] for r in rows]
         ax.plot(steps, [r["accuracy"] for r in rows], ls=ls, marker="o", color="#000000",
