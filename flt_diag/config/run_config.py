@@ -227,6 +227,11 @@ if TYPE_CHECKING:  # a record's options are keywords (typed where read: record.o
     class DiagnosticsConfig(CoreDiagnostics):
         def __init__(self, **options: Any) -> None: ...
 else:
+    for _record in all_records():  # (an option named like a core one would replace it: refused, naming the record)
+        if _taken := sorted(set(_record.options.model_fields) & {*CoreDiagnostics.model_fields,
+                                                                  *ModelConfig.model_fields, *TrainConfig.model_fields}):
+            raise ValueError(f"the record {_record.switch} ({_record.module}) names the option {', '.join(_taken)}, "
+                             "which is flt-diag's own: rename it in the record")
     DiagnosticsConfig = create_model("DiagnosticsConfig", __base__=CoreDiagnostics, __module__=__name__, **{
         name: (info.annotation, info) for record in all_records() for name, info in record.options.model_fields.items()})
     if unswitched := sorted({r.switch for r in all_records()} - set(DiagnosticsConfig.model_fields)):

@@ -92,13 +92,18 @@ def _assemble() -> None:
     """Fill the tables from the package's stabilisers, the entry points' and the registered ones."""
     own = builtin()
     taken = {*PAPER, *(s.name for s in own)}
-    plugins = [s for s in entry_points() if s.name not in taken]  # (one that takes a name: said, left out)
+    plugins: list[Stabiliser] = []  # (one that takes a name: said once, left out; the first of two plugins kept)
     for s in entry_points():
-        if s.name in taken and s.name not in _SAID:
-            _SAID.add(s.name)
-            print(f"warning: stabiliser entry point {s.name} ({s.module}) left out: flt-diag's own has that name",
-                  file=sys.stderr)
-    found = [*own, *plugins, *_REGISTERED.values()]
+        if s.name in taken or any(p.name == s.name for p in plugins):
+            if s.name not in _SAID:
+                _SAID.add(s.name)
+                whose = "flt-diag's own" if s.name in taken else "another entry point"
+                print(f"warning: stabiliser entry point {s.name} ({s.module}) left out: {whose} has that name",
+                      file=sys.stderr)
+            continue
+        plugins.append(s)
+    registered = [s for s in _REGISTERED.values() if not any(s is p for p in plugins)]  # (installed and registered)
+    found = [*own, *plugins, *registered]
     order = {n: i for i, n in enumerate(FIRST)}
     found.sort(key=lambda s: (order.get(s.name, len(FIRST)), s.name))
     names = [s.name for s in found]

@@ -35,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 from flt_diag.config.run_config import ModelConfig, loss_loops  # noqa: F401 (ModelConfig re-exported)
 from flt_diag.config.variants import VARIANTS  # noqa: F401 (re-exported)
 from flt_diag.model.per_sequence import depth_loops
+from flt_diag.model.stabilisers import shaped
 
 
 def _inv_rms(x: torch.Tensor) -> torch.Tensor:
@@ -238,7 +239,7 @@ class LoopedTransformer(nn.Module):
         if h_prev is not None:
             x = self.loop_start(x, h_prev, emb)
         if enter is not None:
-            x = enter(part, x, t)
+            x = shaped(enter(part, x, t), x, self, "enter")
         x_in = x
         for i, block in enumerate(self.blocks):
             query = None
@@ -249,14 +250,14 @@ class LoopedTransformer(nn.Module):
                     query = h_prev
             x = block(x, cos, sin, query)
         if update is not None:
-            x = update(part, x_in, x, t)
+            x = shaped(update(part, x_in, x, t), x, self, "update")
         return self.loop_end(x)
 
     def loop_start(self, x, h_prev, emb):
         """Loop t >= 2's start: the stabiliser's `start`, else the variant's rule (x, h_prev, emb: as `_loop`)."""
         rule, part, start = self.rule, stabiliser_part(self), hook(self, "start")
         if start is not None:
-            return start(part, x, norm(emb))
+            return shaped(start(part, x, norm(emb)), x, self, "start")
         if rule.start == "prev":
             return h_prev
         if rule.start == "embed":

@@ -24,6 +24,7 @@ import functools
 import importlib
 import importlib.metadata
 import pkgutil
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Literal, TypeVar
 
@@ -178,13 +179,25 @@ def register_record(record: Record) -> Record:
     return record
 
 
+def _left_out(what: str, why: str) -> None:
+    print(f"warning: record {what} left out: {why}", file=sys.stderr)
+
+
 def _entry_point_records() -> list[Record]:
+    """The records installed distributions name (ENTRY_POINTS). One that fails to load (a syntax error, an import
+    that fails, whatever it raises) or names no Record is said in one warning line and left out, as a broken
+    stabiliser plugin is: it never stops flt-diag's commands."""
     out = []
     for point in sorted(importlib.metadata.entry_points(group=ENTRY_POINTS), key=lambda p: p.name):
-        found = point.load()
+        try:
+            found = point.load()
+        except Exception as e:  # (a plugin's own error, whatever it is: said in one line)
+            _left_out(f"entry point {point.name} = {point.value}", f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}")
+            continue
         record = getattr(found, "RECORD", found)  # (a module holding RECORD, or the record itself)
         if not isinstance(record, Record):
-            raise ValueError(f"the entry point {point.name} = {point.value} of {ENTRY_POINTS} is no Record")
+            _left_out(f"entry point {point.name} = {point.value}", f"it names a {type(record).__name__}, no Record")
+            continue
         out.append(record)
     return out
 
@@ -192,15 +205,17 @@ def _entry_point_records() -> list[Record]:
 @functools.cache
 def all_records() -> tuple[Record, ...]:
     """The RECORD of every module of this package (but its helpers, named _*), by module name, then the entry points' (by name), then those
-    registered (two that name one option or metric: ValueError)."""
+    registered; one of the latter two that names an option or metric an earlier record names is said in one warning
+    line and left out (flt-diag's own come first)."""
     own = [importlib.import_module(f"{__name__}.{m.name}").RECORD
            for m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name) if not m.name.startswith("_")]
-    records: list[Record] = []
-    for record in [*own, *_entry_point_records(), *_REGISTERED]:
-        if not any(r is record for r in records):  # (an entry point's record registered too: once)
-            records.append(record)
-    for kind in ("options", "metrics"):
-        names = [n for r in records for n in (r.options.model_fields if kind == "options" else r.metrics)]
-        if twice := sorted({n for n in names if names.count(n) > 1}):
-            raise ValueError(f"two records name the {kind[:-1]} {', '.join(twice)}")
+    records: list[Record] = list(own)
+    for record in [*_entry_point_records(), *_REGISTERED]:
+        if any(r is record for r in records):  # (an entry point's record registered too: once)
+            continue
+        taken = {n for r in records for n in (*r.options.model_fields, *r.metrics)}
+        if clash := sorted(taken & {*record.options.model_fields, *record.metrics}):
+            _left_out(f"{record.switch} ({record.module})", f"an earlier record names {', '.join(clash)} already")
+            continue
+        records.append(record)
     return tuple(records)

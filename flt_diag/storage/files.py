@@ -24,13 +24,59 @@ from flt_diag.storage.safe_files import regular_file
 
 
 def load_run_config(path: Path) -> F.RunConfigFile:
-    return checked(path, F.RunConfigFile, read_json(path))
+    """config.json, checked. A run made where a record or stabiliser of one's own was installed, read where it is
+    not (its config's env names them): the options of records that were off there are set aside (they did nothing);
+    one that was on, or the stabiliser the run trained with, is one line naming what to install."""
+    raw = read_json(path)
+    if isinstance(raw, dict) and isinstance(raw.get("env"), dict):
+        raw = _without_absent_records(raw, raw["env"], path)
+        _absent_stabiliser(raw, raw["env"], path)
+    return checked(path, F.RunConfigFile, raw)
+
+
+def _without_absent_records(raw: dict, env: dict, path: Path) -> dict:
+    records, diag = env.get("records"), raw.get("diagnostics")
+    if not isinstance(records, dict) or not isinstance(diag, dict):
+        return raw
+    known = set(F.DiagnosticsConfig.model_fields)
+    absent = {switch: module for switch, module in records.items() if switch not in known}
+    if not absent or not set(diag) - known:
+        return raw
+    if on := sorted(s for s in absent if diag.get(s) not in (None, False, 0)):
+        raise BadFile(f"{path}: it ran with the record {on[0]} ({absent[on[0]]}), which is not installed here: install "
+                      "it to read this run (docs/extending.md)")
+    return {**raw, "diagnostics": {k: v for k, v in diag.items() if k in known}}
+
+
+def _absent_stabiliser(raw: dict, env: dict, path: Path) -> None:
+    model = raw.get("model")
+    _name_absent(model.get("variant") if isinstance(model, dict) else None, env, path)
+
+
+def _name_absent(variant: object, env: object, path: Path) -> None:
+    """One line where `variant` is unknown here and the run's env names it as the stabiliser it trained with."""
+    from flt_diag.config.variants import VARIANTS
+    stab = env.get("stabiliser") if isinstance(env, dict) else None
+    if isinstance(stab, dict) and isinstance(variant, str) and variant not in VARIANTS \
+            and stab.get("name") in variant.split("+"):
+        raise BadFile(f"{path}: it trained with the stabiliser {stab.get('name')} (module {stab.get('module')}, file "
+                      f"{stab.get('file')}), which is not installed here: install or register it to read this run "
+                      "(docs/extending.md)")
 
 
 # --------------------------------------------------------------------------- summary
 
 def load_summary(path: Path) -> F.Summary:
-    return checked(path, F.Summary, read_json(path))
+    """summary.json, checked; its variant, where unknown here, named as the stabiliser of one's own it is (from the
+    run's config.json beside it) instead of a list of the variants known."""
+    raw = read_json(path)
+    if isinstance(raw, dict) and (Path(path).parent / "config.json").is_file():
+        try:
+            env = read_json(Path(path).parent / "config.json").get("env")
+        except (BadFile, AttributeError):
+            env = None
+        _name_absent(raw.get("variant"), env, path)
+    return checked(path, F.Summary, raw)
 
 
 # --------------------------------------------------------------------------- sweep and map specs

@@ -57,9 +57,24 @@ def objective(model: torch.nn.Module, ce: torch.Tensor, seed: int, step: int, mi
 
 
 def step_metrics(model: torch.nn.Module) -> dict:
-    """{metric: value} the model's stabiliser records every step (its `metrics` hook on its part)."""
+    """{metric: value} the model's stabiliser records every step (its `metrics` hook on its part). A name that is
+    flt-diag's own (a core metric or a record's) is one ValueError line naming the stabiliser, before anything of
+    the step is written: written beside the real one it would pass for it (a second `loss` row every step)."""
     metrics = hook(model, "metrics")
-    return {} if metrics is None else metrics(stabiliser_part(model))
+    if metrics is None:
+        return {}
+    out = metrics(stabiliser_part(model))
+    if clash := sorted(set(out) & _own_metric_names()):
+        stab = getattr(model, "stabiliser", None)
+        raise ValueError(f"stabiliser {getattr(stab, 'name', '?')} ({getattr(stab, 'module', '?')}): its metrics hook "
+                         f"names flt-diag's own metric {', '.join(clash)}; give it a name of its own")
+    return out
+
+
+def _own_metric_names() -> set[str]:
+    from flt_diag.storage import metric_names as M
+    own = {v for k, v in vars(M).items() if k.isupper() and isinstance(v, str)} | set(M.RECORDED)
+    return own - {M.INJECTION_RHO}  # (declared in metric_names for a stabiliser's hook to write: Parcae's)
 
 
 def stabiliser_env(model: torch.nn.Module) -> dict:

@@ -76,6 +76,19 @@ class Stabiliser:
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").isalnum() or not self.name[0].isalpha():
             raise ValueError(f"stabiliser name {self.name!r}: letters, digits and '-', starting with a letter")
+        for name, kind in (("description", str), ("source", str), ("strength", str), ("composes", bool)):
+            if not isinstance(getattr(self, name), kind):
+                raise ValueError(f"stabiliser {self.name}: `{name}` must be a {kind.__name__}, got "
+                                 f"{type(getattr(self, name)).__name__}")
+        if isinstance(self.strength_max, bool) or not isinstance(self.strength_max, (int, float)) \
+                or not self.strength_max > 0:
+            raise ValueError(f"stabiliser {self.name}: `strength_max` must be a number above 0, got "
+                             f"{self.strength_max!r}")
+        if not isinstance(self.ours, dict):
+            raise ValueError(f"stabiliser {self.name}: `ours` must be a dict (value -> why)")
+        bad = [h for h in ("parameters", *HOOKS) if getattr(self, h) is not None and not callable(getattr(self, h))]
+        if bad:
+            raise ValueError(f"stabiliser {self.name}: {', '.join(bad)} must be callable")
         if self.base not in PAPER_BASES:
             raise ValueError(f"stabiliser {self.name}: base {self.base!r} is not one of {', '.join(PAPER_BASES)}")
         if (self.part is None) != (self.parameters is None):
@@ -90,6 +103,18 @@ class Stabiliser:
         if not self.module:  # (its hooks' module: where it is written)
             hooks = [h for h in (getattr(self, n) for n in ("parameters", *HOOKS)) if h is not None]
             object.__setattr__(self, "module", getattr(hooks[0], "__module__", "") if hooks else "")
+
+
+def shaped(out: Any, like: Any, model: Any, hook: str) -> Any:
+    """A stream-valued hook's result (`start`, `enter`, `update`), checked to be a tensor of the stream's shape: a
+    stabiliser of one's own that returns another is one ValueError line naming it and the hook, not a matmul's
+    shape error three calls later."""
+    if getattr(out, "shape", None) != like.shape:
+        stab = getattr(model, "stabiliser", None)
+        got = tuple(out.shape) if hasattr(out, "shape") else type(out).__name__
+        raise ValueError(f"stabiliser {getattr(stab, 'name', '?')} ({getattr(stab, 'module', '?')}): its `{hook}` "
+                         f"hook returned {got}; the stream is {tuple(like.shape)}")
+    return out
 
 
 def provenance(stab: Stabiliser) -> dict[str, str]:
