@@ -171,3 +171,42 @@ def test_a_watch_run_that_records_a_sampled_loop_count_is_judged_net_of_it(tmp_p
     assert s.evidence.osc_loop_count == "sampled" and s.osc_dlog_windows[0].count_changes == changes
     assert s.osc_dlog_median == pytest.approx(expected, rel=1e-12)
     assert s.osc_dlog_median_v3 == pytest.approx(float(np.median(np.abs(d))), rel=1e-12)
+
+
+class _Trainer:
+    """What DecidedStop reads of a Trainer: its recipe, run folder, rank, and where it asks the run to stop."""
+
+    def __init__(self, recipe):
+        self.recipe, self.run_dir, self.is_main, self.world, self.stopped = recipe, "run", True, 1, None
+
+    def request_stop(self, text):
+        self.stopped = text
+
+
+def _fed_step_by_step(df: pd.DataFrame):
+    """A DecidedStop fed a run's rows step by step, as the Trainer feeds it; (its decision, the first step at which
+    decided_at on the whole table up to that step decides: the independent replay)."""
+    from flt_diag.judge.decided import decided_at
+    from flt_diag.judge.verdict import Recipe
+    from flt_diag.training.decided_stop import DecidedStop
+    recipe = Recipe.of(series_config(STEPS, loops=12, warmdown_frac=0.2))
+    stop, trainer = DecidedStop(["training"]), _Trainer(recipe)
+    replay = None
+    for step, rows in df.groupby("step", sort=True):
+        stop.on_rows(trainer, int(step), list(rows.itertuples(index=False, name=None)))
+        if replay is None and decided_at(df[df.step <= step], recipe, ["training"]) is not None:
+            replay = int(step)
+    return stop.decision, replay
+
+
+def test_the_stop_once_decided_reads_the_loop_count_as_the_verdict_does():
+    """A stars-like run on a clean descent (v4: stable, v3: unstable): a run stopped once decided must not stop it
+    (it did, when the stop kept no loops_run and so judged by v3: stage D's stars-source probes, 2026-12-07); a real
+    oscillation at a sampled count is stopped at the step the replay on the whole table gives."""
+    r = stars_counts(STEPS)
+    clean = metrics(gradients(r, slope=1.5), r)
+    decision, replay = _fed_step_by_step(clean)
+    assert replay is None and decision is None
+    shaking = metrics(gradients(r, slope=1.5, alternation=0.5), r)
+    decision, replay = _fed_step_by_step(shaking)
+    assert replay is not None and decision is not None and decision.step == replay

@@ -1,7 +1,7 @@
 """Stop a run once its criteria are decided (`--stop-when-decided`; a map's probes: the map's criteria).
 
-`DecidedStop` keeps the records the certainty rules read (loss, gradient norm, and the residual norms above the
-explosion threshold), asks flt_diag.judge.decided.decided_at after every step whether every criterion's outcome is
+`DecidedStop` keeps the records the certainty rules read (loss, gradient norm, the loop count a step ran where it
+varies, and the residual norms above the explosion threshold), asks flt_diag.judge.decided.decided_at after every step whether every criterion's outcome is
 certain, and if so says so (one line, "decided at step s: ...") and ends the run: at once where the step was a
 loop-dynamics snapshot (or the run takes none), else after one more step whose snapshot it asks for, so that the
 run's last snapshot (what an analysis reads at a probe's end) is of the model at the stop. The summary names the
@@ -18,7 +18,8 @@ from flt_diag.judge.decided import RESIDUAL_METRICS, Decision, decided_at
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.file_models import Summary
 
-KEPT = (M.LOSS, M.GRAD_NORM)  # every row of these; of the residual norms only those above the threshold
+KEPT = (M.LOSS, M.GRAD_NORM, M.LOOPS_RUN)  # every row of these (the loop count too: rule 4b nets it out, verdict
+# v4); of the residual norms only those above the threshold
 
 
 class DecidedStop(Callback):
