@@ -347,7 +347,8 @@ def sections(stages: dict, root: Path | None = None) -> tuple[list[str], dict]:
     tests, c_runs, c_lines = stage_c(stages["C"], strengths, best)
     margins, extra = stage_d(stages["D"], best), stage_e(c_runs)
     out = ["**The answer** (stage C's val loss at each variant's tuned strength and best lr against FLT; "
-           "margin: stage D's breaking lr over the best lr, median over seeds 1-3 on the log2 scale):", "",
+           "margin: stage D's breaking lr over the best lr, median over seeds 1-3 on the log2 scale, over the lines "
+           "finished so far: the stage-D table counts them):", "",
            markdown(answer(strengths, best, tests, margins, extra, c_runs)), "", *a_lines, *b_lines, *c_lines, ""]
     if tests is not None:
         import benchmark_2_cpu as CPU
@@ -356,7 +357,9 @@ def sections(stages: dict, root: Path | None = None) -> tuple[list[str], dict]:
                 "variant - FLT with its exact 95 % interval):", "", primary_table(tests), "",
                 "At 2,000 steps by the plan's rule (the three lowest stage-C medians, and FLT): "
                 + ", ".join(R.long_runs(c_runs)) + ".", ""]
-    out += (["Stage D (breaking lr, seeds 1-3, as far as archived):", "", markdown(margins.round(3)), ""]
+    out += (["Stage D (breaking lr, seeds 1-3, as far as archived; kinds: the verdict at each breaking probe's "
+             "stop, `stopped` the step it ended at):", "", markdown(margins.round(3).astype(object).where(
+                 margins.round(3).notna(), "-")), ""]
             if len(margins) else ["Stage D (stability margin): not run.", ""])
     out += (["Stage E (val loss at K minus at K = 12, median over seeds):", "", markdown(extra.round(3).reset_index()), ""]
             if len(extra) else ["Stage E (loop extrapolation): not run.", ""])
