@@ -70,7 +70,9 @@ def load_summary(path: Path) -> F.Summary:
     """summary.json, checked; its variant, where unknown here, named as the stabiliser of one's own it is (from the
     run's config.json beside it) instead of a list of the variants known."""
     raw = read_json(path)
-    if isinstance(raw, dict) and (Path(path).parent / "config.json").is_file():
+    from flt_diag.config.variants import VARIANTS
+    if isinstance(raw, dict) and isinstance(raw.get("variant"), str) and raw["variant"] not in VARIANTS \
+            and (Path(path).parent / "config.json").is_file():  # (read only for an unknown variant: not per load)
         try:
             env = read_json(Path(path).parent / "config.json").get("env")
         except (BadFile, AttributeError):
