@@ -53,3 +53,20 @@ def check_lines(root: Path, c_runs: pd.DataFrame) -> list[str]:
             f"{kind(c_runs[c_runs.variant == 'flt'].path.iloc[0])}, median {np.median(old):.3f} ({old.min():.3f}-"
             f"{old.max():.3f}): exact two-sided p = {p:.4f}, shift {shift:+.3f} [{low:+.3f}, {high:+.3f}] nats; by "
             f"the plan, {reading}."]
+
+
+def code(run: str | Path) -> str:
+    """The commit (12 hex digits) that trained a run, as its config's env.code records it ("unknown" without)."""
+    commit = ((load_config(Path(run)).env or {}).get("code") or {}).get("commit")
+    return str(commit)[:12] if commit else "unknown"
+
+
+def provenance_line(d_runs: pd.DataFrame) -> str:
+    """Stage D's probes by CPU kind and, within each, by the commit that trained them (each record's own env), and
+    the lines (variant, seed) whose probes ran on more than one CPU kind (the plan's lines of 17:08 and 18:48 UTC)."""
+    by = d_runs.assign(kind=[kind(p) for p in d_runs.path], code=[code(p) for p in d_runs.path])
+    parts = [f"{k}: " + ", ".join(f"{c} {len(g)}" for c, g in g_k.groupby("code", sort=True))
+             for k, g_k in by.groupby("kind", sort=True)]
+    mixed = [f"{v} seed {s}" for (v, s), g in by.groupby(["variant", "seed"], sort=False) if g.kind.nunique() > 1]
+    return ("Stage D's probes by CPU kind and code (each record's own env): " + "; ".join(parts) + ". Lines with "
+            "probes of more than one CPU kind: " + (", ".join(mixed) if mixed else "none") + ".")

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+import benchmark_2_cpu as CPU  # noqa: E402  (which CPU kind and code ran each run)
 import benchmark_2_rules as R  # noqa: E402
 from flt_diag.config.variants import STABILISERS  # noqa: E402
 from flt_diag.results.report import markdown as _markdown  # noqa: E402
@@ -351,7 +352,6 @@ def sections(stages: dict, root: Path | None = None) -> tuple[list[str], dict]:
            "finished so far: the stage-D table counts them):", "",
            markdown(answer(strengths, best, tests, margins, extra, c_runs)), "", *a_lines, *b_lines, *c_lines, ""]
     if tests is not None:
-        import benchmark_2_cpu as CPU
         out += [CPU.kinds_line(c_runs), "", *(CPU.check_lines(root, c_runs) + [""] if root is not None else [])]
         out += ["The primary (two-sided exact Mann-Whitney against FLT, Holm over the 11, Hodges-Lehmann shift "
                 "variant - FLT with its exact 95 % interval):", "", primary_table(tests), "",
@@ -359,7 +359,7 @@ def sections(stages: dict, root: Path | None = None) -> tuple[list[str], dict]:
                 + ", ".join(R.long_runs(c_runs)) + ".", ""]
     out += (["Stage D (breaking lr, seeds 1-3, as far as archived; kinds: the verdict at each breaking probe's "
              "stop, `stopped` the step it ended at):", "", markdown(margins.round(3).astype(object).where(
-                 margins.round(3).notna(), "-")), ""]
+                 margins.round(3).notna(), "-")), "", CPU.provenance_line(stages["D"][0]), ""]
             if len(margins) else ["Stage D (stability margin): not run.", ""])
     out += (["Stage E (val loss at K minus at K = 12, median over seeds):", "", markdown(extra.round(3).reset_index()), ""]
             if len(extra) else ["Stage E (loop extrapolation): not run.", ""])

@@ -370,3 +370,22 @@ def test_the_cpu_kind_check_against_scipy_and_the_kinds_from_each_runs_config(te
     shutil.rmtree(new[-1])
     assert CPU.check_lines(tmp_path, c_runs) == [
         "CPU-kind check (amendment of 2026-12-07 14:50 UTC): not finished (7 of 8 runs)."]
+
+
+def test_stage_ds_provenance_counts_each_probes_cpu_kind_and_commit_and_names_mixed_lines(template, tmp_path):
+    """Four probes written by hand: flt seed 1 on AVX2 (commit a x 2) and AVX-512 (commit b); lt seed 1 on AVX2
+    (commit b). Counted per kind and commit from each config; only flt seed 1 mixes kinds."""
+    import benchmark_2_cpu as CPU
+
+    def probe(name, variant, lr, simd, commit):
+        run = _with_cpu(fake(template, tmp_path / name, variant, 1, lr, ST, 1.0), simd)
+        c = json.loads((run / "config.json").read_text())
+        c["env"]["code"] = {"commit": commit * 40}
+        (run / "config.json").write_text(json.dumps(c))
+        return str(run)
+    paths = [probe("f1", "flt", 1.0, ["avx2"], "a"), probe("f2", "flt", 2.0, ["avx2"], "a"),
+             probe("f3", "flt", 4.0, ["avx2", "avx512f"], "b"), probe("l1", "lt", 1.0, ["avx2"], "b")]
+    runs = rows([("flt", 1, lr, 1.0, ST, 1.0) for lr in (1.0, 2.0, 4.0)] + [("lt", 1, 1.0, 1.0, ST, 1.0)])
+    assert CPU.provenance_line(runs.assign(path=paths)) == (
+        "Stage D's probes by CPU kind and code (each record's own env): Test CPU (AVX-512): bbbbbbbbbbbb 1; "
+        "Test CPU (AVX2): aaaaaaaaaaaa 2, bbbbbbbbbbbb 1. Lines with probes of more than one CPU kind: flt seed 1.")
