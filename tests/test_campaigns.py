@@ -93,6 +93,35 @@ def test_a_resume_under_other_code_is_refused_unless_allowed_and_then_recorded(t
     run_map(spec, out, runner=Probe(), report=lambda s: None)  # and so does the pinned code
 
 
+def test_the_same_code_on_another_machine_kind_resumes_and_is_named_once(tmp_path, monkeypatch, capsys):
+    """Resumed by the pinned code on a CPU of another kind: not refused; the new kind named once in `changes` (again
+    on it, or back on the first: nothing added); a code change then names its machine; `status` says which is which."""
+    import flt_diag.grids.campaign as G
+    out, spec = tmp_path / "m", small_spec()
+    a = "a" * 40
+    first = {"arch": "x86_64", "model": "CPU One", "simd": ["avx2"]}
+    second = {"arch": "x86_64", "model": "CPU Two", "simd": ["avx2", "avx512f"]}
+    _pin(monkeypatch, a)
+    monkeypatch.setattr(G, "machine_kind", lambda gpu=None: first)
+    run_map(spec, out, runner=Probe(), report=lambda s: None, only_line=0)
+    monkeypatch.setattr(G, "machine_kind", lambda gpu=None: second)
+    for _ in range(2):
+        run_map(spec, out, runner=Probe(), report=lambda s: None, only_line=1)
+    monkeypatch.setattr(G, "machine_kind", lambda gpu=None: first)
+    run_map(spec, out, runner=Probe(), report=lambda s: None)
+    campaign = json.loads((out / "sweep.json").read_text())["campaign"]
+    assert campaign["machine"] == first and [c["machine"] for c in campaign["changes"]] == [second]
+    assert campaign["changes"][0]["code"]["commit"] == a and campaign["changes"][0]["host"] == socket.gethostname()
+    _pin(monkeypatch, "b" * 40)
+    run_map(spec, out, runner=Probe(), report=lambda s: None, options=CampaignOptions(allow_code_change=True))
+    capsys.readouterr()
+    assert main(["status", str(out)]) == 0
+    said = [x for x in capsys.readouterr().out.splitlines() if " on " in x and ("machine" in x or "change" in x)]
+    assert len(said) == 2 and said[0].startswith("machine added ") and said[0].endswith(": CPU Two (avx512f)")
+    assert said[1].startswith("code change allowed ") and "commit bbbbbbbbbbbb" in said[1] \
+        and said[1].endswith("machine CPU One (avx2)")
+
+
 def test_the_command_refuses_other_code_in_one_line(tmp_path, monkeypatch, capsys):
     out = tmp_path / "sw"
     args = ["run-ablation", "--loops", "2", "--variants", "lt", "--steps", "2", "--device", "cpu", "--depth", "1",

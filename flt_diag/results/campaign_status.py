@@ -12,7 +12,7 @@ from pathlib import Path
 
 from flt_diag.judge.map_boundaries import boundaries, map_lines, probe_cell, spec_from_folder
 from flt_diag.storage import archive
-from flt_diag.storage.campaign import describe_code, read_campaign
+from flt_diag.storage.campaign import describe_code, read_campaign, same_code
 from flt_diag.storage.code_snapshot import read_marker, recorded_folder
 from flt_diag.storage.cells import RunId
 from flt_diag.storage.file_models import MapSpecFile
@@ -214,9 +214,16 @@ def campaign_lines(out: Path) -> list[str]:
         where = recorded_folder(Path(out), campaign.snapshot)
         lines.append(f"snapshot: {where} (commit {str(campaign.snapshot.get('commit'))[:12]}, "
                      + ("present)" if read_marker(where) else "missing: the next run makes it again)"))
+    codes = [campaign.code]
     for change in campaign.changes:
-        lines.append(f"code change allowed {change.get('at', '?')} on {change.get('host', '?')}: "
-                     f"{describe_code(change.get('code') or {})}")
+        code = change.get("code") or {}
+        if any(same_code(code, c) for c in codes):  # (the same code on another machine kind: no code change)
+            lines.append(f"machine added {change.get('at', '?')} on {change.get('host', '?')}: "
+                         f"{describe_machine(change.get('machine'))}")
+        else:
+            lines.append(f"code change allowed {change.get('at', '?')} on {change.get('host', '?')}: "
+                         f"{describe_code(code)}, machine {describe_machine(change.get('machine'))}")
+        codes.append(code)
     return lines
 
 

@@ -2,7 +2,9 @@
 `campaign` (docs/DESIGN.md §5, "Campaigns"). A folder is resumed only by the same code (commit, the same
 uncommitted changes or none, flt-diag's and torch's versions); other code is refused with one line unless the
 command is given --allow-code-change, and then the change is named in `campaign.changes` (the code, the host,
-when). Each run's own config.json names its code and CPU too (`env.code`, `env.cpu`). Torch-free.
+when, the machine). A resume by the same code on a machine of another kind (CPU model or SIMD flags, GPU) is not
+refused but named there too. Each run's own config.json names its code and CPU too (`env.code`, `env.cpu`).
+Torch-free.
 """
 from __future__ import annotations
 
@@ -81,12 +83,22 @@ def resume_campaign(old: Campaign | None, where: Path, machine: dict, allow_chan
     if snapshot is not None and old.snapshot != snapshot:
         old = old.model_copy(update=dict(snapshot=snapshot))
     if same_code(old.code, now) or any(same_code(c.get("code") or {}, now) for c in old.changes):
-        return old
+        return _with_machine(old, now, machine)
     if not allow_change:
         raise StorageError(f"{where} was started by {describe_code(old.code)}; this is {describe_code(now)}: "
                            f"resuming would mix two codes in one campaign; run the pinned code, or give {ALLOW} "
                            "(the change is then recorded in its sweep.json)")
     change = dict(code=now, host=socket.gethostname(), at=time.strftime("%Y-%m-%dT%H:%M:%S"), machine=machine)
+    return old.model_copy(update=dict(changes=[*old.changes, change]))
+
+
+def _with_machine(old: Campaign, code: dict, machine: dict) -> Campaign:
+    """`old`, with a machine kind it has not seen yet (neither its own nor a change's) named in `changes`: the same
+    code on another CPU kind is no code change and is not refused, but its float rounding differs, so the campaign
+    says where each part ran (each run's env.cpu says it per run)."""
+    if machine == old.machine or any(c.get("machine") == machine for c in old.changes):
+        return old
+    change = dict(code=code, host=socket.gethostname(), at=time.strftime("%Y-%m-%dT%H:%M:%S"), machine=machine)
     return old.model_copy(update=dict(changes=[*old.changes, change]))
 
 
