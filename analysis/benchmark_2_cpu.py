@@ -57,7 +57,8 @@ def check_lines(root: Path, c_runs: pd.DataFrame) -> list[str]:
 
 def code(run: str | Path) -> str:
     """The commit (12 hex digits) that trained a run, as its config's env.code records it ("unknown" without)."""
-    commit = ((load_config(Path(run)).env or {}).get("code") or {}).get("commit")
+    code = (load_config(Path(run)).env or {}).get("code")
+    commit = code.get("commit") if isinstance(code, dict) else None
     return str(commit)[:12] if commit else "unknown"
 
 

@@ -389,3 +389,7 @@ def test_stage_ds_provenance_counts_each_probes_cpu_kind_and_commit_and_names_mi
     assert CPU.provenance_line(runs.assign(path=paths)) == (
         "Stage D's probes by CPU kind and code (each record's own env): Test CPU (AVX-512): bbbbbbbbbbbb 1; "
         "Test CPU (AVX2): aaaaaaaaaaaa 2, bbbbbbbbbbbb 1. Lines with probes of more than one CPU kind: flt seed 1.")
+    c = json.loads((Path(paths[0]) / "config.json").read_text())
+    c["env"]["code"] = "a hand-edited line"  # (crafted: no table) -> unknown, never a traceback
+    (Path(paths[0]) / "config.json").write_text(json.dumps(c))
+    assert CPU.code(paths[0]) == "unknown"
