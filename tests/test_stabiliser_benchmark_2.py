@@ -393,3 +393,16 @@ def test_stage_ds_provenance_counts_each_probes_cpu_kind_and_commit_and_names_mi
     c["env"]["code"] = "a hand-edited line"  # (crafted: no table) -> unknown, never a traceback
     (Path(paths[0]) / "config.json").write_text(json.dumps(c))
     assert CPU.code(paths[0]) == "unknown"
+
+
+def test_the_2000_step_runs_are_described_per_variant_as_far_as_archived():
+    """Three runs by hand (flt seeds 1, 2 at 1.50 and 1.60, one `unstable`; parcae-source seed 1 at 1.40): the
+    seeds, median, range and the count not stable, written out; the runs archived out of 16."""
+    runs = rows([("parcae-source", 1, 1.0, 2.0, ST, 1.40), ("flt", 2, 1.0, 1.0, UN, 1.60),
+                 ("flt", 1, 1.0, 1.0, ST, 1.50)]).assign(steps=2000)
+    lines = S.descriptive((runs, 0))
+    assert lines[0].startswith("At 2,000 steps (seeds 1-4, descriptive, no test; 3 of 16 runs archived, steps 2000)")
+    table = lines[2].splitlines()
+    assert table[2] == "| parcae-source | 1 | 1.4 | 1.4 | 1.4 | 0 |"
+    assert table[3] == "| flt | 1 2 | 1.55 | 1.5 | 1.6 | 1 |"
+    assert S.descriptive(None) == ["At 2,000 steps: not run."]
