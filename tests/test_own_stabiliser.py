@@ -121,8 +121,10 @@ def test_watch_takes_a_registered_stabiliser_as_its_variant_and_refuses_an_unkno
 
 
 @pytest.mark.parametrize("target, said", [("nosuchmodule:X", "ModuleNotFoundError"),
-                                          ("json:dumps", "a stabiliser is a flt_diag Stabiliser")])
+                                          ("json:dumps", "a stabiliser is a flt_diag Stabiliser"),
+                                          ("exits:X", "SystemExit: 4")])  # (a module that calls sys.exit(4))
 def test_a_broken_entry_point_is_one_warning_line_and_left_out(tmp_path, target, said):
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(4)\n")
     info = tmp_path / "broken-1.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken\nVersion: 1.0\n")

@@ -191,7 +191,7 @@ def _entry_point_records() -> list[Record]:
     for point in sorted(importlib.metadata.entry_points(group=ENTRY_POINTS), key=lambda p: p.name):
         try:
             found = point.load()
-        except Exception as e:  # (a plugin's own error, whatever it is: said in one line)
+        except (Exception, SystemExit) as e:  # (a plugin's own error, whatever it is, or its exit: said in one line)
             _left_out(f"entry point {point.name} = {point.value}", f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}")
             continue
         record = getattr(found, "RECORD", found)  # (a module holding RECORD, or the record itself)

@@ -156,7 +156,7 @@ def entry_points() -> tuple[Stabiliser, ...]:
     for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINTS), key=lambda ep: ep.name):
         try:
             found.append(_own(ep.load(), ep.module, f"entry point {ep.name} = {ep.value}"))
-        except Exception as e:  # (a plugin's own error, whatever it is: said in one line)
+        except (Exception, SystemExit) as e:  # (a plugin's own error, whatever it is, or its exit: said in one line)
             print(f"warning: stabiliser entry point {ep.name} = {ep.value} left out: {type(e).__name__}: "
                   f"{str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
     return tuple(found)
