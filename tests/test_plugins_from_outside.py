@@ -75,6 +75,19 @@ def test_record_plugins_that_take_a_name_are_said_and_left_out_or_refused(tmp_pa
         "in the record"]
 
 
+@pytest.mark.parametrize("option", ["osc_window", "preset"])  # (a verdict option; the run's --preset)
+def test_a_record_option_named_like_a_verdict_option_or_the_preset_is_one_line(tmp_path, option):
+    """Before: the check knew the model's, training's and diagnostics' options only, so a record option named like
+    the verdict's `osc_window` took its command-line option."""
+    rec = RECORD_OK.format(name=option, metric="my_metric").replace("bool = Field(False", "int = Field(0")
+    env = installed(tmp_path, "verdictrec", "[flt_diag.records]\nv = verdictrec\n", {"verdictrec": rec})
+    run = flt_diag_in(env, "train", "--help")
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines() == [
+        f"error: the record {option} (verdictrec) names the option {option}, which is flt-diag's own: rename it in "
+        "the record"]
+
+
 STAB = ("from flt_diag import Stabiliser\nMINE = Stabiliser(name='mine', description='{d}', source='a plugin', "
         "block=lambda cfg: {{}})\n")
 

@@ -223,21 +223,6 @@ class CoreDiagnostics(Options):
         "prediction). A map sets it to its criteria.", volatile=True, grid=("map",))
 
 
-if TYPE_CHECKING:  # a record's options are keywords (typed where read: record.options_of(cfg), its RecordOptions)
-    class DiagnosticsConfig(CoreDiagnostics):
-        def __init__(self, **options: Any) -> None: ...
-else:
-    for _record in all_records():  # (an option named like a core one would replace it: refused, naming the record)
-        if _taken := sorted(set(_record.options.model_fields) & {*CoreDiagnostics.model_fields,
-                                                                  *ModelConfig.model_fields, *TrainConfig.model_fields}):
-            raise ValueError(f"the record {_record.switch} ({_record.module}) names the option {', '.join(_taken)}, "
-                             "which is flt-diag's own: rename it in the record")
-    DiagnosticsConfig = create_model("DiagnosticsConfig", __base__=CoreDiagnostics, __module__=__name__, **{
-        name: (info.annotation, info) for record in all_records() for name, info in record.options.model_fields.items()})
-    if unswitched := sorted({r.switch for r in all_records()} - set(DiagnosticsConfig.model_fields)):
-        raise ValueError(f"a record is switched by {', '.join(unswitched)}, which is no diagnostics option")
-
-
 class VerdictConfig(Options):
     smooth_window: int = opt(50, "Verdict: steps in the trailing mean that smooths the loss.", ge=1)
     rebound_abs: float = opt(0.25, "Verdict: collapsed if the smoothed loss climbs more than max(this, "
@@ -261,6 +246,22 @@ class PresetOption(Options):
 
     preset: Literal[Preset, "auto"] = opt(  # type: ignore[valid-type]  # (Preset: a Literal at run time)
         "auto", "tiny (CPU, minutes), small (one GPU), paper-small, paper-base, or auto (tiny on CPU, small on GPU).")
+
+
+if TYPE_CHECKING:  # a record's options are keywords (typed where read: record.options_of(cfg), its RecordOptions)
+    class DiagnosticsConfig(CoreDiagnostics):
+        def __init__(self, **options: Any) -> None: ...
+else:
+    for _record in all_records():  # (an option named like a core one would replace it: refused, naming the record)
+        if _taken := sorted(set(_record.options.model_fields) & {*CoreDiagnostics.model_fields,
+                                                                  *ModelConfig.model_fields, *TrainConfig.model_fields,
+                                                                  *VerdictConfig.model_fields, *PresetOption.model_fields}):
+            raise ValueError(f"the record {_record.switch} ({_record.module}) names the option {', '.join(_taken)}, "
+                             "which is flt-diag's own: rename it in the record")
+    DiagnosticsConfig = create_model("DiagnosticsConfig", __base__=CoreDiagnostics, __module__=__name__, **{
+        name: (info.annotation, info) for record in all_records() for name, info in record.options.model_fields.items()})
+    if unswitched := sorted({r.switch for r in all_records()} - set(DiagnosticsConfig.model_fields)):
+        raise ValueError(f"a record is switched by {', '.join(unswitched)}, which is no diagnostics option")
 
 
 class RunConfig(Options):
