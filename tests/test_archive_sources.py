@@ -185,6 +185,30 @@ def test_a_long_eval_loops_csv_is_kept_whole_and_a_huge_one_refused(tmp_path, ca
     assert not (tmp_path / "arch2").exists()
 
 
+@pytest.mark.parametrize("table, words", [
+    ('loops,val_loss\n"3,2.0\n', "its eval_loops table cannot be read"),  # an unclosed quote: pandas' ParserError
+    ("a,b\n1,2\n", "no loops and val_loss column"),  # none of the table's columns
+    ("loops,trained_loops,val_loss,perplexity,data,batches\nthree,3,x,y,stdlib,2\n", "holds 'three', not a number"),
+])
+def test_a_records_crafted_eval_loops_table_is_one_line_where_it_is_read(tmp_path, capsys, table, words):
+    """A record whose stored eval_loops table was edited: `plot loops` on its archive refuses it in one line,
+    writes no figure, and leaves the record as it was."""
+    run = make_run(tmp_path / "lt", "lt", 3)
+    (run / "eval_loops.csv").write_text("loops,trained_loops,val_loss,perplexity,data,batches\n"
+                                        "3,3,2.0,7.4,stdlib,2\n6,3,2.1,8.2,stdlib,2\n")
+    assert run_cli(["archive", run, "--to", tmp_path / "arch"], capsys)[0] == 0
+    record = tmp_path / "arch" / "lt.parquet"
+    t = pq.read_table(record)
+    meta = json.loads(t.schema.metadata[archive.META_KEY])
+    meta["eval_loops"] = table
+    pq.write_table(t.replace_schema_metadata({**t.schema.metadata, archive.META_KEY: json.dumps(meta).encode()}),
+                   record)
+    before = record.read_bytes()
+    refused(["plot", "loops", tmp_path / "arch", "--out", tmp_path / "figs"], capsys, words)
+    figs = tmp_path / "figs"
+    assert record.read_bytes() == before and not (figs.exists() and any(figs.iterdir()))
+
+
 # --------------------------------------------------------------------------- temporary files, links, plot
 
 KILLED = """
