@@ -14,6 +14,7 @@ import pytest
 
 import processes
 from conftest import within
+from cli_errors import one_error_line
 from fake_runs import make_series_run, make_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,16 +34,10 @@ def _status(name: str, argv: list) -> int:
         return e.code
 
 
-def _one_error_line(capsys) -> str:
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
-
-
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_a_bad_argument_is_one_line_and_exit_2(tmp_path, name, capsys):
     argv = [tmp_path / "x", "--out", tmp_path / "o", "--no-such-option"]
-    assert _status(name, argv) == 2 and "--no-such-option" in _one_error_line(capsys)
+    assert _status(name, argv) == 2 and "--no-such-option" in one_error_line(capsys)
     assert not (tmp_path / "o").exists()
 
 
@@ -55,7 +50,7 @@ def test_a_bad_argument_is_one_line_and_exit_2(tmp_path, name, capsys):
 def test_a_missing_input_is_one_line_and_exit_2(tmp_path, capsys, name, argv):
     missing = tmp_path / "nowhere"
     code = importlib.import_module(name).main([a.format(missing=missing, tmp=tmp_path) for a in argv])
-    assert code == 2 and "nowhere" in _one_error_line(capsys)
+    assert code == 2 and "nowhere" in one_error_line(capsys)
 
 
 # ---------------------------------------------------------------- counts and steps
@@ -70,7 +65,7 @@ def test_a_missing_input_is_one_line_and_exit_2(tmp_path, capsys, name, argv):
                                         ("evaluate_warning", ["{sweep}", "--out", "{tmp}/o", "--set", "name-only"])])
 def test_a_count_or_step_out_of_range_is_refused_before_anything_is_read(tmp_path, capsys, name, argv):
     sweep = tmp_path / "not-read"  # (never made: the argument is refused first)
-    assert _status(name, [a.format(sweep=sweep, tmp=tmp_path) for a in argv]) == 2 and _one_error_line(capsys)
+    assert _status(name, [a.format(sweep=sweep, tmp=tmp_path) for a in argv]) == 2 and one_error_line(capsys)
     assert not (tmp_path / "o").exists()
 
 
@@ -83,7 +78,7 @@ def test_an_empty_column_is_one_line_never_a_traceback_or_nan(tmp_path, capsys, 
     table[column] = np.nan
     table.to_csv(tmp_path / "rows.csv", index=False)
     code = importlib.import_module("paired_auroc").main([str(tmp_path / "rows.csv"), "--draws", "20", *argv])
-    assert code == 2 and column in _one_error_line(capsys)
+    assert code == 2 and column in one_error_line(capsys)
     assert "nan" not in capsys.readouterr().out
 
 
@@ -94,7 +89,7 @@ def test_rows_that_are_not_a_regular_file_are_refused_unread(tmp_path, capsys, k
         os.mkfifo(path)
     with within(20):
         assert importlib.import_module("paired_auroc").main([str(path)]) == 2
-    assert "not a file" in _one_error_line(capsys)
+    assert "not a file" in one_error_line(capsys)
 
 
 # ---------------------------------------------------------------- loop_dynamics_table: records no run has
@@ -145,5 +140,5 @@ def test_a_crafted_page_is_one_line_and_left_as_it_was(tmp_path, monkeypatch, ca
     monkeypatch.setattr(docs_tables, "PAGES", [path])
     with within(120):
         assert docs_tables.main([]) == 2
-    assert "page.md" in _one_error_line(capsys) or page not in (None, "fifo")
+    assert "page.md" in one_error_line(capsys) or page not in (None, "fifo")
     assert (path.read_bytes() if path.is_file() else None) == before

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from cli_errors import one_error_line
 from flt_diag.cli import main
 from flt_diag.cli.app import parse
 from flt_diag.cli.commands import COMMANDS
@@ -63,20 +64,12 @@ def test_every_list_option_takes_spaces_commas_repetition_and_equals(command, o)
         assert values[o.dest] == (parsed[:1] if form == "equals" else parsed), form
 
 
-def _one_error_line(capsys) -> str:
-    out, err = capsys.readouterr()
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), lines
-    assert "╭" not in out + err and "Traceback" not in err  # no usage box, no traceback
-    return lines[0]
-
-
 def test_a_negative_number_is_a_value_refused_by_its_range_in_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["train", "--lr-scale", "-1"]) == 2
-    assert "--lr-scale must be > 0, got -1.0" in _one_error_line(capsys)
+    assert "--lr-scale must be > 0, got -1.0" in one_error_line(capsys)
     assert main(["run-ablation", "--loops", "3", "-6", "--list"]) == 2
-    assert "--loops must be in 1..1024, got -6" in _one_error_line(capsys)
+    assert "--loops must be in 1..1024, got -6" in one_error_line(capsys)
     assert parse(["run-ablation", "--lr-scale", "-0.5", "2e-1"])[1]["lr_scale"] == [-0.5, 0.2]
     assert list(tmp_path.iterdir()) == []
 
@@ -102,7 +95,7 @@ def test_double_dash_ends_the_options():
 def test_every_usage_error_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, args, words):
     monkeypatch.chdir(tmp_path)
     assert main(args) == 2
-    assert words in _one_error_line(capsys)
+    assert words in one_error_line(capsys)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_errors import one_error_line
 from fake_runs import make_sweep
 from flt_diag.cli import main
 
@@ -53,12 +54,6 @@ def damage(sweep: Path, how: str, name: str = CELL) -> None:
     elif how == "cell-a-link":
         shutil.rmtree(cell)
         os.symlink(sweep / "cells" / "flt_K03_seed0_lr1", cell)
-
-
-def one_error_line(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "Traceback" not in err[0], err
-    return err[0]
 
 
 @pytest.mark.parametrize("how", ["metrics-gone", "metrics-emptied", "metrics-a-file"])

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from cli_errors import one_error_line
 from conftest import tiny_config, within
 from fake_runs import make_sweep
 from flt_diag.cli import main
@@ -15,12 +16,6 @@ from flt_diag.data import corpus
 from test_train import Interrupt
 from flt_diag.storage import files
 from flt_diag.storage.folders import LOCK, StorageError, folder_lock
-
-
-def _one_error_line(capsys) -> str:
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
 
 
 # ---------------------------------------------------------------- --tokenizer
@@ -47,7 +42,7 @@ def test_train_with_a_device_as_tokenizer_is_one_line_and_writes_nothing(tmp_pat
     with within(60):
         code = main(["train", "--tokenizer", "/dev/zero", "--steps", "1", "--device", "cpu", "--out",
                      str(tmp_path / "run")])
-    assert code == 2 and "/dev/zero is a device" in _one_error_line(capsys)
+    assert code == 2 and "/dev/zero is a device" in one_error_line(capsys)
     assert not (tmp_path / "run").exists()
 
 
@@ -63,7 +58,7 @@ def test_a_study_over_the_bound_is_refused_before_it_is_parsed_and_one_at_the_bo
     study.write_text(head + "x" * (files.MAX_STUDY_BYTES - len(head) - len(tail) + 1) + tail)  # one byte more
     started = time.perf_counter()
     assert main(["study", str(study), "--list"]) == 2
-    assert f"over {files.MAX_STUDY_BYTES:,} bytes" in _one_error_line(capsys)
+    assert f"over {files.MAX_STUDY_BYTES:,} bytes" in one_error_line(capsys)
     assert time.perf_counter() - started < 30
 
 
@@ -93,7 +88,7 @@ def test_a_sweep_whose_cells_is_not_a_folder_is_one_line(tmp_path, capsys, kind)
     (sweep / "cells").write_text("x") if kind == "file" else os.mkfifo(sweep / "cells")
     with within(20):
         code = main(["summary", str(sweep)])
-    line = _one_error_line(capsys)
+    line = one_error_line(capsys)
     assert code == 2 and str(sweep / "cells") in line and "not a folder" in line
     assert "no finished runs" not in capsys.readouterr().out
 

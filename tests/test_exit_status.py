@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli_errors import one_error_line
 from fake_runs import make_run
 from flt_diag.storage.folders import load_summary
 from flt_diag.cli import main
@@ -84,8 +85,7 @@ def test_summary_of_a_run_whose_config_is_half_written_is_one_line_and_leaves_th
     (run / "config.json").write_text(text[:len(text) // 2])
     before = {p.name: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
     assert main(["summary", str(run)]) == 2
-    err = _stderr_lines(capsys)
-    assert len(err) == 1 and err[0].startswith("error: ") and "config.json" in err[0]
+    assert "config.json" in one_error_line(capsys)
     assert {p.name: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == before
     (run / "config.json").write_text(text)  # whole again: the summary is printed
     assert main(["summary", str(run)]) == 0
@@ -142,8 +142,7 @@ def test_fit_predictor_refuses_labels_of_one_class(tmp_path, capsys):
     runs = [make_run(tmp_path / f"r{seed}", "flt", 3, seed=seed) for seed in (0, 1)]
     assert {load_summary(r).verdict for r in runs} == {"stable"}  # no run fails: nothing to tell apart
     code = main(["fit-predictor", *map(str, runs), "--at", "20", "--out", str(tmp_path / "p.json")])
-    err = _stderr_lines(capsys)
-    assert code == 2 and len(err) == 1 and "every one of the 2 finished runs does not have the target fails" in err[0]
+    assert code == 2 and "every one of the 2 finished runs does not have the target fails" in one_error_line(capsys)
     assert not (tmp_path / "p.json").exists()
 
 
@@ -151,7 +150,7 @@ def test_fit_predictor_refuses_when_no_run_reaches_a_step(tmp_path, capsys):
     runs = [make_run(tmp_path / "a", "lt", 12, collapsed=True), make_run(tmp_path / "b", "flt", 3)]
     steps = {load_summary(r).steps_done for r in runs}
     code = main(["fit-predictor", *map(str, runs), "--at", str(max(steps) + 100), "--out", str(tmp_path / "p.json")])
-    assert code == 2 and "no finished run ran past any step of --at" in _stderr_lines(capsys)[0]
+    assert code == 2 and "no finished run ran past any step of --at" in one_error_line(capsys)
     assert not (tmp_path / "p.json").exists()
 
 
@@ -174,7 +173,7 @@ def test_a_predictor_threshold_outside_0_1_is_refused_before_the_first_step(tmp_
 
 def test_an_empty_predictor_name_is_an_error_not_the_packaged_predictor(tmp_path, capsys):
     assert main(_train(BASE, tmp_path / "run", "--warn", "--predictor", "")) == 2
-    assert "the predictor file name is empty" in _stderr_lines(capsys)[0]
+    assert "the predictor file name is empty" in one_error_line(capsys)
     assert not (tmp_path / "run").exists()
 
 
@@ -291,9 +290,8 @@ def test_a_warning_added_on_resume_sees_the_steps_trained_before(tmp_path):
 def test_a_corpus_parquet_that_is_not_parquet_is_one_line_without_library_logs(tmp_path, capsys, content):
     (tmp_path / "bad.parquet").write_bytes(content)
     code = main(_train({**BASE, "--data": str(tmp_path / "bad.parquet")}, tmp_path / "run"))
-    err = _stderr_lines(capsys)
-    assert code == 2 and len(err) == 1 and err[0].startswith(f"error: data file {tmp_path / 'bad.parquet'} is not a "
-                                                             "readable Parquet file"), err
+    assert code == 2 and one_error_line(capsys).startswith(f"error: data file {tmp_path / 'bad.parquet'} is not a "
+                                                           "readable Parquet file")
 
 
 def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):

@@ -11,6 +11,8 @@ import pandas as pd
 import pytest
 from scipy.stats import mannwhitneyu
 
+from cli_errors import one_error_line
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "analysis"))
 import paired_auroc as P  # noqa: E402
@@ -97,16 +99,10 @@ def test_the_refit_and_prior_reproduce_the_committed_w4_aurocs_at_step_300():
     assert P.auroc(at.failed, prior) == pytest.approx(committed["prior (config CV)"], abs=1e-9)
 
 
-def _one_error_line(capsys) -> str:
-    err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
-
-
 def test_the_command_refuses_a_missing_file_and_a_table_without_labels(tmp_path, capsys):
-    assert P.main([str(tmp_path / "none.csv")]) == 2 and "none.csv" in _one_error_line(capsys)
+    assert P.main([str(tmp_path / "none.csv")]) == 2 and "none.csv" in one_error_line(capsys, blank_lines=False)
     (tmp_path / "t.csv").write_text("a,b\n1,2\n")
-    assert P.main([str(tmp_path / "t.csv")]) == 2 and "failed" in _one_error_line(capsys)
+    assert P.main([str(tmp_path / "t.csv")]) == 2 and "failed" in one_error_line(capsys, blank_lines=False)
 
 
 def test_exact_mode_prints_one_row_per_step(capsys):
@@ -115,4 +111,4 @@ def test_exact_mode_prints_one_row_per_step(capsys):
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2 + 4 and "| 300 | 7 (2) | 1.00 | 0.048 | 1/21 = 0.048 |" in out
     assert P.main([str(W4 / "rows.csv"), "--exact", "exit-loss gap (final - best loop)", "--where", "loops=99"]) == 2
-    assert "no row" in _one_error_line(capsys)
+    assert "no row" in one_error_line(capsys, blank_lines=False)

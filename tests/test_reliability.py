@@ -13,6 +13,7 @@ import torch
 
 import processes
 from conftest import tiny_config
+from cli_errors import one_error_line
 from flt_diag.cli import main
 from flt_diag.storage.folders import StorageError, folder_lock
 
@@ -21,18 +22,12 @@ def _snapshot(folder: Path) -> dict:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def _one_error_line(capsys) -> str:
-    err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
-
-
 def test_a_second_writer_of_a_run_folder_is_refused(tmp_path, capsys):
     run = tmp_path / "run"
     with folder_lock(run):  # another process would hold the same flock
         code = main(["train", "--steps", "2", "--device", "cpu", "--out", str(run)])
         assert [p.name for p in run.iterdir()] == [".lock"]  # nothing was written (the lock is the holder's)
-    assert code == 2 and "being written by another flt-diag process" in _one_error_line(capsys)
+    assert code == 2 and "being written by another flt-diag process" in one_error_line(capsys)
 
 
 def test_a_second_sweep_on_the_same_folder_is_refused(tmp_path, capsys):
@@ -40,7 +35,7 @@ def test_a_second_sweep_on_the_same_folder_is_refused(tmp_path, capsys):
     with folder_lock(out):
         code = main(["run-ablation", "--loops", "2", "--variants", "lt", "--steps", "2", "--device", "cpu",
                      "--out", str(out), "--quiet"])
-    assert code == 2 and "being written by another" in _one_error_line(capsys)
+    assert code == 2 and "being written by another" in one_error_line(capsys)
 
 
 def test_the_lock_of_a_dead_process_is_free(tmp_path, spawn):
@@ -139,7 +134,7 @@ def test_bad_devices_and_paths_are_one_line(tmp_path, capsys, args):
     if torch.cuda.is_available() and "cuda" in args:
         pytest.skip("CUDA present")
     assert main(args + (["--steps", "1"] if args[0] == "train" else [])) == 2
-    _one_error_line(capsys)
+    one_error_line(capsys)
     assert f.read_text() == "x"
 
 
@@ -277,7 +272,7 @@ def test_bad_corpus_files_are_one_line_before_any_folder(tmp_path, capsys, monke
     monkeypatch.setenv("FLT_DIAG_CACHE", str(tmp_path / "cache"))
     (tmp_path / name).write_bytes(content)
     code = main(["train", "--data", str(tmp_path / name), "--steps", "2", "--device", "cpu", "--out", str(tmp_path / "r")])
-    assert code == 2 and message in _one_error_line(capsys)
+    assert code == 2 and message in one_error_line(capsys)
     assert not (tmp_path / "r").exists()
 
 
@@ -294,7 +289,7 @@ def test_folders_that_are_not_flt_diag_folders_are_one_line(tmp_path, capsys):
     (tmp_path / "sw" / "sweep.json").write_text("{}")
     assert main(["run-ablation", "--loops", "2", "--variants", "lt", "--steps", "1", "--device", "cpu",
                  "--out", str(tmp_path / "sw"), "--quiet"]) == 2
-    assert "sweep.json: variants is missing" in _one_error_line(capsys)
+    assert "sweep.json: variants is missing" in one_error_line(capsys)
     assert (tmp_path / "sw" / "sweep.json").read_text() == "{}"
 
 
@@ -303,7 +298,7 @@ def test_report_into_a_folder_is_refused_without_leftovers(tmp_path, capsys):
     train(tiny_config(variant="lt", loops=2, steps=2), tmp_path / "run")
     (tmp_path / "out").mkdir()
     assert main(["report", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 2
-    assert "is a folder" in _one_error_line(capsys)
+    assert "is a folder" in one_error_line(capsys)
     assert list((tmp_path / "out").iterdir()) == [] and not list(tmp_path.glob(".*tmp*"))
 
 
@@ -319,7 +314,7 @@ def test_a_failed_write_leaves_no_temporary_file(tmp_path):
 def test_os_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     code = main(["train", "--steps", "1", "--device", "cpu", "--out", str(tmp_path / "file" / "run")])
-    assert code == 2 and _one_error_line(capsys)
+    assert code == 2 and one_error_line(capsys)
 
 
 @pytest.mark.slow  # ~1-2.5 min: three sweeps of two cells

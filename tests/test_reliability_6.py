@@ -9,17 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from cli_errors import one_error_line
 from flt_diag.cli import main
 from flt_diag.config.grid_options import geometric_grid
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "analysis"))
-
-
-def _one_error_line(capsys) -> str:
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
 
 
 # ------------------------------------------------------------------ 1. derived from two options
@@ -48,7 +43,7 @@ def test_a_grid_of_a_tiny_lo_and_a_huge_ratio_is_made_without_overflow():
 ])
 def test_an_option_whose_derived_quantity_overflows_is_one_line(tmp_path, capsys, argv):
     assert main([*argv, "--out", str(tmp_path / "out")]) == 2
-    line = _one_error_line(capsys)
+    line = one_error_line(capsys)
     assert "--hi" in line or "at most 65" in line or "--steps" in line or "--threads" in line  # what is wrong, named
     assert not (tmp_path / "out").exists()
 
@@ -57,7 +52,7 @@ def test_a_study_file_whose_grid_cannot_be_made_is_named(tmp_path, capsys):
     study = tmp_path / "s.toml"
     study.write_text('[map]\nvariants = ["parcae"]\nloops = [2]\nlo = 1e-300\nhi = 1e6\nratio = 1.0000001\n')
     assert main(["study", str(study), "--list"]) == 2
-    line = _one_error_line(capsys)
+    line = one_error_line(capsys)
     assert str(study) in line and "at most 65" in line
 
 
@@ -109,14 +104,14 @@ def test_an_analysis_script_says_a_fifo_is_a_fifo(tmp_path, capsys, name):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     assert _script(name, [fifo]) == 2
-    assert f"{fifo} is a FIFO (named pipe), not a folder" in _one_error_line(capsys)
+    assert f"{fifo} is a FIFO (named pipe), not a folder" in one_error_line(capsys)
 
 
 def test_regenerate_refusing_leaves_no_out(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     out = tmp_path / "new" / "out"
     assert _script("regenerate", [tmp_path / "empty", "--out", out]) == 2
-    assert "neither a run folder" in _one_error_line(capsys)
+    assert "neither a run folder" in one_error_line(capsys)
     assert not (tmp_path / "new").exists()  # nothing it made is left, not even an empty folder
 
 

@@ -14,15 +14,10 @@ import pandas as pd
 import pytest
 
 import processes
+from cli_errors import one_error_line
 from flt_diag.cli import main
 
 TRAIN = ["train", "--steps", "3", "--device", "cpu", "--preset", "tiny", "--loops", "2", "--depth", "1"]
-
-
-def _one_error_line(capsys) -> str:
-    err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
 
 
 @pytest.fixture(scope="module")
@@ -89,11 +84,11 @@ def test_one_run_named_twice_is_archived_once(finished_run, tmp_path, capsys):
     shutil.copytree(finished_run, copy)
     for sources, words in (([finished_run, link], "one folder"), ([finished_run, copy], "copies of one run")):
         assert main(["archive", *map(str, sources), "--to", str(tmp_path / "A")]) == 2
-        assert words in _one_error_line(capsys) and not (tmp_path / "A").exists()
+        assert words in one_error_line(capsys) and not (tmp_path / "A").exists()
     assert main(["archive", str(finished_run), "--to", str(tmp_path / "A")]) == 0
     capsys.readouterr()
     assert main(["archive", str(copy), "--to", str(tmp_path / "A")]) == 2
-    assert "is archived in" in (line := _one_error_line(capsys)) and "already, as run1.parquet" in line
+    assert "is archived in" in (line := one_error_line(capsys)) and "already, as run1.parquet" in line
     assert sorted(p.name for p in (tmp_path / "A").iterdir()) == ["run1.parquet"]
 
 
@@ -103,7 +98,7 @@ def test_a_record_copied_under_another_name_is_one_line_not_a_second_run(finishe
     shutil.copy(archive_ / "run1.parquet", archive_ / "renamed.parquet")
     capsys.readouterr()
     assert main(["summary", str(archive_)]) == 2
-    line = _one_error_line(capsys)
+    line = one_error_line(capsys)
     assert "renamed.parquet is named 'renamed' but holds the archive of 'run1'" in line
     assert (archive_ / "run1.parquet").exists() and (archive_ / "renamed.parquet").exists()  # nothing removed
 
@@ -113,7 +108,7 @@ def test_to_inside_an_archive_of_runs_is_refused(finished_run, tmp_path, capsys)
     assert main(["archive", str(finished_run), "--to", str(archive_)]) == 0
     capsys.readouterr()
     assert main(["archive", str(finished_run), "--to", str(archive_ / "sub")]) == 2
-    assert "inside an archive of runs" in _one_error_line(capsys) and not (archive_ / "sub").exists()
+    assert "inside an archive of runs" in one_error_line(capsys) and not (archive_ / "sub").exists()
 
 
 def test_an_unrelated_run_in_a_plan_folder_is_named_not_analysed(finished_run, tmp_path, capsys):
@@ -161,7 +156,7 @@ def test_a_destination_that_is_no_folder_is_named_for_what_it_is(finished_run, t
     dest, words = _destination(tmp_path, kind)
     argv = ["archive", str(finished_run), "--to", str(dest)] if command == "archive" else [*TRAIN, "--out", str(dest)]
     assert main(argv) == 2
-    line = _one_error_line(capsys)
+    line = one_error_line(capsys)
     assert words in line and "File exists" not in line and "not empty" not in line, line
     assert not (tmp_path / "nowhere").exists()  # nothing made through the link
 

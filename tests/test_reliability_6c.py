@@ -16,15 +16,10 @@ from flt_diag.training.reference import export_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "analysis"), str(Path(__file__).resolve().parent)]
+from cli_errors import one_error_line  # noqa: E402
 from fake_runs import make_run  # noqa: E402
 
 TRAIN = ["train", "--steps", "3", "--device", "cpu", "--preset", "tiny", "--loops", "2", "--depth", "1"]
-
-
-def one_error_line(capsys) -> str:
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ import torch.nn as nn
 
 import flt_diag
 from conftest import tiny_config, within
+from cli_errors import one_error_line
 from fake_runs import make_run, make_sweep
 from probe_models import D, T, UniversalTransformer, batches, hf_fit, lightning_fit, lightning_module, lm_loss
 from flt_diag.cli import main
@@ -29,12 +30,6 @@ from flt_diag.storage.folders import CONFIG, SUMMARY, MetricsWriter, StorageErro
 from flt_diag.instruments.callbacks import Callback
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _one_error_line(capsys) -> str:
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
 
 
 def _one_probe_error(excinfo, words: str) -> None:
@@ -406,7 +401,7 @@ def test_summary_recompute_follows_the_rows_stored(tmp_path, capsys):
 def test_a_study_nested_5000_deep_is_one_line(tmp_path, capsys, text):
     (tmp_path / "s.toml").write_text(text + "\n")
     assert main(["study", str(tmp_path / "s.toml")]) == 2
-    assert "s.toml" in _one_error_line(capsys)
+    assert "s.toml" in one_error_line(capsys)
 
 
 # ---------------------------------------------------------------- the analysis scripts write as flt-diag does
@@ -449,7 +444,7 @@ def test_summary_sensitivity_does_not_pool_a_map_with_a_sweep(tmp_path, capsys):
     prepare_map_folder(MapSpec(tiny_config(steps=2), ["lt"], [2], [0], "lr", [0.5, 1.0], ["training"]), tmp_path / "map")
     assert main(["summary", str(sweep), str(tmp_path / "map"), "--sensitivity",
                  "--sensitivity-csv", str(tmp_path / "s.csv")]) == 2
-    assert "is a map folder" in _one_error_line(capsys) and not (tmp_path / "s.csv").exists()
+    assert "is a map folder" in one_error_line(capsys) and not (tmp_path / "s.csv").exists()
 
 
 @pytest.mark.parametrize("bad", ["folder", "link", "fifo", "no parent"])
@@ -466,7 +461,7 @@ def test_fit_predictor_writes_no_examples_when_out_is_refused(tmp_path, capsys, 
     else:
         out = tmp_path / "missing" / "p.json"
     code = main(["fit-predictor", str(sweep), "--out", str(out), "--at", "20", "--examples-out", str(tmp_path / "ex.csv")])
-    assert code == 2 and _one_error_line(capsys) and not (tmp_path / "ex.csv").exists()
+    assert code == 2 and one_error_line(capsys) and not (tmp_path / "ex.csv").exists()
 
 
 def test_a_refused_resume_leaves_config_json_as_it_was(tmp_path, capsys):

@@ -14,18 +14,13 @@ import pytest
 import torch
 
 from conftest import tiny_config
+from cli_errors import one_error_line
 from fake_runs import make_run, make_sweep
 from flt_diag.cli import main
 from flt_diag.storage.cells import RunId
 from flt_diag.storage.files import load_examples, load_predictor, load_spec
 from flt_diag.storage import metric_names as M
 from flt_diag.storage.folders import folder_lock
-
-
-def _one_error_line(capsys) -> str:
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
 
 
 def _files(folder) -> dict:
@@ -107,7 +102,7 @@ SPECS = [  # (command line, what the one error line says): refused before any fo
 @pytest.mark.parametrize("args, message", SPECS, ids=[f"{a[0]}-{m}" for a, m in SPECS])
 def test_a_spec_is_refused_before_anything_runs(tmp_path, capsys, args, message):
     assert main([*args, "--steps", "2", "--device", "cpu", "--out", str(tmp_path / "out")]) == 2
-    assert message in _one_error_line(capsys)
+    assert message in one_error_line(capsys)
     assert not (tmp_path / "out").exists()
 
 
@@ -130,7 +125,7 @@ def test_a_fit_on_features_that_say_nothing_writes_nothing(tmp_path, capsys, fea
     with _no_warnings():
         code = main(["fit-predictor", str(sweep), "--at", "20", "40", "--features", *features,
                      "--out", str(tmp_path / "p.json"), "--examples-out", str(tmp_path / "e.csv")])
-    assert code == 2 and "carries no information" in (line := _one_error_line(capsys)) and why in line, line
+    assert code == 2 and "carries no information" in (line := one_error_line(capsys)) and why in line, line
     assert not (tmp_path / "p.json").exists() and not (tmp_path / "e.csv").exists()
 
 
@@ -211,7 +206,7 @@ def test_a_map_is_never_pooled(tmp_path, capsys, command, kinds):
             folders.append(tmp_path / f"map{i}")
     args = [a.replace("{tmp}", str(tmp_path)) for a in command]
     assert main([*args[:2 if args[0] == "plot" else 1], *map(str, folders), *args[2 if args[0] == "plot" else 1:]]) == 2
-    assert "is a map folder" in _one_error_line(capsys)
+    assert "is a map folder" in one_error_line(capsys)
     assert not (tmp_path / "r.html").exists() and not (tmp_path / "f").exists()
 
 
@@ -224,7 +219,7 @@ def test_a_second_copy_of_a_cell_task_is_not_a_failure(tmp_path, capsys):
     (cell / "summary.json").unlink()  # unfinished again: a task would train it
     with folder_lock(cell):  # the first copy of the task, training the cell
         assert main(args) == 2
-        line = _one_error_line(capsys)  # what it is: busy, whose, since when
+        line = one_error_line(capsys)  # what it is: busy, whose, since when
         assert "is busy" in line and f"held by pid {os.getpid()} on host {socket.gethostname()} since " in line
         assert not (cell / "error.txt").exists()
     assert main(args) == 0 and not (cell / "error.txt").exists()

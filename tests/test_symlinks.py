@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_errors import one_error_line
 from flt_diag.cli import main
 from flt_diag.storage.folders import LOCK, StorageError, atomic_write_text, folder_lock
 
@@ -17,12 +18,6 @@ def _outside(tmp_path) -> Path:
     f.parent.mkdir(exist_ok=True)
     f.write_text(PRECIOUS)
     return f
-
-
-def _one_error_line(capsys) -> str:
-    err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +37,7 @@ def test_a_rerun_into_a_folder_whose_lock_is_a_link_leaves_the_target_alone(fini
     run, target = _copy(finished_run, tmp_path / "run"), _outside(tmp_path)
     (run / LOCK).symlink_to(target)
     assert main([*TRAIN, "--out", str(run)]) == 2
-    assert "symbolic link" in _one_error_line(capsys)
+    assert "symbolic link" in one_error_line(capsys)
     assert target.read_text() == PRECIOUS and (run / LOCK).is_symlink()
 
 
@@ -73,7 +68,7 @@ def test_a_linked_metrics_folder_is_refused(finished_run, tmp_path, capsys):
     (run / "metrics").symlink_to(elsewhere, target_is_directory=True)
     before = {p.name: p.read_bytes() for p in elsewhere.iterdir()}
     assert main([*TRAIN, "--out", str(run)]) == 2
-    assert "symbolic link" in _one_error_line(capsys)
+    assert "symbolic link" in one_error_line(capsys)
     assert {p.name: p.read_bytes() for p in elsewhere.iterdir()} == before
 
 
@@ -82,7 +77,7 @@ def test_a_report_whose_target_is_a_link_is_refused(finished_run, tmp_path, caps
     link = tmp_path / "report.html"
     link.symlink_to(target)
     assert main(["report", str(finished_run), "--out", str(link)]) == 2
-    assert "symbolic link" in _one_error_line(capsys)
+    assert "symbolic link" in one_error_line(capsys)
     assert target.read_text() == PRECIOUS
 
 
