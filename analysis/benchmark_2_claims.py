@@ -137,3 +137,57 @@ def stage_c_cpu_claims(data: Path) -> list[str]:
              for k, g_k in by.groupby("kind", sort=True)]
     return ["stage C's runs span two CPU kinds: " + "; ".join(parts)] if len(parts) == 2 else \
         [f"stage C's runs ran on {len(parts)} CPU kind(s): " + "; ".join(parts)]
+
+
+def stage_d(data: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(stage D's per-variant table as the reader prints it, its probes); LookupError before stage B is complete."""
+    got = B2.read_archive(data / "runs" / "stabiliser-bench-2")
+    strengths, _ = B2.stage_a(got["A"])
+    best, _ = B2.stage_b(got["B"], None if got["A"] is None else got["A"][0], strengths)
+    table = B2.stage_d(got["D"], best) if best is not None and got["D"] is not None else pd.DataFrame()
+    if table.empty:
+        raise LookupError("round two's stage D is not in the archive")
+    return table, got["D"][0]
+
+
+def _kinds(table: pd.DataFrame, allowed: set[str]) -> list[str]:
+    """The variants every one of whose breaking probes has a kind in `allowed` (a line that held at the grid's top
+    has none)."""
+    out = []
+    for r in table.itertuples():
+        kinds = set(str(r.kinds).split()) - {"held"}
+        if kinds and kinds <= allowed:
+            out.append(r.variant)
+    return out
+
+
+def stage_d_claims(data: Path) -> list[str]:
+    """The sentences of "Stage D, read as measured": the lines finished and probes, the variants by median margin,
+    the failure kinds at the breaking lr, the margins below 1, and which lines span two CPU kinds."""
+    import benchmark_2_cpu as CPU
+    table, probes = stage_d(data)
+    probes = probes[probes.seed.isin(B2.D_SEEDS)]
+    by_margin = table[table.margin.notna()].sort_values("margin", ascending=False, kind="stable")
+    none_yet = table[table.margin.isna()].variant.tolist()
+    said = [f"{int(table.lines.sum())} lines of stage D are finished and {int(table.open.sum())} open, with "
+            f"{len(probes)} probes",
+            "by median margin (breaking lr over best lr, seeds 1-3): "
+            + ", ".join(f"{r.variant} {r.margin:.3g}" for r in by_margin.itertuples())
+            + (f"; no margin yet (no line finished): {_names(none_yet)}" if none_yet else "")]
+    stalled = _kinds(table, {"stalled"})
+    if stalled:
+        said.append(f"every breaking probe of {_names(stalled)} is `stalled`")
+    blown = _kinds(table, {"unstable", "collapsed", "diverged"})
+    if blown:
+        said.append(f"those of {_names(blown)} are `unstable`, `collapsed` or `diverged`")
+    below = [f"{r.variant} ({r.margin:.3g})" for r in by_margin.itertuples() if r.margin < 1]
+    if below:
+        said.append(f"the breaking lr is below the best lr for {_names(below)}")
+    lines = [(v, seed, R.breaking(g)) for (v, seed), g in probes.groupby(["variant", "seed"], sort=False)]
+    floor = [f"{v} seed {seed}" for v, seed, b in lines if b["finished"] and b["breaking"] == R.GRID_D[0]]
+    top = [f"{v} seed {seed}" for v, seed, b in lines if b["finished"] and b["breaking"] is None]
+    said.append("censored: broke at the grid's lowest lr (× 1/16): " + (_names(floor) if floor else "none")
+                + "; held at its highest (× 256): " + (_names(top) if top else "none"))
+    mixed = CPU.mixed_lines(probes)
+    said.append(f"lines with probes of both CPU kinds: {', '.join(mixed) if mixed else 'none'}")
+    return said

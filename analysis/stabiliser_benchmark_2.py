@@ -199,6 +199,8 @@ def stage_d(got, best: dict | None) -> pd.DataFrame:
     if got is None or got[0].empty:
         return pd.DataFrame()
     runs = got[0][got[0].seed.isin(D_SEEDS)]
+    if runs.empty:  # (probes of other seeds only: no line of the plan's)
+        return pd.DataFrame()
     lines = pd.DataFrame([dict(variant=v, seed=s, **R.breaking(g)) for (v, s), g in runs.groupby(["variant", "seed"])])
     rows = []
     order = {v: i for i, v in enumerate(VARIANTS)}
@@ -320,7 +322,7 @@ L2000_RUNS = 16  # the plan's 2,000-step runs: four variants, seeds 1-4
 
 
 def descriptive(got) -> list[str]:
-    """The 2,000-step runs as far as archived: per variant (in the order they ran) the seeds in, val loss median
+    """The 2,000-step runs as far as archived: per variant (in the archive's order) the seeds in, val loss median
     and range over them, and the runs not `stable` (counted, their val loss kept: descriptive, no test)."""
     if got is None or got[0].empty:
         return ["At 2,000 steps: not run."]

@@ -49,6 +49,7 @@ RECORD_OK = ("from pydantic import Field\nfrom flt_diag.records import Record, R
     ("import no_such_module_here\n", "ModuleNotFoundError"),
     ("RECORD = 3\n", "it names a int, no Record"),
     ("import sys\nsys.exit(3)\n", "SystemExit: 3"),  # (before: every command exited 3, silently, --help included)
+    ("import sys\nsys.exit()\n", "SystemExit: (no code)"),
 ])
 def test_a_broken_record_plugin_is_one_warning_and_every_command_still_runs(tmp_path, text, said):
     env = installed(tmp_path, "badrec", "[flt_diag.records]\nbad = badrec\n", {"badrec": text})

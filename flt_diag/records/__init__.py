@@ -192,7 +192,8 @@ def _entry_point_records() -> list[Record]:
         try:
             found = point.load()
         except (Exception, SystemExit) as e:  # (a plugin's own error, whatever it is, or its exit: said in one line)
-            _left_out(f"entry point {point.name} = {point.value}", f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}")
+            said = (str(e).strip().splitlines() or ["(no code)" if isinstance(e, SystemExit) else ""])[0]
+            _left_out(f"entry point {point.name} = {point.value}", f"{type(e).__name__}: {said}")
             continue
         record = getattr(found, "RECORD", found)  # (a module holding RECORD, or the record itself)
         if not isinstance(record, Record):

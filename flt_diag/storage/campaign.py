@@ -26,7 +26,8 @@ ALLOW = "--allow-code-change"
 
 class Campaign(FreeFileModel):
     """sweep.json's `campaign`: the pinned code and the machine that started the folder, and the code changes a
-    resume was allowed (each {"code", "host", "at"})."""
+    resume was allowed and the machine kinds a resume by the same code came to (each {"code", "host", "at",
+    "machine"})."""
 
     code: dict
     machine: Optional[dict] = None

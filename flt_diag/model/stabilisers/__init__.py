@@ -158,5 +158,6 @@ def entry_points() -> tuple[Stabiliser, ...]:
             found.append(_own(ep.load(), ep.module, f"entry point {ep.name} = {ep.value}"))
         except (Exception, SystemExit) as e:  # (a plugin's own error, whatever it is, or its exit: said in one line)
             print(f"warning: stabiliser entry point {ep.name} = {ep.value} left out: {type(e).__name__}: "
-                  f"{str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
+                  f"{str(e).splitlines()[0] if str(e) else '(no code)' if isinstance(e, SystemExit) else ''}",
+                  file=sys.stderr)
     return tuple(found)

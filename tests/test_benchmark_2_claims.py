@@ -1,0 +1,51 @@
+"""Round two's stage-D reading as check_claims recomputes it (analysis/benchmark_2_claims.py stage_d_claims), on a
+table written by hand: margins sorted, a variant with no finished line named instead of a "nan", a line that held at
+the grid's top left out of the kinds, the breaking lr below the best lr, and censored lines read from the probes."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "analysis"))
+import benchmark_2_claims as C  # noqa: E402
+import benchmark_2_cpu as CPU  # noqa: E402
+
+
+def _table():
+    return pd.DataFrame([
+        dict(variant="flt", lines=3, breaking=64.0, margin=64.0, kinds="stalled stalled held", stopped="", open=0),
+        dict(variant="lt", lines=3, breaking=1.0, margin=2.0, kinds="unstable collapsed unstable", stopped="", open=0),
+        dict(variant="stars", lines=2, breaking=0.125, margin=0.25, kinds="unstable unstable", stopped="", open=0),
+        dict(variant="parcae", lines=0, breaking=float("nan"), margin=float("nan"), kinds="", stopped="", open=2),
+    ])
+
+
+def _probes():
+    """(variant, seed, lr, verdict): flt seed 1 held at 256 (the grid's top); stars seed 2 broke at 1/16."""
+    rows = [("flt", 1, 128.0, "stable"), ("flt", 1, 256.0, "stable"), ("stars", 2, 0.0625, "unstable"),
+            ("lt", 1, 0.5, "stable"), ("lt", 1, 1.0, "unstable"), ("parcae", 1, 4.0, "stable")]
+    return pd.DataFrame([dict(variant=v, seed=s, lr=lr, verdict=vd, path="") for v, s, lr, vd in rows])
+
+
+def test_the_stage_d_sentences_from_a_table_by_hand(monkeypatch):
+    monkeypatch.setattr(C, "stage_d", lambda data: (_table(), _probes()))
+    monkeypatch.setattr(CPU, "mixed_lines", lambda probes: ["lt seed 1"])
+    said = C.stage_d_claims(Path("unused"))
+    assert said == [
+        "8 lines of stage D are finished and 2 open, with 6 probes",
+        "by median margin (breaking lr over best lr, seeds 1-3): flt 64, lt 2, stars 0.25; no margin yet (no line "
+        "finished): parcae",
+        "every breaking probe of flt is `stalled`",
+        "those of lt and stars are `unstable`, `collapsed` or `diverged`",
+        "the breaking lr is below the best lr for stars (0.25)",
+        "censored: broke at the grid's lowest lr (× 1/16): stars seed 2; held at its highest (× 256): flt seed 1",
+        "lines with probes of both CPU kinds: lt seed 1",
+    ]
+
+
+def test_no_stage_d_is_a_lookup_error_not_a_traceback(tmp_path):
+    with pytest.raises(LookupError):
+        C.stage_d(tmp_path)
