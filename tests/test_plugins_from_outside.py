@@ -76,7 +76,8 @@ def test_record_plugins_that_take_a_name_are_said_and_left_out_or_refused(tmp_pa
         "in the record"]
 
 
-@pytest.mark.parametrize("option", ["osc_window", "preset"])  # (a verdict option; the run's --preset)
+@pytest.mark.parametrize("option", ["osc_window", "preset", "workers", "seeds"])  # (a verdict option; the run's
+# --preset; a command's --workers; a grid's --seeds: before, "duplicate parameter name", no record named)
 def test_a_record_option_named_like_a_verdict_option_or_the_preset_is_one_line(tmp_path, option):
     """Before: the check knew the model's, training's and diagnostics' options only, so a record option named like
     the verdict's `osc_window` took its command-line option."""
