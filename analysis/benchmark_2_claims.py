@@ -188,6 +188,36 @@ def stage_d_claims(data: Path) -> list[str]:
     top = [f"{v} seed {seed}" for v, seed, b in lines if b["finished"] and b["breaking"] is None]
     said.append("censored: broke at the grid's lowest lr (× 1/16): " + (_names(floor) if floor else "none")
                 + "; held at its highest (× 256): " + (_names(top) if top else "none"))
+    said += _what_decided(lines, probes)
     mixed = CPU.mixed_lines(probes)
     said.append(f"lines with probes of both CPU kinds: {', '.join(mixed) if mixed else 'none'}")
     return said
+
+
+RULES = {"oscillation": "the gradient-oscillation window", "spike threshold": "the climb past the spike threshold",
+         "non-finite": "a non-finite loss", "explosion": "the residual explosion", "the run's end": "the run's end"}
+
+
+def _what_decided(lines: list, probes: pd.DataFrame) -> list[str]:
+    """What ended each breaking probe (its summary's stop reason: the certainty rule that fired, or the run's end),
+    counted; and the highest lr that held on every line of a variant, where all its lines share it."""
+    reasons: dict[str, int] = {}
+    for v, seed, b in lines:
+        if b["breaking"] is None:
+            continue
+        at = probes[(probes.variant == v) & (probes.seed == seed) & (probes.lr == b["breaking"])]
+        s = load_summary(Path(at.path.iloc[0]))
+        why = str(s.stop_reason or "the run's end")
+        why = next((name for key, name in RULES.items() if key in why), why)
+        reasons[why] = reasons.get(why, 0) + 1
+    order = sorted(reasons.items(), key=lambda kv: -kv[1])
+    counted = _names([f"{why} {'decided ' if i == 0 else ''}{n}" for i, (why, n) in enumerate(order)])
+    held: dict[float, list[str]] = {}
+    for v in dict.fromkeys(v for v, _, _ in lines):
+        tops = {max((lr for lr, vd in zip(g.lr, g.verdict) if vd == "stable" and (b := R.breaking(g))["breaking"]
+                     and lr < b["breaking"]), default=None)
+                for _, g in probes[probes.variant == v].groupby("seed")}
+        if len(tops) == 1 and None not in tops:
+            held.setdefault(tops.pop(), []).append(v)
+    return [f"of the {sum(reasons.values())} breaking probes, {counted}",
+            *(f"× {lr:g} held on every line of {_names(vs)}" for lr, vs in sorted(held.items(), reverse=True))]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -27,12 +28,18 @@ def _probes():
     """(variant, seed, lr, verdict): flt seed 1 held at 256 (the grid's top); stars seed 2 broke at 1/16."""
     rows = [("flt", 1, 128.0, "stable"), ("flt", 1, 256.0, "stable"), ("stars", 2, 0.0625, "unstable"),
             ("lt", 1, 0.5, "stable"), ("lt", 1, 1.0, "unstable"), ("parcae", 1, 4.0, "stable")]
-    return pd.DataFrame([dict(variant=v, seed=s, lr=lr, verdict=vd, path="") for v, s, lr, vd in rows])
+    return pd.DataFrame([dict(variant=v, seed=s, lr=lr, verdict=vd, path=f"{v}-{s}-{lr:g}") for v, s, lr, vd in rows])
+
+
+STOPS = {"stars-2-0.0625": "decided at step 200: training broken (a closed gradient-oscillation window fired at "
+                           "step 200)", "lt-1-1": "decided at step 300: training broken (the smoothed loss climbed "
+                           "past the spike threshold at step 300)"}
 
 
 def test_the_stage_d_sentences_from_a_table_by_hand(monkeypatch):
     monkeypatch.setattr(C, "stage_d", lambda data: (_table(), _probes()))
     monkeypatch.setattr(CPU, "mixed_lines", lambda probes: ["lt seed 1"])
+    monkeypatch.setattr(C, "load_summary", lambda path: SimpleNamespace(stop_reason=STOPS.get(str(path))))
     said = C.stage_d_claims(Path("unused"))
     assert said == [
         "8 lines of stage D are finished and 2 open, with 6 probes",
@@ -42,6 +49,8 @@ def test_the_stage_d_sentences_from_a_table_by_hand(monkeypatch):
         "those of lt and stars are `unstable`, `collapsed` or `diverged`",
         "the breaking lr is below the best lr for stars (0.25)",
         "censored: broke at the grid's lowest lr (× 1/16): stars seed 2; held at its highest (× 256): flt seed 1",
+        "of the 2 breaking probes, the gradient-oscillation window decided 1 and the climb past the spike threshold 1",
+        "× 0.5 held on every line of lt",
         "lines with probes of both CPU kinds: lt seed 1",
     ]
 
