@@ -219,5 +219,10 @@ def _what_decided(lines: list, probes: pd.DataFrame) -> list[str]:
                 for _, g in probes[probes.variant == v].groupby("seed")}
         if len(tops) == 1 and None not in tops:
             held.setdefault(tops.pop(), []).append(v)
+    def loss_there(v: str, lr: float) -> str:
+        at = probes[(probes.variant == v) & (probes.lr == lr) & (probes.verdict == "stable")].val_loss
+        return f"{v} {at.median():.3f}"
     return [f"of the {sum(reasons.values())} breaking probes, {counted}",
-            *(f"× {lr:g} held on every line of {_names(vs)}" for lr, vs in sorted(held.items(), reverse=True))]
+            *(f"× {lr:g} held on every line of {_names(vs)}" for lr, vs in sorted(held.items(), reverse=True)),
+            "the median val loss of the runs at that lr: " + "; ".join(
+                f"× {lr:g}: " + ", ".join(loss_there(v, lr) for v in vs) for lr, vs in sorted(held.items(), reverse=True))]

@@ -355,7 +355,10 @@ def normalise(text: str) -> str:
 def check(pages: dict[str, str], claims: dict[str, list[str]]) -> list[tuple[bool, str]]:
     """(passed, line) for every claim (the page says it) and every retracted statement (the page does not)."""
     said = {name: normalise(text) for name, text in pages.items()}
-    out = [(normalise(c) in said[page], f"{page}: {c}") for page, cs in claims.items() for c in cs]
+    def says(page: str, claim: str) -> bool:  # (at a sentence's start, the claim's first letter upper-case)
+        c = normalise(claim)
+        return c in said[page] or c[:1].upper() + c[1:] in said[page]
+    out = [(says(page, c), f"{page}: {c}") for page, cs in claims.items() for c in cs]
     out += [(normalise(old) not in said[page], f"{page}: not said again: {old!r} ({why})")
             for page, olds in RETRACTED.items() for old, why in olds]
     return out
@@ -366,7 +369,8 @@ def all_claims(data: Path) -> dict[str, list[str]]:
     return {"results": primary_claims(runs, data) + agreement_claims(runs) + cosine_claims(runs)
             + contraction_claims(runs) + set_d_claims(data) + w4_claims(data) + results_w3_claims(data)
             + depth_claims(data) + BC.head_to_head_claims(data, rng) + B2C.stage_b_claims(data)
-            + B2C.stage_c_claims(data) + B2C.stage_e_claims(data) + B2C.stage_c_cpu_claims(data),
+            + B2C.stage_c_claims(data) + B2C.stage_e_claims(data) + B2C.stage_c_cpu_claims(data)
+            + B2C.stage_d_claims(data),
             "early-warning": early_warning_claims(data)}
 
 

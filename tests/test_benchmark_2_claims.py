@@ -28,7 +28,8 @@ def _probes():
     """(variant, seed, lr, verdict): flt seed 1 held at 256 (the grid's top); stars seed 2 broke at 1/16."""
     rows = [("flt", 1, 128.0, "stable"), ("flt", 1, 256.0, "stable"), ("stars", 2, 0.0625, "unstable"),
             ("lt", 1, 0.5, "stable"), ("lt", 1, 1.0, "unstable"), ("parcae", 1, 4.0, "stable")]
-    return pd.DataFrame([dict(variant=v, seed=s, lr=lr, verdict=vd, path=f"{v}-{s}-{lr:g}") for v, s, lr, vd in rows])
+    return pd.DataFrame([dict(variant=v, seed=s, lr=lr, verdict=vd, path=f"{v}-{s}-{lr:g}", val_loss=1.7)
+                         for v, s, lr, vd in rows])
 
 
 STOPS = {"stars-2-0.0625": "decided at step 200: training broken (a closed gradient-oscillation window fired at "
@@ -51,6 +52,7 @@ def test_the_stage_d_sentences_from_a_table_by_hand(monkeypatch):
         "censored: broke at the grid's lowest lr (× 1/16): stars seed 2; held at its highest (× 256): flt seed 1",
         "of the 2 breaking probes, the gradient-oscillation window decided 1 and the climb past the spike threshold 1",
         "× 0.5 held on every line of lt",
+        "the median val loss of the runs at that lr: × 0.5: lt 1.700",
         "lines with probes of both CPU kinds: lt seed 1",
     ]
 

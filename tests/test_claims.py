@@ -236,3 +236,14 @@ def test_a_planted_wrong_stage_b_number_fails(claims):
     assert failures(CC.check(pages(page), claims)) == [
         "results: at × 0.5 jacobian-fro-source was `unstable` on seed 101 (ended at step 481, index 0.439) and "
         "`stable` on seed 102 (index 0.396)"]
+
+
+def test_a_planted_wrong_stage_d_number_fails_and_only_a_first_letter_may_change_case(claims):
+    """Stage D's reading (2026-12-07): a planted margin fails; a claim at a sentence's start matches with its first
+    letter upper-case, and with no other change of case."""
+    page = planted("lt-ai 64, flt 64, huginn 64, residual-scale 8", "lt-ai 64, flt 64, huginn 32, residual-scale 8")
+    assert [line[:60] for line in failures(CC.check(pages(page), claims))] == [
+        "results: by median margin (breaking lr over best lr, seeds 1-3): lt-ii 128"[:60]]
+    said = {"results": "Abc def. x", "early-warning": ""}
+    assert failures(CC.check(said, {"results": ["abc def"], "early-warning": []})) == []
+    assert failures(CC.check({"results": "ABC def", "early-warning": ""}, {"results": ["abc def"], "early-warning": []}))
