@@ -162,6 +162,19 @@ def test_a_dirty_or_non_git_checkout_is_refused_with_one_line(tmp_path):
     assert "not run from a git checkout" in bare.stderr and not (tmp_path / "m").exists()
 
 
+def test_a_checkout_changed_outside_its_code_snapshots_and_pins_clean(tmp_path):
+    """A tracked docs page changed (as a campaign archiving into docs/data/ changes its checkout, 2026-12-07): no
+    other code, so --snapshot goes on and the pin says clean; a change under flt_diag/ is refused (the test above)."""
+    checkout = tmp_path / "checkout"
+    git(tmp_path, "clone", "-q", str(REPO), str(checkout))
+    page = checkout / "README.md"
+    page.write_text(page.read_text() + "\nnot committed\n")
+    started = _flt_diag(checkout, *MAP, "--out", str(tmp_path / "m"), "--snapshot", "--cell", "0")
+    assert started.returncode == 0, started.stderr
+    code = json.loads((tmp_path / "m" / "sweep.json").read_text())["campaign"]["code"]
+    assert code["commit"] == git(checkout, "rev-parse", "HEAD") and code["clean"] is True and "diff" not in code
+
+
 def test_a_fresh_folder_resumed_from_its_archive_runs_the_archived_campaigns_snapshot(tmp_path):
     """On a fresh machine (a fresh folder of the same name, the same --archive-to) the campaign's snapshot is read
     from the archive's sweep.json and made there from its commit, though the checkout has moved on."""

@@ -14,6 +14,9 @@ from pathlib import Path
 from flt_diag.storage.code_snapshot import snapshot_code
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding flt_diag/ (a checkout, or site-packages)
+# What a run imports or installs from a checkout: its changes make the code another code. A change elsewhere (docs,
+# tests, analysis scripts, a study file, an archive written into docs/data/ as a campaign goes) does not.
+CODE_PATHS = ("flt_diag", "pyproject.toml")
 
 
 def _git(*args: str, text: bool = True) -> str | bytes | None:
@@ -35,8 +38,8 @@ def code_version() -> dict:
     """{"flt_diag": version, "commit": 40 hex digits or None, "clean": True / False / None}, and where the tree is
     not clean "diff": the first 16 hex digits of the SHA-256 of `git diff HEAD` (the uncommitted changes, told
     apart: a campaign resumed under other changes is refused, docs/DESIGN.md §5). None: not run from a git
-    checkout of flt-diag (an installed wheel), or git is missing. `clean` looks at tracked files only (an
-    untracked file is not code the run imported)."""
+    checkout of flt-diag (an installed wheel), or git is missing. `clean` looks at the tracked files of CODE_PATHS
+    only (an untracked file, or a changed docs page, is not code the run imported)."""
     try:
         ver = version("flt-diag")
     except PackageNotFoundError:
@@ -50,9 +53,10 @@ def code_version() -> dict:
         head = (_text("rev-parse", "HEAD") or "").strip()
         if len(head) == 40:
             commit = head
-            status = _text("status", "--porcelain", "--untracked-files=no")
+            status = _text("status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS)
             clean = None if status is None else status.strip() == ""
-            if clean is False and isinstance(changes := _git("diff", "HEAD", "--binary", text=False), bytes):
+            if clean is False and isinstance(changes := _git("diff", "HEAD", "--binary", "--", *CODE_PATHS,
+                                                             text=False), bytes):
                 diff = hashlib.sha256(changes).hexdigest()[:16]
     return {"flt_diag": ver, "commit": commit, "clean": clean, **({"diff": diff} if diff else {})}
 
