@@ -226,3 +226,28 @@ def _what_decided(lines: list, probes: pd.DataFrame) -> list[str]:
             *(f"× {lr:g} held on every line of {_names(vs)}" for lr, vs in sorted(held.items(), reverse=True)),
             "the median val loss of the runs at that lr: " + "; ".join(
                 f"× {lr:g}: " + ", ".join(loss_there(v, lr) for v in vs) for lr, vs in sorted(held.items(), reverse=True))]
+
+
+def long_run_claims(data: Path) -> list[str]:
+    """The sentences of the 2,000-step runs' reading (descriptive, as far as archived): the runs in, each variant's
+    median and range at 2,000 steps over its seeds (lowest first), and how far each is below its stage-C median at
+    600 steps."""
+    got = B2.read_archive(data / "runs" / "stabiliser-bench-2")
+    if got["L2000"] is None or got["L2000"][0].empty:
+        raise LookupError("round two's 2,000-step runs are not in the archive")
+    runs = got["L2000"][0]
+    _, c_runs = stage_c(data)
+    at_600 = c_runs.groupby("variant").val_loss.median()
+    rows = sorted(((g.val_loss.median(), v, g) for v, g in runs.groupby("variant", sort=False)), key=lambda t: t[0])
+    not_stable = runs[runs.verdict != "stable"]
+    return [
+        f"{len(runs)} of the {B2.L2000_RUNS} runs of 2,000 steps are archived ("
+        + "; ".join(f"{v}: seeds {' '.join(str(s) for s in sorted(g.seed))}" for _, v, g in rows) + ")",
+        "median val loss at 2,000 steps, lowest first: " + ", ".join(
+            f"{v} {m:.3f} ({g.val_loss.min():.3f}-{g.val_loss.max():.3f}, {len(g)} seed{'s' if len(g) > 1 else ''})"
+            for m, v, g in rows),
+        "below its stage-C median at 600 steps by " + ", ".join(f"{v} {at_600[v] - m:.3f}" for m, v, _ in rows),
+        f"{len(not_stable)} of them not `stable`"
+        + (f" ({', '.join(f'{r.variant} seed {r.seed}: `{r.verdict}`' for r in not_stable.itertuples())})"
+           if len(not_stable) else ""),
+    ]

@@ -60,3 +60,25 @@ def test_the_stage_d_sentences_from_a_table_by_hand(monkeypatch):
 def test_no_stage_d_is_a_lookup_error_not_a_traceback(tmp_path):
     with pytest.raises(LookupError):
         C.stage_d(tmp_path)
+
+
+def test_the_2000_step_sentences_from_runs_by_hand(monkeypatch):
+    """flt seeds 1-2 at 1.50 and 1.60 (seed 2 `unstable`), parcae seed 1 at 1.40; stage C's medians at 600 steps
+    1.66 and 1.64: the runs in, medians lowest first with ranges, the gaps to 600 steps, the run not stable."""
+    runs = pd.DataFrame([dict(variant="flt", seed=2, val_loss=1.60, verdict="unstable"),
+                         dict(variant="flt", seed=1, val_loss=1.50, verdict="stable"),
+                         dict(variant="parcae", seed=1, val_loss=1.40, verdict="stable")])
+    c_runs = pd.DataFrame([dict(variant="flt", val_loss=x) for x in (1.65, 1.67)]
+                          + [dict(variant="parcae", val_loss=1.64)])
+    monkeypatch.setattr(C.B2, "read_archive", lambda root: {"L2000": (runs, 0)})
+    monkeypatch.setattr(C, "stage_c", lambda data: (None, c_runs))
+    assert C.long_run_claims(Path("unused")) == [
+        "3 of the 16 runs of 2,000 steps are archived (parcae: seeds 1; flt: seeds 1 2)",
+        "median val loss at 2,000 steps, lowest first: parcae 1.400 (1.400-1.400, 1 seed), flt 1.550 (1.500-1.600, "
+        "2 seeds)",
+        "below its stage-C median at 600 steps by parcae 0.240, flt 0.110",
+        "1 of them not `stable` (flt seed 2: `unstable`)",
+    ]
+    monkeypatch.setattr(C.B2, "read_archive", lambda root: {"L2000": None})
+    with pytest.raises(LookupError):
+        C.long_run_claims(Path("unused"))
