@@ -36,12 +36,16 @@ def kinds_line(c_runs: pd.DataFrame) -> str:
 def check_lines(root: Path, c_runs: pd.DataFrame) -> list[str]:
     """The check's reading once its eight runs are in (else what it holds); [] without its folder."""
     folder = Path(root) / CHECK
-    if not folder.is_dir():
-        return []
     import stabiliser_benchmark_2 as B2  # (its reader of a stage's folder, slices and archives alike)
+    if not B2.present(folder):  # (absent: not run; a file of its name: one line, as for every stage folder)
+        return []
     runs = [d for d in B2._dirs(folder) if load_summary(d) is not None]
     if len(runs) < 8:
         return [f"CPU-kind check (amendment of 2026-12-07 14:50 UTC): not finished ({len(runs)} of 8 runs)."]
+    flt_c = c_runs[c_runs.variant == "flt"].path
+    if {kind(d) for d in runs} & {kind(p) for p in flt_c} or {load_summary(d).variant for d in runs} != {"flt"}:
+        raise ValueError(f"{folder}: the CPU-kind check must hold FLT's runs on another CPU kind than stage C's FLT "
+                         "runs; these are not")
     new = np.array([float(load_summary(d).val_loss) for d in runs])
     old = c_runs[c_runs.variant == "flt"].val_loss.to_numpy(float)
     p = R.exact_p(new, old)
@@ -76,4 +80,5 @@ def provenance_line(d_runs: pd.DataFrame) -> str:
 def mixed_lines(d_runs: pd.DataFrame) -> list[str]:
     """"<variant> seed <s>" for each line of `d_runs` whose probes ran on more than one CPU kind."""
     by = d_runs.assign(kind=[kind(p) for p in d_runs.path])
+    by = by[by.kind != "unknown"]  # (a probe that records no CPU is no second kind)
     return [f"{v} seed {s}" for (v, s), g in by.groupby(["variant", "seed"], sort=False) if g.kind.nunique() > 1]

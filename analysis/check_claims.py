@@ -388,8 +388,10 @@ def main(argv=None) -> int:
         pages = {"results": read_text(args.results, MAX_PAGE_BYTES, "a docs page"),
                  "early-warning": read_text(args.early_warning, MAX_PAGE_BYTES, "a docs page")}
         lines = check(pages, all_claims(args.data))
-    except (ValueError, OSError, LookupError, TypeError) as e:  # a missing or crafted file: one line
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, OSError, LookupError, TypeError, AttributeError) as e:  # a missing or crafted file: one line
+        what = f"a data table under {args.data} lacks the column {e}" if isinstance(e, KeyError) else \
+            f"a data table under {args.data} lacks a column ({e})" if isinstance(e, AttributeError) else str(e)
+        print(f"error: {what}", file=sys.stderr)
         return 2
     for ok, line in lines:
         print(("PASS " if ok else "FAIL ") + line)

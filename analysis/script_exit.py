@@ -115,8 +115,8 @@ def guarded(main):
             except BAD_INPUT as e:  # its one line says what is wrong; the warnings that led there are not shown
                 print(f"error: {message(e)}", file=sys.stderr)
                 return 2
-        for w in said:  # a run that succeeds shows them, as they came
-            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+        for w in said if code == 0 else ():  # a run that succeeds shows them, as they came (one refused in its
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)  # own main said its one line)
         return code
     return checked
 

@@ -82,3 +82,34 @@ def test_the_2000_step_sentences_from_runs_by_hand(monkeypatch):
     monkeypatch.setattr(C.B2, "read_archive", lambda root: {"L2000": None})
     with pytest.raises(LookupError):
         C.long_run_claims(Path("unused"))
+
+
+def test_a_script_that_refuses_in_its_own_main_shows_no_held_warnings(capsys):
+    """script_exit.guarded holds a library's warnings back; a main that said its own one error line and returned 2
+    must not have them shown after it (before: the error line, then the warnings: three lines)."""
+    import warnings
+    from script_exit import guarded
+
+    def main_that(code):
+        @guarded
+        def main(argv=None):
+            warnings.warn("invalid value encountered", RuntimeWarning)
+            if code:
+                print("error: refused", file=sys.stderr)
+            return code
+        return main
+    assert main_that(2)() == 2 and capsys.readouterr().err.strip().splitlines() == ["error: refused"]
+    assert main_that(0)() == 0 and "invalid value encountered" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("raised, said", [(AttributeError("'DataFrame' object has no attribute 'set'"), "lacks a column"),
+                                          (KeyError("gain_last"), "lacks the column 'gain_last'")])
+def test_check_claims_on_a_table_without_a_column_is_one_line(monkeypatch, capsys, raised, said):
+    import check_claims as CC
+
+    def fails(data):
+        raise raised
+    monkeypatch.setattr(CC, "all_claims", fails)
+    assert CC.main([]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: a data table under ") and said in err[0]

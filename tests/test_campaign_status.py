@@ -213,3 +213,18 @@ def test_a_busy_probe_is_said_to_be_busy_by_whom_not_failed(tmp_path, capsys):
         assert [p.name for p in probe.iterdir()] == [LOCK] and not (probe / "error.txt").exists()
     assert f"busy, held by pid {os.getpid()} on host {socket.gethostname()} since " in err
     assert "error.txt" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("change, said", [
+    ({"code": {"commit": "b" * 40, "clean": [1]}, "machine": {"model": "X", "simd": 5}},
+     "commit bbbbbbbbbbbb (state unknown), machine X"),  # (before: TypeError, unhashable list; int not iterable)
+    ({"at": "t", "host": "h", "machine": {"model": "Y", "simd": ["avx2"]}},
+     "code change allowed t on h: not recorded, machine Y (avx2)"),  # (before: "flt-diag unknown, not from git")
+])
+def test_a_crafted_campaign_change_is_described_never_a_traceback(tmp_path, change, said):
+    from flt_diag.results.campaign_status import campaign_lines
+    code = {"flt_diag": "0.1.0", "commit": "a" * 40, "clean": True}
+    write_json(tmp_path / "sweep.json", {"kind": "map", "campaign": {
+        "code": code, "machine": {"model": "Z", "simd": {"a": 1}}, "changes": [change]}})
+    lines = campaign_lines(tmp_path)
+    assert lines[1] == "machine: Z" and said in lines[-1]

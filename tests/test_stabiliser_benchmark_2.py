@@ -367,9 +367,16 @@ def test_the_cpu_kind_check_against_scipy_and_the_kinds_from_each_runs_config(te
     p = mannwhitneyu([1.615 + 0.01 * s for s in range(1, 9)], [1.60 + 0.01 * s for s in range(1, 9)],
                      alternative="two-sided", method="exact").pvalue
     assert p >= 0.05 and f"exact two-sided p = {p:.4f}" in line and "the primary stands as computed" in line
+    _with_cpu(new[0], ["avx2"])  # one of the check's runs on stage C's own kind: no check of another kind
+    with pytest.raises(ValueError, match="another CPU kind than stage C's FLT runs"):
+        CPU.check_lines(tmp_path, c_runs)
     shutil.rmtree(new[-1])
     assert CPU.check_lines(tmp_path, c_runs) == [
         "CPU-kind check (amendment of 2026-12-07 14:50 UTC): not finished (7 of 8 runs)."]
+    shutil.rmtree(tmp_path / CPU.CHECK)
+    (tmp_path / CPU.CHECK).write_text("x")  # a file of its name: one line, as for every stage folder
+    with pytest.raises(ValueError, match="is not a folder"):
+        CPU.check_lines(tmp_path, c_runs)
 
 
 def test_stage_ds_provenance_counts_each_probes_cpu_kind_and_commit_and_names_mixed_lines(template, tmp_path):
@@ -391,8 +398,10 @@ def test_stage_ds_provenance_counts_each_probes_cpu_kind_and_commit_and_names_mi
         "Test CPU (AVX2): aaaaaaaaaaaa 2, bbbbbbbbbbbb 1. Lines with probes of more than one CPU kind: flt seed 1.")
     c = json.loads((Path(paths[0]) / "config.json").read_text())
     c["env"]["code"] = "a hand-edited line"  # (crafted: no table) -> unknown, never a traceback
+    c["env"]["cpu"] = ["not", "a", "table"]  # (and no CPU: not a second kind of its line)
     (Path(paths[0]) / "config.json").write_text(json.dumps(c))
-    assert CPU.code(paths[0]) == "unknown"
+    assert CPU.code(paths[0]) == "unknown" and CPU.kind(paths[0]) == "unknown"
+    assert CPU.mixed_lines(runs.assign(path=paths).iloc[[0, 1]]) == []
 
 
 def test_the_2000_step_runs_are_described_per_variant_as_far_as_archived():

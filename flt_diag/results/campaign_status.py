@@ -216,14 +216,15 @@ def campaign_lines(out: Path) -> list[str]:
                      + ("present)" if read_marker(where) else "missing: the next run makes it again)"))
     codes = [campaign.code]
     for change in campaign.changes:
-        code = change.get("code") or {}
-        if any(same_code(code, c) for c in codes):  # (the same code on another machine kind: no code change)
+        code = change.get("code")
+        if isinstance(code, dict) and any(same_code(code, c) for c in codes):  # (the same code, another machine kind)
             lines.append(f"machine added {change.get('at', '?')} on {change.get('host', '?')}: "
                          f"{describe_machine(change.get('machine'))}")
         else:
             lines.append(f"code change allowed {change.get('at', '?')} on {change.get('host', '?')}: "
                          f"{describe_code(code)}, machine {describe_machine(change.get('machine'))}")
-        codes.append(code)
+        if isinstance(code, dict):
+            codes.append(code)
     return lines
 
 

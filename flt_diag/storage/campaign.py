@@ -62,8 +62,9 @@ def same_code(a: dict, b: dict) -> bool:
     return all(a.get(k) == b.get(k) for k in COMPARED)
 
 
-def describe_code(code: dict) -> str:
-    return describe(code) + (f", torch {code['torch']}" if code.get("torch") else "")
+def describe_code(code: dict | None) -> str:
+    """describe(code) and torch's version; "not recorded" where a crafted change names no code table."""
+    return describe(code) + (f", torch {code['torch']}" if isinstance(code, dict) and code.get("torch") else "")
 
 
 def read_campaign(spec: dict, where: Path) -> Campaign | None:

@@ -61,11 +61,16 @@ def code_version() -> dict:
     return {"flt_diag": ver, "commit": commit, "clean": clean, **({"diff": diff} if diff else {})}
 
 
+def _flag(value):
+    """A recorded `clean` as True / False, anything else (a crafted list or table) as None: never unhashable."""
+    return value if isinstance(value, bool) else None
+
+
 def describe(code: dict | None) -> str:
     """One line: "flt-diag 0.1.0, commit 1a2b3c4d5e6f (clean)"; "not recorded" for a record made before."""
     if not isinstance(code, dict):
         return "not recorded"
     commit = code.get("commit")
     where = "not from a git checkout" if not commit else \
-        f"commit {str(commit)[:12]} ({ {True: 'clean', False: 'with uncommitted changes'}.get(code.get('clean'), 'state unknown')}{' ' + str(code['diff'])[:8] if code.get('diff') else ''})"  # type: ignore[arg-type]  # noqa: E501 (no flag: unknown)
+        f"commit {str(commit)[:12]} ({ {True: 'clean', False: 'with uncommitted changes'}.get(_flag(code.get('clean')), 'state unknown')}{' ' + str(code['diff'])[:8] if code.get('diff') else ''})"  # type: ignore[arg-type]  # noqa: E501 (no flag: unknown)
     return f"flt-diag {code.get('flt_diag', 'unknown')}, {where}"
