@@ -84,7 +84,7 @@ def test_the_2000_step_sentences_from_runs_by_hand(monkeypatch):
         C.long_run_claims(Path("unused"))
 
 
-def test_a_script_that_refuses_in_its_own_main_shows_no_held_warnings(capsys):
+def test_a_script_that_refuses_in_its_own_main_shows_no_held_warnings(capsys, monkeypatch):
     """script_exit.guarded holds a library's warnings back; a main that said its own one error line and returned 2
     must not have them shown after it (before: the error line, then the warnings: three lines)."""
     import warnings
@@ -98,8 +98,10 @@ def test_a_script_that_refuses_in_its_own_main_shows_no_held_warnings(capsys):
                 print("error: refused", file=sys.stderr)
             return code
         return main
-    assert main_that(2)() == 2 and capsys.readouterr().err.strip().splitlines() == ["error: refused"]
-    assert main_that(0)() == 0 and "invalid value encountered" in capsys.readouterr().err
+    shown = []  # (what guarded shows, recorded here: pytest's own warnings capture may stand in for stderr)
+    monkeypatch.setattr(warnings, "showwarning", lambda message, *rest, **kw: shown.append(str(message)))
+    assert main_that(2)() == 2 and capsys.readouterr().err.strip().splitlines() == ["error: refused"] and shown == []
+    assert main_that(0)() == 0 and shown == ["invalid value encountered"]
 
 
 @pytest.mark.parametrize("raised, said", [(AttributeError("'DataFrame' object has no attribute 'set'"), "lacks a column"),

@@ -53,7 +53,8 @@ def describe_machine(kind: dict | None) -> str:
     """One line: "Intel(R) Xeon(R) ... (avx512f), GPU NVIDIA H100" (the CPU, its widest SIMD unit, the GPU)."""
     if not isinstance(kind, dict):
         return "not recorded"
-    simd = kind.get("simd") if isinstance(kind.get("simd"), (list, tuple)) else []  # (a crafted one: no unit named)
+    raw = kind.get("simd")
+    simd: list | tuple = raw if isinstance(raw, (list, tuple)) else []  # (a crafted one: no unit named)
     widest = next((f for f in WIDEST if f in simd), None)
     return (f"{kind.get('model') or 'unknown CPU'}" + (f" ({widest})" if widest else "")
             + (f", GPU {kind['gpu']}" if kind.get("gpu") else ""))
