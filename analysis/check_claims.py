@@ -370,7 +370,7 @@ def all_claims(data: Path) -> dict[str, list[str]]:
             + contraction_claims(runs) + set_d_claims(data) + w4_claims(data) + results_w3_claims(data)
             + depth_claims(data) + BC.head_to_head_claims(data, rng) + B2C.stage_b_claims(data)
             + B2C.stage_c_claims(data) + B2C.stage_e_claims(data) + B2C.stage_c_cpu_claims(data)
-            + B2C.stage_d_claims(data),
+            + B2C.stage_d_claims(data) + B2C.long_run_claims(data),
             "early-warning": early_warning_claims(data)}
 
 
