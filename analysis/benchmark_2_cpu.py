@@ -72,13 +72,17 @@ def provenance_line(d_runs: pd.DataFrame) -> str:
     by = d_runs.assign(kind=[kind(p) for p in d_runs.path], code=[code(p) for p in d_runs.path])
     parts = [f"{k}: " + ", ".join(f"{c} {len(g)}" for c, g in g_k.groupby("code", sort=True))
              for k, g_k in by.groupby("kind", sort=True)]
-    mixed = mixed_lines(d_runs)
+    mixed = _mixed(by)
     return ("Stage D's probes by CPU kind and code (each record's own env): " + "; ".join(parts) + ". Lines with "
             "probes of more than one CPU kind: " + (", ".join(mixed) if mixed else "none") + ".")
 
 
 def mixed_lines(d_runs: pd.DataFrame) -> list[str]:
     """"<variant> seed <s>" for each line of `d_runs` whose probes ran on more than one CPU kind."""
-    by = d_runs.assign(kind=[kind(p) for p in d_runs.path])
+    return _mixed(d_runs.assign(kind=[kind(p) for p in d_runs.path]))
+
+
+def _mixed(by: pd.DataFrame) -> list[str]:
+    """mixed_lines of runs whose `kind` column is read already."""
     by = by[by.kind != "unknown"]  # (a probe that records no CPU is no second kind)
     return [f"{v} seed {s}" for (v, s), g in by.groupby(["variant", "seed"], sort=False) if g.kind.nunique() > 1]

@@ -221,12 +221,9 @@ FOLDER_OPTIONS = fields(FolderOptions, "cli")
 def _refuse_record_options_named_like_a_commands() -> None:
     """A record option named like a command's own option (--workers, --out, a grid's --seeds ...) would make that
     command's parameters clash: one line naming the record (run_config refuses those named like a config field)."""
-    from flt_diag.records import all_records
-    taken = {n for cls in ARGS.values() for n in cls.model_fields} | {n for g in GRID_OPTIONS.values() for _, n, _ in g}
-    for record in all_records():
-        if clash := sorted(set(record.options.model_fields) & taken):
-            raise ValueError(f"the record {record.switch} ({record.module}) names the option {', '.join(clash)}, "
-                             "which is flt-diag's own: rename it in the record")
+    from flt_diag.records import refuse_options_named
+    refuse_options_named({n for cls in ARGS.values() for n in cls.model_fields}
+                         | {n for g in GRID_OPTIONS.values() for _, n, _ in g})
 
 
 _refuse_record_options_named_like_a_commands()

@@ -12,7 +12,7 @@ from pydantic import AliasChoices, Field, ValidationError, create_model, model_v
 
 from flt_diag.config.option_fields import MAX_NUMBER, ConfigError, Items, Options, dotted, named, one_line, opt
 from flt_diag.config.variants import MAX_LOOPS, Variant, stabiliser_of
-from flt_diag.records import all_records
+from flt_diag.records import all_records, refuse_options_named
 
 
 # The synthetic tasks `--data` accepts beside corpora (flt_diag.data.tasks), each with the difficulty
@@ -252,12 +252,8 @@ if TYPE_CHECKING:  # a record's options are keywords (typed where read: record.o
     class DiagnosticsConfig(CoreDiagnostics):
         def __init__(self, **options: Any) -> None: ...
 else:
-    for _record in all_records():  # (an option named like a core one would replace it: refused, naming the record)
-        if _taken := sorted(set(_record.options.model_fields) & {*CoreDiagnostics.model_fields,
-                                                                  *ModelConfig.model_fields, *TrainConfig.model_fields,
-                                                                  *VerdictConfig.model_fields, *PresetOption.model_fields}):
-            raise ValueError(f"the record {_record.switch} ({_record.module}) names the option {', '.join(_taken)}, "
-                             "which is flt-diag's own: rename it in the record")
+    refuse_options_named({*CoreDiagnostics.model_fields, *ModelConfig.model_fields, *TrainConfig.model_fields,
+                          *VerdictConfig.model_fields, *PresetOption.model_fields})  # (one would replace a core one)
     DiagnosticsConfig = create_model("DiagnosticsConfig", __base__=CoreDiagnostics, __module__=__name__, **{
         name: (info.annotation, info) for record in all_records() for name, info in record.options.model_fields.items()})
     if unswitched := sorted({r.switch for r in all_records()} - set(DiagnosticsConfig.model_fields)):

@@ -203,6 +203,15 @@ def _entry_point_records() -> list[Record]:
     return out
 
 
+def refuse_options_named(taken) -> None:
+    """One ValueError line naming the first record one of whose options is in `taken` (flt-diag's own option names:
+    the config's sections, checked by flt_diag.config.run_config; the commands' and grids', by flt_diag.cli.options)."""
+    for record in all_records():
+        if clash := sorted(set(record.options.model_fields) & set(taken)):
+            raise ValueError(f"the record {record.switch} ({record.module}) names the option {', '.join(clash)}, "
+                             "which is flt-diag's own: rename it in the record")
+
+
 @functools.cache
 def all_records() -> tuple[Record, ...]:
     """The RECORD of every module of this package (but its helpers, named _*), by module name, then the entry points' (by name), then those

@@ -90,7 +90,12 @@ def resume_campaign(old: Campaign | None, where: Path, machine: dict, allow_chan
         raise StorageError(f"{where} was started by {describe_code(old.code)}; this is {describe_code(now)}: "
                            f"resuming would mix two codes in one campaign; run the pinned code, or give {ALLOW} "
                            "(the change is then recorded in its sweep.json)")
-    change = dict(code=now, host=socket.gethostname(), at=time.strftime("%Y-%m-%dT%H:%M:%S"), machine=machine)
+    return _changed(old, now, machine)
+
+
+def _changed(old: Campaign, code: dict, machine: dict) -> Campaign:
+    """`old` with an entry naming `code` and `machine` (this host, now) appended to its changes."""
+    change = dict(code=code, host=socket.gethostname(), at=time.strftime("%Y-%m-%dT%H:%M:%S"), machine=machine)
     return old.model_copy(update=dict(changes=[*old.changes, change]))
 
 
@@ -100,8 +105,7 @@ def _with_machine(old: Campaign, code: dict, machine: dict) -> Campaign:
     says where each part ran (each run's env.cpu says it per run)."""
     if machine == old.machine or any(c.get("machine") == machine for c in old.changes):
         return old
-    change = dict(code=code, host=socket.gethostname(), at=time.strftime("%Y-%m-%dT%H:%M:%S"), machine=machine)
-    return old.model_copy(update=dict(changes=[*old.changes, change]))
+    return _changed(old, code, machine)
 
 
 CANARIES = "canaries"  # a baseline map's canaries, an entry per start (flt_diag.grids.baseline)
